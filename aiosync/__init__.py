@@ -1,0 +1,77 @@
+"""aiosync: async weight synchronization from RL trainers to inference engines.
+
+Everything public is importable from here. The transports (and with them torch,
+zmq and httpx) load on first use of their names, so ``import aiosync`` is cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ._config import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_EVENT_BACKLOG,
+    DEFAULT_RPC_TIMEOUT_S,
+    DEFAULT_SYNC_TIMEOUT_S,
+)
+from .errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
+from .events import EventSubscription, VersionEventKind, WeightVersionEvent
+from .factory import KNOWN_BACKENDS, create_weight_synchronizer
+from .interfaces import (
+    EngineWorkers,
+    GenerationBackend,
+    KVScales,
+    RefitManifest,
+    RefitSource,
+    TrainCluster,
+    WeightSynchronizer,
+    refit_if_stale,
+)
+
+if TYPE_CHECKING:
+    from transports.collective import CollectiveWeightSynchronizer
+    from transports.http import HTTPWeightSynchronizer
+    from transports.ipc import IPCWeightSynchronizer
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_EVENT_BACKLOG",
+    "DEFAULT_RPC_TIMEOUT_S",
+    "DEFAULT_SYNC_TIMEOUT_S",
+    "KNOWN_BACKENDS",
+    "CollectiveWeightSynchronizer",
+    "EngineWorkers",
+    "EventSubscription",
+    "GenerationBackend",
+    "HTTPWeightSynchronizer",
+    "IPCWeightSynchronizer",
+    "KVScales",
+    "RefitManifest",
+    "RefitMismatchError",
+    "RefitSource",
+    "SyncError",
+    "SyncTimeoutError",
+    "TrainCluster",
+    "TransportError",
+    "VersionEventKind",
+    "WeightSynchronizer",
+    "WeightVersionEvent",
+    "__version__",
+    "create_weight_synchronizer",
+    "refit_if_stale",
+]
+
+_LAZY: dict[str, str] = {
+    "CollectiveWeightSynchronizer": "transports.collective",
+    "HTTPWeightSynchronizer": "transports.http",
+    "IPCWeightSynchronizer": "transports.ipc",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'aiosync' has no attribute {name!r}")

@@ -1,0 +1,40 @@
+"""Every exception aiosync raises, in one place.
+
+The tree::
+
+    SyncError                      base of everything aiosync raises on purpose
+    ├── RefitMismatchError         the two sides disagree on the refit manifest
+    │                              (names, shapes, dtypes, bucket layout); raised
+    │                              before any byte moves
+    ├── TransportError             the peer is gone, answered badly, or broke the
+    │                              protocol (dead process, non-2xx HTTP, bad message)
+    └── SyncTimeoutError           a wait ran past its timeout (also a TimeoutError)
+
+A failed or cancelled ``sync_weights`` leaves ``weight_version`` unchanged and
+``is_stale`` true whatever the error.
+"""
+
+from __future__ import annotations
+
+__all__ = ["RefitMismatchError", "SyncError", "SyncTimeoutError", "TransportError"]
+
+
+class SyncError(Exception):
+    """Base class of every error aiosync raises on purpose."""
+
+
+class RefitMismatchError(SyncError):
+    """Trainer and engine disagree on the refit manifest.
+
+    Raised before any data moves, naming the first differing entries on both
+    sides (an unknown name, a missing name, a different shape or dtype, or a
+    different bucket layout).
+    """
+
+
+class TransportError(SyncError):
+    """The peer is gone, answered with an error, or violated the protocol."""
+
+
+class SyncTimeoutError(SyncError, TimeoutError):
+    """A wait (a sync, an RPC, a receive, a collective) ran past its timeout."""

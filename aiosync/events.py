@@ -1,0 +1,201 @@
+"""The weight-version event stream.
+
+Every version that becomes stale, starts moving, lands on all workers or fails
+is published as a :class:`WeightVersionEvent`. Async GRPO replay buffers
+subscribe to stamp each sample with the weight version it was generated under.
+
+Guarantees (the same precision as anyio's memory object streams):
+
+* Events reach each subscriber in the order they happened.
+* Publishing never waits: a slow subscriber never slows or blocks a sync.
+* A subscriber that leaves more than ``max_backlog`` events unread is not
+  silently dropped from: once it has read what is buffered it receives one
+  ``OVERFLOW`` event whose ``missed`` counts the events it lost and whose
+  ``policy_version``/``weight_version`` are the versions at that moment; the
+  stream then continues with new events.
+* A late subscriber reads the versions current when it joined from
+  :attr:`EventSubscription.policy_version` / :attr:`EventSubscription.weight_version`.
+* Closing the hub (``shutdown()``) ends every subscription: iteration stops
+  after the buffered events are read.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from ._config import DEFAULT_EVENT_BACKLOG
+
+__all__ = ["EventSubscription", "VersionEventKind", "WeightVersionEvent"]
+
+
+class VersionEventKind(enum.Enum):
+    """What happened to a weight version."""
+
+    STALE = "stale"  #: the trainer advanced ``policy_version`` to ``version``
+    SYNC_STARTED = "sync_started"  #: weights of ``version`` started moving
+    COMMITTED = "committed"  #: ``version`` is live on all generation workers
+    FAILED = "failed"  #: moving ``version`` failed or was cancelled
+    OVERFLOW = "overflow"  #: this subscriber missed ``missed`` events
+
+
+@dataclass(frozen=True, slots=True)
+class WeightVersionEvent:
+    """One event of the weight-version stream.
+
+    Attributes:
+        kind: what happened.
+        version: the weight version concerned (for ``OVERFLOW``, the policy version).
+        timestamp: wall-clock time of the event, seconds since the epoch.
+        policy_version: the trainer's latest version when the event was published.
+        weight_version: the version live on all workers when the event was published.
+        nbytes: bytes moved (``COMMITTED``), else 0.
+        duration_s: seconds the sync took (``COMMITTED`` and ``FAILED``), else 0.0.
+        error: ``repr`` of the exception (``FAILED``), else ``None``.
+        missed: events this subscriber lost (``OVERFLOW``), else 0.
+    """
+
+    kind: VersionEventKind
+    version: int
+    timestamp: float
+    policy_version: int
+    weight_version: int
+    nbytes: int = 0
+    duration_s: float = 0.0
+    error: str | None = None
+    missed: int = 0
+
+
+class EventSubscription:
+    """An async iterator over :class:`WeightVersionEvent`; also an async context manager.
+
+    Created by ``WeightSynchronizer.subscribe()``. Leaving the ``async with`` block
+    (or calling :meth:`aclose`) unsubscribes.
+    """
+
+    def __init__(
+        self,
+        hub: _EventHub,
+        max_backlog: int,
+        policy_version: int,
+        weight_version: int,
+    ) -> None:
+        self._hub = hub
+        send, receive = anyio.create_memory_object_stream[WeightVersionEvent](max_backlog)
+        self._send: MemoryObjectSendStream[WeightVersionEvent] = send
+        self._receive: MemoryObjectReceiveStream[WeightVersionEvent] = receive
+        self._missed = 0
+        #: ``policy_version`` when this subscription joined.
+        self.policy_version = policy_version
+        #: ``weight_version`` when this subscription joined.
+        self.weight_version = weight_version
+
+    def _offer(self, event: WeightVersionEvent) -> None:
+        # Once an event was missed, later ones are counted too rather than
+        # buffered, so the subscriber never sees an event after a gap it has
+        # not been told about.
+        if self._missed:
+            self._missed += 1
+            return
+        try:
+            self._send.send_nowait(event)
+        except anyio.WouldBlock:
+            self._missed = 1
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass
+
+    def _close(self) -> None:
+        self._send.close()
+
+    def __aiter__(self) -> EventSubscription:
+        return self
+
+    async def __anext__(self) -> WeightVersionEvent:
+        try:
+            return self._receive.receive_nowait()
+        except anyio.WouldBlock:
+            if self._missed:
+                missed, self._missed = self._missed, 0
+                return self._hub._overflow_event(missed)
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            raise StopAsyncIteration from None
+        try:
+            return await self._receive.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            raise StopAsyncIteration from None
+
+    async def aclose(self) -> None:
+        """Unsubscribe; buffered events are discarded."""
+        self._hub._remove(self)
+        self._send.close()
+        self._receive.close()
+
+    async def __aenter__(self) -> EventSubscription:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+class _EventHub:
+    """Fans events out to subscriptions without ever waiting."""
+
+    def __init__(self, versions: Callable[[], tuple[int, int]]) -> None:
+        self._versions = versions
+        self._subscriptions: list[EventSubscription] = []
+        self._closed = False
+
+    def subscribe(self, max_backlog: int = DEFAULT_EVENT_BACKLOG) -> EventSubscription:
+        if max_backlog < 1:
+            raise ValueError(f"max_backlog must be >= 1, got {max_backlog}")
+        policy, weight = self._versions()
+        sub = EventSubscription(self, max_backlog, policy, weight)
+        if self._closed:
+            sub._close()
+        else:
+            self._subscriptions.append(sub)
+        return sub
+
+    def publish(
+        self,
+        kind: VersionEventKind,
+        version: int,
+        *,
+        nbytes: int = 0,
+        duration_s: float = 0.0,
+        error: str | None = None,
+    ) -> WeightVersionEvent:
+        policy, weight = self._versions()
+        event = WeightVersionEvent(
+            kind, version, time.time(), policy, weight, nbytes, duration_s, error
+        )
+        for sub in self._subscriptions:
+            sub._offer(event)
+        return event
+
+    def _overflow_event(self, missed: int) -> WeightVersionEvent:
+        policy, weight = self._versions()
+        return WeightVersionEvent(
+            VersionEventKind.OVERFLOW, policy, time.time(), policy, weight, missed=missed
+        )
+
+    def _remove(self, sub: EventSubscription) -> None:
+        if sub in self._subscriptions:
+            self._subscriptions.remove(sub)
+
+    def close(self) -> None:
+        self._closed = True
+        for sub in self._subscriptions:
+            sub._close()
+        self._subscriptions.clear()

@@ -1,0 +1,95 @@
+"""Pick the transport from topology and backend.
+
+=================  ==========  ================================
+backend            colocated   synchronizer
+=================  ==========  ================================
+``"vllm"``         no          ``CollectiveWeightSynchronizer``
+``"vllm"``         yes         ``IPCWeightSynchronizer``
+``"sglang"``       yes         ``HTTPWeightSynchronizer``
+``"sglang"``       no          ``NotImplementedError``
+=================  ==========  ================================
+
+``"embedded"`` (the CPU reference engine) behaves as ``"vllm"``: it speaks the
+same worker-extension protocol. Transports are imported here, lazily, so that
+``import aiosync`` stays free of torch, zmq and httpx.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .interfaces import RefitSource, WeightSynchronizer
+
+__all__ = ["KNOWN_BACKENDS", "create_weight_synchronizer"]
+
+#: Backends the factory accepts.
+KNOWN_BACKENDS: tuple[str, ...] = ("vllm", "sglang", "embedded")
+
+_TRANSPORTS: dict[tuple[str, bool], tuple[str, str]] = {
+    ("vllm", False): ("transports.collective", "CollectiveWeightSynchronizer"),
+    ("vllm", True): ("transports.ipc", "IPCWeightSynchronizer"),
+    ("embedded", False): ("transports.collective", "CollectiveWeightSynchronizer"),
+    ("embedded", True): ("transports.ipc", "IPCWeightSynchronizer"),
+    ("sglang", True): ("transports.http", "HTTPWeightSynchronizer"),
+}
+
+
+def create_weight_synchronizer(
+    policy: RefitSource,
+    generation: Any,
+    *,
+    colocated: bool,
+    backend: str,
+    train_cluster: Any = None,
+    inference_world_size: int | None = None,
+    **options: Any,
+) -> WeightSynchronizer:
+    """Build the synchronizer for a topology and an inference backend.
+
+    Args:
+        policy: the trainer's refit source (HF names and shapes).
+        generation: the engine's generation backend.
+        colocated: True when trainer and engine share devices.
+        backend: ``"vllm"``, ``"sglang"`` or ``"embedded"``.
+        train_cluster: non-colocated only: a :class:`~aiosync.TrainCluster`
+            saying where the trainer ranks are and where the sync group meets.
+        inference_world_size: non-colocated only: number of inference ranks.
+        **options: passed to the transport (``bucket_bytes``, timeouts, ...).
+
+    Raises:
+        ValueError: unknown backend (the message lists the known ones), or a
+            non-colocated setup without ``train_cluster``/``inference_world_size``.
+        NotImplementedError: non-colocated SGLang.
+    """
+    if backend not in KNOWN_BACKENDS:
+        raise ValueError(
+            f"unknown backend {backend!r}; known backends: {', '.join(KNOWN_BACKENDS)}"
+        )
+    if backend == "sglang" and not colocated:
+        raise NotImplementedError(
+            "non-colocated SGLang is not supported yet; use colocated=True (HTTP transport) "
+            "or backend='vllm' (NCCL collective)"
+        )
+    if not colocated:
+        missing = [
+            name
+            for name, value in (
+                ("train_cluster", train_cluster),
+                ("inference_world_size", inference_world_size),
+            )
+            if value is None
+        ]
+        if missing:
+            raise ValueError(
+                f"non-colocated synchronization needs {' and '.join(missing)}"
+            )
+        options = {
+            **options,
+            "train_cluster": train_cluster,
+            "inference_world_size": inference_world_size,
+        }
+    module_name, class_name = _TRANSPORTS[(backend, colocated)]
+    cls = getattr(importlib.import_module(module_name), class_name)
+    sync: WeightSynchronizer = cls(policy, generation, **options)
+    return sync

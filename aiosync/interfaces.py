@@ -1,0 +1,352 @@
+"""The abstract interfaces: the synchronizer, the trainer's refit source, the engine.
+
+:class:`WeightSynchronizer` plays the role of httpx's ``AsyncBaseTransport``:
+each transport (``transports/collective.py``, ``ipc.py``, ``http.py``)
+implements one method, :meth:`WeightSynchronizer._transfer`, and the training
+loop never asks which one it holds. Version bookkeeping, events, coalescing
+and timeouts live here, once.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
+
+import anyio
+
+from ._config import DEFAULT_EVENT_BACKLOG, DEFAULT_SYNC_TIMEOUT_S
+from .errors import SyncError, SyncTimeoutError
+from .events import EventSubscription, VersionEventKind, _EventHub
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "EngineWorkers",
+    "GenerationBackend",
+    "KVScales",
+    "RefitManifest",
+    "RefitSource",
+    "TrainCluster",
+    "WeightSynchronizer",
+    "refit_if_stale",
+]
+
+#: ``{hf_name: (shape, dtype)}`` in the order the source yields the tensors.
+RefitManifest = dict[str, tuple[tuple[int, ...], "torch.dtype"]]
+
+#: FP8 KV-cache scales: ``{layer_index_or_name: scale}`` (a float per layer).
+KVScales = Mapping[str | int, float]
+
+
+@runtime_checkable
+class RefitSource(Protocol):
+    """The trainer's side of every transport: its weights as the HF state dict.
+
+    Names and shapes are those of the model's HF safetensors checkpoint (what
+    ``save_pretrained`` writes and what the engine's ``load_weights`` takes),
+    not the trainer's in-memory layout. Implementations: ``refit.DTensorRefitSource``
+    (torch, DTensor/FSDP2) and ``refit.NNXRefitSource`` (JAX/flax NNX).
+    Subclass this protocol explicitly to inherit the no-op offload hooks.
+    """
+
+    def prepare_refit_info(self) -> RefitManifest:
+        """Return ``{hf_name: (shape, dtype)}``, ordered, identical on every rank."""
+        ...
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield full, unsharded tensors in exactly the manifest's order, shape and dtype.
+
+        On a sharded trainer every rank must iterate (gathers are collectives);
+        only the source rank's tensors are sent.
+        """
+        ...
+
+    def offload_before_refit(self) -> None:
+        """Colocated only: free device memory (optimizer state) before the refit."""
+        return None
+
+    def offload_after_refit(self) -> None:
+        """Colocated only: undo :meth:`offload_before_refit` after the refit, even on failure."""
+        return None
+
+
+@runtime_checkable
+class GenerationBackend(Protocol):
+    """The inference engine as the training loop sees it (vLLM, SGLang, embedded)."""
+
+    async def prepare_for_generation(self, tags: Sequence[str] | None = None) -> None:
+        """Wake the engine: ``tags`` selects ``"weights"`` and/or ``"kv_cache"`` (None: all)."""
+        ...
+
+    async def finish_generation(self) -> None:
+        """Let the engine release device memory while the trainer runs (sleep)."""
+        ...
+
+
+@runtime_checkable
+class EngineWorkers(Protocol):
+    """An engine whose workers can be driven by name, like vLLM's ``collective_rpc``."""
+
+    async def collective_rpc(
+        self,
+        method: str,
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[Any]:
+        """Call ``method(*args, **kwargs)`` on every worker; one result per worker, rank order."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class TrainCluster:
+    """Where the trainer's ranks are, and where a non-colocated sync group meets.
+
+    Attributes:
+        world_size: trainer ranks taking part in the refit (all gather; rank 0 sends).
+        rank: this process's rank among them.
+        master_addr: host of the sync group's ``TCPStore`` (loopback in tests).
+        master_port: its TCP port.
+    """
+
+    world_size: int = 1
+    rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29600
+
+
+def _check_kv_scales(kv_scales: KVScales | None) -> None:
+    if kv_scales is None:
+        return
+    if not isinstance(kv_scales, Mapping):
+        raise TypeError(f"kv_scales must be a mapping, got {type(kv_scales).__name__}")
+    for key, value in kv_scales.items():
+        if not isinstance(key, str | int) or isinstance(key, bool):
+            raise TypeError(f"kv_scales key {key!r} must be a layer index or a name")
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            raise TypeError(f"kv_scales[{key!r}] must be a float, got {type(value).__name__}")
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"kv_scales[{key!r}] must be finite and > 0, got {value}")
+
+
+class WeightSynchronizer(ABC):
+    """Moves the trainer's weights to every generation worker, one version at a time.
+
+    The loop's handshake: after each optimizer step ``await mark_stale()``;
+    before generating, if :attr:`is_stale`, ``await sync_weights()`` then
+    ``await generation.prepare_for_generation()`` (see :func:`refit_if_stale`).
+
+    Versions: :attr:`policy_version` is the trainer's latest (starts 0),
+    :attr:`weight_version` the version live on **all** workers (starts 0). Both
+    only go up. A failed or cancelled sync leaves :attr:`weight_version`
+    unchanged and :attr:`is_stale` true.
+
+    Subclasses implement :meth:`_transfer` and may extend :meth:`init_communicator`
+    and :meth:`shutdown` (calling ``super()``).
+
+    Args:
+        policy: the trainer's :class:`RefitSource`.
+        generation: the engine (a :class:`GenerationBackend`).
+        sync_timeout_s: limit for a whole ``sync_weights`` call, seconds.
+        event_backlog: default ``max_backlog`` of :meth:`subscribe`, in events.
+    """
+
+    def __init__(
+        self,
+        policy: RefitSource,
+        generation: Any,
+        *,
+        sync_timeout_s: float = DEFAULT_SYNC_TIMEOUT_S,
+        event_backlog: int = DEFAULT_EVENT_BACKLOG,
+    ) -> None:
+        if sync_timeout_s <= 0:
+            raise ValueError(f"sync_timeout_s must be > 0, got {sync_timeout_s}")
+        self.policy = policy
+        self.generation = generation
+        self.sync_timeout_s = sync_timeout_s
+        self._event_backlog = event_backlog
+        self._policy_version = 0
+        self._weight_version = 0
+        # True when the engine may hold weights that are not ``weight_version``
+        # (a sync failed half-way, or the engine discarded its weights).
+        self._engine_dirty = False
+        self._initialized = False
+        self._closed = False
+        self._lock = anyio.Lock()
+        self._events = _EventHub(lambda: (self._policy_version, self._weight_version))
+
+    # -- versions -------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        """The trainer's latest weight version (starts 0)."""
+        return self._policy_version
+
+    @property
+    def weight_version(self) -> int:
+        """The version live on all generation workers (starts 0)."""
+        return self._weight_version
+
+    @property
+    def is_stale(self) -> bool:
+        """True when the engine must be refit before it generates.
+
+        ``policy_version > weight_version``, or the engine's weights are not
+        trustworthy (a sync failed half-way, or the engine discarded them).
+        """
+        return self._policy_version > self._weight_version or self._engine_dirty
+
+    async def mark_stale(self, version: int | None = None) -> int:
+        """Record an optimizer step; returns the new ``policy_version``.
+
+        Args:
+            version: the new version; by default ``policy_version + 1``.
+
+        Raises:
+            ValueError: ``version`` is not greater than ``policy_version``.
+            SyncError: the synchronizer was shut down.
+        """
+        self._check_open()
+        if version is None:
+            version = self._policy_version + 1
+        elif isinstance(version, bool) or not isinstance(version, int):
+            raise TypeError(f"version must be an int, got {type(version).__name__}")
+        elif version <= self._policy_version:
+            raise ValueError(
+                f"version must be greater than policy_version={self._policy_version}, "
+                f"got {version}"
+            )
+        self._policy_version = version
+        self._events.publish(VersionEventKind.STALE, version)
+        return version
+
+    def _invalidate_engine_weights(self) -> None:
+        """For transports: the engine no longer holds ``weight_version`` (e.g. woken
+        after discarding its weights); a sync is required before it generates."""
+        self._engine_dirty = True
+
+    # -- lifecycle ------------------------------------------------------------
+
+    async def init_communicator(self) -> None:
+        """Set up the transport, once, after the engine's workers exist.
+
+        Subclasses override it (prepare the manifest, open sockets, form the
+        group) and call ``await super().init_communicator()`` last.
+        """
+        self._check_open()
+        self._initialized = True
+
+    async def sync_weights(self, kv_scales: KVScales | None = None) -> None:
+        """Move the weights of the current ``policy_version`` to every worker.
+
+        A call made while another sync runs waits for it, then syncs again only
+        if still stale. Not stale: returns at once.
+
+        Args:
+            kv_scales: FP8 KV-cache scales ``{layer_index_or_name: float}``;
+                only the collective transport sends them.
+
+        Raises:
+            TypeError, ValueError: malformed ``kv_scales`` (before anything moves).
+            SyncTimeoutError: the sync ran past ``sync_timeout_s`` seconds.
+            RefitMismatchError, TransportError: from the transport.
+            SyncError: not initialized, or shut down.
+        """
+        _check_kv_scales(kv_scales)
+        self._check_open()
+        if not self._initialized:
+            raise SyncError("await init_communicator() before sync_weights()")
+        async with self._lock:
+            self._check_open()
+            if not self.is_stale:
+                return
+            version = self._policy_version
+            self._events.publish(VersionEventKind.SYNC_STARTED, version)
+            start = time.perf_counter()
+            try:
+                with anyio.fail_after(self.sync_timeout_s):
+                    nbytes = await self._transfer(version, kv_scales)
+            except BaseException as exc:
+                self._engine_dirty = True
+                self._events.publish(
+                    VersionEventKind.FAILED,
+                    version,
+                    duration_s=time.perf_counter() - start,
+                    error=repr(exc),
+                )
+                if isinstance(exc, TimeoutError) and not isinstance(exc, SyncTimeoutError):
+                    raise SyncTimeoutError(
+                        f"sync of version {version} exceeded {self.sync_timeout_s} s"
+                    ) from exc
+                raise
+            self._weight_version = max(self._weight_version, version)
+            self._engine_dirty = False
+            self._events.publish(
+                VersionEventKind.COMMITTED,
+                version,
+                nbytes=nbytes,
+                duration_s=time.perf_counter() - start,
+            )
+
+    @abstractmethod
+    async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
+        """Move the weights of ``version`` to every worker; return the bytes moved.
+
+        Raise on any failure; the base class keeps the versions consistent.
+        """
+
+    async def shutdown(self) -> None:
+        """Release everything and end every event subscription. Idempotent.
+
+        Subclasses release their own resources, then ``await super().shutdown()``.
+        """
+        self._closed = True
+        self._events.close()
+
+    def subscribe(self, max_backlog: int | None = None) -> EventSubscription:
+        """Subscribe to the weight-version event stream (see :mod:`aiosync.events`).
+
+        Args:
+            max_backlog: unread events kept before an ``OVERFLOW`` event
+                replaces the rest; default ``event_backlog``.
+        """
+        return self._events.subscribe(
+            self._event_backlog if max_backlog is None else max_backlog
+        )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SyncError(f"{type(self).__name__} was shut down")
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.shutdown()
+
+
+async def refit_if_stale(sync: WeightSynchronizer, generation: GenerationBackend) -> bool:
+    """The loop's handshake before generating.
+
+    If ``sync.is_stale``: ``await sync.sync_weights()`` then
+    ``await generation.prepare_for_generation()``. Returns whether it refit.
+    Errors of ``sync_weights`` propagate and ``prepare_for_generation`` is
+    then not called, so the engine never generates with half-updated weights.
+    """
+    if not sync.is_stale:
+        return False
+    await sync.sync_weights()
+    await generation.prepare_for_generation()
+    return True

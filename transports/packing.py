@@ -1,0 +1,357 @@
+"""Bucketed packing of a refit manifest: the byte layout every transport shares.
+
+A manifest (``{hf_name: (shape, dtype)}``, ordered) is split, in order, into
+buckets of at most ``bucket_bytes`` bytes. Each bucket is one flat ``uint8``
+buffer; each tensor sits at an offset aligned to :data:`PACK_ALIGNMENT_BYTES`
+(512) bytes, so any dtype can be viewed in place. A tensor larger than a
+bucket travels alone in its own, larger buffer (a 1.73 GiB embedding against a
+1.65 GiB buffer once aborted a refit). Buckets may mix dtypes: the layout is by
+bytes.
+
+Both sides derive the same :class:`BucketPlan` from the manifest and compare
+its :attr:`BucketPlan.digest` before any data moves; :func:`compare_manifests`
+names the first differing entries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from aiosync._config import PACK_ALIGNMENT_BYTES
+from aiosync.errors import RefitMismatchError
+
+__all__ = [
+    "Bucket",
+    "BucketPlan",
+    "TensorSlot",
+    "bucket_checksum",
+    "compare_manifests",
+    "dtype_from_name",
+    "dtype_name",
+    "group_by_bucket",
+    "pack",
+    "plan_buckets",
+    "unpack",
+]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` → ``"bfloat16"``: the dtype's name on the wire."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of :func:`dtype_name`. Raises :class:`RefitMismatchError` on an unknown name."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise RefitMismatchError(f"unknown dtype {name!r} in refit manifest")
+    return dtype
+
+
+def _align(n: int, alignment: int = PACK_ALIGNMENT_BYTES) -> int:
+    return -(-n // alignment) * alignment
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSlot:
+    """Where one tensor lives in its bucket.
+
+    Attributes:
+        name: HF parameter name (from the HF checkpoint).
+        shape: tensor shape.
+        dtype: dtype name as in :func:`dtype_name` (``"bfloat16"``).
+        offset: byte offset in the bucket buffer, a multiple of 512.
+        nbytes: bytes the tensor occupies (``numel * element_size``).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """One packed buffer: ``nbytes`` bytes holding ``slots`` in manifest order."""
+
+    index: int
+    slots: tuple[TensorSlot, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class BucketPlan:
+    """A manifest's bucket layout; identical on both sides for the same inputs.
+
+    Attributes:
+        buckets: the buckets, in manifest order.
+        bucket_bytes: the size limit they were planned with, in bytes.
+        digest: SHA-256 (hex) over names, shapes, dtypes and the layout.
+    """
+
+    buckets: tuple[Bucket, ...]
+    bucket_bytes: int
+    digest: str
+
+    @property
+    def total_bytes(self) -> int:
+        """Payload bytes of all tensors (without alignment padding)."""
+        return sum(slot.nbytes for b in self.buckets for slot in b.slots)
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(len(b.slots) for b in self.buckets)
+
+    @property
+    def max_bucket_nbytes(self) -> int:
+        """Size of the largest buffer needed, bytes (0 for an empty plan)."""
+        return max((b.nbytes for b in self.buckets), default=0)
+
+    def manifest(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The ``{hf_name: (shape, dtype)}`` manifest this plan was built from."""
+        return {
+            s.name: (s.shape, dtype_from_name(s.dtype)) for b in self.buckets for s in b.slots
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-safe description (for sending the plan to engine workers)."""
+        return {
+            "bucket_bytes": self.bucket_bytes,
+            "manifest": [
+                [s.name, list(s.shape), s.dtype] for b in self.buckets for s in b.slots
+            ],
+            "digest": self.digest,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> BucketPlan:
+        """Rebuild a plan from :meth:`to_json` output, re-deriving and checking the digest.
+
+        Raises:
+            RefitMismatchError: malformed data, or the digest does not match.
+        """
+        try:
+            manifest = {
+                str(name): (tuple(int(d) for d in shape), dtype_from_name(str(dtype)))
+                for name, shape, dtype in data["manifest"]
+            }
+            plan = plan_buckets(manifest, int(data["bucket_bytes"]))
+            claimed = str(data["digest"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RefitMismatchError(f"malformed bucket plan: {exc!r}") from exc
+        if plan.digest != claimed:
+            raise RefitMismatchError(
+                f"bucket plan digest mismatch: sender {claimed[:16]}, derived {plan.digest[:16]}"
+            )
+        return plan
+
+
+def plan_buckets(
+    manifest: Mapping[str, tuple[Sequence[int], torch.dtype]], bucket_bytes: int
+) -> BucketPlan:
+    """Split ``manifest`` into buckets of at most ``bucket_bytes`` bytes, in order.
+
+    Args:
+        manifest: ``{hf_name: (shape, dtype)}`` as from ``prepare_refit_info()``.
+        bucket_bytes: limit per bucket, bytes (> 0). A tensor larger than this
+            gets a bucket of its own, sized to it.
+
+    Raises:
+        ValueError: ``bucket_bytes`` is not positive.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    buckets: list[Bucket] = []
+    slots: list[TensorSlot] = []
+    end = 0
+    for name, (shape, dtype) in manifest.items():
+        shape = tuple(int(d) for d in shape)
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * dtype.itemsize
+        offset = _align(end) if slots else 0
+        if slots and offset + nbytes > bucket_bytes:
+            buckets.append(Bucket(len(buckets), tuple(slots), end))
+            slots, offset = [], 0
+        slots.append(TensorSlot(name, shape, dtype_name(dtype), offset, nbytes))
+        end = offset + nbytes
+    if slots:
+        buckets.append(Bucket(len(buckets), tuple(slots), end))
+    h = hashlib.sha256()
+    h.update(json.dumps(bucket_bytes).encode())
+    for b in buckets:
+        for s in b.slots:
+            h.update(json.dumps([b.index, s.name, s.shape, s.dtype, s.offset]).encode())
+    return BucketPlan(tuple(buckets), bucket_bytes, h.hexdigest())
+
+
+def compare_manifests(
+    local: Mapping[str, tuple[Sequence[int], torch.dtype]],
+    remote: Mapping[str, tuple[Sequence[int], torch.dtype]],
+    *,
+    local_label: str = "trainer",
+    remote_label: str = "engine",
+) -> None:
+    """Raise :class:`RefitMismatchError` naming the first differences, if any.
+
+    Compares names (both ways), order, shapes and dtypes. Cost is linear in
+    the number of tensors (dict lookups, no scans).
+    """
+    problems: list[str] = []
+    only_local = [n for n in local if n not in remote]
+    only_remote = [n for n in remote if n not in local]
+    if only_local:
+        problems.append(
+            f"{len(only_local)} name(s) unknown to the {remote_label}, first: {only_local[:3]}"
+        )
+    if only_remote:
+        problems.append(
+            f"{len(only_remote)} name(s) missing from the {local_label}, first: {only_remote[:3]}"
+        )
+    for name, (shape, dtype) in local.items():
+        if name not in remote:
+            continue
+        r_shape, r_dtype = remote[name]
+        if tuple(shape) != tuple(r_shape) or dtype != r_dtype:
+            problems.append(
+                f"{name}: {local_label} {tuple(shape)} {dtype_name(dtype)} vs "
+                f"{remote_label} {tuple(r_shape)} {dtype_name(r_dtype)}"
+            )
+            break
+    if not problems:
+        for i, (a, b) in enumerate(zip(local, remote, strict=True)):
+            if a != b:
+                problems.append(f"order differs at entry {i}: {a!r} vs {b!r}")
+                break
+    if problems:
+        raise RefitMismatchError("refit manifest mismatch: " + "; ".join(problems))
+
+
+def _slot_view(buffer: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
+    raw = buffer[slot.offset : slot.offset + slot.nbytes]
+    return raw.view(dtype_from_name(slot.dtype)).view(slot.shape)
+
+
+def pack(
+    bucket: Bucket,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Copy ``tensors`` (in slot order) into a flat ``uint8`` buffer.
+
+    Args:
+        bucket: the layout.
+        tensors: ``(hf_name, tensor)`` pairs, exactly the bucket's slots, in order;
+            any strides (non-contiguous tensors are copied element-wise).
+        out: a ``uint8`` buffer of at least ``bucket.nbytes`` bytes to reuse;
+            allocated on the first tensor's device when None.
+
+    Returns:
+        ``out[:bucket.nbytes]``. Alignment padding is left as it was.
+
+    Raises:
+        RefitMismatchError: a name, shape or dtype differs from the slot.
+    """
+    it = iter(tensors)
+    for slot in bucket.slots:
+        try:
+            name, tensor = next(it)
+        except StopIteration:
+            raise RefitMismatchError(
+                f"bucket {bucket.index}: source ended before {slot.name!r}"
+            ) from None
+        _check_tensor(slot, name, tensor)
+        if out is None:
+            out = torch.empty(bucket.nbytes, dtype=torch.uint8, device=tensor.device)
+        _slot_view(out, slot).copy_(tensor)
+    extra = next(it, None)
+    if extra is not None:
+        raise RefitMismatchError(f"bucket {bucket.index}: unexpected extra tensor {extra[0]!r}")
+    if out is None:
+        out = torch.empty(bucket.nbytes, dtype=torch.uint8)
+    if out.dtype != torch.uint8 or out.numel() < bucket.nbytes:
+        raise ValueError(f"out must be uint8 with >= {bucket.nbytes} bytes")
+    return out[: bucket.nbytes]
+
+
+def unpack(buffer: torch.Tensor, bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, view)`` for each slot: zero-copy views into ``buffer``.
+
+    The views alias ``buffer``: consume (load) them before the buffer is reused.
+
+    Raises:
+        RefitMismatchError: the buffer is not ``uint8`` or is smaller than the bucket.
+    """
+    if buffer.dtype != torch.uint8 or buffer.numel() < bucket.nbytes:
+        raise RefitMismatchError(
+            f"bucket {bucket.index}: got a {buffer.dtype} buffer of {buffer.numel()} "
+            f"elements, need uint8 x {bucket.nbytes}"
+        )
+    for slot in bucket.slots:
+        yield slot.name, _slot_view(buffer, slot)
+
+
+def _check_tensor(slot: TensorSlot, name: str, tensor: torch.Tensor) -> None:
+    if name != slot.name:
+        raise RefitMismatchError(f"expected {slot.name!r} next, the source yielded {name!r}")
+    if tuple(tensor.shape) != slot.shape or dtype_name(tensor.dtype) != slot.dtype:
+        raise RefitMismatchError(
+            f"{name}: manifest {slot.shape} {slot.dtype}, "
+            f"tensor {tuple(tensor.shape)} {dtype_name(tensor.dtype)}"
+        )
+
+
+def group_by_bucket(
+    weights: Iterable[tuple[str, torch.Tensor]], plan: BucketPlan
+) -> Iterator[tuple[Bucket, list[tuple[str, torch.Tensor]]]]:
+    """Group a source's stream into the plan's buckets, checking every entry.
+
+    Holds at most one bucket's tensors at a time.
+
+    Raises:
+        RefitMismatchError: the stream differs from the plan (name, order,
+            shape, dtype, a missing or an extra tensor).
+    """
+    it = iter(weights)
+    for bucket in plan.buckets:
+        group: list[tuple[str, torch.Tensor]] = []
+        for slot in bucket.slots:
+            item = next(it, None)
+            if item is None:
+                raise RefitMismatchError(f"source ended before {slot.name!r}")
+            _check_tensor(slot, *item)
+            group.append(item)
+        yield bucket, group
+    extra = next(it, None)
+    if extra is not None:
+        raise RefitMismatchError(f"source yielded {extra[0]!r}, which is not in the manifest")
+
+
+_CHECKSUM_CHUNK = 1 << 24
+_CHECKSUM_MOD = (1 << 61) - 1
+
+
+def bucket_checksum(buffer: torch.Tensor) -> int:
+    """A position-sensitive checksum of a ``uint8`` buffer, equal on CPU and CUDA.
+
+    Integer-only arithmetic, so sender and receiver agree bit for bit whatever
+    their devices. Used by verify mode to catch a transfer that "succeeded"
+    without changing the engine's weights.
+    """
+    flat = buffer.reshape(-1)
+    total = 0
+    for start in range(0, flat.numel(), _CHECKSUM_CHUNK):
+        chunk = flat[start : start + _CHECKSUM_CHUNK].to(torch.int64)
+        weights = torch.arange(
+            start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=chunk.device
+        ) % 65521 + 1
+        total = (total + int((chunk * weights).sum().item())) % _CHECKSUM_MOD
+    return (total + flat.numel()) % _CHECKSUM_MOD
