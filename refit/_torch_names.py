@@ -1,0 +1,141 @@
+"""Module names → HF checkpoint names: wrapper prefixes, tied weights, conversion reversal.
+
+A trainer's ``state_dict`` keys are the *module's* names, which differ from the
+checkpoint's in three ways this module undoes, one tensor at a time:
+
+1. wrappers add prefixes (``torch.compile``: ``_orig_mod.``, DDP: ``module.``,
+   FSDP1 / activation checkpointing: ``_fsdp_wrapped_module.``,
+   ``_checkpoint_wrapped_module.``);
+2. tied weights appear under two names (``lm_head.weight`` aliases
+   ``model.embed_tokens.weight``), but the checkpoint stores one;
+3. transformers 5.x fuses some checkpoint tensors in memory (Qwen3-MoE experts:
+   ``mlp.experts.gate_up_proj [E, 2*Im, H]`` on the module,
+   ``mlp.experts.{e}.{gate,up}_proj.weight [Im, H]`` on disk). The reversal is
+   transformers' own :func:`transformers.core_model_loading.revert_weight_conversion`
+   (what ``save_pretrained`` applies), called per tensor.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__: list[str] = []
+
+#: Wrapper attribute names that hold the wrapped module; each adds ``"<name>."``
+#: to every state-dict key below it.
+_WRAPPER_ATTRS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "module")
+
+# ``module.`` (DDP) is stripped only at the front: inside a model it may be a real name.
+_WRAPPER_PREFIX_RE = re.compile(
+    r"(?:(?<=^)|(?<=\.))(?:_orig_mod|_fsdp_wrapped_module|_checkpoint_wrapped_module)\."
+)
+
+#: ``(module_key, tensor) -> {hf_name: tensor}``: one module tensor to its checkpoint tensors.
+Reverter = Callable[[str, torch.Tensor], dict[str, torch.Tensor]]
+
+
+def _strip_wrapper_prefixes(key: str) -> str:
+    """``"_orig_mod.module.model.norm.weight"`` → ``"model.norm.weight"``."""
+    key = _WRAPPER_PREFIX_RE.sub("", key)
+    while key.startswith("module."):
+        key = _WRAPPER_PREFIX_RE.sub("", key.removeprefix("module."))
+    return key
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The innermost module under wrapper attributes (compile, DDP, FSDP1, checkpointing)."""
+    seen: set[int] = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        for attr in _WRAPPER_ATTRS:
+            inner = getattr(model, attr, None)
+            if isinstance(inner, nn.Module):
+                model = inner
+                break
+    return model
+
+
+def _tied_aliases(model: nn.Module) -> dict[str, str]:
+    """``{tied_name: source_name}`` as the model declares them (HF ``_tied_weights_keys``),
+    only when its config really ties them (``tie_word_embeddings``)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return {}
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    default = getattr(config, "tie_word_embeddings", False)
+    if not getattr(text_config, "tie_word_embeddings", default):
+        return {}
+    tied: dict[str, str] = {}
+    for prefix, sub in model.named_modules():
+        keys = getattr(sub, "_tied_weights_keys", None)
+        if not isinstance(keys, Mapping):
+            continue
+        for target, source in keys.items():
+            dot = f"{prefix}." if prefix else ""
+            tied[f"{dot}{target}"] = f"{dot}{source}"
+    return tied
+
+
+def _local_identity(tensor: torch.Tensor) -> int:
+    """Identity of a tensor's storage, seen through a DTensor wrapper."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    return id(local) if local.device.type == "meta" else local.untyped_storage().data_ptr()
+
+
+def _dedup_tied(
+    entries: list[tuple[str, torch.Tensor]], tied: Mapping[str, str]
+) -> list[tuple[str, torch.Tensor]]:
+    """Drop the second name of each tied pair, as ``save_pretrained`` does.
+
+    A name is dropped when it shares storage with an earlier one (a real tie),
+    or when the config ties it to a source that is present (a tie broken by
+    re-wrapping parameters, e.g. per-parameter ``distribute_tensor``).
+    """
+    names = {name for name, _ in entries}
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    kept: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in entries:
+        if tied.get(name) in names:
+            continue
+        local = getattr(tensor, "_local_tensor", tensor)
+        key = (_local_identity(tensor), int(local.storage_offset()), tuple(tensor.shape))
+        if local.numel() > 0 and key in seen:
+            continue
+        seen.add(key)
+        kept.append((name, tensor))
+    return kept
+
+
+def _hf_reverter(model: nn.Module) -> Reverter | None:
+    """transformers' checkpoint-format reversal for ``model``, or None if not an HF model."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers is optional for plain modules
+        return None
+    if not isinstance(model, PreTrainedModel):
+        return None
+
+    def revert(key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        return dict(revert_weight_conversion(model, {key: tensor}))
+
+    return revert
+
+
+def _adapter_reverter(adapter: Any) -> Reverter:
+    """A torchtitan-style ``StateDictAdapter`` (``to_hf(state_dict) -> dict``) as a reverter."""
+    to_hf = getattr(adapter, "to_hf", None)
+    if not callable(to_hf):
+        raise TypeError(
+            f"state_dict_adapter must have a to_hf(state_dict) method, got {type(adapter).__name__}"
+        )
+
+    def revert(key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        return dict(to_hf({key: tensor}))
+
+    return revert

@@ -1,0 +1,238 @@
+"""``DTensorRefitSource``: a torch trainer's weights as the HF checkpoint, streamed.
+
+Works for a plain ``nn.Module``, a module whose parameters are DTensors
+(``distribute_tensor`` with any ``Shard``/``Replicate`` placements) and an
+FSDP2 (``fully_shard``) model, also under ``torch.compile``/DDP wrappers. One
+module tensor is gathered (``DTensor.full_tensor()``) at a time, so the model is
+never materialized twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from aiosync.errors import RefitMismatchError
+from aiosync.interfaces import RefitManifest, RefitSource
+
+from ._torch_names import (
+    Reverter,
+    _adapter_reverter,
+    _dedup_tied,
+    _hf_reverter,
+    _strip_wrapper_prefixes,
+    _tied_aliases,
+    _unwrap,
+)
+
+__all__ = ["DTensorRefitSource"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """One module tensor and the checkpoint tensors it becomes."""
+
+    module_key: str  # key in the (wrapped) model's state_dict
+    key: str  # the same without wrapper prefixes, as the reverter expects it
+    outputs: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]  # (hf_name, shape, dtype)
+    converted: bool  # False: one output, same tensor under (maybe) another name
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    return hasattr(tensor, "full_tensor") and hasattr(tensor, "placements")
+
+
+class DTensorRefitSource(RefitSource):
+    """The refit source of a torch trainer: HF checkpoint names, one tensor at a time.
+
+    Names and shapes are those ``save_pretrained`` writes (the HF safetensors
+    checkpoint), not the module's: wrapper prefixes are stripped, tied weights
+    (``lm_head.weight`` when ``tie_word_embeddings``) appear once, and tensors
+    that transformers fuses in memory are split back with transformers' own
+    reversal (Qwen3-MoE / Qwen3-Next: ``mlp.experts.gate_up_proj [E, 2*Im, H]`` →
+    ``mlp.experts.{e}.gate_proj.weight [Im, H]`` and ``...up_proj.weight [Im, H]``;
+    ``mlp.experts.down_proj [E, H, Im]`` → ``mlp.experts.{e}.down_proj.weight [H, Im]``).
+
+    Order: the model's ``state_dict`` order; a fused tensor expands in place, in
+    the order transformers' reversal yields (all experts' ``gate_proj``, then all
+    ``up_proj``). Identical on every rank.
+
+    On a sharded model every rank must call :meth:`iter_weights` (each DTensor
+    gather is a collective); every rank receives the full tensors.
+
+    Args:
+        model: the trainer's model (``nn.Module``; a transformers ``PreTrainedModel``
+            inside any wrappers gets the checkpoint-name reversal).
+        dtype: manifest dtype. A ``torch.dtype`` casts every floating-point tensor
+            to it (fp32 master weights → bf16 engine); integer and bool tensors
+            keep theirs. A mapping ``{hf_name: dtype}`` casts just those names.
+            None keeps each tensor's dtype.
+        state_dict_adapter: an object with ``to_hf(state_dict) -> state_dict``
+            (torchtitan's ``StateDictAdapter``) used instead of transformers'
+            reversal; called with one tensor at a time.
+        optimizer: a ``torch.optim.Optimizer`` whose state
+            :meth:`offload_before_refit` moves to CPU (colocated refits).
+
+    Raises:
+        TypeError: ``dtype`` or ``state_dict_adapter`` is malformed.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        dtype: torch.dtype | Mapping[str, torch.dtype] | None = None,
+        state_dict_adapter: Any = None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if dtype is not None and not isinstance(dtype, torch.dtype | Mapping):
+            raise TypeError(f"dtype must be a torch.dtype or a mapping, got {dtype!r}")
+        if isinstance(dtype, Mapping):
+            for name, value in dtype.items():
+                if not isinstance(value, torch.dtype):
+                    raise TypeError(f"dtype[{name!r}] must be a torch.dtype, got {value!r}")
+        self.model = model
+        self.dtype = dtype
+        self.optimizer = optimizer
+        inner = _unwrap(model)
+        self._reverter: Reverter | None = (
+            _adapter_reverter(state_dict_adapter)
+            if state_dict_adapter is not None
+            else _hf_reverter(inner)
+        )
+        self._tied = _tied_aliases(inner)
+        self._plan: tuple[_Entry, ...] | None = None
+        self._offloaded: list[tuple[dict[str, Any], str, torch.device]] = []
+
+    # -- manifest -------------------------------------------------------------
+
+    def _target_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
+        if self.dtype is None:
+            return dtype
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype if dtype.is_floating_point else dtype
+        return self.dtype.get(name, dtype)
+
+    def _module_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
+        """``(module_key, stripped_key, tensor)`` for parameters and persistent buffers,
+        tied duplicates removed. References only: nothing is gathered or copied."""
+        raw = [
+            (_strip_wrapper_prefixes(k), k, t)
+            for k, t in self.model.state_dict(keep_vars=True).items()
+            if isinstance(t, torch.Tensor)
+        ]
+        by_key = {key: module_key for key, module_key, _ in raw}
+        if len(by_key) != len(raw):
+            raise RefitMismatchError("two state_dict keys map to the same name after unwrapping")
+        kept = _dedup_tied([(key, t) for key, _, t in raw], self._tied)
+        return [(by_key[key], key, t) for key, t in kept]
+
+    def _build_plan(self) -> tuple[_Entry, ...]:
+        entries: list[_Entry] = []
+        seen: set[str] = set()
+        for module_key, key, tensor in self._module_tensors():
+            meta = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
+            converted = self._reverter(key, meta) if self._reverter is not None else {key: meta}
+            outputs = tuple(
+                (name, tuple(t.shape), self._target_dtype(name, t.dtype))
+                for name, t in converted.items()
+            )
+            for name, _, _ in outputs:
+                if name in seen:
+                    raise RefitMismatchError(f"checkpoint name {name!r} produced twice")
+                seen.add(name)
+            plain = len(outputs) == 1 and outputs[0][1] == tuple(tensor.shape)
+            entries.append(_Entry(module_key, key, outputs, converted=not plain))
+        return tuple(entries)
+
+    def _entries(self) -> tuple[_Entry, ...]:
+        if self._plan is None:
+            self._plan = self._build_plan()
+        return self._plan
+
+    def prepare_refit_info(self) -> RefitManifest:
+        """``{hf_name: (shape, dtype)}`` in :meth:`iter_weights` order (HF checkpoint names).
+
+        Computed from shapes only (meta tensors): no gather, no collective.
+        Cached: the model's structure must not change afterwards.
+        """
+        return {name: (shape, dtype) for e in self._entries() for name, shape, dtype in e.outputs}
+
+    # -- streaming --------------------------------------------------------------
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, tensor)``: full, unsharded, manifest shape and dtype, in order.
+
+        One module tensor is gathered at a time (``full_tensor()``, a collective
+        on a sharded model: every rank must iterate). Tensors are on the
+        parameters' device. When no cast or gather is needed a yielded tensor is
+        a view of the live parameter (possibly non-contiguous): consume it before
+        the next optimizer step.
+
+        Raises:
+            RefitMismatchError: the model changed since :meth:`prepare_refit_info`.
+        """
+        entries = self._entries()
+        live = self.model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for entry in entries:
+                tensor = live.get(entry.module_key)
+                if not isinstance(tensor, torch.Tensor):
+                    raise RefitMismatchError(f"{entry.module_key!r} vanished from the model")
+                full = tensor.detach()
+                if _is_dtensor(full):
+                    full = full.full_tensor()  # type: ignore[attr-defined]
+                if entry.converted:
+                    assert self._reverter is not None
+                    outputs = self._reverter(entry.key, full)
+                else:
+                    outputs = {entry.outputs[0][0]: full}
+                if len(outputs) != len(entry.outputs):
+                    raise RefitMismatchError(
+                        f"{entry.key}: expected {len(entry.outputs)} checkpoint tensors, "
+                        f"got {len(outputs)}"
+                    )
+                for (name, shape, dtype), (got_name, out) in zip(
+                    entry.outputs, outputs.items(), strict=True
+                ):
+                    if got_name != name or tuple(out.shape) != shape:
+                        raise RefitMismatchError(
+                            f"{entry.key}: expected {name} {shape}, "
+                            f"got {got_name} {tuple(out.shape)}"
+                        )
+                    yield name, out.to(dtype)
+                del full, outputs
+
+    # -- colocated offload ----------------------------------------------------
+
+    def offload_before_refit(self) -> None:
+        """Move the optimizer's state tensors to CPU (colocated refits free device memory).
+
+        State already on CPU stays where it is (a no-op on CPU-only machines).
+        Calling it twice without :meth:`offload_after_refit` is a no-op the second time.
+        """
+        if self.optimizer is None or self._offloaded:
+            return
+        cpu = torch.device("cpu")
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+                    self._offloaded.append((state, key, value.device))
+                    state[key] = value.to(cpu, non_blocking=True)
+        if self._offloaded and torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    def offload_after_refit(self) -> None:
+        """Move what :meth:`offload_before_refit` moved back to its device. Idempotent."""
+        moved, self._offloaded = self._offloaded, []
+        for state, key, device in moved:
+            state[key] = state[key].to(device, non_blocking=True)
+        if moved and torch.cuda.is_available():
+            torch.cuda.synchronize()
