@@ -1,0 +1,10 @@
+"""The embedded engine: a transformers-based reference engine for CPU and tests.
+
+It mirrors vLLM's worker contract (``worker.model_runner.model.load_weights``,
+``collective_rpc``, sleep/wake) closely enough for every aiosync transport to
+run against it without a GPU. It is **not** a vLLM replacement: no batching
+scheduler, no paged KV cache, no CUDA graphs.
+
+- :mod:`transports.embedded.model` — :class:`HFModelRunner` (checkpoint-named ``load_weights``).
+- :mod:`transports.embedded.engine` — :class:`EmbeddedEngine` (worker processes, RPC).
+"""

@@ -1,0 +1,259 @@
+"""A transformers causal LM behind vLLM's model contract: ``load_weights`` in checkpoint names.
+
+:class:`HFModelRunner` is what ``worker.model_runner.model`` is in the embedded
+engine. Receivers (IPC, collective) hand it ``(hf_name, tensor)`` pairs named
+as in the model's HF safetensors checkpoint (what ``save_pretrained`` writes),
+exactly as they would hand them to vLLM's ``model.load_weights``.
+
+The checkpoint layout is not always the in-memory one. transformers 5.x fuses
+MoE experts in memory (``mlp.experts.gate_up_proj [E, 2*Im, H]`` with the gate
+rows first, ``mlp.experts.down_proj [E, H, Im]``) while the checkpoint keeps
+one 2-D weight per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``).
+The runner resolves every checkpoint name once, at construction, to a view of
+the in-memory tensor it lands in, so loading costs one dict lookup and one
+``copy_`` per tensor whatever the model's size (case C10).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers.core_model_loading import revert_weight_conversion
+from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+from aiosync.errors import RefitMismatchError
+
+__all__ = ["HFModelRunner"]
+
+# Checkpoint name of one expert's projection; the fused in-memory tensors live on
+# the ``experts`` module (transformers 5.x, ``conversion_mapping.py`` "qwen2_moe").
+_EXPERT_NAME = re.compile(
+    r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$"
+)
+
+
+class HFModelRunner:
+    """Wraps a transformers ``PreTrainedModel`` (a causal LM) for an engine worker.
+
+    Args:
+        model: the model; its parameters are updated in place by :meth:`load_weights`.
+
+    Raises:
+        RefitMismatchError: a name ``save_pretrained`` would write has no place in
+            the model (a layout this runner does not know).
+    """
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.model.eval()
+        self._manifest = _checkpoint_manifest(model)
+        self._targets = _resolve_targets(model, self._manifest)
+        # Tied heads are absent from the checkpoint; a sender that still sends
+        # them (a source that does not know about the tie) is accepted.
+        self._aliases: dict[str, torch.Tensor] = {}
+        tied: Mapping[str, str] = getattr(model, "all_tied_weights_keys", None) or {}
+        for target, source in tied.items():
+            if target not in self._targets and source in self._targets:
+                self._aliases[target] = self._targets[source]
+
+    # -- construction ---------------------------------------------------------
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Mapping[str, Any] | str | Path,
+        *,
+        seed: int = 0,
+        dtype: torch.dtype | str = torch.float32,
+    ) -> HFModelRunner:
+        """Build a model from an HF config (or load a local checkpoint folder).
+
+        Args:
+            config: a config dict (``config.to_dict()`` or config.json's content;
+                must contain ``model_type``), a path to a config.json, or a local
+                folder. A folder holding ``*.safetensors`` is loaded with
+                ``from_pretrained``; otherwise the weights are initialised randomly.
+            seed: ``torch.manual_seed`` for random initialisation.
+            dtype: parameter dtype (``torch.bfloat16`` or ``"bfloat16"``).
+
+        Raises:
+            ValueError: the config has no ``model_type``.
+        """
+        torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        if isinstance(config, Mapping):
+            items = dict(config)
+        else:
+            path = Path(config)
+            if path.is_dir() and any(path.glob("*.safetensors")):
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+                return cls(model)
+            items = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+        model_type = items.pop("model_type", None)
+        if not model_type:
+            raise ValueError("the config has no 'model_type'")
+        for key in ("architectures", "transformers_version", "dtype", "torch_dtype"):
+            items.pop(key, None)
+        hf_config = AutoConfig.for_model(model_type, **items)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype)
+        return cls(model)
+
+    # -- the loader contract --------------------------------------------------
+
+    def expected_manifest(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{hf_name: (shape, dtype)}`` of the checkpoint, in ``save_pretrained`` order.
+
+        The names, shapes and order are those ``save_pretrained`` writes (tied
+        weights removed, MoE experts split per expert; derived with
+        transformers' own ``revert_weight_conversion``).
+        """
+        return dict(self._manifest)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy ``(hf_name, tensor)`` pairs into the model; returns how many were loaded.
+
+        Names are checkpoint names (:meth:`expected_manifest`); a tied
+        ``lm_head.weight`` is accepted too. Each tensor is copied (any device,
+        same dtype and shape), so the caller may reuse its buffers afterwards.
+
+        Raises:
+            RefitMismatchError: an unknown name, or a shape or dtype that differs
+                from the checkpoint's.
+        """
+        loaded = 0
+        with torch.no_grad():
+            for name, tensor in weights:
+                target = self._targets.get(name)
+                if target is None:
+                    target = self._aliases.get(name)
+                    if target is None:
+                        raise RefitMismatchError(f"{name!r} is not a parameter of this model")
+                if target.shape != tensor.shape or target.dtype != tensor.dtype:
+                    raise RefitMismatchError(
+                        f"{name}: model {tuple(target.shape)} {target.dtype}, "
+                        f"got {tuple(tensor.shape)} {tensor.dtype}"
+                    )
+                target.copy_(tensor)
+                loaded += 1
+        return loaded
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights as ``save_pretrained`` writes them: checkpoint names and order, copies."""
+        with torch.no_grad():
+            return {name: self._targets[name].detach().clone() for name in self._manifest}
+
+    def fill_(self, value: float) -> None:
+        """Overwrite every weight with ``value`` (an engine that discarded its weights)."""
+        with torch.no_grad():
+            for name in self._manifest:
+                self._targets[name].fill_(value)
+
+    # -- generation -----------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+    ) -> list[list[int]]:
+        """Generate for each prompt (token ids) with ``model.generate``; returns only new ids.
+
+        Greedy when ``temperature == 0``; else sampling at ``temperature``,
+        reproducible with ``seed``. Prompts run one by one, unpadded, so a
+        prompt's output does not depend on the others in the batch.
+
+        Raises:
+            ValueError: an empty prompt, ``max_new_tokens < 1`` or ``temperature < 0``.
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        device = next(self.model.parameters()).device
+        outputs: list[list[int]] = []
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            if seed is not None:
+                torch.manual_seed(seed)
+            for prompt in prompts:
+                if not prompt:
+                    raise ValueError("prompts must not be empty")
+                ids = torch.tensor([prompt], dtype=torch.long, device=device)
+                kwargs: dict[str, Any] = {"do_sample": False}
+                if temperature > 0:
+                    kwargs = {"do_sample": True, "temperature": temperature, "top_k": 0}
+                if ignore_eos:
+                    kwargs["eos_token_id"] = None
+                out = self.model.generate(  # type: ignore[operator]
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=max_new_tokens,
+                    min_new_tokens=max_new_tokens if ignore_eos else 0,
+                    pad_token_id=self.model.config.pad_token_id or 0,
+                    **kwargs,
+                )
+                outputs.append(out[0, len(prompt) :].tolist())
+        return outputs
+
+
+def _checkpoint_manifest(model: PreTrainedModel) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """What ``save_pretrained`` would write, computed on ``meta`` copies (no data moves)."""
+    state = model.state_dict()
+    for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        state.pop(key, None)
+    state = remove_tied_weights_from_state_dict(state, model)
+    meta = {name: tensor.to("meta") for name, tensor in state.items()}
+    reverted = revert_weight_conversion(model, meta)
+    return {name: (tuple(t.shape), t.dtype) for name, t in reverted.items()}
+
+
+def _resolve_targets(
+    model: PreTrainedModel, manifest: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+) -> dict[str, torch.Tensor]:
+    """``{checkpoint name: view of the in-memory tensor it is loaded into}``."""
+    tensors: dict[str, torch.Tensor] = {
+        name: t.detach() for name, t in model.named_parameters(remove_duplicate=False)
+    }
+    tensors.update((name, t.detach()) for name, t in model.named_buffers(remove_duplicate=False))
+    targets: dict[str, torch.Tensor] = {}
+    for name, (shape, dtype) in manifest.items():
+        view = tensors.get(name)
+        if view is None:
+            view = _expert_view(tensors, name)
+        if view is None or tuple(view.shape) != shape or view.dtype != dtype:
+            found = None if view is None else (tuple(view.shape), view.dtype)
+            raise RefitMismatchError(
+                f"checkpoint tensor {name!r} {shape} {dtype} has no place in "
+                f"{type(model).__name__} (found {found})"
+            )
+        targets[name] = view
+    return targets
+
+
+def _expert_view(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The slice of a fused expert tensor that a per-expert checkpoint name maps to.
+
+    ``gate_up_proj [E, 2*Im, H]`` holds the gate in rows ``[:Im]`` and up in
+    ``[Im:]``; ``down_proj [E, H, Im]`` holds expert ``e`` at index ``e``.
+    """
+    match = _EXPERT_NAME.match(name)
+    if match is None:
+        return None
+    experts, e, proj = match["experts"], int(match["e"]), match["proj"]
+    if proj == "down":
+        fused = tensors.get(f"{experts}.down_proj")
+        return None if fused is None or e >= fused.shape[0] else fused[e]
+    fused = tensors.get(f"{experts}.gate_up_proj")
+    if fused is None or e >= fused.shape[0]:
+        return None
+    im = fused.shape[1] // 2
+    return fused[e, :im] if proj == "gate" else fused[e, im:]
