@@ -127,6 +127,23 @@ def _hf_reverter(model: nn.Module) -> Reverter | None:
     return revert
 
 
+def _hf_checkpoint_order(
+    model: nn.Module, meta_state: dict[str, torch.Tensor]
+) -> list[tuple[str, tuple[int, ...]]] | None:
+    """``save_pretrained``'s names, shapes and order for ``meta_state`` (meta tensors, keyed
+    by unwrapped module names): transformers' whole-state-dict reversal, which sorts the
+    keys naturally when a conversion applies. None if ``model`` is not an HF model."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return None
+    if not isinstance(model, PreTrainedModel):
+        return None
+    reverted = revert_weight_conversion(model, dict(meta_state))
+    return [(name, tuple(t.shape)) for name, t in reverted.items()]
+
+
 def _adapter_reverter(adapter: Any) -> Reverter:
     """A torchtitan-style ``StateDictAdapter`` (``to_hf(state_dict) -> dict``) as a reverter."""
     to_hf = getattr(adapter, "to_hf", None)

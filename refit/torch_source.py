@@ -23,6 +23,7 @@ from ._torch_names import (
     Reverter,
     _adapter_reverter,
     _dedup_tied,
+    _hf_checkpoint_order,
     _hf_reverter,
     _strip_wrapper_prefixes,
     _tied_aliases,
@@ -101,6 +102,7 @@ class DTensorRefitSource(RefitSource):
         self.dtype = dtype
         self.optimizer = optimizer
         inner = _unwrap(model)
+        self._hf_model = inner if state_dict_adapter is None else None
         self._reverter: Reverter | None = (
             _adapter_reverter(state_dict_adapter)
             if state_dict_adapter is not None
@@ -136,8 +138,10 @@ class DTensorRefitSource(RefitSource):
     def _build_plan(self) -> tuple[_Entry, ...]:
         entries: list[_Entry] = []
         seen: set[str] = set()
+        metas: dict[str, torch.Tensor] = {}
         for module_key, key, tensor in self._module_tensors():
             meta = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
+            metas[key] = meta
             converted = self._reverter(key, meta) if self._reverter is not None else {key: meta}
             outputs = tuple(
                 (name, tuple(t.shape), self._target_dtype(name, t.dtype))
@@ -149,7 +153,40 @@ class DTensorRefitSource(RefitSource):
                 seen.add(name)
             plain = len(outputs) == 1 and outputs[0][1] == tuple(tensor.shape)
             entries.append(_Entry(module_key, key, outputs, converted=not plain))
+        if self._hf_model is not None:
+            entries = self._in_checkpoint_order(entries, metas)
         return tuple(entries)
+
+    def _in_checkpoint_order(
+        self, entries: list[_Entry], metas: dict[str, torch.Tensor]
+    ) -> list[_Entry]:
+        """Reorder ``entries`` into ``save_pretrained``'s order, checking that the
+        per-tensor reversal gives exactly what the whole-state-dict one gives.
+
+        Raises:
+            RefitMismatchError: the model's conversion cannot be reversed one
+                tensor at a time (a checkpoint tensor built from several module tensors).
+        """
+        assert self._hf_model is not None
+        expected = _hf_checkpoint_order(self._hf_model, metas)
+        if expected is None:
+            return entries
+        position = {name: i for i, (name, _) in enumerate(expected)}
+        missing = [n for e in entries for n, _, _ in e.outputs if n not in position]
+        if missing:
+            raise RefitMismatchError(
+                f"per-tensor conversion gives names save_pretrained does not: {missing[:3]}"
+            )
+        ordered = sorted(entries, key=lambda e: position[e.outputs[0][0]])
+        got = [(n, s) for e in ordered for n, s, _ in e.outputs]
+        if got != expected:
+            pairs = enumerate(zip(got, expected, strict=False))
+            first = next((i for i, (a, b) in pairs if a != b), min(len(got), len(expected)))
+            raise RefitMismatchError(
+                "this model's checkpoint conversion cannot be streamed one tensor at a time: "
+                f"entry {first} differs from save_pretrained's layout"
+            )
+        return ordered
 
     def _entries(self) -> tuple[_Entry, ...]:
         if self._plan is None:
