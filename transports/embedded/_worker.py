@@ -1,0 +1,231 @@
+"""One embedded-engine worker process: builds the model, then serves RPCs by name.
+
+The worker object mirrors a vLLM worker: ``worker.model_runner.model`` is the
+:class:`~transports.embedded.model.HFModelRunner`, and the worker-extension
+mixins (``AiosyncWorkerExtension`` by default) are among its bases, so their
+``aiosync_*`` methods are callable through ``collective_rpc``.
+
+Each RPC runs in a thread of a small pool, so a long-running one (a receiver
+waiting for the trainer's buckets) does not block the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import logging
+import multiprocessing
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import zmq
+import zmq.asyncio
+
+from aiosync.errors import SyncError
+from transports._wire import decode, encode, error_fields
+from transports.embedded.model import HFModelRunner
+from transports.packing import dtype_name
+
+__all__ = ["EmbeddedWorker", "run_worker"]
+
+_log = logging.getLogger(__name__)
+
+#: Threads per worker serving RPCs: a receiver, a generate, and control calls.
+_RPC_THREADS = 4
+#: How often an idle worker checks that its parent is alive, in milliseconds.
+_PARENT_POLL_MS = 1000
+
+
+class EmbeddedWorker:
+    """The engine-side worker: model, sleep state and the engine's own RPCs.
+
+    Attributes:
+        rank: this worker's index, 0..world_size-1.
+        world_size: number of workers.
+        device: where the model lives (CPU).
+        model_runner: ``model_runner.model`` is the :class:`HFModelRunner`.
+        aiosync_weights_valid: False while a refit is in flight or after one
+            failed, or after the weights were discarded; generation refuses then.
+    """
+
+    def __init__(self, rank: int, world_size: int, runner: HFModelRunner) -> None:
+        self.rank = rank
+        self.local_rank = rank
+        self.world_size = world_size
+        self.device = next(runner.model.parameters()).device
+        self.model_runner = SimpleNamespace(model=runner)
+        self.aiosync_weights_valid = True
+        self._asleep: set[str] = set()
+        self._state_lock = threading.Lock()
+
+    def embedded_generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+    ) -> list[list[int]]:
+        """Generate for ``prompts`` (token ids); only the new ids are returned.
+
+        Raises:
+            SyncError: the weights are invalid (a refit failed half-way or the
+                engine discarded them) or asleep.
+        """
+        with self._state_lock:
+            if not self.aiosync_weights_valid:
+                raise SyncError(
+                    f"worker {self.rank}: weights are not valid (a refit failed or they were "
+                    "discarded while asleep); a sync must succeed before generating"
+                )
+            if self._asleep:
+                raise SyncError(f"worker {self.rank}: asleep ({sorted(self._asleep)})")
+        runner: HFModelRunner = self.model_runner.model
+        return runner.generate(
+            prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            ignore_eos=ignore_eos,
+        )
+
+    def embedded_sleep(self, level: int) -> bool:
+        """Sleep; level 2 discards the weights (they are zeroed). Returns whether they were."""
+        with self._state_lock:
+            self._asleep = {"weights", "kv_cache"}
+            if level >= 2:
+                self.model_runner.model.fill_(0.0)
+                self.aiosync_weights_valid = False
+                return True
+        return False
+
+    def embedded_wake(self, tags: list[str] | None) -> list[str]:
+        """Wake ``tags`` (``"weights"``, ``"kv_cache"``; None: all); returns what still sleeps."""
+        with self._state_lock:
+            self._asleep -= set(tags) if tags is not None else set(self._asleep)
+            return sorted(self._asleep)
+
+    def embedded_status(self) -> dict[str, Any]:
+        """``{"rank", "pid", "weights_valid", "asleep"}``."""
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "weights_valid": self.aiosync_weights_valid,
+            "asleep": sorted(self._asleep),
+        }
+
+    def embedded_state_dict(self) -> dict[str, list[Any]]:
+        """The weights in checkpoint names: ``{name: [dtype name, shape, raw bytes]}`` (tests)."""
+        out: dict[str, list[Any]] = {}
+        for name, tensor in self.model_runner.model.hf_state_dict().items():
+            raw = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            out[name] = [dtype_name(tensor.dtype), list(tensor.shape), raw]
+        return out
+
+
+def _import(path: str) -> type:
+    module, _, name = path.replace(":", ".").rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    if not isinstance(cls, type):
+        raise TypeError(f"{path} is not a class")
+    return cls
+
+
+def build_worker(
+    rank: int, world_size: int, model: Any, seed: int, dtype: str, extension: str | None
+) -> EmbeddedWorker:
+    """An :class:`EmbeddedWorker` whose class also derives from ``extension`` (dotted path)."""
+    runner = HFModelRunner.from_config(model, seed=seed, dtype=dtype)
+    bases: tuple[type, ...] = (EmbeddedWorker,)
+    if extension:
+        bases += (_import(extension),)
+    cls = type("EmbeddedWorker", bases, {})
+    worker: EmbeddedWorker = cls(rank, world_size, runner)
+    return worker
+
+
+def run_worker(
+    rank: int,
+    world_size: int,
+    endpoint: str,
+    model: Any,
+    seed: int,
+    dtype: str,
+    extension: str | None,
+    threads: int,
+) -> None:
+    """Process entry point: connect to ``endpoint``, build the worker, serve until told to stop."""
+    torch.set_num_threads(threads)
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"w{rank}".encode())
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(endpoint)
+    try:
+        asyncio.run(_main(sock, rank, world_size, model, seed, dtype, extension))
+    finally:
+        sock.close()
+        ctx.term()
+
+
+async def _main(
+    sock: zmq.asyncio.Socket,
+    rank: int,
+    world_size: int,
+    model: Any,
+    seed: int,
+    dtype: str,
+    extension: str | None,
+) -> None:
+    try:
+        worker = await asyncio.to_thread(
+            build_worker, rank, world_size, model, seed, dtype, extension
+        )
+    except Exception as exc:
+        _log.exception("embedded worker %d failed to start", rank)
+        await sock.send(encode({"t": "failed", **error_fields(exc)}))
+        return
+    await sock.send(encode({"t": "ready", "pid": os.getpid()}))
+    parent = multiprocessing.parent_process()
+    tasks: set[asyncio.Task[None]] = set()
+    with ThreadPoolExecutor(_RPC_THREADS, thread_name_prefix=f"rpc{rank}") as pool:
+        while True:
+            if not await sock.poll(_PARENT_POLL_MS):
+                if parent is not None and not parent.is_alive():
+                    return
+                continue
+            try:
+                msg = decode(await sock.recv())
+            except Exception:
+                _log.exception("worker %d: dropping a malformed request", rank)
+                continue
+            if msg.get("t") == "shutdown":
+                await sock.send(encode({"t": "bye"}))
+                return
+            task = asyncio.create_task(_handle(worker, sock, msg, pool))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+
+async def _handle(
+    worker: EmbeddedWorker, sock: zmq.asyncio.Socket, msg: dict[str, Any], pool: ThreadPoolExecutor
+) -> None:
+    call_id = msg.get("id")
+    try:
+        method = msg["method"]
+        if not isinstance(method, str) or method.startswith("_"):
+            raise AttributeError(f"{method!r} is not an RPC method")
+        fn = getattr(worker, method)
+        args = msg.get("args") or []
+        kwargs = msg.get("kwargs") or {}
+        call = functools.partial(fn, *args, **kwargs)
+        result = await asyncio.get_running_loop().run_in_executor(pool, call)
+        payload = encode({"id": call_id, "ok": True, "result": result})
+    except Exception as exc:
+        payload = encode({"id": call_id, "ok": False, **error_fields(exc)})
+    await sock.send(payload)

@@ -1,0 +1,438 @@
+"""The embedded engine: transformers models in worker processes, driven like vLLM.
+
+A reference engine for CPU machines and tests — **not a vLLM replacement** (no
+scheduler, no paged KV cache, one prompt at a time). It gives every aiosync
+transport a real engine to talk to: separate processes (``spawn``), a worker
+object per process with ``model_runner.model.load_weights`` and the worker
+extension mixins, ``collective_rpc`` by method name, sleep/wake, and
+data-parallel generation.
+
+RPCs travel over a ZMQ ``ipc://`` socket in a private (0700) directory as
+msgpack maps. Every call has a timeout; a worker that dies fails its pending
+calls at once with :class:`~aiosync.errors.TransportError`.
+
+Requires an asyncio event loop (pyzmq's asyncio sockets).
+
+Example::
+
+    async with EmbeddedEngine(config_dict, num_workers=2) as engine:
+        await engine.prepare_for_generation()
+        outs = await engine.generate([[1, 2, 3]], max_new_tokens=8)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import anyio
+import torch
+import zmq
+import zmq.asyncio
+
+from aiosync._config import DEFAULT_RPC_TIMEOUT_S
+from aiosync.errors import SyncError, SyncTimeoutError, TransportError
+from transports._wire import decode, encode, rebuild_error
+from transports.packing import dtype_from_name
+
+from ._worker import run_worker
+
+__all__ = ["DEFAULT_WORKER_EXTENSION", "EmbeddedEngine"]
+
+_log = logging.getLogger(__name__)
+
+#: The worker extension mixed into every worker unless told otherwise.
+DEFAULT_WORKER_EXTENSION = "transports.worker_extension.AiosyncWorkerExtension"
+
+#: Time allowed for the workers to import torch and build their models, seconds.
+DEFAULT_START_TIMEOUT_S: float = 600.0
+
+
+class EmbeddedEngine:
+    """N worker processes, each holding the same transformers model.
+
+    Implements :class:`aiosync.GenerationBackend` and :class:`aiosync.EngineWorkers`.
+
+    Args:
+        model: an HF config dict (with ``model_type``), a config.json path, or a
+            local model folder (loaded with ``from_pretrained`` when it holds
+            safetensors); see :meth:`HFModelRunner.from_config`.
+        num_workers: worker processes (data-parallel replicas), >= 1.
+        seed: seed for random initialisation (the same on every worker).
+        dtype: parameter dtype name (``"float32"``, ``"bfloat16"``).
+        worker_extension_cls: dotted path of the mixin class added to each
+            worker (vLLM's ``worker_extension_cls``); None for none.
+        sleep_level: what :meth:`finish_generation` does: 1 keeps the weights,
+            2 discards them (zeroes them: a sync is then required).
+        rpc_timeout_s: default timeout of :meth:`collective_rpc`, seconds.
+        start_timeout_s: time allowed for the workers to start, seconds.
+        threads_per_worker: torch intra-op threads per worker.
+    """
+
+    def __init__(
+        self,
+        model: Mapping[str, Any] | str | Path,
+        *,
+        num_workers: int = 1,
+        seed: int = 0,
+        dtype: str = "float32",
+        worker_extension_cls: str | None = DEFAULT_WORKER_EXTENSION,
+        sleep_level: int = 1,
+        rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
+        start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+        threads_per_worker: int = 1,
+    ) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
+        self._model = dict(model) if isinstance(model, Mapping) else str(model)
+        self.num_workers = num_workers
+        self.seed = seed
+        self.dtype = dtype
+        self.worker_extension_cls = worker_extension_cls
+        self.sleep_level = sleep_level
+        self.rpc_timeout_s = rpc_timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.threads_per_worker = threads_per_worker
+        self._procs: list[BaseProcess] = []
+        self._dead: dict[int, str] = {}
+        self._pending: dict[int, tuple[int, asyncio.Future[dict[str, Any]]]] = {}
+        self._ids = itertools.count()
+        self._ready: list[asyncio.Future[dict[str, Any]]] = []
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._dir: str | None = None
+        self._discard_listeners: list[Callable[[], None]] = []
+        self._started = False
+        self._closed = False
+
+    # -- lifecycle ------------------------------------------------------------
+
+    @classmethod
+    async def start_engine(cls, model: Mapping[str, Any] | str | Path, **options: Any) -> Self:
+        """Construct and :meth:`start` an engine."""
+        engine = cls(model, **options)
+        await engine.start()
+        return engine
+
+    async def start(self) -> Self:
+        """Spawn the workers and wait until every model is built.
+
+        Raises:
+            TransportError: a worker failed to build its model or exited.
+            SyncTimeoutError: the workers were not ready within ``start_timeout_s``.
+        """
+        if self._started:
+            return self
+        self._started = True
+        loop = asyncio.get_running_loop()
+        self._dir = tempfile.mkdtemp(prefix="aiosync-engine-")
+        os.chmod(self._dir, 0o700)
+        endpoint = f"ipc://{self._dir}/rpc.sock"
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(endpoint)
+        self._ready = [loop.create_future() for _ in range(self.num_workers)]
+        self._reader = asyncio.create_task(self._read_replies())
+        mp = multiprocessing.get_context("spawn")
+        try:
+            for rank in range(self.num_workers):
+                proc = mp.Process(
+                    target=run_worker,
+                    args=(
+                        rank,
+                        self.num_workers,
+                        endpoint,
+                        self._model,
+                        self.seed,
+                        self.dtype,
+                        self.worker_extension_cls,
+                        self.threads_per_worker,
+                    ),
+                    name=f"aiosync-embedded-{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                self._procs.append(proc)
+                loop.add_reader(proc.sentinel, self._on_worker_exit, rank)
+            with anyio.fail_after(self.start_timeout_s):
+                for rank, ready in enumerate(self._ready):
+                    msg = await ready
+                    if msg.get("t") != "ready":
+                        raise rebuild_error(msg, f"engine worker {rank} (starting)")
+        except TimeoutError as exc:
+            await self.shutdown()
+            raise SyncTimeoutError(
+                f"engine workers not ready within {self.start_timeout_s} s"
+            ) from exc
+        except BaseException:
+            await self.shutdown()
+            raise
+        return self
+
+    async def __aenter__(self) -> Self:
+        return await self.start()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.shutdown()
+
+    @property
+    def pids(self) -> list[int]:
+        """Worker process ids, rank order."""
+        return [p.pid or 0 for p in self._procs]
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the workers (killing any that do not exit in ``timeout_s``), remove sockets.
+
+        Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        loop = asyncio.get_running_loop()
+        if self._sock is not None:
+            for rank, proc in enumerate(self._procs):
+                if proc.is_alive() and rank not in self._dead:
+                    with contextlib.suppress(zmq.ZMQError):
+                        await self._sock.send_multipart(
+                            [f"w{rank}".encode(), encode({"t": "shutdown"})]
+                        )
+        for proc in self._procs:
+            await anyio.to_thread.run_sync(proc.join, timeout_s)
+            if proc.is_alive():
+                proc.kill()
+                await anyio.to_thread.run_sync(proc.join, timeout_s)
+            with contextlib.suppress(ValueError, OSError):
+                loop.remove_reader(proc.sentinel)
+        self._fail_pending(None, TransportError("the embedded engine was shut down"))
+        for ready in self._ready:
+            if ready.done() and not ready.cancelled():
+                ready.exception()  # retrieved: a start failure was already reported
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    # -- RPC ------------------------------------------------------------------
+
+    async def collective_rpc(
+        self,
+        method: str,
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[Any]:
+        """Call ``worker.method(*args, **kwargs)`` on every worker; results in rank order.
+
+        Arguments and results must be msgpack-safe (str, int, float, bool, None,
+        bytes, list, dict); tuples arrive as lists.
+
+        Raises:
+            SyncTimeoutError: not every worker answered within ``timeout_s``
+                (default ``rpc_timeout_s``) seconds.
+            TransportError: a worker is dead or died during the call, or raised
+                an exception of a type aiosync does not re-raise as itself.
+            SyncError (and subclasses), ValueError, TypeError, KeyError,
+            AttributeError, NotImplementedError: re-raised from a worker.
+        """
+        calls = [(rank, list(args), dict(kwargs or {})) for rank in range(self.num_workers)]
+        return await self._call(method, calls, timeout_s)
+
+    async def _call(
+        self,
+        method: str,
+        calls: Sequence[tuple[int, list[Any], dict[str, Any]]],
+        timeout_s: float | None,
+    ) -> list[Any]:
+        self._check_running()
+        assert self._sock is not None
+        timeout = self.rpc_timeout_s if timeout_s is None else timeout_s
+        loop = asyncio.get_running_loop()
+        futures: list[tuple[int, int, asyncio.Future[dict[str, Any]]]] = []
+        try:
+            for rank, args, kwargs in calls:
+                if rank in self._dead:
+                    raise TransportError(f"engine worker {rank} is dead: {self._dead[rank]}")
+                call_id = next(self._ids)
+                fut: asyncio.Future[dict[str, Any]] = loop.create_future()
+                self._pending[call_id] = (rank, fut)
+                futures.append((rank, call_id, fut))
+                msg = {"id": call_id, "method": method, "args": args, "kwargs": kwargs}
+                try:
+                    await self._sock.send_multipart([f"w{rank}".encode(), encode(msg)])
+                except zmq.ZMQError as exc:
+                    raise TransportError(f"engine worker {rank} unreachable: {exc}") from exc
+            try:
+                with anyio.fail_after(timeout):
+                    replies = [await fut for _, _, fut in futures]
+            except TimeoutError as exc:
+                late = [rank for rank, _, fut in futures if not fut.done()]
+                raise SyncTimeoutError(
+                    f"{method} did not return within {timeout} s on engine worker(s) {late}"
+                ) from exc
+        finally:
+            for _, call_id, _ in futures:
+                self._pending.pop(call_id, None)
+        results = []
+        for (rank, _, _), reply in zip(futures, replies, strict=True):
+            if not reply.get("ok"):
+                raise rebuild_error(reply, f"engine worker {rank} ({method})")
+            results.append(reply.get("result"))
+        return results
+
+    async def _read_replies(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart()
+            if len(frames) != 2 or not frames[0].startswith(b"w"):
+                _log.warning("embedded engine: dropping a reply of %d frames", len(frames))
+                continue
+            try:
+                rank = int(frames[0][1:])
+                msg = decode(frames[1])
+            except (ValueError, TransportError) as exc:
+                _log.warning("embedded engine: dropping a malformed reply: %s", exc)
+                continue
+            if msg.get("t") in ("ready", "failed"):
+                if 0 <= rank < len(self._ready) and not self._ready[rank].done():
+                    self._ready[rank].set_result(msg)
+                continue
+            entry = self._pending.get(msg.get("id", -1))
+            if entry is not None and entry[0] == rank and not entry[1].done():
+                entry[1].set_result(msg)
+
+    def _on_worker_exit(self, rank: int) -> None:
+        proc = self._procs[rank]
+        loop = asyncio.get_event_loop()
+        loop.remove_reader(proc.sentinel)
+        proc.join(1)  # already exited (its sentinel fired): reaps it
+        reason = f"process {proc.pid} exited with code {proc.exitcode}"
+        self._dead[rank] = reason
+        if not self._closed:
+            _log.warning("embedded engine worker %d: %s", rank, reason)
+        error = TransportError(f"engine worker {rank} died: {reason}")
+        if rank < len(self._ready) and not self._ready[rank].done():
+            self._ready[rank].set_exception(error)
+        self._fail_pending(rank, error)
+
+    def _fail_pending(self, rank: int | None, error: Exception) -> None:
+        for worker, fut in list(self._pending.values()):
+            if (rank is None or worker == rank) and not fut.done():
+                fut.set_exception(error)
+
+    def _check_running(self) -> None:
+        if self._closed:
+            raise TransportError("the embedded engine was shut down")
+        if not self._started or self._sock is None:
+            raise SyncError("await EmbeddedEngine.start() first")
+
+    # -- GenerationBackend ----------------------------------------------------
+
+    async def prepare_for_generation(self, tags: Sequence[str] | None = None) -> None:
+        """Wake ``tags`` (``"weights"``, ``"kv_cache"``; None: all) on every worker.
+
+        After a level-2 sleep the weights wake zeroed and stay invalid until a
+        sync succeeds; :meth:`generate` refuses until then.
+        """
+        unknown = set(tags or ()) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"unknown tags {sorted(unknown)}; known: weights, kv_cache")
+        await self.collective_rpc("embedded_wake", (list(tags) if tags is not None else None,))
+
+    async def finish_generation(self) -> None:
+        """Sleep every worker at ``sleep_level`` (2 discards the weights)."""
+        discarded = await self.collective_rpc("embedded_sleep", (self.sleep_level,))
+        if any(discarded):
+            for listener in list(self._discard_listeners):
+                listener()
+
+    def add_weights_discarded_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` whenever the workers discard their weights (level-2 sleep).
+
+        A synchronizer registers ``_invalidate_engine_weights`` here so that it
+        knows a sync is needed before the engine may generate (case C6).
+        """
+        self._discard_listeners.append(listener)
+
+    async def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        timeout_s: float | None = None,
+    ) -> list[list[int]]:
+        """Generate for each prompt (token ids), split over the workers; only new ids returned.
+
+        Greedy when ``temperature == 0``. Prompts are split into contiguous
+        chunks, one per worker (data parallel); results come back in order.
+
+        Raises:
+            SyncError: a worker's weights are invalid (after a failed refit or a
+                level-2 sleep) or asleep.
+            TransportError, SyncTimeoutError: as :meth:`collective_rpc`.
+        """
+        batch = [list(p) for p in prompts]
+        chunk = -(-len(batch) // self.num_workers) if batch else 0
+        calls = []
+        for rank in range(self.num_workers):
+            part = batch[rank * chunk : (rank + 1) * chunk]
+            if part:
+                kwargs = {
+                    "max_new_tokens": max_new_tokens,
+                    "temperature": temperature,
+                    "seed": seed,
+                    "ignore_eos": ignore_eos,
+                }
+                calls.append((rank, [part], kwargs))
+        results = await self._call("embedded_generate", calls, timeout_s)
+        return [out for part in results for out in part]
+
+    # -- tests and tools ------------------------------------------------------
+
+    async def status(self) -> list[dict[str, Any]]:
+        """Each worker's ``{"rank", "pid", "weights_valid", "asleep"}``."""
+        return await self.collective_rpc("embedded_status")
+
+    async def hf_state_dicts(self) -> list[dict[str, torch.Tensor]]:
+        """Every worker's weights in HF checkpoint names (copies; for tests)."""
+        replies = await self.collective_rpc("embedded_state_dict")
+        return [
+            {
+                name: torch.frombuffer(bytearray(raw), dtype=dtype_from_name(dtype))
+                .reshape(shape)
+                .clone()
+                if raw
+                else torch.empty(shape, dtype=dtype_from_name(dtype))
+                for name, (dtype, shape, raw) in reply.items()
+            }
+            for reply in replies
+        ]

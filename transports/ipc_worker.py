@@ -1,0 +1,290 @@
+"""The engine side of the IPC transport: a worker mixin driven by ``collective_rpc``.
+
+:class:`IPCWorkerMixin` is mixed into an engine's worker class (vLLM's
+``worker_extension_cls``, the embedded engine's workers). The trainer calls,
+by name:
+
+* ``aiosync_ipc_init(plan)`` once: the worker rebuilds the
+  :class:`~transports.packing.BucketPlan` from its JSON form (re-deriving the
+  digest) and, where the model offers ``expected_manifest()``, compares the
+  manifests (names, shapes, dtypes; order is the trainer's) →
+  :class:`~aiosync.errors.RefitMismatchError` naming the first differences.
+* ``aiosync_ipc_receive(session)`` per sync: the worker connects a ZMQ DEALER to
+  the trainer's ``ipc://`` socket, says hello with the digest it holds (so a
+  mismatch stops the trainer before any data moves), then for each ``data``
+  message maps the buffer handle, unpacks zero-copy views and calls
+  ``self.model_runner.model.load_weights(views)``, and acknowledges the bucket
+  only after the copies finished (the trainer reuses a buffer only after every
+  worker's ack). On ``end`` it checks that every bucket arrived exactly once.
+
+Both return ``{"ok": True, ...}`` or ``{"ok": False, "type", "message"}`` rather
+than raising, so the trainer gets the typed error back from any engine's RPC.
+
+Protocol messages are msgpack maps (see ``transports/ipc.py``); one that does
+not decode is a :class:`~aiosync.errors.TransportError`. Every receive has a
+timeout: a trainer that died surfaces as :class:`~aiosync.errors.SyncTimeoutError`.
+
+``self.aiosync_weights_valid`` turns False when the first bucket lands and True
+only when the whole manifest did; engines refuse to generate while it is False.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import zmq
+
+from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
+from transports._shm import MappedBuffer, open_handle
+from transports._wire import decode, encode, error_fields
+from transports.packing import BucketPlan, compare_manifests, unpack
+
+__all__ = ["IPCWorkerMixin"]
+
+_log = logging.getLogger(__name__)
+
+#: Plans a worker remembers (one per trainer configuration it was initialised with).
+_MAX_PLANS = 4
+#: Slice of a receive wait after which the worker checks whether it was superseded, ms.
+_POLL_SLICE_MS = 100
+
+
+class IPCWorkerMixin:
+    """Receives refits from ``IPCWeightSynchronizer`` into ``model_runner.model.load_weights``.
+
+    Expects on the worker: ``self.model_runner.model.load_weights(iterable)``
+    taking HF checkpoint names, and optionally ``self.rank`` and
+    ``self.model_runner.model.expected_manifest()``.
+    """
+
+    aiosync_weights_valid: bool = True
+
+    # -- state (created lazily: mixins get no __init__ call in vLLM) ----------
+
+    def _aiosync_ipc_state(self) -> _ReceiverState:
+        state: _ReceiverState | None = getattr(self, "_aiosync_ipc", None)
+        if state is None:
+            state = _ReceiverState()
+            self._aiosync_ipc = state
+        return state
+
+    def _aiosync_rank(self) -> int:
+        return int(getattr(self, "rank", 0))
+
+    # -- RPCs -----------------------------------------------------------------
+
+    def aiosync_ipc_init(self, plan: Mapping[str, Any]) -> dict[str, Any]:
+        """Register the trainer's bucket plan (``BucketPlan.to_json()``).
+
+        Returns:
+            ``{"ok": True, "rank", "digest", "num_tensors"}``, or ``{"ok": False,
+            "type": "RefitMismatchError", "message"}`` when the plan is malformed
+            or its manifest differs from ``expected_manifest()`` (first
+            differing names on both sides).
+        """
+        try:
+            bucket_plan = BucketPlan.from_json(plan)
+            model = self.model_runner.model  # type: ignore[attr-defined]
+            expected = getattr(model, "expected_manifest", None)
+            if expected is not None:
+                _compare_unordered(bucket_plan.manifest(), expected())
+            self._aiosync_ipc_state().remember(bucket_plan)
+        except Exception as exc:
+            return {"ok": False, **error_fields(exc)}
+        return {
+            "ok": True,
+            "rank": self._aiosync_rank(),
+            "digest": bucket_plan.digest,
+            "num_tensors": bucket_plan.num_tensors,
+        }
+
+    def aiosync_ipc_receive(self, session: Mapping[str, Any]) -> dict[str, Any]:
+        """Receive one refit from the trainer (blocks until done, failed or timed out).
+
+        Args:
+            session: ``{"endpoint": "ipc://...", "sync_id": str, "digest": str,
+                "timeout_s": float}`` from the trainer.
+
+        Returns:
+            ``{"ok": True, "rank", "tensors", "bytes"}`` or ``{"ok": False, "type",
+            "message"}`` (``RefitMismatchError``: unknown digest, missing or
+            duplicate buckets; ``TransportError``: malformed message, trainer
+            abort; ``SyncTimeoutError``: nothing from the trainer in ``timeout_s``).
+        """
+        state = self._aiosync_ipc_state()
+        try:
+            endpoint = str(session["endpoint"])
+            sync_id = str(session["sync_id"])
+            digest = str(session["digest"])
+            timeout_s = float(session["timeout_s"])
+        except (KeyError, TypeError, ValueError) as exc:
+            return {"ok": False, **error_fields(TransportError(f"malformed session: {exc!r}"))}
+        # A newer session supersedes one still waiting (a trainer that failed and
+        # retried); only one receiver writes into the model at a time.
+        state.current = sync_id
+        if not state.lock.acquire(timeout=timeout_s):
+            error = SyncTimeoutError(f"a previous refit did not end within {timeout_s} s")
+            return {"ok": False, **error_fields(error)}
+        try:
+            return self._aiosync_receive(state, endpoint, sync_id, digest, timeout_s)
+        finally:
+            state.lock.release()
+
+    # -- the receive loop -----------------------------------------------------
+
+    def _aiosync_receive(
+        self, state: _ReceiverState, endpoint: str, sync_id: str, digest: str, timeout_s: float
+    ) -> dict[str, Any]:
+        rank = self._aiosync_rank()
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"{sync_id}/{rank}".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        mapped: dict[str, MappedBuffer] = {}
+        try:
+            sock.connect(endpoint)
+            plan = state.plans.get(digest)
+            if plan is None:
+                known = [d[:16] for d in state.plans]
+                raise RefitMismatchError(
+                    f"trainer's bucket plan {digest[:16]} is not the one this engine worker "
+                    f"was initialised with ({known or 'none'}): re-run init_communicator()"
+                )
+            sock.send(encode({"t": "hello", "sync_id": sync_id, "rank": rank, "digest": digest}))
+            tensors, nbytes = self._aiosync_load_buckets(
+                state, sock, plan, mapped, sync_id, timeout_s
+            )
+            sock.send(encode({"t": "done", "sync_id": sync_id, "rank": rank}))
+            return {"ok": True, "rank": rank, "tensors": tensors, "bytes": nbytes}
+        except Exception as exc:
+            if not isinstance(exc, SyncError):
+                exc = TransportError(f"engine worker {rank}: {type(exc).__name__}: {exc}")
+            fields = error_fields(exc)
+            with contextlib.suppress(zmq.ZMQError):
+                sock.send(
+                    encode({"t": "error", "sync_id": sync_id, "rank": rank, **fields}), zmq.NOBLOCK
+                )
+            return {"ok": False, **fields}
+        finally:
+            for buffer in mapped.values():
+                buffer.close()
+            sock.close(linger=0)
+
+    def _aiosync_load_buckets(
+        self,
+        state: _ReceiverState,
+        sock: zmq.Socket[bytes],
+        plan: BucketPlan,
+        mapped: dict[str, MappedBuffer],
+        sync_id: str,
+        timeout_s: float,
+    ) -> tuple[int, int]:
+        load_weights = self.model_runner.model.load_weights  # type: ignore[attr-defined]
+        arrived = [0] * len(plan.buckets)
+        tensors = nbytes = 0
+        while True:
+            msg = _recv(sock, state, sync_id, timeout_s)
+            kind = msg.get("t")
+            if kind == "data":
+                seq, index, handle = _data_fields(msg, len(plan.buckets))
+                bucket = plan.buckets[index]
+                key = repr(sorted(handle.items()))
+                buffer = mapped.get(key)
+                if buffer is None:
+                    buffer = mapped[key] = open_handle(handle)
+                self.aiosync_weights_valid = False
+                with torch.no_grad():
+                    loaded = load_weights(unpack(buffer.tensor, bucket))
+                if buffer.tensor.is_cuda:
+                    torch.cuda.current_stream(buffer.tensor.device).synchronize()
+                if handle.get("transient"):
+                    mapped.pop(key).close()
+                arrived[index] += 1
+                tensors += int(loaded) if isinstance(loaded, int) else len(bucket.slots)
+                nbytes += sum(slot.nbytes for slot in bucket.slots)
+                sock.send(encode({"t": "ack", "sync_id": sync_id, "seq": seq}))
+            elif kind == "end":
+                _check_arrivals(plan, arrived)
+                self.aiosync_weights_valid = True
+                return tensors, nbytes
+            elif kind == "abort":
+                raise TransportError(f"the trainer aborted the refit: {msg.get('reason', '')}")
+            else:
+                raise TransportError(f"unexpected message type {kind!r}")
+
+
+class _ReceiverState:
+    def __init__(self) -> None:
+        self.plans: OrderedDict[str, BucketPlan] = OrderedDict()
+        self.lock = threading.Lock()
+        self.current: str | None = None
+
+    def remember(self, plan: BucketPlan) -> None:
+        self.plans[plan.digest] = plan
+        self.plans.move_to_end(plan.digest)
+        while len(self.plans) > _MAX_PLANS:
+            self.plans.popitem(last=False)
+
+
+def _compare_unordered(
+    trainer: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    engine: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+) -> None:
+    # The engine's loader takes names in any order; compare names, shapes and
+    # dtypes in the trainer's order so only real differences are reported.
+    reordered = {name: engine[name] for name in trainer if name in engine}
+    reordered.update((name, spec) for name, spec in engine.items() if name not in trainer)
+    compare_manifests(trainer, reordered)
+
+
+def _recv(
+    sock: zmq.Socket[bytes], state: _ReceiverState, sync_id: str, timeout_s: float
+) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if state.current != sync_id:
+            raise TransportError("superseded by a newer refit")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise SyncTimeoutError(f"no message from the trainer within {timeout_s} s")
+        if sock.poll(min(_POLL_SLICE_MS, max(1, int(remaining * 1000)))):
+            msg = decode(sock.recv())
+            if msg.get("sync_id") != sync_id:
+                raise TransportError(
+                    f"message for refit {msg.get('sync_id')!r} during refit {sync_id!r}"
+                )
+            return msg
+
+
+def _data_fields(msg: Mapping[str, Any], num_buckets: int) -> tuple[int, int, dict[str, Any]]:
+    try:
+        seq = int(msg["seq"])
+        index = int(msg["bucket"])
+        handle = msg["handle"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise TransportError(f"malformed data message: {exc!r}") from exc
+    if not isinstance(handle, dict):
+        raise TransportError("malformed data message: handle is not a map")
+    if not 0 <= index < num_buckets:
+        raise RefitMismatchError(f"bucket {index} is not in the plan ({num_buckets} buckets)")
+    return seq, index, handle
+
+
+def _check_arrivals(plan: BucketPlan, arrived: list[int]) -> None:
+    missing = [plan.buckets[i] for i, n in enumerate(arrived) if n == 0]
+    duplicate = [plan.buckets[i] for i, n in enumerate(arrived) if n > 1]
+    problems = []
+    if missing:
+        names = [s.name for b in missing for s in b.slots]
+        problems.append(f"{len(names)} tensor(s) never arrived, first: {names[:3]}")
+    if duplicate:
+        names = [s.name for b in duplicate for s in b.slots]
+        problems.append(f"{len(names)} tensor(s) arrived more than once, first: {names[:3]}")
+    if problems:
+        raise RefitMismatchError("incomplete refit: " + "; ".join(problems))

@@ -1,0 +1,16 @@
+"""The worker extension users hand to the engine: every aiosync receiver in one class.
+
+vLLM: ``LLM(..., worker_extension_cls="transports.worker_extension.AiosyncWorkerExtension")``;
+the trainer then drives the ``aiosync_*`` methods with ``collective_rpc``. The
+embedded engine mixes this class into its workers by default.
+"""
+
+from __future__ import annotations
+
+from transports.ipc_worker import IPCWorkerMixin
+
+__all__ = ["AiosyncWorkerExtension"]
+
+
+class AiosyncWorkerExtension(IPCWorkerMixin):
+    """All engine-side receivers: IPC (colocated) and, once added, collective."""
