@@ -40,7 +40,7 @@ class _Entry:
     module_key: str  # key in the (wrapped) model's state_dict
     key: str  # the same without wrapper prefixes, as the reverter expects it
     outputs: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]  # (hf_name, shape, dtype)
-    converted: bool  # False: one output, same tensor under (maybe) another name
+    converted: bool  # False: the tensor itself is the checkpoint tensor ``outputs[0]``
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -142,17 +142,20 @@ class DTensorRefitSource(RefitSource):
         for module_key, key, tensor in self._module_tensors():
             meta = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
             metas[key] = meta
-            converted = self._reverter(key, meta) if self._reverter is not None else {key: meta}
+            reverted = self._reverter(key, meta) if self._reverter is not None else {key: meta}
             outputs = tuple(
                 (name, tuple(t.shape), self._target_dtype(name, t.dtype))
-                for name, t in converted.items()
+                for name, t in reverted.items()
             )
             for name, _, _ in outputs:
                 if name in seen:
                     raise RefitMismatchError(f"checkpoint name {name!r} produced twice")
                 seen.add(name)
-            plain = len(outputs) == 1 and outputs[0][1] == tuple(tensor.shape)
-            entries.append(_Entry(module_key, key, outputs, converted=not plain))
+            # transformers' reversal leaves an unconverted tensor as it is, so it is
+            # skipped; an adapter may change values at the same shape, so it never is.
+            untouched = len(outputs) == 1 and outputs[0][:2] == (key, tuple(tensor.shape))
+            converted = self._reverter is not None and (self._hf_model is None or not untouched)
+            entries.append(_Entry(module_key, key, outputs, converted=converted))
         if self._hf_model is not None:
             entries = self._in_checkpoint_order(entries, metas)
         return tuple(entries)
