@@ -129,6 +129,8 @@ def _layer_rules(cfg: ConfigView, prefix: str, layer: int, kind: str) -> list[Ru
     a_hf, a_nnx = f"{hf}self_attn.", (*nnx, "attn")
 
     rules = [
+        # The layer's own buffer comes first in its state_dict, before any submodule.
+        copy(f"{hf}layer_scalar", (*nnx, "skip_scale"), (1,)),
         heads_in_nhd(f"{a_hf}q_proj.weight", (*a_nnx, "q_einsum", "w"), n, d, h),
         _norm(f"{a_hf}q_norm.weight", (*a_nnx, "query_norm"), d),
     ]
@@ -153,7 +155,6 @@ def _layer_rules(cfg: ConfigView, prefix: str, layer: int, kind: str) -> list[Ru
         _norm(f"{hf}post_attention_layernorm.weight", (*nnx, "post_attention_norm"), h),
         _norm(f"{hf}pre_feedforward_layernorm.weight", (*nnx, "pre_ffw_norm"), h),
         _norm(f"{hf}post_feedforward_layernorm.weight", (*nnx, "post_ffw_norm"), h),
-        copy(f"{hf}layer_scalar", (*nnx, "skip_scale"), (1,)),
     ]
 
     p = cfg.int("hidden_size_per_layer_input", default=0)
@@ -172,9 +173,9 @@ def _layer_rules(cfg: ConfigView, prefix: str, layer: int, kind: str) -> list[Ru
         e, im = cfg.int("num_experts"), cfg.int("moe_intermediate_size")
         moe = (*nnx, "moe")
         rules += [
-            linear(f"{hf}router.proj.weight", (*moe, "router_logits"), e, h),
             copy(f"{hf}router.scale", (*moe, "router_scale"), (h,)),
             copy(f"{hf}router.per_expert_scale", (*moe, "per_expert_scale"), (e,)),
+            linear(f"{hf}router.proj.weight", (*moe, "router_logits"), e, h),
             Rule(
                 (f"{hf}experts.gate_up_proj",),
                 ((*moe, "gating_einsum"),),
@@ -202,6 +203,10 @@ def _text_map(
     h, v = cfg.int("hidden_size"), cfg.int("vocab_size")
     n_layers = cfg.int("num_hidden_layers")
     rules = [copy(f"{prefix}embed_tokens.weight", ("embedder", "input_embedding"), (v, h))]
+    for layer, kind in enumerate(_layer_types(cfg)):
+        rules += _layer_rules(cfg, prefix, layer, kind)
+    rules.append(_norm(f"{prefix}norm.weight", ("final_norm",), h))
+    # The PLE modules are registered after `norm`, so they follow it in the state_dict.
     p = cfg.int("hidden_size_per_layer_input", default=0)
     if p:
         vp = cfg.int("vocab_size_per_layer_input")
@@ -224,9 +229,6 @@ def _text_map(
                 p,
             ),
         ]
-    for layer, kind in enumerate(_layer_types(cfg)):
-        rules += _layer_rules(cfg, prefix, layer, kind)
-    rules.append(_norm(f"{prefix}norm.weight", ("final_norm",), h))
     if not tied:
         rules.append(linear("lm_head.weight", ("lm_head", "w"), v, h))
     return ModelMap(model_type, rules, ignore_prefixes=ignore)

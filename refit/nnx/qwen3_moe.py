@@ -44,11 +44,27 @@ def moe_rules(cfg: ConfigView, hf: str, nnx: NNXPath) -> list[Rule]:
     h, e = cfg.int("hidden_size"), num_experts(cfg)
     im = cfg.int("moe_intermediate_size")
     per_expert = [f"{hf}experts.{x}." for x in range(e)]
+    # transformers holds gate and up fused as `experts.gate_up_proj` (gate rows first).
+    fused_gu = f"{hf}experts.gate_up_proj"
     return [
         linear(f"{hf}gate.weight", (*nnx, "router", "kernel"), e, h),
-        stacked_experts([f"{p}gate_proj.weight" for p in per_expert], (*nnx, "gate_proj"), im, h),
-        stacked_experts([f"{p}up_proj.weight" for p in per_expert], (*nnx, "up_proj"), im, h),
-        stacked_experts([f"{p}down_proj.weight" for p in per_expert], (*nnx, "down_proj"), h, im),
+        stacked_experts(
+            [f"{p}gate_proj.weight" for p in per_expert],
+            (*nnx, "gate_proj"),
+            im,
+            h,
+            sort_as=fused_gu,
+        ),
+        stacked_experts(
+            [f"{p}up_proj.weight" for p in per_expert], (*nnx, "up_proj"), im, h, sort_as=fused_gu
+        ),
+        stacked_experts(
+            [f"{p}down_proj.weight" for p in per_expert],
+            (*nnx, "down_proj"),
+            h,
+            im,
+            sort_as=f"{hf}experts.down_proj",
+        ),
     ]
 
 
@@ -71,4 +87,4 @@ def qwen3_moe_map(config: Any) -> ModelMap:
             rules += dense_mlp_rules(f"{hf}mlp.", (*nnx, "mlp"), h, i)
         rules += layer_norm_rules(hf, nnx, h)
     rules += head_rules(cfg)
-    return ModelMap("qwen3_moe", rules)
+    return ModelMap("qwen3_moe", rules, order="natural")

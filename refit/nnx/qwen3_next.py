@@ -151,4 +151,4 @@ def qwen3_next_map(config: Any) -> ModelMap:
             rules += dense_mlp_rules(f"{hf}mlp.", (*nnx, "mlp"), h, i)
         rules += layer_norm_rules(hf, nnx, h)
     rules += head_rules(cfg)
-    return ModelMap("qwen3_next", rules, ignore_prefixes=("mtp.",))
+    return ModelMap("qwen3_next", rules, order="natural", ignore_prefixes=("mtp.",))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -39,6 +39,7 @@ __all__ = [
     "ModelMap",
     "NNXPath",
     "Rule",
+    "checkpoint_sort_key",
     "copy",
     "flatten_params",
     "heads_in",
@@ -76,6 +77,9 @@ class Rule:
         nnx: NNX state paths, in the order the chain produces them.
         hf_shapes: the HF tensors' shapes (from the config), one per name.
         chain: transforms HF → JAX; empty means the array is kept as is.
+        sort_as: the name transformers holds these tensors under in memory
+            (``…experts.gate_up_proj`` for per-expert gate/up weights), which
+            decides their place in a ``"natural"``-ordered map; default ``hf[0]``.
         nnx_shapes: derived: the JAX arrays' shapes.
 
     Raises:
@@ -87,6 +91,7 @@ class Rule:
     nnx: tuple[NNXPath, ...]
     hf_shapes: tuple[Shape, ...]
     chain: tuple[Transform, ...] = ()
+    sort_as: str | None = None
     nnx_shapes: tuple[Shape, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -148,22 +153,44 @@ def heads_out(hf: str, path: NNXPath, heads: int, head_dim: int, hidden: int) ->
     )
 
 
-def stacked_experts(hf: Sequence[str], path: NNXPath, out_features: int, in_features: int) -> Rule:
+def stacked_experts(
+    hf: Sequence[str], path: NNXPath, out_features: int, in_features: int, *, sort_as: str
+) -> Rule:
     """Per-expert ``[out, in]`` weights ↔ one stacked ``(E, in, out)`` array.
 
     Each expert is transposed like a Linear kernel, then the E experts are
     stacked on axis 0 (tunix ``_stack_experts``); the refit unbinds them back
-    into ``E`` tensors named ``…experts.{e}.…``.
+    into ``E`` tensors named ``…experts.{e}.…``. ``sort_as`` is transformers'
+    fused in-memory name (see :class:`Rule`).
     """
     return Rule(
         tuple(hf),
         (path,),
         ((out_features, in_features),) * len(hf),
         (Transpose((1, 0)), Stack(0)),
+        sort_as=sort_as,
     )
 
 
 # -- the NNX state as flat paths ---------------------------------------------
+
+
+def checkpoint_sort_key(name: str) -> list[tuple[Any, ...]]:
+    """Sort key of transformers' ``save_pretrained`` reordering (``dot_natural_key``).
+
+    When a model has a weight conversion (fused experts), transformers sorts
+    the in-memory names by this key before reverting them: dotted parts, digits
+    numerically and before words, a word's trailing digits numerically.
+    """
+    parts: list[tuple[Any, ...]] = []
+    for part in name.split("."):
+        if part.isdigit():
+            parts.append((0, int(part)))
+            continue
+        text = part.rstrip("0123456789")
+        digits = part[len(text) :]
+        parts.append((1, text, int(digits)) if digits else (1, text))
+    return parts
 
 
 def _key(k: Any) -> str | int:
@@ -218,8 +245,15 @@ class ModelMap:
 
     Args:
         model_type: the HF ``model_type`` it was built for.
-        rules: the table, in HF checkpoint order (embeddings, layers in order,
-            final norm, ``lm_head``); :meth:`to_hf` streams in this order.
+        rules: the table, in the model's ``state_dict`` order (module
+            registration order, fused experts expanded in place).
+        order: ``"table"`` streams in rule order; ``"natural"`` sorts the rules
+            (stably) by :func:`checkpoint_sort_key` of ``sort_as``, as
+            ``save_pretrained`` does for models with a weight conversion
+            (Qwen3-MoE, Qwen3-Next). Either way the stream order is the order of
+            transformers' own reverted state dict, so a manifest built from the
+            torch model (``refit.DTensorRefitSource``) lists the same names in
+            the same order.
         ignore_prefixes: HF names the loader skips without error (``mtp.`` for
             Qwen3-Next, the vision/audio towers of a multimodal Gemma 4).
 
@@ -232,9 +266,14 @@ class ModelMap:
         model_type: str,
         rules: Sequence[Rule],
         *,
+        order: Literal["table", "natural"] = "table",
         ignore_prefixes: Sequence[str] = (),
     ) -> None:
         self.model_type = model_type
+        if order == "natural":
+            rules = sorted(rules, key=lambda r: checkpoint_sort_key(r.sort_as or r.hf[0]))
+        elif order != "table":
+            raise ValueError(f"order must be 'table' or 'natural', got {order!r}")
         self.rules: tuple[Rule, ...] = tuple(rules)
         self.ignore_prefixes = tuple(ignore_prefixes)
         self._hf_shapes: dict[str, Shape] = {}
