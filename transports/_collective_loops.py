@@ -1,0 +1,214 @@
+"""The two halves of one sync on the data group: the source's send loop and a receiver's.
+
+Both follow the wire format of :mod:`transports._collective_wire` and keep at
+least two buckets in flight: the source packs bucket ``k+1`` while bucket ``k``
+is on the wire, and a receiver posts the receive of bucket ``k+1`` before it
+loads bucket ``k``. Each loop ends with the vote (:meth:`SyncGroup.agree`), so
+all ranks raise together or none does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from aiosync.errors import RefitMismatchError, SyncError, TransportError
+
+from ._collective_wire import (
+    decode_trailer,
+    encode_trailer,
+    header_tensor,
+    trailer_nbytes,
+    validate_header,
+)
+from ._pg import STATUS_ERROR, STATUS_MISMATCH, STATUS_OK, SyncGroup
+from .packing import Bucket, BucketPlan, bucket_checksum, group_by_bucket, pack
+
+__all__ = ["RotatingBuffers", "SendResult", "receive_buckets", "send_buckets"]
+
+
+class RotatingBuffers:
+    """``count`` reusable ``uint8`` buffers of the plan's regular bucket size.
+
+    A bucket larger than ``plan.bucket_bytes`` (one oversized tensor, case C1)
+    gets a buffer of its own for that sync instead of growing every buffer.
+    """
+
+    def __init__(self, plan: BucketPlan, device: torch.device, count: int = 2) -> None:
+        regular = [b.nbytes for b in plan.buckets if b.nbytes <= plan.bucket_bytes]
+        size = max(regular, default=0)
+        self._buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(count)]
+        self._device = device
+
+    def __call__(self, bucket: Bucket) -> torch.Tensor:
+        buf = self._buffers[bucket.index % len(self._buffers)]
+        if bucket.nbytes > buf.numel():
+            return torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._device)
+        return buf[: bucket.nbytes]
+
+
+def _status_of(exc: BaseException) -> int:
+    return STATUS_MISMATCH if isinstance(exc, RefitMismatchError) else STATUS_ERROR
+
+
+@dataclass(frozen=True, slots=True)
+class SendResult:
+    """What the source sent: payload bytes and, with verify, per-bucket checksums."""
+
+    nbytes: int
+    checksums: list[int]
+
+
+def _cuda_stream(device: torch.device) -> Any:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.Stream(device=device)
+
+
+def send_buckets(
+    group: SyncGroup,
+    plan: BucketPlan,
+    buffers: RotatingBuffers,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    version: int,
+    kv: list[tuple[str, float]],
+    verify: bool,
+    cancelled: Callable[[], bool] = lambda: False,
+) -> SendResult:
+    """Source side: header, packed buckets, trailer, vote (blocking).
+
+    ``weights`` is consumed lazily, so producing (gathering) bucket ``k+1``
+    overlaps the broadcast of bucket ``k``. On CUDA packing runs on a side
+    stream that the broadcast waits for. If the source fails half-way (the
+    stream differs from the plan) it still sends the remaining buckets, so no
+    receiver is left blocked, and votes the failure: every rank then raises.
+
+    Raises:
+        RefitMismatchError: the weights differ from the plan (on every rank).
+        TransportError, SyncTimeoutError: a collective failed (group broken).
+    """
+    header = header_tensor(version, plan, len(kv), verify).to(group.device)
+    group.wait(group.broadcast(header, what="broadcast of the sync header"), what="header")
+    stream = _cuda_stream(group.device)
+    pending: dict[int, Any] = {}
+    checksums: list[int] = []
+    failure: BaseException | None = None
+    groups: Iterator[tuple[Bucket, list[tuple[str, torch.Tensor]]]] = group_by_bucket(weights, plan)
+    for bucket in plan.buckets:
+        if cancelled():
+            group.broken = True  # receivers wait for buckets that will not come
+            raise TransportError("sync cancelled")
+        buf = buffers(bucket)
+        slot = bucket.index % 2
+        if slot in pending:
+            group.wait(pending.pop(slot), what=f"broadcast of bucket {bucket.index - 2}")
+        if failure is None:
+            try:
+                _, tensors = next(groups)
+                with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+                    if stream is not None:
+                        stream.wait_stream(torch.cuda.current_stream(group.device))
+                        for _, t in tensors:
+                            t.record_stream(stream)
+                    pack(bucket, tensors, out=buf)
+            except SyncError as exc:
+                failure = exc
+            except Exception as exc:
+                failure = TransportError(f"source failed at bucket {bucket.index}: {exc!r}")
+        if verify:
+            checksums.append(bucket_checksum(buf))
+        with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+            pending[slot] = group.broadcast(buf, what=f"broadcast of bucket {bucket.index}")
+    for slot in sorted(pending):
+        group.wait(pending[slot], what="last bucket broadcasts")
+    if failure is None and plan.buckets:
+        # group_by_bucket raises on an extra tensor only when asked for more.
+        try:
+            next(groups)
+        except StopIteration:
+            pass
+        except SyncError as exc:
+            failure = exc
+    if trailer_nbytes(len(kv), len(plan.buckets), verify):
+        trailer = encode_trailer([v for _, v in kv], checksums).to(group.device)
+        group.wait(group.broadcast(trailer, what="broadcast of the trailer"), what="trailer")
+    if failure is not None:
+        group.agree(_status_of(failure), f"source failed: {failure}")
+        raise failure  # agree() raised already unless the vote was lost
+    group.agree(STATUS_OK)
+    return SendResult(plan.total_bytes + 4 * len(kv), checksums)
+
+
+def receive_buckets(
+    group: SyncGroup,
+    plan: BucketPlan,
+    buffer_for: Callable[[Bucket], torch.Tensor],
+    *,
+    version: int,
+    n_kv: int,
+    verify: bool,
+    on_bucket: Callable[[Bucket, torch.Tensor], None] | None,
+) -> tuple[torch.Tensor, list[int]]:
+    """Receiver side: header, buckets, trailer, checks, vote (blocking).
+
+    ``on_bucket(bucket, buffer)`` (in-place mode: load the weights) runs while
+    the next bucket is in flight; if it raises, the loop keeps receiving (so
+    the source is not left blocked), stops loading, and votes the failure.
+
+    Returns:
+        ``(float32[n_kv] kv scales, this rank's per-bucket checksums)``.
+
+    Raises:
+        TransportError: bad header, checksum mismatch, or a rank's failure (every rank).
+        RefitMismatchError: a rank could not accept the weights (every rank).
+        SyncTimeoutError: a collective ran past the group's timeout.
+    """
+    header = torch.zeros(5 + len(plan.buckets), dtype=torch.int64, device=group.device)
+    group.wait(group.broadcast(header, what="receive of the sync header"), what="header")
+    try:
+        validate_header(header, version, plan, n_kv, verify)
+    except TransportError:
+        group.broken = True  # the rest of the stream cannot be interpreted
+        raise
+    failure: BaseException | None = None
+    local: list[int] = []
+    pending: Any = None
+    buffers = [buffer_for(b) for b in plan.buckets[:1]]
+    if plan.buckets:
+        pending = group.broadcast(buffers[0], what="receive of bucket 0")
+    for bucket in plan.buckets:
+        buf = buffers[-1]
+        group.wait(pending, what=f"receive of bucket {bucket.index}")
+        if verify:
+            local.append(bucket_checksum(buf))
+        if bucket.index + 1 < len(plan.buckets):
+            nxt = buffer_for(plan.buckets[bucket.index + 1])
+            buffers = [buf, nxt]
+            pending = group.broadcast(nxt, what=f"receive of bucket {bucket.index + 1}")
+        if on_bucket is not None and failure is None:
+            try:
+                on_bucket(bucket, buf)
+            except Exception as exc:
+                failure = exc
+    kv = torch.empty(0, dtype=torch.float32)
+    remote: list[int] = []
+    size = trailer_nbytes(n_kv, len(plan.buckets), verify)
+    if size:
+        trailer = torch.zeros(size, dtype=torch.uint8, device=group.device)
+        group.wait(group.broadcast(trailer, what="receive of the trailer"), what="trailer")
+        kv, remote = decode_trailer(trailer, n_kv, len(plan.buckets) if verify else 0)
+    if failure is None and verify and local != remote:
+        bad = next(i for i, (a, b) in enumerate(zip(local, remote, strict=True)) if a != b)
+        failure = TransportError(
+            f"checksum mismatch in bucket {bad}: received data differs from what the source sent"
+        )
+    if failure is not None:
+        group.agree(_status_of(failure), f"{type(failure).__name__}: {failure}")
+        raise failure
+    group.agree(STATUS_OK)
+    return kv, local

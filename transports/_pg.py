@@ -1,0 +1,292 @@
+"""A dedicated torch.distributed group for one non-colocated sync session.
+
+The trainer and the engine each already run their own default process groups
+(FSDP, tensor parallelism). The sync group must not touch them, so it is built
+from torch's backend classes directly over its own ``TCPStore`` rather than
+through ``init_process_group``/``new_group`` (which need, and would join, the
+default group):
+
+* ``ctrl`` — a ``ProcessGroupGloo`` of every rank (trainer ranks ``0..T-1``,
+  inference ranks ``T..T+W-1``), over CPU tensors: manifest digests and the
+  per-sync vote. Gloo on GPU too, so small control messages never queue behind
+  bucket broadcasts.
+* ``data`` — the bucket broadcasts, on ``nccl`` (CUDA) or ``gloo`` (CPU), over
+  only the source (trainer rank 0, data rank 0) and the inference ranks (data
+  rank ``1 + i``): non-source trainer ranks take part in the gathers of
+  ``iter_weights()`` but never receive a byte.
+
+Every blocking call here has the group's timeout (seconds). Failures surface as
+:class:`~aiosync.errors.TransportError` (a peer died, the connection closed) or
+:class:`~aiosync.errors.SyncTimeoutError` and mark the group :attr:`SyncGroup.broken`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions, BroadcastOptions
+
+from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
+
+__all__ = ["STATUS_ERROR", "STATUS_MISMATCH", "STATUS_OK", "SyncGroup", "create_sync_group"]
+
+#: Vote codes (one per rank) exchanged after each sync and at formation.
+STATUS_OK = 0
+STATUS_MISMATCH = 1
+STATUS_ERROR = 2
+
+_DIGEST_BYTES = 32  # SHA-256 of the bucket plan
+
+
+def _wrap(exc: BaseException, what: str) -> SyncError:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return SyncTimeoutError(f"{what}: {text}")
+    return TransportError(f"{what}: {text}")
+
+
+@dataclass(eq=False)
+class SyncGroup:
+    """One session's store and process groups (see the module docstring).
+
+    Attributes:
+        rank: this process's rank in the session (trainer ``0..T-1``, inference ``T..``).
+        world_size: ``T + W`` ranks.
+        train_world_size: ``T``, the trainer ranks.
+        backend: ``"nccl"`` or ``"gloo"``, the data group's backend.
+        device: where bucket buffers live (``cuda:N`` for nccl, ``cpu`` for gloo).
+        timeout_s: limit of every collective and store wait, seconds.
+        broken: a collective failed; the group must be destroyed and formed again.
+    """
+
+    rank: int
+    world_size: int
+    train_world_size: int
+    backend: str
+    device: torch.device
+    timeout_s: float
+    store: dist.Store
+    ctrl: Any
+    data: Any | None
+    session: str
+    broken: bool = False
+    _votes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def is_source(self) -> bool:
+        """True on trainer rank 0, the only rank that sends."""
+        return self.rank == 0
+
+    def describe_rank(self, rank: int) -> str:
+        """``"trainer rank 0"`` / ``"inference rank 2"`` for error messages."""
+        if rank < self.train_world_size:
+            return f"trainer rank {rank}"
+        return f"inference rank {rank - self.train_world_size}"
+
+    @contextmanager
+    def _guard(self, what: str) -> Iterator[None]:
+        if self.broken:
+            raise TransportError(f"{what}: the sync group is broken; form it again")
+        try:
+            yield
+        except SyncError:
+            self.broken = True
+            raise
+        except Exception as exc:
+            self.broken = True
+            raise _wrap(exc, what) from exc
+
+    # -- data group ------------------------------------------------------------
+
+    def broadcast(self, tensor: torch.Tensor, *, what: str) -> Any:
+        """Start broadcasting contiguous ``tensor`` from the source; returns the work handle.
+
+        Call :meth:`wait` on the handle before reading (receiver) or reusing
+        (source) ``tensor``. Raises :class:`TransportError` on a non-data rank.
+        """
+        if self.data is None:
+            raise TransportError(f"{self.describe_rank(self.rank)} is not in the data group")
+        opts = BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        opts.timeout = datetime.timedelta(seconds=self.timeout_s)
+        with self._guard(what):
+            return self.data.broadcast([tensor], opts)
+
+    def wait(self, work: Any, *, what: str) -> None:
+        """Wait for a handle from :meth:`broadcast` (on CUDA: the current stream waits)."""
+        with self._guard(what):
+            work.wait()
+
+    # -- control group ---------------------------------------------------------
+
+    def exchange(
+        self, status: int, message: str = "", digest: str = ""
+    ) -> list[tuple[int, str, str]]:
+        """All ranks publish a status code, a message and a plan digest; all get all.
+
+        A rank with a non-OK status writes its message to the store before the
+        all-gather, so every other rank can read it right after, without waiting.
+
+        Returns:
+            ``[(status, digest_hex, message)]`` indexed by session rank.
+        """
+        with self._lock:
+            self._votes += 1
+            key = f"vote/{self._votes}/"
+        payload = torch.zeros(1 + _DIGEST_BYTES, dtype=torch.uint8)
+        payload[0] = status
+        if digest:
+            payload[1:] = torch.frombuffer(bytearray(bytes.fromhex(digest)), dtype=torch.uint8)
+        outs = [torch.empty_like(payload) for _ in range(self.world_size)]
+        with self._guard("control all-gather"):
+            if status != STATUS_OK:
+                self.store.set(key + str(self.rank), message)
+            opts = AllgatherOptions()
+            opts.timeout = datetime.timedelta(seconds=self.timeout_s)
+            self.ctrl.allgather([outs], [payload], opts).wait()
+            result = []
+            for rank, out in enumerate(outs):
+                code = int(out[0])
+                text = ""
+                if code != STATUS_OK:
+                    text = (
+                        message if rank == self.rank else self.store.get(key + str(rank)).decode()
+                    )
+                result.append((code, bytes(out[1:].tolist()).hex(), text))
+        return result
+
+    def agree(self, status: int, message: str = "", digest: str = "") -> None:
+        """:meth:`exchange`, then raise the same error on every rank if anyone failed.
+
+        Raises:
+            RefitMismatchError: a rank reported a manifest mismatch, or digests differ.
+            TransportError: a rank reported another failure.
+        """
+        votes = self.exchange(status, message, digest)
+        problems = [
+            f"{self.describe_rank(r)}: {text}"
+            for r, (code, _, text) in enumerate(votes)
+            if code != STATUS_OK
+        ]
+        if digest:
+            digests = {d for _, d, _ in votes}
+            if len(digests) > 1:
+                odd = [
+                    self.describe_rank(r) for r, (_, d, _) in enumerate(votes) if d != votes[0][1]
+                ]
+                problems.append(
+                    f"bucket plan digest differs from {self.describe_rank(0)} on {', '.join(odd)}"
+                )
+        if not problems:
+            return
+        text = "; ".join(problems)
+        if digest or any(code == STATUS_MISMATCH for code, _, _ in votes):
+            raise RefitMismatchError(text)
+        raise TransportError(text)
+
+    # -- teardown --------------------------------------------------------------
+
+    def destroy(self) -> None:
+        """Tear down both groups and drop the store. Idempotent; never raises.
+
+        A broken group is aborted (pending collectives fail at once on the
+        peers), a healthy one shut down gracefully.
+        """
+        for pg in (self.data, self.ctrl):
+            if pg is None:
+                continue
+            try:
+                if self.broken and hasattr(pg, "abort"):
+                    pg.abort()
+                else:
+                    pg.shutdown()
+            except Exception:  # teardown of a group whose peers are gone
+                pass
+        self.data = None
+        self.ctrl = None
+        self.broken = True
+
+
+def _make_backend(
+    backend: str, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta
+) -> Any:
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":
+        nccl = getattr(dist, "ProcessGroupNCCL", None)
+        if nccl is None or not torch.cuda.is_available():
+            raise TransportError("backend 'nccl' needs a CUDA build of torch and a visible GPU")
+        opts = nccl.Options()
+        opts._timeout = timeout
+        return nccl(store, rank, size, opts)
+    raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+
+
+def create_sync_group(
+    *,
+    master_addr: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    train_world_size: int,
+    backend: str,
+    device: torch.device,
+    timeout_s: float,
+    session: str,
+) -> SyncGroup:
+    """Rendezvous at ``master_addr:master_port`` and build the session's groups (blocking).
+
+    Rank 0 hosts the ``TCPStore``; the others connect (retrying until
+    ``timeout_s``). Keys live under ``aiosync/<session>/`` so a re-formed group
+    never reads a previous session's keys.
+
+    Raises:
+        SyncTimeoutError: a rank did not join within ``timeout_s`` seconds.
+        TransportError: the port is taken, or the backend is unavailable.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        store = dist.TCPStore(
+            master_addr, master_port, None, rank == 0, timeout, wait_for_workers=False
+        )
+    except Exception as exc:
+        raise _wrap(exc, f"sync-group store at {master_addr}:{master_port}") from exc
+    root = dist.PrefixStore(f"aiosync/{session}", store)
+    ctrl = data = None
+    try:
+        ctrl = dist.ProcessGroupGloo(dist.PrefixStore("ctrl", root), rank, world_size, timeout)
+        in_data = rank == 0 or rank >= train_world_size
+        if in_data:
+            data_rank = 0 if rank == 0 else 1 + rank - train_world_size
+            data_size = 1 + world_size - train_world_size
+            data = _make_backend(
+                backend, dist.PrefixStore("data", root), data_rank, data_size, timeout
+            )
+    except SyncError:
+        raise
+    except Exception as exc:
+        for pg in (ctrl, data):
+            if pg is not None:
+                pg.shutdown()
+        raise _wrap(exc, f"forming the sync group ({backend}, {world_size} ranks)") from exc
+    return SyncGroup(
+        rank=rank,
+        world_size=world_size,
+        train_world_size=train_world_size,
+        backend=backend,
+        device=device,
+        timeout_s=timeout_s,
+        store=root,
+        ctrl=ctrl,
+        data=data,
+        session=session,
+    )

@@ -1,0 +1,426 @@
+"""Non-colocated transport: packed, pipelined broadcast from the trainer to every worker.
+
+The trainer (``T`` ranks) and the engine (``W`` workers) run on separate devices
+or machines. :class:`CollectiveWeightSynchronizer` forms a dedicated
+torch.distributed group (:mod:`transports._pg`: NCCL on CUDA, gloo on CPU) and,
+per sync, broadcasts the manifest's packed buckets (:mod:`transports.packing`)
+from trainer rank 0. It is a pure data mover: no sleep/wake of the engine.
+
+Timeline of one sync (in-place)::
+
+    trainer rank 0      header | pack 0 | pack 1, send 0 | pack 2, send 1 | ... | trailer | vote
+    inference ranks     header | recv 0 | recv 1, load 0 | recv 2, load 1 | ... | trailer | vote
+
+With ``overlap="staged"`` the workers receive into a staging area in a
+background thread while they keep generating, and pause generation only for
+the final copy into the live weights (``aiosync_collective_commit``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, TypeVar
+
+import anyio
+import anyio.to_thread
+import torch
+
+from aiosync._config import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_RPC_TIMEOUT_S,
+    DEFAULT_SYNC_TIMEOUT_S,
+)
+from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
+from aiosync.interfaces import (
+    EngineWorkers,
+    KVScales,
+    RefitSource,
+    TrainCluster,
+    WeightSynchronizer,
+)
+
+from ._collective_loops import RotatingBuffers, SendResult, send_buckets
+from ._collective_wire import kv_scale_entries
+from ._pg import STATUS_ERROR, STATUS_MISMATCH, STATUS_OK, SyncGroup, create_sync_group
+from .packing import BucketPlan, group_by_bucket, plan_buckets
+
+__all__ = ["CollectiveWeightSynchronizer", "default_bucket_bytes", "kv_scale_entries"]
+
+_T = TypeVar("_T")
+
+#: Cap of the GPU default bucket size, bytes (NeMo-RL's choice).
+_MAX_GPU_BUCKET_BYTES = 5 * 1024**3
+
+
+def default_bucket_bytes(device: torch.device) -> int:
+    """The default bucket size, bytes: ``min(2 % of device memory, 5 GiB)`` on CUDA,
+    :data:`aiosync.DEFAULT_BUCKET_BYTES` (512 MiB) on CPU."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return min(total // 50, _MAX_GPU_BUCKET_BYTES)
+    return DEFAULT_BUCKET_BYTES
+
+
+class CollectiveWeightSynchronizer(WeightSynchronizer):
+    """Broadcasts the trainer's weights to a separate inference cluster.
+
+    Every trainer rank constructs one and calls the same methods (SPMD): all
+    ranks iterate ``policy.iter_weights()`` (gathers are collectives); rank 0
+    sends and drives the engine's workers through ``generation.collective_rpc``.
+    The workers must mix in :class:`~transports.collective_worker.CollectiveWorkerMixin`
+    (``transports.worker_extension.AiosyncWorkerExtension`` for vLLM).
+
+    Session ranks: trainer ``0..T-1``, inference ``T..T+W-1``; the store lives
+    on trainer rank 0 at ``train_cluster.master_addr:master_port``.
+
+    Args:
+        policy: the trainer's refit source (HF checkpoint names and layout).
+        generation: the engine; an :class:`aiosync.EngineWorkers` (used on rank 0 only).
+        train_cluster: trainer ranks and the sync group's meeting point.
+        inference_world_size: number of engine workers ``W`` (>= 1).
+        backend: ``"nccl"``, ``"gloo"``, or None: nccl when CUDA is available, else gloo.
+        bucket_bytes: bucket size, bytes; default :func:`default_bucket_bytes`.
+            Two buffers of this size are allocated on each side.
+        verify: the source sends per-bucket checksums and every receiver
+            compares them (catches a transfer that silently moved nothing).
+        overlap: ``"inplace"`` (load each bucket as it lands) or ``"staged"``
+            (receive everything into a staging copy while generating, then pause
+            only for the final copy; costs one extra copy of the weights on each worker).
+        rpc_timeout_s: limit of each control RPC to the workers, seconds.
+        collective_timeout_s: limit of the rendezvous and of every collective,
+            seconds (torch's process-group timeout; a dead rank surfaces within it).
+        sync_timeout_s: limit of a whole ``sync_weights`` call, seconds.
+
+    Raises:
+        ValueError: an option is out of range.
+        TypeError: ``train_cluster`` is not a :class:`~aiosync.TrainCluster`.
+    """
+
+    def __init__(
+        self,
+        policy: RefitSource,
+        generation: EngineWorkers | Any,
+        *,
+        train_cluster: TrainCluster,
+        inference_world_size: int,
+        backend: str | None = None,
+        bucket_bytes: int | None = None,
+        verify: bool = False,
+        overlap: Literal["inplace", "staged"] = "inplace",
+        rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
+        collective_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
+        sync_timeout_s: float = DEFAULT_SYNC_TIMEOUT_S,
+        **options: Any,
+    ) -> None:
+        super().__init__(policy, generation, sync_timeout_s=sync_timeout_s, **options)
+        if not isinstance(train_cluster, TrainCluster):
+            raise TypeError(
+                f"train_cluster must be an aiosync.TrainCluster, got {type(train_cluster).__name__}"
+            )
+        if not 0 <= train_cluster.rank < train_cluster.world_size:
+            raise ValueError(
+                f"train_cluster.rank {train_cluster.rank} outside 0..{train_cluster.world_size - 1}"
+            )
+        if inference_world_size < 1:
+            raise ValueError(f"inference_world_size must be >= 1, got {inference_world_size}")
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend must be 'nccl', 'gloo' or None, got {backend!r}")
+        if bucket_bytes is not None and bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        if overlap not in ("inplace", "staged"):
+            raise ValueError(f"overlap must be 'inplace' or 'staged', got {overlap!r}")
+        for name, value in (
+            ("rpc_timeout_s", rpc_timeout_s),
+            ("collective_timeout_s", collective_timeout_s),
+        ):
+            if value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        self.train_cluster = train_cluster
+        self.inference_world_size = inference_world_size
+        self.backend = backend
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else torch.device("cpu")
+        )
+        self.bucket_bytes = (
+            bucket_bytes if bucket_bytes is not None else default_bucket_bytes(self.device)
+        )
+        self.verify = verify
+        self.overlap = overlap
+        self.rpc_timeout_s = rpc_timeout_s
+        self.collective_timeout_s = collective_timeout_s
+        self._plan: BucketPlan | None = None
+        self._group: SyncGroup | None = None
+        self._buffers: RotatingBuffers | None = None
+        self._sessions = 0
+        # Set when a thread running collectives is abandoned (timeout/cancel):
+        # it then tears the group down itself when it returns.
+        self._abandoned = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        #: Per-worker results of the last successful sync (``pause_s``, ``nbytes``...).
+        self.last_worker_results: list[dict[str, Any]] = []
+
+    # -- properties ------------------------------------------------------------
+
+    @property
+    def plan(self) -> BucketPlan:
+        """The bucket plan of the current group. Raises SyncError before init."""
+        if self._plan is None:
+            raise SyncError("await init_communicator() first")
+        return self._plan
+
+    @property
+    def is_source(self) -> bool:
+        """True on trainer rank 0, the rank that sends and drives the workers."""
+        return self.train_cluster.rank == 0
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the sync group: trainer ranks plus inference workers."""
+        return self.train_cluster.world_size + self.inference_world_size
+
+    # -- lifecycle -------------------------------------------------------------
+
+    async def init_communicator(self) -> None:
+        """Fetch the manifest, form the sync group, compare digests on every rank.
+
+        May be called again to re-form the group (after a failure, or when the
+        engine's workers were replaced); the previous group is destroyed first.
+
+        Raises:
+            RefitMismatchError: a rank's manifest or plan differs (every rank raises).
+            SyncTimeoutError: a rank did not join within ``collective_timeout_s``.
+            TransportError: the rendezvous or a worker RPC failed.
+        """
+        self._check_open()
+        await self._form_group()
+        await super().init_communicator()
+
+    async def shutdown(self) -> None:
+        """Destroy the sync group (locally and on the workers), then close. Idempotent.
+
+        Works after a failure: a broken group is aborted rather than shut down,
+        and an unreachable worker does not stop the local teardown.
+        """
+        if not self._closed:
+            await self._teardown(notify_workers=True)
+        await super().shutdown()
+
+    async def _form_group(self) -> None:
+        await self._teardown(notify_workers=False)
+        manifest = await anyio.to_thread.run_sync(self.policy.prepare_refit_info)
+        plan = plan_buckets(manifest, self.bucket_bytes)
+        self._sessions += 1
+        session = f"{self._sessions}"
+        tc = self.train_cluster
+
+        def join() -> SyncGroup:
+            group = create_sync_group(
+                master_addr=tc.master_addr,
+                master_port=tc.master_port,
+                rank=tc.rank,
+                world_size=self.world_size,
+                train_world_size=tc.world_size,
+                backend=self.backend,
+                device=self.device,
+                timeout_s=self.collective_timeout_s,
+                session=session,
+            )
+            try:
+                group.agree(STATUS_OK, "", plan.digest)
+            except BaseException:
+                group.destroy()
+                raise
+            return group
+
+        if not self.is_source:
+            group = await self._in_thread(join, self._formation_limit())
+        else:
+            kwargs = {
+                "master_addr": tc.master_addr,
+                "master_port": tc.master_port,
+                "world_size": self.world_size,
+                "train_world_size": tc.world_size,
+                "backend": self.backend,
+                "plan": plan.to_json(),
+                "timeout_s": self.collective_timeout_s,
+                "session": session,
+            }
+            group, _ = await self._both(
+                lambda: self._in_thread(join, self._formation_limit()),
+                lambda: self._rpc("aiosync_collective_init", kwargs, self._formation_limit()),
+            )
+        self._group, self._plan = group, plan
+        self._buffers = RotatingBuffers(plan, self.device) if group.is_source else None
+
+    async def _teardown(self, *, notify_workers: bool) -> None:
+        group, self._group = self._group, None
+        if notify_workers and self.is_source and group is not None:
+            # Unreachable workers destroy a broken group themselves.
+            with contextlib.suppress(SyncError):
+                await self._rpc("aiosync_collective_destroy", {}, self.rpc_timeout_s)
+        # A thread abandoned by a timeout may still hold the group: let it finish.
+        await anyio.to_thread.run_sync(self._idle.wait, self.collective_timeout_s)
+        if group is not None:
+            await anyio.to_thread.run_sync(group.destroy)
+
+    # -- one sync --------------------------------------------------------------
+
+    async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
+        if self._group is None or self._group.broken:
+            await self._form_group()
+        group, plan = self._group, self._plan
+        assert group is not None and plan is not None
+        kv = kv_scale_entries(kv_scales)
+        try:
+            if not self.is_source:
+                await self._in_thread(lambda: self._follow(group, plan), self.sync_timeout_s)
+                return plan.total_bytes + 4 * len(kv)
+            buffers = self._buffers
+            assert buffers is not None
+
+            def send() -> SendResult:
+                return send_buckets(
+                    group,
+                    plan,
+                    buffers,
+                    self.policy.iter_weights(),
+                    version=version,
+                    kv=kv,
+                    verify=self.verify,
+                    cancelled=self._abandoned.is_set,
+                )
+
+            kwargs = {"version": version, "kv_names": [n for n, _ in kv], "verify": self.verify}
+            if self.overlap == "inplace":
+                sent, results = await self._both(
+                    lambda: self._in_thread(send, self.sync_timeout_s),
+                    lambda: self._rpc("aiosync_collective_receive", kwargs, self.sync_timeout_s),
+                )
+            else:
+                await self._rpc("aiosync_collective_stage", kwargs, self.rpc_timeout_s)
+                sent = await self._in_thread(send, self.sync_timeout_s)
+                results = await self._rpc(
+                    "aiosync_collective_commit", {"version": version}, self.rpc_timeout_s
+                )
+            self._check_results(sent, results)
+            self.last_worker_results = results
+            return sent.nbytes
+        except BaseException:
+            if group.broken:
+                self._group = None
+                if self._idle.is_set():
+                    # Abort now so that every peer's pending collective fails at once.
+                    await anyio.to_thread.run_sync(group.destroy)
+            raise
+
+    def _follow(self, group: SyncGroup, plan: BucketPlan) -> None:
+        """Non-source trainer ranks: take part in the gathers, then in the vote."""
+        try:
+            for _ in group_by_bucket(self.policy.iter_weights(), plan):
+                pass
+        except SyncError as exc:
+            code = STATUS_MISMATCH if isinstance(exc, RefitMismatchError) else STATUS_ERROR
+            group.agree(code, str(exc))
+            raise
+        group.agree(STATUS_OK)
+
+    def _check_results(self, sent: SendResult, results: list[Any]) -> None:
+        if len(results) != self.inference_world_size:
+            raise TransportError(
+                f"{len(results)} workers answered, inference_world_size is "
+                f"{self.inference_world_size}"
+            )
+        for i, res in enumerate(results):
+            if not isinstance(res, dict) or res.get("nbytes") != sent.nbytes:
+                raise TransportError(
+                    f"inference rank {i} reports {res!r}, expected nbytes={sent.nbytes}"
+                )
+            if self.verify and list(res.get("checksums", ())) != sent.checksums:
+                raise TransportError(
+                    f"inference rank {i}: bucket checksums differ from the source's"
+                )
+
+    # -- plumbing --------------------------------------------------------------
+
+    def _formation_limit(self) -> float:
+        return 2 * self.collective_timeout_s + self.rpc_timeout_s
+
+    async def _rpc(self, method: str, kwargs: dict[str, Any], timeout_s: float) -> list[Any]:
+        with anyio.fail_after(timeout_s + 1.0):
+            try:
+                return await self.generation.collective_rpc(method, (), kwargs, timeout_s)
+            except SyncError:
+                raise
+            except TimeoutError as exc:
+                raise SyncTimeoutError(f"{method} RPC exceeded {timeout_s} s") from exc
+            except Exception as exc:
+                raise TransportError(f"{method} RPC failed: {exc!r}") from exc
+
+    async def _in_thread(self, fn: Callable[[], _T], limit_s: float) -> _T:
+        """Run blocking collectives in a worker thread, bounded by an anyio timeout too.
+
+        torch's own timeout fires first; the anyio one guards against a call
+        that ignores it. A thread abandoned that way (or by cancellation) tears
+        down the group it used or formed when it finally returns.
+        """
+        self._idle.clear()
+        self._abandoned.clear()
+        group = self._group
+
+        def run() -> _T:
+            result: Any = None
+            try:
+                result = fn()
+                return result
+            finally:
+                if self._abandoned.is_set():
+                    for g in (group, result):
+                        if isinstance(g, SyncGroup):
+                            g.broken = True
+                            g.destroy()
+                self._idle.set()
+
+        try:
+            with anyio.fail_after(limit_s):
+                return await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
+        except BaseException:
+            if not self._idle.is_set():
+                self._abandoned.set()
+            raise
+
+    async def _both(
+        self, local: Callable[[], Awaitable[_T]], remote: Callable[[], Awaitable[list[Any]]]
+    ) -> tuple[_T, list[Any]]:
+        """Run this rank's side and the workers' RPC together; neither cancels the other
+        (each is bounded by its own timeout), so every rank reaches its vote."""
+        results: dict[str, Any] = {}
+        errors: dict[str, BaseException] = {}
+
+        async def run(key: str, fn: Callable[[], Awaitable[Any]]) -> None:
+            try:
+                results[key] = await fn()
+            except Exception as exc:
+                errors[key] = exc
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, "local", local)
+            tg.start_soon(run, "remote", remote)
+        if errors:
+            ranked = sorted(
+                errors.items(),
+                key=lambda kv: (
+                    not isinstance(kv[1], RefitMismatchError),
+                    kv[0] != "local",
+                ),
+            )
+            for key, other in ranked[1:]:
+                ranked[0][1].add_note(f"meanwhile, on the {key} side: {other!r}")
+            raise ranked[0][1]
+        return results["local"], results["remote"]

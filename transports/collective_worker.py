@@ -1,0 +1,339 @@
+"""Engine side of the collective transport: a worker-extension mixin.
+
+vLLM (``worker_extension_cls``) and the embedded engine mix
+:class:`CollectiveWorkerMixin` into their workers; the trainer's
+:class:`~transports.collective.CollectiveWeightSynchronizer` calls its methods by
+name through ``collective_rpc``. Every argument and result is JSON-safe.
+
+The worker needs ``self.model_runner.model.load_weights(iterable)`` taking HF
+checkpoint names (vLLM's loader contract), and its rank among the engine's
+workers in ``self.rank`` (vLLM's ``Worker.rank``; 0 when there is one worker).
+If the model has ``expected_manifest()`` the trainer's manifest is compared to
+it when the group forms (:class:`~aiosync.errors.RefitMismatchError` on every
+rank, before any data moves).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from aiosync.errors import RefitMismatchError, SyncTimeoutError, TransportError
+
+from ._collective_loops import RotatingBuffers, receive_buckets
+from ._pg import STATUS_MISMATCH, STATUS_OK, SyncGroup, create_sync_group
+from .packing import Bucket, BucketPlan, compare_manifests, unpack
+
+__all__ = ["CollectiveWorkerMixin"]
+
+
+@dataclass(eq=False)
+class _Staged:
+    """A staged receive running in a background thread."""
+
+    version: int
+    kv_names: list[str]
+    thread: threading.Thread
+    started: float
+    result: tuple[torch.Tensor, list[int]] | None = None
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class _ReceiverState:
+    group: SyncGroup
+    plan: BucketPlan
+    rotating: RotatingBuffers
+    staging: list[torch.Tensor] = field(default_factory=list)
+    staged: _Staged | None = None
+
+
+def _device_for(backend: str) -> torch.device:
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class CollectiveWorkerMixin:
+    """Receiver of :class:`~transports.collective.CollectiveWeightSynchronizer`.
+
+    Attributes:
+        aiosync_weights_valid: False from the start of an in-place receive (or of
+            a staged commit) until the whole manifest has landed; engines refuse
+            to generate while it is False.
+    """
+
+    aiosync_weights_valid: bool = True
+    _aiosync_collective: _ReceiverState | None = None
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def aiosync_collective_init(
+        self,
+        *,
+        master_addr: str,
+        master_port: int,
+        world_size: int,
+        train_world_size: int,
+        backend: str,
+        plan: dict[str, Any],
+        timeout_s: float,
+        session: str,
+    ) -> dict[str, Any]:
+        """Join the sync group as inference rank ``train_world_size + self.rank``.
+
+        Blocks until every rank has joined and compared the bucket-plan digest
+        (and, when the model has ``expected_manifest()``, the manifest itself).
+        Any previous group of this worker is destroyed first.
+
+        Args:
+            plan: the trainer's :meth:`BucketPlan.to_json`.
+            timeout_s: limit of the rendezvous and of every later collective, seconds.
+            session: key namespace of this group in the store.
+
+        Returns:
+            ``{"rank": session rank, "digest": plan digest}``.
+
+        Raises:
+            RefitMismatchError: some rank's manifest or plan differs (raised on every rank).
+            SyncTimeoutError: a rank did not join within ``timeout_s``.
+            TransportError: the rendezvous failed.
+        """
+        self.aiosync_collective_destroy()
+        inference_world = world_size - train_world_size
+        rank = train_world_size + self._aiosync_worker_rank(inference_world)
+        status, message, digest = STATUS_OK, "", ""
+        parsed: BucketPlan | None = None
+        try:
+            parsed = BucketPlan.from_json(plan)
+            digest = parsed.digest
+            expected = getattr(self.model_runner.model, "expected_manifest", None)  # type: ignore[attr-defined]
+            if expected is not None:
+                compare_manifests(parsed.manifest(), expected())
+        except RefitMismatchError as exc:
+            status, message = STATUS_MISMATCH, str(exc)
+        # Join even after a local mismatch, so that the vote tells every rank.
+        group = create_sync_group(
+            master_addr=master_addr,
+            master_port=master_port,
+            rank=rank,
+            world_size=world_size,
+            train_world_size=train_world_size,
+            backend=backend,
+            device=_device_for(backend),
+            timeout_s=timeout_s,
+            session=session,
+        )
+        try:
+            group.agree(status, message, digest)
+        except BaseException:
+            group.destroy()
+            raise
+        assert parsed is not None  # a parse failure voted a mismatch above
+        self._aiosync_collective = _ReceiverState(
+            group, parsed, RotatingBuffers(parsed, group.device)
+        )
+        return {"rank": rank, "digest": digest}
+
+    def aiosync_collective_destroy(self) -> None:
+        """Leave and destroy the sync group (idempotent; waits for a staged receive)."""
+        state, self._aiosync_collective = self._aiosync_collective, None
+        if state is None:
+            return
+        if state.staged is not None:
+            state.staged.thread.join(state.group.timeout_s)
+        state.group.destroy()
+
+    # -- receiving -------------------------------------------------------------
+
+    def aiosync_collective_receive(
+        self, *, version: int, kv_names: list[str], verify: bool = False
+    ) -> dict[str, Any]:
+        """Receive version ``version`` in place: each bucket is loaded as it lands.
+
+        Sets :attr:`aiosync_weights_valid` False at the start and True only when
+        every bucket and the KV scales are loaded and every rank voted success.
+
+        Args:
+            version: the weight version being sent (checked against the header).
+            kv_names: engine names of the FP8 KV-cache scales sent at the end.
+            verify: the source sends per-bucket checksums; compare them.
+
+        Returns:
+            ``{"version", "nbytes", "checksums", "pause_s", "kv_scales"}``:
+            payload bytes received, this rank's per-bucket checksums (verify
+            only), seconds generation was blocked, ``{name: value}``.
+
+        Raises:
+            TransportError: a collective failed (the group is then destroyed),
+                bad header, checksum mismatch, or another rank failed.
+            RefitMismatchError: the engine rejected a tensor (every rank raises).
+            SyncTimeoutError: a collective ran past the group's timeout.
+        """
+        state = self._aiosync_collective_state()
+        start = time.perf_counter()
+        self.aiosync_weights_valid = False
+        model = self.model_runner.model  # type: ignore[attr-defined]
+
+        def load(bucket: Bucket, buf: torch.Tensor) -> None:
+            model.load_weights(unpack(buf, bucket))
+
+        try:
+            kv, checksums = receive_buckets(
+                state.group,
+                state.plan,
+                state.rotating,
+                version=version,
+                n_kv=len(kv_names),
+                verify=verify,
+                on_bucket=load,
+            )
+            scales = self._aiosync_load_kv(kv_names, kv, state.group.device)
+        except BaseException:
+            self._aiosync_drop_if_broken()
+            raise
+        self.aiosync_weights_valid = True
+        return self._aiosync_result(version, kv_names, checksums, scales, start)
+
+    def aiosync_collective_stage(
+        self, *, version: int, kv_names: list[str], verify: bool = False
+    ) -> dict[str, Any]:
+        """Start receiving ``version`` into a staging area; returns at once.
+
+        The engine keeps generating with its live weights meanwhile; the
+        staging area holds one full copy of the packed weights (on the GPU with
+        NCCL). :meth:`aiosync_collective_commit` then copies it in.
+        """
+        state = self._aiosync_collective_state()
+        if state.staged is not None:
+            raise TransportError("a staged receive is already running on this worker")
+        if not state.staging:
+            state.staging = [
+                torch.empty(b.nbytes, dtype=torch.uint8, device=state.group.device)
+                for b in state.plan.buckets
+            ]
+        staged = _Staged(version, list(kv_names), threading.Thread(), time.perf_counter())
+        device = state.group.device
+
+        def run() -> None:
+            stream = None
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+                stream = torch.cuda.Stream(device=device)
+            try:
+                with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                    staged.result = receive_buckets(
+                        state.group,
+                        state.plan,
+                        lambda b: state.staging[b.index],
+                        version=version,
+                        n_kv=len(kv_names),
+                        verify=verify,
+                        on_bucket=None,
+                    )
+                if stream is not None:
+                    stream.synchronize()
+            except BaseException as exc:
+                staged.error = exc
+
+        staged.thread = threading.Thread(target=run, name="aiosync-stage", daemon=True)
+        state.staged = staged
+        staged.thread.start()
+        return {"version": version, "staging_bytes": sum(t.numel() for t in state.staging)}
+
+    def aiosync_collective_commit(self, *, version: int) -> dict[str, Any]:
+        """Wait for the staged receive of ``version``, then copy it into the live weights.
+
+        Generation pauses only here: :attr:`aiosync_weights_valid` is False
+        during the copy. Returns what :meth:`aiosync_collective_receive` returns.
+
+        Raises:
+            TransportError: no staged receive, a different version, or it failed.
+            SyncTimeoutError: it did not finish within the group's timeout.
+        """
+        state = self._aiosync_collective_state()
+        staged = state.staged
+        if staged is None or staged.version != version:
+            raise TransportError(f"no staged receive of version {version} on this worker")
+        staged.thread.join(state.group.timeout_s)
+        if staged.thread.is_alive():
+            raise SyncTimeoutError(
+                f"staged receive of version {version} still running after {state.group.timeout_s} s"
+            )
+        state.staged = None
+        if staged.error is not None:
+            self._aiosync_drop_if_broken()
+            raise staged.error
+        assert staged.result is not None
+        kv, checksums = staged.result
+        start = time.perf_counter()
+        self.aiosync_weights_valid = False
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        model.load_weights(self._aiosync_iter_staged(state))
+        scales = self._aiosync_load_kv(staged.kv_names, kv, state.group.device)
+        self.aiosync_weights_valid = True
+        return self._aiosync_result(version, staged.kv_names, checksums, scales, start)
+
+    # -- helpers ---------------------------------------------------------------
+
+    def _aiosync_collective_state(self) -> _ReceiverState:
+        state = self._aiosync_collective
+        if state is None:
+            raise TransportError(
+                "no sync group on this worker: the trainer must init_communicator() first"
+            )
+        return state
+
+    def _aiosync_drop_if_broken(self) -> None:
+        state = self._aiosync_collective
+        if state is not None and state.group.broken:
+            self.aiosync_collective_destroy()
+
+    def _aiosync_worker_rank(self, inference_world: int) -> int:
+        rank = getattr(self, "rank", None)
+        if rank is None:
+            if inference_world != 1:
+                raise TransportError(
+                    "the worker has no `rank` attribute; it is needed with several workers"
+                )
+            return 0
+        if not 0 <= int(rank) < inference_world:
+            raise TransportError(f"worker rank {rank} outside 0..{inference_world - 1}")
+        return int(rank)
+
+    @staticmethod
+    def _aiosync_iter_staged(state: _ReceiverState) -> Iterator[tuple[str, torch.Tensor]]:
+        for bucket, buf in zip(state.plan.buckets, state.staging, strict=True):
+            yield from unpack(buf, bucket)
+
+    def _aiosync_load_kv(
+        self, names: list[str], values: torch.Tensor, device: torch.device
+    ) -> dict[str, float]:
+        if not names:
+            return {}
+        tensors = [(n, values[i].to(device)) for i, n in enumerate(names)]
+        self.model_runner.model.load_weights(iter(tensors))  # type: ignore[attr-defined]
+        return {n: float(values[i]) for i, n in enumerate(names)}
+
+    def _aiosync_result(
+        self,
+        version: int,
+        kv_names: list[str],
+        checksums: list[int],
+        scales: dict[str, float],
+        start: float,
+    ) -> dict[str, Any]:
+        state = self._aiosync_collective_state()
+        return {
+            "version": version,
+            "nbytes": state.plan.total_bytes + 4 * len(kv_names),
+            "checksums": checksums,
+            "pause_s": time.perf_counter() - start,
+            "kv_scales": scales,
+        }
