@@ -1,0 +1,447 @@
+"""Colocated refit: the trainer packs buckets into shared buffers and sends handles over ZMQ.
+
+Trainer and engine share the device(s), so the weights never cross a network:
+:class:`IPCWeightSynchronizer` packs each bucket of the
+:class:`~transports.packing.BucketPlan` into one of two shared buffers (POSIX
+shared memory on CPU, CUDA IPC memory on GPU; see ``transports/_shm.py``) and
+sends the engine's workers only the buffer's handle. The workers
+(:class:`~transports.ipc_worker.IPCWorkerMixin`) map the buffer, unpack views
+and call ``load_weights``.
+
+Protocol, per sync (msgpack maps over a ZMQ ROUTER bound to ``ipc://`` in a
+private 0700 directory; the trainer drives the workers' receive loop with
+``collective_rpc("aiosync_ipc_receive", ...)`` concurrently):
+
+1. worker → ``hello {sync_id, rank, digest}``: the trainer checks every digest
+   against its plan before any data moves (:class:`RefitMismatchError`).
+2. trainer → ``data {sync_id, seq, bucket, handle}`` per bucket; worker →
+   ``ack {sync_id, seq}`` once its copies finished. Ping-pong: bucket ``k+1`` is
+   packed while the engine loads bucket ``k``; a buffer is reused only after
+   every worker acknowledged the bucket it held. A bucket larger than the
+   buffers (a lone oversized tensor) gets a buffer of its own, freed after its acks.
+3. trainer → ``end {sync_id, buckets}``; each worker checks every manifest
+   entry arrived exactly once, sets its weights valid, answers ``done``.
+
+Any failure: the trainer sends ``abort`` (best effort), the base class keeps
+``weight_version`` and marks the engine stale; the workers keep their weights
+marked invalid, so the engine refuses to generate until a sync succeeds.
+
+Colocated lifecycle (always in this order; the last two also on failure)::
+
+    policy.offload_before_refit()
+    await generation.prepare_for_generation(tags=["weights"])
+    ... stream ...
+    policy.offload_after_refit()
+    await generation.prepare_for_generation(tags=["kv_cache"])
+
+Requires an asyncio event loop (pyzmq's asyncio sockets).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import torch
+import zmq
+import zmq.asyncio
+
+from aiosync._config import DEFAULT_EVENT_BACKLOG, DEFAULT_RPC_TIMEOUT_S, DEFAULT_SYNC_TIMEOUT_S
+from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
+from aiosync.interfaces import KVScales, RefitSource, WeightSynchronizer
+from transports._shm import SharedBuffer
+from transports._wire import decode, encode, rebuild_error
+from transports.packing import Bucket, BucketPlan, group_by_bucket, pack, plan_buckets
+
+__all__ = ["DEFAULT_BUFFER_MEMORY_FRACTION", "IPCWeightSynchronizer", "default_bucket_bytes"]
+
+_log = logging.getLogger(__name__)
+
+#: Share of the device's free memory one staging buffer takes when no
+#: ``bucket_bytes`` is given (two buffers are used). NeMo-RL uses 2 %.
+DEFAULT_BUFFER_MEMORY_FRACTION: float = 0.02
+#: Largest default staging buffer, bytes (NeMo-RL caps at 5 GiB).
+_MAX_DEFAULT_BUCKET_BYTES = 5 * 1024**3
+#: Smallest default staging buffer, bytes.
+_MIN_DEFAULT_BUCKET_BYTES = 16 * 1024**2
+
+
+def default_bucket_bytes(
+    device: torch.device, fraction: float = DEFAULT_BUFFER_MEMORY_FRACTION
+) -> int:
+    """Staging-buffer size: ``fraction`` of ``device``'s free memory, in [16 MiB, 5 GiB].
+
+    Free memory is ``torch.cuda.mem_get_info`` on CUDA and the available
+    physical memory (``sysconf``) on CPU.
+    """
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(min(_MAX_DEFAULT_BUCKET_BYTES, max(_MIN_DEFAULT_BUCKET_BYTES, free * fraction)))
+
+
+class IPCWeightSynchronizer(WeightSynchronizer):
+    """Colocated refits into an engine's workers through shared buffers (see module docs).
+
+    Args:
+        policy: the trainer's :class:`~aiosync.RefitSource` (HF checkpoint names).
+        generation: the engine: a :class:`~aiosync.GenerationBackend` that is also
+            an :class:`~aiosync.EngineWorkers` (``collective_rpc``) whose workers
+            include :class:`~transports.ipc_worker.IPCWorkerMixin`.
+        bucket_bytes: staging-buffer size, bytes; default: ``buffer_memory_fraction``
+            of the device's free memory (:func:`default_bucket_bytes`).
+        buffer_memory_fraction: see ``bucket_bytes``.
+        device: where the staging buffers live; default ``cuda`` (current device)
+            when available, else ``cpu``.
+        rpc_timeout_s: limit for every single wait (a hello, an ack, an RPC), seconds.
+        sync_timeout_s: limit for a whole ``sync_weights``, seconds.
+        event_backlog: see :class:`~aiosync.WeightSynchronizer`.
+
+    Raises:
+        ValueError: a non-positive size, fraction or timeout.
+    """
+
+    def __init__(
+        self,
+        policy: RefitSource,
+        generation: Any,
+        *,
+        bucket_bytes: int | None = None,
+        buffer_memory_fraction: float = DEFAULT_BUFFER_MEMORY_FRACTION,
+        device: torch.device | str | None = None,
+        rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
+        sync_timeout_s: float = DEFAULT_SYNC_TIMEOUT_S,
+        event_backlog: int = DEFAULT_EVENT_BACKLOG,
+    ) -> None:
+        super().__init__(
+            policy, generation, sync_timeout_s=sync_timeout_s, event_backlog=event_backlog
+        )
+        if bucket_bytes is not None and bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        if not 0 < buffer_memory_fraction <= 1:
+            raise ValueError(
+                f"buffer_memory_fraction must be in (0, 1], got {buffer_memory_fraction}"
+            )
+        if rpc_timeout_s <= 0:
+            raise ValueError(f"rpc_timeout_s must be > 0, got {rpc_timeout_s}")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.bucket_bytes = bucket_bytes
+        self.buffer_memory_fraction = buffer_memory_fraction
+        self.rpc_timeout_s = rpc_timeout_s
+        self.plan: BucketPlan | None = None
+        self.num_workers = 0
+        self._sender: _BucketSender | None = None
+        self._warned_kv_scales = False
+        listen = getattr(generation, "add_weights_discarded_listener", None)
+        if listen is not None:
+            listen(self._invalidate_engine_weights)
+
+    async def init_communicator(self) -> None:
+        """Build the bucket plan, open the socket and buffers, register the plan on every worker.
+
+        May be called again (e.g. after the engine's workers were replaced).
+
+        Raises:
+            RefitMismatchError: a worker's model disagrees with the trainer's
+                manifest (the first differing names on both sides).
+            TransportError, SyncTimeoutError: a worker is unreachable.
+        """
+        self._check_open()
+        manifest = self.policy.prepare_refit_info()
+        if self.plan is None:
+            size = self.bucket_bytes or default_bucket_bytes(
+                self.device, self.buffer_memory_fraction
+            )
+            self.plan = plan_buckets(manifest, size)
+            self._sender = _BucketSender(self.plan, self.device, self.rpc_timeout_s)
+        elif plan_buckets(manifest, self.plan.bucket_bytes).digest != self.plan.digest:
+            raise RefitMismatchError("the policy's manifest changed since init_communicator()")
+        replies = await self.generation.collective_rpc(
+            "aiosync_ipc_init", (self.plan.to_json(),), timeout_s=self.rpc_timeout_s
+        )
+        for rank, reply in enumerate(replies):
+            _check_reply(reply, rank, "aiosync_ipc_init")
+        self.num_workers = len(replies)
+        await super().init_communicator()
+
+    async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
+        if kv_scales is not None and not self._warned_kv_scales:
+            self._warned_kv_scales = True
+            _log.warning(
+                "IPCWeightSynchronizer ignores kv_scales (only the collective transport sends them)"
+            )
+        failed = False
+        try:
+            self.policy.offload_before_refit()
+            await self.generation.prepare_for_generation(tags=["weights"])
+            return await self._stream(version)
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            await self._after_refit(failed)
+
+    async def _after_refit(self, failed: bool) -> None:
+        # Runs even when the sync was cancelled or timed out, hence the shield;
+        # an error here must not hide the one that failed the sync.
+        with anyio.CancelScope(shield=True):
+            try:
+                self.policy.offload_after_refit()
+                with anyio.fail_after(self.rpc_timeout_s):
+                    await self.generation.prepare_for_generation(tags=["kv_cache"])
+            except Exception:
+                if not failed:
+                    raise
+                _log.exception("colocated refit: cleanup after a failed sync also failed")
+
+    async def _stream(self, version: int) -> int:
+        assert self._sender is not None and self.plan is not None
+        sync_id = f"{version}-{secrets.token_hex(6)}"
+        session = {
+            "endpoint": self._sender.endpoint,
+            "sync_id": sync_id,
+            "digest": self.plan.digest,
+            "timeout_s": self.rpc_timeout_s,
+        }
+        sender = self._sender
+        result = 0
+
+        async def drive_receivers() -> None:
+            replies = await self.generation.collective_rpc(
+                "aiosync_ipc_receive", (session,), timeout_s=self.sync_timeout_s
+            )
+            for rank, reply in enumerate(replies):
+                _check_reply(reply, rank, "aiosync_ipc_receive")
+
+        async def send() -> None:
+            nonlocal result
+            result = await sender.send(sync_id, self.num_workers, self.policy.iter_weights())
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(drive_receivers)
+                tg.start_soon(send)
+        except BaseExceptionGroup as group:
+            sender.abort(sync_id, self.num_workers, repr(group.exceptions[0]))
+            raise _most_telling(group) from None
+        except BaseException as exc:
+            sender.abort(sync_id, self.num_workers, repr(exc))
+            raise
+        return result
+
+    async def shutdown(self) -> None:
+        """Close the socket, remove its directory and unlink the buffers. Idempotent."""
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
+        await super().shutdown()
+
+    @property
+    def socket_dir(self) -> str | None:
+        """The private (0700) directory holding the ``ipc://`` socket, None before init."""
+        return None if self._sender is None else self._sender.directory
+
+
+def _check_reply(reply: Any, rank: int, method: str) -> None:
+    if not isinstance(reply, dict):
+        raise TransportError(f"engine worker {rank}: malformed {method} reply {reply!r:.80}")
+    if not reply.get("ok"):
+        raise rebuild_error(reply, f"engine worker {rank} ({method})")
+
+
+def _most_telling(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The error to raise for a failed sync: a typed aiosync error over the rest."""
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                walk(inner)
+        else:
+            leaves.append(exc)
+
+    walk(group)
+    for kind in (RefitMismatchError, SyncTimeoutError, SyncError, Exception):
+        for exc in leaves:
+            if isinstance(exc, kind):
+                return exc
+    return leaves[0]
+
+
+class _BucketSender:
+    """The trainer's socket and staging buffers; streams one plan's buckets per call."""
+
+    def __init__(self, plan: BucketPlan, device: torch.device, timeout_s: float) -> None:
+        self.plan = plan
+        self.device = device
+        self.timeout_s = timeout_s
+        self.directory = tempfile.mkdtemp(prefix="aiosync-ipc-")
+        os.chmod(self.directory, 0o700)
+        self.endpoint = f"ipc://{self.directory}/refit.sock"
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(self.endpoint)
+        # Ping-pong buffers sized to the largest bucket that respects the limit;
+        # an oversized (single-tensor) bucket gets its own buffer when it comes.
+        regular = [b.nbytes for b in plan.buckets if b.nbytes <= plan.bucket_bytes]
+        size = max(regular, default=0)
+        count = min(2, len(regular))
+        self._buffers = [SharedBuffer.create(size, device) for _ in range(count)] if size else []
+        self._closed = False
+
+    async def send(
+        self, sync_id: str, num_workers: int, weights: Iterator[tuple[str, torch.Tensor]]
+    ) -> int:
+        """Stream every bucket to the ``num_workers`` workers; returns the bytes sent."""
+        peers = await self._handshake(sync_id, num_workers)
+        groups = group_by_bucket(weights, self.plan)
+        holder: list[int | None] = [None] * len(self._buffers)  # seq each buffer holds
+        acks: dict[int, set[int]] = {}
+        nbytes = 0
+        for seq in range(len(self.plan.buckets)):
+            bucket, group = await anyio.to_thread.run_sync(next, groups)
+            transient: SharedBuffer | None = None
+            if bucket.nbytes > self.plan.bucket_bytes or not self._buffers:
+                transient = await anyio.to_thread.run_sync(
+                    SharedBuffer.create, bucket.nbytes, self.device
+                )
+                buffer = transient
+            else:
+                slot = seq % len(self._buffers)
+                previous = holder[slot]
+                if previous is not None:
+                    await self._wait_acks(sync_id, peers, acks, previous)
+                buffer = self._buffers[slot]
+                holder[slot] = seq
+            try:
+                await anyio.to_thread.run_sync(self._pack, bucket, group, buffer)
+                del group
+                handle = buffer.handle()
+                if transient is not None:
+                    handle["transient"] = True
+                data = {"t": "data", "sync_id": sync_id, "seq": seq, "bucket": bucket.index}
+                await self._send_all(peers, encode({**data, "handle": handle}))
+                nbytes += sum(s.nbytes for s in bucket.slots)
+                if transient is not None:
+                    await self._wait_acks(sync_id, peers, acks, seq)
+            finally:
+                if transient is not None:
+                    transient.close()
+        # The source must be exhausted exactly at the plan's end.
+        await anyio.to_thread.run_sync(_exhaust, groups)
+        for seq in range(len(self.plan.buckets)):
+            await self._wait_acks(sync_id, peers, acks, seq)
+        end = {"t": "end", "sync_id": sync_id, "buckets": len(self.plan.buckets)}
+        await self._send_all(peers, encode(end))
+        done: set[int] = set()
+        while len(done) < num_workers:
+            rank, msg = await self._recv(sync_id, "the end of the refit")
+            if msg.get("t") == "done":
+                done.add(rank)
+        return nbytes
+
+    def _pack(
+        self, bucket: Bucket, group: list[tuple[str, torch.Tensor]], buffer: SharedBuffer
+    ) -> None:
+        pack(bucket, group, out=buffer.tensor)
+        if buffer.tensor.is_cuda:
+            torch.cuda.current_stream(buffer.tensor.device).synchronize()
+
+    async def _handshake(self, sync_id: str, num_workers: int) -> dict[int, bytes]:
+        peers: dict[int, bytes] = {}
+        while len(peers) < num_workers:
+            rank, msg = await self._recv(sync_id, "the engine workers to connect")
+            if msg.get("t") != "hello":
+                continue
+            if msg.get("digest") != self.plan.digest:
+                raise RefitMismatchError(
+                    f"engine worker {rank} holds bucket plan {str(msg.get('digest'))[:16]}, "
+                    f"the trainer sends {self.plan.digest[:16]}"
+                )
+            peers[rank] = f"{sync_id}/{rank}".encode()
+        return peers
+
+    async def _wait_acks(
+        self, sync_id: str, peers: dict[int, bytes], acks: dict[int, set[int]], seq: int
+    ) -> None:
+        while len(acks.get(seq, ())) < len(peers):
+            rank, msg = await self._recv(sync_id, f"acknowledgements of bucket {seq}")
+            if msg.get("t") == "ack":
+                try:
+                    acked = int(msg["seq"])
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise TransportError(
+                        f"engine worker {rank}: malformed ack {msg!r:.80}"
+                    ) from exc
+                acks.setdefault(acked, set()).add(rank)
+
+    async def _recv(self, sync_id: str, what: str) -> tuple[int, dict[str, Any]]:
+        """The next message of this sync; worker errors are raised, other syncs' dropped."""
+        while True:
+            try:
+                with anyio.fail_after(self.timeout_s):
+                    frames = await self._sock.recv_multipart()
+            except TimeoutError as exc:
+                raise SyncTimeoutError(f"waited {self.timeout_s} s for {what}") from exc
+            if len(frames) != 2:
+                raise TransportError(f"malformed message of {len(frames)} frames")
+            msg = decode(frames[1])
+            if msg.get("sync_id") != sync_id:
+                continue  # a late message of an earlier, failed sync
+            rank = msg.get("rank")
+            if rank is None:
+                ident = frames[0].decode(errors="replace")
+                rank = ident.rpartition("/")[2]
+            try:
+                rank = int(rank)
+            except (TypeError, ValueError) as exc:
+                raise TransportError(f"message from an unknown peer: {msg!r:.80}") from exc
+            if msg.get("t") == "error":
+                raise rebuild_error(msg, f"engine worker {rank}")
+            return rank, msg
+
+    async def _send_all(self, peers: dict[int, bytes], payload: bytes) -> None:
+        for rank, ident in peers.items():
+            try:
+                await self._sock.send_multipart([ident, payload])
+            except zmq.ZMQError as exc:
+                raise TransportError(f"engine worker {rank} is unreachable: {exc}") from exc
+
+    def abort(self, sync_id: str, num_workers: int, reason: str) -> None:
+        """Tell the workers of ``sync_id`` to stop waiting (best effort, never raises)."""
+        if self._closed:
+            return
+        payload = encode({"t": "abort", "sync_id": sync_id, "reason": reason[:500]})
+        for rank in range(num_workers):
+            with contextlib.suppress(zmq.ZMQError):  # not connected (yet, or any more)
+                self._sock.send_multipart([f"{sync_id}/{rank}".encode(), payload], zmq.NOBLOCK)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for buffer in self._buffers:
+            buffer.close()
+        self._buffers = []
+        self._sock.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _exhaust(groups: Iterator[Any]) -> None:
+    for _ in groups:
+        raise RefitMismatchError("the source yielded more buckets than the plan holds")
