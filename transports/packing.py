@@ -116,17 +116,13 @@ class BucketPlan:
 
     def manifest(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """The ``{hf_name: (shape, dtype)}`` manifest this plan was built from."""
-        return {
-            s.name: (s.shape, dtype_from_name(s.dtype)) for b in self.buckets for s in b.slots
-        }
+        return {s.name: (s.shape, dtype_from_name(s.dtype)) for b in self.buckets for s in b.slots}
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-safe description (for sending the plan to engine workers)."""
         return {
             "bucket_bytes": self.bucket_bytes,
-            "manifest": [
-                [s.name, list(s.shape), s.dtype] for b in self.buckets for s in b.slots
-            ],
+            "manifest": [[s.name, list(s.shape), s.dtype] for b in self.buckets for s in b.slots],
             "digest": self.digest,
         }
 
@@ -259,7 +255,14 @@ def pack(
 
     Raises:
         RefitMismatchError: a name, shape or dtype differs from the slot.
+        ValueError: ``out`` is not a 1-D ``uint8`` buffer of ``bucket.nbytes`` bytes
+            (checked before anything is copied).
     """
+    if out is not None and (
+        out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < bucket.nbytes
+    ):
+        # Checked first: a short buffer must not take a partial copy.
+        raise ValueError(f"out must be a 1-D uint8 buffer of >= {bucket.nbytes} bytes")
     it = iter(tensors)
     for slot in bucket.slots:
         try:
@@ -277,8 +280,6 @@ def pack(
         raise RefitMismatchError(f"bucket {bucket.index}: unexpected extra tensor {extra[0]!r}")
     if out is None:
         out = torch.empty(bucket.nbytes, dtype=torch.uint8)
-    if out.dtype != torch.uint8 or out.numel() < bucket.nbytes:
-        raise ValueError(f"out must be uint8 with >= {bucket.nbytes} bytes")
     return out[: bucket.nbytes]
 
 
@@ -350,8 +351,12 @@ def bucket_checksum(buffer: torch.Tensor) -> int:
     total = 0
     for start in range(0, flat.numel(), _CHECKSUM_CHUNK):
         chunk = flat[start : start + _CHECKSUM_CHUNK].to(torch.int64)
-        weights = torch.arange(
-            start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=chunk.device
-        ) % 65521 + 1
+        weights = (
+            torch.arange(
+                start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=chunk.device
+            )
+            % 65521
+            + 1
+        )
         total = (total + int((chunk * weights).sum().item())) % _CHECKSUM_MOD
     return (total + flat.numel()) % _CHECKSUM_MOD

@@ -1,0 +1,152 @@
+"""Manifest mismatches (renamed, reshaped, re-typed, reordered) raise before any data moves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aiosync import RefitMismatchError
+from transports.packing import (
+    BucketPlan,
+    bucket_checksum,
+    compare_manifests,
+    dtype_from_name,
+    group_by_bucket,
+    pack,
+    plan_buckets,
+    unpack,
+)
+
+Manifest = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+BASE: Manifest = {
+    "model.embed_tokens.weight": ((128, 64), torch.bfloat16),
+    "model.layers.0.self_attn.q_proj.weight": ((128, 64), torch.bfloat16),
+    "model.layers.0.input_layernorm.weight": ((64,), torch.float32),
+    "model.norm.weight": ((64,), torch.float32),
+}
+
+
+def _renamed() -> Manifest:
+    m = dict(BASE)
+    m["model.layers.0.self_attn.qkv_proj.weight"] = m.pop("model.layers.0.self_attn.q_proj.weight")
+    return m
+
+
+def _reshaped() -> Manifest:
+    return {**BASE, "model.norm.weight": ((32,), torch.float32)}
+
+
+def _retyped() -> Manifest:
+    return {**BASE, "model.norm.weight": ((64,), torch.bfloat16)}
+
+
+def _reordered() -> Manifest:
+    names = list(BASE)
+    names[1], names[2] = names[2], names[1]
+    return {n: BASE[n] for n in names}
+
+
+VARIANTS = {
+    "renamed": (_renamed, "model.layers.0.self_attn.qkv_proj.weight"),
+    "reshaped": (_reshaped, "model.norm.weight"),
+    "retyped": (_retyped, "model.norm.weight"),
+    "reordered": (_reordered, "model.layers.0.input_layernorm.weight"),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_compare_manifests_names_the_first_difference(variant: str) -> None:
+    make, culprit = VARIANTS[variant]
+    with pytest.raises(RefitMismatchError, match=culprit.replace(".", r"\.")):
+        compare_manifests(BASE, make())
+    with pytest.raises(RefitMismatchError):
+        compare_manifests(make(), BASE)
+
+
+def test_compare_manifests_reports_both_sides_of_a_rename() -> None:
+    with pytest.raises(RefitMismatchError) as info:
+        compare_manifests(BASE, _renamed(), local_label="trainer", remote_label="engine")
+    message = str(info.value)
+    assert "unknown to the engine" in message and "q_proj" in message
+    assert "missing from the trainer" in message and "qkv_proj" in message
+
+
+def test_identical_manifests_compare_equal() -> None:
+    compare_manifests(BASE, dict(BASE))
+    assert plan_buckets(BASE, 4096).digest == plan_buckets(dict(BASE), 4096).digest
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_bucket_plan_digest_differs_and_from_json_refuses(variant: str) -> None:
+    make, _ = VARIANTS[variant]
+    ours = plan_buckets(BASE, 16 * 1024)
+    theirs = plan_buckets(make(), 16 * 1024)
+    assert ours.digest != theirs.digest
+    # The engine re-derives the plan from what the trainer sent plus the trainer's
+    # digest: a different manifest under the trainer's digest is refused.
+    forged = {**theirs.to_json(), "digest": ours.digest}
+    with pytest.raises(RefitMismatchError, match="digest mismatch"):
+        BucketPlan.from_json(forged)
+
+
+def test_bucket_size_is_part_of_the_digest() -> None:
+    assert plan_buckets(BASE, 16 * 1024).digest != plan_buckets(BASE, 32 * 1024).digest
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_stream_that_differs_from_the_plan_raises_before_its_bucket_is_packed(
+    variant: str,
+) -> None:
+    make, _ = VARIANTS[variant]
+    plan = plan_buckets(BASE, 1 << 20)  # one bucket: nothing may be yielded
+    stream = [(n, torch.zeros(s, dtype=d)) for n, (s, d) in make().items()]
+    packed: list[int] = []
+    with pytest.raises(RefitMismatchError):
+        for bucket, group in group_by_bucket(stream, plan):
+            packed.append(pack(bucket, group).numel())
+    assert packed == []
+
+
+def test_source_shorter_or_longer_than_the_plan_raises() -> None:
+    plan = plan_buckets(BASE, 1 << 20)
+    full = [(n, torch.zeros(s, dtype=d)) for n, (s, d) in BASE.items()]
+    with pytest.raises(RefitMismatchError, match="ended before"):
+        list(group_by_bucket(full[:-1], plan))
+    with pytest.raises(RefitMismatchError, match="not in the manifest"):
+        list(group_by_bucket([*full, ("extra", torch.zeros(1))], plan))
+
+
+def test_malformed_plans_and_buffers_raise_mismatch() -> None:
+    plan = plan_buckets(BASE, 1 << 20)
+    with pytest.raises(RefitMismatchError, match="malformed"):
+        BucketPlan.from_json({"manifest": [], "digest": plan.digest})
+    with pytest.raises(RefitMismatchError, match="unknown dtype"):
+        dtype_from_name("float3")
+    bucket = plan.buckets[0]
+    with pytest.raises(RefitMismatchError):
+        next(unpack(torch.zeros(bucket.nbytes - 1, dtype=torch.uint8), bucket))
+    with pytest.raises(RefitMismatchError):
+        next(unpack(torch.zeros(bucket.nbytes, dtype=torch.int8), bucket))
+
+
+def test_pack_refuses_a_short_out_buffer_before_copying() -> None:
+    plan = plan_buckets(BASE, 1 << 20)
+    bucket = plan.buckets[0]
+    group = [(n, torch.ones(s, dtype=d)) for n, (s, d) in BASE.items()]
+    out = torch.zeros(bucket.nbytes - 1, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="uint8"):
+        pack(bucket, group, out=out)
+    assert int(out.sum()) == 0
+
+
+def test_checksum_sees_a_changed_or_moved_byte() -> None:
+    buffer = torch.arange(4096, dtype=torch.int64).to(torch.uint8)
+    base = bucket_checksum(buffer)
+    changed = buffer.clone()
+    changed[100] += 1
+    swapped = buffer.clone()
+    swapped[[1, 2]] = swapped[[2, 1]]
+    assert bucket_checksum(buffer.clone()) == base
+    assert bucket_checksum(changed) != base
+    assert bucket_checksum(swapped) != base
