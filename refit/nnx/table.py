@@ -214,7 +214,12 @@ def flatten_params(params: Any) -> dict[NNXPath, Any]:
     so ``"0"`` and ``0`` name the same layer.
     """
     if hasattr(params, "to_pure_dict"):
-        params = params.to_pure_dict()
+        try:
+            from flax import nnx
+
+            params = nnx.to_pure_dict(params)
+        except ImportError:
+            params = params.to_pure_dict()
     flat: dict[NNXPath, Any] = {}
     stack: list[tuple[NNXPath, Any]] = [((), params)]
     while stack:

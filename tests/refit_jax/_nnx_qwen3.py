@@ -111,7 +111,9 @@ class NNXQwen3(nnx.Module):
         """``ids [B, T]`` int → logits ``[B, T, V]`` float32."""
         emb = self.embedder.input_embedding[...]
         x = emb[ids]
-        inv_freq = 1.0 / (self.theta ** (jnp.arange(0, self.head_dim, 2, jnp.float32) / self.head_dim))
+        inv_freq = 1.0 / (
+            self.theta ** (jnp.arange(0, self.head_dim, 2, jnp.float32) / self.head_dim)
+        )
         freqs = jnp.arange(ids.shape[1], dtype=jnp.float32)[:, None] * inv_freq[None, :]
         angles = jnp.concatenate([freqs, freqs], axis=-1)
         cos, sin = jnp.cos(angles), jnp.sin(angles)

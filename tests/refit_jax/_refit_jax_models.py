@@ -125,7 +125,9 @@ def gemma4_config(**over: Any) -> Any:
     """The multimodal wrapper with no vision/audio tower: ``model.language_model.*`` names."""
     from transformers import Gemma4Config
 
-    return Gemma4Config(text_config=gemma4_text_config(**over), vision_config=None, audio_config=None)
+    return Gemma4Config(
+        text_config=gemma4_text_config(**over), vision_config=None, audio_config=None
+    )
 
 
 def build(config: Any, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

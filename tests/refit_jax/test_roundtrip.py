@@ -20,7 +20,11 @@ FAMILIES: list[tuple[str, str, dict[str, Any]]] = [
     ("qwen3_tied", "qwen3_config", {"tie_word_embeddings": True}),
     ("qwen3_attention_bias", "qwen3_config", {"attention_bias": True}),
     ("qwen3_moe", "qwen3_moe_config", {}),
-    ("qwen3_moe_sparse_step2", "qwen3_moe_config", {"decoder_sparse_step": 2, "mlp_only_layers": []}),
+    (
+        "qwen3_moe_sparse_step2",
+        "qwen3_moe_config",
+        {"decoder_sparse_step": 2, "mlp_only_layers": []},
+    ),
     ("qwen3_next", "qwen3_next_config", {}),
     ("qwen3_next_dense_layer", "qwen3_next_config", {"mlp_only_layers": [0]}),
     ("gemma4_text_moe", "gemma4_text_config", {}),
