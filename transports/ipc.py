@@ -246,6 +246,9 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         if self._sender is not None:
             self._sender.close()
             self._sender = None
+        forget = getattr(self.generation, "remove_weights_discarded_listener", None)
+        if forget is not None:
+            forget(self._invalidate_engine_weights)
         await super().shutdown()
 
     @property

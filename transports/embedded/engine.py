@@ -30,7 +30,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import TracebackType
@@ -115,6 +115,7 @@ class EmbeddedEngine:
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task[None] | None = None
         self._dir: str | None = None
+        self._endpoint = ""
         self._discard_listeners: list[Callable[[], None]] = []
         self._started = False
         self._closed = False
@@ -141,49 +142,77 @@ class EmbeddedEngine:
         loop = asyncio.get_running_loop()
         self._dir = tempfile.mkdtemp(prefix="aiosync-engine-")
         os.chmod(self._dir, 0o700)
-        endpoint = f"ipc://{self._dir}/rpc.sock"
+        self._endpoint = f"ipc://{self._dir}/rpc.sock"
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(endpoint)
+        self._sock.bind(self._endpoint)
         self._ready = [loop.create_future() for _ in range(self.num_workers)]
         self._reader = asyncio.create_task(self._read_replies())
-        mp = multiprocessing.get_context("spawn")
         try:
             for rank in range(self.num_workers):
-                proc = mp.Process(
-                    target=run_worker,
-                    args=(
-                        rank,
-                        self.num_workers,
-                        endpoint,
-                        self._model,
-                        self.seed,
-                        self.dtype,
-                        self.worker_extension_cls,
-                        self.threads_per_worker,
-                    ),
-                    name=f"aiosync-embedded-{rank}",
-                    daemon=True,
-                )
-                proc.start()
-                self._procs.append(proc)
-                loop.add_reader(proc.sentinel, self._on_worker_exit, rank)
-            with anyio.fail_after(self.start_timeout_s):
-                for rank, ready in enumerate(self._ready):
-                    msg = await ready
-                    if msg.get("t") != "ready":
-                        raise rebuild_error(msg, f"engine worker {rank} (starting)")
-        except TimeoutError as exc:
-            await self.shutdown()
-            raise SyncTimeoutError(
-                f"engine workers not ready within {self.start_timeout_s} s"
-            ) from exc
+                self._spawn(rank)
+            await self._wait_ready(range(self.num_workers))
         except BaseException:
             await self.shutdown()
             raise
         return self
+
+    def _spawn(self, rank: int) -> None:
+        proc = multiprocessing.get_context("spawn").Process(
+            target=run_worker,
+            args=(
+                rank,
+                self.num_workers,
+                self._endpoint,
+                self._model,
+                self.seed,
+                self.dtype,
+                self.worker_extension_cls,
+                self.threads_per_worker,
+            ),
+            name=f"aiosync-embedded-{rank}",
+            daemon=True,
+        )
+        proc.start()
+        if rank < len(self._procs):
+            self._procs[rank] = proc
+        else:
+            self._procs.append(proc)
+        asyncio.get_running_loop().add_reader(proc.sentinel, self._on_worker_exit, rank)
+
+    async def _wait_ready(self, ranks: Iterable[int]) -> None:
+        try:
+            with anyio.fail_after(self.start_timeout_s):
+                for rank in ranks:
+                    msg = await self._ready[rank]
+                    if msg.get("t") != "ready":
+                        raise rebuild_error(msg, f"engine worker {rank} (starting)")
+        except TimeoutError as exc:
+            raise SyncTimeoutError(
+                f"engine workers not ready within {self.start_timeout_s} s"
+            ) from exc
+
+    async def respawn_dead_workers(self) -> list[int]:
+        """Start a fresh process for every worker that died; returns their ranks.
+
+        A respawned worker holds the initial weights (``seed`` or the model
+        folder), not the last synced version: run ``init_communicator()`` and a
+        sync before generating.
+
+        Raises:
+            TransportError, SyncTimeoutError: a new worker failed to start.
+        """
+        self._check_running()
+        ranks = sorted(self._dead)
+        loop = asyncio.get_running_loop()
+        for rank in ranks:
+            self._ready[rank] = loop.create_future()
+            del self._dead[rank]
+            self._spawn(rank)
+        await self._wait_ready(ranks)
+        return ranks
 
     async def __aenter__(self) -> Self:
         return await self.start()
@@ -195,6 +224,11 @@ class EmbeddedEngine:
         tb: TracebackType | None,
     ) -> None:
         await self.shutdown()
+
+    @property
+    def socket_dir(self) -> str | None:
+        """The private (0700) directory of the RPC socket; None before start."""
+        return self._dir
 
     @property
     def pids(self) -> list[int]:
@@ -379,6 +413,11 @@ class EmbeddedEngine:
         knows a sync is needed before the engine may generate (case C6).
         """
         self._discard_listeners.append(listener)
+
+    def remove_weights_discarded_listener(self, listener: Callable[[], None]) -> None:
+        """Undo :meth:`add_weights_discarded_listener` (no error if absent)."""
+        if listener in self._discard_listeners:
+            self._discard_listeners.remove(listener)
 
     async def generate(
         self,

@@ -1,0 +1,157 @@
+"""Fixtures for the IPC transport: real embedded-engine processes, a real trainer model.
+
+Engines are session-scoped (starting one costs tens of seconds on a loaded
+CPU); every test syncs before it asserts, so the state a previous test left
+does not matter. Async fixtures and tests share the session event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import torch
+
+from aiosync.interfaces import RefitManifest, RefitSource
+from refit import DTensorRefitSource
+from transports.embedded.engine import EmbeddedEngine
+from transports.embedded.model import HFModelRunner
+
+MOE: dict[str, Any] = {
+    "model_type": "qwen3_moe",
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "mlp_only_layers": [1],
+    "norm_topk_prob": True,
+}
+DENSE_TIED: dict[str, Any] = {
+    "model_type": "qwen3",
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "tie_word_embeddings": True,
+}
+#: Engines initialise with this seed; trainers use others so a sync must change every tensor.
+ENGINE_SEED = 3
+PROMPTS = [[1, 2, 3, 4], [5, 6], [7, 8, 9], [10]]
+
+
+class TrainerSource(RefitSource):
+    """A trainer's real refit source plus a shared lifecycle log and fault hooks.
+
+    ``on_tensor(i)`` is called before the ``i``-th tensor is yielded (to kill or
+    stop an engine mid-sync); ``rename`` renames manifest entries (C4).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        log: list[str],
+        *,
+        on_tensor: Callable[[int], None] | None = None,
+        rename: Mapping[str, str] | None = None,
+    ) -> None:
+        self.inner = DTensorRefitSource(model)
+        self.log = log
+        self.on_tensor = on_tensor
+        self.rename = dict(rename or {})
+
+    def prepare_refit_info(self) -> RefitManifest:
+        return {self.rename.get(n, n): spec for n, spec in self.inner.prepare_refit_info().items()}
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self.log.append("stream")
+        for i, (name, tensor) in enumerate(self.inner.iter_weights()):
+            if self.on_tensor is not None:
+                self.on_tensor(i)
+            yield self.rename.get(name, name), tensor
+
+    def offload_before_refit(self) -> None:
+        self.log.append("offload_before_refit")
+
+    def offload_after_refit(self) -> None:
+        self.log.append("offload_after_refit")
+
+
+class RecordingEngine:
+    """Forwards to an :class:`EmbeddedEngine`, logging the generation lifecycle calls."""
+
+    def __init__(self, engine: EmbeddedEngine, log: list[str]) -> None:
+        self.engine = engine
+        self.log = log
+
+    async def prepare_for_generation(self, tags: Sequence[str] | None = None) -> None:
+        self.log.append(f"prepare_for_generation({','.join(tags) if tags else 'all'})")
+        await self.engine.prepare_for_generation(tags)
+
+    async def finish_generation(self) -> None:
+        self.log.append("finish_generation")
+        await self.engine.finish_generation()
+
+    async def collective_rpc(
+        self,
+        method: str,
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[Any]:
+        return await self.engine.collective_rpc(method, args, kwargs, timeout_s)
+
+
+def trainer_model(config: Mapping[str, Any], seed: int) -> HFModelRunner:
+    """The trainer's model: same architecture as the engine's, different weights."""
+    return HFModelRunner.from_config(config, seed=seed)
+
+
+async def assert_engine_equals(engine: EmbeddedEngine, trainer: HFModelRunner) -> None:
+    """Every worker's weights equal the trainer's checkpoint tensors, bit for bit."""
+    expected = trainer.hf_state_dict()
+    for rank, state in enumerate(await engine.hf_state_dicts()):
+        assert list(state) == list(expected), f"worker {rank} names differ"
+        for name, tensor in expected.items():
+            assert torch.equal(state[name], tensor), f"worker {rank}: {name} differs"
+
+
+@pytest.fixture(scope="session")
+def h() -> SimpleNamespace:
+    """This directory's helpers (test modules cannot import conftest under importlib mode)."""
+    return SimpleNamespace(
+        MOE=MOE,
+        DENSE_TIED=DENSE_TIED,
+        PROMPTS=PROMPTS,
+        TrainerSource=TrainerSource,
+        RecordingEngine=RecordingEngine,
+        trainer_model=trainer_model,
+        assert_engine_equals=assert_engine_equals,
+    )
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def moe_engine() -> AsyncIterator[EmbeddedEngine]:
+    """Two engine processes holding the tiny Qwen3-MoE."""
+    async with EmbeddedEngine(MOE, num_workers=2, seed=ENGINE_SEED, rpc_timeout_s=120) as engine:
+        yield engine
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def dense_engine() -> AsyncIterator[EmbeddedEngine]:
+    """One engine process holding the tiny tied-embedding Qwen3 (also used to kill workers)."""
+    async with EmbeddedEngine(
+        DENSE_TIED, num_workers=1, seed=ENGINE_SEED, rpc_timeout_s=120
+    ) as engine:
+        yield engine
