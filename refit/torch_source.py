@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -29,6 +29,7 @@ from ._torch_names import (
     _tied_aliases,
     _unwrap,
 )
+from ._torch_rules import _zero_copy_split
 
 __all__ = ["DTensorRefitSource"]
 
@@ -40,7 +41,9 @@ class _Entry:
     module_key: str  # key in the (wrapped) model's state_dict
     key: str  # the same without wrapper prefixes, as the reverter expects it
     outputs: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]  # (hf_name, shape, dtype)
-    converted: bool  # False: the tensor itself is the checkpoint tensor ``outputs[0]``
+    # "plain": the tensor is the checkpoint tensor ``outputs[0]``; "views": a zero-copy
+    # rule (``_torch_rules``) splits it; "revert": the reverter converts it.
+    mode: Literal["plain", "views", "revert"]
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -154,11 +157,27 @@ class DTensorRefitSource(RefitSource):
             # transformers' reversal leaves an unconverted tensor as it is, so it is
             # skipped; an adapter may change values at the same shape, so it never is.
             untouched = len(outputs) == 1 and outputs[0][:2] == (key, tuple(tensor.shape))
-            converted = self._reverter is not None and (self._hf_model is None or not untouched)
-            entries.append(_Entry(module_key, key, outputs, converted=converted))
+            mode: Literal["plain", "views", "revert"] = "plain"
+            if self._reverter is not None and (self._hf_model is None or not untouched):
+                mode = "revert"
+                if self._hf_model is not None and self._rule_agrees(key, meta, outputs):
+                    mode = "views"
+            entries.append(_Entry(module_key, key, outputs, mode))
         if self._hf_model is not None:
             entries = self._in_checkpoint_order(entries, metas)
         return tuple(entries)
+
+    @staticmethod
+    def _rule_agrees(
+        key: str,
+        meta: torch.Tensor,
+        outputs: tuple[tuple[str, tuple[int, ...], torch.dtype], ...],
+    ) -> bool:
+        """Whether a zero-copy rule gives exactly transformers' names, shapes and order."""
+        views = _zero_copy_split(key, meta)
+        if views is None:
+            return False
+        return [(n, tuple(v.shape)) for n, v in views] == [(n, s) for n, s, _ in outputs]
 
     def _in_checkpoint_order(
         self, entries: list[_Entry], metas: dict[str, torch.Tensor]
@@ -228,26 +247,34 @@ class DTensorRefitSource(RefitSource):
                 full = tensor.detach()
                 if _is_dtensor(full):
                     full = full.full_tensor()  # type: ignore[attr-defined]
-                if entry.converted:
-                    assert self._reverter is not None
-                    outputs = self._reverter(entry.key, full)
-                else:
-                    outputs = {entry.outputs[0][0]: full}
-                if len(outputs) != len(entry.outputs):
-                    raise RefitMismatchError(
-                        f"{entry.key}: expected {len(entry.outputs)} checkpoint tensors, "
-                        f"got {len(outputs)}"
-                    )
-                for (name, shape, dtype), (got_name, out) in zip(
-                    entry.outputs, outputs.items(), strict=True
-                ):
-                    if got_name != name or tuple(out.shape) != shape:
+                outputs = self._convert(entry, full)
+                del full  # the outputs hold what they need
+                for index, (name, shape, dtype) in enumerate(entry.outputs):
+                    got = next(outputs, None)
+                    if got is None or got[0] != name or tuple(got[1].shape) != shape:
+                        found = "nothing" if got is None else f"{got[0]} {tuple(got[1].shape)}"
                         raise RefitMismatchError(
-                            f"{entry.key}: expected {name} {shape}, "
-                            f"got {got_name} {tuple(out.shape)}"
+                            f"{entry.key}: checkpoint tensor {index} should be {name} {shape}, "
+                            f"got {found}"
                         )
-                    yield name, out.to(dtype)
-                del full, outputs
+                    out = got[1].to(dtype)
+                    del got  # drop the uncast view before the consumer runs
+                    yield name, out
+                    del out
+                extra = next(outputs, None)
+                if extra is not None:
+                    raise RefitMismatchError(f"{entry.key}: unexpected extra tensor {extra[0]}")
+
+    def _convert(self, entry: _Entry, full: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint tensors of one full module tensor, lazily where possible."""
+        if entry.mode == "plain":
+            return iter(((entry.outputs[0][0], full),))
+        if entry.mode == "views":
+            views = _zero_copy_split(entry.key, full)
+            assert views is not None  # checked on meta when the plan was built
+            return views
+        assert self._reverter is not None
+        return iter(self._reverter(entry.key, full).items())
 
     # -- colocated offload ----------------------------------------------------
 

@@ -78,8 +78,11 @@ def test_moe_expert_tensors_are_slices_of_the_fused_parameter(build_model: Build
     model = build_model("qwen3_moe")
     experts = model.model.layers[2].mlp.experts
     streamed = dict(DTensorRefitSource(model).iter_weights())
+    fused = experts.gate_up_proj.untyped_storage().data_ptr()
     for e in range(4):
         prefix = f"model.layers.2.mlp.experts.{e}"
+        # Zero copy: same dtype, so the stream yields views into the fused parameter.
+        assert streamed[f"{prefix}.up_proj.weight"].untyped_storage().data_ptr() == fused
         assert torch.equal(streamed[f"{prefix}.gate_proj.weight"], experts.gate_up_proj[e, :32])
         assert torch.equal(streamed[f"{prefix}.up_proj.weight"], experts.gate_up_proj[e, 32:])
         assert torch.equal(streamed[f"{prefix}.down_proj.weight"], experts.down_proj[e])
