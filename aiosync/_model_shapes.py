@@ -23,8 +23,21 @@ ShapeManifest = dict[str, tuple[tuple[int, ...], str]]
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1}
 
-#: Real model dimensions (config.json fields), by the name ``aiosync bench --model`` takes.
+#: Real model dimensions (config.json fields), by the name ``aiosync bench --model`` takes;
+#: ``qwen3-tiny`` is a test-sized Qwen3 (not a real checkpoint).
 MODEL_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3-tiny": {
+        "model_type": "qwen3",
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
     "qwen3-0.6b": {
         "model_type": "qwen3",
         "vocab_size": 151936,

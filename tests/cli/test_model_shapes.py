@@ -61,7 +61,7 @@ def test_manifest_matches_what_transformers_saves(name: str) -> None:
     assert ours == _transformers_checkpoint_shapes(TINY[name])
 
 
-@pytest.mark.parametrize("name", list(MODEL_CONFIGS))
+@pytest.mark.parametrize("name", [n for n in MODEL_CONFIGS if n != "qwen3-tiny"])
 def test_stored_dimensions_equal_the_shared_model_configs(name: str) -> None:
     path = SHARED_MODELS / f"{name}.json"
     if not path.exists():

@@ -1,0 +1,392 @@
+"""The ``aiosync`` command: ``aiosync info`` and ``aiosync bench``.
+
+``aiosync bench --transport ipc collective --model qwen3-0.6b --sizes 1 2 --plot out.png``
+refits a manifest shaped like a real model (dimensions stored in
+:mod:`aiosync._model_shapes`; ``--sizes`` are decoder-layer counts) through each
+transport into a real engine (the embedded engine's worker processes, or the
+SGLang test server for ``http``), and prints bytes, tensors, seconds, GB/s and
+the ratio to a ``copy_`` of the same bytes measured in the same run.
+
+torch, the transports and matplotlib are imported inside the commands, so
+``aiosync --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import platform
+import socket
+import statistics
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from ._model_shapes import MODEL_CONFIGS
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["BenchRow", "main"]
+
+#: Transports ``aiosync bench`` runs, with the factory arguments that select them.
+_TRANSPORTS: dict[str, tuple[str, bool]] = {
+    "ipc": ("embedded", True),
+    "collective": ("embedded", False),
+    "http": ("sglang", True),
+}
+#: Packages ``aiosync info`` reports.
+_PACKAGES = ("aiosync", "torch", "transformers", "vllm", "sglang", "jax", "flax", "numpy")
+
+
+# -- info ----------------------------------------------------------------------
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def collect_info() -> dict[str, Any]:
+    """Versions found, devices, and which transports can run on this machine."""
+    import torch
+    import torch.distributed as dist
+
+    versions = {p: _version(p) for p in _PACKAGES}
+    cuda = torch.cuda.is_available()
+    devices = ["cpu"] + [
+        f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count())
+    ]
+    if versions["jax"] is not None:
+        with contextlib.suppress(Exception):
+            import jax
+
+            devices += [f"jax:{d}" for d in jax.devices() if d.platform != "cpu"]
+    has_zmq = importlib.util.find_spec("zmq") is not None
+    has_httpx = importlib.util.find_spec("httpx") is not None
+    dist_ok = dist.is_available()
+    transports = {
+        "ipc": {
+            "runs": has_zmq,
+            "why": ("CUDA IPC handles" if cuda else "POSIX shared memory (CPU)")
+            if has_zmq
+            else "pyzmq missing",
+        },
+        "collective": {
+            "runs": dist_ok and (dist.is_gloo_available() or dist.is_nccl_available()),
+            "why": ", ".join(
+                b
+                for b, ok in (
+                    ("nccl", dist_ok and cuda and dist.is_nccl_available()),
+                    ("gloo", dist_ok and dist.is_gloo_available()),
+                )
+                if ok
+            )
+            or "torch.distributed unavailable",
+        },
+        "http": {
+            "runs": has_httpx,
+            "why": ("SGLang server" if versions["sglang"] else "aiosync's SGLang test server only")
+            if has_httpx
+            else "httpx missing",
+        },
+    }
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "versions": versions,
+        "cuda": cuda,
+        "devices": devices,
+        "transports": transports,
+        "engines": {
+            "embedded": True,
+            "vllm": versions["vllm"] is not None,
+            "sglang": versions["sglang"] is not None,
+        },
+    }
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    info = collect_info()
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"python {info['python']} on {info['platform']}")
+    versions = Table("package", "version", title="packages")
+    for name, version in info["versions"].items():
+        versions.add_row(name, version or "[dim]not installed")
+    console.print(versions)
+    console.print("devices: " + ", ".join(info["devices"]))
+    transports = Table("transport", "runs here", "how", title="transports")
+    for name, t in info["transports"].items():
+        transports.add_row(name, "yes" if t["runs"] else "no", t["why"])
+    console.print(transports)
+    return 0
+
+
+# -- bench ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRow:
+    """One measurement of ``aiosync bench``.
+
+    Attributes:
+        transport: ``ipc``, ``collective`` or ``http``.
+        model: model name (dimensions from :data:`aiosync._model_shapes.MODEL_CONFIGS`).
+        layers: decoder layers kept.
+        nbytes: payload bytes per refit.
+        tensors: tensors per refit.
+        seconds: median seconds of one ``sync_weights``.
+        gbps: ``nbytes / seconds / 1e9``.
+        memcpy_gbps: a single ``copy_`` of ``nbytes`` bytes, same run, GB/s.
+        ratio: ``gbps / memcpy_gbps``.
+    """
+
+    transport: str
+    model: str
+    layers: int
+    nbytes: int
+    tensors: int
+    seconds: float
+    gbps: float
+    memcpy_gbps: float
+    ratio: float
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _model_config(model: str, layers: int, dtype: str) -> dict[str, Any]:
+    config = dict(MODEL_CONFIGS[model])
+    config["num_hidden_layers"] = min(layers, int(config["num_hidden_layers"]))
+    config.pop("torch_dtype", None)
+    config["dtype"] = dtype
+    return config
+
+
+def _checkpoint_manifest(config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """The engine's expected manifest (names, order, shapes), computed on meta tensors."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    items = {k: v for k, v in config.items() if k != "dtype"}
+    hf_config = AutoConfig.for_model(items.pop("model_type"), **items)
+    dtype = getattr(torch, config["dtype"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    state = remove_tied_weights_from_state_dict(model.state_dict(), model)
+    return {k: (tuple(v.shape), v.dtype) for k, v in revert_weight_conversion(model, state).items()}
+
+
+class _RandomSource:
+    """A trainer whose weights are random tensors of a manifest (a ``RefitSource``)."""
+
+    def __init__(self, manifest: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        import torch
+
+        gen = torch.Generator().manual_seed(0)
+        self.manifest = manifest
+        self.weights = {
+            name: torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+            for name, (shape, dtype) in manifest.items()
+        }
+
+    def prepare_refit_info(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return dict(self.manifest)
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.weights.items()
+
+    def offload_before_refit(self) -> None:
+        return None
+
+    def offload_after_refit(self) -> None:
+        return None
+
+
+@contextlib.asynccontextmanager
+async def _engine(transport: str, config: dict[str, Any]) -> AsyncIterator[Any]:
+    if transport == "http":
+        from transports.sglang_test_server import serve_embedded
+
+        async with serve_embedded(config) as engine:
+            yield engine
+        return
+    from transports.embedded.engine import EmbeddedEngine
+
+    async with EmbeddedEngine(config, dtype=config["dtype"]) as engine:
+        yield engine
+
+
+def _memcpy_seconds(nbytes: int, repeats: int) -> float:
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    src.fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch: page faults are not copy time
+    times = []
+    for _ in range(max(repeats, 5)):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+async def _bench_one(transport: str, model: str, layers: int, args: argparse.Namespace) -> BenchRow:
+    from aiosync import TrainCluster, create_weight_synchronizer
+
+    backend, colocated = _TRANSPORTS[transport]
+    config = _model_config(model, layers, args.dtype)
+    manifest = _checkpoint_manifest(config)
+    source = _RandomSource(manifest)
+    nbytes = sum(t.numel() * t.element_size() for t in source.weights.values())
+    options: dict[str, Any] = {}
+    if args.bucket_mb:
+        options["bucket_bytes"] = args.bucket_mb * 1024 * 1024
+    if not colocated:
+        options["train_cluster"] = TrainCluster(master_port=_free_port())
+        options["inference_world_size"] = 1
+    async with _engine(transport, config) as engine:
+        sync = create_weight_synchronizer(
+            source, engine, colocated=colocated, backend=backend, **options
+        )
+        async with sync:
+            await sync.init_communicator()
+            times = []
+            for _ in range(args.repeats + 1):  # the first refit warms up
+                await sync.mark_stale()
+                start = time.perf_counter()
+                await sync.sync_weights()
+                times.append(time.perf_counter() - start)
+    seconds = statistics.median(times[1:])
+    memcpy = nbytes / _memcpy_seconds(nbytes, args.repeats) / 1e9
+    gbps = nbytes / seconds / 1e9
+    return BenchRow(
+        transport, model, config["num_hidden_layers"], nbytes, len(manifest),
+        seconds, gbps, memcpy, gbps / memcpy,
+    )  # fmt: skip
+
+
+def _plot(rows: Sequence[BenchRow], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for transport in dict.fromkeys(r.transport for r in rows):
+        mine = sorted((r for r in rows if r.transport == transport), key=lambda r: r.nbytes)
+        ax.plot([r.nbytes / 1e6 for r in mine], [r.gbps for r in mine], "o-", label=transport)
+    memcpy = sorted(rows, key=lambda r: r.nbytes)
+    ax.plot(
+        [r.nbytes / 1e6 for r in memcpy],
+        [r.memcpy_gbps for r in memcpy],
+        "k--",
+        label="memcpy (same bytes)",
+    )
+    ax.set_xscale("log")
+    ax.set_xlabel("refit size (MB)")
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"aiosync refit throughput, {rows[0].model}-shaped manifests")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import anyio
+
+    sizes = args.sizes or [args.layers]
+    rows: list[BenchRow] = []
+
+    async def bench_all() -> None:
+        for transport in args.transport:
+            for layers in sizes:
+                rows.append(await _bench_one(transport, args.model, layers, args))
+
+    anyio.run(bench_all)
+    if args.plot:
+        _plot(rows, args.plot)
+    if args.json:
+        print(json.dumps({"rows": [asdict(r) for r in rows], "plot": args.plot}))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        "transport", "layers", "bytes", "tensors", "seconds", "GB/s", "memcpy GB/s", "ratio",
+        title=f"aiosync bench: {args.model}-shaped manifests (median of {args.repeats})",
+    )  # fmt: skip
+    for r in rows:
+        table.add_row(
+            r.transport, str(r.layers), f"{r.nbytes:,}", str(r.tensors), f"{r.seconds:.4f}",
+            f"{r.gbps:.3f}", f"{r.memcpy_gbps:.3f}", f"{r.ratio:.2f}x",
+        )  # fmt: skip
+    Console().print(table)
+    if args.plot:
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+# -- entry point -----------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``aiosync`` argument parser (subcommands ``info`` and ``bench``)."""
+    parser = argparse.ArgumentParser(
+        prog="aiosync", description="Async weight synchronization from RL trainers to engines."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="versions, devices, transports that run here")
+    info.add_argument("--json", action="store_true", help="print one JSON object")
+    info.set_defaults(func=_cmd_info)
+    bench = sub.add_parser("bench", help="refit throughput of a transport vs. memcpy")
+    bench.add_argument(
+        "--transport", nargs="+", choices=list(_TRANSPORTS), required=True, help="one or more"
+    )
+    bench.add_argument("--model", choices=list(MODEL_CONFIGS), default="qwen3-0.6b")
+    bench.add_argument("--layers", type=int, default=1, help="decoder layers (without --sizes)")
+    bench.add_argument(
+        "--sizes", type=int, nargs="+", default=None, help="decoder-layer counts to measure"
+    )
+    bench.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    bench.add_argument("--bucket-mb", type=int, default=None, help="bucket size, MiB")
+    bench.add_argument("--repeats", type=int, default=3, help="timed refits per size")
+    bench.add_argument("--plot", default=None, help="write a PNG of GB/s against size")
+    bench.add_argument("--json", action="store_true", help="print one JSON object")
+    bench.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``aiosync`` console script."""
+    args = build_parser().parse_args(argv)
+    if getattr(args, "sizes", None) and any(s < 1 for s in args.sizes):
+        print("aiosync bench: --sizes must be layer counts >= 1", file=sys.stderr)
+        return 2
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

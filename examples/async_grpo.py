@@ -1,0 +1,538 @@
+"""Async GRPO on CPU: a Qwen3-architecture policy learns a verifiable task while aiosync refits.
+
+The trainer (this process, torch) optimizes a small Qwen3 causal LM, built with
+transformers from a config (no download), with GRPO: group-relative advantages,
+a clipped policy-gradient loss and an optional KL penalty to the initial
+policy. The generation engine runs in its own process(es) — the embedded
+transformers engine by default — and gets every new version through the
+synchronizer that ``aiosync.create_weight_synchronizer`` picks for
+``--colocated/--no-colocated`` and ``--backend``. The loop never asks which.
+
+The task: the prompt is ``[BOS, d1, ..., dn, SEP]`` with random digits
+(token ids 0-9); the completion should copy the digits. The reward, computed
+by code, is the fraction of positions copied right (random policy: ~0.06).
+
+Async: rollouts for batch k+1 are generated while batch k trains (an anyio task
+group). The loop speaks only the handshake: ``mark_stale()`` after each
+optimizer step, ``refit_if_stale()`` before generating. A
+``VersionedReplayBuffer`` stamps every group with the weight version it was
+generated under and never hands out one staler than ``--max-staleness``.
+
+Run::
+
+    python examples/async_grpo.py                  # colocated (IPC), embedded engine
+    python examples/async_grpo.py --no-colocated   # torch.distributed broadcast (gloo)
+    python examples/async_grpo.py --quick --json-report report.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import random
+import socket
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from aiosync import (
+    TrainCluster,
+    VersionEventKind,
+    WeightSynchronizer,
+    create_weight_synchronizer,
+    refit_if_stale,
+)
+from aiosync.replay import VersionedReplayBuffer
+
+# -- the task ----------------------------------------------------------------------
+
+DIGITS = 10  #: token ids 0..9 are digits
+BOS, SEP, EOS, PAD = 10, 11, 12, 13
+VOCAB_SIZE = 16
+
+
+def policy_config(args: argparse.Namespace) -> dict[str, Any]:
+    """A small Qwen3 config (HF ``config.json`` fields); the engine builds the same model."""
+    return {
+        "model_type": "qwen3",
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": args.hidden_size,
+        "intermediate_size": 2 * args.hidden_size,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": args.hidden_size // 4,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 64,
+        "bos_token_id": BOS,
+        "eos_token_id": EOS,
+        "pad_token_id": PAD,
+    }
+
+
+def make_prompts(rng: random.Random, n: int, length: int) -> list[list[int]]:
+    """``n`` prompts ``[BOS, d1..d_length, SEP]`` of random digits."""
+    return [[BOS, *(rng.randrange(DIGITS) for _ in range(length)), SEP] for _ in range(n)]
+
+
+def reward(prompt: Sequence[int], completion: Sequence[int]) -> float:
+    """Fraction of the prompt's digits the completion copies at the right position."""
+    digits = prompt[1:-1]
+    return sum(int(a == b) for a, b in zip(completion, digits, strict=False)) / len(digits)
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """One prompt and its ``G`` sampled completions with their rewards."""
+
+    prompt: list[int]
+    completions: list[list[int]]
+    rewards: list[float]
+
+
+# -- the trainer (GRPO) ------------------------------------------------------------
+
+
+def build_policy(config: dict[str, Any], seed: int) -> torch.nn.Module:
+    """The Qwen3 causal LM, initialised exactly as the embedded engine initialises it."""
+    from transports.embedded.model import HFModelRunner
+
+    return HFModelRunner.from_config(config, seed=seed).model.train()
+
+
+class GRPOTrainer:
+    """GRPO updates on groups: advantages ``(r - mean_g) / (std_g + eps)``, clipped ratio.
+
+    Args:
+        model: the policy (trained in place).
+        lr: AdamW learning rate.
+        clip_eps: PPO clip range, the ratio is clipped to ``[1 - eps, 1 + eps]``.
+        kl_coef: weight of the k3 KL estimate to the initial policy; 0 disables it.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, *, lr: float, clip_eps: float, kl_coef: float
+    ) -> None:
+        self.model = model
+        self.reference = copy.deepcopy(model).eval().requires_grad_(False) if kl_coef else None
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0
+        )
+        self.clip_eps = clip_eps
+        self.kl_coef = kl_coef
+
+    @staticmethod
+    def tensors(groups: Sequence[Group]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``(sequences [B, P+L] int64, advantages [B] float32, prompt length P)``."""
+        seqs = [g.prompt + c for g in groups for c in g.completions]
+        rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
+        adv = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)
+        return torch.tensor(seqs), adv.reshape(-1), len(groups[0].prompt)
+
+    def _logprobs(self, model: torch.nn.Module, seqs: torch.Tensor, plen: int) -> torch.Tensor:
+        logits = model(seqs).logits[:, plen - 1 : -1].float()
+        return torch.log_softmax(logits, -1).gather(-1, seqs[:, plen:, None]).squeeze(-1)
+
+    def old_logprobs(
+        self, seqs: torch.Tensor, plen: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Completion log-probs ``[B, L]`` before this batch's updates, and the reference's."""
+        with torch.no_grad():
+            old = self._logprobs(self.model, seqs, plen)
+            ref = None if self.reference is None else self._logprobs(self.reference, seqs, plen)
+        return old, ref
+
+    def backward(
+        self,
+        seqs: torch.Tensor,
+        adv: torch.Tensor,
+        plen: int,
+        old: torch.Tensor,
+        ref: torch.Tensor | None,
+    ) -> dict[str, float]:
+        """Compute the GRPO loss and its gradients (reads the weights, does not change them)."""
+        # Grad mode is per thread, and this runs on a pooled worker thread.
+        with torch.enable_grad():
+            return self._backward(seqs, adv, plen, old, ref)
+
+    def _backward(
+        self,
+        seqs: torch.Tensor,
+        adv: torch.Tensor,
+        plen: int,
+        old: torch.Tensor,
+        ref: torch.Tensor | None,
+    ) -> dict[str, float]:
+        logp = self._logprobs(self.model, seqs, plen)
+        ratio = torch.exp(logp - old)
+        clipped = ratio.clamp(1 - self.clip_eps, 1 + self.clip_eps)
+        pg = -torch.min(ratio * adv[:, None], clipped * adv[:, None]).mean()
+        loss = pg
+        kl = torch.zeros(())
+        if ref is not None:
+            kl = (torch.exp(ref - logp) - (ref - logp) - 1).mean()
+            loss = pg + self.kl_coef * kl
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        clip_frac = ((ratio - clipped).abs() > 0).float().mean()
+        return {"loss": loss.item(), "kl": kl.item(), "clip_frac": clip_frac.item()}
+
+    def step(self) -> None:
+        """The optimizer step: the only place the weights change."""
+        self.optimizer.step()
+
+
+# -- the run -----------------------------------------------------------------------
+
+
+@dataclass
+class RunReport:
+    """What a run did; tests assert on it, ``--json-report`` writes it."""
+
+    backend: str
+    colocated: bool
+    synchronizer: str
+    steps: int
+    max_staleness: int
+    rewards: list[float] = field(default_factory=list)
+    start_reward: float = 0.0
+    end_reward: float = 0.0
+    eval_start: float = 0.0
+    eval_end: float = 0.0
+    #: one ``{version, nbytes, seconds, gbps}`` per COMMITTED event, in order
+    refits: list[dict[str, float]] = field(default_factory=list)
+    refit_failures: int = 0
+    #: ``[weight_version, engine weights equal the trainer's]`` after each refit
+    verified: list[tuple[int, bool]] = field(default_factory=list)
+    #: ``[target_weight_version, policy_version at use, staleness]`` per used group
+    samples: list[tuple[int, int, int]] = field(default_factory=list)
+    staleness_histogram: dict[int, int] = field(default_factory=dict)
+    dropped_stale: int = 0
+    final_policy_version: int = 0
+    final_weight_version: int = 0
+    seconds: float = 0.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.asynccontextmanager
+async def open_engine(args: argparse.Namespace, config: dict[str, Any]) -> Any:
+    """The generation engine for ``--backend`` (construction only; the loop never branches)."""
+    if args.backend == "embedded":
+        from transports.embedded.engine import EmbeddedEngine
+
+        async with EmbeddedEngine(
+            config, num_workers=args.engine_workers, seed=args.seed, threads_per_worker=1
+        ) as engine:
+            yield engine
+    elif args.backend == "sglang":
+        from transports.sglang_test_server import serve_embedded
+
+        async with serve_embedded(config, seed=args.seed) as engine:
+            yield engine
+    else:
+        raise SystemExit(f"--backend {args.backend} needs a real {args.backend} install")
+
+
+def topology(args: argparse.Namespace) -> dict[str, Any]:
+    """Where the trainer and the engine meet; only a non-colocated setup needs it."""
+    if args.colocated:
+        return {}
+    return {
+        "train_cluster": TrainCluster(world_size=1, rank=0, master_port=_free_port()),
+        "inference_world_size": args.engine_workers,
+    }
+
+
+def make_verifier(
+    engine: Any, model: torch.nn.Module, enabled: bool
+) -> Callable[[], Awaitable[bool | None]]:
+    """``await verify()``: do all engine workers hold exactly the trainer's weights?"""
+    from refit import DTensorRefitSource
+
+    source = DTensorRefitSource(model)
+    read_engine = getattr(engine, "hf_state_dicts", None)
+
+    async def verify() -> bool | None:
+        if not enabled or read_engine is None:
+            return None
+        trainer = {k: v.detach().clone() for k, v in source.iter_weights()}
+        engines = await read_engine()
+        return all(
+            e.keys() == trainer.keys() and all(torch.equal(e[k], v) for k, v in trainer.items())
+            for e in engines
+        )
+
+    return verify
+
+
+async def run(args: argparse.Namespace) -> RunReport:
+    """Train for ``args.steps`` batches; returns the :class:`RunReport`."""
+    from refit import DTensorRefitSource
+
+    started = time.perf_counter()
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    config = policy_config(args)
+    model = build_policy(config, args.seed)
+    trainer = GRPOTrainer(model, lr=args.lr, clip_eps=args.clip_eps, kl_coef=args.kl_coef)
+    source = DTensorRefitSource(model, optimizer=trainer.optimizer)
+    P, G, L = args.prompts_per_step, args.group_size, args.digits
+    console = Console(stderr=True, quiet=args.quiet, width=None if sys.stderr.isatty() else 110)
+    log_every = max(1, args.steps // 10)
+    metrics = _Metrics(args.metrics_port)
+
+    async with open_engine(args, config) as engine:
+        sync: WeightSynchronizer = create_weight_synchronizer(
+            source, engine, colocated=args.colocated, backend=args.backend, **topology(args)
+        )
+        report = RunReport(
+            backend=args.backend,
+            colocated=args.colocated,
+            synchronizer=type(sync).__name__,
+            steps=args.steps,
+            max_staleness=args.max_staleness,
+        )
+        verify = make_verifier(engine, model, args.verify)
+        eval_prompts = make_prompts(random.Random(args.seed + 1), args.eval_prompts, L)
+
+        async def check_engine() -> None:
+            equal = await verify()
+            if equal is not None:
+                report.verified.append((sync.weight_version, equal))
+
+        async def evaluate() -> float:
+            outs = await engine.generate(eval_prompts, max_new_tokens=L, ignore_eos=True)
+            return sum(map(reward, eval_prompts, outs)) / len(outs)
+
+        async with sync:
+            await sync.init_communicator()
+            await engine.prepare_for_generation()
+            buffer: VersionedReplayBuffer[Group] = VersionedReplayBuffer(
+                sync, max_staleness=args.max_staleness
+            )
+            refit_events = sync.subscribe()
+            weights_lock = anyio.Lock()  # optimizer steps vs. refits reading the weights
+            last = {"gbps": 0.0, "seconds": 0.0}
+            await check_engine()
+            report.eval_start = await evaluate()
+
+            async def follow_refits() -> None:
+                async for ev in refit_events:
+                    if ev.kind is VersionEventKind.COMMITTED:
+                        gbps = ev.nbytes / ev.duration_s / 1e9 if ev.duration_s else 0.0
+                        report.refits.append(
+                            {
+                                "version": ev.version,
+                                "nbytes": ev.nbytes,
+                                "seconds": ev.duration_s,
+                                "gbps": gbps,
+                            }
+                        )
+                        last.update(gbps=gbps, seconds=ev.duration_s)
+                        metrics.refit(ev.nbytes, ev.duration_s)
+                    elif ev.kind is VersionEventKind.FAILED:
+                        report.refit_failures += 1
+                        metrics.failure()
+
+            async def rollouts() -> None:
+                rng = random.Random(args.seed)
+                for batch_index in range(sys.maxsize):
+                    await buffer.wait_below(P)  # stay at most one batch ahead
+                    async with weights_lock:
+                        if await refit_if_stale(sync, engine):
+                            await check_engine()
+                        version = sync.weight_version
+                    prompts = make_prompts(rng, P, L)
+                    outs = await engine.generate(
+                        [p for p in prompts for _ in range(G)],
+                        max_new_tokens=L,
+                        temperature=1.0,
+                        seed=args.seed * 100_003 + batch_index,
+                        ignore_eos=True,
+                    )
+                    groups = []
+                    for i, prompt in enumerate(prompts):
+                        completions = outs[i * G : (i + 1) * G]
+                        rewards = [reward(prompt, c) for c in completions]
+                        groups.append(Group(prompt, completions, rewards))
+                    buffer.extend(groups, weight_version=version)
+
+            progress = Progress(
+                BarColumn(bar_width=20),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[info]}"),
+                console=console,
+                disable=not console.is_terminal,
+            )
+            async with buffer, anyio.create_task_group() as tg:
+                tg.start_soon(follow_refits)
+                tg.start_soon(rollouts)
+                with progress:
+                    task = progress.add_task("train", total=args.steps, info="")
+                    for step in range(args.steps):
+                        batch = await buffer.pop_batch(P)
+                        for s in batch:
+                            report.samples.append(
+                                (s.target_weight_version, sync.policy_version, s.staleness)
+                            )
+                            metrics.staleness(s.staleness)
+                        groups = [s.item for s in batch]
+                        step_reward = sum(r for g in groups for r in g.rewards) / (P * G)
+                        report.rewards.append(step_reward)
+                        seqs, adv, plen = trainer.tensors(groups)
+                        old, ref = await anyio.to_thread.run_sync(trainer.old_logprobs, seqs, plen)
+                        for _ in range(args.ppo_epochs):
+                            stats = await anyio.to_thread.run_sync(
+                                trainer.backward, seqs, adv, plen, old, ref
+                            )
+                            async with weights_lock:
+                                await anyio.to_thread.run_sync(trainer.step)
+                                await sync.mark_stale()
+                        info = (
+                            f"reward {step_reward:.3f}  policy v{sync.policy_version}  "
+                            f"weights v{sync.weight_version}  refit {last['gbps']:.3f} GB/s "
+                            f"{last['seconds']:.3f} s  clip {stats['clip_frac']:.2f}"
+                        )
+                        progress.update(task, advance=1, info=info)
+                        if not console.is_terminal and (step + 1) % log_every == 0:
+                            console.print(f"step {step + 1:>4}/{args.steps}  {info}")
+                # The final policy goes to the engine too, then a greedy evaluation.
+                async with weights_lock:
+                    if await refit_if_stale(sync, engine):
+                        await check_engine()
+                report.eval_end = await evaluate()
+                with anyio.fail_after(30):
+                    while not report.refits or report.refits[-1]["version"] < sync.weight_version:
+                        await anyio.sleep(0.01)
+                tg.cancel_scope.cancel()
+            report.staleness_histogram = buffer.histogram()
+            report.dropped_stale = sum(buffer.stats.dropped.values())
+            report.final_policy_version = sync.policy_version
+            report.final_weight_version = sync.weight_version
+            histogram_text = buffer.format_histogram()
+
+    k = max(1, len(report.rewards) // 5)
+    report.start_reward = sum(report.rewards[:k]) / k
+    report.end_reward = sum(report.rewards[-k:]) / k
+    report.seconds = time.perf_counter() - started
+    _print_summary(console, report, histogram_text)
+    return report
+
+
+def _print_summary(console: Console, report: RunReport, histogram_text: str) -> None:
+    mean_gbps = sum(r["gbps"] for r in report.refits) / max(1, len(report.refits))
+    console.print(
+        f"{report.synchronizer} ({report.backend}, "
+        f"{'colocated' if report.colocated else 'not colocated'}): "
+        f"{report.steps} steps in {report.seconds:.0f} s"
+    )
+    console.print(
+        f"reward (sampled): start {report.start_reward:.3f} -> end {report.end_reward:.3f}   "
+        f"greedy eval: start {report.eval_start:.3f} -> end {report.eval_end:.3f}"
+    )
+    console.print(
+        f"refits: {len(report.refits)} committed (v{report.final_weight_version}), "
+        f"{report.refit_failures} failed, mean {mean_gbps:.3f} GB/s; engine == trainer after "
+        f"every refit: {all(ok for _, ok in report.verified)}"
+    )
+    console.print(histogram_text, markup=False)
+
+
+class _Metrics:
+    """Prometheus metrics on ``127.0.0.1:port`` when a port is given; no-ops otherwise."""
+
+    def __init__(self, port: int | None) -> None:
+        self._on = port is not None
+        if port is None:
+            return
+        from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+        registry = CollectorRegistry()
+        self._bytes = Counter(
+            "aiosync_refit_bytes", "Bytes moved by committed refits", registry=registry
+        )
+        self._seconds = Histogram(
+            "aiosync_refit_seconds", "Duration of committed refits", registry=registry
+        )
+        self._failures = Counter("aiosync_refit_failures", "Failed refits", registry=registry)
+        self._staleness = Histogram(
+            "aiosync_sample_staleness",
+            "Staleness (optimizer steps) of samples used for training",
+            buckets=(0, 1, 2, 3, 4, 6, 8, 16),
+            registry=registry,
+        )
+        start_http_server(port, addr="127.0.0.1", registry=registry)
+
+    def refit(self, nbytes: int, seconds: float) -> None:
+        if self._on:
+            self._bytes.inc(nbytes)
+            self._seconds.observe(seconds)
+
+    def failure(self) -> None:
+        if self._on:
+            self._failures.inc()
+
+    def staleness(self, steps: int) -> None:
+        if self._on:
+            self._staleness.observe(steps)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line; ``--quick`` shrinks everything for tests."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=60, help="training batches")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="a few small steps (tests)")
+    p.add_argument("--colocated", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--backend", choices=("embedded", "vllm", "sglang"), default="embedded")
+    p.add_argument("--engine-workers", type=int, default=1)
+    p.add_argument("--prompts-per-step", type=int, default=16)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--digits", type=int, default=3, help="digits to copy")
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--clip-eps", type=float, default=0.2)
+    p.add_argument("--kl-coef", type=float, default=0.0, help="KL to the initial policy")
+    p.add_argument("--ppo-epochs", type=int, default=2, help="optimizer steps per batch")
+    p.add_argument("--max-staleness", type=int, default=4, help="in optimizer steps")
+    p.add_argument("--eval-prompts", type=int, default=32)
+    p.add_argument("--threads", type=int, default=1, help="trainer torch threads")
+    p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus on 127.0.0.1")
+    p.add_argument("--json-report", default=None, help="write the RunReport here")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps = min(args.steps, 4)
+        args.prompts_per_step, args.group_size, args.eval_prompts = 4, 4, 8
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> RunReport:
+    args = parse_args(argv)
+    report = anyio.run(run, args)
+    if args.json_report:
+        with open(args.json_report, "w") as f:
+            json.dump(asdict(report), f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The ``aiosync`` console script: ``info`` and ``bench`` with a real transport and engine."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def aiosync(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("aiosync")
+    cmd = [exe] if exe else [sys.executable, "-m", "aiosync.cli"]
+    return subprocess.run([*cmd, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def last_json(stdout: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
+    return data
+
+
+def test_info_reports_versions_devices_and_transports() -> None:
+    import torch
+
+    proc = aiosync("info", "--json")
+    assert proc.returncode == 0, proc.stderr
+    info = last_json(proc.stdout)
+    assert info["versions"]["torch"] == torch.__version__
+    assert info["devices"][0] == "cpu"
+    assert set(info["transports"]) == {"ipc", "collective", "http"}
+    assert info["transports"]["ipc"]["runs"] is True
+    assert info["transports"]["collective"]["runs"] is True
+
+
+def test_info_table_lists_transports() -> None:
+    proc = aiosync("info")
+    assert proc.returncode == 0, proc.stderr
+    assert "collective" in proc.stdout and "POSIX shared memory" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_ipc_writes_table_figures_and_a_valid_png(tmp_path: Path) -> None:
+    from PIL import Image
+
+    png = tmp_path / "bench.png"
+    proc = aiosync(
+        "bench", "--transport", "ipc", "--model", "qwen3-tiny", "--sizes", "1", "2",
+        "--repeats", "1", "--plot", str(png), "--json",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = last_json(proc.stdout)["rows"]
+    # qwen3-tiny: 64-wide embeddings and head (2 x 128 x 64) + final norm, 11 tensors
+    # of 49,344 bf16 values per layer.
+    assert [(r["transport"], r["layers"], r["tensors"]) for r in rows] == [
+        ("ipc", 1, 3 + 11),
+        ("ipc", 2, 3 + 22),
+    ]
+    assert [r["nbytes"] for r in rows] == [2 * (2 * 128 * 64 + 64 + n * 49_344) for n in (1, 2)]
+    for r in rows:
+        assert r["seconds"] > 0 and r["gbps"] == pytest.approx(r["nbytes"] / r["seconds"] / 1e9)
+        assert r["ratio"] == pytest.approx(r["gbps"] / r["memcpy_gbps"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with Image.open(png) as image:
+        assert image.format == "PNG" and image.size == (700, 450)
+
+
+def test_bench_rejects_an_unknown_model() -> None:
+    proc = aiosync("bench", "--transport", "ipc", "--model", "llama-7b")
+    assert proc.returncode == 2
+    assert "qwen3-0.6b" in proc.stderr
