@@ -35,7 +35,14 @@ from torch._C._distributed_c10d import AllgatherOptions, BroadcastOptions
 
 from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
 
-__all__ = ["STATUS_ERROR", "STATUS_MISMATCH", "STATUS_OK", "SyncGroup", "create_sync_group"]
+__all__ = [
+    "STATUS_ERROR",
+    "STATUS_MISMATCH",
+    "STATUS_OK",
+    "SyncGroup",
+    "create_sync_group",
+    "open_store",
+]
 
 #: Vote codes (one per rank) exchanged after each sync and at formation.
 STATUS_OK = 0
@@ -72,7 +79,7 @@ class SyncGroup:
     backend: str
     device: torch.device
     timeout_s: float
-    store: dist.Store
+    store: dist.Store | None
     ctrl: Any
     data: Any | None
     session: str
@@ -113,7 +120,7 @@ class SyncGroup:
         (source) ``tensor``. Raises :class:`TransportError` on a non-data rank.
         """
         if self.data is None:
-            raise TransportError(f"{self.describe_rank(self.rank)} is not in the data group")
+            raise TransportError(f"{self.describe_rank(self.rank)} has no data group")
         opts = BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
@@ -148,6 +155,8 @@ class SyncGroup:
             payload[1:] = torch.frombuffer(bytearray(bytes.fromhex(digest)), dtype=torch.uint8)
         outs = [torch.empty_like(payload) for _ in range(self.world_size)]
         with self._guard("control all-gather"):
+            if self.store is None or self.ctrl is None:
+                raise TransportError("the sync group was destroyed")
             if status != STATUS_OK:
                 self.store.set(key + str(self.rank), message)
             opts = AllgatherOptions()
@@ -213,6 +222,7 @@ class SyncGroup:
                 pass
         self.data = None
         self.ctrl = None
+        self.store = None
         self.broken = True
 
 
@@ -231,10 +241,34 @@ def _make_backend(
     raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
 
 
+def open_store(
+    master_addr: str, master_port: int, *, is_master: bool, timeout_s: float
+) -> dist.TCPStore:
+    """The session store: the server on trainer rank 0, a client elsewhere (blocking).
+
+    The trainer keeps its store for the synchronizer's lifetime, so re-forming
+    a group never has to bind the port again; each group uses its own key prefix.
+
+    Raises:
+        TransportError: the port is taken.
+        SyncTimeoutError: a client found no server within ``timeout_s``.
+    """
+    try:
+        return dist.TCPStore(
+            master_addr,
+            master_port,
+            None,
+            is_master,
+            datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+    except Exception as exc:
+        raise _wrap(exc, f"sync-group store at {master_addr}:{master_port}") from exc
+
+
 def create_sync_group(
     *,
-    master_addr: str,
-    master_port: int,
+    store: dist.Store,
     rank: int,
     world_size: int,
     train_world_size: int,
@@ -243,23 +277,16 @@ def create_sync_group(
     timeout_s: float,
     session: str,
 ) -> SyncGroup:
-    """Rendezvous at ``master_addr:master_port`` and build the session's groups (blocking).
+    """Build the session's groups over ``store`` (from :func:`open_store`; blocking).
 
-    Rank 0 hosts the ``TCPStore``; the others connect (retrying until
-    ``timeout_s``). Keys live under ``aiosync/<session>/`` so a re-formed group
-    never reads a previous session's keys.
+    Keys live under ``aiosync/<session>/`` so a re-formed group never reads a
+    previous session's keys.
 
     Raises:
         SyncTimeoutError: a rank did not join within ``timeout_s`` seconds.
-        TransportError: the port is taken, or the backend is unavailable.
+        TransportError: the backend is unavailable or the rendezvous failed.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
-    try:
-        store = dist.TCPStore(
-            master_addr, master_port, None, rank == 0, timeout, wait_for_workers=False
-        )
-    except Exception as exc:
-        raise _wrap(exc, f"sync-group store at {master_addr}:{master_port}") from exc
     root = dist.PrefixStore(f"aiosync/{session}", store)
     ctrl = data = None
     try:

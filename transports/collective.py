@@ -43,7 +43,14 @@ from aiosync.interfaces import (
 
 from ._collective_loops import RotatingBuffers, SendResult, send_buckets
 from ._collective_wire import kv_scale_entries
-from ._pg import STATUS_ERROR, STATUS_MISMATCH, STATUS_OK, SyncGroup, create_sync_group
+from ._pg import (
+    STATUS_ERROR,
+    STATUS_MISMATCH,
+    STATUS_OK,
+    SyncGroup,
+    create_sync_group,
+    open_store,
+)
 from .packing import BucketPlan, group_by_bucket, plan_buckets
 
 __all__ = ["CollectiveWeightSynchronizer", "default_bucket_bytes", "kv_scale_entries"]
@@ -156,6 +163,9 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         self.collective_timeout_s = collective_timeout_s
         self._plan: BucketPlan | None = None
         self._group: SyncGroup | None = None
+        # Kept for the synchronizer's lifetime (rank 0: the TCPStore server), so
+        # re-forming a group never has to bind the port again.
+        self._store: Any = None
         self._buffers: RotatingBuffers | None = None
         self._sessions = 0
         # Set when a thread running collectives is abandoned (timeout/cancel):
@@ -210,6 +220,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         """
         if not self._closed:
             await self._teardown(notify_workers=True)
+            self._store = None
         await super().shutdown()
 
     async def _form_group(self) -> None:
@@ -221,9 +232,15 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         tc = self.train_cluster
 
         def join() -> SyncGroup:
+            if self._store is None:
+                self._store = open_store(
+                    tc.master_addr,
+                    tc.master_port,
+                    is_master=self.is_source,
+                    timeout_s=self.collective_timeout_s,
+                )
             group = create_sync_group(
-                master_addr=tc.master_addr,
-                master_port=tc.master_port,
+                store=self._store,
                 rank=tc.rank,
                 world_size=self.world_size,
                 train_world_size=tc.world_size,

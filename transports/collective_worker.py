@@ -27,7 +27,7 @@ import torch
 from aiosync.errors import RefitMismatchError, SyncTimeoutError, TransportError
 
 from ._collective_loops import RotatingBuffers, receive_buckets
-from ._pg import STATUS_MISMATCH, STATUS_OK, SyncGroup, create_sync_group
+from ._pg import STATUS_MISMATCH, STATUS_OK, SyncGroup, create_sync_group, open_store
 from .packing import Bucket, BucketPlan, compare_manifests, unpack
 
 __all__ = ["CollectiveWorkerMixin"]
@@ -119,9 +119,9 @@ class CollectiveWorkerMixin:
         except RefitMismatchError as exc:
             status, message = STATUS_MISMATCH, str(exc)
         # Join even after a local mismatch, so that the vote tells every rank.
+        store = open_store(master_addr, master_port, is_master=False, timeout_s=timeout_s)
         group = create_sync_group(
-            master_addr=master_addr,
-            master_port=master_port,
+            store=store,
             rank=rank,
             world_size=world_size,
             train_world_size=train_world_size,

@@ -283,7 +283,9 @@ class Workers:
 
         async def one(rank: int, i: int) -> None:
             try:
-                results[rank] = await self.pool.call_with_timeout(i, method, kwargs or {}, timeout_s)
+                results[rank] = await self.pool.call_with_timeout(
+                    i, method, kwargs or {}, timeout_s
+                )
             except Exception as exc:
                 errors[rank] = exc
 

@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from collective_harness import QWEN3, QWEN3_MOE, WorkerPool  # noqa: E402
+from collective_harness import QWEN3, QWEN3_MOE, WorkerPool
 
 #: Worker 3 has a different MLP width: its manifest differs from the trainer's.
 MISMATCHED = {**QWEN3, "intermediate_size": 96}

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from anyio import create_task_group as anyio_task_group
 from collective_harness import QWEN3, QWEN3_MOE, WorkerPool, Workers
 
 from aiosync import (
@@ -89,3 +90,158 @@ async def test_sync_one_worker_bit_exact_with_kv_scales_and_same_greedy_output(
     }
     expected = trainer.generate(PROMPTS, max_new_tokens=6, ignore_eos=True)
     assert await pool.call(0, "test_generate", prompts=PROMPTS, max_new_tokens=6) == expected
+
+
+async def test_sync_three_workers_bit_exact_with_verify_and_oversized_tensor(
+    pool: WorkerPool, free_port: int
+) -> None:
+    trainer = _trainer(QWEN3, seed=101)
+    workers = await pool.view([0, 1, 2])
+    # 16 KiB buckets: many buckets in flight, and the 32 KiB embedding and
+    # lm_head each travel alone in a larger buffer (case C1).
+    async with _sync(trainer, workers, free_port, verify=True, bucket_bytes=16 * 1024) as sync:
+        await sync.init_communicator()
+        assert len(sync.plan.buckets) > 10
+        assert sync.plan.max_bucket_nbytes > 16 * 1024
+        events = sync.subscribe()
+        for step in (1, 2):
+            _perturb(trainer, seed=step)
+            await sync.mark_stale()
+            await sync.sync_weights()
+            assert sync.weight_version == step
+            await _assert_bit_exact(pool, [0, 1, 2], _checkpoint(trainer))
+            results = sync.last_worker_results
+            assert [r["version"] for r in results] == [step] * 3
+            assert len({tuple(r["checksums"]) for r in results}) == 1
+            assert len(results[0]["checksums"]) == len(sync.plan.buckets)
+    kinds = [e.kind async for e in events]
+    assert kinds.count(VersionEventKind.COMMITTED) == 2
+    assert VersionEventKind.FAILED not in kinds
+
+
+async def test_staged_overlap_gives_the_same_weights_and_generation_runs_meanwhile(
+    pool: WorkerPool, free_port: int
+) -> None:
+    trainer = _trainer(QWEN3, seed=102)
+    workers = await pool.view([0, 1, 2])
+    async with _sync(trainer, workers, free_port, overlap="staged", verify=True) as sync:
+        await sync.init_communicator()
+        await sync.mark_stale()
+        # Generation keeps running on the live weights while buckets land.
+        await pool.call(0, "test_generate", prompts=PROMPTS, max_new_tokens=2)
+        await sync.sync_weights(kv_scales={1: 0.125})
+        assert sync.weight_version == 1
+        assert all(r["pause_s"] >= 0 for r in sync.last_worker_results)
+    await _assert_bit_exact(pool, [0, 1, 2], _checkpoint(trainer))
+    scales = await pool.call(2, "test_kv_scales")
+    assert scales["model.layers.1.self_attn.k_scale"] == 0.125
+    assert scales["model.layers.1.self_attn.v_scale"] == 0.125
+    expected = trainer.generate(PROMPTS, max_new_tokens=6, ignore_eos=True)
+    assert await pool.call(1, "test_generate", prompts=PROMPTS, max_new_tokens=6) == expected
+
+
+async def test_sync_qwen3_moe_per_expert_names_bit_exact(pool: WorkerPool, free_port: int) -> None:
+    trainer = _trainer(QWEN3_MOE, seed=103)
+    workers = await pool.view([4])
+    async with _sync(trainer, workers, free_port, bucket_bytes=64 * 1024) as sync:
+        await sync.init_communicator()
+        assert "model.layers.0.mlp.experts.3.down_proj.weight" in sync.plan.manifest()
+        await sync.mark_stale()
+        await sync.sync_weights()
+    await _assert_bit_exact(pool, [4], _checkpoint(trainer))
+    expected = trainer.generate(PROMPTS, max_new_tokens=6, ignore_eos=True)
+    assert await pool.call(4, "test_generate", prompts=PROMPTS, max_new_tokens=6) == expected
+
+
+async def test_manifest_mismatch_on_one_receiver_raises_on_every_rank(
+    pool: WorkerPool, free_port: int
+) -> None:
+    trainer = _trainer(QWEN3, seed=104)
+    workers = await pool.view([0, 1, 3])  # worker 3's MLP is narrower
+    sync = _sync(trainer, workers, free_port)
+    start = time.monotonic()
+    with pytest.raises(RefitMismatchError) as info:
+        await sync.init_communicator()
+    assert time.monotonic() - start < 60  # nobody waited for a collective timeout
+    assert "inference rank 2" in str(info.value)
+    assert "mlp.gate_proj.weight" in str(info.value)
+    assert sorted(workers.last_errors) == [0, 1, 2]
+    assert all(isinstance(e, RefitMismatchError) for e in workers.last_errors.values())
+    # No rank kept a group: a receive fails at once everywhere.
+    for i in (0, 1, 3):
+        with pytest.raises(TransportError, match="no sync group"):
+            await pool.call(i, "aiosync_collective_receive", version=1, kv_names=[])
+    await sync.shutdown()
+
+
+async def test_default_process_groups_still_work_after_the_sync_group_is_destroyed(
+    pool: WorkerPool, free_port: int
+) -> None:
+    trainer = _trainer(QWEN3, seed=105)
+    workers = await pool.view([0, 1, 2])
+    # The engine's own group (like vLLM's TP group) and the trainer's, on other ports.
+    engine_port, trainer_port = free_port + 1, free_port + 2
+    async with anyio_task_group() as tg:
+        for i in (0, 1, 2):
+            tg.start_soon(
+                lambda i=i: pool.call(i, "test_init_default_group", port=engine_port, world_size=3)
+            )
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{trainer_port}", rank=0, world_size=1
+    )
+    try:
+        async with _sync(trainer, workers, free_port) as sync:
+            await sync.init_communicator()
+            await sync.mark_stale()
+            await sync.sync_weights()
+        await _assert_bit_exact(pool, [0, 1, 2], _checkpoint(trainer))
+        sums = [0, 0, 0]
+
+        async def reduce(i: int) -> None:
+            sums[i] = await pool.call(i, "test_default_all_reduce")
+
+        async with anyio_task_group() as tg:
+            for i in (0, 1, 2):
+                tg.start_soon(reduce, i)
+        assert sums == [6, 6, 6]
+        t = torch.tensor([5])
+        dist.all_reduce(t)
+        assert int(t) == 5 and dist.get_world_size() == 1
+    finally:
+        dist.destroy_process_group()
+        for i in (0, 1, 2):
+            await pool.call(i, "test_destroy_default_group")
+
+
+async def test_receiver_killed_mid_broadcast_keeps_version_then_reformed_group_syncs(
+    pool: WorkerPool, free_port: int
+) -> None:
+    trainer = _trainer(QWEN3, seed=106)
+    workers = await pool.view([0, 1, 2])
+    sync = _sync(trainer, workers, free_port, bucket_bytes=16 * 1024)
+    sync.collective_timeout_s = 20.0
+    try:
+        await sync.init_communicator()
+        await sync.mark_stale()
+        await sync.sync_weights()
+        _perturb(trainer, seed=7)
+        await sync.mark_stale()
+        await pool.call(2, "test_arm_crash", after_loads=3)  # dies at its 4th bucket
+        start = time.monotonic()
+        with pytest.raises((TransportError, SyncTimeoutError)):
+            await sync.sync_weights()
+        assert time.monotonic() - start < 3 * sync.collective_timeout_s
+        assert not pool.is_alive(2)
+        assert (sync.weight_version, sync.policy_version, sync.is_stale) == (1, 2, True)
+        # The survivors' receives failed too and they dropped the broken group.
+        for i in (0, 1):
+            with pytest.raises(TransportError):
+                await pool.call(i, "test_generate", prompts=PROMPTS, max_new_tokens=1)
+        pool.restart(2)
+        await pool.call(2, "test_set_rank", rank=2)
+        await sync.init_communicator()  # re-forms the group
+        await sync.sync_weights()
+        assert (sync.weight_version, sync.is_stale) == (2, False)
+        await _assert_bit_exact(pool, [0, 1, 2], _checkpoint(trainer))
+    finally:
+        await sync.shutdown()
