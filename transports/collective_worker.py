@@ -107,7 +107,7 @@ class CollectiveWorkerMixin:
         """
         self.aiosync_collective_destroy()
         inference_world = world_size - train_world_size
-        rank = train_world_size + self._aiosync_worker_rank(inference_world)
+        rank = train_world_size + self._aiosync_coll_rank(inference_world)
         status, message, digest = STATUS_OK, "", ""
         parsed: BucketPlan | None = None
         try:
@@ -194,12 +194,12 @@ class CollectiveWorkerMixin:
                 verify=verify,
                 on_bucket=load,
             )
-            scales = self._aiosync_load_kv(kv_names, kv, state.group.device)
+            scales = self._aiosync_coll_load_kv(kv_names, kv, state.group.device)
         except BaseException:
-            self._aiosync_drop_if_broken()
+            self._aiosync_coll_drop_if_broken()
             raise
         self.aiosync_weights_valid = True
-        return self._aiosync_result(version, kv_names, checksums, scales, start)
+        return self._aiosync_coll_result(version, kv_names, checksums, scales, start)
 
     def aiosync_collective_stage(
         self, *, version: int, kv_names: list[str], verify: bool = False
@@ -268,17 +268,17 @@ class CollectiveWorkerMixin:
             )
         state.staged = None
         if staged.error is not None:
-            self._aiosync_drop_if_broken()
+            self._aiosync_coll_drop_if_broken()
             raise staged.error
         assert staged.result is not None
         kv, checksums = staged.result
         start = time.perf_counter()
         self.aiosync_weights_valid = False
         model = self.model_runner.model  # type: ignore[attr-defined]
-        model.load_weights(self._aiosync_iter_staged(state))
-        scales = self._aiosync_load_kv(staged.kv_names, kv, state.group.device)
+        model.load_weights(self._aiosync_coll_iter_staged(state))
+        scales = self._aiosync_coll_load_kv(staged.kv_names, kv, state.group.device)
         self.aiosync_weights_valid = True
-        return self._aiosync_result(version, staged.kv_names, checksums, scales, start)
+        return self._aiosync_coll_result(version, staged.kv_names, checksums, scales, start)
 
     # -- helpers ---------------------------------------------------------------
 
@@ -290,12 +290,12 @@ class CollectiveWorkerMixin:
             )
         return state
 
-    def _aiosync_drop_if_broken(self) -> None:
+    def _aiosync_coll_drop_if_broken(self) -> None:
         state = self._aiosync_collective
         if state is not None and state.group.broken:
             self.aiosync_collective_destroy()
 
-    def _aiosync_worker_rank(self, inference_world: int) -> int:
+    def _aiosync_coll_rank(self, inference_world: int) -> int:
         rank = getattr(self, "rank", None)
         if rank is None:
             if inference_world != 1:
@@ -308,11 +308,11 @@ class CollectiveWorkerMixin:
         return int(rank)
 
     @staticmethod
-    def _aiosync_iter_staged(state: _ReceiverState) -> Iterator[tuple[str, torch.Tensor]]:
+    def _aiosync_coll_iter_staged(state: _ReceiverState) -> Iterator[tuple[str, torch.Tensor]]:
         for bucket, buf in zip(state.plan.buckets, state.staging, strict=True):
             yield from unpack(buf, bucket)
 
-    def _aiosync_load_kv(
+    def _aiosync_coll_load_kv(
         self, names: list[str], values: torch.Tensor, device: torch.device
     ) -> dict[str, float]:
         if not names:
@@ -321,7 +321,7 @@ class CollectiveWorkerMixin:
         self.model_runner.model.load_weights(iter(tensors))  # type: ignore[attr-defined]
         return {n: float(values[i]) for i, n in enumerate(names)}
 
-    def _aiosync_result(
+    def _aiosync_coll_result(
         self,
         version: int,
         kv_names: list[str],

@@ -7,10 +7,11 @@ embedded engine mixes this class into its workers by default.
 
 from __future__ import annotations
 
+from transports.collective_worker import CollectiveWorkerMixin
 from transports.ipc_worker import IPCWorkerMixin
 
 __all__ = ["AiosyncWorkerExtension"]
 
 
-class AiosyncWorkerExtension(IPCWorkerMixin):
-    """All engine-side receivers: IPC (colocated) and, once added, collective."""
+class AiosyncWorkerExtension(IPCWorkerMixin, CollectiveWorkerMixin):
+    """All engine-side receivers: IPC (colocated) and collective (non-colocated)."""
