@@ -9,6 +9,9 @@ few layers (the output says how many). In one process it measures:
 * **refit**: ``NNXRefitSource.iter_weights()`` (exact inverse: transposes back
   to ``[out, in]``, head merges, per-expert unstacking into ~3·E tensors per
   layer) copied into the same staging buffer;
+* **refit, contiguous=False**: the same stream yielding strided views, so the
+  transpose happens in the one copy into the staging buffer (what a packing
+  transport does);
 * **refit, no sink**: the stream alone (tensors materialised only where the
   inverse needs a copy);
 * **manifest scaling** (case C10): building the map and ``prepare_refit_info()``
@@ -80,7 +83,8 @@ def _sink(
     for _, t in stream:
         n = t.numel() * t.element_size()
         if staging is not None:
-            staging[:n].copy_(t.reshape(-1).view(torch.uint8))
+            # Any strides: a strided view is transposed straight into the staging buffer.
+            staging[:n].view(t.dtype).view(t.shape).copy_(t)
         nbytes += n
         count += 1
     return nbytes, count
@@ -132,6 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     leaves = list(flatten_params(state).values())
     total = sum(int(np.prod(leaf.shape)) * 2 for leaf in leaves)
     source = NNXRefitSource(state, model_map)
+    views = NNXRefitSource(state, model_map, contiguous=False)
     manifest = source.prepare_refit_info()
     largest = max(int(np.prod(s)) * 2 for s, _ in manifest.values())
     staging = torch.empty(largest, dtype=torch.uint8)
@@ -140,6 +145,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs = {
         "baseline": _best(lambda: _baseline(leaves, staging), repeats),
         "refit": _best(lambda: _sink(source.iter_weights(), staging), repeats),
+        "refit_views": _best(lambda: _sink(views.iter_weights(), staging), repeats),
         "refit_no_sink": _best(lambda: _sink(source.iter_weights(), None), repeats),
     }
     for name, (_, nbytes, _) in runs.items():
@@ -187,6 +193,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     labels = {
         "baseline": "baseline: np.asarray + staging copy",
         "refit": "refit: iter_weights + staging copy",
+        "refit_views": "refit, contiguous=False: strided views → staging",
         "refit_no_sink": "refit: iter_weights only",
     }
     for name, label in labels.items():

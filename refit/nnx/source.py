@@ -29,6 +29,11 @@ class NNXRefitSource(RefitSource):
         dtype: the engine's dtype (e.g. ``torch.bfloat16`` for fp32 master
             weights); every tensor is cast on the JAX arrays' device before it
             is yielded. Default: each array's own dtype.
+        contiguous: yield contiguous tensors (default). ``False`` yields a
+            transposed kernel or an unstacked expert as a strided view of the
+            JAX buffer, saving a copy when the consumer packs into its own
+            buffer anyway (every aiosync transport does, through
+            ``transports.packing.pack``).
 
     Names, shapes and order are those of the HF checkpoint (the table order:
     embeddings, layers in order, final norm, ``lm_head`` when untied), with
@@ -37,11 +42,19 @@ class NNXRefitSource(RefitSource):
     a non-addressable array is a collective.
     """
 
-    def __init__(self, state_or_model: Any, model_map: ModelMap, *, dtype: Any = None) -> None:
+    def __init__(
+        self,
+        state_or_model: Any,
+        model_map: ModelMap,
+        *,
+        dtype: Any = None,
+        contiguous: bool = True,
+    ) -> None:
         if not isinstance(model_map, ModelMap):
             raise TypeError(f"model_map must be a ModelMap, got {type(model_map).__name__}")
         self.model_map = model_map
         self.dtype: torch.dtype | None = None if dtype is None else as_torch_dtype(dtype)
+        self.contiguous = contiguous
         self._source = state_or_model
 
     def update_state(self, state: Any) -> None:
@@ -70,12 +83,12 @@ class NNXRefitSource(RefitSource):
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, tensor)`` one at a time, in manifest order.
 
-        Each tensor is contiguous, in the manifest's shape and dtype, on the
-        JAX arrays' device (DLPack on GPU, a numpy view on CPU). It may share
-        memory with the JAX array when no transform or cast was needed: copy
-        it, never write to it.
+        Each tensor is in the manifest's shape and dtype, contiguous unless
+        ``contiguous=False``, on the JAX arrays' device (DLPack on GPU, a numpy
+        view on CPU). It may share memory with the JAX array when no copy was
+        needed: read it, never write to it.
 
         Raises:
             RefitMismatchError: as :meth:`prepare_refit_info`, before any tensor.
         """
-        return self.model_map.to_hf(self._params(), dtype=self.dtype)
+        return self.model_map.to_hf(self._params(), dtype=self.dtype, contiguous=self.contiguous)

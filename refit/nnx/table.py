@@ -434,7 +434,7 @@ class ModelMap:
         return out
 
     def to_hf(
-        self, params: Any, *, dtype: Any = None, strict: bool = True
+        self, params: Any, *, dtype: Any = None, strict: bool = True, contiguous: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The refit: stream ``(hf_name, tensor)`` from an NNX state, in table order.
 
@@ -450,28 +450,33 @@ class ModelMap:
             dtype: cast every tensor to this dtype (e.g. fp32 master weights
                 to an engine's ``torch.bfloat16``); default keeps the JAX dtype.
             strict: reject NNX paths the table does not know.
+            contiguous: when False, a tensor the inverse leaves as a strided
+                view (a transposed kernel, an unstacked expert) is yielded as
+                that view, uncopied: a consumer that copies into its own buffer
+                anyway (``transports.packing.pack`` accepts any strides) then
+                makes the only copy.
 
         Raises:
             RefitMismatchError: as :meth:`check_params` (before anything is yielded).
         """
         flat = self.check_params(params, strict=strict)
         cast = None if dtype is None else as_torch_dtype(dtype)
-        return self._stream(flat, cast)
+        return self._stream(flat, cast, contiguous)
 
     def _stream(
-        self, flat: dict[NNXPath, Any], cast: torch.dtype | None
+        self, flat: dict[NNXPath, Any], cast: torch.dtype | None, contiguous: bool
     ) -> Iterator[tuple[str, torch.Tensor]]:
         for rule in self.rules:
             ys = [jax_to_torch(flat[p]) for p in rule.nnx]
             views = apply_inverse(rule.chain, ys)
             del ys
             for name, view in zip(rule.hf, views, strict=True):
-                yield name, _materialize(view, cast)
+                yield name, _materialize(view, cast, contiguous)
 
 
-def _materialize(view: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """One contiguous tensor from ``view`` (cast to ``dtype``), in a single copy at most."""
+def _materialize(view: torch.Tensor, dtype: torch.dtype | None, contiguous: bool) -> torch.Tensor:
+    """``view`` cast to ``dtype`` (and made contiguous if asked), in one copy at most."""
     dtype = dtype or view.dtype
-    if view.is_contiguous() and view.dtype == dtype:
+    if view.dtype == dtype and (view.is_contiguous() or not contiguous):
         return view
     return torch.empty(view.shape, dtype=dtype, device=view.device).copy_(view)

@@ -34,7 +34,9 @@ def _round_trip(models: ModuleType, config: Any, dtype: torch.dtype) -> None:
     params = model_map.to_jax(state)
     assert {p: tuple(a.shape) for p, a in flatten_params(params).items()} == model_map.nnx_shapes()
     out = list(model_map.to_hf(params))
-    expected_order = [k for k in revert_weight_conversion(model, dict(model.state_dict())) if k in state]
+    expected_order = [
+        k for k in revert_weight_conversion(model, dict(model.state_dict())) if k in state
+    ]
     assert [n for n, _ in out] == expected_order
     assert len(out) == len(state)
     for name, tensor in out:
@@ -62,7 +64,12 @@ def _attention(draw: st.DrawFn) -> dict[str, int]:
     dtype=DTYPES,
 )
 def test_qwen3_random_configs_round_trip(
-    models: ModuleType, attn: dict[str, int], layers: int, tied: bool, bias: bool, dtype: torch.dtype
+    models: ModuleType,
+    attn: dict[str, int],
+    layers: int,
+    tied: bool,
+    bias: bool,
+    dtype: torch.dtype,
 ) -> None:
     config = models.qwen3_config(
         vocab_size=32,
