@@ -6,10 +6,28 @@ sources live in their own modules. Nothing here imports ``transports``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .kv_scales import kv_scales_to_tensors
 from .torch_source import DTensorRefitSource
 
 __all__ = [
     "DTensorRefitSource",
+    "NNXRefitSource",
     "kv_scales_to_tensors",
+    "model_map_for",
 ]
+
+if TYPE_CHECKING:
+    from .nnx import NNXRefitSource, model_map_for
+
+# The JAX seam (refit/nnx/), loaded on first use so `import refit` never imports jax.
+_NNX_EXPORTS = frozenset({"NNXRefitSource", "model_map_for"})
+
+
+def __getattr__(name: str) -> object:
+    if name in _NNX_EXPORTS:
+        from . import nnx
+
+        return getattr(nnx, name)
+    raise AttributeError(f"module 'refit' has no attribute {name!r}")
