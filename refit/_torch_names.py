@@ -120,11 +120,45 @@ def _hf_reverter(model: nn.Module) -> Reverter | None:
         return None
     if not isinstance(model, PreTrainedModel):
         return None
+    conversions = _model_conversions(model)
+    if conversions is not None and not conversions:
+        return None  # nothing to revert: module names are the checkpoint's
+    # Without the cache every call re-derives the mapping by walking every submodule:
+    # O(tensors) per tensor, minutes per refit on a 19k-tensor MoE (case C10).
+    target: Any = model if conversions is None else _FixedConversions(model, conversions)
 
     def revert(key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        return dict(revert_weight_conversion(model, {key: tensor}))
+        return dict(revert_weight_conversion(target, {key: tensor}))
 
     return revert
+
+
+class _FixedConversions:
+    """``model`` as ``revert_weight_conversion`` sees it, with its conversion list
+    computed once (the function reads ``model._weight_conversions`` when present)."""
+
+    def __init__(self, model: nn.Module, conversions: list[Any]) -> None:
+        self._model = model
+        self._weight_conversions = conversions
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+def _model_conversions(model: Any) -> list[Any] | None:
+    """The conversions ``save_pretrained`` reverses for ``model`` (transformers 5.x:
+    those attached by ``from_pretrained``, else the built-in mapping without prefix
+    changes); None if this transformers version does not expose them."""
+    attached = getattr(model, "_weight_conversions", None)
+    if attached is not None:
+        return list(attached)
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange
+    except ImportError:
+        return None
+    mapping = get_model_conversion_mapping(model, add_legacy=False)
+    return [c for c in mapping if not isinstance(c, PrefixChange)]
 
 
 def _hf_checkpoint_order(
