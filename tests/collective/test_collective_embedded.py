@@ -1,0 +1,60 @@
+"""The collective transport against the embedded engine (its real worker processes,
+``AiosyncWorkerExtension`` mixed in), built through the factory."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+from collective_harness import QWEN3
+
+from aiosync import TrainCluster, create_weight_synchronizer, refit_if_stale
+from refit.torch_source import DTensorRefitSource
+from transports.collective import CollectiveWeightSynchronizer
+from transports.embedded.engine import EmbeddedEngine
+from transports.embedded.model import HFModelRunner
+
+pytestmark = pytest.mark.slow
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_embedded_engine_refit_in_place_and_staged_bit_exact_and_generates_like_trainer() -> (
+    None
+):
+    trainer = HFModelRunner.from_config(dict(QWEN3), seed=200)
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    async with EmbeddedEngine(dict(QWEN3), num_workers=2, seed=7) as engine:
+        await engine.start()
+        for step, overlap in enumerate(["inplace", "staged"]):
+            with torch.no_grad():
+                for p in trainer.model.parameters():
+                    p.mul_(1.0 + 0.01 * (step + 1))
+            sync = create_weight_synchronizer(
+                DTensorRefitSource(trainer.model),
+                engine,
+                colocated=False,
+                backend="embedded",
+                train_cluster=TrainCluster(master_port=_port()),
+                inference_world_size=2,
+                overlap=overlap,
+                verify=True,
+                collective_timeout_s=60.0,
+            )
+            assert isinstance(sync, CollectiveWeightSynchronizer)
+            async with sync:
+                await sync.init_communicator()
+                await sync.mark_stale()
+                assert await refit_if_stale(sync, engine)
+                assert sync.weight_version == 1
+            expected = {n: t.clone() for n, t in DTensorRefitSource(trainer.model).iter_weights()}
+            for state in await engine.hf_state_dicts():
+                assert list(state) == list(expected)
+                assert all(torch.equal(state[n], t) for n, t in expected.items())
+            want = trainer.generate(prompts, max_new_tokens=5, ignore_eos=True)
+            assert await engine.generate(prompts, max_new_tokens=5, ignore_eos=True) == want
