@@ -261,3 +261,28 @@ def test_model_changed_after_manifest_raises_mismatch() -> None:
     del model[1]
     with pytest.raises(RefitMismatchError, match=r"1\.weight"):
         list(source.iter_weights())
+
+
+def test_manifest_cost_per_tensor_does_not_grow_with_the_model(
+    build_model: BuildModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """C10: the conversion mapping (a walk over every submodule) is derived a fixed
+    number of times per plan, not once per tensor."""
+    import transformers.conversion_mapping as conversion_mapping
+
+    real = conversion_mapping.get_model_conversion_mapping
+    calls: list[int] = []
+
+    def counting(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(conversion_mapping, "get_model_conversion_mapping", counting)
+    source = DTensorRefitSource(build_model("qwen3_moe"))
+    manifest = source.prepare_refit_info()
+    # embed + 3 MoE layers x (8 attention/norm + router + 4 experts x 3) + 1 dense layer x 11
+    # + final norm + lm_head
+    assert len(manifest) == 1 + 3 * 21 + 11 + 1 + 1
+    streamed = sum(1 for _ in source.iter_weights())
+    assert streamed == len(manifest)
+    assert len(calls) <= 2
