@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from transports.collective_worker import CollectiveWorkerMixin
 from transports.ipc_worker import IPCWorkerMixin
+from transports.vllm_worker import VLLMWorkerMixin
 
 __all__ = ["AiosyncWorkerExtension"]
 
 
-class AiosyncWorkerExtension(IPCWorkerMixin, CollectiveWorkerMixin):
+class AiosyncWorkerExtension(VLLMWorkerMixin, IPCWorkerMixin, CollectiveWorkerMixin):
     """All engine-side receivers: IPC (colocated) and collective (non-colocated)."""

@@ -1,0 +1,420 @@
+"""Single-GPU hardware checks: CUDA-IPC colocated refit, packing on device, JAX→torch dlpack.
+
+Run as a script by ``tests/gpu/run.sh`` (full sizes, one JSON object as the last
+stdout line with ``--json``) and imported by ``tests/gpu/test_gpu.py`` (small
+sizes, exact assertions). Needs one CUDA device; nothing is downloaded.
+
+1. **CUDA-IPC refit between two processes on one GPU.** The trainer process
+   packs a Qwen3-0.6B-shaped manifest (``transports.packing``) into two
+   rotating device buffers, shares each with ``torch.multiprocessing``'s CUDA
+   IPC handles (the mechanism vLLM's and aiosync's colocated transports use),
+   and a second process copies every tensor out of the mapped buffer into its
+   own preallocated weights, acknowledging each bucket before its buffer is
+   reused. Bit-exactness: per-tensor :func:`transports.packing.bucket_checksum`
+   of the receiver's weights equal the sender's (integer arithmetic, exact),
+   and in the small test every tensor is compared with ``torch.equal``.
+   Throughput, GB/s (10^9 bytes/s), against a device-to-device copy of the
+   same bytes in one process.
+2. **Packing throughput on device:** :func:`transports.packing.pack` of the
+   same manifest into device buffers, GB/s, against the same D2D copy.
+3. **JAX→torch dlpack:** a JAX array on the GPU viewed by ``torch.from_dlpack``
+   must share its memory (same device pointer) and values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+from transports.packing import BucketPlan, bucket_checksum, pack, plan_buckets, unpack
+
+__all__ = [
+    "d2d_copy_gbps",
+    "dlpack_check",
+    "ipc_refit",
+    "pack_throughput",
+    "qwen3_manifest",
+]
+
+#: Qwen3-0.6B's published dimensions (also in ``../shared/models/qwen3-0.6b.json``).
+QWEN3_0_6B: dict[str, Any] = {
+    "vocab_size": 151936,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "tie_word_embeddings": True,
+}
+
+#: LAYOUTS.md §2's tiny Qwen3, for the fast exact test.
+QWEN3_TINY: dict[str, Any] = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "tie_word_embeddings": False,
+}
+
+
+def qwen3_manifest(
+    cfg: dict[str, Any], dtype: torch.dtype = torch.bfloat16
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The HF checkpoint manifest of a dense Qwen3 (names and shapes: LAYOUTS.md §1)."""
+    h, v, i = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
+    n, k, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    m: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    m["model.embed_tokens.weight"] = ((v, h), dtype)
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        m[p + "self_attn.q_proj.weight"] = ((n * d, h), dtype)
+        m[p + "self_attn.k_proj.weight"] = ((k * d, h), dtype)
+        m[p + "self_attn.v_proj.weight"] = ((k * d, h), dtype)
+        m[p + "self_attn.o_proj.weight"] = ((h, n * d), dtype)
+        m[p + "self_attn.q_norm.weight"] = ((d,), dtype)
+        m[p + "self_attn.k_norm.weight"] = ((d,), dtype)
+        m[p + "mlp.gate_proj.weight"] = ((i, h), dtype)
+        m[p + "mlp.up_proj.weight"] = ((i, h), dtype)
+        m[p + "mlp.down_proj.weight"] = ((h, i), dtype)
+        m[p + "input_layernorm.weight"] = ((h,), dtype)
+        m[p + "post_attention_layernorm.weight"] = ((h,), dtype)
+    m["model.norm.weight"] = ((h,), dtype)
+    if not cfg["tie_word_embeddings"]:
+        m["lm_head.weight"] = ((v, h), dtype)
+    return m
+
+
+def _random_weights(plan: BucketPlan, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return {
+        name: torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+        for name, (shape, dtype) in plan.manifest().items()
+    }
+
+
+def _byte_checksum(t: torch.Tensor) -> int:
+    return bucket_checksum(t.detach().reshape(-1).view(torch.uint8))
+
+
+def _sync_device() -> None:
+    torch.cuda.synchronize()
+
+
+# -- 1. CUDA-IPC refit ---------------------------------------------------------
+
+
+def _receiver_main(
+    plan_json: dict[str, Any], requests: Any, replies: Any, device_index: int
+) -> None:
+    """The engine process: maps each shared bucket and copies it into its weights."""
+    torch.cuda.set_device(device_index)
+    plan = BucketPlan.from_json(plan_json)
+    device = torch.device("cuda", device_index)
+    weights = {
+        name: torch.empty(shape, dtype=dtype, device=device)
+        for name, (shape, dtype) in plan.manifest().items()
+    }
+    mapped: list[torch.Tensor] = []
+    replies.put(("ready", None))
+    while True:
+        kind, payload = requests.get()
+        if kind == "handles":
+            # Map each shared buffer once; it stays mapped for every refit.
+            mapped = [rebuild_cuda_tensor(*handle) for handle in payload]
+            replies.put(("mapped", len(mapped)))
+        elif kind == "bucket":
+            index, slot = payload
+            with torch.no_grad():
+                for name, view in unpack(mapped[slot], plan.buckets[index]):
+                    weights[name].copy_(view)
+            # The sender may overwrite the buffer once acknowledged.
+            torch.cuda.current_stream().synchronize()
+            replies.put(("ack", index))
+        elif kind == "checksums":
+            replies.put(("checksums", {n: _byte_checksum(t) for n, t in weights.items()}))
+        elif kind == "tensors":
+            replies.put(("tensors", {n: t.cpu() for n, t in weights.items()}))
+        else:
+            mapped.clear()
+            replies.put(("bye", None))
+            return
+
+
+def _expect(replies: Any, kind: str, timeout_s: float) -> Any:
+    got, payload = replies.get(timeout=timeout_s)
+    if got != kind:
+        raise RuntimeError(f"receiver answered {got!r}, expected {kind!r}")
+    return payload
+
+
+def _ipc_round(
+    plan: BucketPlan,
+    weights: dict[str, torch.Tensor],
+    buffers: list[torch.Tensor],
+    requests: Any,
+    replies: Any,
+    timeout_s: float,
+) -> float:
+    """One refit: pack bucket i+1 while the receiver copies bucket i. Returns seconds."""
+    _sync_device()
+    start = time.perf_counter()
+    in_flight: list[int] = []
+    for bucket in plan.buckets:
+        slot = bucket.index % len(buffers)
+        if len(in_flight) == len(buffers):
+            _expect(replies, "ack", timeout_s)
+            in_flight.pop(0)
+        pack(bucket, ((s.name, weights[s.name]) for s in bucket.slots), out=buffers[slot])
+        _sync_device()
+        requests.put(("bucket", (bucket.index, slot)))
+        in_flight.append(bucket.index)
+    for _ in in_flight:
+        _expect(replies, "ack", timeout_s)
+    return time.perf_counter() - start
+
+
+def ipc_refit(
+    manifest: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    *,
+    bucket_bytes: int,
+    rounds: int = 3,
+    full_compare: bool = False,
+    device_index: int = 0,
+    timeout_s: float = 120.0,
+) -> dict[str, Any]:
+    """CUDA-IPC refit of ``manifest`` into a second process on the same GPU.
+
+    Returns:
+        ``{"bytes", "buckets", "cold_s", "warm_s", "gbps_warm", "bit_exact",
+        "mismatched", "tensors_equal"}``; ``tensors_equal`` is None unless
+        ``full_compare`` (every tensor copied back and compared with ``torch.equal``).
+    """
+    device = torch.device("cuda", device_index)
+    torch.cuda.set_device(device)
+    plan = plan_buckets(manifest, bucket_bytes)
+    weights = _random_weights(plan, device, seed=0)
+    ctx = mp.get_context("spawn")
+    requests, replies = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(
+        target=_receiver_main, args=(plan.to_json(), requests, replies, device_index), daemon=True
+    )
+    proc.start()
+    try:
+        _expect(replies, "ready", timeout_s)
+        size = plan.max_bucket_nbytes
+        buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
+        # One CUDA-IPC handle per buffer, mapped once by the receiver.
+        requests.put(("handles", [reduce_tensor(b)[1] for b in buffers]))
+        _expect(replies, "mapped", timeout_s)
+        times = [
+            _ipc_round(plan, weights, buffers, requests, replies, timeout_s) for _ in range(rounds)
+        ]
+        requests.put(("checksums", None))
+        remote = _expect(replies, "checksums", timeout_s)
+        local = {n: _byte_checksum(t) for n, t in weights.items()}
+        mismatched = sorted(n for n in local if remote.get(n) != local[n])
+        tensors_equal = None
+        if full_compare:
+            requests.put(("tensors", None))
+            copies = _expect(replies, "tensors", timeout_s)
+            tensors_equal = all(torch.equal(copies[n], weights[n].cpu()) for n in weights)
+        requests.put(("stop", None))
+        _expect(replies, "bye", timeout_s)
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+    warm = min(times[1:]) if len(times) > 1 else times[0]
+    return {
+        "bytes": plan.total_bytes,
+        "buckets": len(plan.buckets),
+        "cold_s": times[0],
+        "warm_s": warm,
+        "gbps_warm": plan.total_bytes / warm / 1e9,
+        "bit_exact": not mismatched,
+        "mismatched": mismatched[:5],
+        "tensors_equal": tensors_equal,
+    }
+
+
+# -- 2. packing on device ----------------------------------------------------------
+
+
+def d2d_copy_gbps(nbytes: int, *, repeats: int = 5, device_index: int = 0) -> float:
+    """Baseline: one ``copy_`` of ``nbytes`` bytes between two buffers on the device, GB/s."""
+    device = torch.device("cuda", device_index)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(7)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _sync_device()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync_device()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
+
+
+def pack_throughput(
+    manifest: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    *,
+    bucket_bytes: int,
+    repeats: int = 3,
+    device_index: int = 0,
+) -> dict[str, Any]:
+    """``pack`` every bucket of ``manifest`` into device buffers; best of ``repeats``.
+
+    Returns:
+        ``{"bytes", "buckets", "seconds", "gbps"}``.
+    """
+    device = torch.device("cuda", device_index)
+    plan = plan_buckets(manifest, bucket_bytes)
+    weights = _random_weights(plan, device, seed=1)
+    out = torch.empty(plan.max_bucket_nbytes, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first round warms the allocator and kernels
+        _sync_device()
+        start = time.perf_counter()
+        for bucket in plan.buckets:
+            pack(bucket, ((s.name, weights[s.name]) for s in bucket.slots), out=out)
+        _sync_device()
+        best = min(best, time.perf_counter() - start)
+    return {
+        "bytes": plan.total_bytes,
+        "buckets": len(plan.buckets),
+        "seconds": best,
+        "gbps": plan.total_bytes / best / 1e9,
+    }
+
+
+# -- 3. JAX -> torch dlpack ----------------------------------------------------------
+
+
+def dlpack_check(numel: int = 1 << 20) -> dict[str, Any]:
+    """View a JAX GPU array from torch through dlpack; check zero-copy and values.
+
+    Returns:
+        ``{"status": "ok"|"skipped", "reason", "zero_copy", "values_equal",
+        "dtype", "numel"}``. Skipped (with the reason) when jax is missing or
+        has no GPU backend.
+    """
+    # JAX grabs 75 % of device memory by default; this check needs a few MB.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    try:
+        import jax
+        import jax.numpy as jnp
+    except ImportError as exc:
+        return {"status": "skipped", "reason": f"jax not importable: {exc}"}
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpus:
+        return {"status": "skipped", "reason": f"jax has no GPU device: {jax.devices()}"}
+    x = jax.device_put(jnp.arange(numel, dtype=jnp.float32).astype(jnp.bfloat16), gpus[0])
+    x.block_until_ready()
+    t = torch.from_dlpack(x)
+    jax_ptr = x.unsafe_buffer_pointer()
+    expected = torch.arange(numel, dtype=torch.float32).to(torch.bfloat16)
+    return {
+        "status": "ok",
+        "reason": "",
+        "zero_copy": t.data_ptr() == jax_ptr and t.is_cuda,
+        "values_equal": torch.equal(t.cpu(), expected),
+        "dtype": str(t.dtype),
+        "numel": t.numel(),
+        "jax_version": jax.__version__,
+    }
+
+
+# -- script ----------------------------------------------------------------------
+
+
+def _load_manifest_config(name: str) -> dict[str, Any]:
+    if name == "tiny":
+        return QWEN3_TINY
+    shared = Path(__file__).resolve().parents[2].parent / "shared" / "models" / f"{name}.json"
+    if shared.is_file():
+        cfg = json.loads(shared.read_text())
+        return {k: cfg[k] for k in QWEN3_0_6B}
+    return QWEN3_0_6B
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen3-0.6b", help="qwen3-0.6b (default) or tiny")
+    parser.add_argument("--bucket-mib", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="tiny model, 1 MiB buckets")
+    parser.add_argument("--json", action="store_true", help="print one JSON object last")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure", file=sys.stderr)
+        return 2
+    model = "tiny" if args.quick else args.model
+    bucket_bytes = (1 if args.quick else args.bucket_mib) * 1024 * 1024
+    manifest = qwen3_manifest(_load_manifest_config(model))
+    ipc = ipc_refit(manifest, bucket_bytes=bucket_bytes, rounds=args.rounds)
+    packing = pack_throughput(manifest, bucket_bytes=bucket_bytes)
+    baseline = d2d_copy_gbps(min(ipc["bytes"], bucket_bytes * 4))
+    dl = dlpack_check()
+    summary = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "model": model,
+        "bucket_bytes": bucket_bytes,
+        "d2d_copy_gbps": baseline,
+        "ipc_refit": ipc | {"ratio_vs_d2d": ipc["gbps_warm"] / baseline},
+        "pack": packing | {"ratio_vs_d2d": packing["gbps"] / baseline},
+        "dlpack": dl,
+    }
+    rows = [
+        ("device-to-device copy (baseline)", f"{baseline:8.1f}", "1.00", ""),
+        (
+            f"CUDA-IPC refit, 2 processes ({ipc['buckets']} buckets)",
+            f"{ipc['gbps_warm']:8.1f}",
+            f"{ipc['gbps_warm'] / baseline:.2f}",
+            "bit-exact" if ipc["bit_exact"] else f"MISMATCH {ipc['mismatched']}",
+        ),
+        (
+            "pack() on device",
+            f"{packing['gbps']:8.1f}",
+            f"{packing['gbps'] / baseline:.2f}",
+            "",
+        ),
+        (
+            "JAX->torch dlpack",
+            "",
+            "",
+            dl["status"]
+            if dl["status"] != "ok"
+            else ("zero-copy" if dl["zero_copy"] and dl["values_equal"] else "COPIED/WRONG"),
+        ),
+    ]
+    print(
+        f"{summary['device']}, torch {summary['torch']}, {model}, "
+        f"{ipc['bytes'] / 1e9:.2f} GB, buckets of {bucket_bytes >> 20} MiB"
+    )
+    print(f"{'check':<44} {'GB/s':>8}  {'ratio':>5}  result")
+    for name, gbps, ratio, result in rows:
+        print(f"{name:<44} {gbps:>8}  {ratio:>5}  {result}")
+    if args.json:
+        print(json.dumps(summary))
+    ok = ipc["bit_exact"] and (dl["status"] != "ok" or (dl["zero_copy"] and dl["values_equal"]))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

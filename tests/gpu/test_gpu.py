@@ -1,0 +1,58 @@
+"""Single-GPU contracts: CUDA-IPC refit is bit-exact, packing on device round-trips,
+JAX arrays reach torch without a copy. Timing is printed by run.sh, never asserted."""
+
+from __future__ import annotations
+
+import gpu_checks
+import pytest
+import torch
+
+from transports.packing import pack, plan_buckets, unpack
+
+pytestmark = pytest.mark.gpu
+
+
+def test_cuda_ipc_refit_between_two_processes_is_bit_exact() -> None:
+    manifest = gpu_checks.qwen3_manifest(gpu_checks.QWEN3_TINY)
+    # 64 KiB buckets: several buckets per refit, so both rotating buffers are reused.
+    result = gpu_checks.ipc_refit(manifest, bucket_bytes=64 * 1024, rounds=2, full_compare=True)
+    assert result["buckets"] > 2
+    assert result["mismatched"] == []
+    assert result["bit_exact"] is True
+    assert result["tensors_equal"] is True
+
+
+def test_cuda_ipc_refit_of_a_tensor_larger_than_the_bucket_is_bit_exact() -> None:
+    # Case C1: the embedding (128 x 64 bf16 = 16 KiB) exceeds an 8 KiB bucket.
+    manifest = gpu_checks.qwen3_manifest(gpu_checks.QWEN3_TINY)
+    result = gpu_checks.ipc_refit(manifest, bucket_bytes=8 * 1024, rounds=1, full_compare=True)
+    assert result["tensors_equal"] is True
+
+
+def test_pack_on_device_round_trips_every_tensor_bit_exactly() -> None:
+    device = torch.device("cuda", 0)
+    manifest = gpu_checks.qwen3_manifest(gpu_checks.QWEN3_TINY)
+    plan = plan_buckets(manifest, 32 * 1024)
+    gen = torch.Generator(device=device).manual_seed(3)
+    weights = {
+        n: torch.randn(shape, generator=gen, device=device).to(dtype)
+        for n, (shape, dtype) in manifest.items()
+    }
+    out = torch.empty(plan.max_bucket_nbytes, dtype=torch.uint8, device=device)
+    for bucket in plan.buckets:
+        buf = pack(bucket, ((s.name, weights[s.name]) for s in bucket.slots), out=out)
+        assert buf.is_cuda
+        for name, view in unpack(buf, bucket):
+            assert view.data_ptr() % 512 == 0 or view.numel() == 0
+            assert torch.equal(view, weights[name]), name
+
+
+def test_jax_array_reaches_torch_through_dlpack_without_a_copy() -> None:
+    pytest.importorskip("jax", reason="jax is not installed")
+    result = gpu_checks.dlpack_check(numel=4096)
+    if result["status"] == "skipped":
+        pytest.skip(result["reason"])
+    assert result["zero_copy"] is True
+    assert result["values_equal"] is True
+    assert result["dtype"] == "torch.bfloat16"
+    assert result["numel"] == 4096

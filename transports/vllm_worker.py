@@ -1,0 +1,160 @@
+"""vLLM-specific hooks of the worker extension: reload bracketing and status.
+
+vLLM's model is not a plain ``nn.Module`` holding checkpoint tensors: after the
+first load, ``process_weights_after_loading`` turns parameters into kernel
+formats (fused/quantized layouts and, on vLLM's CPU worker, oneDNN or sgl-kernel
+packed weights whose original ``weight`` parameter is replaced by an empty
+tensor). A second ``model.load_weights(...)`` on such a model either fails on a
+shape check or writes into tensors the kernels no longer read.
+
+vLLM's own answer is *layerwise reload*
+(``vllm.model_executor.model_loader.reload``): ``initialize_layerwise_reload(model)``
+restores each layer's checkpoint-format parameters (on the meta device, then
+materialized as its weights arrive), every ``load_weights`` call buffers a
+layer until all its weights arrived, processes it with the layer's
+``process_weights_after_loading`` (the same post-load step as at startup,
+quantization included) and copies the result into the original kernel
+tensors; ``finalize_layerwise_reload(model, model_config)`` finishes layers
+that were not complete (attention scales, untouched layers). vLLM's own weight
+transfer engines bracket their receive the same way (``start_weight_update`` /
+``finish_weight_update``).
+
+:class:`VLLMWorkerMixin` brackets every aiosync receive that loads into the
+live model (``aiosync_ipc_receive``, ``aiosync_collective_receive``,
+``aiosync_collective_commit``) with those two calls, tags the errors of the
+collective RPCs with their type (vLLM passes only a worker error's message to
+its client), and adds a status RPC.
+It must come **before** the receiver mixins in the MRO::
+
+    class AiosyncWorkerExtension(VLLMWorkerMixin, IPCWorkerMixin, CollectiveWorkerMixin): ...
+
+Outside vLLM (the embedded engine, where the worker has no ``vllm_config``) the
+brackets are no-ops, so one extension class serves both engines.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["VLLMWorkerMixin"]
+
+_log = logging.getLogger(__name__)
+
+
+class VLLMWorkerMixin:
+    """Brackets aiosync receives with vLLM's layerwise reload; reports worker status.
+
+    Attributes:
+        aiosync_reloads: completed reload brackets on this worker (a count).
+        aiosync_last_reload_s: seconds the last bracket took (load + post-processing).
+    """
+
+    aiosync_reloads: int = 0
+    aiosync_last_reload_s: float = 0.0
+
+    # -- the receiver RPCs: bracketed loads, typed errors ------------------------
+
+    def aiosync_ipc_receive(self, *args: Any, **kwargs: Any) -> Any:
+        """``IPCWorkerMixin.aiosync_ipc_receive`` inside a vLLM reload bracket."""
+        return self._aiosync_bracketed(super().aiosync_ipc_receive, *args, **kwargs)  # type: ignore[misc]
+
+    def aiosync_collective_init(self, *args: Any, **kwargs: Any) -> Any:
+        """``CollectiveWorkerMixin.aiosync_collective_init``, errors tagged with their type."""
+        return self._aiosync_typed(super().aiosync_collective_init, *args, **kwargs)  # type: ignore[misc]
+
+    def aiosync_collective_receive(self, *args: Any, **kwargs: Any) -> Any:
+        """``CollectiveWorkerMixin.aiosync_collective_receive`` inside a vLLM reload bracket."""
+        return self._aiosync_bracketed(super().aiosync_collective_receive, *args, **kwargs)  # type: ignore[misc]
+
+    def aiosync_collective_stage(self, *args: Any, **kwargs: Any) -> Any:
+        """``CollectiveWorkerMixin.aiosync_collective_stage``, errors tagged with their type."""
+        return self._aiosync_typed(super().aiosync_collective_stage, *args, **kwargs)  # type: ignore[misc]
+
+    def aiosync_collective_commit(self, *args: Any, **kwargs: Any) -> Any:
+        """``CollectiveWorkerMixin.aiosync_collective_commit`` inside a vLLM reload bracket."""
+        return self._aiosync_bracketed(super().aiosync_collective_commit, *args, **kwargs)  # type: ignore[misc]
+
+    # -- status ----------------------------------------------------------------
+
+    def aiosync_vllm_status(self) -> dict[str, Any]:
+        """This worker's state, JSON-safe.
+
+        Returns:
+            ``{"rank": int, "device": str, "in_vllm": bool, "weights_valid": bool,
+            "sleep_mode": bool, "reloads": int, "last_reload_s": float}``.
+            ``sleep_mode`` is False on platforms where vLLM's ``sleep``/``wake_up``
+            release nothing (its CPU worker).
+        """
+        config = getattr(self, "vllm_config", None)
+        return {
+            "rank": int(getattr(self, "rank", 0)),
+            "device": str(getattr(self, "device", "cpu")),
+            "in_vllm": config is not None,
+            "weights_valid": bool(getattr(self, "aiosync_weights_valid", True)),
+            "sleep_mode": bool(
+                config is not None and getattr(config.model_config, "enable_sleep_mode", False)
+            ),
+            "reloads": int(self.aiosync_reloads),
+            "last_reload_s": float(self.aiosync_last_reload_s),
+        }
+
+    # -- helpers ---------------------------------------------------------------
+
+    def _aiosync_bracketed(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        with self._aiosync_reload():
+            result = self._aiosync_typed(call, *args, **kwargs)
+        self.aiosync_reloads += 1
+        self.aiosync_last_reload_s = time.perf_counter() - start
+        return result
+
+    def _aiosync_typed(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``call``; inside vLLM, re-raise its error with the type in the message.
+
+        vLLM hands a worker's exception to its client as a plain ``Exception``
+        holding ``str(exc)`` only; ``[aiosync:TypeName] message`` lets
+        :mod:`transports.vllm_backend` re-raise ``RefitMismatchError``,
+        ``TransportError`` or ``SyncTimeoutError`` as themselves.
+        """
+        if getattr(self, "vllm_config", None) is None:
+            return call(*args, **kwargs)
+        try:
+            return call(*args, **kwargs)
+        except Exception as exc:
+            raise RuntimeError(f"[aiosync:{type(exc).__name__}] {exc}") from exc
+
+    @contextmanager
+    def _aiosync_reload(self) -> Iterator[None]:
+        """vLLM's layerwise reload around the loads; nothing outside vLLM.
+
+        ``finalize_layerwise_reload`` runs even when the receive failed: it
+        returns the layers to their kernel tensors, so the next refit starts
+        from a consistent model (the receiver has already marked the weights
+        invalid, and the trainer's version stays stale).
+        """
+        config = getattr(self, "vllm_config", None)
+        if config is None:
+            yield
+            return
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        with set_current_vllm_config(config):
+            initialize_layerwise_reload(model)
+            try:
+                yield
+            finally:
+                finalize_layerwise_reload(model, config.model_config)
+        # State derived from the old weights (vLLM's reload_weights does the same).
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            hook = getattr(self.model_runner, reset, None)  # type: ignore[attr-defined]
+            if hook is not None:
+                hook()
