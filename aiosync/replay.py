@@ -229,6 +229,15 @@ class VersionedReplayBuffer(Generic[T]):
         self._notify()
         return batch
 
+    def drain(self) -> list[ReplaySample[T]]:
+        """Remove and return every usable sample, oldest first (too-stale ones are dropped)."""
+        self._drop_stale()
+        policy = self.policy_version
+        batch = [self._use(e, policy) for e in self._entries]
+        self._entries.clear()
+        self._notify()
+        return batch
+
     async def pop_batch(self, n: int) -> list[ReplaySample[T]]:
         """Wait until ``n`` usable samples are held, then remove and return the oldest ``n``.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -34,7 +35,7 @@ def assert_run_invariants(report: dict[str, Any]) -> None:
     committed = [int(r["version"]) for r in report["refits"]]
     # Every refit committed a strictly increasing version, the last one the final policy.
     assert committed, "no refit happened"
-    assert all(a < b for a, b in zip(committed, committed[1:], strict=False))
+    assert all(a < b for a, b in itertools.pairwise(committed))
     assert committed[-1] == report["final_policy_version"] == report["final_weight_version"]
     assert report["refit_failures"] == 0
     # Engine weights equal the trainer's bit for bit at start and after every refit.

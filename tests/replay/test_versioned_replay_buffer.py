@@ -239,3 +239,15 @@ async def test_bad_weight_version_and_batch_size_raise(sync: Any) -> None:
         buffer.add("a", weight_version=-1)
     with pytest.raises(ValueError, match="n must be"):
         buffer.pop_batch_nowait(0)
+
+
+async def test_drain_returns_every_usable_sample_and_drops_the_rest(sync: Any) -> None:
+    async with VersionedReplayBuffer(sync, max_staleness=1) as buffer:
+        buffer.add("old")
+        await train_step(sync)
+        await sync.sync_weights()
+        buffer.add("new")
+        await train_step(sync)
+        assert [(s.item, s.staleness) for s in buffer.drain()] == [("new", 1)]
+        assert len(buffer) == 0
+        assert dict(buffer.stats.dropped) == {2: 1}
