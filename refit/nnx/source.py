@@ -27,8 +27,9 @@ class NNXRefitSource(RefitSource):
         model_map: the family's :class:`~refit.nnx.table.ModelMap`
             (``refit.model_map_for(hf_config)``).
         dtype: the engine's dtype (e.g. ``torch.bfloat16`` for fp32 master
-            weights); every tensor is cast on the JAX arrays' device before it
-            is yielded. Default: each array's own dtype.
+            weights); every floating-point tensor is cast on the JAX arrays'
+            device before it is yielded (integer and bool tensors keep theirs,
+            as with ``refit.DTensorRefitSource``). Default: each array's own dtype.
         contiguous: yield contiguous tensors (default). ``False`` yields a
             transposed kernel or an unstacked expert as a strided view of the
             JAX buffer, saving a copy when the consumer packs into its own

@@ -336,7 +336,8 @@ class ModelMap:
         Args:
             hf_state: ``{hf_name: np.ndarray | torch.Tensor}`` as
                 ``safetensors`` loads the checkpoint (CPU or CUDA tensors).
-            dtype: cast every array to this dtype (torch, numpy or JAX dtype);
+            dtype: cast every floating-point array to this dtype (torch, numpy
+                or JAX dtype; integer and bool arrays keep theirs);
                 default keeps each tensor's dtype (then :meth:`to_hf` returns
                 the input bit for bit).
 
@@ -369,7 +370,7 @@ class ModelMap:
                     )
                 xs.append(t)
             for path, y in zip(rule.nnx, apply_forward(rule.chain, xs), strict=True):
-                _insert(tree, path, torch_to_jax(y if cast is None else y.to(cast)))
+                _insert(tree, path, torch_to_jax(y.to(_target(y.dtype, cast))))
         return tree
 
     # -- refit: JAX → HF -------------------------------------------------------
@@ -428,7 +429,7 @@ class ModelMap:
         cast = None if dtype is None else as_torch_dtype(dtype)
         out: RefitManifest = {}
         for rule in self.rules:
-            tdt = cast or torch_dtype_of(flat[rule.nnx[0]].dtype)
+            tdt = _target(torch_dtype_of(flat[rule.nnx[0]].dtype), cast)
             for name, shape in zip(rule.hf, rule.hf_shapes, strict=True):
                 out[name] = (shape, tdt)
         return out
@@ -447,8 +448,9 @@ class ModelMap:
 
         Args:
             params: nested mapping or ``nnx.State`` of ``jax.Array``.
-            dtype: cast every tensor to this dtype (e.g. fp32 master weights
-                to an engine's ``torch.bfloat16``); default keeps the JAX dtype.
+            dtype: cast every floating-point tensor to this dtype (e.g. fp32
+                master weights to an engine's ``torch.bfloat16``); integer and
+                bool tensors, and every tensor by default, keep the JAX dtype.
             strict: reject NNX paths the table does not know.
             contiguous: when False, a tensor the inverse leaves as a strided
                 view (a transposed kernel, an unstacked expert) is yielded as
@@ -471,12 +473,16 @@ class ModelMap:
             views = apply_inverse(rule.chain, ys)
             del ys
             for name, view in zip(rule.hf, views, strict=True):
-                yield name, _materialize(view, cast, contiguous)
+                yield name, _materialize(view, _target(view.dtype, cast), contiguous)
 
 
-def _materialize(view: torch.Tensor, dtype: torch.dtype | None, contiguous: bool) -> torch.Tensor:
+def _target(dtype: torch.dtype, cast: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor of ``dtype`` is sent as: ``cast`` applies to floating point only."""
+    return cast if cast is not None and dtype.is_floating_point else dtype
+
+
+def _materialize(view: torch.Tensor, dtype: torch.dtype, contiguous: bool) -> torch.Tensor:
     """``view`` cast to ``dtype`` (and made contiguous if asked), in one copy at most."""
-    dtype = dtype or view.dtype
     if view.dtype == dtype and (view.is_contiguous() or not contiguous):
         return view
     return torch.empty(view.shape, dtype=dtype, device=view.device).copy_(view)

@@ -146,3 +146,18 @@ def test_strided_view_stream_has_the_same_values_without_the_copies(
         strided += not tensor.is_contiguous()
     # Every transposed kernel and unstacked expert comes as a view of the JAX buffer.
     assert strided >= 3 * 3 * 4
+
+
+def test_engine_dtype_casts_floating_point_only() -> None:
+    from refit.nnx.table import ModelMap, copy
+
+    model_map = ModelMap("toy", [copy("a.weight", ("a",), (3,)), copy("steps", ("steps",), (2,))])
+    params = {"a": jnp.ones(3, jnp.float32), "steps": jnp.arange(2, dtype=jnp.int32)}
+    source = NNXRefitSource(params, model_map, dtype=torch.bfloat16)
+    assert source.prepare_refit_info() == {
+        "a.weight": ((3,), torch.bfloat16),
+        "steps": ((2,), torch.int32),
+    }
+    out = dict(source.iter_weights())
+    assert out["a.weight"].dtype == torch.bfloat16
+    assert torch.equal(out["steps"], torch.arange(2, dtype=torch.int32))
