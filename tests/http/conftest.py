@@ -1,0 +1,222 @@
+"""Fixtures for the HTTP transport: a real test server process on 127.0.0.1, a real trainer.
+
+Servers are module-scoped (one process per test module; building a model costs
+seconds on a loaded CPU). Every test syncs before it asserts and resets the
+server's faults and log first, so what a previous test left does not matter.
+Backends and synchronizers are built inside each test (they are cheap), so no
+async fixture crosses event loops.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load as safetensors_load
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from aiosync.interfaces import RefitManifest, RefitSource
+from refit import DTensorRefitSource
+from transports.embedded.model import HFModelRunner
+
+REPO = Path(__file__).resolve().parents[2]
+
+DENSE: dict[str, Any] = {
+    "model_type": "qwen3",
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "tie_word_embeddings": False,
+}
+#: The server starts from this seed; trainers use others, so a sync changes every tensor.
+SERVER_SEED = 1
+PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9]]
+SERVER_START_TIMEOUT_S = 300.0
+API_KEY = "test-key-123"
+
+
+class TestServer:
+    """A ``python -m transports.sglang_test_server`` process and an admin client."""
+
+    __test__ = False
+
+    def __init__(self, workdir: Path, config: Path, *extra: str) -> None:
+        port_file = workdir / f"port-{os.getpid()}-{time.monotonic_ns()}"
+        cmd = [
+            sys.executable,
+            "-m",
+            "transports.sglang_test_server",
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--model-config",
+            str(config),
+            "--seed",
+            str(SERVER_SEED),
+            "--dtype",
+            "bfloat16",
+            *extra,
+        ]
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env)
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while not port_file.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"test server exited with {self.proc.returncode}")
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError("test server did not start in time")
+            time.sleep(0.1)
+        self.url = f"http://127.0.0.1:{int(port_file.read_text())}"
+        self.admin = httpx.Client(base_url=self.url, timeout=60.0)
+
+    def reset(self) -> None:
+        self.admin.post("/_aiosync/reset").raise_for_status()
+
+    def log(self) -> list[dict[str, Any]]:
+        response = self.admin.get("/_aiosync/log")
+        response.raise_for_status()
+        return list(response.json())
+
+    def fault(self, path: str, mode: str, count: int | None = None) -> None:
+        body = {"path": path, "mode": mode, "count": count}
+        self.admin.post("/_aiosync/faults", json=body).raise_for_status()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        response = self.admin.get("/_aiosync/state_dict")
+        response.raise_for_status()
+        return safetensors_load(response.content)
+
+    def close(self) -> None:
+        self.admin.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Trainer(RefitSource):
+    """A real fp32 trainer model behind ``DTensorRefitSource`` (bf16 on the wire, case C8),
+    with a lifecycle log of the colocated hooks."""
+
+    def __init__(self, seed: int, config: dict[str, Any] = DENSE) -> None:
+        items = dict(config)
+        hf_config = AutoConfig.for_model(items.pop("model_type"), **items)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        self.inner = DTensorRefitSource(self.model, dtype=torch.bfloat16)
+        self.events: list[str] = []
+        #: Called with each name just before the source yields it.
+        self.on_tensor: Callable[[str], None] | None = None
+
+    def prepare_refit_info(self) -> RefitManifest:
+        return self.inner.prepare_refit_info()
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self.events.append("stream")
+        for name, tensor in self.inner.iter_weights():
+            if self.on_tensor is not None:
+                self.on_tensor(name)
+            yield name, tensor
+
+    def offload_before_refit(self) -> None:
+        self.events.append("offload_before")
+
+    def offload_after_refit(self) -> None:
+        self.events.append("offload_after")
+
+    def step(self, seed: int) -> None:
+        """An "optimizer step": perturb every parameter deterministically."""
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+
+    def expected(self) -> dict[str, torch.Tensor]:
+        """What the engine must hold after a sync: the source's tensors (bf16)."""
+        return {name: t.clone() for name, t in self.inner.iter_weights()}
+
+    def reference_generate(self, prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
+        """Greedy generation of an in-process engine holding exactly the synced weights."""
+        runner = HFModelRunner.from_config(DENSE, seed=SERVER_SEED + 100, dtype=torch.bfloat16)
+        runner.load_weights(self.inner.iter_weights())
+        return runner.generate([list(p) for p in prompts], max_new_tokens=n)
+
+
+def assert_state_equal(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert list(actual) == list(expected) or set(actual) == set(expected)
+    for name, tensor in expected.items():
+        assert actual[name].dtype == tensor.dtype, name
+        assert torch.equal(actual[name], tensor), name
+
+
+@pytest.fixture(scope="session")
+def dense_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("http-model") / "config.json"
+    path.write_text(json.dumps(DENSE))
+    return path
+
+
+@pytest.fixture(scope="session")
+def server_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("http-servers")
+
+
+def _serve(workdir: Path, config: Path, *extra: str) -> Iterator[TestServer]:
+    server = TestServer(workdir, config, *extra)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def tp2_server(server_workdir: Path, dense_config: Path) -> Iterator[TestServer]:
+    """A server with two tensor-parallel ranks, no memory saver."""
+    yield from _serve(server_workdir, dense_config, "--tp-size", "2")
+
+
+@pytest.fixture(scope="module")
+def saver_server(server_workdir: Path, dense_config: Path) -> Iterator[TestServer]:
+    """A server with ``--enable-memory-saver``."""
+    yield from _serve(server_workdir, dense_config, "--enable-memory-saver")
+
+
+@pytest.fixture(scope="module")
+def auth_server(server_workdir: Path, dense_config: Path) -> Iterator[TestServer]:
+    """A server with ``--api-key`` :data:`API_KEY`."""
+    yield from _serve(server_workdir, dense_config, "--api-key", API_KEY)
+
+
+@pytest.fixture
+def make_trainer() -> type[Trainer]:
+    """``make_trainer(seed)``: a real trainer on the tiny dense model."""
+    return Trainer
+
+
+@pytest.fixture
+def state_equal() -> Any:
+    """``state_equal(actual, expected)``: bit-exact comparison of two state dicts."""
+    return assert_state_equal
+
+
+@pytest.fixture
+def prompts() -> list[list[int]]:
+    return [list(p) for p in PROMPTS]

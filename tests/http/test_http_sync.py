@@ -1,0 +1,179 @@
+"""HTTPWeightSynchronizer against a real test-server process (no memory saver, TP=2)."""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+from typing import Any
+
+import pytest
+
+from aiosync import VersionEventKind, create_weight_synchronizer
+from transports.http import HTTPWeightSynchronizer, SGLangHTTPBackend
+
+pytestmark = pytest.mark.slow
+
+# Small buckets so a refit of the tiny model takes several requests.
+BUCKET_BYTES = 64 * 1024
+
+
+@pytest.fixture
+def server(tp2_server: Any) -> Any:
+    tp2_server.reset()
+    return tp2_server
+
+
+def _own_segments() -> list[str]:
+    # torch names shared-memory segments torch_<pid>_<...>.
+    return [f for f in os.listdir("/dev/shm") if f.startswith(f"torch_{os.getpid()}_")]
+
+
+async def test_sync_is_bit_exact_and_server_reports_our_version(
+    server: Any, make_trainer: Any, state_equal: Any
+) -> None:
+    trainer = make_trainer(seed=7)
+    backend = SGLangHTTPBackend(server.url)
+    sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
+    await sync.init_communicator()
+    assert backend.tp_size == 2  # read from /get_server_info
+    await sync.mark_stale()
+    await sync.sync_weights()
+    assert sync.weight_version == 1 and not sync.is_stale
+    state_equal(server.state_dict(), trainer.expected())
+    assert await backend.get_weight_version() == "1"
+
+    trainer.step(seed=11)
+    await sync.mark_stale()
+    await sync.sync_weights()
+    state_equal(server.state_dict(), trainer.expected())
+    assert await backend.get_weight_version() == "2"
+    await backend.aclose()
+    await sync.shutdown()
+
+
+async def test_every_bucket_is_one_request_with_one_entry_per_rank(
+    server: Any, make_trainer: Any, state_equal: Any
+) -> None:
+    trainer = make_trainer(seed=8)
+    async with SGLangHTTPBackend(server.url) as backend:
+        sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
+        await sync.init_communicator()
+        await sync.mark_stale(5)
+        await sync.sync_weights()
+    updates = [e for e in server.log() if e["path"] == "/update_weights_from_tensor"]
+    assert len(updates) == len(sync.plan) > 1
+    assert all(e["entries"] == 2 and e["status"] == 200 for e in updates)
+    assert all(e["load_format"] == "flattened_bucket" for e in updates)
+    # flush_cache=True would make SGLang assert inside the update: always False.
+    assert all(e["flush_cache"] is False for e in updates)
+    # The version is reported only once every bucket landed.
+    assert [e.get("weight_version") for e in updates] == [None] * (len(updates) - 1) + ["5"]
+    paths = [e["path"] for e in server.log()]
+    assert paths[-1] == "/flush_cache"
+    assert trainer.events == ["offload_before", "stream", "offload_after"]
+
+
+async def test_shared_segments_are_released_after_the_server_acknowledged(
+    server: Any, make_trainer: Any, state_equal: Any, prompts: list[list[int]]
+) -> None:
+    trainer = make_trainer(seed=9)
+    seen: list[int] = []
+    # When the source is asked for the next tensor, every earlier bucket was
+    # acknowledged: its segment must be gone on both sides already.
+    trainer.on_tensor = lambda name: seen.append(len(_own_segments()))
+    async with SGLangHTTPBackend(server.url) as backend:
+        sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
+        await sync.init_communicator()
+        await sync.mark_stale()
+        await sync.sync_weights()
+        assert len(sync.plan) > 1
+    assert len(seen) == len(trainer.prepare_refit_info())
+    assert max(seen) == 0
+    assert _own_segments() == []
+
+
+async def test_greedy_generation_equals_the_trainers_and_no_stale_prefix_survives(
+    server: Any, make_trainer: Any, state_equal: Any, prompts: list[list[int]]
+) -> None:
+    trainer = make_trainer(seed=12)
+    async with SGLangHTTPBackend(server.url) as backend:
+        sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
+        await sync.init_communicator()
+        await sync.mark_stale()
+        await sync.sync_weights()
+        first = await backend.generate(prompts, max_new_tokens=6)
+        assert first == trainer.reference_generate(prompts, 6)
+        # The server now caches these prompts, computed with version 1 (C7).
+        trainer.step(seed=13)
+        await sync.mark_stale()
+        await sync.sync_weights()
+        second = await backend.generate(prompts, max_new_tokens=6)
+        assert second == trainer.reference_generate(prompts, 6)
+        assert second != first
+
+
+async def test_kv_scales_are_ignored_with_one_warning(
+    server: Any, make_trainer: Any, state_equal: Any
+) -> None:
+    trainer = make_trainer(seed=14)
+    async with SGLangHTTPBackend(server.url) as backend:
+        sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
+        await sync.init_communicator()
+        await sync.mark_stale()
+        with pytest.warns(RuntimeWarning, match="ignores kv_scales"):
+            await sync.sync_weights(kv_scales={0: 0.5})
+        await sync.mark_stale()
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            await sync.sync_weights(kv_scales={0: 0.5})
+        assert sync.weight_version == 2
+
+
+async def test_factory_builds_the_http_synchronizer_for_colocated_sglang(
+    server: Any, make_trainer: Any, state_equal: Any, prompts: list[list[int]]
+) -> None:
+    trainer = make_trainer(seed=15)
+    async with SGLangHTTPBackend(server.url) as backend:
+        sync = create_weight_synchronizer(
+            trainer, backend, colocated=True, backend="sglang", bucket_bytes=BUCKET_BYTES
+        )
+        assert isinstance(sync, HTTPWeightSynchronizer)
+        await sync.init_communicator()
+        async with sync.subscribe() as events:
+            await sync.mark_stale()
+            await sync.sync_weights()
+            kinds = [(await events.__anext__()).kind for _ in range(3)]
+        assert kinds == [
+            VersionEventKind.STALE,
+            VersionEventKind.SYNC_STARTED,
+            VersionEventKind.COMMITTED,
+        ]
+        state_equal(server.state_dict(), trainer.expected())
+
+
+class _Evil:
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+async def test_malicious_pickle_is_rejected_and_weights_unchanged(
+    server: Any, make_trainer: Any, state_equal: Any
+) -> None:
+    before = server.state_dict()
+    payload = base64.b64encode(pickle.dumps({"flattened_tensor": _Evil(), "metadata": []})).decode()
+    body = {
+        "serialized_named_tensors": [payload, payload],
+        "load_format": "flattened_bucket",
+        "flush_cache": False,
+        "weight_version": "666",
+    }
+    response = server.admin.post("/update_weights_from_tensor", json=body)
+    assert response.status_code == 400
+    assert response.json()["success"] is False
+    assert "forbidden global" in response.json()["message"]
+    assert "system" in response.json()["message"]
+    assert server.admin.get("/get_weight_version").json()["weight_version"] != "666"
+    state_equal(server.state_dict(), before)

@@ -1,0 +1,219 @@
+"""``HTTPWeightSynchronizer``: colocated SGLang, refit through its HTTP API.
+
+The SGLang server stays its own process, reached by URL through an
+:class:`~transports.sglang_backend.SGLangHTTPBackend`. One refit:
+
+1. ``policy.offload_before_refit()`` (free the trainer's optimizer memory);
+2. with the memory saver, wake the server's weights only
+   (``/resume_memory_occupation`` ``tags=["weights"]``; case C5);
+3. stream the source into single-dtype flattened buckets (each tensor checked
+   against the manifest before it is packed); per bucket, one
+   ``/update_weights_from_tensor`` with ``load_format="flattened_bucket"``,
+   one serialized handle per tensor-parallel rank, ``flush_cache=False``, and
+   on the last bucket ``weight_version=str(version)`` so the server reports
+   the version only once all of it landed. A bucket's memory is freed only
+   after the server acknowledged it (case C11); on CPU the handle is a
+   shared-memory file name, released when both sides dropped it;
+4. ``/flush_cache``, retried while the server is busy (bounded; see
+   ``SGLangHTTPBackend.flush_cache``), so no KV computed with old weights
+   survives (case C7);
+5. in a ``finally``: ``policy.offload_after_refit()`` and the wake of the
+   remaining memory (KV cache), even when the refit failed.
+
+Only the collective transport applies FP8 ``kv_scales``; this one ignores
+them and warns once.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import anyio
+import torch
+
+from aiosync._config import DEFAULT_BUCKET_BYTES, DEFAULT_EVENT_BACKLOG, DEFAULT_SYNC_TIMEOUT_S
+from aiosync.errors import SyncError
+from aiosync.interfaces import KVScales, RefitSource, WeightSynchronizer
+
+from ._sglang_wire import (
+    FLATTENED_BUCKET,
+    FlatBucket,
+    allocate_flat,
+    group_flat,
+    pack_flat,
+    plan_flat_buckets,
+    serialize_flat,
+    use_file_system_sharing,
+)
+from .sglang_backend import SGLangHTTPBackend
+
+__all__ = ["HTTPWeightSynchronizer", "SGLangHTTPBackend"]
+
+logger = logging.getLogger(__name__)
+
+
+class HTTPWeightSynchronizer(WeightSynchronizer):
+    """Refits a colocated SGLang server over HTTP (``/update_weights_from_tensor``).
+
+    Args:
+        policy: the trainer's refit source (HF checkpoint names).
+        generation: the server, an :class:`SGLangHTTPBackend` (URL, API key,
+            memory saver, timeouts live there).
+        bucket_bytes: limit per flattened bucket, bytes; a larger tensor travels
+            alone.
+        device: where buckets are packed: ``"cpu"`` (shared memory) or a CUDA
+            device (CUDA-IPC); None: the device of the first tensor the source
+            yields... decided per bucket from its first tensor.
+        abort_all_requests: ask SGLang to abort running requests before the
+            first bucket loads.
+        sync_timeout_s: limit for a whole ``sync_weights`` call, seconds.
+        event_backlog: default backlog of :meth:`subscribe`, in events.
+
+    Raises:
+        TypeError: ``generation`` is not an :class:`SGLangHTTPBackend`.
+        ValueError: ``bucket_bytes`` is not positive.
+    """
+
+    def __init__(
+        self,
+        policy: RefitSource,
+        generation: SGLangHTTPBackend,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        device: str | torch.device | None = None,
+        abort_all_requests: bool = False,
+        sync_timeout_s: float = DEFAULT_SYNC_TIMEOUT_S,
+        event_backlog: int = DEFAULT_EVENT_BACKLOG,
+    ) -> None:
+        if not isinstance(generation, SGLangHTTPBackend):
+            raise TypeError(
+                "HTTPWeightSynchronizer drives an SGLang server: pass an SGLangHTTPBackend, "
+                f"got {type(generation).__name__}"
+            )
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        super().__init__(
+            policy, generation, sync_timeout_s=sync_timeout_s, event_backlog=event_backlog
+        )
+        self.generation: SGLangHTTPBackend = generation
+        self.bucket_bytes = bucket_bytes
+        self.device = None if device is None else torch.device(device)
+        self.abort_all_requests = abort_all_requests
+        self._manifest: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._plan: tuple[FlatBucket, ...] = ()
+        self._tp_size = 1
+        self._warned_kv_scales = False
+        generation.add_invalidation_listener(self._invalidate_engine_weights)
+        if not generation.weights_valid:
+            self._invalidate_engine_weights()
+
+    @property
+    def plan(self) -> tuple[FlatBucket, ...]:
+        """The bucket plan (after :meth:`init_communicator`)."""
+        return self._plan
+
+    async def init_communicator(self) -> None:
+        """Plan the buckets, learn the server's TP size, check its memory-saver setting.
+
+        Raises:
+            TransportError, SyncTimeoutError: the server is unreachable or refuses.
+            SyncError: ``enable_memory_saver`` differs from the server's.
+        """
+        self._check_open()
+        self._manifest = {
+            name: (tuple(int(d) for d in shape), dtype)
+            for name, (shape, dtype) in self.policy.prepare_refit_info().items()
+        }
+        self._plan = plan_flat_buckets(self._manifest, self.bucket_bytes)
+        info = await self.generation.server_info()
+        server_saver = info.get("enable_memory_saver")
+        if server_saver is not None and bool(server_saver) != self.generation.enable_memory_saver:
+            raise SyncError(
+                f"the SGLang server runs with enable_memory_saver={bool(server_saver)} but the "
+                f"backend was built with enable_memory_saver={self.generation.enable_memory_saver}"
+            )
+        if self.generation.tp_size is None:
+            tp = info.get("tp_size", 1)
+            self.generation.tp_size = tp if isinstance(tp, int) and tp >= 1 else 1
+        self._tp_size = self.generation.tp_size
+        use_file_system_sharing()
+        await super().init_communicator()
+
+    async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
+        if kv_scales is not None and not self._warned_kv_scales:
+            self._warned_kv_scales = True
+            warnings.warn(
+                "HTTPWeightSynchronizer ignores kv_scales: only the collective transport "
+                "sends FP8 KV-cache scales; the SGLang server keeps its own",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        backend = self.generation
+        self.policy.offload_before_refit()
+        failed = True
+        try:
+            await backend.prepare_for_generation(["weights"])
+            nbytes = await self._send_buckets(version)
+            await backend.flush_cache()
+            backend.note_weights_loaded()
+            failed = False
+            return nbytes
+        finally:
+            # Runs on failure and cancellation too: shield it, but bound it.
+            with anyio.CancelScope(shield=True):
+                self.policy.offload_after_refit()
+                rest = [t for t in backend.released_tags if t != "weights"]
+                try:
+                    with anyio.fail_after(backend.request_timeout_s):
+                        await backend.prepare_for_generation(rest)
+                except Exception:
+                    if not failed:
+                        raise
+                    # Do not mask the refit's own error with the wake's.
+                    logger.exception("waking %s after a failed refit also failed", rest)
+
+    async def _send_buckets(self, version: int) -> int:
+        """Pack, post and release every bucket in turn; returns the payload bytes."""
+        backend = self.generation
+        total = len(self._plan)
+        sent = 0
+        nbytes = 0
+        for bucket, tensors in group_flat(self.policy.iter_weights(), self._plan, self._manifest):
+            device = self.device or tensors[0][1].device
+            flat = allocate_flat(bucket, device)
+            try:
+                await anyio.to_thread.run_sync(pack_flat, bucket, tensors, flat)
+                if device.type == "cuda":
+                    torch.cuda.current_stream(device).synchronize()
+                del tensors
+                payloads = [serialize_flat(bucket, flat) for _ in range(self._tp_size)]
+                sent += 1
+                await backend.update_weights_from_tensor(
+                    payloads,
+                    load_format=FLATTENED_BUCKET,
+                    flush_cache=False,
+                    abort_all_requests=self.abort_all_requests and sent == 1,
+                    weight_version=str(version) if sent == total else None,
+                )
+            finally:
+                # The server acknowledged (or failed): drop our handle so the
+                # shared segment / CUDA block is freed once the server let go.
+                del flat
+            nbytes += bucket.nbytes
+        return nbytes
+
+    async def shutdown(self) -> None:
+        """Close the backend's connections and end the event stream. Idempotent."""
+        if not self._closed:
+            await self.generation.aclose()
+        await super().shutdown()
+
+    def __repr__(self) -> str:
+        info: dict[str, Any] = {
+            "url": self.generation.base_url,
+            "buckets": len(self._plan),
+            "weight_version": self.weight_version,
+        }
+        return f"HTTPWeightSynchronizer({info})"

@@ -1,0 +1,419 @@
+"""``SGLangHTTPBackend``: an SGLang server, reached by URL, as the loop's generation backend.
+
+It speaks SGLang's native HTTP API (``sglang/srt/entrypoints/http_server.py``;
+request bodies are the ``io_struct`` classes):
+
+===================================  ======  ==========================================
+endpoint                             method  body → answer
+===================================  ======  ==========================================
+``/generate``                        POST    ``GenerateReqInput`` → one dict per prompt
+                                             with ``output_ids`` and ``meta_info``
+``/update_weights_from_tensor``      POST    ``UpdateWeightsFromTensorReqInput`` →
+                                             ``{"success", "message"}``, 200 or 400
+``/flush_cache``                     POST    none → 200, or 400 while requests run
+``/release_memory_occupation``       POST    ``{"tags": [...]}`` → 200 ``null``
+``/resume_memory_occupation``        POST    ``{"tags": [...]}`` → 200 ``null``
+``/get_weight_version``              GET     → ``{"weight_version": str | null}``
+``/get_server_info``                 GET     → server args (``tp_size``,
+                                             ``enable_memory_saver``, ...)
+===================================  ======  ==========================================
+
+Errors answer 400 with ``{"error": {"message": ...}}`` (or ``{"message": ...}``);
+a server started with ``--api-key`` answers 401 ``{"error": "Unauthorized"}``
+to a request without ``Authorization: Bearer <key>``.
+
+Memory saver (server flag ``--enable-memory-saver``): ``finish_generation``
+releases the device memory the server holds (weights and KV cache by default);
+SGLang *discards* released weights (unless it keeps a CPU backup), so from
+then on the engine holds no valid weights until a sync lands: the backend tells
+its synchronizer (which becomes stale) and refuses to generate. Waking is
+two-phase, driven by the synchronizer: ``prepare_for_generation(["weights"])``,
+the refit, then ``prepare_for_generation(["kv_cache"])`` (case C5). A tag that
+is not released is never resumed (SGLang raises on it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import anyio
+import httpx
+
+from aiosync._config import DEFAULT_RPC_TIMEOUT_S
+from aiosync.errors import SyncError, SyncTimeoutError, TransportError
+
+__all__ = [
+    "DEFAULT_FLUSH_TIMEOUT_S",
+    "DEFAULT_GENERATE_TIMEOUT_S",
+    "FLUSH_BACKOFF_INITIAL_S",
+    "FLUSH_BACKOFF_MAX_S",
+    "MEMORY_TAGS",
+    "SGLangHTTPBackend",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The memory regions SGLang's memory saver releases/resumes by tag, in wake order.
+MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")
+
+#: Total time ``flush_cache`` keeps retrying a busy server, seconds.
+DEFAULT_FLUSH_TIMEOUT_S: float = 60.0
+#: First wait between ``/flush_cache`` attempts, seconds; doubles each retry.
+FLUSH_BACKOFF_INITIAL_S: float = 0.05
+#: Longest wait between ``/flush_cache`` attempts, seconds.
+FLUSH_BACKOFF_MAX_S: float = 2.0
+#: Limit for one ``/generate`` call, seconds (rollouts are long).
+DEFAULT_GENERATE_TIMEOUT_S: float = 600.0
+# Connecting to a local server never legitimately takes long.
+_CONNECT_TIMEOUT_S = 10.0
+
+
+class SGLangHTTPBackend:
+    """The SGLang server as a :class:`~aiosync.GenerationBackend`, plus the calls a refit needs.
+
+    Args:
+        base_url: the server, e.g. ``"http://127.0.0.1:30000"``.
+        api_key: the server's ``--api-key``; sent as ``Authorization: Bearer``.
+        enable_memory_saver: the server runs with ``--enable-memory-saver``:
+            :meth:`finish_generation` releases device memory and the refit wakes it.
+        release_tags: regions :meth:`finish_generation` releases (subset of
+            :data:`MEMORY_TAGS`); add ``"cuda_graph"`` on servers that tag it.
+        weights_cpu_backup: the server keeps a CPU copy of released weights
+            (``--enable-weights-cpu-backup``), so releasing them does not make
+            the engine stale.
+        tp_size: entries per ``update_weights_from_tensor`` call (one per
+            tensor-parallel rank); None: read ``tp_size`` from ``/get_server_info``.
+        request_timeout_s: limit for one request other than ``/generate``, seconds.
+        generate_timeout_s: limit for one ``/generate`` call, seconds.
+        flush_timeout_s: how long :meth:`flush_cache` retries a busy server, seconds.
+        transport: an ``httpx.AsyncBaseTransport`` to use (tests, proxies).
+
+    Raises:
+        ValueError: a non-positive timeout or ``tp_size``, or an unknown tag.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        enable_memory_saver: bool = False,
+        release_tags: Sequence[str] = ("weights", "kv_cache"),
+        weights_cpu_backup: bool = False,
+        tp_size: int | None = None,
+        request_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
+        generate_timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S,
+        flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        for label, value in (
+            ("request_timeout_s", request_timeout_s),
+            ("generate_timeout_s", generate_timeout_s),
+            ("flush_timeout_s", flush_timeout_s),
+        ):
+            if value <= 0:
+                raise ValueError(f"{label} must be > 0, got {value}")
+        if tp_size is not None and tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+        unknown = [t for t in release_tags if t not in MEMORY_TAGS]
+        if unknown:
+            raise ValueError(f"unknown memory tags {unknown}; known: {list(MEMORY_TAGS)}")
+        self.base_url = base_url.rstrip("/")
+        self.enable_memory_saver = enable_memory_saver
+        self.release_tags = tuple(t for t in MEMORY_TAGS if t in release_tags)
+        self.weights_cpu_backup = weights_cpu_backup
+        self.tp_size = tp_size
+        self.request_timeout_s = request_timeout_s
+        self.generate_timeout_s = generate_timeout_s
+        self.flush_timeout_s = flush_timeout_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(request_timeout_s, connect=_CONNECT_TIMEOUT_S),
+            transport=transport,
+        )
+        self._released: set[str] = set()
+        # False from the moment the server discarded its weights until a sync landed.
+        self._weights_valid = True
+        self._listeners: list[Callable[[], None]] = []
+
+    # -- state --------------------------------------------------------------------
+
+    @property
+    def released_tags(self) -> frozenset[str]:
+        """Memory regions released and not yet resumed."""
+        return frozenset(self._released)
+
+    @property
+    def weights_valid(self) -> bool:
+        """False while the server holds discarded (garbage) weights, until a sync lands."""
+        return self._weights_valid
+
+    def add_invalidation_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` whenever the server discards its weights.
+
+        ``HTTPWeightSynchronizer`` registers its ``_invalidate_engine_weights``
+        so it turns stale at that moment (case C6).
+        """
+        self._listeners.append(callback)
+
+    def note_weights_loaded(self) -> None:
+        """For the synchronizer: a complete set of weights landed on the server."""
+        self._weights_valid = True
+
+    def _discard_weights(self) -> None:
+        self._weights_valid = False
+        for callback in self._listeners:
+            callback()
+
+    # -- the GenerationBackend protocol ----------------------------------------
+
+    async def prepare_for_generation(self, tags: Sequence[str] | None = None) -> None:
+        """Resume released memory regions, weights first (None: all released ones).
+
+        A region that is not released is skipped. Without the memory saver this
+        does nothing.
+
+        Raises:
+            ValueError: an unknown tag.
+            TransportError, SyncTimeoutError: the server failed or did not answer.
+        """
+        wanted = MEMORY_TAGS if tags is None else tuple(tags)
+        unknown = [t for t in wanted if t not in MEMORY_TAGS]
+        if unknown:
+            raise ValueError(f"unknown memory tags {unknown}; known: {list(MEMORY_TAGS)}")
+        for tag in MEMORY_TAGS:
+            if tag in wanted and tag in self._released:
+                await self._post("/resume_memory_occupation", {"tags": [tag]})
+                self._released.discard(tag)
+
+    async def finish_generation(self) -> None:
+        """With the memory saver: release ``release_tags`` so the trainer gets the device.
+
+        Releasing weights without a CPU backup makes the engine stale (the
+        server discards them); the synchronizer is told before this returns.
+
+        Raises:
+            TransportError, SyncTimeoutError: the server failed or did not answer.
+        """
+        if not self.enable_memory_saver:
+            return
+        tags = [t for t in self.release_tags if t not in self._released]
+        if not tags:
+            return
+        try:
+            await self._post("/release_memory_occupation", {"tags": tags})
+        except BaseException:
+            # The server may have released part of it: assume the worst.
+            if "weights" in tags and not self.weights_cpu_backup:
+                self._discard_weights()
+            raise
+        self._released.update(tags)
+        if "weights" in tags and not self.weights_cpu_backup:
+            self._discard_weights()
+
+    # -- generation -------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        sampling_params: Mapping[str, Any] | None = None,
+    ) -> list[list[int]]:
+        """Generate from token-id prompts via ``/generate``; returns the new token ids.
+
+        Args:
+            prompts: one list of token ids per prompt.
+            max_new_tokens: tokens to generate per prompt.
+            temperature: 0 for greedy.
+            sampling_params: more SGLang ``sampling_params`` fields (``top_p``, ``stop``...).
+
+        Raises:
+            SyncError: the server's weights are released or discarded and not
+                re-synced (never generate on garbage weights; case C6).
+            TransportError, SyncTimeoutError: the server failed or did not answer.
+        """
+        if "weights" in self._released or not self._weights_valid:
+            raise SyncError(
+                "the SGLang server's weights were released by the memory saver and not "
+                "re-synced; sync_weights() (and prepare_for_generation()) before generate()"
+            )
+        if self._released:
+            raise SyncError(
+                f"memory regions {sorted(self._released)} are released; "
+                "await prepare_for_generation() first"
+            )
+        params = {**(sampling_params or {}), "max_new_tokens": max_new_tokens}
+        params["temperature"] = temperature
+        body = {"input_ids": [list(p) for p in prompts], "sampling_params": params}
+        answer = await self._post("/generate", body, timeout_s=self.generate_timeout_s)
+        items = answer if isinstance(answer, list) else [answer]
+        if len(items) != len(prompts):
+            raise TransportError(
+                f"/generate answered {len(items)} results for {len(prompts)} prompts"
+            )
+        out: list[list[int]] = []
+        for item in items:
+            ids = item.get("output_ids", item.get("token_ids")) if isinstance(item, dict) else None
+            if not isinstance(ids, list):
+                raise TransportError(f"/generate answer without output_ids: {str(item)[:200]}")
+            out.append([int(i) for i in ids])
+        return out
+
+    # -- the calls a refit makes ----------------------------------------------------
+
+    async def server_info(self) -> dict[str, Any]:
+        """``/get_server_info``: the server's arguments and state."""
+        info = await self._request("GET", "/get_server_info")
+        if not isinstance(info, dict):
+            raise TransportError(f"/get_server_info answered {str(info)[:200]}")
+        return info
+
+    async def resolve_tp_size(self) -> int:
+        """``tp_size`` as given, or as the server reports it (cached)."""
+        if self.tp_size is None:
+            info = await self.server_info()
+            tp = info.get("tp_size", 1)
+            if not isinstance(tp, int) or tp < 1:
+                raise TransportError(f"/get_server_info reports tp_size={tp!r}")
+            self.tp_size = tp
+        return self.tp_size
+
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[str],
+        *,
+        load_format: str | None,
+        flush_cache: bool = False,
+        abort_all_requests: bool = False,
+        weight_version: str | None = None,
+    ) -> str:
+        """POST ``/update_weights_from_tensor`` (not retried: not idempotent); returns the message.
+
+        ``flush_cache=True`` makes SGLang *assert* the flush inside the update
+        and crash its scheduler when requests are running, so the synchronizer
+        always sends False and flushes with :meth:`flush_cache` afterwards.
+
+        Raises:
+            TransportError: non-2xx, ``success: false``, or a connection error.
+            SyncTimeoutError: no answer within ``request_timeout_s``.
+        """
+        body: dict[str, Any] = {
+            "serialized_named_tensors": list(serialized_named_tensors),
+            "load_format": load_format,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        answer = await self._post("/update_weights_from_tensor", body)
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise TransportError(f"/update_weights_from_tensor failed: {answer.get('message')}")
+        return str(answer.get("message", "")) if isinstance(answer, dict) else ""
+
+    async def flush_cache(self, timeout_s: float | None = None) -> int:
+        """POST ``/flush_cache`` until it answers 200; returns the attempts made.
+
+        Retry policy: SGLang answers 400 while requests are running or waiting,
+        so a non-2xx answer, a connection error or a per-request timeout is
+        retried (flushing is idempotent) after 0.05 s, doubling to at most 2 s
+        (:data:`FLUSH_BACKOFF_INITIAL_S`, :data:`FLUSH_BACKOFF_MAX_S`), for at
+        most ``timeout_s`` (default ``flush_timeout_s``) seconds in total.
+
+        Raises:
+            TransportError: still failing after ``timeout_s``; names the last answer.
+        """
+        budget = self.flush_timeout_s if timeout_s is None else timeout_s
+        delay = FLUSH_BACKOFF_INITIAL_S
+        attempts = 0
+        last = "no attempt"
+        per_try = min(budget, self.request_timeout_s)
+        with anyio.move_on_after(budget):
+            while True:
+                attempts += 1
+                try:
+                    await self._post("/flush_cache", None, timeout_s=per_try)
+                    return attempts
+                except (TransportError, SyncTimeoutError) as exc:
+                    last = str(exc)
+                await anyio.sleep(delay)
+                delay = min(delay * 2, FLUSH_BACKOFF_MAX_S)
+        raise TransportError(
+            f"/flush_cache did not succeed within {budget} s ({attempts} attempts); last: {last}"
+        )
+
+    async def get_weight_version(self) -> str | None:
+        """``/get_weight_version``: the ``weight_version`` of the last completed update."""
+        answer = await self._request("GET", "/get_weight_version")
+        if not isinstance(answer, dict) or "weight_version" not in answer:
+            raise TransportError(f"/get_weight_version answered {str(answer)[:200]}")
+        version = answer["weight_version"]
+        return None if version is None else str(version)
+
+    async def aclose(self) -> None:
+        """Close the HTTP connection pool. Idempotent."""
+        await self._client.aclose()
+
+    async def __aenter__(self) -> SGLangHTTPBackend:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- plumbing ---------------------------------------------------------------
+
+    async def _post(self, path: str, body: Any, *, timeout_s: float | None = None) -> Any:
+        return await self._request("POST", path, body, timeout_s=timeout_s)
+
+    async def _request(
+        self, method: str, path: str, body: Any = None, *, timeout_s: float | None = None
+    ) -> Any:
+        limit = self.request_timeout_s if timeout_s is None else timeout_s
+        timeout = httpx.Timeout(limit, connect=min(limit, _CONNECT_TIMEOUT_S))
+        where = f"{method} {self.base_url}{path}"
+        try:
+            if body is None:
+                response = await self._client.request(method, path, timeout=timeout)
+            else:
+                response = await self._client.request(method, path, json=body, timeout=timeout)
+        except httpx.TimeoutException as exc:
+            raise SyncTimeoutError(f"{where}: no answer within {limit} s ({exc!r})") from exc
+        except httpx.HTTPError as exc:
+            raise TransportError(f"{where}: {type(exc).__name__}: {exc}") from exc
+        if response.status_code == 401:
+            raise TransportError(
+                f"{where}: 401 Unauthorized: the server rejected the API key "
+                f"({'none sent' if 'Authorization' not in self._client.headers else 'wrong key'})"
+            )
+        if not response.is_success:
+            raise TransportError(
+                f"{where}: HTTP {response.status_code}: {_server_message(response)}"
+            )
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            return response.text
+
+
+def _server_message(response: httpx.Response) -> str:
+    """The server's own words: ``error.message``, ``message``, ``error``, or the text."""
+    try:
+        data = response.json()
+    except ValueError:
+        return response.text.strip()[:500] or response.reason_phrase
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if "message" in data:
+            return str(data["message"])
+        if error is not None:
+            return str(error)
+    return str(data)[:500]

@@ -1,0 +1,483 @@
+"""A contract-true stand-in for SGLang's HTTP server, on the embedded transformers engine.
+
+Run it as ``python -m transports.sglang_test_server --port 0 --port-file F
+--model-config config.json``. It binds 127.0.0.1 only and serves, with SGLang's
+request bodies (``io_struct``), answers and status codes
+(``entrypoints/http_server.py``):
+
+``/health``, ``/get_model_info``, ``/get_server_info``, ``/get_weight_version``,
+``/generate``, ``/update_weights_from_tensor`` (``load_format="flattened_bucket"``,
+one entry per ``--tp-size`` rank), ``/flush_cache`` (400 while a ``/generate`` runs),
+``/release_memory_occupation`` and ``/resume_memory_occupation`` (tags
+``weights``, ``kv_cache``, ``cuda_graph``; resuming weights that were released
+discards them, as the memory saver does: they read NaN until a sync).
+
+It emulates the radix prefix cache: a greedy ``/generate`` whose prompt and
+length were answered before is served from the cache, computed with whatever
+weights were live then, until ``/flush_cache`` (case C7 is observable).
+
+Tensor payloads are decoded by a restricted unpickler admitting only torch's
+tensor/storage rebuild functions and plain data types; anything else is a 400.
+
+Test-only endpoints (under ``/_aiosync/``, no API key needed):
+
+* ``GET /_aiosync/log``: the request log, ``[{"method", "path", "status", "tags",
+  "weight_version", "load_format", "flush_cache", "entries"}]``.
+* ``GET /_aiosync/state_dict``: the weights in checkpoint names, safetensors bytes.
+* ``POST /_aiosync/faults`` ``{"path": "/flush_cache", "mode": "error"|"hang"|"drop"|"busy",
+  "count": n | null}``: the next ``n`` (null: all) requests to ``path`` answer 500,
+  never answer, have their connection dropped, or answer 400 as a busy server does.
+* ``POST /_aiosync/reset``: clear faults and the log, release hung requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import threading
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save as safetensors_save
+
+from aiosync.errors import SyncError, TransportError
+
+from ._sglang_wire import FLATTENED_BUCKET, decode_flattened_bucket, use_file_system_sharing
+from .embedded.model import HFModelRunner
+
+__all__ = ["ServerState", "main", "make_server"]
+
+_ALL_TAGS = ("weights", "kv_cache", "cuda_graph")
+_FAULT_MODES = ("error", "hang", "drop", "busy")
+# A hung request gives up on its own after this long (seconds), so a test
+# that forgot to reset never leaves a thread behind for good.
+_HANG_LIMIT_S = 600.0
+
+
+@dataclass
+class _Fault:
+    mode: str
+    remaining: int | None  # None: forever
+
+
+@dataclass
+class ServerState:
+    """Everything the handlers share; guarded by ``lock`` (the model by ``model_lock``)."""
+
+    runner: HFModelRunner
+    tp_size: int = 1
+    api_key: str | None = None
+    enable_memory_saver: bool = False
+    weights_cpu_backup: bool = False
+    model_path: str = ""
+    weight_version: str | None = "default"
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    model_lock: threading.Lock = field(default_factory=threading.Lock)
+    released: set[str] = field(default_factory=set)
+    running: int = 0
+    cache: dict[tuple[tuple[int, ...], int], list[int]] = field(default_factory=dict)
+    log: list[dict[str, Any]] = field(default_factory=list)
+    faults: dict[str, _Fault] = field(default_factory=dict)
+    unhang: threading.Event = field(default_factory=threading.Event)
+
+    def take_fault(self, path: str) -> str | None:
+        with self.lock:
+            fault = self.faults.get(path)
+            if fault is None:
+                return None
+            if fault.remaining is not None:
+                fault.remaining -= 1
+                if fault.remaining <= 0:
+                    del self.faults[path]
+            return fault.mode
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, body: Any) -> None:
+        super().__init__(str(body))
+        self.status = status
+        self.body = body
+
+
+def _error(message: str, status: int = 400) -> _HTTPError:
+    # SGLang's _create_error_response: {"error": {"message": ...}}, 400.
+    return _HTTPError(status, {"error": {"message": message}})
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"  # keep-alive, as uvicorn
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return None
+
+    # -- dispatch ---------------------------------------------------------------
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def _dispatch(self, method: str) -> None:
+        state = self.server.state
+        path = self.path.split("?", 1)[0]
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        entry: dict[str, Any] = {"method": method, "path": path}
+        status, body = 500, None
+        try:
+            data = json.loads(raw) if raw else None
+            entry.update(_summary(data))
+            if path.startswith("/_aiosync/"):
+                status, body = 200, self._admin(method, path, data)
+            else:
+                self._check_auth(path)
+                fault = state.take_fault(path)
+                if fault == "drop":
+                    entry["status"] = "dropped"
+                    self._record(entry)
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if fault == "hang":
+                    entry["status"] = "hung"
+                    self._record(entry)
+                    state.unhang.wait(_HANG_LIMIT_S)
+                    raise _error("hung request released", 503)
+                if fault == "error":
+                    raise _error(f"injected fault on {path}", 500)
+                if fault == "busy":
+                    raise _HTTPError(
+                        400,
+                        _FLUSH_TEXT
+                        if path == "/flush_cache"
+                        else {"error": {"message": "server busy (injected)"}},
+                    )
+                status, body = 200, self._route(method, path, data)
+        except _HTTPError as exc:
+            status, body = exc.status, exc.body
+        except json.JSONDecodeError as exc:
+            status, body = 400, {"error": {"message": f"invalid JSON body: {exc}"}}
+        except Exception as exc:
+            status, body = 500, {"error": {"message": f"{type(exc).__name__}: {exc}"}}
+        if not path.startswith("/_aiosync/"):
+            entry["status"] = status
+            self._record(entry)
+        self._send(status, body)
+
+    def _record(self, entry: dict[str, Any]) -> None:
+        with self.server.state.lock:
+            self.server.state.log.append(entry)
+
+    def _send(self, status: int, body: Any) -> None:
+        if isinstance(body, bytes):
+            payload, ctype = body, "application/octet-stream"
+        elif isinstance(body, str):
+            payload, ctype = body.encode(), "text/plain; charset=utf-8"
+        else:
+            payload, ctype = json.dumps(body).encode(), "application/json"
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def _check_auth(self, path: str) -> None:
+        key = self.server.state.api_key
+        if key is None or path.startswith("/health"):
+            return
+        if self.headers.get("Authorization") != f"Bearer {key}":
+            raise _HTTPError(401, {"error": "Unauthorized"})
+
+    # -- SGLang's endpoints -------------------------------------------------------
+
+    def _route(self, method: str, path: str, data: Any) -> Any:
+        state = self.server.state
+        if path in ("/health", "/health_generate"):
+            return None
+        if path == "/get_model_info" and method == "GET":
+            return {
+                "model_path": state.model_path,
+                "tokenizer_path": None,
+                "is_generation": True,
+                "weight_version": state.weight_version,
+            }
+        if path == "/get_server_info" and method == "GET":
+            return {
+                "model_path": state.model_path,
+                "tp_size": state.tp_size,
+                "dp_size": 1,
+                "enable_memory_saver": state.enable_memory_saver,
+                "enable_weights_cpu_backup": state.weights_cpu_backup,
+                "weight_version": state.weight_version,
+                "version": "aiosync-test-server",
+            }
+        if path == "/get_weight_version" and method == "GET":
+            return {"weight_version": state.weight_version}
+        if path == "/generate" and method == "POST":
+            return self._generate(_object(data))
+        if path == "/update_weights_from_tensor" and method == "POST":
+            return self._update_weights_from_tensor(_object(data))
+        if path == "/flush_cache":
+            with state.lock:
+                if state.running:
+                    raise _HTTPError(400, _FLUSH_TEXT)
+                state.cache.clear()
+            return _FLUSH_TEXT
+        if path == "/release_memory_occupation":
+            return self._release(_tags(data))
+        if path == "/resume_memory_occupation":
+            return self._resume(_tags(data))
+        raise _HTTPError(404, {"detail": "Not Found"})
+
+    def _generate(self, data: dict[str, Any]) -> Any:
+        state = self.server.state
+        input_ids = data.get("input_ids")
+        single = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], int)
+        prompts = [input_ids] if single else input_ids
+        if not isinstance(prompts, list) or not all(
+            isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts
+        ):
+            raise _error("input_ids must be a non-empty list of token ids or a list of them")
+        params = data.get("sampling_params") or {}
+        max_new = int(params.get("max_new_tokens", 128))
+        temperature = float(params.get("temperature", 1.0))
+        with state.lock:
+            if state.released:
+                raise _error(f"memory released ({sorted(state.released)}); resume it first")
+            state.running += 1
+        try:
+            results = []
+            for prompt in prompts:
+                key = (tuple(prompt), max_new)
+                with state.lock:
+                    cached = state.cache.get(key) if temperature == 0 else None
+                if cached is None:
+                    with state.model_lock:
+                        out = state.runner.generate(
+                            [prompt], max_new_tokens=max_new, temperature=temperature
+                        )[0]
+                    if temperature == 0:
+                        with state.lock:
+                            state.cache[key] = out
+                else:
+                    out = cached
+                results.append(
+                    {
+                        "text": "",
+                        "output_ids": out,
+                        "meta_info": {
+                            "id": uuid.uuid4().hex,
+                            "finish_reason": {"type": "length", "length": max_new},
+                            "prompt_tokens": len(prompt),
+                            "completion_tokens": len(out),
+                            "cached_tokens": len(prompt) if cached is not None else 0,
+                            "weight_version": state.weight_version,
+                        },
+                    }
+                )
+        finally:
+            with state.lock:
+                state.running -= 1
+        return results[0] if single else results
+
+    def _update_weights_from_tensor(self, data: dict[str, Any]) -> Any:
+        state = self.server.state
+        entries = data.get("serialized_named_tensors")
+        load_format = data.get("load_format")
+        if load_format != FLATTENED_BUCKET:
+            raise _HTTPError(
+                400, {"success": False, "message": f"unsupported load_format {load_format!r}"}
+            )
+        if not isinstance(entries, list) or len(entries) != state.tp_size:
+            raise _HTTPError(
+                400,
+                {
+                    "success": False,
+                    "message": f"serialized_named_tensors needs {state.tp_size} entries "
+                    f"(one per TP rank), got {_count(entries)}",
+                },
+            )
+        if "weights" in state.released:
+            raise _HTTPError(
+                400, {"success": False, "message": "weights are released; resume them first"}
+            )
+        try:
+            # Every rank decodes its own entry; rank 0's tensors are loaded.
+            per_rank = [decode_flattened_bucket(e) for e in entries]
+        except TransportError as exc:
+            raise _HTTPError(400, {"success": False, "message": str(exc)}) from exc
+        try:
+            with state.model_lock:
+                state.runner.load_weights(per_rank[0])
+        except SyncError as exc:
+            raise _HTTPError(400, {"success": False, "message": str(exc)}) from exc
+        finally:
+            # Drop every view so the sender's shared segments can be released.
+            del per_rank
+        if data.get("flush_cache", True):
+            with state.lock:
+                if state.running:
+                    # SGLang asserts here and its scheduler dies.
+                    raise _error("Cache flush failed after updating weights", 500)
+                state.cache.clear()
+        message = "Success"
+        version = data.get("weight_version")
+        if version is not None:
+            state.weight_version = str(version)
+            message += f" Weight version updated to {version}."
+        return {"success": True, "message": message}
+
+    def _release(self, tags: list[str]) -> None:
+        state = self.server.state
+        if not state.enable_memory_saver:
+            raise _error("release_memory_occupation needs --enable-memory-saver")
+        with state.lock:
+            if state.running:
+                raise _error(
+                    "release_memory_occupation should be called only when no ongoing request."
+                )
+            state.released.update(tags)
+            if "kv_cache" in tags:
+                state.cache.clear()
+        return None
+
+    def _resume(self, tags: list[str]) -> None:
+        state = self.server.state
+        with state.lock:
+            missing = [t for t in tags if t not in state.released]
+            if missing:
+                raise _error(f"resume_memory_occupation: {missing} not released")
+            state.released.difference_update(tags)
+        if "weights" in tags and not state.weights_cpu_backup:
+            # The memory saver hands back fresh pages: the old weights are gone.
+            with state.model_lock:
+                state.runner.fill_(float("nan"))
+        return None
+
+    # -- test-only ------------------------------------------------------------------
+
+    def _admin(self, method: str, path: str, data: Any) -> Any:
+        state = self.server.state
+        if path == "/_aiosync/log" and method == "GET":
+            with state.lock:
+                return list(state.log)
+        if path == "/_aiosync/state_dict" and method == "GET":
+            with state.model_lock:
+                return safetensors_save(state.runner.hf_state_dict())
+        if path == "/_aiosync/faults" and method == "POST":
+            spec = _object(data)
+            mode, target, count = spec.get("mode"), spec.get("path"), spec.get("count")
+            if mode not in _FAULT_MODES or not isinstance(target, str):
+                raise _error(f"fault needs a path and a mode in {_FAULT_MODES}")
+            if count is not None and (not isinstance(count, int) or count < 1):
+                raise _error("count must be a positive int or null")
+            with state.lock:
+                state.faults[target] = _Fault(mode, count)
+            return {"ok": True}
+        if path == "/_aiosync/reset" and method == "POST":
+            with state.lock:
+                state.faults.clear()
+                state.log.clear()
+                state.unhang.set()
+                state.unhang = threading.Event()
+            return {"ok": True}
+        raise _HTTPError(404, {"detail": "Not Found"})
+
+
+_FLUSH_TEXT = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
+
+
+def _object(data: Any) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise _error("the request body must be a JSON object")
+    return data
+
+
+def _count(entries: Any) -> str:
+    return str(len(entries)) if isinstance(entries, list) else repr(entries)
+
+
+def _tags(data: Any) -> list[str]:
+    tags = data.get("tags") if isinstance(data, dict) else None
+    if tags is None or tags == []:
+        return list(_ALL_TAGS)
+    if not isinstance(tags, list) or any(t not in _ALL_TAGS for t in tags):
+        raise _error(f"tags must be a subset of {list(_ALL_TAGS)}, got {tags!r}")
+    return list(tags)
+
+
+def _summary(data: Any) -> dict[str, Any]:
+    """What the request log keeps of a body (never the payloads)."""
+    if not isinstance(data, dict):
+        return {}
+    out: dict[str, Any] = {}
+    for key in ("tags", "weight_version", "load_format", "flush_cache", "abort_all_requests"):
+        if key in data:
+            out[key] = data[key]
+    if isinstance(data.get("serialized_named_tensors"), list):
+        out["entries"] = len(data["serialized_named_tensors"])
+    return out
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    state: ServerState
+
+
+def make_server(state: ServerState, port: int = 0) -> _Server:
+    """Bind a server for ``state`` on 127.0.0.1:``port`` (0: any free port)."""
+    server = _Server(("127.0.0.1", port), _Handler)
+    server.state = state
+    return server
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line: build the model, bind, write the port, serve until killed."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--port-file", type=Path, help="write the bound port here when ready")
+    parser.add_argument("--model-config", required=True, help="config.json (or a folder)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--enable-memory-saver", action="store_true")
+    parser.add_argument("--enable-weights-cpu-backup", action="store_true")
+    args = parser.parse_args(argv)
+    use_file_system_sharing()
+    torch.set_num_threads(1)
+    runner = HFModelRunner.from_config(args.model_config, seed=args.seed, dtype=args.dtype)
+    state = ServerState(
+        runner=runner,
+        tp_size=args.tp_size,
+        api_key=args.api_key,
+        enable_memory_saver=args.enable_memory_saver,
+        weights_cpu_backup=args.enable_weights_cpu_backup,
+        model_path=str(args.model_config),
+    )
+    server = make_server(state, args.port)
+    port = server.server_address[1]
+    if args.port_file is not None:
+        tmp = args.port_file.with_suffix(".tmp")
+        tmp.write_text(str(port))
+        tmp.replace(args.port_file)
+    print(f"aiosync SGLang test server on http://127.0.0.1:{port}", file=sys.stderr, flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+
+
+if __name__ == "__main__":
+    main()
