@@ -145,6 +145,7 @@ def test_config_json_dict_gives_the_same_map_as_the_config_object(models: Module
         "qwen3_next_config",
         "gemma4_text_config",
         "gemma4_e2b_config",
+        "gemma4_config",
     ):
         config = getattr(models, builder)()
         as_dict = config.to_dict()

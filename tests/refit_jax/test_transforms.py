@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import pytest
 import torch
 
@@ -85,3 +87,26 @@ def test_transform_definitions_that_cannot_be_inverted_are_rejected() -> None:
         Transpose((0, 0))
     with pytest.raises(ValueError, match="changes the size"):
         Reshape((4, 4), (4, 5))
+
+
+@pytest.mark.parametrize(
+    "builder",
+    [
+        "qwen3_config",
+        "qwen3_moe_config",
+        "qwen3_next_config",
+        "gemma4_text_config",
+        "gemma4_e2b_config",
+    ],
+)
+def test_every_rule_of_every_table_inverts_exactly(models: ModuleType, builder: str) -> None:
+    from refit.nnx import model_map_for
+
+    model_map = model_map_for(getattr(models, builder)(attention_bias=False).to_dict())
+    gen = torch.Generator().manual_seed(0)
+    for rule in model_map.rules:
+        xs = [torch.randn(s, generator=gen) for s in rule.hf_shapes]
+        ys = apply_forward(rule.chain, xs)
+        assert [tuple(y.shape) for y in ys] == list(rule.nnx_shapes), rule.hf[0]
+        back = apply_inverse(rule.chain, ys)
+        assert all(torch.equal(b, x) for b, x in zip(back, xs, strict=True)), rule.hf[0]
