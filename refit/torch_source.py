@@ -246,6 +246,12 @@ class DTensorRefitSource(RefitSource):
                     raise RefitMismatchError(f"{entry.module_key!r} vanished from the model")
                 full = tensor.detach()
                 if _is_dtensor(full):
+                    # Cast the local shard first when every output gets the same dtype:
+                    # the gather then moves and allocates engine-dtype bytes (an
+                    # elementwise cast commutes with the gather, bit for bit).
+                    dtypes = {dtype for _, _, dtype in entry.outputs}
+                    if len(dtypes) == 1 and full.dtype.is_floating_point:
+                        full = full.to(dtypes.pop())
                     full = full.full_tensor()  # type: ignore[attr-defined]
                 outputs = self._convert(entry, full)
                 del full  # the outputs hold what they need

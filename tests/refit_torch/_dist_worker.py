@@ -82,6 +82,9 @@ def main() -> None:
         "fsdp2_compiled_qwen3": lambda: DTensorRefitSource(
             torch.compile(_fsdp2(build_model("qwen3"), mesh))  # type: ignore[arg-type]
         ),
+        "fsdp2_qwen3_next_bf16": lambda: DTensorRefitSource(
+            _fsdp2(build_model("qwen3_next"), mesh), dtype=torch.bfloat16
+        ),
         "dtensor_qwen3_tied": lambda: DTensorRefitSource(_dtensor(build_model("qwen3_tied"), mesh)),
         "dtensor_qwen3_moe": lambda: DTensorRefitSource(_dtensor(build_model("qwen3_moe"), mesh)),
     }

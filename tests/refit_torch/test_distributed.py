@@ -30,6 +30,7 @@ CASES: dict[str, tuple[str, torch.dtype | None]] = {
     "fsdp2_qwen3_tied": ("qwen3_tied", None),
     "fsdp2_qwen3_moe_bf16": ("qwen3_moe", torch.bfloat16),
     "fsdp2_compiled_qwen3": ("qwen3", None),
+    "fsdp2_qwen3_next_bf16": ("qwen3_next", torch.bfloat16),
     "dtensor_qwen3_tied": ("qwen3_tied", None),
     "dtensor_qwen3_moe": ("qwen3_moe", None),
 }

@@ -43,7 +43,9 @@ def _through_buckets(
         yield from ((n, t.clone()) for n, t in unpack(buffer, bucket))
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_tied", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "kind", ["qwen3", "qwen3_tied", "qwen3_moe", "qwen3_next", "gemma4_moe", "gemma4_multimodal"]
+)
 def test_plain_model_streams_exactly_what_save_pretrained_writes(
     build_model: BuildModel, saved_checkpoint: Checkpoint, kind: str
 ) -> None:
@@ -61,6 +63,16 @@ def test_manifest_matches_embedded_engine_expected_manifest(build_model: BuildMo
         trainer = DTensorRefitSource(model).prepare_refit_info()
         compare_manifests(trainer, HFModelRunner(model).expected_manifest())
         assert list(trainer) == list(HFModelRunner(model).expected_manifest())
+
+
+def test_gemma4_experts_stay_fused_as_on_disk(build_model: BuildModel) -> None:
+    """Gemma 4 checkpoints store experts fused (no conversion): so does the stream."""
+    manifest = DTensorRefitSource(build_model("gemma4_multimodal")).prepare_refit_info()
+    layer = "model.language_model.layers.0"
+    assert manifest[f"{layer}.experts.gate_up_proj"] == ((4, 48, 64), torch.float32)
+    assert manifest[f"{layer}.experts.down_proj"] == ((4, 64, 24), torch.float32)
+    assert not any(".experts.0." in n for n in manifest)
+    assert "lm_head.weight" not in manifest
 
 
 def test_moe_manifest_has_per_expert_checkpoint_shapes(build_model: BuildModel) -> None:
