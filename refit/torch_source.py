@@ -56,14 +56,18 @@ class DTensorRefitSource(RefitSource):
     Names and shapes are those ``save_pretrained`` writes (the HF safetensors
     checkpoint), not the module's: wrapper prefixes are stripped, tied weights
     (``lm_head.weight`` when ``tie_word_embeddings``) appear once, and tensors
-    that transformers fuses in memory are split back with transformers' own
-    reversal (Qwen3-MoE / Qwen3-Next: ``mlp.experts.gate_up_proj [E, 2*Im, H]`` →
-    ``mlp.experts.{e}.gate_proj.weight [Im, H]`` and ``...up_proj.weight [Im, H]``;
-    ``mlp.experts.down_proj [E, H, Im]`` → ``mlp.experts.{e}.down_proj.weight [H, Im]``).
+    that transformers fuses in memory are split back as transformers' own
+    reversal (``revert_weight_conversion``) does (Qwen3-MoE / Qwen3-Next:
+    ``mlp.experts.gate_up_proj [E, 2*Im, H]`` → ``mlp.experts.{e}.gate_proj.weight
+    [Im, H]`` and ``...up_proj.weight [Im, H]``; ``mlp.experts.down_proj [E, H, Im]``
+    → ``mlp.experts.{e}.down_proj.weight [H, Im]``), as zero-copy views where a
+    rule in ``refit/_torch_rules.py`` matches it exactly. Gemma 4 keeps its
+    experts fused, as its checkpoints do.
 
-    Order: the model's ``state_dict`` order; a fused tensor expands in place, in
-    the order transformers' reversal yields (all experts' ``gate_proj``, then all
-    ``up_proj``). Identical on every rank.
+    Order: ``save_pretrained``'s (the ``state_dict`` order, naturally sorted by
+    transformers when a conversion applies; all experts' ``gate_proj``, then all
+    ``up_proj``), the order ``transports.embedded``'s ``expected_manifest`` uses.
+    Identical on every rank.
 
     On a sharded model every rank must call :meth:`iter_weights` (each DTensor
     gather is a collective); every rank receives the full tensors.
@@ -220,6 +224,10 @@ class DTensorRefitSource(RefitSource):
 
         Computed from shapes only (meta tensors): no gather, no collective.
         Cached: the model's structure must not change afterwards.
+
+        Raises:
+            RefitMismatchError: two tensors map to one checkpoint name, or the
+                model's conversion cannot be reversed one tensor at a time.
         """
         return {name: (shape, dtype) for e in self._entries() for name, shape, dtype in e.outputs}
 
