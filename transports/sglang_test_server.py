@@ -434,6 +434,12 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     state: ServerState
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that gave up (timeout, dropped fault) is not a server error.
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)
+
 
 def make_server(state: ServerState, port: int = 0) -> _Server:
     """Bind a server for ``state`` on 127.0.0.1:``port`` (0: any free port)."""

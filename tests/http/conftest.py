@@ -72,6 +72,7 @@ class TestServer:
             *extra,
         ]
         env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.api_key = extra[extra.index("--api-key") + 1] if "--api-key" in extra else None
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env)
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
         while not port_file.exists():

@@ -1,0 +1,163 @@
+"""Faults: a real test server told to fail; typed errors in time, versions kept, recovery.
+
+The server runs with ``--api-key``, so every test also proves the key is sent.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from aiosync import SyncTimeoutError, TransportError
+from transports.http import HTTPWeightSynchronizer, SGLangHTTPBackend
+
+pytestmark = pytest.mark.slow
+
+BUCKET_BYTES = 64 * 1024
+REQUEST_TIMEOUT_S = 3.0
+FLUSH_TIMEOUT_S = 2.0
+
+
+@pytest.fixture
+def server(auth_server: Any) -> Any:
+    auth_server.reset()
+    yield auth_server
+    auth_server.reset()  # release anything still hung
+
+
+async def _synced(server: Any, trainer: Any) -> tuple[HTTPWeightSynchronizer, SGLangHTTPBackend]:
+    backend = SGLangHTTPBackend(
+        server.url,
+        api_key=server.api_key,
+        request_timeout_s=REQUEST_TIMEOUT_S,
+        flush_timeout_s=FLUSH_TIMEOUT_S,
+    )
+    sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
+    await sync.init_communicator()
+    await sync.mark_stale()
+    await sync.sync_weights()
+    assert sync.weight_version == 1
+    return sync, backend
+
+
+async def _fails_then_recovers(
+    server: Any,
+    trainer: Any,
+    state_equal: Any,
+    path: str,
+    mode: str,
+    error: type[Exception],
+    match: str,
+) -> None:
+    sync, backend = await _synced(server, trainer)
+    trainer.step(seed=31)
+    await sync.mark_stale()
+    server.fault(path, mode, count=1)
+    start = time.monotonic()
+    with pytest.raises(error, match=match):
+        await sync.sync_weights()
+    elapsed = time.monotonic() - start
+    assert elapsed < REQUEST_TIMEOUT_S + FLUSH_TIMEOUT_S + 30  # bounded, not stuck
+    assert sync.weight_version == 1 and sync.is_stale
+    assert await backend.get_weight_version() == "1"
+    # The colocated hooks ran in the finally.
+    assert trainer.events[-1] == "offload_after"
+    server.reset()
+    await sync.sync_weights()
+    assert sync.weight_version == 2 and not sync.is_stale
+    assert await backend.get_weight_version() == "2"
+    state_equal(server.state_dict(), trainer.expected())
+    await backend.aclose()
+
+
+async def test_server_500_is_a_transport_error_with_the_servers_message(
+    server: Any, make_trainer: Any, state_equal: Any
+) -> None:
+    await _fails_then_recovers(
+        server,
+        make_trainer(seed=30),
+        state_equal,
+        "/update_weights_from_tensor",
+        "error",
+        TransportError,
+        "HTTP 500: injected fault on /update_weights_from_tensor",
+    )
+
+
+async def test_hung_server_times_out_within_the_request_timeout(
+    server: Any, make_trainer: Any, state_equal: Any
+) -> None:
+    await _fails_then_recovers(
+        server,
+        make_trainer(seed=32),
+        state_equal,
+        "/update_weights_from_tensor",
+        "hang",
+        SyncTimeoutError,
+        f"no answer within {REQUEST_TIMEOUT_S} s",
+    )
+
+
+async def test_dropped_connection_is_a_transport_error(
+    server: Any, make_trainer: Any, state_equal: Any
+) -> None:
+    await _fails_then_recovers(
+        server,
+        make_trainer(seed=33),
+        state_equal,
+        "/update_weights_from_tensor",
+        "drop",
+        TransportError,
+        "RemoteProtocolError",
+    )
+
+
+async def test_flush_that_never_succeeds_fails_the_sync_after_the_flush_budget(
+    server: Any, make_trainer: Any, state_equal: Any
+) -> None:
+    sync, backend = await _synced(server, make_trainer(seed=34))
+    server.reset()
+    await sync.mark_stale()
+    server.fault("/flush_cache", "busy", count=None)
+    with pytest.raises(TransportError, match=r"/flush_cache did not succeed within 2.0 s"):
+        await sync.sync_weights()
+    assert sync.weight_version == 1 and sync.is_stale
+    flushes = [e for e in server.log() if e["path"] == "/flush_cache"]
+    assert len(flushes) >= 2 and all(e["status"] == 400 for e in flushes)
+    server.reset()
+    await sync.sync_weights()
+    assert sync.weight_version == 2
+    await backend.aclose()
+
+
+async def test_flush_busy_while_requests_run_is_retried_until_it_succeeds(
+    server: Any, make_trainer: Any
+) -> None:
+    sync, backend = await _synced(server, make_trainer(seed=35))
+    server.reset()
+    await sync.mark_stale()
+    server.fault("/flush_cache", "busy", count=3)
+    await sync.sync_weights()
+    assert sync.weight_version == 2
+    flushes = [e["status"] for e in server.log() if e["path"] == "/flush_cache"]
+    assert flushes == [400, 400, 400, 200]
+    await backend.aclose()
+
+
+async def test_wrong_api_key_is_a_clear_error(server: Any, make_trainer: Any) -> None:
+    async with SGLangHTTPBackend(server.url, api_key="wrong") as backend:
+        sync = HTTPWeightSynchronizer(make_trainer(seed=36), backend)
+        with pytest.raises(TransportError, match=r"401 Unauthorized.*wrong key"):
+            await sync.init_communicator()
+    async with SGLangHTTPBackend(server.url) as backend:
+        with pytest.raises(TransportError, match=r"401 Unauthorized.*none sent"):
+            await backend.get_weight_version()
+
+
+async def test_unreachable_server_is_a_transport_error(make_trainer: Any) -> None:
+    async with SGLangHTTPBackend("http://127.0.0.1:9", request_timeout_s=2.0) as backend:
+        sync = HTTPWeightSynchronizer(make_trainer(seed=37), backend)
+        with pytest.raises(TransportError, match="ConnectError"):
+            await sync.init_communicator()

@@ -1,0 +1,124 @@
+"""The memory-saver lifecycle against a real ``--enable-memory-saver`` test server (C5, C6)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from aiosync import SyncError, refit_if_stale
+from transports.http import HTTPWeightSynchronizer, SGLangHTTPBackend
+
+pytestmark = pytest.mark.slow
+
+BUCKET_BYTES = 64 * 1024
+
+
+@pytest.fixture
+def server(saver_server: Any) -> Any:
+    saver_server.reset()
+    return saver_server
+
+
+def _memory_calls(log: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    keep = ("/release_memory_occupation", "/resume_memory_occupation", "/flush_cache")
+    calls = []
+    for entry in log:
+        if entry["path"] in keep:
+            calls.append((entry["path"], entry.get("tags")))
+        elif entry["path"] == "/update_weights_from_tensor" and (
+            not calls or calls[-1][0] != "update"
+        ):
+            calls.append(("update", None))
+    return calls
+
+
+async def test_release_after_generation_then_weights_refit_kv_cache_in_order(
+    server: Any, make_trainer: Any, state_equal: Any, prompts: list[list[int]]
+) -> None:
+    trainer = make_trainer(seed=21)
+    async with SGLangHTTPBackend(server.url, enable_memory_saver=True) as backend:
+        sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
+        await sync.init_communicator()
+        await sync.mark_stale()
+        assert await refit_if_stale(sync, backend)
+        out = await backend.generate(prompts, max_new_tokens=4)
+        assert out == trainer.reference_generate(prompts, 4)
+        server.reset()
+
+        await backend.finish_generation()  # the trainer's turn
+        assert backend.released_tags == {"weights", "kv_cache"}
+        trainer.step(seed=22)
+        await sync.mark_stale()
+        assert await refit_if_stale(sync, backend)
+        assert backend.released_tags == frozenset()
+        assert await backend.generate(prompts, max_new_tokens=4) == trainer.reference_generate(
+            prompts, 4
+        )
+    assert _memory_calls(server.log()) == [
+        ("/release_memory_occupation", ["weights", "kv_cache"]),
+        ("/resume_memory_occupation", ["weights"]),
+        ("update", None),
+        ("/flush_cache", None),
+        ("/resume_memory_occupation", ["kv_cache"]),
+    ]
+    assert trainer.events[-3:] == ["offload_before", "stream", "offload_after"]
+    state_equal(server.state_dict(), trainer.expected())
+
+
+async def test_discarded_weights_make_the_engine_stale_until_a_sync(
+    server: Any, make_trainer: Any, state_equal: Any, prompts: list[list[int]]
+) -> None:
+    trainer = make_trainer(seed=23)
+    async with SGLangHTTPBackend(server.url, enable_memory_saver=True) as backend:
+        sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
+        await sync.init_communicator()
+        await sync.mark_stale()
+        await sync.sync_weights()
+        assert not sync.is_stale
+
+        await backend.finish_generation()
+        # No optimizer step happened, yet the server discarded its weights (C6).
+        assert sync.policy_version == sync.weight_version == 1
+        assert sync.is_stale
+        # Woken without a sync: the server holds garbage, and we refuse to use it.
+        await backend.prepare_for_generation()
+        assert all(math.isnan(t.float().flatten()[0]) for t in server.state_dict().values())
+        with pytest.raises(SyncError, match="not re-synced"):
+            await backend.generate(prompts, max_new_tokens=2)
+        assert sync.is_stale
+
+        await refit_if_stale(sync, backend)
+        assert not sync.is_stale and sync.weight_version == 1
+        state_equal(server.state_dict(), trainer.expected())
+        assert await backend.generate(prompts, max_new_tokens=3) == trainer.reference_generate(
+            prompts, 3
+        )
+
+
+async def test_without_memory_saver_the_server_stays_resident(
+    tp2_server: Any, make_trainer: Any
+) -> None:
+    tp2_server.reset()
+    trainer = make_trainer(seed=24)
+    async with SGLangHTTPBackend(tp2_server.url) as backend:
+        sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
+        await sync.init_communicator()
+        await sync.mark_stale()
+        await sync.sync_weights()
+        await backend.finish_generation()
+        await backend.prepare_for_generation()
+        assert not sync.is_stale
+    paths = {e["path"] for e in tp2_server.log()}
+    assert "/release_memory_occupation" not in paths
+    assert "/resume_memory_occupation" not in paths
+
+
+async def test_memory_saver_mismatch_with_the_server_is_refused_at_init(
+    server: Any, make_trainer: Any
+) -> None:
+    async with SGLangHTTPBackend(server.url, enable_memory_saver=False) as backend:
+        sync = HTTPWeightSynchronizer(make_trainer(seed=25), backend)
+        with pytest.raises(SyncError, match="enable_memory_saver"):
+            await sync.init_communicator()
