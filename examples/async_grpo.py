@@ -30,13 +30,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import json
 import random
 import socket
 import sys
+import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -75,7 +78,8 @@ def policy_config(args: argparse.Namespace) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "max_position_embeddings": 64,
         "bos_token_id": BOS,
-        "eos_token_id": EOS,
+        # No end-of-sequence: every completion has exactly ``--digits`` tokens.
+        "eos_token_id": None,
         "pad_token_id": PAD,
     }
 
@@ -230,22 +234,48 @@ def _free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def open_engine(args: argparse.Namespace, config: dict[str, Any]) -> Any:
-    """The generation engine for ``--backend`` (construction only; the loop never branches)."""
+async def open_engine(
+    args: argparse.Namespace, config: dict[str, Any], model: Any
+) -> AsyncIterator[Any]:
+    """The generation engine for ``--backend``, holding the trainer's initial weights.
+
+    Construction only: whatever it is, the loop drives it the same way.
+    """
     if args.backend == "embedded":
         from transports.embedded.engine import EmbeddedEngine
 
         async with EmbeddedEngine(
             config, num_workers=args.engine_workers, seed=args.seed, threads_per_worker=1
-        ) as engine:
-            yield engine
+        ) as embedded:
+            yield embedded
     elif args.backend == "sglang":
-        from transports.sglang_test_server import serve_embedded
+        # aiosync's SGLang test server (the embedded engine behind SGLang's HTTP API).
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from sglang_http import launch_test_server
 
-        async with serve_embedded(config, seed=args.seed) as engine:
-            yield engine
+        async with launch_test_server(config, seed=args.seed) as server:
+            yield server
     else:
-        raise SystemExit(f"--backend {args.backend} needs a real {args.backend} install")
+        try:
+            from transports.vllm_backend import VLLMGenerationBackend
+        except ImportError as exc:
+            raise SystemExit(f"--backend vllm needs vLLM installed: {exc}") from exc
+        with tempfile.TemporaryDirectory(prefix="aiosync-grpo-") as folder:
+            model.save_pretrained(folder)
+            vllm_engine = await anyio.to_thread.run_sync(
+                functools.partial(
+                    VLLMGenerationBackend.from_model,
+                    folder,
+                    skip_tokenizer_init=True,
+                    dtype="float32",
+                    enforce_eager=True,
+                    tensor_parallel_size=args.engine_workers,
+                )
+            )
+            try:
+                yield vllm_engine
+            finally:
+                await vllm_engine.shutdown()
 
 
 def topology(args: argparse.Namespace) -> dict[str, Any]:
@@ -296,7 +326,7 @@ async def run(args: argparse.Namespace) -> RunReport:
     log_every = max(1, args.steps // 10)
     metrics = _Metrics(args.metrics_port)
 
-    async with open_engine(args, config) as engine:
+    async with open_engine(args, config, model) as engine:
         sync: WeightSynchronizer = create_weight_synchronizer(
             source, engine, colocated=args.colocated, backend=args.backend, **topology(args)
         )

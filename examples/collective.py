@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+from typing import Any
 
 import anyio
 import torch
@@ -39,7 +40,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+def greedy(model: Any, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         ids = torch.tensor([prompt])
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,

@@ -14,6 +14,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import anyio
 import torch
@@ -31,7 +32,7 @@ CONFIG = {
 PROMPT = [1, 2, 3, 4]
 
 
-def greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+def greedy(model: Any, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         ids = torch.tensor([prompt])
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,

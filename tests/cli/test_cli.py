@@ -70,6 +70,21 @@ def test_bench_ipc_writes_table_figures_and_a_valid_png(tmp_path: Path) -> None:
         assert image.format == "PNG" and image.size == (700, 450)
 
 
+@pytest.mark.slow
+def test_bench_collective_and_http_measure_the_same_manifest() -> None:
+    proc = aiosync(
+        "bench", "--transport", "collective", "http", "--model", "qwen3-tiny", "--layers", "1",
+        "--repeats", "1", "--json",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = last_json(proc.stdout)["rows"]
+    assert [(r["transport"], r["tensors"], r["nbytes"]) for r in rows] == [
+        ("collective", 14, 2 * (2 * 128 * 64 + 64 + 49_344)),
+        ("http", 14, 2 * (2 * 128 * 64 + 64 + 49_344)),
+    ]
+    assert all(r["gbps"] > 0 for r in rows)
+
+
 def test_bench_rejects_an_unknown_model() -> None:
     proc = aiosync("bench", "--transport", "ipc", "--model", "llama-7b")
     assert proc.returncode == 2

@@ -64,3 +64,9 @@ def test_async_grpo_not_colocated_collective_with_two_engine_workers(tmp_path: P
     assert report["synchronizer"] == "CollectiveWeightSynchronizer"
     assert report["max_staleness"] == 1
     assert_run_invariants(report)
+
+
+def test_async_grpo_sglang_http_test_server(tmp_path: Path) -> None:
+    report = run_example(tmp_path, "--backend", "sglang", "--steps", "2")
+    assert report["synchronizer"] == "HTTPWeightSynchronizer"
+    assert_run_invariants(report)

@@ -46,3 +46,11 @@ def test_replay_subscriber_drops_rollouts_beyond_max_staleness() -> None:
     assert trained == [("0", "0"), ("0", "1"), ("2", "0"), ("2", "1")]
     assert re.findall(r"event COMMITTED +version (\d+)", out) == ["2", "4"]
     assert "dropped as too stale: 4 {2: 4}" in out
+
+
+def test_sglang_http_server_generates_like_trainer_and_reports_our_version() -> None:
+    out = run_script("sglang_http.py", "--steps", "2")
+    lines = [line for line in out.splitlines() if line.startswith("HTTPWeightSynchronizer")]
+    versions = [re.search(r"weight_version (\d+) \(server reports '(\d+)'\)", x) for x in lines]
+    assert [(m[1], m[2]) for m in versions if m] == [("1", "1"), ("2", "2")]
+    assert all(line.endswith("equal") for line in lines)
