@@ -172,7 +172,7 @@ def stacked_experts(
     )
 
 
-# -- the NNX state as flat paths ---------------------------------------------
+# -- stream order ------------------------------------------------------------
 
 
 def checkpoint_sort_key(name: str) -> list[tuple[Any, ...]]:
@@ -191,6 +191,9 @@ def checkpoint_sort_key(name: str) -> list[tuple[Any, ...]]:
         digits = part[len(text) :]
         parts.append((1, text, int(digits)) if digits else (1, text))
     return parts
+
+
+# -- the NNX state as flat paths ---------------------------------------------
 
 
 def _key(k: Any) -> str | int:
