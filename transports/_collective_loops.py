@@ -35,20 +35,41 @@ class RotatingBuffers:
     """``count`` reusable ``uint8`` buffers of the plan's regular bucket size.
 
     A bucket larger than ``plan.bucket_bytes`` (one oversized tensor, case C1)
-    gets a buffer of its own for that sync instead of growing every buffer.
+    does not grow the regular buffers: it lands in an "oversized" buffer of
+    its own, allocated on first use and kept (one per rotation slot), so a
+    1.7 GB embedding costs its bytes once rather than page faults every sync.
     """
 
     def __init__(self, plan: BucketPlan, device: torch.device, count: int = 2) -> None:
         regular = [b.nbytes for b in plan.buckets if b.nbytes <= plan.bucket_bytes]
         size = max(regular, default=0)
         self._buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(count)]
+        self._oversized: dict[int, torch.Tensor] = {}
+        self._oversized_bytes = plan.max_bucket_nbytes
         self._device = device
 
     def __call__(self, bucket: Bucket) -> torch.Tensor:
-        buf = self._buffers[bucket.index % len(self._buffers)]
+        slot = bucket.index % len(self._buffers)
+        buf = self._buffers[slot]
         if bucket.nbytes > buf.numel():
-            return torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._device)
+            buf = self._oversized.get(slot, buf)
+            if bucket.nbytes > buf.numel():
+                buf = torch.empty(self._oversized_bytes, dtype=torch.uint8, device=self._device)
+                self._oversized[slot] = buf
         return buf[: bucket.nbytes]
+
+
+def _zero_copy(
+    bucket: Bucket, tensors: list[tuple[str, torch.Tensor]], device: torch.device
+) -> torch.Tensor | None:
+    """A one-tensor bucket whose tensor is contiguous on ``device`` is sent as is, unpacked."""
+    if len(tensors) != 1:
+        return None
+    tensor = tensors[0][1].detach()
+    if not tensor.is_contiguous() or tensor.device != device:
+        return None
+    raw = tensor.reshape(-1).view(torch.uint8)
+    return raw if raw.numel() == bucket.nbytes else None
 
 
 def _status_of(exc: BaseException) -> int:
@@ -95,7 +116,7 @@ def send_buckets(
     header = header_tensor(version, plan, len(kv), verify).to(group.device)
     group.wait(group.broadcast(header, what="broadcast of the sync header"), what="header")
     stream = _cuda_stream(group.device)
-    pending: dict[int, Any] = {}
+    pending: dict[int, tuple[Any, torch.Tensor]] = {}
     checksums: list[int] = []
     failure: BaseException | None = None
     groups: Iterator[tuple[Bucket, list[tuple[str, torch.Tensor]]]] = group_by_bucket(weights, plan)
@@ -103,29 +124,36 @@ def send_buckets(
         if cancelled():
             group.broken = True  # receivers wait for buckets that will not come
             raise TransportError("sync cancelled")
-        buf = buffers(bucket)
         slot = bucket.index % 2
         if slot in pending:
-            group.wait(pending.pop(slot), what=f"broadcast of bucket {bucket.index - 2}")
+            group.wait(pending.pop(slot)[0], what=f"broadcast of bucket {bucket.index - 2}")
+        buf: torch.Tensor | None = None
         if failure is None:
             try:
                 _, tensors = next(groups)
-                with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
-                    if stream is not None:
-                        stream.wait_stream(torch.cuda.current_stream(group.device))
-                        for _, t in tensors:
-                            t.record_stream(stream)
-                    pack(bucket, tensors, out=buf)
+                if stream is not None:
+                    # The tensors were produced (gathered) on the current stream.
+                    stream.wait_stream(torch.cuda.current_stream(group.device))
+                    for _, t in tensors:
+                        t.record_stream(stream)
+                buf = _zero_copy(bucket, tensors, group.device)
+                if buf is None:
+                    buf = buffers(bucket)
+                    with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+                        pack(bucket, tensors, out=buf)
             except SyncError as exc:
                 failure = exc
             except Exception as exc:
                 failure = TransportError(f"source failed at bucket {bucket.index}: {exc!r}")
+        if buf is None:
+            buf = buffers(bucket)  # after a failure: keep the receivers' loop going
         if verify:
             checksums.append(bucket_checksum(buf))
         with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
-            pending[slot] = group.broadcast(buf, what=f"broadcast of bucket {bucket.index}")
+            work = group.broadcast(buf, what=f"broadcast of bucket {bucket.index}")
+        pending[slot] = (work, buf)  # keeps a zero-copy source alive until sent
     for slot in sorted(pending):
-        group.wait(pending[slot], what="last bucket broadcasts")
+        group.wait(pending[slot][0], what="last bucket broadcasts")
     if failure is None and plan.buckets:
         # group_by_bucket raises on an extra tensor only when asked for more.
         try:

@@ -1,0 +1,337 @@
+"""Benchmark of the collective transport's data path: gloo on CPU, 2 processes.
+
+In one run, for each manifest, the same bytes go from rank 0 to rank 1 three ways:
+
+(a) aiosync   packed, pipelined buckets (``transports._collective_loops``: header,
+              buckets with two in flight, vote), the receiver copying every tensor
+              out of the bucket into its own storage (what ``load_weights`` does)
+(b) floor     raw broadcast of the same bytes, no packing and no copy: one flat
+              buffer when it fits ``--flat-limit-mb``, else chunks of the bucket
+              size from one preallocated buffer, two in flight
+(c) per-tensor one blocking broadcast per tensor, the pattern of common RLHF
+              examples (OpenRLHF's vLLM worker): the trainer sends each parameter as
+              is, the worker receives into a fresh tensor and loads (copies) it
+
+and, for the dense manifest, how long generation would pause: in-place (the whole
+receive) versus staged (receive into a staging copy, then only the final copy).
+
+Manifests use real dimensions (``aiosync._model_shapes``, the published
+config.json fields): Qwen3-0.6B, and a Qwen3-30B-A3B slice cut to the first
+layers that give >= 10,000 tensors (26 of 48 layers, 33.6 GB). Tensors of one
+shape share one random source tensor (and one target on the receiver) so memory
+stays at a few GB; the bytes on the wire are the full manifest's.
+
+Usage: ``python benchmarks/collective.py [--quick] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from aiosync._model_shapes import model_manifest
+from transports._collective_loops import RotatingBuffers, receive_buckets, send_buckets
+from transports._pg import STATUS_OK, SyncGroup, create_sync_group, open_store
+from transports.packing import Bucket, BucketPlan, dtype_from_name, plan_buckets, unpack
+
+_ShapeKey = tuple[tuple[int, ...], torch.dtype]
+
+
+def _manifests(quick: bool) -> list[tuple[str, dict[str, _ShapeKey]]]:
+    out = []
+    for label, name, layers in (
+        ("qwen3-0.6b" + (" (4 layers)" if quick else ""), "qwen3-0.6b", 4 if quick else None),
+        (
+            f"qwen3-30b-a3b ({1 if quick else 26}/48 layers)",
+            "qwen3-30b-a3b",
+            1 if quick else 26,
+        ),
+    ):
+        shapes = model_manifest(name, layers=layers)
+        out.append((label, {n: (s, dtype_from_name(d)) for n, (s, d) in shapes.items()}))
+    return out
+
+
+def _per_shape(manifest: dict[str, _ShapeKey], random: bool) -> dict[_ShapeKey, torch.Tensor]:
+    tensors: dict[_ShapeKey, torch.Tensor] = {}
+    for key in manifest.values():
+        if key not in tensors:
+            shape, dtype = key
+            numel = 1
+            for d in shape:
+                numel *= d
+            raw = torch.empty(numel * dtype.itemsize, dtype=torch.uint8)
+            if random:
+                raw.random_()
+            tensors[key] = raw.view(dtype).view(shape)
+    return tensors
+
+
+def _sync_point(group: SyncGroup) -> None:
+    group.exchange(STATUS_OK)
+
+
+def _timed(group: SyncGroup, fn: Callable[[], None]) -> float:
+    _sync_point(group)
+    start = time.perf_counter()
+    fn()
+    _sync_point(group)  # the receiver is done too
+    return time.perf_counter() - start
+
+
+class _Rank:
+    """One side of the benchmark for one manifest."""
+
+    def __init__(
+        self, group: SyncGroup, manifest: dict[str, _ShapeKey], bucket_bytes: int, flat_limit: int
+    ) -> None:
+        self.group = group
+        self.manifest = manifest
+        self.plan: BucketPlan = plan_buckets(manifest, bucket_bytes)
+        self.tensors = _per_shape(manifest, random=group.is_source)
+        self.buffers = RotatingBuffers(self.plan, torch.device("cpu"))
+        self.total = self.plan.total_bytes
+        self.flat = self.total <= flat_limit
+        chunk = self.total if self.flat else bucket_bytes
+        self.floor_buffers = [
+            torch.ones(chunk, dtype=torch.uint8) for _ in range(1 if self.flat else 2)
+        ]
+        self.version = 0
+
+    def _source(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, key in self.manifest.items():
+            yield name, self.tensors[key]
+
+    def _load(self, bucket: Bucket, buf: torch.Tensor) -> None:
+        for name, view in unpack(buf, bucket):
+            self.tensors[self.manifest[name]].copy_(view)
+
+    def aiosync(self) -> None:
+        self.version += 1
+        if self.group.is_source:
+            send_buckets(
+                self.group,
+                self.plan,
+                self.buffers,
+                self._source(),
+                version=self.version,
+                kv=[],
+                verify=False,
+            )
+        else:
+            receive_buckets(
+                self.group,
+                self.plan,
+                self.buffers,
+                version=self.version,
+                n_kv=0,
+                verify=False,
+                on_bucket=self._load,
+            )
+
+    def floor(self) -> None:
+        if self.flat:
+            self.group.wait(self.group.broadcast(self.floor_buffers[0], what="flat"), what="flat")
+            return
+        pending: list[Any] = []
+        sent = 0
+        i = 0
+        while sent < self.total:
+            n = min(self.floor_buffers[0].numel(), self.total - sent)
+            if len(pending) == 2:
+                self.group.wait(pending.pop(0), what="chunk")
+            pending.append(self.group.broadcast(self.floor_buffers[i % 2][:n], what="chunk"))
+            sent += n
+            i += 1
+        for work in pending:
+            self.group.wait(work, what="chunk")
+
+    def per_tensor(self) -> None:
+        # OpenRLHF-style: the trainer broadcasts each parameter as is; the worker
+        # receives into a fresh tensor and hands it to load_weights (one copy).
+        for key in self.manifest.values():
+            if self.group.is_source:
+                t = self.tensors[key]
+            else:
+                t = torch.empty(key[0], dtype=key[1])
+            raw = t.reshape(-1).view(torch.uint8)
+            self.group.wait(self.group.broadcast(raw, what="tensor"), what="tensor")
+            if not self.group.is_source:
+                self.tensors[key].copy_(t)
+
+    def pause(self, staged: bool) -> tuple[float, float]:
+        """Receiver: ``(seconds generation is paused, seconds of the whole receive)``."""
+        self.version += 1
+        if self.group.is_source:
+            send_buckets(
+                self.group,
+                self.plan,
+                self.buffers,
+                self._source(),
+                version=self.version,
+                kv=[],
+                verify=False,
+            )
+            return 0.0, 0.0
+        start = time.perf_counter()
+        if not staged:
+            receive_buckets(
+                self.group,
+                self.plan,
+                self.buffers,
+                version=self.version,
+                n_kv=0,
+                verify=False,
+                on_bucket=self._load,
+            )
+            total = time.perf_counter() - start
+            return total, total
+        staging = [torch.empty(b.nbytes, dtype=torch.uint8) for b in self.plan.buckets]
+        receive_buckets(
+            self.group,
+            self.plan,
+            lambda b: staging[b.index],
+            version=self.version,
+            n_kv=0,
+            verify=False,
+            on_bucket=None,
+        )
+        copy_start = time.perf_counter()
+        for bucket, buf in zip(self.plan.buckets, staging, strict=True):
+            self._load(bucket, buf)
+        end = time.perf_counter()
+        return end - copy_start, end - start
+
+
+def _run(rank: int, args: argparse.Namespace, conn: Any) -> dict[str, Any]:
+    store = open_store("127.0.0.1", args.port, is_master=rank == 0, timeout_s=600)
+    group = create_sync_group(
+        store=store,
+        rank=rank,
+        world_size=2,
+        train_world_size=1,
+        backend="gloo",
+        device=torch.device("cpu"),
+        timeout_s=600,
+        session="bench",
+    )
+    results: dict[str, Any] = {"manifests": []}
+    bucket_bytes = args.bucket_mb << 20
+    for label, manifest in _manifests(args.quick):
+        side = _Rank(group, manifest, bucket_bytes, args.flat_limit_mb << 20)
+        times: dict[str, list[float]] = {"aiosync": [], "floor": [], "per_tensor": []}
+        side.aiosync()  # warm-up: first-touch of buffers and targets
+        for _ in range(args.repeat):
+            times["aiosync"].append(_timed(group, side.aiosync))
+            times["floor"].append(_timed(group, side.floor))
+            times["per_tensor"].append(_timed(group, side.per_tensor))
+        row: dict[str, Any] = {
+            "manifest": label,
+            "tensors": len(manifest),
+            "bytes": side.total,
+            "buckets": len(side.plan.buckets),
+            "floor_kind": "flat" if side.flat else f"chunks of {args.bucket_mb} MiB",
+        }
+        for key, values in times.items():
+            row[f"{key}_s"] = statistics.median(values)
+        row["aiosync_over_floor"] = row["aiosync_s"] / row["floor_s"]
+        row["per_tensor_over_aiosync"] = row["per_tensor_s"] / row["aiosync_s"]
+        row["aiosync_GBps"] = side.total / row["aiosync_s"] / 1e9
+        if label.startswith("qwen3-0.6b"):
+            inplace = side.pause(staged=False)
+            staged = side.pause(staged=True)
+            if rank == 1:
+                conn.send((inplace, staged))
+            else:
+                (inplace, staged) = conn.recv()
+                row["inplace_pause_s"] = inplace[0]
+                row["staged_pause_s"] = staged[0]
+                row["staged_receive_s"] = staged[1]
+        results["manifests"].append(row)
+        del side
+    group.destroy()
+    return results
+
+
+def _receiver(args: argparse.Namespace, conn: Any) -> None:
+    _run(1, args, conn)
+
+
+def _fmt(row: dict[str, Any]) -> str:
+    return (
+        f"{row['manifest']:<34} {row['tensors']:>7} {row['bytes'] / 1e9:>7.2f} "
+        f"{row['aiosync_s']:>9.3f} {row['floor_s']:>9.3f} {row['per_tensor_s']:>10.3f} "
+        f"{row['aiosync_over_floor']:>8.2f}x {row['per_tensor_over_aiosync']:>8.2f}x"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small manifests, one repeat (<1 min)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object last")
+    parser.add_argument(
+        "--bucket-mb", type=int, default=512, help="bucket size, MiB (512: the CPU default)"
+    )
+    parser.add_argument(
+        "--flat-limit-mb", type=int, default=2048, help="largest flat floor buffer, MiB"
+    )
+    parser.add_argument("--repeat", type=int, default=None, help="timed repeats (median reported)")
+    parser.add_argument("--port", type=int, default=0, help="TCPStore port (0: a free one)")
+    args = parser.parse_args(argv)
+    if args.repeat is None:
+        args.repeat = 1 if args.quick else 2
+    if args.port == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            args.port = int(s.getsockname()[1])
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver, args=(args, child), daemon=True)
+    proc.start()
+    try:
+        results = _run(0, args, parent)
+    finally:
+        proc.join(60)
+    results["config"] = {
+        "backend": "gloo",
+        "processes": 2,
+        "bucket_bytes": args.bucket_mb << 20,
+        "repeat": args.repeat,
+        "quick": args.quick,
+    }
+    print(
+        "collective transport, gloo on CPU, 2 processes (rank 0 -> rank 1); median of "
+        f"{args.repeat}; bucket {args.bucket_mb} MiB"
+    )
+    print(
+        "tensors of one shape share one source/target tensor; bytes on the wire are the full manifest's"
+    )
+    print(
+        f"{'manifest':<34} {'tensors':>7} {'GB':>7} {'(a) s':>9} {'(b) s':>9} {'(c) s':>10} "
+        f"{'(a)/(b)':>9} {'(c)/(a)':>9}"
+    )
+    for row in results["manifests"]:
+        print(_fmt(row))
+    for row in results["manifests"]:
+        if "inplace_pause_s" in row:
+            print(
+                f"{row['manifest']}: generation paused {row['inplace_pause_s']:.3f} s in place vs "
+                f"{row['staged_pause_s']:.3f} s staged (staged receive {row['staged_receive_s']:.3f} s, "
+                "during which the engine keeps generating)"
+            )
+    if args.json:
+        print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
