@@ -215,9 +215,11 @@ def allocate_flat(bucket: FlatBucket, device: torch.device) -> torch.Tensor:
 
     On CPU it is allocated directly in named shared memory (nothing is copied
     when it is pickled); the segment is unlinked once every process that
-    mapped it dropped its tensor.
+    mapped it dropped its tensor (this switches the process to the
+    ``file_system`` sharing strategy, see :func:`use_file_system_sharing`).
     """
     if device.type == "cpu":
+        use_file_system_sharing()
         storage = torch.UntypedStorage._new_shared(bucket.nbytes)
         return torch.empty(0, dtype=bucket.dtype).set_(storage, 0, (bucket.numel,), (1,))
     return torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
@@ -264,6 +266,8 @@ def serialize_flat(bucket: FlatBucket, flat: torch.Tensor) -> str:
         bucket: the layout of ``flat``.
         flat: the packed tensor; keep it alive until the server acknowledged.
     """
+    if not flat.is_cuda:
+        use_file_system_sharing()
     metadata = [
         types.SimpleNamespace(
             name=slot.name,
