@@ -81,9 +81,7 @@ def create_weight_synchronizer(
             if value is None
         ]
         if missing:
-            raise ValueError(
-                f"non-colocated synchronization needs {' and '.join(missing)}"
-            )
+            raise ValueError(f"non-colocated synchronization needs {' and '.join(missing)}")
         options = {
             **options,
             "train_cluster": train_cluster,

@@ -220,8 +220,7 @@ class WeightSynchronizer(ABC):
             raise TypeError(f"version must be an int, got {type(version).__name__}")
         elif version <= self._policy_version:
             raise ValueError(
-                f"version must be greater than policy_version={self._policy_version}, "
-                f"got {version}"
+                f"version must be greater than policy_version={self._policy_version}, got {version}"
             )
         self._policy_version = version
         self._events.publish(VersionEventKind.STALE, version)
@@ -317,9 +316,7 @@ class WeightSynchronizer(ABC):
             max_backlog: unread events kept before an ``OVERFLOW`` event
                 replaces the rest; default ``event_backlog``.
         """
-        return self._events.subscribe(
-            self._event_backlog if max_backlog is None else max_backlog
-        )
+        return self._events.subscribe(self._event_backlog if max_backlog is None else max_backlog)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,0 +1,82 @@
+"""create_weight_synchronizer: every cell of the topology x backend matrix, and its errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import aiosync
+from aiosync import TrainCluster, create_weight_synchronizer
+
+
+@pytest.mark.parametrize(
+    ("backend", "colocated", "class_name"),
+    [
+        ("vllm", False, "CollectiveWeightSynchronizer"),
+        ("vllm", True, "IPCWeightSynchronizer"),
+        ("embedded", False, "CollectiveWeightSynchronizer"),
+        ("embedded", True, "IPCWeightSynchronizer"),
+        ("sglang", True, "HTTPWeightSynchronizer"),
+    ],
+)
+def test_factory_picks_transport(source, engine, backend, colocated, class_name):
+    extra = {} if colocated else {"train_cluster": TrainCluster(), "inference_world_size": 2}
+    if backend == "sglang":
+        from transports.sglang_backend import SGLangHTTPBackend
+
+        engine = SGLangHTTPBackend("http://127.0.0.1:9")  # constructing connects to nothing
+    sync = create_weight_synchronizer(source, engine, colocated=colocated, backend=backend, **extra)
+    assert type(sync) is getattr(aiosync, class_name)
+    assert isinstance(sync, aiosync.WeightSynchronizer)
+    assert (sync.policy_version, sync.weight_version) == (0, 0)
+
+
+def test_non_colocated_sglang_is_not_implemented(source, engine):
+    with pytest.raises(NotImplementedError, match="non-colocated SGLang"):
+        create_weight_synchronizer(
+            source,
+            engine,
+            colocated=False,
+            backend="sglang",
+            train_cluster=TrainCluster(),
+            inference_world_size=1,
+        )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "missing"),
+    [
+        ({}, "train_cluster and inference_world_size"),
+        ({"train_cluster": TrainCluster()}, "needs inference_world_size"),
+        ({"inference_world_size": 2}, "needs train_cluster"),
+    ],
+)
+def test_non_colocated_requires_cluster_and_world_size(source, engine, kwargs, missing):
+    with pytest.raises(ValueError, match=missing):
+        create_weight_synchronizer(source, engine, colocated=False, backend="vllm", **kwargs)
+
+
+def test_unknown_backend_lists_known_ones(source, engine):
+    with pytest.raises(ValueError, match="known backends: vllm, sglang, embedded"):
+        create_weight_synchronizer(source, engine, colocated=True, backend="trtllm")
+
+
+def test_import_aiosync_stays_free_of_heavy_modules():
+    code = (
+        "import sys, aiosync\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'torch', 'zmq', 'httpx', 'jax', 'transformers', 'numpy', 'transports', 'refit'})\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == ""
+
+
+def test_public_api_is_exported():
+    for name in aiosync.__all__:
+        if name not in aiosync._LAZY:
+            assert hasattr(aiosync, name), name
