@@ -245,3 +245,58 @@ async def test_receiver_killed_mid_broadcast_keeps_version_then_reformed_group_s
         await _assert_bit_exact(pool, [0, 1, 2], _checkpoint(trainer))
     finally:
         await sync.shutdown()
+
+
+async def test_verify_catches_a_communicator_that_silently_moves_nothing(
+    pool: WorkerPool, free_port: int
+) -> None:
+    trainer = _trainer(QWEN3, seed=107)
+    workers = await pool.view([0])
+    async with _sync(trainer, workers, free_port, bucket_bytes=64 * 1024) as sync:
+        await sync.init_communicator()
+        await pool.call(0, "test_drop_bucket_data")
+        # Without verification the broken communicator goes unnoticed...
+        await sync.mark_stale()
+        await sync.sync_weights()
+        assert sync.weight_version == 1
+        got = await pool.call(0, "test_state_dict")
+        expected = _checkpoint(trainer)
+        assert not all(torch.equal(got[n], t) for n, t in expected.items())
+        # ...with it, the refit fails loudly and the version does not advance.
+        sync.verify = True
+        await sync.mark_stale()
+        with pytest.raises(TransportError, match="checksum mismatch in bucket"):
+            await sync.sync_weights()
+        assert (sync.weight_version, sync.is_stale) == (1, True)
+
+
+async def test_two_trainer_ranks_only_rank_zero_sends(pool: WorkerPool, free_port: int) -> None:
+    trainer = _trainer(QWEN3, seed=108)
+    workers = await pool.view([0, 1])
+    syncs = [
+        CollectiveWeightSynchronizer(
+            DTensorRefitSource(trainer.model),
+            workers,
+            train_cluster=TrainCluster(world_size=2, rank=rank, master_port=free_port),
+            inference_world_size=2,
+            collective_timeout_s=60.0,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        for step in (1, 2):
+            async with anyio_task_group() as tg:
+                for sync in syncs:
+                    if step == 1:
+                        tg.start_soon(sync.init_communicator)
+                    else:
+                        tg.start_soon(sync.sync_weights)
+            if step == 1:
+                for sync in syncs:
+                    await sync.mark_stale()
+        assert [s.weight_version for s in syncs] == [1, 1]
+        assert syncs[0].plan.digest == syncs[1].plan.digest
+        await _assert_bit_exact(pool, [0, 1], _checkpoint(trainer))
+    finally:
+        for sync in syncs:
+            await sync.shutdown()
