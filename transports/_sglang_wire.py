@@ -287,8 +287,8 @@ def serialize_flat(bucket: FlatBucket, flat: torch.Tensor) -> str:
 # -- the receiving end (test server) -------------------------------------------
 
 
-@dataclass(slots=True)
-class _Metadata:
+@dataclass
+class _Metadata:  # no slots: unpickling a dataclass sets its __dict__
     """Stands in for SGLang's ``FlattenedTensorMetadata`` when a payload names it."""
 
     name: str = ""
