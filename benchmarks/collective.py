@@ -159,10 +159,8 @@ class _Rank:
         # OpenRLHF-style: the trainer broadcasts each parameter as is; the worker
         # receives into a fresh tensor and hands it to load_weights (one copy).
         for key in self.manifest.values():
-            if self.group.is_source:
-                t = self.tensors[key]
-            else:
-                t = torch.empty(key[0], dtype=key[1])
+            source = self.group.is_source
+            t = self.tensors[key] if source else torch.empty(key[0], dtype=key[1])
             raw = t.reshape(-1).view(torch.uint8)
             self.group.wait(self.group.broadcast(raw, what="tensor"), what="tensor")
             if not self.group.is_source:
@@ -313,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.repeat}; bucket {args.bucket_mb} MiB"
     )
     print(
-        "tensors of one shape share one source/target tensor; bytes on the wire are the full manifest's"
+        "tensors of one shape share one source/target tensor; "
+        "bytes on the wire are the full manifest's"
     )
     print(
         f"{'manifest':<34} {'tensors':>7} {'GB':>7} {'(a) s':>9} {'(b) s':>9} {'(c) s':>10} "
@@ -325,8 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         if "inplace_pause_s" in row:
             print(
                 f"{row['manifest']}: generation paused {row['inplace_pause_s']:.3f} s in place vs "
-                f"{row['staged_pause_s']:.3f} s staged (staged receive {row['staged_receive_s']:.3f} s, "
-                "during which the engine keeps generating)"
+                f"{row['staged_pause_s']:.3f} s staged (staged receive "
+                f"{row['staged_receive_s']:.3f} s, during which the engine keeps generating)"
             )
     if args.json:
         print(json.dumps(results))

@@ -15,6 +15,7 @@ zeroed: the magic check catches it even without verify.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 import torch
@@ -33,6 +34,7 @@ __all__ = [
 ]
 
 _MAGIC = 0x6169_6F73_796E_6301  # "aiosync" + wire format 1
+_KV_NAME = re.compile(r"model\.layers\.\d+\.self_attn\.[kv]_scale")
 
 
 def kv_scale_entries(kv_scales: Mapping[str | int, float] | None) -> list[tuple[str, float]]:
@@ -40,8 +42,11 @@ def kv_scale_entries(kv_scales: Mapping[str | int, float] | None) -> list[tuple[
 
     A layer index ``i`` gives both ``model.layers.{i}.self_attn.k_scale`` and
     ``...v_scale`` (one scale per layer, vLLM's per-tensor FP8 KV cache); a
-    string key is taken as a full parameter name. The values travel as
-    float32 scalars and are loaded as 0-d float32 tensors.
+    string key must be such a full name. The values travel as float32
+    scalars and are loaded as 0-d float32 tensors.
+
+    Raises:
+        ValueError: a string key that is not a KV-scale name, or a scale set twice.
     """
     if not kv_scales:
         return []
@@ -50,8 +55,16 @@ def kv_scale_entries(kv_scales: Mapping[str | int, float] | None) -> list[tuple[
         if isinstance(key, int):
             prefix = f"model.layers.{key}.self_attn."
             out += [(prefix + "k_scale", float(value)), (prefix + "v_scale", float(value))]
-        else:
+        elif _KV_NAME.fullmatch(key):
             out.append((key, float(value)))
+        else:
+            raise ValueError(
+                f"kv_scales key {key!r} is neither a layer index nor "
+                "'model.layers.{i}.self_attn.{k|v}_scale'"
+            )
+    names = [name for name, _ in out]
+    if len(set(names)) != len(names):
+        raise ValueError("kv_scales sets a scale twice (a layer index and its name)")
     return out
 
 

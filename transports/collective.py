@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal, TypeVar
 
 import anyio
@@ -289,12 +289,33 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
 
     # -- one sync --------------------------------------------------------------
 
+    async def sync_weights(self, kv_scales: KVScales | None = None) -> None:
+        """Broadcast the current ``policy_version`` to every worker (see the base class).
+
+        Args:
+            kv_scales: FP8 KV-cache scales, ``{layer_index: scale}`` (both
+                ``k_scale`` and ``v_scale`` of that layer) or
+                ``{"model.layers.{i}.self_attn.{k|v}_scale": scale}``; they are
+                loaded after the weights as 0-d float32 tensors.
+
+        Raises:
+            TypeError, ValueError: malformed ``kv_scales`` (before anything moves).
+            RefitMismatchError: the source's tensors differ from the manifest, or
+                a worker rejected one (every rank raises).
+            TransportError: a rank died or failed; the group is re-formed by the
+                next sync.
+            SyncTimeoutError: a collective or the whole sync ran past its timeout.
+        """
+        if isinstance(kv_scales, Mapping):
+            kv_scale_entries(kv_scales)
+        await super().sync_weights(kv_scales)
+
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
+        kv = kv_scale_entries(kv_scales)
         if self._group is None or self._group.broken:
             await self._form_group()
         group, plan = self._group, self._plan
         assert group is not None and plan is not None
-        kv = kv_scale_entries(kv_scales)
         try:
             if not self.is_source:
                 await self._in_thread(lambda: self._follow(group, plan), self.sync_timeout_s)
@@ -330,11 +351,15 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             self.last_worker_results = results
             return sent.nbytes
         except BaseException:
-            if group.broken:
-                self._group = None
-                if self._idle.is_set():
-                    # Abort now so that every peer's pending collective fails at once.
+            # Whatever failed, the next sync re-forms the group: a worker may still
+            # sit in a receive, or hold a half-staged copy. Aborting now also makes
+            # every peer's pending collective fail at once instead of timing out.
+            self._group = None
+            group.broken = True
+            if self._idle.is_set():
+                with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(group.destroy)
+            # else: the abandoned thread destroys it when it returns.
             raise
 
     def _follow(self, group: SyncGroup, plan: BucketPlan) -> None:
@@ -387,6 +412,12 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         that ignores it. A thread abandoned that way (or by cancellation) tears
         down the group it used or formed when it finally returns.
         """
+        # A thread abandoned by an earlier timeout must finish (its collectives
+        # time out) before another one drives a group.
+        if not self._idle.is_set():
+            await anyio.to_thread.run_sync(self._idle.wait, self.collective_timeout_s)
+            if not self._idle.is_set():
+                raise TransportError("a previous, timed-out sync is still unwinding")
         self._idle.clear()
         self._abandoned.clear()
         group = self._group

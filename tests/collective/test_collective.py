@@ -81,6 +81,10 @@ async def test_sync_one_worker_bit_exact_with_kv_scales_and_same_greedy_output(
         await sync.mark_stale()
         await sync.sync_weights(kv_scales={0: 0.5, 1: 0.25})
         assert (sync.policy_version, sync.weight_version, sync.is_stale) == (1, 1, False)
+        await sync.mark_stale()
+        with pytest.raises(ValueError, match="neither a layer index"):
+            await sync.sync_weights(kv_scales={"layers.0.k_scale": 0.5})
+        assert (sync.weight_version, sync.is_stale) == (1, True)
     await _assert_bit_exact(pool, [0], _checkpoint(trainer))
     assert await pool.call(0, "test_kv_scales") == {
         "model.layers.0.self_attn.k_scale": 0.5,

@@ -24,9 +24,7 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-async def test_embedded_engine_refit_in_place_and_staged_bit_exact_and_generates_like_trainer() -> (
-    None
-):
+async def test_embedded_engine_refits_bit_exact_and_generates_like_the_trainer() -> None:
     trainer = HFModelRunner.from_config(dict(QWEN3), seed=200)
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
     async with EmbeddedEngine(dict(QWEN3), num_workers=2, seed=7) as engine:

@@ -1,0 +1,96 @@
+"""The collective transport's small pieces, without processes: KV-scale names,
+the sync header and trailer, option checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aiosync import TrainCluster, TransportError
+from transports._collective_wire import (
+    decode_trailer,
+    encode_trailer,
+    header_tensor,
+    trailer_nbytes,
+    validate_header,
+)
+from transports.collective import CollectiveWeightSynchronizer, kv_scale_entries
+from transports.packing import plan_buckets
+
+MANIFEST = {
+    "model.embed_tokens.weight": ((8, 4), torch.bfloat16),
+    "model.norm.weight": ((4,), torch.float32),
+}
+
+
+def test_kv_scale_entries_name_both_scales_of_a_layer_index() -> None:
+    assert kv_scale_entries({2: 0.5, "model.layers.0.self_attn.v_scale": 2.0}) == [
+        ("model.layers.2.self_attn.k_scale", 0.5),
+        ("model.layers.2.self_attn.v_scale", 0.5),
+        ("model.layers.0.self_attn.v_scale", 2.0),
+    ]
+    assert kv_scale_entries(None) == []
+
+
+@pytest.mark.parametrize(
+    ("scales", "match"),
+    [
+        ({"model.layers.0.k_scale": 1.0}, "neither a layer index"),
+        ({0: 1.0, "model.layers.0.self_attn.k_scale": 2.0}, "twice"),
+    ],
+)
+def test_kv_scale_entries_reject_bad_keys(scales: dict[str | int, float], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        kv_scale_entries(scales)
+
+
+def test_header_names_the_first_differing_field() -> None:
+    plan = plan_buckets(MANIFEST, 64)
+    header = header_tensor(3, plan, 2, True)
+    validate_header(header.clone(), 3, plan, 2, True)
+    with pytest.raises(TransportError, match="version: source sent 3, expected 4"):
+        validate_header(header, 4, plan, 2, True)
+    other = plan_buckets(MANIFEST, 1024)
+    with pytest.raises(TransportError, match="num_buckets"):
+        validate_header(header, 3, other, 2, True)
+    with pytest.raises(TransportError, match="delivered no data"):
+        validate_header(torch.zeros_like(header), 3, plan, 2, True)
+
+
+def test_trailer_round_trips_scales_and_checksums() -> None:
+    raw = encode_trailer([0.5, 0.25], [2**61 - 2, 7])
+    assert raw.numel() == trailer_nbytes(2, 2, verify=True) == 24
+    kv, checksums = decode_trailer(raw, 2, 2)
+    assert torch.equal(kv, torch.tensor([0.5, 0.25]))
+    assert checksums == [2**61 - 2, 7]
+    assert trailer_nbytes(0, 5, verify=False) == 0
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"inference_world_size": 0}, ValueError),
+        ({"backend": "mpi"}, ValueError),
+        ({"overlap": "eventually"}, ValueError),
+        ({"bucket_bytes": 0}, ValueError),
+        ({"collective_timeout_s": 0}, ValueError),
+        ({"train_cluster": ("127.0.0.1", 1)}, TypeError),
+    ],
+)
+def test_bad_options_are_rejected_at_construction(
+    options: dict[str, object], error: type[Exception]
+) -> None:
+    kwargs: dict[str, object] = {"train_cluster": TrainCluster(), "inference_world_size": 1}
+    kwargs.update(options)
+    with pytest.raises(error):
+        CollectiveWeightSynchronizer(None, None, **kwargs)  # type: ignore[arg-type]
+
+
+def test_default_backend_and_bucket_size_on_cpu() -> None:
+    sync = CollectiveWeightSynchronizer(
+        None,  # type: ignore[arg-type]
+        None,
+        train_cluster=TrainCluster(),
+        inference_world_size=1,
+    )
+    assert (sync.backend, sync.bucket_bytes, sync.world_size) == ("gloo", 512 * 1024**2, 2)
