@@ -42,7 +42,7 @@ tail -n 1 "$OUT_DIR/gpu-checks.log" > "$OUT_DIR/gpu-checks.json"
 echo "== pytest -m gpu tests/gpu"
 if "$PY" -c "import pytest" 2>/dev/null; then
   timeout 200 "$PY" -m pytest -m gpu tests/gpu -q -p no:cacheprovider \
-    -o addopts="" --junitxml="$OUT_DIR/gpu-pytest.xml" 2>&1 | tee "$OUT_DIR/gpu-pytest.log"
+    -o addopts="" --import-mode=importlib --junitxml="$OUT_DIR/gpu-pytest.xml" 2>&1 | tee "$OUT_DIR/gpu-pytest.log"
   pytest_rc=${PIPESTATUS[0]}
 else
   echo "pytest is not installed: skipped" | tee "$OUT_DIR/gpu-pytest.log"
@@ -81,6 +81,7 @@ lines = [f"GPU validation {summary['date_utc']} UTC on {summary['nvidia_smi'] or
 if checks:
     base = checks["d2d_copy_gbps"]
     ipc, pk, dl = checks["ipc_refit"], checks["pack"], checks["dlpack"]
+    nccl = checks.get("nccl_two_ranks", {})
     lines += [
         f"Model manifest: {checks['model']} ({ipc['bytes'] / 1e9:.2f} GB), buckets of "
         f"{checks['bucket_bytes'] >> 20} MiB; torch {checks['torch']}, CUDA {checks['cuda']}",
@@ -94,6 +95,9 @@ if checks:
         f"| JAX->torch dlpack | | | {dl['status']}"
         + (f": zero-copy={dl['zero_copy']}, values equal={dl['values_equal']}" if dl['status'] == 'ok'
            else f": {dl.get('reason', '')}") + " |",
+        (f"| NCCL collective refit, cuda:0 -> cuda:1 | {nccl['gbps_warm']:.1f} | "
+         f"{nccl['gbps_warm'] / base:.2f} | {'bit-exact' if nccl['bit_exact'] else 'MISMATCH'} |")
+        if "gbps_warm" in nccl else "| NCCL collective refit, two ranks | | | deferred: needs two GPUs |",
     ]
 else:
     lines.append(f"gpu_checks.py failed (rc {checks_rc}); see gpu-checks.stderr")
