@@ -52,6 +52,8 @@ _log = logging.getLogger(__name__)
 
 #: Plans a worker remembers (one per trainer configuration it was initialised with).
 _MAX_PLANS = 4
+#: How long a closed receiver socket keeps trying to deliver its last message, ms.
+_LINGER_MS = 2000
 #: Slice of a receive wait after which the worker checks whether it was superseded, ms.
 _POLL_SLICE_MS = 100
 
@@ -145,7 +147,8 @@ class IPCWorkerMixin:
         rank = self._aiosync_rank()
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"{sync_id}/{rank}".encode())
-        sock.setsockopt(zmq.LINGER, 0)
+        # Linger so a final error or done message still reaches the trainer after close.
+        sock.setsockopt(zmq.LINGER, _LINGER_MS)
         mapped: dict[str, MappedBuffer] = {}
         try:
             sock.connect(endpoint)
@@ -174,7 +177,7 @@ class IPCWorkerMixin:
         finally:
             for buffer in mapped.values():
                 buffer.close()
-            sock.close(linger=0)
+            sock.close()
 
     def _aiosync_load_buckets(
         self,

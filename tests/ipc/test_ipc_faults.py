@@ -1,0 +1,386 @@
+"""Faults during an IPC refit: each gives a typed error in time, keeps the version, and heals.
+
+Rogue peers speak the wire protocol from this process with raw ZMQ sockets, so
+the side under test (a real engine worker, or the real trainer) meets exactly
+the bad input the case describes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Mapping, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from aiosync.errors import RefitMismatchError, SyncTimeoutError, TransportError
+from transports._shm import SharedBuffer
+from transports.embedded.engine import EmbeddedEngine
+from transports.ipc import IPCWeightSynchronizer
+from transports.packing import BucketPlan, group_by_bucket, pack
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+BUCKET_BYTES = 16384
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+async def _synced(engine: EmbeddedEngine, h: SimpleNamespace, seed: int) -> IPCWeightSynchronizer:
+    """A synchronizer with one successful sync behind it (version 1)."""
+    trainer = h.trainer_model(h.DENSE_TIED, seed=seed)
+    sync = IPCWeightSynchronizer(
+        h.TrainerSource(trainer.model, []), engine, bucket_bytes=BUCKET_BYTES, rpc_timeout_s=30
+    )
+    sync.trainer = trainer  # type: ignore[attr-defined]
+    await sync.init_communicator()
+    await sync.mark_stale()
+    await sync.sync_weights()
+    return sync
+
+
+async def _heals(sync: IPCWeightSynchronizer, engine: EmbeddedEngine, h: SimpleNamespace) -> None:
+    """The next sync after a fault succeeds and lands every tensor."""
+    assert sync.is_stale
+    await sync.sync_weights()
+    assert not sync.is_stale
+    await h.assert_engine_equals(engine, sync.trainer)  # type: ignore[attr-defined]
+    assert all(s["weights_valid"] for s in await engine.status())
+
+
+class RogueTrainer:
+    """A trainer-side ROUTER in this process that drives a real worker's receive loop."""
+
+    def __init__(self, engine: EmbeddedEngine, plan: BucketPlan, timeout_s: float = 5.0) -> None:
+        self.engine = engine
+        self.plan = plan
+        self.timeout_s = timeout_s
+        self.dir = tempfile.mkdtemp(prefix="aiosync-rogue-")
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.bind(f"ipc://{self.dir}/s.sock")
+        self.count = 0
+        self.sync_id = ""
+        self.ident = b""
+
+    def start(self, digest: str | None = None) -> asyncio.Task[list[Any]]:
+        """Start the worker's receive loop for a new session of this rogue trainer."""
+        self.count += 1
+        self.sync_id = f"rogue-{self.count}"
+        self.ident = f"{self.sync_id}/0".encode()
+        session = {
+            "endpoint": f"ipc://{self.dir}/s.sock",
+            "sync_id": self.sync_id,
+            "digest": digest or self.plan.digest,
+            "timeout_s": self.timeout_s,
+        }
+        return asyncio.create_task(
+            self.engine.collective_rpc("aiosync_ipc_receive", (session,), timeout_s=30)
+        )
+
+    async def recv(self) -> dict[str, Any]:
+        _, payload = await asyncio.wait_for(self.sock.recv_multipart(), 30)
+        return msgpack.unpackb(payload)  # type: ignore[no-any-return]
+
+    async def send(self, payload: bytes | dict[str, Any]) -> None:
+        raw = payload if isinstance(payload, bytes) else _pack({"sync_id": self.sync_id, **payload})
+        await self.sock.send_multipart([self.ident, raw])
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+        os.rmdir(self.dir) if not os.listdir(self.dir) else None
+
+
+@pytest.fixture
+async def rogue_trainer(
+    dense_engine: EmbeddedEngine, h: SimpleNamespace
+) -> AsyncIterator[tuple[RogueTrainer, IPCWeightSynchronizer]]:
+    sync = await _synced(dense_engine, h, seed=21)
+    assert sync.plan is not None
+    rogue = RogueTrainer(dense_engine, sync.plan)
+    yield rogue, sync
+    rogue.close()
+    await sync.shutdown()
+
+
+async def test_receiver_rejects_unknown_digest_before_any_data(
+    rogue_trainer: tuple[RogueTrainer, IPCWeightSynchronizer],
+    dense_engine: EmbeddedEngine,
+    h: SimpleNamespace,
+) -> None:
+    rogue, sync = rogue_trainer
+    task = rogue.start(digest="f" * 64)
+    error = await rogue.recv()
+    assert (error["t"], error["type"]) == ("error", "RefitMismatchError")
+    [reply] = await task
+    assert (reply["ok"], reply["type"]) == (False, "RefitMismatchError")
+    assert "ffffffffffffffff" in reply["message"]
+    # Nothing moved: the engine still serves version 1.
+    assert all(s["weights_valid"] for s in await dense_engine.status())
+    await h.assert_engine_equals(dense_engine, sync.trainer)  # type: ignore[attr-defined]
+
+
+async def test_receiver_turns_a_malformed_message_into_transport_error(
+    rogue_trainer: tuple[RogueTrainer, IPCWeightSynchronizer], dense_engine: EmbeddedEngine
+) -> None:
+    rogue, _ = rogue_trainer
+    task = rogue.start()
+    assert (await rogue.recv())["t"] == "hello"
+    await rogue.send(b"\xc1 not msgpack")
+    [reply] = await task
+    assert (await rogue.recv())["type"] == "TransportError"
+    assert (reply["ok"], reply["type"]) == (False, "TransportError")
+    assert "undecodable" in reply["message"]
+    task = rogue.start()
+    assert (await rogue.recv())["t"] == "hello"
+    await rogue.send(
+        {
+            "t": "data",
+            "seq": 0,
+            "bucket": 0,
+            "handle": {"kind": "shm", "name": "/etc/passwd", "nbytes": 8},
+        }
+    )
+    [reply] = await task
+    assert (reply["ok"], reply["type"]) == (False, "TransportError")
+    assert all(s["weights_valid"] for s in await dense_engine.status())
+
+
+@pytest.mark.parametrize("fault", ["duplicate", "missing"])
+async def test_receiver_rejects_missing_or_duplicate_buckets_and_next_sync_heals(
+    rogue_trainer: tuple[RogueTrainer, IPCWeightSynchronizer],
+    dense_engine: EmbeddedEngine,
+    h: SimpleNamespace,
+    fault: str,
+) -> None:
+    rogue, sync = rogue_trainer
+    plan = rogue.plan
+    buckets = list(group_by_bucket(sync.policy.iter_weights(), plan))
+    everything = list(range(len(buckets)))
+    order = [0, *everything] if fault == "duplicate" else [i for i in everything if i != 1]
+    task = rogue.start()
+    assert (await rogue.recv())["t"] == "hello"
+    for seq, index in enumerate(order):
+        bucket, group = buckets[index]
+        buffer = SharedBuffer.create(bucket.nbytes)
+        try:
+            pack(bucket, group, out=buffer.tensor)
+            await rogue.send({"t": "data", "seq": seq, "bucket": index, "handle": buffer.handle()})
+            assert (await rogue.recv()) == {"t": "ack", "sync_id": rogue.sync_id, "seq": seq}
+        finally:
+            buffer.close()
+    await rogue.send({"t": "end", "buckets": len(order)})
+    [reply] = await task
+    assert (reply["ok"], reply["type"]) == (False, "RefitMismatchError")
+    expected = "more than once" if fault == "duplicate" else "never arrived"
+    assert expected in reply["message"]
+    assert plan.buckets[0 if fault == "duplicate" else 1].slots[0].name in reply["message"]
+    assert [s["weights_valid"] for s in await dense_engine.status()] == [False]
+    with pytest.raises(Exception, match="not valid"):
+        await dense_engine.generate(h.PROMPTS, max_new_tokens=2)
+    await sync.mark_stale()
+    await _heals(sync, dense_engine, h)
+
+
+class RogueWorkers:
+    """An engine whose only worker is a raw DEALER that says ``hello`` then misbehaves."""
+
+    def __init__(self, behaviour: str) -> None:
+        self.behaviour = behaviour
+        self.ctx = zmq.asyncio.Context()
+
+    async def prepare_for_generation(self, tags: Sequence[str] | None = None) -> None:
+        return None
+
+    async def finish_generation(self) -> None:
+        return None
+
+    async def collective_rpc(
+        self,
+        method: str,
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[Any]:
+        if method == "aiosync_ipc_init":
+            return [{"ok": True, "rank": 0, "digest": args[0]["digest"]}]
+        session = args[0]
+        sock = self.ctx.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.IDENTITY, f"{session['sync_id']}/0".encode())
+            sock.connect(session["endpoint"])
+            digest = "0" * 64 if self.behaviour == "wrong_digest" else session["digest"]
+            hello = {"t": "hello", "sync_id": session["sync_id"], "rank": 0, "digest": digest}
+            await sock.send(_pack(hello))
+            if self.behaviour == "garbage":
+                await sock.recv()  # the first data message
+                await sock.send(b"\xc1 garbage")
+            await asyncio.sleep(3600)  # never answers: the trainer must not wait for this
+            return []
+        finally:
+            sock.close(linger=0)
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "error"),
+    [("wrong_digest", RefitMismatchError), ("garbage", TransportError)],
+)
+async def test_trainer_raises_typed_error_on_bad_worker_message(
+    h: SimpleNamespace, behaviour: str, error: type[Exception]
+) -> None:
+    trainer = h.trainer_model(h.DENSE_TIED, seed=22)
+    engine = RogueWorkers(behaviour)
+    async with IPCWeightSynchronizer(
+        h.TrainerSource(trainer.model, []), engine, bucket_bytes=BUCKET_BYTES, rpc_timeout_s=20
+    ) as sync:
+        await sync.init_communicator()
+        await sync.mark_stale()
+        with pytest.raises(error) as info:
+            await sync.sync_weights()
+        assert (sync.weight_version, sync.is_stale) == (0, True)
+        if behaviour == "wrong_digest":
+            assert "0000000000000000" in str(info.value)
+    engine.ctx.term()
+
+
+async def test_init_names_the_first_differing_parameters(
+    dense_engine: EmbeddedEngine, h: SimpleNamespace
+) -> None:
+    # C3/C4: the trainer renamed a parameter; the engine is told before any data moves.
+    sync = await _synced(dense_engine, h, seed=23)
+    trainer = h.trainer_model(h.DENSE_TIED, seed=24)
+    renamed = h.TrainerSource(
+        trainer.model, [], rename={"model.norm.weight": "model.final_norm.weight"}
+    )
+    async with IPCWeightSynchronizer(renamed, dense_engine, bucket_bytes=BUCKET_BYTES) as bad:
+        with pytest.raises(RefitMismatchError) as info:
+            await bad.init_communicator()
+    assert "model.final_norm.weight" in str(info.value)
+    assert "model.norm.weight" in str(info.value)
+    await h.assert_engine_equals(dense_engine, sync.trainer)  # type: ignore[attr-defined]
+    await sync.shutdown()
+
+
+async def test_engine_that_stops_answering_times_out_and_next_sync_succeeds(
+    dense_engine: EmbeddedEngine, h: SimpleNamespace
+) -> None:
+    # C2: the worker freezes mid-refit (SIGSTOP); the per-message timeout fires.
+    sync = await _synced(dense_engine, h, seed=25)
+    sync.rpc_timeout_s = 3.0
+    assert sync._sender is not None
+    sync._sender.timeout_s = 3.0
+    pid = dense_engine.pids[0]
+    stopped = []
+
+    def freeze(i: int) -> None:
+        if i == 6 and not stopped:
+            stopped.append(pid)
+            os.kill(pid, signal.SIGSTOP)
+
+    sync.policy.on_tensor = freeze  # type: ignore[attr-defined]
+    await sync.mark_stale()
+    try:
+        with pytest.raises(SyncTimeoutError, match=r"waited 3\.0 s"):
+            await sync.sync_weights()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert stopped == [pid]
+    assert (sync.weight_version, sync.is_stale) == (1, True)
+    with pytest.raises(Exception, match="not valid"):
+        await dense_engine.generate(h.PROMPTS, max_new_tokens=2)
+    sync.policy.on_tensor = None  # type: ignore[attr-defined]
+    await _heals(sync, dense_engine, h)
+    assert sync.weight_version == 2
+    await sync.shutdown()
+
+
+_TRAINER_CHILD = r"""
+import asyncio, json, os, sys
+from refit import DTensorRefitSource
+from transports.embedded.model import HFModelRunner
+from transports.ipc import _BucketSender
+from transports.packing import plan_buckets
+config, seed, bucket_bytes, die_at = json.loads(sys.argv[1])
+trainer = HFModelRunner.from_config(config, seed=seed)
+source = DTensorRefitSource(trainer.model)
+plan = plan_buckets(source.prepare_refit_info(), bucket_bytes)
+sender = _BucketSender(plan, __import__("torch").device("cpu"), 60.0)
+def weights():
+    for i, item in enumerate(source.iter_weights()):
+        if i == die_at:
+            os._exit(17)  # the trainer dies mid-refit, without any cleanup
+        yield item
+print(json.dumps({"endpoint": sender.endpoint, "digest": plan.digest}), flush=True)
+asyncio.run(sender.send("child-1", 1, weights()))
+"""
+
+
+async def test_trainer_killed_mid_sync_fails_the_engine_receive_and_next_sync_succeeds(
+    dense_engine: EmbeddedEngine, h: SimpleNamespace
+) -> None:
+    sync = await _synced(dense_engine, h, seed=26)
+    assert sync.plan is not None
+    arg = json.dumps([h.DENSE_TIED, 27, BUCKET_BYTES, 8])
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _TRAINER_CHILD, arg, stdout=asyncio.subprocess.PIPE
+    )
+    assert child.stdout is not None
+    line = await asyncio.wait_for(child.stdout.readline(), 300)
+    info = json.loads(line)
+    assert info["digest"] == sync.plan.digest
+    session = {
+        "endpoint": info["endpoint"],
+        "sync_id": "child-1",
+        "digest": info["digest"],
+        "timeout_s": 3.0,
+    }
+    [reply] = await dense_engine.collective_rpc("aiosync_ipc_receive", (session,), timeout_s=60)
+    assert await child.wait() == 17
+    assert reply["ok"] is False
+    assert reply["type"] in ("SyncTimeoutError", "TransportError")
+    assert [s["weights_valid"] for s in await dense_engine.status()] == [False]
+    with pytest.raises(Exception, match="not valid"):
+        await dense_engine.generate(h.PROMPTS, max_new_tokens=2)
+    # This process's synchronizer is unaffected: still version 1; it heals the engine.
+    assert sync.weight_version == 1
+    sync._invalidate_engine_weights()  # the engine was written to by someone else
+    await _heals(sync, dense_engine, h)
+    await sync.shutdown()
+
+
+async def test_engine_killed_mid_sync_raises_transport_error_and_respawned_engine_syncs(
+    dense_engine: EmbeddedEngine, h: SimpleNamespace
+) -> None:
+    sync = await _synced(dense_engine, h, seed=28)
+    pid = dense_engine.pids[0]
+
+    def kill(i: int) -> None:
+        if i == 6:
+            os.kill(pid, signal.SIGKILL)
+
+    sync.policy.on_tensor = kill  # type: ignore[attr-defined]
+    await sync.mark_stale()
+    with pytest.raises(TransportError, match="died"):
+        await sync.sync_weights()
+    assert (sync.weight_version, sync.is_stale) == (1, True)
+    with pytest.raises(TransportError, match="dead"):
+        await dense_engine.generate(h.PROMPTS, max_new_tokens=2)
+    assert await dense_engine.respawn_dead_workers() == [0]
+    assert dense_engine.pids[0] != pid
+    sync.policy.on_tensor = None  # type: ignore[attr-defined]
+    await sync.init_communicator()  # the new worker learns the plan
+    await _heals(sync, dense_engine, h)
+    assert sync.weight_version == 2
+    await sync.shutdown()
