@@ -40,8 +40,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,6 +62,7 @@ class VLLMWorkerMixin:
 
     aiosync_reloads: int = 0
     aiosync_last_reload_s: float = 0.0
+    _aiosync_checkpoint: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
 
     # -- the receiver RPCs: bracketed loads, typed errors ------------------------
 
@@ -68,9 +70,16 @@ class VLLMWorkerMixin:
         """``IPCWorkerMixin.aiosync_ipc_receive`` inside a vLLM reload bracket."""
         return self._aiosync_bracketed(super().aiosync_ipc_receive, *args, **kwargs)  # type: ignore[misc]
 
-    def aiosync_collective_init(self, *args: Any, **kwargs: Any) -> Any:
-        """``CollectiveWorkerMixin.aiosync_collective_init``, errors tagged with their type."""
-        return self._aiosync_typed(super().aiosync_collective_init, *args, **kwargs)  # type: ignore[misc]
+    def aiosync_ipc_init(self, plan: Mapping[str, Any]) -> Any:
+        """``IPCWorkerMixin.aiosync_ipc_init``, checked against the checkpoint if enabled."""
+        with self._aiosync_expected_manifest(plan):
+            return super().aiosync_ipc_init(plan)  # type: ignore[misc]
+
+    def aiosync_collective_init(self, **kwargs: Any) -> Any:
+        """``CollectiveWorkerMixin.aiosync_collective_init``: errors tagged with their
+        type, checked against the checkpoint if enabled."""
+        with self._aiosync_expected_manifest(kwargs.get("plan")):
+            return self._aiosync_typed(super().aiosync_collective_init, **kwargs)  # type: ignore[misc]
 
     def aiosync_collective_receive(self, *args: Any, **kwargs: Any) -> Any:
         """``CollectiveWorkerMixin.aiosync_collective_receive`` inside a vLLM reload bracket."""
@@ -83,6 +92,63 @@ class VLLMWorkerMixin:
     def aiosync_collective_commit(self, *args: Any, **kwargs: Any) -> Any:
         """``CollectiveWorkerMixin.aiosync_collective_commit`` inside a vLLM reload bracket."""
         return self._aiosync_bracketed(super().aiosync_collective_commit, *args, **kwargs)  # type: ignore[misc]
+
+    # -- manifest check against the checkpoint ------------------------------------
+
+    def aiosync_vllm_check_manifest(self, enabled: bool = True) -> dict[str, Any]:
+        """Compare the trainer's manifest with the checkpoint vLLM loaded, at init.
+
+        vLLM's model has no ``expected_manifest()`` in HF names (its parameters
+        are fused: ``qkv_proj``, ``gate_up_proj``, expert tensors), so by default
+        a name the engine does not know is found only when ``load_weights``
+        rejects it, mid-transfer. Enabled, the receivers' init RPCs compare the
+        trainer's names and shapes with the safetensors headers of the local
+        checkpoint folder (``model_config.model``), dtype being the engine's
+        ``model_config.dtype``, and raise :class:`~aiosync.errors.RefitMismatchError`
+        naming the first differences **before any byte moves** (cases C3, C4).
+        Off by default: checkpoints may hold tensors a trainer never sends
+        (``mtp.*`` of Qwen3-Next) and quantized checkpoints hold other names.
+
+        Returns:
+            ``{"enabled": bool, "tensors": int}`` (tensors in the checkpoint).
+
+        Raises:
+            ValueError: the model is not a local folder of unquantized safetensors.
+        """
+        if not enabled:
+            self._aiosync_checkpoint = None
+            return {"enabled": False, "tensors": 0}
+        config = self.vllm_config.model_config  # type: ignore[attr-defined]
+        manifest = _checkpoint_manifest(config)
+        self._aiosync_checkpoint = manifest
+        return {"enabled": True, "tensors": len(manifest)}
+
+    @contextmanager
+    def _aiosync_expected_manifest(self, plan: Mapping[str, Any] | None) -> Iterator[None]:
+        """Offer the receivers ``model.expected_manifest()`` for the init call.
+
+        Entries follow the trainer's order (then the checkpoint's extra names),
+        so only names, shapes and dtypes are compared, as vLLM's loader takes
+        names in any order.
+        """
+        checkpoint = getattr(self, "_aiosync_checkpoint", None)
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        if checkpoint is None or plan is None or hasattr(model, "expected_manifest"):
+            yield
+            return
+        from transports.packing import BucketPlan
+
+        try:
+            trainer_names = list(BucketPlan.from_json(plan).manifest())
+        except Exception:  # the receiver reports the malformed plan itself
+            trainer_names = []
+        expected = {n: checkpoint[n] for n in trainer_names if n in checkpoint}
+        expected.update((n, spec) for n, spec in checkpoint.items() if n not in expected)
+        model.expected_manifest = lambda: expected
+        try:
+            yield
+        finally:
+            del model.expected_manifest
 
     # -- status ----------------------------------------------------------------
 
@@ -175,3 +241,25 @@ class VLLMWorkerMixin:
             hook = getattr(self.model_runner, reset, None)  # type: ignore[attr-defined]
             if hook is not None:
                 hook()
+
+
+def _checkpoint_manifest(model_config: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``{hf_name: (shape, engine dtype)}`` from the safetensors headers of a local folder."""
+    from safetensors import safe_open
+
+    if getattr(model_config, "quantization", None) is not None:
+        raise ValueError(
+            f"checkpoint manifest check needs an unquantized model, this one is "
+            f"{model_config.quantization!r}"
+        )
+    folder = Path(str(model_config.model))
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        raise ValueError(f"no local safetensors checkpoint at {folder}")
+    dtype = model_config.dtype
+    manifest: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                manifest[name] = (tuple(f.get_slice(name).get_shape()), dtype)
+    return manifest

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed here: run .ci/vllm.sh (.venv-vllm)")
 
 from aiosync import TrainCluster
-from aiosync.errors import SyncError, TransportError
+from aiosync.errors import RefitMismatchError, SyncError, TransportError
 from refit import DTensorRefitSource
 from transports.collective import CollectiveWeightSynchronizer
 from transports.ipc import IPCWeightSynchronizer
@@ -161,6 +161,41 @@ async def test_failed_sync_into_vllm_keeps_version_and_blocks_generation_until_a
         await good.sync_weights()
         await backend.prepare_for_generation()
         assert await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS) == trainer_greedy(trainer)
+
+
+async def test_checkpoint_manifest_check_rejects_an_unknown_name_before_any_byte_moves(
+    llm: Any, trainer: Any, free_port: Callable[[], int]
+) -> None:
+    backend = VLLMGenerationBackend(llm)
+    assert await backend.collective_rpc("aiosync_vllm_check_manifest", (True,)) == [
+        {"enabled": True, "tensors": 25}
+    ]
+    try:
+        before = (await backend.collective_rpc("aiosync_vllm_status"))[0]
+        collective = CollectiveWeightSynchronizer(
+            RenamedSource(trainer),
+            backend,
+            train_cluster=TrainCluster(master_port=free_port()),
+            inference_world_size=1,
+            backend="gloo",
+            collective_timeout_s=120,
+            rpc_timeout_s=120,
+        )
+        async with collective:
+            with pytest.raises(RefitMismatchError, match=r"model\.final_norm\.weight"):
+                await collective.init_communicator()
+        ipc = IPCWeightSynchronizer(RenamedSource(trainer), backend, device="cpu")
+        async with ipc:
+            with pytest.raises(RefitMismatchError, match=r"model\.final_norm\.weight"):
+                await ipc.init_communicator()
+        after = (await backend.collective_rpc("aiosync_vllm_status"))[0]
+        assert after["reloads"] == before["reloads"]  # nothing was loaded
+        assert after["weights_valid"] is True
+        good = IPCWeightSynchronizer(DTensorRefitSource(trainer), backend, device="cpu")
+        async with good:
+            await good.init_communicator()  # the real manifest passes the same check
+    finally:
+        await backend.collective_rpc("aiosync_vllm_check_manifest", (False,))
 
 
 async def test_worker_errors_keep_their_aiosync_type_through_vllm_rpc(llm: Any) -> None:
