@@ -24,6 +24,7 @@ Test-only endpoints (under ``/_aiosync/``, no API key needed):
 * ``GET /_aiosync/log``: the request log, ``[{"method", "path", "status", "tags",
   "weight_version", "load_format", "flush_cache", "entries"}]``.
 * ``GET /_aiosync/state_dict``: the weights in checkpoint names, safetensors bytes.
+* ``GET /_aiosync/manifest``: ``[[hf_name, shape, dtype], ...]`` the model expects.
 * ``POST /_aiosync/faults`` ``{"path": "/flush_cache", "mode": "error"|"hang"|"drop"|"busy",
   "count": n | null}``: the next ``n`` (null: all) requests to ``path`` answer 500,
   never answer, have their connection dropped, or answer 400 as a busy server does.
@@ -113,6 +114,9 @@ def _error(message: str, status: int = 400) -> _HTTPError:
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"  # keep-alive, as uvicorn
+    # Headers and body go out in two writes: without this, Nagle's algorithm and
+    # the client's delayed ACK add ~40 ms to every answer.
+    disable_nagle_algorithm = True
 
     def log_message(self, format: str, *args: Any) -> None:
         return None
@@ -369,6 +373,11 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/_aiosync/log" and method == "GET":
             with state.lock:
                 return list(state.log)
+        if path == "/_aiosync/manifest" and method == "GET":
+            return [
+                [name, list(shape), str(dtype).removeprefix("torch.")]
+                for name, (shape, dtype) in state.runner.expected_manifest().items()
+            ]
         if path == "/_aiosync/state_dict" and method == "GET":
             with state.model_lock:
                 return safetensors_save(state.runner.hf_state_dict())
