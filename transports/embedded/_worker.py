@@ -18,6 +18,7 @@ import logging
 import multiprocessing
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
@@ -29,7 +30,7 @@ import zmq.asyncio
 from aiosync.errors import SyncError
 from transports._wire import decode, encode, error_fields
 from transports.embedded.model import HFModelRunner
-from transports.packing import dtype_name
+from transports.packing import dtype_from_name, dtype_name
 
 __all__ = ["EmbeddedWorker", "run_worker"]
 
@@ -57,7 +58,7 @@ class EmbeddedWorker:
         self.rank = rank
         self.local_rank = rank
         self.world_size = world_size
-        self.device = next(runner.model.parameters()).device
+        self.device = runner.device
         self.model_runner = SimpleNamespace(model=runner)
         self.aiosync_weights_valid = True
         self._asleep: set[str] = set()
@@ -127,23 +128,49 @@ class EmbeddedWorker:
             out[name] = [dtype_name(tensor.dtype), list(tensor.shape), raw]
         return out
 
+    def embedded_load_state_dict(self, state: dict[str, list[Any]]) -> int:
+        """Load ``{name: [dtype name, shape, raw bytes]}`` (the inverse of
+        :meth:`embedded_state_dict`) and mark the weights valid; returns the count.
 
-def _import(path: str) -> type:
+        For tests and tools; trainers use a transport.
+        """
+        weights = [
+            (name, torch.frombuffer(bytearray(raw), dtype=dtype_from_name(dtype)).reshape(shape))
+            for name, (dtype, shape, raw) in state.items()
+        ]
+        with self._state_lock:
+            loaded = int(self.model_runner.model.load_weights(weights))
+            self.aiosync_weights_valid = True
+        return loaded
+
+
+def _import(path: str) -> Any:
     module, _, name = path.replace(":", ".").rpartition(".")
-    cls = getattr(importlib.import_module(module), name)
-    if not isinstance(cls, type):
-        raise TypeError(f"{path} is not a class")
-    return cls
+    return getattr(importlib.import_module(module), name)
 
 
 def build_worker(
-    rank: int, world_size: int, model: Any, seed: int, dtype: str, extension: str | None
+    rank: int,
+    world_size: int,
+    model: Any,
+    seed: int,
+    dtype: str,
+    extension: str | None,
+    runner_factory: str | None = None,
 ) -> EmbeddedWorker:
-    """An :class:`EmbeddedWorker` whose class also derives from ``extension`` (dotted path)."""
-    runner = HFModelRunner.from_config(model, seed=seed, dtype=dtype)
+    """An :class:`EmbeddedWorker` whose class also derives from ``extension`` (dotted path).
+
+    ``runner_factory`` (dotted path of ``f(model, seed=, dtype=)``) replaces
+    :meth:`HFModelRunner.from_config` when given.
+    """
+    factory = HFModelRunner.from_config if runner_factory is None else _import(runner_factory)
+    runner = factory(model, seed=seed, dtype=dtype)
     bases: tuple[type, ...] = (EmbeddedWorker,)
     if extension:
-        bases += (_import(extension),)
+        mixin = _import(extension)
+        if not isinstance(mixin, type):
+            raise TypeError(f"worker extension {extension} is not a class")
+        bases += (mixin,)
     cls = type("EmbeddedWorker", bases, {})
     worker: EmbeddedWorker = cls(rank, world_size, runner)
     return worker
@@ -158,6 +185,7 @@ def run_worker(
     dtype: str,
     extension: str | None,
     threads: int,
+    runner_factory: str | None = None,
 ) -> None:
     """Process entry point: connect to ``endpoint``, build the worker, serve until told to stop."""
     torch.set_num_threads(threads)
@@ -167,25 +195,18 @@ def run_worker(
     sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(endpoint)
     try:
-        asyncio.run(_main(sock, rank, world_size, model, seed, dtype, extension))
+        build = functools.partial(
+            build_worker, rank, world_size, model, seed, dtype, extension, runner_factory
+        )
+        asyncio.run(_main(sock, rank, build))
     finally:
         sock.close()
         ctx.term()
 
 
-async def _main(
-    sock: zmq.asyncio.Socket,
-    rank: int,
-    world_size: int,
-    model: Any,
-    seed: int,
-    dtype: str,
-    extension: str | None,
-) -> None:
+async def _main(sock: zmq.asyncio.Socket, rank: int, build: Callable[[], EmbeddedWorker]) -> None:
     try:
-        worker = await asyncio.to_thread(
-            build_worker, rank, world_size, model, seed, dtype, extension
-        )
+        worker = await asyncio.to_thread(build)
     except Exception as exc:
         _log.exception("embedded worker %d failed to start", rank)
         await sock.send(encode({"t": "failed", **error_fields(exc)}))

@@ -78,6 +78,11 @@ class EmbeddedEngine:
         rpc_timeout_s: default timeout of :meth:`collective_rpc`, seconds.
         start_timeout_s: time allowed for the workers to start, seconds.
         threads_per_worker: torch intra-op threads per worker.
+        runner_factory: dotted path of ``f(model, seed=, dtype=)`` building the
+            object that becomes ``worker.model_runner.model`` (it needs
+            ``load_weights`` and ``device``; ``generate``/``hf_state_dict`` for
+            those RPCs); default :meth:`HFModelRunner.from_config`. Benchmarks
+            use it for weights-only models.
     """
 
     def __init__(
@@ -92,6 +97,7 @@ class EmbeddedEngine:
         rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
         threads_per_worker: int = 1,
+        runner_factory: str | None = None,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -106,6 +112,7 @@ class EmbeddedEngine:
         self.rpc_timeout_s = rpc_timeout_s
         self.start_timeout_s = start_timeout_s
         self.threads_per_worker = threads_per_worker
+        self.runner_factory = runner_factory
         self._procs: list[BaseProcess] = []
         self._dead: dict[int, str] = {}
         self._pending: dict[int, tuple[int, asyncio.Future[dict[str, Any]]]] = {}
@@ -171,6 +178,7 @@ class EmbeddedEngine:
                 self.dtype,
                 self.worker_extension_cls,
                 self.threads_per_worker,
+                self.runner_factory,
             ),
             name=f"aiosync-embedded-{rank}",
             daemon=True,

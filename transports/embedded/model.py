@@ -62,6 +62,11 @@ class HFModelRunner:
             if target not in self._targets and source in self._targets:
                 self._aliases[target] = self._targets[source]
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters live."""
+        return next(self.model.parameters()).device
+
     # -- construction ---------------------------------------------------------
 
     @classmethod

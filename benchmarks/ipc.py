@@ -1,0 +1,208 @@
+"""Colocated IPC refit throughput against a plain single-process ``copy_`` of the same bytes.
+
+For each manifest size (0.25, 1 and 4 GB by default) the trainer holds bf16
+tensors of ``--tensor-mb`` MiB each; one embedded-engine worker process holds
+a preallocated copy. Measured in the same run:
+
+* ``copy``: ``dst.copy_(src)`` for every tensor, in this process (the floor a
+  refit cannot beat: every byte is read and written once).
+* ``ipc``: ``IPCWeightSynchronizer.sync_weights()`` into the worker (pack into
+  the shared ping-pong buffers, handles over ZMQ, ``load_weights`` copies out).
+
+Throughput is manifest bytes / seconds (best of ``--repeats``), GB = 1e9 bytes.
+A size is skipped when the machine's available memory is below about 3.5x it.
+
+Usage::
+
+    python benchmarks/ipc.py            # 0.25, 1, 4 GB
+    python benchmarks/ipc.py --quick    # 64 MB, < 1 minute
+    python benchmarks/ipc.py --json     # last stdout line: one JSON object
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Running ``python benchmarks/ipc.py`` puts benchmarks/ first on sys.path, where
+# sibling scripts (http.py) would shadow the standard library's modules.
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    del sys.path[0]
+
+import argparse
+import asyncio
+import json
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from aiosync.interfaces import RefitManifest, RefitSource
+
+GB = 1e9
+MiB = 1024**2
+
+
+class FlatModel:
+    """Engine-side weights-only model: preallocated tensors, ``load_weights`` copies in."""
+
+    def __init__(self, spec: Mapping[str, Any], *, seed: int = 0, dtype: str = "bfloat16") -> None:
+        shape = (int(spec["numel"]),)
+        self.weights = {
+            name: torch.empty(shape, dtype=getattr(torch, dtype)) for name in _names(spec)
+        }
+        for tensor in self.weights.values():
+            tensor.zero_()  # fault the pages in now, not during the first refit
+        self.device = torch.device("cpu")
+
+    def load_weights(self, weights: Any) -> int:
+        count = 0
+        for name, tensor in weights:
+            self.weights[name].copy_(tensor)
+            count += 1
+        return count
+
+
+class FlatSource(RefitSource):
+    """Trainer-side weights: the same names and shapes as :class:`FlatModel`."""
+
+    def __init__(self, spec: Mapping[str, Any]) -> None:
+        self.tensors = {
+            name: torch.randn(int(spec["numel"])).to(torch.bfloat16) for name in _names(spec)
+        }
+
+    def prepare_refit_info(self) -> RefitManifest:
+        return {name: (tuple(t.shape), t.dtype) for name, t in self.tensors.items()}
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.tensors.items()
+
+
+def _names(spec: Mapping[str, Any]) -> list[str]:
+    return [f"model.layers.{i}.weight" for i in range(int(spec["count"]))]
+
+
+def _spec(total_bytes: int, tensor_mb: float) -> dict[str, int]:
+    numel = max(1, int(tensor_mb * MiB) // 2)
+    return {"count": max(1, total_bytes // (numel * 2)), "numel": numel}
+
+
+def _available_bytes() -> int:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _bench_copy(source: FlatSource, repeats: int) -> float:
+    dst = {name: torch.empty_like(t).zero_() for name, t in source.tensors.items()}
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for name, tensor in source.tensors.items():
+            dst[name].copy_(tensor)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+async def _bench_ipc(
+    source: FlatSource, spec: dict[str, int], bucket_bytes: int, repeats: int
+) -> float:
+    from transports.embedded.engine import EmbeddedEngine
+    from transports.ipc import IPCWeightSynchronizer
+
+    engine = EmbeddedEngine(
+        spec,
+        num_workers=1,
+        dtype="bfloat16",
+        runner_factory=f"{__name__}.FlatModel",
+        threads_per_worker=torch.get_num_threads(),
+    )
+    async with engine, IPCWeightSynchronizer(source, engine, bucket_bytes=bucket_bytes) as sync:
+        await sync.init_communicator()
+        await sync.mark_stale()
+        await sync.sync_weights()  # warm-up: maps the shared buffers, faults their pages
+        best = float("inf")
+        for _ in range(repeats):
+            await sync.mark_stale()
+            start = time.perf_counter()
+            await sync.sync_weights()
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes-gb", type=float, nargs="+", default=[0.25, 1.0, 4.0])
+    parser.add_argument(
+        "--quick", action="store_true", help="one 64 MB manifest, 4 MiB tensors, 16 MiB buckets"
+    )
+    parser.add_argument("--tensor-mb", type=float, default=16.0, help="size of each tensor")
+    parser.add_argument("--bucket-mb", type=float, default=128.0, help="staging buffer size")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", action="store_true", help="print one JSON object last")
+    args = parser.parse_args()
+    sizes = [0.064] if args.quick else args.sizes_gb
+    if args.quick:
+        args.tensor_mb, args.bucket_mb = min(args.tensor_mb, 4.0), min(args.bucket_mb, 16.0)
+    repeats = 2 if args.quick else args.repeats
+    bucket_bytes = int(args.bucket_mb * MiB)
+    rows: list[dict[str, Any]] = []
+    for size_gb in sizes:
+        total = int(size_gb * GB)
+        spec = _spec(total, args.tensor_mb)
+        nbytes = spec["count"] * spec["numel"] * 2
+        if _available_bytes() < 3.5 * nbytes + 2 * bucket_bytes:
+            rows.append({"size_gb": size_gb, "skipped": "not enough available memory"})
+            continue
+        source = FlatSource(spec)
+        copy_s = _bench_copy(source, repeats)
+        ipc_s = asyncio.run(_bench_ipc(source, spec, bucket_bytes, repeats))
+        del source
+        copy_gbps, ipc_gbps = nbytes / copy_s / GB, nbytes / ipc_s / GB
+        rows.append(
+            {
+                "size_gb": size_gb,
+                "bytes": nbytes,
+                "tensors": spec["count"],
+                "copy_gbps": round(copy_gbps, 3),
+                "ipc_gbps": round(ipc_gbps, 3),
+                "ratio": round(ipc_gbps / copy_gbps, 3),
+            }
+        )
+    _print_table(rows, bucket_bytes)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "benchmark": "ipc",
+                    "bucket_bytes": bucket_bytes,
+                    "tensor_mb": args.tensor_mb,
+                    "threads": torch.get_num_threads(),
+                    "rows": rows,
+                }
+            )
+        )
+
+
+def _print_table(rows: list[dict[str, Any]], bucket_bytes: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"IPC refit vs copy_ (bucket {bucket_bytes / MiB:.0f} MiB, GB = 1e9 B)")
+    for column in ("manifest GB", "tensors", "copy_ GB/s", "IPC GB/s", "IPC / copy_"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        if "skipped" in row:
+            table.add_row(f"{row['size_gb']:g}", "-", "-", "-", row["skipped"])
+            continue
+        table.add_row(
+            f"{row['bytes'] / GB:.3f}",
+            str(row["tensors"]),
+            f"{row['copy_gbps']:.2f}",
+            f"{row['ipc_gbps']:.2f}",
+            f"{row['ratio']:.2f}x",
+        )
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()

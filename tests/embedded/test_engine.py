@@ -1,0 +1,166 @@
+"""EmbeddedEngine: real worker processes driven by name over msgpack RPC."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import torch
+
+from aiosync.errors import SyncError, SyncTimeoutError, TransportError
+from aiosync.interfaces import EngineWorkers, GenerationBackend
+from transports.embedded.engine import EmbeddedEngine
+from transports.embedded.model import HFModelRunner
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+DENSE: dict[str, Any] = {
+    "model_type": "qwen3",
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "tie_word_embeddings": False,
+}
+SEED = 4
+PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine() -> AsyncIterator[EmbeddedEngine]:
+    async with EmbeddedEngine(DENSE, num_workers=2, seed=SEED, rpc_timeout_s=120) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def reference() -> HFModelRunner:
+    return HFModelRunner.from_config(DENSE, seed=SEED)
+
+
+async def test_engine_speaks_the_generation_and_worker_protocols(engine: EmbeddedEngine) -> None:
+    assert isinstance(engine, GenerationBackend)
+    assert isinstance(engine, EngineWorkers)
+    status = await engine.status()
+    assert [s["rank"] for s in status] == [0, 1]
+    assert [s["pid"] for s in status] == engine.pids
+    assert len(set(engine.pids)) == 2 and os.getpid() not in engine.pids
+    assert engine.socket_dir is not None
+    assert stat.S_IMODE(os.stat(engine.socket_dir).st_mode) == 0o700
+
+
+async def test_workers_hold_the_seeded_model_and_the_worker_extension(
+    engine: EmbeddedEngine, reference: HFModelRunner
+) -> None:
+    expected = reference.hf_state_dict()
+    for state in await engine.hf_state_dicts():
+        assert list(state) == list(expected)
+        assert all(torch.equal(state[n], t) for n, t in expected.items())
+    # AiosyncWorkerExtension is mixed in: its RPCs answer (here: a malformed plan).
+    replies = await engine.collective_rpc("aiosync_ipc_init", ({"manifest": []},))
+    assert [(r["ok"], r["type"]) for r in replies] == [(False, "RefitMismatchError")] * 2
+
+
+async def test_generate_splits_prompts_over_workers_and_matches_the_model(
+    engine: EmbeddedEngine, reference: HFModelRunner
+) -> None:
+    outs = await engine.generate(PROMPTS, max_new_tokens=5)
+    assert outs == reference.generate(PROMPTS, max_new_tokens=5)
+    assert await engine.generate(PROMPTS[:1], max_new_tokens=5) == outs[:1]
+    assert await engine.generate([], max_new_tokens=5) == []
+
+
+async def test_unknown_and_private_methods_are_refused(engine: EmbeddedEngine) -> None:
+    with pytest.raises(AttributeError, match="no_such_method"):
+        await engine.collective_rpc("no_such_method")
+    with pytest.raises(AttributeError, match="not an RPC method"):
+        await engine.collective_rpc("_aiosync_ipc_state")
+
+
+async def test_sleeping_engine_refuses_to_generate_until_woken(engine: EmbeddedEngine) -> None:
+    await engine.finish_generation()
+    assert [s["asleep"] for s in await engine.status()] == [["kv_cache", "weights"]] * 2
+    with pytest.raises(SyncError, match="asleep"):
+        await engine.generate(PROMPTS, max_new_tokens=2)
+    await engine.prepare_for_generation(["weights"])
+    assert [s["asleep"] for s in await engine.status()] == [["kv_cache"]] * 2
+    await engine.prepare_for_generation(["kv_cache"])
+    assert len(await engine.generate(PROMPTS, max_new_tokens=2)) == 4
+    with pytest.raises(ValueError, match="unknown tags"):
+        await engine.prepare_for_generation(["optimizer"])
+
+
+async def test_level2_sleep_discards_weights_and_tells_listeners(
+    engine: EmbeddedEngine, reference: HFModelRunner
+) -> None:
+    calls: list[str] = []
+    engine.add_weights_discarded_listener(lambda: calls.append("discarded"))
+    engine.sleep_level = 2
+    try:
+        await engine.finish_generation()
+    finally:
+        engine.sleep_level = 1
+    assert calls == ["discarded"]
+    await engine.prepare_for_generation()
+    with pytest.raises(SyncError, match="not valid"):
+        await engine.generate(PROMPTS, max_new_tokens=2)
+    for state in await engine.hf_state_dicts():
+        assert all(not t.any() for t in state.values())
+    # Loading the weights back (what a sync does) makes the engine usable again;
+    # the RPC carries plain bytes, no pickle.
+    payload = {
+        name: [str(t.dtype).removeprefix("torch."), list(t.shape), t.numpy().tobytes()]
+        for name, t in reference.hf_state_dict().items()
+    }
+    assert await engine.collective_rpc("embedded_load_state_dict", (payload,)) == [len(payload)] * 2
+    assert all(s["weights_valid"] for s in await engine.status())
+    assert await engine.generate(PROMPTS, max_new_tokens=3) == reference.generate(
+        PROMPTS, max_new_tokens=3
+    )
+
+
+async def test_frozen_worker_times_out_with_sync_timeout_error(engine: EmbeddedEngine) -> None:
+    pid = engine.pids[1]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(SyncTimeoutError, match=r"worker\(s\) \[1\]"):
+            await engine.collective_rpc("embedded_status", timeout_s=1.0)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert [s["rank"] for s in await engine.status()] == [0, 1]
+
+
+async def test_dead_worker_fails_calls_with_transport_error_and_can_be_respawned(
+    engine: EmbeddedEngine, reference: HFModelRunner
+) -> None:
+    pid = engine.pids[0]
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(TransportError, match="worker 0"):
+        await engine.collective_rpc("embedded_status", timeout_s=60)
+    assert await engine.respawn_dead_workers() == [0]
+    assert engine.pids[0] != pid
+    assert await engine.generate(PROMPTS, max_new_tokens=3) == reference.generate(
+        PROMPTS, max_new_tokens=3
+    )
+
+
+async def test_shutdown_stops_workers_and_removes_the_socket_dir() -> None:
+    engine = EmbeddedEngine(DENSE, num_workers=1, seed=SEED, worker_extension_cls=None)
+    await engine.start()
+    directory = engine.socket_dir
+    assert directory is not None and Path(directory).exists()
+    [proc] = engine._procs
+    await engine.shutdown()
+    assert not proc.is_alive()
+    assert not Path(directory).exists()
+    with pytest.raises(TransportError, match="shut down"):
+        await engine.status()
+    await engine.shutdown()
