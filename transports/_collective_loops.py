@@ -116,6 +116,14 @@ def send_buckets(
     header = header_tensor(version, plan, len(kv), verify).to(group.device)
     group.wait(group.broadcast(header, what="broadcast of the sync header"), what="header")
     stream = _cuda_stream(group.device)
+    # On CUDA every use of a bucket buffer (wait for its previous broadcast,
+    # pack, checksum, broadcast) is ordered on one side stream; the tensors come
+    # from the caller's stream, which the side stream waits for before packing.
+    main = torch.cuda.current_stream(group.device) if stream is not None else None
+
+    def on_side() -> Any:
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
     pending: dict[int, tuple[Any, torch.Tensor]] = {}
     checksums: list[int] = []
     failure: BaseException | None = None
@@ -126,34 +134,37 @@ def send_buckets(
             raise TransportError("sync cancelled")
         slot = bucket.index % 2
         if slot in pending:
-            group.wait(pending.pop(slot)[0], what=f"broadcast of bucket {bucket.index - 2}")
+            with on_side():
+                group.wait(pending.pop(slot)[0], what=f"broadcast of bucket {bucket.index - 2}")
         buf: torch.Tensor | None = None
         if failure is None:
             try:
-                _, tensors = next(groups)
-                if stream is not None:
-                    # The tensors were produced (gathered) on the current stream.
-                    stream.wait_stream(torch.cuda.current_stream(group.device))
-                    for _, t in tensors:
-                        t.record_stream(stream)
-                buf = _zero_copy(bucket, tensors, group.device)
-                if buf is None:
-                    buf = buffers(bucket)
-                    with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+                _, tensors = next(groups)  # gathers run on the caller's stream
+                with on_side():
+                    if stream is not None and main is not None:
+                        stream.wait_stream(main)
+                        for _, t in tensors:
+                            t.record_stream(stream)
+                    buf = _zero_copy(bucket, tensors, group.device)
+                    if buf is None:
+                        buf = buffers(bucket)
                         pack(bucket, tensors, out=buf)
             except SyncError as exc:
                 failure = exc
             except Exception as exc:
                 failure = TransportError(f"source failed at bucket {bucket.index}: {exc!r}")
-        if buf is None:
-            buf = buffers(bucket)  # after a failure: keep the receivers' loop going
-        if verify:
-            checksums.append(bucket_checksum(buf))
-        with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+        with on_side():
+            if buf is None:
+                buf = buffers(bucket)  # after a failure: keep the receivers' loop going
+            if verify:
+                checksums.append(bucket_checksum(buf))
             work = group.broadcast(buf, what=f"broadcast of bucket {bucket.index}")
         pending[slot] = (work, buf)  # keeps a zero-copy source alive until sent
-    for slot in sorted(pending):
-        group.wait(pending[slot][0], what="last bucket broadcasts")
+    with on_side():
+        for slot in sorted(pending):
+            group.wait(pending[slot][0], what="last bucket broadcasts")
+    if stream is not None:
+        stream.synchronize()  # the next sync reuses the buffers from another stream
     if failure is None and plan.buckets:
         # group_by_bucket raises on an extra tensor only when asked for more.
         try:
