@@ -334,7 +334,8 @@ class EmbeddedEngine:
                 with anyio.fail_after(timeout):
                     replies = [await fut for _, _, fut in futures]
             except TimeoutError as exc:
-                late = [rank for rank, _, fut in futures if not fut.done()]
+                # The cancelled wait cancels the future it was awaiting, too.
+                late = [rank for rank, _, f in futures if f.cancelled() or not f.done()]
                 raise SyncTimeoutError(
                     f"{method} did not return within {timeout} s on engine worker(s) {late}"
                 ) from exc
