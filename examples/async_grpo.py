@@ -20,8 +20,10 @@ generated under and never hands out one staler than ``--max-staleness``.
 
 Run::
 
-    python examples/async_grpo.py                  # colocated (IPC), embedded engine
-    python examples/async_grpo.py --no-colocated   # torch.distributed broadcast (gloo)
+    python examples/async_grpo.py                     # colocated: IPC into the embedded engine
+    python examples/async_grpo.py --no-colocated      # torch.distributed broadcast (gloo)
+    python examples/async_grpo.py --backend sglang    # HTTP into aiosync's SGLang test server
+    python examples/async_grpo.py --backend vllm      # a real vLLM (where installed)
     python examples/async_grpo.py --quick --json-report report.json
 """
 
@@ -447,8 +449,10 @@ async def run(args: argparse.Namespace) -> RunReport:
                     if await refit_if_stale(sync, engine):
                         await check_engine()
                 report.eval_end = await evaluate()
-                with anyio.fail_after(30):
-                    while not report.refits or report.refits[-1]["version"] < sync.weight_version:
+                with anyio.fail_after(30):  # let follow_refits record the last commit
+                    while sync.weight_version > max(
+                        (r["version"] for r in report.refits), default=0
+                    ):
                         await anyio.sleep(0.01)
                 tg.cancel_scope.cancel()
             report.staleness_histogram = buffer.histogram()
