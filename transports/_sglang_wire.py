@@ -315,10 +315,28 @@ _SGLANG_METADATA = {
 }
 
 
+def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
+    """torch's ``rebuild_cuda_tensor`` also accepting a device UUID (SGLang's patch)."""
+    device = args[_CUDA_DEVICE_ARG]
+    if isinstance(device, str):
+        matches = [
+            i
+            for i in range(torch.cuda.device_count())
+            if str(torch.cuda.get_device_properties(i).uuid) == device
+        ]
+        if not matches:
+            raise pickle.UnpicklingError(f"no visible CUDA device has UUID {device}")
+        args = (*args[:_CUDA_DEVICE_ARG], matches[0], *args[_CUDA_DEVICE_ARG + 1 :])
+    tensor: torch.Tensor = reductions.rebuild_cuda_tensor(*args)
+    return tensor
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
     """Admits torch's tensor/storage rebuild functions and plain data types only."""
 
     def find_class(self, module: str, name: str) -> Any:
+        if module == "torch.multiprocessing.reductions" and name == "rebuild_cuda_tensor":
+            return _rebuild_cuda_tensor
         if module == "torch.multiprocessing.reductions" and name in _REBUILDS:
             return getattr(reductions, name)
         if module == "torch":

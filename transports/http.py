@@ -63,9 +63,9 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             memory saver, timeouts live there).
         bucket_bytes: limit per flattened bucket, bytes; a larger tensor travels
             alone.
-        device: where buckets are packed: ``"cpu"`` (shared memory) or a CUDA
-            device (CUDA-IPC); None: the device of the first tensor the source
-            yields... decided per bucket from its first tensor.
+        device: where buckets are packed: ``"cpu"`` (named shared memory) or a
+            CUDA device (CUDA-IPC handles); None: per bucket, the device of its
+            first tensor.
         abort_all_requests: ask SGLang to abort running requests before the
             first bucket loads.
         sync_timeout_s: limit for a whole ``sync_weights`` call, seconds.
@@ -205,9 +205,8 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         return nbytes
 
     async def shutdown(self) -> None:
-        """Close the backend's connections and end the event stream. Idempotent."""
-        if not self._closed:
-            await self.generation.aclose()
+        """End the event stream. Idempotent. The backend stays open: whoever
+        built it closes it (``await backend.aclose()``), as the loop may still use it."""
         await super().shutdown()
 
     def __repr__(self) -> str:

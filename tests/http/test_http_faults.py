@@ -161,3 +161,24 @@ async def test_unreachable_server_is_a_transport_error(make_trainer: Any) -> Non
         sync = HTTPWeightSynchronizer(make_trainer(seed=37), backend)
         with pytest.raises(TransportError, match="ConnectError"):
             await sync.init_communicator()
+
+
+async def test_whole_sync_timeout_stops_a_hung_refit(
+    server: Any, make_trainer: Any, state_equal: Any
+) -> None:
+    trainer = make_trainer(seed=38)
+    async with SGLangHTTPBackend(server.url, api_key=server.api_key) as backend:
+        sync = HTTPWeightSynchronizer(
+            trainer, backend, bucket_bytes=BUCKET_BYTES, sync_timeout_s=2.0
+        )
+        await sync.init_communicator()
+        await sync.mark_stale()
+        server.fault("/update_weights_from_tensor", "hang", count=1)
+        with pytest.raises(SyncTimeoutError, match=r"exceeded 2\.0 s"):
+            await sync.sync_weights()
+        assert sync.weight_version == 0 and sync.is_stale
+        assert trainer.events[-1] == "offload_after"
+        server.reset()
+        await sync.sync_weights()
+        assert sync.weight_version == 1
+        state_equal(server.state_dict(), trainer.expected())
