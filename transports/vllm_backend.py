@@ -276,7 +276,11 @@ class VLLMGenerationBackend:
         )
         inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         if self._is_async:
-            return [await self._generate_async(p, params) for p in inputs]
+            results: list[list[int]] = [[] for _ in inputs]
+            async with anyio.create_task_group() as tg:
+                for i, prompt in enumerate(inputs):
+                    tg.start_soon(self._generate_async, prompt, params, results, i)
+            return results
         outputs = await self._call("generate", inputs, params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs]
 
@@ -297,13 +301,15 @@ class VLLMGenerationBackend:
         async with self._lock:
             return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
 
-    async def _generate_async(self, prompt: Any, params: Any) -> list[int]:
+    async def _generate_async(
+        self, prompt: Any, params: Any, results: list[list[int]], index: int
+    ) -> None:
         self._request_ids += 1
         final = None
         async for out in self.engine.generate(prompt, params, f"aiosync-{self._request_ids}"):
             final = out
         assert final is not None
-        return list(final.outputs[0].token_ids)
+        results[index] = list(final.outputs[0].token_ids)
 
     def _warn_no_sleep(self) -> None:
         if not self._warned_no_sleep:

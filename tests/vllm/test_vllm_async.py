@@ -1,0 +1,108 @@
+"""The same contract through vLLM's AsyncLLM (awaited directly, no worker thread):
+refits by both transports change its greedy output exactly as the trainer's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: run .ci/vllm.sh (.venv-vllm)")
+
+from aiosync import TrainCluster
+from refit import DTensorRefitSource
+from transports.collective import CollectiveWeightSynchronizer
+from transports.ipc import IPCWeightSynchronizer
+from transports.vllm_backend import WORKER_EXTENSION, VLLMGenerationBackend
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11]]
+NEW_TOKENS = 8
+
+
+def trainer_greedy(model: Any) -> list[list[int]]:
+    outputs = []
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+def perturb(model: Any, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.5)
+
+
+async def test_async_llm_refits_by_both_transports_match_the_trainers_greedy_output(
+    tiny_qwen3_dir: Path, free_port: Callable[[], int]
+) -> None:
+    from transformers import Qwen3ForCausalLM
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    trainer = Qwen3ForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32).eval()
+    engine = AsyncLLM.from_engine_args(
+        AsyncEngineArgs(
+            model=str(tiny_qwen3_dir),
+            worker_extension_cls=WORKER_EXTENSION,
+            enforce_eager=True,
+            dtype="float32",
+            max_model_len=128,
+            max_num_seqs=4,
+            seed=0,
+        )
+    )
+    backend = VLLMGenerationBackend(engine)
+    try:
+        start = await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+        assert start == trainer_greedy(trainer)
+        collective = CollectiveWeightSynchronizer(
+            DTensorRefitSource(trainer),
+            backend,
+            train_cluster=TrainCluster(master_port=free_port()),
+            inference_world_size=1,
+            backend="gloo",
+            bucket_bytes=64 * 1024,
+            verify=True,
+            collective_timeout_s=120,
+            rpc_timeout_s=120,
+        )
+        async with collective:
+            await collective.init_communicator()
+            perturb(trainer, seed=11)
+            await collective.mark_stale()
+            await collective.sync_weights()
+            await backend.prepare_for_generation()
+            after_collective = await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+            assert collective.weight_version == 1
+        assert after_collective == trainer_greedy(trainer)
+        assert after_collective != start
+        ipc = IPCWeightSynchronizer(
+            DTensorRefitSource(trainer), backend, bucket_bytes=64 * 1024, device="cpu"
+        )
+        async with ipc:
+            await ipc.init_communicator()
+            perturb(trainer, seed=12)
+            await ipc.mark_stale()
+            await ipc.sync_weights()
+            await backend.prepare_for_generation()
+            after_ipc = await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+            assert ipc.weight_version == 1
+        assert after_ipc == trainer_greedy(trainer)
+        assert after_ipc != after_collective
+    finally:
+        await backend.shutdown()
