@@ -35,6 +35,8 @@ import functools
 import inspect
 import logging
 import re
+import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -53,6 +55,8 @@ WORKER_EXTENSION = "transports.worker_extension.AiosyncWorkerExtension"
 
 #: The tags ``wake_up`` accepts (vLLM's ``LLM.wake_up``).
 _WAKE_TAGS = frozenset({"weights", "kv_cache", "scheduling"})
+
+_LLM_LOCKS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
 
 # ``[aiosync:TypeName] message``, written by transports.vllm_worker.
 _TAGGED_ERROR = re.compile(r"\[aiosync:(\w+)\] (.*)", re.DOTALL)
@@ -93,8 +97,11 @@ class VLLMGenerationBackend:
         self._sleep_mode = _sleep_mode_enabled(engine)
         self._asleep = False
         self._discard_listeners: list[Callable[[], None]] = []
-        # vllm.LLM is not thread-safe: one call at a time from this backend.
-        self._lock = anyio.Lock()
+        # vllm.LLM is not thread-safe: one call at a time per engine, whichever
+        # backend wraps it. The lock is taken inside the worker thread, so a call
+        # abandoned on timeout keeps it until vLLM returns and the next call waits
+        # for that (within its own timeout).
+        self._llm_lock = _LLM_LOCKS.setdefault(engine, threading.Lock())
         self._warned_no_sleep = False
         self._request_ids = 0
 
@@ -142,8 +149,9 @@ class VLLMGenerationBackend:
 
         Raises:
             SyncTimeoutError: no answer within ``timeout_s`` (default
-                ``rpc_timeout_s``) seconds. With a ``vllm.LLM`` the engine may
-                still be running the call: a later call waits behind it.
+                ``rpc_timeout_s``) seconds. The engine keeps running the call
+                (aiosync's worker methods end on their own timeouts); later
+                calls wait behind it.
             RefitMismatchError, TransportError, SyncTimeoutError: re-raised from
                 a worker that raised one; any other worker error is a
                 ``TransportError`` with its message.
@@ -154,20 +162,20 @@ class VLLMGenerationBackend:
             with anyio.fail_after(timeout):
                 if self._is_async:
                     result = await self.engine.collective_rpc(
-                        method, timeout=timeout, args=tuple(args), kwargs=call_kwargs
+                        method, timeout=None, args=tuple(args), kwargs=call_kwargs
                     )
                 else:
-                    async with self._lock:
-                        result = await anyio.to_thread.run_sync(
-                            functools.partial(
-                                self.engine.collective_rpc,
-                                method,
-                                timeout=timeout,
-                                args=tuple(args),
-                                kwargs=call_kwargs,
-                            ),
-                            abandon_on_cancel=True,
+                    result = await self._in_thread(
+                        functools.partial(
+                            self.engine.collective_rpc,
+                            method,
+                            # Never vLLM's own timeout: its executor then raises but
+                            # leaves the late reply queued for the next call.
+                            timeout=None,
+                            args=tuple(args),
+                            kwargs=call_kwargs,
                         )
+                    )
         except TimeoutError as exc:
             if isinstance(exc, SyncError):
                 raise
@@ -289,8 +297,7 @@ class VLLMGenerationBackend:
         if self._is_async:
             self.engine.shutdown()
             return
-        async with self._lock:
-            await anyio.to_thread.run_sync(_shutdown_llm, self.engine)
+        await self._in_thread(functools.partial(_shutdown_llm, self.engine))
 
     # -- helpers -----------------------------------------------------------------
 
@@ -298,8 +305,14 @@ class VLLMGenerationBackend:
         fn = getattr(self.engine, name)
         if self._is_async:
             return await fn(*args, **kwargs)
-        async with self._lock:
-            return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+        return await self._in_thread(functools.partial(fn, *args, **kwargs))
+
+    async def _in_thread(self, fn: Callable[[], Any]) -> Any:
+        def locked() -> Any:
+            with self._llm_lock:
+                return fn()
+
+        return await anyio.to_thread.run_sync(locked, abandon_on_cancel=True)
 
     async def _generate_async(
         self, prompt: Any, params: Any, results: list[list[int]], index: int

@@ -105,7 +105,9 @@ class LLMWeightSyncClient:
 
     Args:
         llm: a ``vllm.LLM`` built with ``weight_transfer_config``.
-        timeout_s: limit of each call, seconds.
+        timeout_s: limit of each call, seconds (vLLM's own RPC timeout: after it
+            fires, vLLM's executor may hand the late reply to the next call, so
+            treat the engine as broken and restart it).
     """
 
     def __init__(self, llm: Any, *, timeout_s: float = DEFAULT_RPC_TIMEOUT_S) -> None:

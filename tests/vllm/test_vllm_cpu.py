@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed here: run .ci/vllm.sh (.venv-vllm)")
 
 from aiosync import TrainCluster
-from aiosync.errors import RefitMismatchError, SyncError, TransportError
+from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
 from refit import DTensorRefitSource
 from transports.collective import CollectiveWeightSynchronizer
 from transports.ipc import IPCWeightSynchronizer
@@ -196,6 +196,41 @@ async def test_checkpoint_manifest_check_rejects_an_unknown_name_before_any_byte
             await good.init_communicator()  # the real manifest passes the same check
     finally:
         await backend.collective_rpc("aiosync_vllm_check_manifest", (False,))
+
+
+async def test_rpc_to_a_stuck_vllm_worker_times_out_and_the_engine_recovers(
+    llm: Any, trainer: Any, free_port: Callable[[], int]
+) -> None:
+    backend = VLLMGenerationBackend(llm)
+    sync = CollectiveWeightSynchronizer(
+        DTensorRefitSource(trainer),
+        backend,
+        train_cluster=TrainCluster(master_port=free_port()),
+        inference_world_size=1,
+        backend="gloo",
+        collective_timeout_s=5,  # how long the stuck worker waits before giving up
+        rpc_timeout_s=120,
+    )
+    async with sync:
+        await sync.init_communicator()
+        # The trainer never sends: the worker blocks waiting for the sync header (C2).
+        with pytest.raises(SyncTimeoutError, match="aiosync_collective_receive"):
+            await backend.collective_rpc(
+                "aiosync_collective_receive",
+                kwargs={"version": 1, "kv_names": []},
+                timeout_s=1.0,
+            )
+    # The next call waits for the abandoned one, which the group's timeout ends;
+    # the engine answers again, its weights marked invalid by the broken receive.
+    status = (await backend.collective_rpc("aiosync_vllm_status", timeout_s=120))[0]
+    assert status["weights_valid"] is False
+    good = IPCWeightSynchronizer(DTensorRefitSource(trainer), backend, device="cpu")
+    async with good:
+        await good.init_communicator()
+        await good.mark_stale()
+        await good.sync_weights()
+        await backend.prepare_for_generation()
+        assert await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS) == trainer_greedy(trainer)
 
 
 async def test_worker_errors_keep_their_aiosync_type_through_vllm_rpc(llm: Any) -> None:
