@@ -175,34 +175,61 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                     logger.exception("waking %s after a failed refit also failed", rest)
 
     async def _send_buckets(self, version: int) -> int:
-        """Pack, post and release every bucket in turn; returns the payload bytes."""
-        backend = self.generation
-        total = len(self._plan)
-        sent = 0
+        """Stream every bucket to the server; returns the payload bytes.
+
+        Two stages overlap: while the server loads bucket ``k`` the next one is
+        gathered and packed. At most two buckets exist at a time (one in flight,
+        one packed and waiting); each is dropped only after the server answered
+        for it (case C11).
+        """
+        send, receive = anyio.create_memory_object_stream[tuple[FlatBucket, torch.Tensor]](0)
+
+        async def produce() -> None:
+            async with send:
+                weights = self.policy.iter_weights()
+                for bucket, tensors in group_flat(weights, self._plan, self._manifest):
+                    device = self.device or tensors[0][1].device
+                    flat = allocate_flat(bucket, device)
+                    await anyio.to_thread.run_sync(_pack_and_wait, bucket, tensors, flat)
+                    del tensors
+                    try:
+                        await send.send((bucket, flat))
+                    except anyio.BrokenResourceError:
+                        return  # the poster failed; its error is the one raised
+                    del flat
+
         nbytes = 0
-        for bucket, tensors in group_flat(self.policy.iter_weights(), self._plan, self._manifest):
-            device = self.device or tensors[0][1].device
-            flat = allocate_flat(bucket, device)
-            try:
-                await anyio.to_thread.run_sync(pack_flat, bucket, tensors, flat)
-                if device.type == "cuda":
-                    torch.cuda.current_stream(device).synchronize()
-                del tensors
-                payloads = [serialize_flat(bucket, flat) for _ in range(self._tp_size)]
-                sent += 1
-                await backend.update_weights_from_tensor(
-                    payloads,
-                    load_format=FLATTENED_BUCKET,
-                    flush_cache=False,
-                    abort_all_requests=self.abort_all_requests and sent == 1,
-                    weight_version=str(version) if sent == total else None,
-                )
-            finally:
-                # The server acknowledged (or failed): drop our handle so the
-                # shared segment / CUDA block is freed once the server let go.
-                del flat
-            nbytes += bucket.nbytes
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(produce)
+                async with receive:
+                    sent = 0
+                    async for bucket, flat in receive:
+                        sent += 1
+                        try:
+                            await self._post_bucket(bucket, flat, version, sent)
+                        finally:
+                            # Answered (or failed): drop our handle so the shared
+                            # segment / CUDA block is freed once the server let go.
+                            del flat
+                        nbytes += bucket.nbytes
+        except BaseExceptionGroup as group:
+            raise _sole_error(group) from None
         return nbytes
+
+    async def _post_bucket(
+        self, bucket: FlatBucket, flat: torch.Tensor, version: int, sent: int
+    ) -> None:
+        # One serialization per rank: SGLang refcounts each CUDA-IPC handle per load.
+        payloads = [serialize_flat(bucket, flat) for _ in range(self._tp_size)]
+        await self.generation.update_weights_from_tensor(
+            payloads,
+            load_format=FLATTENED_BUCKET,
+            flush_cache=False,
+            abort_all_requests=self.abort_all_requests and sent == 1,
+            # Reported by the server only once every bucket landed.
+            weight_version=str(version) if sent == len(self._plan) else None,
+        )
 
     async def shutdown(self) -> None:
         """End the event stream. Idempotent. The backend stays open: whoever
@@ -216,3 +243,21 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             "weight_version": self.weight_version,
         }
         return f"HTTPWeightSynchronizer({info})"
+
+
+def _pack_and_wait(
+    bucket: FlatBucket, tensors: list[tuple[str, torch.Tensor]], flat: torch.Tensor
+) -> None:
+    """Pack on this (worker) thread; on CUDA, wait until the copies are done."""
+    pack_flat(bucket, tensors, flat)
+    if flat.is_cuda:
+        torch.cuda.current_stream(flat.device).synchronize()
+
+
+def _sole_error(group: BaseExceptionGroup) -> BaseException:
+    """The one real error of a task group (the other task was only cancelled)."""
+    errors = [e for e in group.exceptions if not isinstance(e, anyio.get_cancelled_exc_class())]
+    if len(errors) == 1:
+        inner = errors[0]
+        return _sole_error(inner) if isinstance(inner, BaseExceptionGroup) else inner
+    return group
