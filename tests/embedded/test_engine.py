@@ -7,7 +7,6 @@ import signal
 import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -15,22 +14,13 @@ import torch
 
 from aiosync.errors import SyncError, SyncTimeoutError, TransportError
 from aiosync.interfaces import EngineWorkers, GenerationBackend
+from transports.embedded.configs import TINY_QWEN3
 from transports.embedded.engine import EmbeddedEngine
 from transports.embedded.model import HFModelRunner
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-DENSE: dict[str, Any] = {
-    "model_type": "qwen3",
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "tie_word_embeddings": False,
-}
+DENSE = TINY_QWEN3
 SEED = 4
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
 

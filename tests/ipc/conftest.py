@@ -17,35 +17,12 @@ import torch
 
 from aiosync.interfaces import RefitManifest, RefitSource
 from refit import DTensorRefitSource
+from transports.embedded.configs import TINY_QWEN3_MOE, TINY_QWEN3_TIED
 from transports.embedded.engine import EmbeddedEngine
 from transports.embedded.model import HFModelRunner
 
-MOE: dict[str, Any] = {
-    "model_type": "qwen3_moe",
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "moe_intermediate_size": 32,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "mlp_only_layers": [1],
-    "norm_topk_prob": True,
-}
-DENSE_TIED: dict[str, Any] = {
-    "model_type": "qwen3",
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "tie_word_embeddings": True,
-}
+MOE = TINY_QWEN3_MOE
+DENSE_TIED = TINY_QWEN3_TIED
 #: Engines initialise with this seed; trainers use others so a sync must change every tensor.
 ENGINE_SEED = 3
 PROMPTS = [[1, 2, 3, 4], [5, 6], [7, 8, 9], [10]]

@@ -122,11 +122,8 @@ class EmbeddedWorker:
 
     def embedded_state_dict(self) -> dict[str, list[Any]]:
         """The weights in checkpoint names: ``{name: [dtype name, shape, raw bytes]}`` (tests)."""
-        out: dict[str, list[Any]] = {}
-        for name, tensor in self.model_runner.model.hf_state_dict().items():
-            raw = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-            out[name] = [dtype_name(tensor.dtype), list(tensor.shape), raw]
-        return out
+        state = self.model_runner.model.hf_state_dict()
+        return {name: tensor_to_wire(tensor) for name, tensor in state.items()}
 
     def embedded_load_state_dict(self, state: dict[str, list[Any]]) -> int:
         """Load ``{name: [dtype name, shape, raw bytes]}`` (the inverse of
@@ -134,14 +131,26 @@ class EmbeddedWorker:
 
         For tests and tools; trainers use a transport.
         """
-        weights = [
-            (name, torch.frombuffer(bytearray(raw), dtype=dtype_from_name(dtype)).reshape(shape))
-            for name, (dtype, shape, raw) in state.items()
-        ]
+        weights = [(name, tensor_from_wire(fields)) for name, fields in state.items()]
         with self._state_lock:
             loaded = int(self.model_runner.model.load_weights(weights))
             self.aiosync_weights_valid = True
         return loaded
+
+
+def tensor_to_wire(tensor: torch.Tensor) -> list[Any]:
+    """``[dtype name, shape, raw bytes]``: a tensor as msgpack-safe fields (no pickle)."""
+    raw = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return [dtype_name(tensor.dtype), list(tensor.shape), raw]
+
+
+def tensor_from_wire(fields: list[Any]) -> torch.Tensor:
+    """Inverse of :func:`tensor_to_wire` (a new tensor owning its memory)."""
+    dtype_str, shape, raw = fields
+    dtype = dtype_from_name(dtype_str)
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
 
 
 def _import(path: str) -> Any:

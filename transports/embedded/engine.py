@@ -44,9 +44,8 @@ import zmq.asyncio
 from aiosync._config import DEFAULT_RPC_TIMEOUT_S
 from aiosync.errors import SyncError, SyncTimeoutError, TransportError
 from transports._wire import decode, encode, rebuild_error
-from transports.packing import dtype_from_name
 
-from ._worker import run_worker
+from ._worker import run_worker, tensor_from_wire
 
 __all__ = ["DEFAULT_WORKER_EXTENSION", "EmbeddedEngine"]
 
@@ -474,13 +473,5 @@ class EmbeddedEngine:
         """Every worker's weights in HF checkpoint names (copies; for tests)."""
         replies = await self.collective_rpc("embedded_state_dict")
         return [
-            {
-                name: torch.frombuffer(bytearray(raw), dtype=dtype_from_name(dtype))
-                .reshape(shape)
-                .clone()
-                if raw
-                else torch.empty(shape, dtype=dtype_from_name(dtype))
-                for name, (dtype, shape, raw) in reply.items()
-            }
-            for reply in replies
+            {name: tensor_from_wire(fields) for name, fields in reply.items()} for reply in replies
         ]
