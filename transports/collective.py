@@ -278,7 +278,8 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
 
     async def _teardown(self, *, notify_workers: bool) -> None:
         group, self._group = self._group, None
-        if notify_workers and self.is_source and group is not None:
+        # After a failed sync our group is gone but a worker may still hold its own.
+        if notify_workers and self.is_source and self._plan is not None:
             # Unreachable workers destroy a broken group themselves.
             with contextlib.suppress(SyncError):
                 await self._rpc("aiosync_collective_destroy", {}, self.rpc_timeout_s)
