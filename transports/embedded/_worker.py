@@ -78,22 +78,25 @@ class EmbeddedWorker:
             SyncError: the weights are invalid (a refit failed half-way or the
                 engine discarded them) or asleep.
         """
-        with self._state_lock:
-            if not self.aiosync_weights_valid:
-                raise SyncError(
-                    f"worker {self.rank}: weights are not valid (a refit failed or they were "
-                    "discarded while asleep); a sync must succeed before generating"
-                )
-            if self._asleep:
-                raise SyncError(f"worker {self.rank}: asleep ({sorted(self._asleep)})")
         runner: HFModelRunner = self.model_runner.model
-        return runner.generate(
-            prompts,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            seed=seed,
-            ignore_eos=ignore_eos,
-        )
+        # Checked under the model's lock: a receiver marks the weights invalid
+        # before its first load_weights, which then waits for this generation.
+        with runner.lock:
+            with self._state_lock:
+                if not self.aiosync_weights_valid:
+                    raise SyncError(
+                        f"worker {self.rank}: weights are not valid (a refit failed or they "
+                        "were discarded while asleep); a sync must succeed before generating"
+                    )
+                if self._asleep:
+                    raise SyncError(f"worker {self.rank}: asleep ({sorted(self._asleep)})")
+            return runner.generate(
+                prompts,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                seed=seed,
+                ignore_eos=ignore_eos,
+            )
 
     def embedded_sleep(self, level: int) -> bool:
         """Sleep; level 2 discards the weights (they are zeroed). Returns whether they were."""

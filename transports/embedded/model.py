@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,9 @@ class HFModelRunner:
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
         self.model.eval()
+        #: Held by :meth:`load_weights` and :meth:`generate`: a generation never
+        #: reads a half-copied tensor, whichever threads the engine runs them in.
+        self.lock = threading.RLock()
         self._manifest = _checkpoint_manifest(model)
         self._targets = _resolve_targets(model, self._manifest)
         # Tied heads are absent from the checkpoint; a sender that still sends
@@ -133,7 +137,7 @@ class HFModelRunner:
                 from the checkpoint's.
         """
         loaded = 0
-        with torch.no_grad():
+        with self.lock, torch.no_grad():
             for name, tensor in weights:
                 target = self._targets.get(name)
                 if target is None:
@@ -156,7 +160,7 @@ class HFModelRunner:
 
     def fill_(self, value: float) -> None:
         """Overwrite every weight with ``value`` (an engine that discarded its weights)."""
-        with torch.no_grad():
+        with self.lock, torch.no_grad():
             for name in self._manifest:
                 self._targets[name].fill_(value)
 
@@ -186,7 +190,7 @@ class HFModelRunner:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         device = next(self.model.parameters()).device
         outputs: list[list[int]] = []
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
+        with self.lock, torch.random.fork_rng(devices=[]), torch.no_grad():
             if seed is not None:
                 torch.manual_seed(seed)
             for prompt in prompts:
