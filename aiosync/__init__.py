@@ -28,11 +28,15 @@ from .interfaces import (
     WeightSynchronizer,
     refit_if_stale,
 )
+from .replay import ReplaySample, StalenessStats, VersionedReplayBuffer
 
 if TYPE_CHECKING:
     from transports.collective import CollectiveWeightSynchronizer
+    from transports.embedded.engine import EmbeddedEngine
     from transports.http import HTTPWeightSynchronizer
     from transports.ipc import IPCWeightSynchronizer
+    from transports.sglang_backend import SGLangHTTPBackend
+    from transports.vllm_backend import VLLMGenerationBackend
 
 __version__ = "0.1.0.dev0"
 
@@ -43,6 +47,7 @@ __all__ = [
     "DEFAULT_SYNC_TIMEOUT_S",
     "KNOWN_BACKENDS",
     "CollectiveWeightSynchronizer",
+    "EmbeddedEngine",
     "EngineWorkers",
     "EventSubscription",
     "GenerationBackend",
@@ -52,11 +57,16 @@ __all__ = [
     "RefitManifest",
     "RefitMismatchError",
     "RefitSource",
+    "ReplaySample",
+    "SGLangHTTPBackend",
+    "StalenessStats",
     "SyncError",
     "SyncTimeoutError",
     "TrainCluster",
     "TransportError",
+    "VLLMGenerationBackend",
     "VersionEventKind",
+    "VersionedReplayBuffer",
     "WeightSynchronizer",
     "WeightVersionEvent",
     "__version__",
@@ -64,10 +74,14 @@ __all__ = [
     "refit_if_stale",
 ]
 
+# Transports and engines load on first use: they import torch, zmq or httpx.
 _LAZY: dict[str, str] = {
     "CollectiveWeightSynchronizer": "transports.collective",
+    "EmbeddedEngine": "transports.embedded.engine",
     "HTTPWeightSynchronizer": "transports.http",
     "IPCWeightSynchronizer": "transports.ipc",
+    "SGLangHTTPBackend": "transports.sglang_backend",
+    "VLLMGenerationBackend": "transports.vllm_backend",
 }
 
 

@@ -247,37 +247,40 @@ class DTensorRefitSource(RefitSource):
         """
         entries = self._entries()
         live = self.model.state_dict(keep_vars=True)
-        with torch.no_grad():
-            for entry in entries:
-                tensor = live.get(entry.module_key)
-                if not isinstance(tensor, torch.Tensor):
-                    raise RefitMismatchError(f"{entry.module_key!r} vanished from the model")
-                full = tensor.detach()
-                if _is_dtensor(full):
-                    # Cast the local shard first when every output gets the same dtype:
-                    # the gather then moves and allocates engine-dtype bytes (an
-                    # elementwise cast commutes with the gather, bit for bit).
-                    dtypes = {dtype for _, _, dtype in entry.outputs}
-                    if len(dtypes) == 1 and full.dtype.is_floating_point:
-                        full = full.to(dtypes.pop())
-                    full = full.full_tensor()  # type: ignore[attr-defined]
-                outputs = self._convert(entry, full)
-                del full  # the outputs hold what they need
-                for index, (name, shape, dtype) in enumerate(entry.outputs):
-                    got = next(outputs, None)
-                    if got is None or got[0] != name or tuple(got[1].shape) != shape:
-                        found = "nothing" if got is None else f"{got[0]} {tuple(got[1].shape)}"
-                        raise RefitMismatchError(
-                            f"{entry.key}: checkpoint tensor {index} should be {name} {shape}, "
-                            f"got {found}"
-                        )
-                    out = got[1].to(dtype)
-                    del got  # drop the uncast view before the consumer runs
-                    yield name, out
-                    del out
-                extra = next(outputs, None)
-                if extra is not None:
-                    raise RefitMismatchError(f"{entry.key}: unexpected extra tensor {extra[0]}")
+        # Everything below works on detached tensors, so no autograd graph is
+        # built. ``torch.no_grad()`` is not held across the ``yield``: the grad
+        # mode is thread-local and a consumer may resume this generator from a
+        # worker thread, which would then be left with gradients off.
+        for entry in entries:
+            tensor = live.get(entry.module_key)
+            if not isinstance(tensor, torch.Tensor):
+                raise RefitMismatchError(f"{entry.module_key!r} vanished from the model")
+            full = tensor.detach()
+            if _is_dtensor(full):
+                # Cast the local shard first when every output gets the same dtype:
+                # the gather then moves and allocates engine-dtype bytes (an
+                # elementwise cast commutes with the gather, bit for bit).
+                dtypes = {dtype for _, _, dtype in entry.outputs}
+                if len(dtypes) == 1 and full.dtype.is_floating_point:
+                    full = full.to(dtypes.pop())
+                full = full.full_tensor()  # type: ignore[attr-defined]
+            outputs = self._convert(entry, full)
+            del full  # the outputs hold what they need
+            for index, (name, shape, dtype) in enumerate(entry.outputs):
+                got = next(outputs, None)
+                if got is None or got[0] != name or tuple(got[1].shape) != shape:
+                    found = "nothing" if got is None else f"{got[0]} {tuple(got[1].shape)}"
+                    raise RefitMismatchError(
+                        f"{entry.key}: checkpoint tensor {index} should be {name} {shape}, "
+                        f"got {found}"
+                    )
+                out = got[1].to(dtype)
+                del got  # drop the uncast view before the consumer runs
+                yield name, out
+                del out
+            extra = next(outputs, None)
+            if extra is not None:
+                raise RefitMismatchError(f"{entry.key}: unexpected extra tensor {extra[0]}")
 
     def _convert(self, entry: _Entry, full: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint tensors of one full module tensor, lazily where possible."""
