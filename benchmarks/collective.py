@@ -211,6 +211,9 @@ class _Rank:
 
 
 def _run(rank: int, args: argparse.Namespace, conn: Any) -> dict[str, Any]:
+    # One intra-op thread: gloo's own threads need the other cores, and OpenMP
+    # workers spinning against them slow every copy several-fold on a small box.
+    torch.set_num_threads(args.threads)
     store = open_store("127.0.0.1", args.port, is_master=rank == 0, timeout_s=600)
     group = create_sync_group(
         store=store,
@@ -283,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         "--flat-limit-mb", type=int, default=2048, help="largest flat floor buffer, MiB"
     )
     parser.add_argument("--repeat", type=int, default=None, help="timed repeats (median reported)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     parser.add_argument("--port", type=int, default=0, help="TCPStore port (0: a free one)")
     args = parser.parse_args(argv)
     if args.repeat is None:

@@ -21,17 +21,10 @@ Usage::
 
 from __future__ import annotations
 
-import os
-import sys
-
-# Running ``python benchmarks/ipc.py`` puts benchmarks/ first on sys.path, where
-# sibling scripts (http.py) would shadow the standard library's modules.
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    del sys.path[0]
-
 import argparse
 import asyncio
 import json
+import os
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any

@@ -16,38 +16,32 @@ measures:
   the extra time per extra request, ms, next to one ``/get_weight_version``
   round trip.
 
-Usage: ``python benchmarks/http.py [--quick] [--json] [--repeats N]``.
+Usage: ``python benchmarks/sglang_http.py [--quick] [--json] [--repeats N]``.
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-# This file is named like the stdlib package ``http``; run as a script its folder
-# comes first on sys.path and would shadow it for httpx. Drop the folder.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+import httpx
+import torch
+from rich.console import Console
+from rich.table import Table
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
-from typing import Any  # noqa: E402
-
-import httpx  # noqa: E402
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from aiosync.interfaces import RefitManifest, RefitSource  # noqa: E402
-from transports._sglang_wire import plan_flat_buckets  # noqa: E402
-from transports.http import HTTPWeightSynchronizer, SGLangHTTPBackend  # noqa: E402
+from aiosync.interfaces import RefitManifest, RefitSource
+from transports._sglang_wire import plan_flat_buckets
+from transports.http import HTTPWeightSynchronizer, SGLangHTTPBackend
 
 REPO = Path(__file__).resolve().parent.parent
 GB = 1e9
