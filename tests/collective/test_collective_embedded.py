@@ -48,11 +48,19 @@ async def test_embedded_engine_refits_bit_exact_and_generates_like_the_trainer()
             async with sync:
                 await sync.init_communicator()
                 await sync.mark_stale()
-                assert await refit_if_stale(sync, engine)
+                await sync.sync_weights(kv_scales={0: 0.5 + step, 1: 0.25})
+                await engine.prepare_for_generation()
                 assert sync.weight_version == 1
+                assert not await refit_if_stale(sync, engine)
             expected = {n: t.clone() for n, t in DTensorRefitSource(trainer.model).iter_weights()}
             for state in await engine.hf_state_dicts():
                 assert list(state) == list(expected)
                 assert all(torch.equal(state[n], t) for n, t in expected.items())
+            scales = {
+                f"model.layers.{i}.self_attn.{kv}_scale": value
+                for i, value in ((0, 0.5 + step), (1, 0.25))
+                for kv in "kv"
+            }
+            assert [s["kv_scales"] for s in await engine.status()] == [scales, scales]
             want = trainer.generate(prompts, max_new_tokens=5, ignore_eos=True)
             assert await engine.generate(prompts, max_new_tokens=5, ignore_eos=True) == want

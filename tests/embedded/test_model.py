@@ -111,6 +111,28 @@ def test_load_rejects_unknown_names_and_wrong_shapes() -> None:
         runner.load_weights([("model.norm.weight", torch.ones(64, dtype=torch.bfloat16))])
 
 
+def test_kv_cache_scales_are_recorded_as_vllm_names_them() -> None:
+    runner = HFModelRunner.from_config(DENSE_TIED, seed=1)
+    before = runner.hf_state_dict()
+    loaded = runner.load_weights(
+        [
+            ("model.layers.0.self_attn.k_scale", torch.tensor(0.5)),
+            ("model.layers.1.self_attn.v_scale", torch.tensor([0.25])),
+        ]
+    )
+    assert loaded == 2
+    assert runner.kv_scales == {
+        "model.layers.0.self_attn.k_scale": 0.5,
+        "model.layers.1.self_attn.v_scale": 0.25,
+    }
+    after = runner.hf_state_dict()
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    with pytest.raises(RefitMismatchError, match=r"layers\.9\.self_attn\.k_scale"):
+        runner.load_weights([("model.layers.9.self_attn.k_scale", torch.tensor(1.0))])
+    with pytest.raises(RefitMismatchError, match="float32 of shape"):
+        runner.load_weights([("model.layers.0.self_attn.k_scale", torch.ones(2))])
+
+
 def test_from_config_loads_a_local_checkpoint_folder(tmp_path: Path) -> None:
     source = HFModelRunner.from_config(MOE, seed=1, dtype="bfloat16")
     saved = _saved(source, tmp_path)

@@ -115,12 +115,13 @@ class EmbeddedWorker:
             return sorted(self._asleep)
 
     def embedded_status(self) -> dict[str, Any]:
-        """``{"rank", "pid", "weights_valid", "asleep"}``."""
+        """``{"rank", "pid", "weights_valid", "asleep", "kv_scales"}``."""
         return {
             "rank": self.rank,
             "pid": os.getpid(),
             "weights_valid": self.aiosync_weights_valid,
             "asleep": sorted(self._asleep),
+            "kv_scales": dict(self.model_runner.model.kv_scales),
         }
 
     def embedded_state_dict(self) -> dict[str, list[Any]]:

@@ -466,7 +466,7 @@ class EmbeddedEngine:
     # -- tests and tools ------------------------------------------------------
 
     async def status(self) -> list[dict[str, Any]]:
-        """Each worker's ``{"rank", "pid", "weights_valid", "asleep"}``."""
+        """Each worker's ``{"rank", "pid", "weights_valid", "asleep", "kv_scales"}``."""
         return await self.collective_rpc("embedded_status")
 
     async def hf_state_dicts(self) -> list[dict[str, torch.Tensor]]:

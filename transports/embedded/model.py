@@ -30,6 +30,8 @@ from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from aiosync.errors import RefitMismatchError
 
+_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.[kv]_scale")
+
 __all__ = ["HFModelRunner"]
 
 # Checkpoint name of one expert's projection; the fused in-memory tensors live on
@@ -65,6 +67,11 @@ class HFModelRunner:
         for target, source in tied.items():
             if target not in self._targets and source in self._targets:
                 self._aliases[target] = self._targets[source]
+        #: FP8 KV-cache scales received, ``{"model.layers.{i}.self_attn.{k,v}_scale": float}``.
+        #: This reference engine has no FP8 KV cache; it records the scales that
+        #: vLLM would load into its attention layers, so a refit can be checked.
+        self.kv_scales: dict[str, float] = {}
+        self._num_layers = int(getattr(model.config, "num_hidden_layers", 0))
 
     @property
     def device(self) -> torch.device:
@@ -142,8 +149,11 @@ class HFModelRunner:
                 target = self._targets.get(name)
                 if target is None:
                     target = self._aliases.get(name)
-                    if target is None:
-                        raise RefitMismatchError(f"{name!r} is not a parameter of this model")
+                if target is None and self._load_kv_scale(name, tensor):
+                    loaded += 1
+                    continue
+                if target is None:
+                    raise RefitMismatchError(f"{name!r} is not a parameter of this model")
                 if target.shape != tensor.shape or target.dtype != tensor.dtype:
                     raise RefitMismatchError(
                         f"{name}: model {tuple(target.shape)} {target.dtype}, "
@@ -152,6 +162,19 @@ class HFModelRunner:
                 target.copy_(tensor)
                 loaded += 1
         return loaded
+
+    def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> bool:
+        """Record ``model.layers.{i}.self_attn.{k,v}_scale`` (float32, ``()`` or ``(1,)``)."""
+        match = _KV_SCALE.fullmatch(name)
+        if match is None or int(match.group(1)) >= self._num_layers:
+            return False
+        if tensor.dtype != torch.float32 or tensor.numel() != 1 or tensor.dim() > 1:
+            raise RefitMismatchError(
+                f"{name}: a KV-cache scale is float32 of shape () or (1,), "
+                f"got {tuple(tensor.shape)} {tensor.dtype}"
+            )
+        self.kv_scales[name] = float(tensor.reshape(()).item())
+        return True
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights as ``save_pretrained`` writes them: checkpoint names and order, copies."""
