@@ -22,33 +22,10 @@ import anyio
 import anyio.to_thread
 
 from aiosync.errors import RefitMismatchError, SyncTimeoutError, TransportError
+from transports.embedded.configs import TINY_QWEN3, TINY_QWEN3_MOE
 
-QWEN3 = {
-    "model_type": "qwen3",
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "tie_word_embeddings": False,
-}
-QWEN3_MOE = {
-    "model_type": "qwen3_moe",
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "moe_intermediate_size": 32,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "mlp_only_layers": [1],
-    "norm_topk_prob": True,
-}
+QWEN3 = TINY_QWEN3
+QWEN3_MOE = TINY_QWEN3_MOE
 
 _ERRORS: dict[str, type[Exception]] = {
     "RefitMismatchError": RefitMismatchError,

@@ -38,6 +38,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
+from transports.embedded.configs import TINY_QWEN3
 from transports.packing import BucketPlan, bucket_checksum, pack, plan_buckets, unpack
 
 __all__ = [
@@ -62,16 +63,7 @@ QWEN3_0_6B: dict[str, Any] = {
 }
 
 #: LAYOUTS.md §2's tiny Qwen3, for the fast exact test.
-QWEN3_TINY: dict[str, Any] = {
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "tie_word_embeddings": False,
-}
+QWEN3_TINY: dict[str, Any] = {k: v for k, v in TINY_QWEN3.items() if k != "model_type"}
 
 
 def qwen3_manifest(

@@ -26,21 +26,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from aiosync.interfaces import RefitManifest, RefitSource
 from refit import DTensorRefitSource
+from transports.embedded.configs import TINY_QWEN3
 from transports.embedded.model import HFModelRunner
 
 REPO = Path(__file__).resolve().parents[2]
 
-DENSE: dict[str, Any] = {
-    "model_type": "qwen3",
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "tie_word_embeddings": False,
-}
+DENSE: dict[str, Any] = TINY_QWEN3
 #: The server starts from this seed; trainers use others, so a sync changes every tensor.
 SERVER_SEED = 1
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9]]

@@ -15,20 +15,14 @@ from typing import Any
 import pytest
 import torch
 
+from transports.embedded.configs import TINY_QWEN3 as _TINY
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: plenty for 128 tokens
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 #: LAYOUTS.md §2's tiny Qwen3, untied so lm_head travels too.
-TINY_QWEN3: dict[str, Any] = {
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "tie_word_embeddings": False,
-    "max_position_embeddings": 256,
+TINY_QWEN3: dict[str, Any] = {k: v for k, v in _TINY.items() if k != "model_type"} | {
+    "max_position_embeddings": 256
 }
 
 
