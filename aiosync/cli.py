@@ -22,13 +22,10 @@ import json
 import platform
 import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._model_shapes import MODEL_CONFIGS
@@ -230,35 +227,17 @@ class _RandomSource:
 @contextlib.asynccontextmanager
 async def _sglang_test_server(config: dict[str, Any]) -> AsyncIterator[Any]:
     """aiosync's SGLang test server in its own process, as an ``SGLangHTTPBackend``."""
-    import anyio
-
     from transports.sglang_backend import SGLangHTTPBackend
+    from transports.sglang_test_server import serve_in_subprocess
 
-    with tempfile.TemporaryDirectory(prefix="aiosync-bench-") as tmp:
-        config_path, port_file = Path(tmp) / "config.json", Path(tmp) / "port"
-        config_path.write_text(json.dumps({k: v for k, v in config.items() if k != "dtype"}))
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "transports.sglang_test_server", "--port", "0",
-             "--port-file", str(port_file), "--model-config", str(config_path),
-             "--dtype", config["dtype"]],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        try:
-            with anyio.fail_after(_SERVER_START_TIMEOUT_S):
-                while not port_file.exists():
-                    if proc.poll() is not None:
-                        raise RuntimeError(f"SGLang test server exited with {proc.returncode}")
-                    await anyio.sleep(0.1)
-            async with SGLangHTTPBackend(f"http://127.0.0.1:{port_file.read_text()}") as backend:
-                yield backend
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    model_config = {k: v for k, v in config.items() if k != "dtype"}
+    async with (
+        serve_in_subprocess(
+            model_config, dtype=config["dtype"], start_timeout_s=_SERVER_START_TIMEOUT_S
+        ) as url,
+        SGLangHTTPBackend(url) as backend,
+    ):
+        yield backend
 
 
 @contextlib.asynccontextmanager

@@ -16,13 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -34,6 +28,7 @@ from aiosync import create_weight_synchronizer, refit_if_stale
 from refit import DTensorRefitSource
 from transports.embedded.model import HFModelRunner
 from transports.sglang_backend import SGLangHTTPBackend
+from transports.sglang_test_server import serve_in_subprocess
 
 CONFIG = {
     "model_type": "qwen3", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
@@ -79,35 +74,12 @@ async def launch_test_server(
     config: Mapping[str, Any], *, seed: int = 0, start_timeout_s: float = 300.0
 ) -> AsyncIterator[TestServerBackend]:
     """Start ``python -m transports.sglang_test_server`` on 127.0.0.1; yield its backend."""
-    with tempfile.TemporaryDirectory(prefix="aiosync-sglang-") as tmp:
-        config_path, port_file = Path(tmp) / "config.json", Path(tmp) / "port"
-        config_path.write_text(json.dumps(dict(config)))
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "transports.sglang_test_server", "--port", "0",
-             "--port-file", str(port_file), "--model-config", str(config_path),
-             "--seed", str(seed)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+    async with serve_in_subprocess(config, seed=seed, start_timeout_s=start_timeout_s) as url:
+        backend = TestServerBackend(url)
         try:
-            deadline = time.monotonic() + start_timeout_s
-            while not port_file.exists():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"SGLang test server did not start (exit {proc.poll()})")
-                await anyio.sleep(0.1)
-            url = f"http://127.0.0.1:{port_file.read_text()}"
-            backend = TestServerBackend(url)
-            try:
-                yield backend
-            finally:
-                await backend.aclose()
+            yield backend
         finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            await backend.aclose()
 
 
 def greedy(model: Any, prompt: list[int], n: int) -> list[int]:

@@ -34,16 +34,21 @@ Test-only endpoints (under ``/_aiosync/``, no API key needed):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import anyio
 import torch
 from safetensors.torch import save as safetensors_save
 
@@ -52,7 +57,7 @@ from aiosync.errors import SyncError, TransportError
 from ._sglang_wire import FLATTENED_BUCKET, decode_flattened_bucket, use_file_system_sharing
 from .embedded.model import HFModelRunner
 
-__all__ = ["ServerState", "main", "make_server"]
+__all__ = ["ServerState", "main", "make_server", "serve_in_subprocess"]
 
 _ALL_TAGS = ("weights", "kv_cache", "cuda_graph")
 _FAULT_MODES = ("error", "hang", "drop", "busy")
@@ -455,6 +460,54 @@ def make_server(state: ServerState, port: int = 0) -> _Server:
     server = _Server(("127.0.0.1", port), _Handler)
     server.state = state
     return server
+
+
+@contextlib.asynccontextmanager
+async def serve_in_subprocess(
+    model_config: Mapping[str, Any],
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    args: Sequence[str] = (),
+    start_timeout_s: float = 300.0,
+) -> AsyncIterator[str]:
+    """Run this server in its own process on 127.0.0.1; yield its base URL.
+
+    Args:
+        model_config: an HF config dict with ``model_type`` (random init, ``seed``).
+        seed: the server model's init seed.
+        dtype: the server model's dtype name (``"float32"``, ``"bfloat16"``).
+        args: more command-line flags (``["--api-key", "k", "--enable-memory-saver"]``).
+        start_timeout_s: limit for the model build and bind, seconds.
+
+    Raises:
+        TransportError: the server exited before it was ready.
+        TimeoutError: it was not ready within ``start_timeout_s``.
+    """
+    with tempfile.TemporaryDirectory(prefix="aiosync-sglang-") as tmp:
+        config_path, port_file = Path(tmp) / "config.json", Path(tmp) / "port"
+        config_path.write_text(json.dumps(dict(model_config)))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "transports.sglang_test_server", "--port", "0",
+             "--port-file", str(port_file), "--model-config", str(config_path),
+             "--seed", str(seed), "--dtype", dtype, *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            with anyio.fail_after(start_timeout_s):
+                while not port_file.exists():
+                    if proc.poll() is not None:
+                        raise TransportError(f"SGLang test server exited with {proc.returncode}")
+                    await anyio.sleep(0.1)
+            yield f"http://127.0.0.1:{port_file.read_text()}"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def main(argv: list[str] | None = None) -> None:
