@@ -1,6 +1,6 @@
 """NNX → HF refit throughput of the JAX seam on a Qwen3-30B-A3B-shaped state.
 
-The NNX state has the real dimensions of ``../shared/models/qwen3-30b-a3b.json``
+The NNX state has the real dimensions of ``qwen3-30b-a3b`` (``aiosync/_model_shapes.py``)
 (H=2048, 128 experts of Im=768, 32 heads of 128, V=151936) in bf16, cut to a
 few layers (the output says how many). In one process it measures:
 
@@ -29,7 +29,6 @@ import argparse
 import json
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -39,16 +38,16 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from aiosync._model_shapes import MODEL_CONFIGS
 from refit.nnx import NNXRefitSource, model_map_for
 from refit.nnx.convert import numpy_to_torch
 from refit.nnx.table import ModelMap, flatten_params
 
-MODELS_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "models"
 GB = 1e9
 
 
 def _config(layers: int, experts: int | None) -> dict[str, Any]:
-    raw: dict[str, Any] = json.loads((MODELS_DIR / "qwen3-30b-a3b.json").read_text())
+    raw: dict[str, Any] = dict(MODEL_CONFIGS["qwen3-30b-a3b"])  # published config.json
     raw["num_hidden_layers"] = layers
     if experts is not None:
         raw["num_experts"] = experts

@@ -1,7 +1,8 @@
 """Gather+pack throughput of the torch refit seam on real model shapes.
 
-For a Qwen3-0.6B-shaped and a Qwen3-30B-A3B-shaped model (the real configs in
-``../shared/models/``, cut to a few layers), this measures, in one process:
+For a Qwen3-0.6B-shaped and a Qwen3-30B-A3B-shaped model (the published
+config.json fields, kept in ``aiosync/_model_shapes.py``, cut to a few layers),
+this measures, in one process:
 
 * **refit**: ``DTensorRefitSource.iter_weights()`` (checkpoint names, per-expert
   split, fp32 master → bf16 cast) streamed into a reused bucket buffer with
@@ -30,17 +31,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from itertools import islice
-from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from aiosync._model_shapes import MODEL_CONFIGS
 from refit import DTensorRefitSource
 from transports.packing import BucketPlan, pack, plan_buckets
 
-MODELS_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "models"
 GB = 1e9
 MiB = 1 << 20
 #: RSS sampling sees allocator bookkeeping and page granularity on top of the tensors.
@@ -50,7 +50,7 @@ PEAK_SLACK_BYTES = 32 * MiB
 def _config(name: str, layers: int, experts: int | None) -> Any:
     from transformers import AutoConfig
 
-    raw = json.loads((MODELS_DIR / f"{name}.json").read_text())
+    raw = dict(MODEL_CONFIGS[name])  # the published config.json fields
     model_type = raw.pop("model_type")
     raw.pop("torch_dtype", None)
     raw["num_hidden_layers"] = layers
