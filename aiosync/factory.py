@@ -58,10 +58,13 @@ def create_weight_synchronizer(
         **options: passed to the transport (``bucket_bytes``, timeouts, ...).
 
     Raises:
+        TypeError: ``colocated`` is not a bool.
         ValueError: unknown backend (the message lists the known ones), or a
             non-colocated setup without ``train_cluster``/``inference_world_size``.
         NotImplementedError: non-colocated SGLang.
     """
+    if not isinstance(colocated, bool):
+        raise TypeError(f"colocated must be a bool, got {colocated!r}")
     if backend not in KNOWN_BACKENDS:
         raise ValueError(
             f"unknown backend {backend!r}; known backends: {', '.join(KNOWN_BACKENDS)}"

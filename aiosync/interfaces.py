@@ -166,8 +166,12 @@ class WeightSynchronizer(ABC):
         sync_timeout_s: float = DEFAULT_SYNC_TIMEOUT_S,
         event_backlog: int = DEFAULT_EVENT_BACKLOG,
     ) -> None:
-        if sync_timeout_s <= 0:
-            raise ValueError(f"sync_timeout_s must be > 0, got {sync_timeout_s}")
+        if not (isinstance(sync_timeout_s, int | float) and 0 < sync_timeout_s < math.inf):
+            raise ValueError(f"sync_timeout_s must be a finite number > 0, got {sync_timeout_s!r}")
+        if isinstance(event_backlog, bool) or not isinstance(event_backlog, int):
+            raise TypeError(f"event_backlog must be an int, got {type(event_backlog).__name__}")
+        if event_backlog < 1:
+            raise ValueError(f"event_backlog must be >= 1, got {event_backlog}")
         self.policy = policy
         self.generation = generation
         self.sync_timeout_s = sync_timeout_s

@@ -44,9 +44,11 @@ def kv_scales_to_tensors(
         ValueError: an unknown key, a layer outside ``[0, num_layers)``, a scale set
             twice (an index and a name for the same scale), or a scale that is not
             finite and > 0.
-        TypeError: a key that is neither ``int`` nor ``str`` (``bool`` included),
-            or a value that is not a real number.
+        TypeError: ``kv_scales`` is not a mapping, a key is neither ``int`` nor
+            ``str`` (``bool`` included), or a value is not a real number.
     """
+    if not isinstance(kv_scales, Mapping):
+        raise TypeError(f"kv_scales must be a mapping, got {type(kv_scales).__name__}")
     if num_layers is not None and num_layers < 0:
         raise ValueError(f"num_layers must be >= 0, got {num_layers}")
     values: dict[tuple[int, str], float] = {}

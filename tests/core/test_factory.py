@@ -58,6 +58,11 @@ def test_non_colocated_requires_cluster_and_world_size(source, engine, kwargs, m
         create_weight_synchronizer(source, engine, colocated=False, backend="vllm", **kwargs)
 
 
+def test_colocated_must_be_a_bool(source, engine):
+    with pytest.raises(TypeError, match="colocated must be a bool"):
+        create_weight_synchronizer(source, engine, colocated="no", backend="vllm")  # type: ignore[arg-type]
+
+
 def test_unknown_backend_lists_known_ones(source, engine):
     with pytest.raises(ValueError, match="known backends: vllm, sglang, embedded"):
         create_weight_synchronizer(source, engine, colocated=True, backend="trtllm")

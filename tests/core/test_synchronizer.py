@@ -221,6 +221,14 @@ async def test_async_context_manager_shuts_down(make_sync):
         await s.mark_stale()
 
 
-def test_sync_timeout_must_be_positive(make_sync):
+@pytest.mark.parametrize("timeout", [0, -1.0, math.nan, math.inf, "5"])
+def test_sync_timeout_must_be_a_finite_positive_number(make_sync, timeout):
     with pytest.raises(ValueError, match="sync_timeout_s"):
-        make_sync(sync_timeout_s=0)
+        make_sync(sync_timeout_s=timeout)
+
+
+def test_event_backlog_is_checked_at_construction(make_sync):
+    with pytest.raises(ValueError, match="event_backlog"):
+        make_sync(event_backlog=0)
+    with pytest.raises(TypeError, match="event_backlog"):
+        make_sync(event_backlog=2.5)

@@ -63,3 +63,5 @@ def test_non_numeric_or_bool_raise_type_error() -> None:
         kv_scales_to_tensors({0: "1.0"})  # type: ignore[dict-item]
     with pytest.raises(TypeError):
         kv_scales_to_tensors({(0,): 1.0})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="must be a mapping, got list"):
+        kv_scales_to_tensors([1.0])  # type: ignore[arg-type]
