@@ -277,7 +277,7 @@ async def _bench_one(transport: str, model: str, layers: int, args: argparse.Nam
     source = _RandomSource(manifest)
     nbytes = sum(t.numel() * t.element_size() for t in source.weights.values())
     options: dict[str, Any] = {}
-    if args.bucket_mb:
+    if args.bucket_mb is not None:
         options["bucket_bytes"] = args.bucket_mb * 1024 * 1024
     if not colocated:
         options["train_cluster"] = TrainCluster(master_port=_free_port())
@@ -383,25 +383,35 @@ def build_parser() -> argparse.ArgumentParser:
         "--transport", nargs="+", choices=list(_TRANSPORTS), required=True, help="one or more"
     )
     bench.add_argument("--model", choices=list(MODEL_CONFIGS), default="qwen3-0.6b")
-    bench.add_argument("--layers", type=int, default=1, help="decoder layers (without --sizes)")
     bench.add_argument(
-        "--sizes", type=int, nargs="+", default=None, help="decoder-layer counts to measure"
+        "--layers", type=_positive_int, default=1, help="decoder layers (without --sizes)"
+    )
+    bench.add_argument(
+        "--sizes", type=_positive_int, nargs="+", default=None, help="decoder-layer counts"
     )
     bench.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    bench.add_argument("--bucket-mb", type=int, default=None, help="bucket size, MiB")
-    bench.add_argument("--repeats", type=int, default=3, help="timed refits per size")
+    bench.add_argument("--bucket-mb", type=_positive_int, default=None, help="bucket size, MiB")
+    bench.add_argument("--repeats", type=_positive_int, default=3, help="timed refits per size")
     bench.add_argument("--plot", default=None, help="write a PNG of GB/s against size")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(func=_cmd_bench)
     return parser
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``aiosync`` console script."""
     args = build_parser().parse_args(argv)
-    if getattr(args, "sizes", None) and any(s < 1 for s in args.sizes):
-        print("aiosync bench: --sizes must be layer counts >= 1", file=sys.stderr)
-        return 2
     return int(args.func(args))
 
 

@@ -74,3 +74,12 @@ def test_bench_rejects_an_unknown_model() -> None:
     proc = aiosync("bench", "--transport", "ipc", "--model", "llama-7b")
     assert proc.returncode == 2
     assert "qwen3-0.6b" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "flag", [["--repeats", "0"], ["--repeats", "-1"], ["--bucket-mb", "0"], ["--sizes", "0"]]
+)
+def test_bench_rejects_non_positive_counts_before_running(flag: list[str]) -> None:
+    proc = aiosync("bench", "--transport", "ipc", *flag)
+    assert proc.returncode == 2
+    assert f"argument {flag[0]}: expected an integer >= 1" in proc.stderr
