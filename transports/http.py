@@ -13,7 +13,11 @@ The SGLang server stays its own process, reached by URL through an
    on the last bucket ``weight_version=str(version)`` so the server reports
    the version only once all of it landed. A bucket's memory is freed only
    after the server acknowledged it (case C11); on CPU the handle is a
-   shared-memory file name, released when both sides dropped it;
+   shared-memory file name, released when both sides dropped it. Before the
+   first bucket is posted the backend's weights are marked invalid
+   (``note_weights_loading``): SGLang loads in place, so a sync that fails, times
+   out or is cancelled after that leaves a mix of two versions, and
+   ``generate()`` refuses until a sync completes (``note_weights_loaded``);
 4. ``/flush_cache``, retried while the server is busy (bounded; see
    ``SGLangHTTPBackend.flush_cache``), so no KV computed with old weights
    survives (case C7);
@@ -222,6 +226,11 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
     ) -> None:
         # One serialization per rank: SGLang refcounts each CUDA-IPC handle per load.
         payloads = [serialize_flat(bucket, flat) for _ in range(self._tp_size)]
+        if sent == 1:
+            # From this post on the server may hold a mix of two versions: invalid
+            # (generate refuses) until _transfer notes the whole version loaded. Set
+            # before the await, so a failure, timeout or cancellation leaves it so.
+            self.generation.note_weights_loading()
         await self.generation.update_weights_from_tensor(
             payloads,
             load_format=FLATTENED_BUCKET,

@@ -68,6 +68,7 @@ FLUSH_BACKOFF_MAX_S: float = 2.0
 DEFAULT_GENERATE_TIMEOUT_S: float = 600.0
 # Connecting to a local server never legitimately takes long.
 _CONNECT_TIMEOUT_S = 10.0
+_DISCARDED = "they were released by the memory saver and not re-synced"
 
 
 class SGLangHTTPBackend:
@@ -136,8 +137,10 @@ class SGLangHTTPBackend:
             transport=transport,
         )
         self._released: set[str] = set()
-        # False from the moment the server discarded its weights until a sync landed.
+        # False from the moment the server discarded its weights, or a refit began
+        # loading into them, until a whole sync landed.
         self._weights_valid = True
+        self._invalid_reason = ""
         self._listeners: list[Callable[[], None]] = []
 
     # -- state --------------------------------------------------------------------
@@ -149,7 +152,9 @@ class SGLangHTTPBackend:
 
     @property
     def weights_valid(self) -> bool:
-        """False while the server holds discarded (garbage) weights, until a sync lands."""
+        """False while the server holds discarded (garbage) weights or a partly loaded
+        version (a sync failed, timed out or was cancelled after its first bucket was
+        posted), until a sync lands."""
         return self._weights_valid
 
     def add_invalidation_listener(self, callback: Callable[[], None]) -> None:
@@ -160,12 +165,26 @@ class SGLangHTTPBackend:
         """
         self._listeners.append(callback)
 
+    def note_weights_loading(self) -> None:
+        """For the synchronizer: the first bucket of a new version is about to be posted.
+
+        From here the server may hold a mix of two versions (SGLang loads each
+        bucket in place), so :meth:`generate` refuses and the listeners are told
+        until :meth:`note_weights_loaded`, even if the sync fails or is cancelled.
+        """
+        self._discard_weights(
+            "a sync began loading new weights and did not complete (failed, timed out "
+            "or cancelled), so the server may hold a mix of two versions"
+        )
+
     def note_weights_loaded(self) -> None:
         """For the synchronizer: a complete set of weights landed on the server."""
         self._weights_valid = True
+        self._invalid_reason = ""
 
-    def _discard_weights(self) -> None:
+    def _discard_weights(self, reason: str) -> None:
         self._weights_valid = False
+        self._invalid_reason = reason
         for callback in self._listeners:
             callback()
 
@@ -209,11 +228,11 @@ class SGLangHTTPBackend:
         except BaseException:
             # The server may have released part of it: assume the worst.
             if "weights" in tags and not self.weights_cpu_backup:
-                self._discard_weights()
+                self._discard_weights(_DISCARDED)
             raise
         self._released.update(tags)
         if "weights" in tags and not self.weights_cpu_backup:
-            self._discard_weights()
+            self._discard_weights(_DISCARDED)
 
     # -- generation -------------------------------------------------------------
 
@@ -235,13 +254,16 @@ class SGLangHTTPBackend:
 
         Raises:
             SyncError: the server's weights are released or discarded and not
-                re-synced (never generate on garbage weights; case C6).
+                re-synced (never generate on garbage weights; case C6), or a sync
+                posted part of a new version and then failed, timed out or was
+                cancelled (never generate on mixed weights).
             TransportError, SyncTimeoutError: the server failed or did not answer.
         """
         if "weights" in self._released or not self._weights_valid:
+            reason = self._invalid_reason or _DISCARDED
             raise SyncError(
-                "the SGLang server's weights were released by the memory saver and not "
-                "re-synced; sync_weights() (and prepare_for_generation()) before generate()"
+                f"the SGLang server holds no valid weights: {reason}; "
+                "sync_weights() (and prepare_for_generation()) before generate()"
             )
         if self._released:
             raise SyncError(

@@ -8,9 +8,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import anyio
 import pytest
+import torch
 
-from aiosync import SyncTimeoutError, TransportError
+from aiosync import SyncError, SyncTimeoutError, TransportError
 from transports.http import HTTPWeightSynchronizer, SGLangHTTPBackend
 
 pytestmark = pytest.mark.slow
@@ -18,6 +20,8 @@ pytestmark = pytest.mark.slow
 BUCKET_BYTES = 64 * 1024
 REQUEST_TIMEOUT_S = 3.0
 FLUSH_TIMEOUT_S = 2.0
+#: Whole-sync limit of the interrupted-sync test, seconds: ample for buckets 0 and 1.
+INTERRUPT_SYNC_TIMEOUT_S = 8.0
 
 
 @pytest.fixture
@@ -182,3 +186,88 @@ async def test_whole_sync_timeout_stops_a_hung_refit(
         await sync.sync_weights()
         assert sync.weight_version == 1
         state_equal(server.state_dict(), trainer.expected())
+
+
+async def _interrupted_after_first_bucket(
+    server: Any, trainer: Any, state_equal: Any, prompts: list[list[int]], how: str
+) -> None:
+    """Sync v1, step, then interrupt the v2 sync once bucket 0 was acknowledged.
+
+    The source reaching the first tensor of bucket 2 proves bucket 0 was
+    answered: the packer hands bucket 1 over only after the poster finished
+    bucket 0 (a zero-capacity stream), and the source is read in plan order.
+    At that tensor the source either cancels the caller's scope (``cancel``) or
+    stalls past ``sync_timeout_s`` (``timeout``, a slow source).
+    """
+    sync, backend = await _synced(server, trainer)
+    old = trainer.expected()
+    plan = sync.plan
+    assert len(plan) >= 4
+    trigger = plan[2].slots[0].name
+    maybe_landed = {s.name for b in plan[:2] for s in b.slots}
+    trainer.step(seed=41)
+    new = trainer.expected()
+    await sync.mark_stale()
+    server.reset()
+    scope = anyio.CancelScope()
+    start = time.monotonic()
+
+    def interrupt(name: str) -> None:
+        if name != trigger:
+            return
+        if how == "cancel":
+            scope.cancel()
+        else:
+            # A slow source: blocks (on the event loop, as a real one does) past the limit.
+            time.sleep(max(0.0, start + sync.sync_timeout_s - time.monotonic()) + 0.5)
+
+    trainer.on_tensor = interrupt
+    if how == "cancel":
+        with scope:
+            await sync.sync_weights()
+        assert scope.cancelled_caught
+    else:
+        sync.sync_timeout_s = INTERRUPT_SYNC_TIMEOUT_S
+        with pytest.raises(SyncTimeoutError, match=rf"exceeded {INTERRUPT_SYNC_TIMEOUT_S} s"):
+            await sync.sync_weights()
+    trainer.on_tensor = None
+
+    # The server holds a mix: bucket 0 of v2, the tail still v1.
+    held = server.state_dict()
+    for slot in plan[0].slots:
+        assert torch.equal(held[slot.name], new[slot.name]), slot.name
+    for name in set(old) - maybe_landed:
+        assert torch.equal(held[name], old[name]), name
+    assert await backend.get_weight_version() == "1"
+    # ... so nothing may generate from it until a sync lands.
+    assert sync.weight_version == 1 and sync.policy_version == 2 and sync.is_stale
+    assert backend.weights_valid is False
+    with pytest.raises(SyncError, match="did not complete"):
+        await backend.generate(prompts, max_new_tokens=4)
+    assert trainer.events[-1] == "offload_after"
+
+    server.reset()
+    await sync.sync_weights()
+    assert sync.weight_version == 2 and not sync.is_stale and backend.weights_valid
+    assert await backend.get_weight_version() == "2"
+    state_equal(server.state_dict(), new)
+    assert await backend.generate(prompts, max_new_tokens=4) == trainer.reference_generate(
+        prompts, 4
+    )
+    await backend.aclose()
+
+
+async def test_sync_cancelled_after_a_bucket_landed_refuses_generate_until_a_sync(
+    server: Any, make_trainer: Any, state_equal: Any, prompts: list[list[int]]
+) -> None:
+    await _interrupted_after_first_bucket(
+        server, make_trainer(seed=40), state_equal, prompts, "cancel"
+    )
+
+
+async def test_sync_timed_out_after_a_bucket_landed_refuses_generate_until_a_sync(
+    server: Any, make_trainer: Any, state_equal: Any, prompts: list[list[int]]
+) -> None:
+    await _interrupted_after_first_bucket(
+        server, make_trainer(seed=42), state_equal, prompts, "timeout"
+    )
