@@ -71,6 +71,8 @@ DEFAULT_BUFFER_MEMORY_FRACTION: float = 0.02
 _MAX_DEFAULT_BUCKET_BYTES = 5 * 1024**3
 #: Smallest default staging buffer, bytes.
 _MIN_DEFAULT_BUCKET_BYTES = 16 * 1024**2
+#: What a sync in flight raises when ``shutdown()`` interrupts it.
+_SHUT_DOWN_MID_SYNC = "the IPC synchronizer was shut down during the sync"
 
 
 def default_bucket_bytes(
@@ -235,17 +237,22 @@ class IPCWeightSynchronizer(WeightSynchronizer):
                 tg.start_soon(send)
         except BaseExceptionGroup as group:
             sender.abort(sync_id, self.num_workers, repr(group.exceptions[0]))
+            if sender.closed:
+                # The workers' replies merely echo the abort that shutdown sent.
+                raise TransportError(_SHUT_DOWN_MID_SYNC) from _most_telling(group)
             raise _most_telling(group) from None
         except BaseException as exc:
             sender.abort(sync_id, self.num_workers, repr(exc))
+            if sender.closed and isinstance(exc, Exception):
+                raise TransportError(_SHUT_DOWN_MID_SYNC) from exc
             raise
         return result
 
     async def shutdown(self) -> None:
         """Close the socket, remove its directory and unlink the buffers. Idempotent."""
         if self._sender is not None:
-            self._sender.close()
-            self._sender = None
+            sender, self._sender = self._sender, None
+            await sender.aclose()
         forget = getattr(self.generation, "remove_weights_discarded_listener", None)
         if forget is not None:
             forget(self._invalidate_engine_weights)
@@ -304,12 +311,38 @@ class _BucketSender:
         size = max(regular, default=0)
         count = min(2, len(regular))
         self._buffers = [SharedBuffer.create(size, device) for _ in range(count)] if size else []
+        # A synchronous twin of the socket: a NOBLOCK send on it raises at once
+        # (an asyncio socket's returns a future whose error nobody would read).
+        self._sync_sock: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
         self._closed = False
+        # The send in flight: its cancel scope, its sync, and an event set when it ends.
+        self._active: tuple[anyio.CancelScope, str, int, anyio.Event] | None = None
 
     async def send(
         self, sync_id: str, num_workers: int, weights: Iterator[tuple[str, torch.Tensor]]
     ) -> int:
-        """Stream every bucket to the ``num_workers`` workers; returns the bytes sent."""
+        """Stream every bucket to the ``num_workers`` workers; returns the bytes sent.
+
+        Raises:
+            TransportError: the synchronizer was shut down during the sync
+                (:meth:`aclose`), a worker is unreachable or sent garbage.
+            SyncTimeoutError, RefitMismatchError: see the module docs.
+        """
+        if self._closed:
+            raise TransportError("the IPC synchronizer was shut down")
+        ended = anyio.Event()
+        with anyio.CancelScope() as scope:
+            self._active = (scope, sync_id, num_workers, ended)
+            try:
+                return await self._send(sync_id, num_workers, weights)
+            finally:
+                self._active = None
+                ended.set()
+        raise TransportError(_SHUT_DOWN_MID_SYNC)
+
+    async def _send(
+        self, sync_id: str, num_workers: int, weights: Iterator[tuple[str, torch.Tensor]]
+    ) -> int:
         peers = await self._handshake(sync_id, num_workers)
         groups = group_by_bucket(weights, self.plan)
         holder: list[int | None] = [None] * len(self._buffers)  # seq each buffer holds
@@ -431,7 +464,25 @@ class _BucketSender:
         payload = encode({"t": "abort", "sync_id": sync_id, "reason": reason[:500]})
         for rank in range(num_workers):
             with contextlib.suppress(zmq.ZMQError):  # not connected (yet, or any more)
-                self._sock.send_multipart([f"{sync_id}/{rank}".encode(), payload], zmq.NOBLOCK)
+                self._sync_sock.send_multipart([f"{sync_id}/{rank}".encode(), payload], zmq.NOBLOCK)
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self._closed
+
+    async def aclose(self) -> None:
+        """Stop the send in flight (it raises :class:`TransportError` naming the
+        shutdown; its workers are told to abort), wait up to ``timeout_s`` seconds
+        for it to let go of the buffers, then :meth:`close`."""
+        active = self._active
+        if active is not None and not self._closed:
+            scope, sync_id, num_workers, ended = active
+            self.abort(sync_id, num_workers, "the IPC synchronizer was shut down")
+            scope.cancel()
+            with anyio.move_on_after(self.timeout_s):
+                await ended.wait()
+        self.close()
 
     def close(self) -> None:
         if self._closed:

@@ -131,15 +131,54 @@ async def test_frozen_worker_times_out_with_sync_timeout_error(engine: EmbeddedE
 async def test_dead_worker_fails_calls_with_transport_error_and_can_be_respawned(
     engine: EmbeddedEngine, reference: HFModelRunner
 ) -> None:
-    pid = engine.pids[0]
-    os.kill(pid, signal.SIGKILL)
-    with pytest.raises(TransportError, match="worker 0"):
-        await engine.collective_rpc("embedded_status", timeout_s=60)
-    assert await engine.respawn_dead_workers() == [0]
+    calls: list[str] = []
+
+    def listener() -> None:
+        calls.append("discarded")
+
+    engine.add_weights_discarded_listener(listener)
+    try:
+        assert await engine.respawn_dead_workers() == []  # nothing dead: nothing discarded
+        assert calls == []
+        pid = engine.pids[0]
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(TransportError, match="worker 0"):
+            await engine.collective_rpc("embedded_status", timeout_s=60)
+        assert await engine.respawn_dead_workers() == [0]
+    finally:
+        engine.remove_weights_discarded_listener(listener)
     assert engine.pids[0] != pid
+    # The new worker holds initial, not synced, weights: it must not serve them.
+    assert calls == ["discarded"]
+    assert [s["weights_valid"] for s in await engine.status()] == [False, True]
+    with pytest.raises(SyncError, match="worker 0: weights are not valid"):
+        await engine.generate(PROMPTS, max_new_tokens=3)
+    payload = {
+        name: [str(t.dtype).removeprefix("torch."), list(t.shape), t.numpy().tobytes()]
+        for name, t in reference.hf_state_dict().items()
+    }
+    assert await engine.collective_rpc("embedded_load_state_dict", (payload,)) == [len(payload)] * 2
     assert await engine.generate(PROMPTS, max_new_tokens=3) == reference.generate(
         PROMPTS, max_new_tokens=3
     )
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"num_workers": "2"}, TypeError, "num_workers must be an int, got str"),
+        ({"num_workers": True}, TypeError, "num_workers must be an int, got bool"),
+        ({"num_workers": 0}, ValueError, "num_workers must be >= 1, got 0"),
+        ({"dtype": "float8"}, ValueError, "floating dtype .* got 'float8'"),
+        ({"dtype": "int32"}, ValueError, "floating dtype .* got 'int32'"),
+        ({"dtype": torch.float32}, TypeError, "dtype must be a dtype name"),
+    ],
+)
+async def test_bad_constructor_arguments_raise_before_any_process_starts(
+    options: dict[str, object], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        EmbeddedEngine(DENSE, **options)  # type: ignore[arg-type]
 
 
 async def test_shutdown_stops_workers_and_removes_the_socket_dir() -> None:

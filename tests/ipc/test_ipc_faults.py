@@ -8,25 +8,31 @@ the bad input the case describes.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import signal
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
+import anyio
 import msgpack
 import pytest
+import torch
 import zmq
 import zmq.asyncio
 
-from aiosync.errors import RefitMismatchError, SyncTimeoutError, TransportError
+from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
+from aiosync.interfaces import refit_if_stale
 from transports._shm import SharedBuffer
 from transports.embedded.engine import EmbeddedEngine
-from transports.ipc import IPCWeightSynchronizer
-from transports.packing import BucketPlan, group_by_bucket, pack
+from transports.ipc import IPCWeightSynchronizer, _BucketSender
+from transports.packing import BucketPlan, group_by_bucket, pack, plan_buckets
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -384,3 +390,84 @@ async def test_engine_killed_mid_sync_raises_transport_error_and_respawned_engin
     await _heals(sync, dense_engine, h)
     assert sync.weight_version == 2
     await sync.shutdown()
+
+
+async def test_worker_respawned_while_idle_makes_sync_stale_and_engine_refuse_until_refit(
+    dense_engine: EmbeddedEngine, h: SimpleNamespace
+) -> None:
+    # The dead worker's replacement holds the engine's seed weights, not version 1.
+    sync = await _synced(dense_engine, h, seed=29)
+    assert (sync.weight_version, sync.is_stale) == (1, False)
+    pid = dense_engine.pids[0]
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(TransportError, match="worker 0"):
+        await dense_engine.collective_rpc("embedded_status", timeout_s=60)
+    assert await dense_engine.respawn_dead_workers() == [0]
+    assert dense_engine.pids[0] != pid
+    assert (sync.weight_version, sync.is_stale) == (1, True)
+    assert [s["weights_valid"] for s in await dense_engine.status()] == [False]
+    with pytest.raises(SyncError, match="worker 0: weights are not valid"):
+        await dense_engine.generate(h.PROMPTS, max_new_tokens=2)
+    await sync.init_communicator()  # the new worker learns the plan
+    assert await refit_if_stale(sync, dense_engine) is True
+    assert (sync.weight_version, sync.is_stale) == (1, False)
+    await h.assert_engine_equals(dense_engine, sync.trainer)  # type: ignore[attr-defined]
+    expected = sync.trainer.generate(h.PROMPTS, max_new_tokens=3)  # type: ignore[attr-defined]
+    assert await dense_engine.generate(h.PROMPTS, max_new_tokens=3) == expected
+    await sync.shutdown()
+
+
+async def test_abort_to_unreachable_workers_leaves_no_unretrieved_error() -> None:
+    # ROUTER_MANDATORY makes a send to an unknown peer fail (Host unreachable);
+    # that error must be consumed, not left in a future nobody awaits.
+    plan = plan_buckets({"w": ((4,), torch.float32)}, BUCKET_BYTES)
+    sender = _BucketSender(plan, torch.device("cpu"), 5.0)
+    loop = asyncio.get_running_loop()
+    unhandled: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: unhandled.append(context))
+    try:
+        sender.abort("nobody-1", 2, "test")
+        await asyncio.sleep(0)
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(previous)
+        sender.close()
+    assert unhandled == []
+
+
+async def test_shutdown_during_a_sync_fails_it_naming_the_shutdown(
+    dense_engine: EmbeddedEngine, h: SimpleNamespace
+) -> None:
+    sync = await _synced(dense_engine, h, seed=30)
+    midway = threading.Event()
+
+    def slow(i: int) -> None:
+        if i >= 6:
+            midway.set()
+            time.sleep(0.05)
+
+    sync.policy.on_tensor = slow  # type: ignore[attr-defined]
+    await sync.mark_stale()
+    errors: list[BaseException] = []
+
+    async def run_sync() -> None:
+        try:
+            await sync.sync_weights()
+        except Exception as exc:
+            errors.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run_sync)
+        await anyio.to_thread.run_sync(midway.wait)
+        await sync.shutdown()
+    [error] = errors
+    assert isinstance(error, TransportError)
+    assert str(error) == "the IPC synchronizer was shut down during the sync"
+    assert sync.weight_version == 1
+    assert sync.socket_dir is None
+    # The engine's receive was aborted; a new synchronizer heals it.
+    healed = await _synced(dense_engine, h, seed=31)
+    await h.assert_engine_equals(dense_engine, healed.trainer)  # type: ignore[attr-defined]
+    await healed.shutdown()

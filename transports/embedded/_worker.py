@@ -54,13 +54,15 @@ class EmbeddedWorker:
             failed, or after the weights were discarded; generation refuses then.
     """
 
-    def __init__(self, rank: int, world_size: int, runner: HFModelRunner) -> None:
+    def __init__(
+        self, rank: int, world_size: int, runner: HFModelRunner, weights_valid: bool = True
+    ) -> None:
         self.rank = rank
         self.local_rank = rank
         self.world_size = world_size
         self.device = runner.device
         self.model_runner = SimpleNamespace(model=runner)
-        self.aiosync_weights_valid = True
+        self.aiosync_weights_valid = weights_valid
         self._asleep: set[str] = set()
         self._state_lock = threading.Lock()
 
@@ -170,11 +172,14 @@ def build_worker(
     dtype: str,
     extension: str | None,
     runner_factory: str | None = None,
+    weights_valid: bool = True,
 ) -> EmbeddedWorker:
     """An :class:`EmbeddedWorker` whose class also derives from ``extension`` (dotted path).
 
     ``runner_factory`` (dotted path of ``f(model, seed=, dtype=)``) replaces
-    :meth:`HFModelRunner.from_config` when given.
+    :meth:`HFModelRunner.from_config` when given. ``weights_valid=False`` (a
+    respawned worker, holding initial rather than synced weights) makes it
+    refuse to generate until a sync succeeds.
     """
     factory = HFModelRunner.from_config if runner_factory is None else _import(runner_factory)
     runner = factory(model, seed=seed, dtype=dtype)
@@ -185,7 +190,7 @@ def build_worker(
             raise TypeError(f"worker extension {extension} is not a class")
         bases += (mixin,)
     cls = type("EmbeddedWorker", bases, {})
-    worker: EmbeddedWorker = cls(rank, world_size, runner)
+    worker: EmbeddedWorker = cls(rank, world_size, runner, weights_valid)
     return worker
 
 
@@ -199,6 +204,7 @@ def run_worker(
     extension: str | None,
     threads: int,
     runner_factory: str | None = None,
+    weights_valid: bool = True,
 ) -> None:
     """Process entry point: connect to ``endpoint``, build the worker, serve until told to stop."""
     torch.set_num_threads(threads)
@@ -209,7 +215,15 @@ def run_worker(
     sock.connect(endpoint)
     try:
         build = functools.partial(
-            build_worker, rank, world_size, model, seed, dtype, extension, runner_factory
+            build_worker,
+            rank,
+            world_size,
+            model,
+            seed,
+            dtype,
+            extension,
+            runner_factory,
+            weights_valid,
         )
         asyncio.run(_main(sock, rank, build))
     finally:

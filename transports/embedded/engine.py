@@ -98,8 +98,11 @@ class EmbeddedEngine:
         threads_per_worker: int = 1,
         runner_factory: str | None = None,
     ) -> None:
+        if not isinstance(num_workers, int) or isinstance(num_workers, bool):
+            raise TypeError(f"num_workers must be an int, got {type(num_workers).__name__}")
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        _check_dtype(dtype)
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
         self._model = dict(model) if isinstance(model, Mapping) else str(model)
@@ -165,7 +168,7 @@ class EmbeddedEngine:
             raise
         return self
 
-    def _spawn(self, rank: int) -> None:
+    def _spawn(self, rank: int, weights_valid: bool = True) -> None:
         proc = multiprocessing.get_context("spawn").Process(
             target=run_worker,
             args=(
@@ -178,6 +181,7 @@ class EmbeddedEngine:
                 self.worker_extension_cls,
                 self.threads_per_worker,
                 self.runner_factory,
+                weights_valid,
             ),
             name=f"aiosync-embedded-{rank}",
             daemon=True,
@@ -205,19 +209,26 @@ class EmbeddedEngine:
         """Start a fresh process for every worker that died; returns their ranks.
 
         A respawned worker holds the initial weights (``seed`` or the model
-        folder), not the last synced version: run ``init_communicator()`` and a
-        sync before generating.
+        folder), not the last synced version, so it starts with its weights
+        marked invalid (:meth:`generate` raises :class:`~aiosync.errors.SyncError`)
+        and the weights-discarded listeners are called (a registered
+        synchronizer becomes stale). Run ``init_communicator()`` and a sync
+        before generating.
 
         Raises:
             TransportError, SyncTimeoutError: a new worker failed to start.
         """
         self._check_running()
         ranks = sorted(self._dead)
+        if not ranks:
+            return ranks
+        # The dead workers' weights are gone whatever happens next.
+        self._notify_weights_discarded()
         loop = asyncio.get_running_loop()
         for rank in ranks:
             self._ready[rank] = loop.create_future()
             del self._dead[rank]
-            self._spawn(rank)
+            self._spawn(rank, weights_valid=False)
         await self._wait_ready(ranks)
         return ranks
 
@@ -411,11 +422,15 @@ class EmbeddedEngine:
         """Sleep every worker at ``sleep_level`` (2 discards the weights)."""
         discarded = await self.collective_rpc("embedded_sleep", (self.sleep_level,))
         if any(discarded):
-            for listener in list(self._discard_listeners):
-                listener()
+            self._notify_weights_discarded()
+
+    def _notify_weights_discarded(self) -> None:
+        for listener in list(self._discard_listeners):
+            listener()
 
     def add_weights_discarded_listener(self, listener: Callable[[], None]) -> None:
-        """Call ``listener()`` whenever the workers discard their weights (level-2 sleep).
+        """Call ``listener()`` whenever workers lose their synced weights (a level-2
+        sleep, or a dead worker replaced by :meth:`respawn_dead_workers`).
 
         A synchronizer registers ``_invalidate_engine_weights`` here so that it
         knows a sync is needed before the engine may generate (case C6).
@@ -475,3 +490,14 @@ class EmbeddedEngine:
         return [
             {name: tensor_from_wire(fields) for name, fields in reply.items()} for reply in replies
         ]
+
+
+def _check_dtype(dtype: object) -> None:
+    """Raise TypeError/ValueError unless ``dtype`` names a torch floating dtype."""
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype must be a dtype name (str), got {type(dtype).__name__}")
+    resolved = getattr(torch, dtype, None)
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(
+            f"dtype must name a torch floating dtype (e.g. 'float32', 'bfloat16'), got {dtype!r}"
+        )
