@@ -173,6 +173,11 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         self._abandoned = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
+        # The engine tells us when its workers lose their weights (a level-2
+        # sleep, a respawned worker): a sync is then needed (as in ipc.py).
+        listen = getattr(generation, "add_weights_discarded_listener", None)
+        if listen is not None:
+            listen(self._invalidate_engine_weights)
         #: Per-worker results of the last successful sync (``pause_s``, ``nbytes``...).
         self.last_worker_results: list[dict[str, Any]] = []
 
@@ -221,6 +226,9 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         if not self._closed:
             await self._teardown(notify_workers=True)
             self._store = None
+        forget = getattr(self.generation, "remove_weights_discarded_listener", None)
+        if forget is not None:
+            forget(self._invalidate_engine_weights)
         await super().shutdown()
 
     async def _form_group(self) -> None:
