@@ -42,7 +42,7 @@ from aiosync.interfaces import (
 )
 
 from ._collective_loops import RotatingBuffers, SendResult, send_buckets
-from ._collective_wire import kv_scale_entries
+from ._collective_wire import attention_layers, kv_scale_entries
 from ._pg import (
     STATUS_ERROR,
     STATUS_MISMATCH,
@@ -267,6 +267,12 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         if not self.is_source:
             group = await self._in_thread(join, self._formation_limit())
         else:
+            # Ask every worker first (leaving any old group is idempotent and
+            # cheap): an engine that knows a worker is dead fails this RPC at
+            # once, whereas the rendezvous below would wait the whole
+            # collective timeout for a rank that never comes, in a thread that
+            # cannot be interrupted.
+            await self._rpc("aiosync_collective_destroy", {}, self.rpc_timeout_s)
             kwargs = {
                 "master_addr": tc.master_addr,
                 "master_port": tc.master_port,
@@ -320,7 +326,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         await super().sync_weights(kv_scales)
 
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
-        kv = kv_scale_entries(kv_scales)
+        kv = kv_scale_entries(kv_scales, await self._attention_layers(kv_scales))
         if self._group is None or self._group.broken:
             await self._form_group()
         group, plan = self._group, self._plan
@@ -370,6 +376,19 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
                     await anyio.to_thread.run_sync(group.destroy)
             # else: the abandoned thread destroys it when it returns.
             raise
+
+    async def _attention_layers(self, kv_scales: KVScales | None) -> frozenset[int] | None:
+        """Layers of the refit manifest that have attention (None: no scales to check).
+
+        Checked before anything is sent: a bad key found only after the
+        buckets landed would leave the engine with half-accepted weights.
+        """
+        if not kv_scales:
+            return None
+        if self._plan is not None:
+            return attention_layers(self._plan.manifest())
+        manifest = await anyio.to_thread.run_sync(self.policy.prepare_refit_info)
+        return attention_layers(manifest)
 
     def _follow(self, group: SyncGroup, plan: BucketPlan) -> None:
         """Non-source trainer ranks: take part in the gathers, then in the vote."""

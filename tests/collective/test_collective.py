@@ -223,7 +223,9 @@ async def test_receiver_killed_mid_broadcast_keeps_version_then_reformed_group_s
     trainer = _trainer(QWEN3, seed=106)
     workers = await pool.view([0, 1, 2])
     sync = _sync(trainer, workers, free_port, bucket_bytes=16 * 1024)
-    sync.collective_timeout_s = 20.0
+    # Large on purpose: waiting for the dead rank's rendezvous would take 2 x 120 s
+    # and end in SyncTimeoutError, not the TransportError asserted below.
+    sync.collective_timeout_s = 120.0
     try:
         await sync.init_communicator()
         await sync.mark_stale()
@@ -241,6 +243,11 @@ async def test_receiver_killed_mid_broadcast_keeps_version_then_reformed_group_s
         for i in (0, 1):
             with pytest.raises(TransportError):
                 await pool.call(i, "test_generate", prompts=PROMPTS, max_new_tokens=1)
+        # The engine knows worker 2 is gone: the next sync fails at once, naming
+        # it, instead of waiting at the rendezvous for a rank that never comes.
+        with pytest.raises(TransportError, match="worker 2 is gone"):
+            await sync.sync_weights()
+        assert (sync.weight_version, sync.is_stale) == (1, True)
         pool.restart(2)
         await pool.call(2, "test_set_rank", rank=2)
         await sync.init_communicator()  # re-forms the group
@@ -304,3 +311,61 @@ async def test_two_trainer_ranks_only_rank_zero_sends(pool: WorkerPool, free_por
     finally:
         for sync in syncs:
             await sync.shutdown()
+
+
+class _RecordingWorkers(Workers):
+    """The harness engine, recording which RPCs were made."""
+
+    def __init__(self, workers: Workers) -> None:
+        super().__init__(workers.pool, workers.indices)
+        self.methods: list[str] = []
+
+    async def collective_rpc(
+        self,
+        method: str,
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[object]:
+        self.methods.append(method)
+        return await super().collective_rpc(method, args, kwargs, timeout_s)
+
+
+_BAD_KV_SCALES: list[tuple[dict[int | str, float], type[Exception], str]] = [
+    ({-3: 1.0}, ValueError, "layer index must be >= 0, got -3"),
+    ({999: 1.0}, ValueError, "layer index 999 is not an attention layer"),
+    ({2: 1.0}, ValueError, "layer index 2 is not an attention layer"),
+    ({"model.layers.7.self_attn.v_scale": 1.0}, RefitMismatchError, "no 'model.layers.7"),
+]
+
+
+async def test_kv_scale_keys_unknown_to_the_manifest_raise_before_any_byte_moves(
+    pool: WorkerPool, free_port: int
+) -> None:
+    trainer = _trainer(QWEN3, seed=109)
+    workers = _RecordingWorkers(await pool.view([0]))
+    async with _sync(trainer, workers, free_port) as sync:
+        await sync.init_communicator()
+        await sync.mark_stale()
+        await sync.sync_weights()
+        old = _checkpoint(trainer)
+        old_runner = _trainer(QWEN3)
+        old_runner.load_weights(iter(old.items()))
+        expected = old_runner.generate(PROMPTS, max_new_tokens=4, ignore_eos=True)
+        _perturb(trainer, seed=9)
+        await sync.mark_stale()
+        for kv_scales, error, match in _BAD_KV_SCALES:
+            workers.methods.clear()
+            with pytest.raises(error, match=match):
+                await sync.sync_weights(kv_scales=kv_scales)
+            assert workers.methods == []  # no RPC, so no receive started on the engine
+            assert (sync.weight_version, sync.is_stale) == (1, True)
+            # The engine kept its old, valid weights and still generates with them.
+            await _assert_bit_exact(pool, [0], old)
+            got = await pool.call(0, "test_generate", prompts=PROMPTS, max_new_tokens=4)
+            assert got == expected
+        await sync.sync_weights(kv_scales={1: 0.75})
+        assert (sync.weight_version, sync.is_stale) == (2, False)
+    await _assert_bit_exact(pool, [0], _checkpoint(trainer))
+    scales = await pool.call(0, "test_kv_scales")
+    assert scales["model.layers.1.self_attn.k_scale"] == 0.75
