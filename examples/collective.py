@@ -15,21 +15,16 @@ from __future__ import annotations
 
 import argparse
 import socket
-from typing import Any
 
 import anyio
 import torch
 
 from aiosync import TrainCluster, create_weight_synchronizer, refit_if_stale
 from refit import DTensorRefitSource
+from transports.embedded.configs import TINY_QWEN3 as CONFIG
 from transports.embedded.engine import EmbeddedEngine
 from transports.embedded.model import HFModelRunner
 
-CONFIG = {
-    "model_type": "qwen3", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-    "tie_word_embeddings": False,
-}  # fmt: skip
 PROMPT = [1, 2, 3, 4]
 WORKERS = 2
 
@@ -40,16 +35,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def greedy(model: Any, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                             min_new_tokens=n, do_sample=False, pad_token_id=0)  # fmt: skip
-    return [int(t) for t in out[0, len(prompt) :]]
-
-
 async def main(steps: int) -> None:
-    model = HFModelRunner.from_config(CONFIG, seed=0).model.train()
+    trainer = HFModelRunner.from_config(CONFIG, seed=0)
+    model = trainer.model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     source = DTensorRefitSource(model, optimizer=optimizer)
     async with EmbeddedEngine(CONFIG, seed=0, num_workers=WORKERS) as engine:
@@ -74,8 +62,7 @@ async def main(steps: int) -> None:
                 await refit_if_stale(sync, engine)
                 # One prompt per worker (data parallel): both must answer like the trainer.
                 outs = await engine.generate([PROMPT] * WORKERS, max_new_tokens=6)
-                trainer_out = greedy(model.eval(), PROMPT, 6)
-                model.train()
+                (trainer_out,) = trainer.generate([PROMPT], max_new_tokens=6)
                 same = all(out == trainer_out for out in outs)
                 print(
                     f"{type(sync).__name__}: weight_version {sync.weight_version}  "
