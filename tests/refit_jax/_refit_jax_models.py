@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from transports.embedded.configs import (
+    TINY_GEMMA4_MOE,
+    TINY_QWEN3,
+    TINY_QWEN3_MOE,
+    TINY_QWEN3_NEXT,
+)
+
 S, F = "sliding_attention", "full_attention"
+
+
+def _kw(config: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of a ``transports.embedded.configs`` dict without ``model_type``."""
+    return {k: copy.deepcopy(v) for k, v in config.items() if k != "model_type"}
 
 
 def _require_gemma4() -> None:
@@ -21,16 +34,7 @@ def _require_gemma4() -> None:
 def qwen3_config(**over: Any) -> Any:
     from transformers import Qwen3Config
 
-    kw: dict[str, Any] = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        tie_word_embeddings=False,
-    )
+    kw: dict[str, Any] = _kw(TINY_QWEN3)
     kw.update(over)
     return Qwen3Config(**kw)
 
@@ -38,20 +42,7 @@ def qwen3_config(**over: Any) -> Any:
 def qwen3_moe_config(**over: Any) -> Any:
     from transformers import Qwen3MoeConfig
 
-    kw: dict[str, Any] = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        mlp_only_layers=[1],
-        norm_topk_prob=True,
-    )
+    kw: dict[str, Any] = _kw(TINY_QWEN3_MOE)
     kw.update(over)
     return Qwen3MoeConfig(**kw)
 
@@ -59,24 +50,7 @@ def qwen3_moe_config(**over: Any) -> Any:
 def qwen3_next_config(**over: Any) -> Any:
     from transformers import Qwen3NextConfig
 
-    kw: dict[str, Any] = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=12,
-        linear_conv_kernel_dim=4,
-    )
+    kw: dict[str, Any] = _kw(TINY_QWEN3_NEXT)
     kw.update(over)
     return Qwen3NextConfig(**kw)
 
@@ -86,25 +60,7 @@ def gemma4_text_config(**over: Any) -> Any:
     _require_gemma4()
     from transformers import Gemma4TextConfig
 
-    kw: dict[str, Any] = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        global_head_dim=32,
-        num_global_key_value_heads=1,
-        attention_k_eq_v=True,
-        enable_moe_block=True,
-        num_experts=4,
-        top_k_experts=2,
-        moe_intermediate_size=24,
-        hidden_size_per_layer_input=0,
-        sliding_window=8,
-        layer_types=[S] * 5 + [F],
-    )
+    kw: dict[str, Any] = _kw(TINY_GEMMA4_MOE)
     kw.update(over)
     return Gemma4TextConfig(**kw)
 
