@@ -31,12 +31,12 @@ from .interfaces import (
 from .replay import ReplaySample, StalenessStats, VersionedReplayBuffer
 
 if TYPE_CHECKING:
-    from transports.collective import CollectiveWeightSynchronizer
-    from transports.embedded.engine import EmbeddedEngine
-    from transports.http import HTTPWeightSynchronizer
-    from transports.ipc import IPCWeightSynchronizer
-    from transports.sglang_backend import SGLangHTTPBackend
-    from transports.vllm_backend import VLLMGenerationBackend
+    from aiosync.engines.embedded.engine import EmbeddedEngine
+    from aiosync.engines.sglang.backend import SGLangHTTPBackend
+    from aiosync.engines.vllm.backend import VLLMGenerationBackend
+    from aiosync.transports.collective import CollectiveWeightSynchronizer
+    from aiosync.transports.http import HTTPWeightSynchronizer
+    from aiosync.transports.ipc import IPCWeightSynchronizer
 
 __version__ = "0.1.0.dev0"
 
@@ -76,12 +76,12 @@ __all__ = [
 
 # Transports and engines load on first use: they import torch, zmq or httpx.
 _LAZY: dict[str, str] = {
-    "CollectiveWeightSynchronizer": "transports.collective",
-    "EmbeddedEngine": "transports.embedded.engine",
-    "HTTPWeightSynchronizer": "transports.http",
-    "IPCWeightSynchronizer": "transports.ipc",
-    "SGLangHTTPBackend": "transports.sglang_backend",
-    "VLLMGenerationBackend": "transports.vllm_backend",
+    "CollectiveWeightSynchronizer": "aiosync.transports.collective",
+    "EmbeddedEngine": "aiosync.engines.embedded.engine",
+    "HTTPWeightSynchronizer": "aiosync.transports.http",
+    "IPCWeightSynchronizer": "aiosync.transports.ipc",
+    "SGLangHTTPBackend": "aiosync.engines.sglang.backend",
+    "VLLMGenerationBackend": "aiosync.engines.vllm.backend",
 }
 
 

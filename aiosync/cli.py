@@ -227,8 +227,8 @@ class _RandomSource:
 @contextlib.asynccontextmanager
 async def _sglang_test_server(config: dict[str, Any]) -> AsyncIterator[Any]:
     """aiosync's SGLang test server in its own process, as an ``SGLangHTTPBackend``."""
-    from transports.sglang_backend import SGLangHTTPBackend
-    from transports.sglang_test_server import serve_in_subprocess
+    from aiosync.engines.sglang.backend import SGLangHTTPBackend
+    from aiosync.engines.sglang.test_server import serve_in_subprocess
 
     model_config = {k: v for k, v in config.items() if k != "dtype"}
     async with (
@@ -246,7 +246,7 @@ async def _engine(transport: str, config: dict[str, Any]) -> AsyncIterator[Any]:
         async with _sglang_test_server(config) as server:
             yield server
         return
-    from transports.embedded.engine import EmbeddedEngine
+    from aiosync.engines.embedded.engine import EmbeddedEngine
 
     async with EmbeddedEngine(config, dtype=config["dtype"]) as engine:
         yield engine

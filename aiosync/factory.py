@@ -27,11 +27,11 @@ __all__ = ["KNOWN_BACKENDS", "create_weight_synchronizer"]
 KNOWN_BACKENDS: tuple[str, ...] = ("vllm", "sglang", "embedded")
 
 _TRANSPORTS: dict[tuple[str, bool], tuple[str, str]] = {
-    ("vllm", False): ("transports.collective", "CollectiveWeightSynchronizer"),
-    ("vllm", True): ("transports.ipc", "IPCWeightSynchronizer"),
-    ("embedded", False): ("transports.collective", "CollectiveWeightSynchronizer"),
-    ("embedded", True): ("transports.ipc", "IPCWeightSynchronizer"),
-    ("sglang", True): ("transports.http", "HTTPWeightSynchronizer"),
+    ("vllm", False): ("aiosync.transports.collective", "CollectiveWeightSynchronizer"),
+    ("vllm", True): ("aiosync.transports.ipc", "IPCWeightSynchronizer"),
+    ("embedded", False): ("aiosync.transports.collective", "CollectiveWeightSynchronizer"),
+    ("embedded", True): ("aiosync.transports.ipc", "IPCWeightSynchronizer"),
+    ("sglang", True): ("aiosync.transports.http", "HTTPWeightSynchronizer"),
 }
 
 

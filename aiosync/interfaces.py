@@ -51,8 +51,8 @@ class RefitSource(Protocol):
 
     Names and shapes are those of the model's HF safetensors checkpoint (what
     ``save_pretrained`` writes and what the engine's ``load_weights`` takes),
-    not the trainer's in-memory layout. Implementations: ``refit.DTensorRefitSource``
-    (torch, DTensor/FSDP2) and ``refit.NNXRefitSource`` (JAX/flax NNX).
+    not the trainer's in-memory layout. Implementations: ``aiosync.refit.DTensorRefitSource``
+    (torch, DTensor/FSDP2) and ``aiosync.refit.NNXRefitSource`` (JAX/flax NNX).
     Subclass this protocol explicitly to inherit the no-op offload hooks.
     """
 

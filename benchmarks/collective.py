@@ -2,7 +2,7 @@
 
 In one run, for each manifest, the same bytes go from rank 0 to rank 1 three ways:
 
-(a) aiosync   packed, pipelined buckets (``transports._collective_loops``: header,
+(a) aiosync   packed, pipelined buckets (``aiosync.transports.collective._loops``: header,
               buckets with two in flight, vote), the receiver copying every tensor
               out of the bucket into its own storage (what ``load_weights`` does)
 (b) floor     raw broadcast of the same bytes, no packing and no copy: one flat
@@ -39,9 +39,9 @@ from typing import Any
 import torch
 
 from aiosync._model_shapes import model_manifest
-from transports._collective_loops import RotatingBuffers, receive_buckets, send_buckets
-from transports._pg import STATUS_OK, SyncGroup, create_sync_group, open_store
-from transports.packing import Bucket, BucketPlan, dtype_from_name, plan_buckets, unpack
+from aiosync.transports.collective._group import STATUS_OK, SyncGroup, create_sync_group, open_store
+from aiosync.transports.collective._loops import RotatingBuffers, receive_buckets, send_buckets
+from aiosync.transports.packing import Bucket, BucketPlan, dtype_from_name, plan_buckets, unpack
 
 _ShapeKey = tuple[tuple[int, ...], torch.dtype]
 

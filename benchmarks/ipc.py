@@ -99,8 +99,8 @@ def _bench_copy(source: FlatSource, repeats: int) -> float:
 async def _bench_ipc(
     source: FlatSource, spec: dict[str, int], bucket_bytes: int, repeats: int
 ) -> float:
-    from transports.embedded.engine import EmbeddedEngine
-    from transports.ipc import IPCWeightSynchronizer
+    from aiosync.engines.embedded.engine import EmbeddedEngine
+    from aiosync.transports.ipc import IPCWeightSynchronizer
 
     engine = EmbeddedEngine(
         spec,

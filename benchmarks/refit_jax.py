@@ -39,9 +39,9 @@ from rich.console import Console
 from rich.table import Table
 
 from aiosync._model_shapes import MODEL_CONFIGS
-from refit.nnx import NNXRefitSource, model_map_for
-from refit.nnx.convert import numpy_to_torch
-from refit.nnx.table import ModelMap, flatten_params
+from aiosync.refit.nnx import NNXRefitSource, model_map_for
+from aiosync.refit.nnx.convert import numpy_to_torch
+from aiosync.refit.nnx.table import ModelMap, flatten_params
 
 GB = 1e9
 

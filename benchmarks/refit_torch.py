@@ -6,7 +6,7 @@ this measures, in one process:
 
 * **refit**: ``DTensorRefitSource.iter_weights()`` (checkpoint names, per-expert
   split, fp32 master → bf16 cast) streamed into a reused bucket buffer with
-  ``transports.packing.pack``: GB/s of payload, and the peak extra memory above
+  ``aiosync.transports.packing.pack``: GB/s of payload, and the peak extra memory above
   the model (must stay ≤ 2 buckets, whatever the model size);
 * **baseline**: a plain ``torch.cat`` of the same (already cast) tensors into one
   buffer, i.e. a memcpy of the whole model, and its peak extra memory;
@@ -38,8 +38,8 @@ from rich.console import Console
 from rich.table import Table
 
 from aiosync._model_shapes import MODEL_CONFIGS
-from refit import DTensorRefitSource
-from transports.packing import BucketPlan, pack, plan_buckets
+from aiosync.refit import DTensorRefitSource
+from aiosync.transports.packing import BucketPlan, pack, plan_buckets
 
 GB = 1e9
 MiB = 1 << 20

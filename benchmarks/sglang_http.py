@@ -1,6 +1,6 @@
 """HTTP refit throughput and per-request overhead against the SGLang test server.
 
-One process drives a real ``transports.sglang_test_server`` process on
+One process drives a real ``aiosync.engines.sglang.test_server`` process on
 127.0.0.1 (the embedded transformers engine behind SGLang's HTTP API) and
 measures:
 
@@ -39,9 +39,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from aiosync import SGLangHTTPBackend
 from aiosync.interfaces import RefitManifest, RefitSource
-from transports._sglang_wire import plan_flat_buckets
-from transports.http import HTTPWeightSynchronizer, SGLangHTTPBackend
+from aiosync.transports.http import HTTPWeightSynchronizer
+from aiosync.transports.http._wire import plan_flat_buckets
 
 REPO = Path(__file__).resolve().parent.parent
 GB = 1e9
@@ -95,7 +96,7 @@ def _start_server(config: dict[str, Any], workdir: Path) -> tuple[subprocess.Pop
         [
             sys.executable,
             "-m",
-            "transports.sglang_test_server",
+            "aiosync.engines.sglang.test_server",
             "--port",
             "0",
             "--port-file",

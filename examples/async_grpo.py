@@ -111,7 +111,7 @@ class Group:
 
 def build_policy(config: dict[str, Any], seed: int) -> torch.nn.Module:
     """The Qwen3 causal LM, initialised exactly as the embedded engine initialises it."""
-    from transports.embedded.model import HFModelRunner
+    from aiosync.engines.embedded.model import HFModelRunner
 
     return HFModelRunner.from_config(config, seed=seed).model.train()
 
@@ -244,7 +244,7 @@ async def open_engine(
     Construction only: whatever it is, the loop drives it the same way.
     """
     if args.backend == "embedded":
-        from transports.embedded.engine import EmbeddedEngine
+        from aiosync.engines.embedded.engine import EmbeddedEngine
 
         async with EmbeddedEngine(
             config, num_workers=args.engine_workers, seed=args.seed, threads_per_worker=1
@@ -259,7 +259,7 @@ async def open_engine(
             yield server
     else:
         try:
-            from transports.vllm_backend import VLLMGenerationBackend
+            from aiosync.engines.vllm.backend import VLLMGenerationBackend
         except ImportError as exc:
             raise SystemExit(f"--backend vllm needs vLLM installed: {exc}") from exc
         with tempfile.TemporaryDirectory(prefix="aiosync-grpo-") as folder:
@@ -294,7 +294,7 @@ def make_verifier(
     engine: Any, model: torch.nn.Module, enabled: bool
 ) -> Callable[[], Awaitable[bool | None]]:
     """``await verify()``: do all engine workers hold exactly the trainer's weights?"""
-    from refit import DTensorRefitSource
+    from aiosync.refit import DTensorRefitSource
 
     source = DTensorRefitSource(model)
     read_engine = getattr(engine, "hf_state_dicts", None)
@@ -314,7 +314,7 @@ def make_verifier(
 
 async def run(args: argparse.Namespace) -> RunReport:
     """Train for ``args.steps`` batches; returns the :class:`RunReport`."""
-    from refit import DTensorRefitSource
+    from aiosync.refit import DTensorRefitSource
 
     started = time.perf_counter()
     torch.manual_seed(args.seed)

@@ -20,10 +20,10 @@ import anyio
 import torch
 
 from aiosync import TrainCluster, create_weight_synchronizer, refit_if_stale
-from refit import DTensorRefitSource
-from transports.embedded.configs import TINY_QWEN3 as CONFIG
-from transports.embedded.engine import EmbeddedEngine
-from transports.embedded.model import HFModelRunner
+from aiosync.engines.embedded.configs import TINY_QWEN3 as CONFIG
+from aiosync.engines.embedded.engine import EmbeddedEngine
+from aiosync.engines.embedded.model import HFModelRunner
+from aiosync.refit import DTensorRefitSource
 
 PROMPT = [1, 2, 3, 4]
 WORKERS = 2

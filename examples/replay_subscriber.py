@@ -23,10 +23,10 @@ import anyio
 import torch
 
 from aiosync import EventSubscription, create_weight_synchronizer, refit_if_stale
+from aiosync.engines.embedded.engine import EmbeddedEngine
+from aiosync.engines.embedded.model import HFModelRunner
+from aiosync.refit import DTensorRefitSource
 from aiosync.replay import VersionedReplayBuffer
-from refit import DTensorRefitSource
-from transports.embedded.engine import EmbeddedEngine
-from transports.embedded.model import HFModelRunner
 
 CONFIG = {
     "model_type": "qwen3", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,

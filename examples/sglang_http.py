@@ -25,11 +25,11 @@ import torch
 from safetensors.torch import load as safetensors_load
 
 from aiosync import create_weight_synchronizer, refit_if_stale
-from refit import DTensorRefitSource
-from transports.embedded.configs import TINY_QWEN3 as CONFIG
-from transports.embedded.model import HFModelRunner
-from transports.sglang_backend import SGLangHTTPBackend
-from transports.sglang_test_server import serve_in_subprocess
+from aiosync.engines.embedded.configs import TINY_QWEN3 as CONFIG
+from aiosync.engines.embedded.model import HFModelRunner
+from aiosync.engines.sglang.backend import SGLangHTTPBackend
+from aiosync.engines.sglang.test_server import serve_in_subprocess
+from aiosync.refit import DTensorRefitSource
 
 PROMPT = [1, 2, 3, 4]
 
@@ -69,7 +69,7 @@ class TestServerBackend(SGLangHTTPBackend):
 async def launch_test_server(
     config: Mapping[str, Any], *, seed: int = 0, start_timeout_s: float = 300.0
 ) -> AsyncIterator[TestServerBackend]:
-    """Start ``python -m transports.sglang_test_server`` on 127.0.0.1; yield its backend."""
+    """Start ``python -m aiosync.engines.sglang.test_server`` on 127.0.0.1; yield its backend."""
     async with serve_in_subprocess(config, seed=seed, start_timeout_s=start_timeout_s) as url:
         backend = TestServerBackend(url)
         try:

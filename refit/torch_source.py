@@ -66,7 +66,7 @@ class DTensorRefitSource(RefitSource):
 
     Order: ``save_pretrained``'s (the ``state_dict`` order, naturally sorted by
     transformers when a conversion applies; all experts' ``gate_proj``, then all
-    ``up_proj``), the order ``transports.embedded``'s ``expected_manifest`` uses.
+    ``up_proj``), the order ``aiosync.engines.embedded``'s ``expected_manifest`` uses.
     Identical on every rank.
 
     On a sharded model every rank must call :meth:`iter_weights` (each DTensor

@@ -1,7 +1,18 @@
-"""Transports: each implements ``aiosync.WeightSynchronizer._transfer`` in one module.
+"""Transports: how weights move. Each is one subpackage holding both halves of it.
 
-- :mod:`transports.collective` — non-colocated, torch.distributed broadcast (NCCL / gloo).
-- :mod:`transports.ipc` — colocated, ZMQ + shared-memory / CUDA-IPC handles.
-- :mod:`transports.http` — colocated SGLang over its HTTP API.
-- :mod:`transports.packing` — the bucket layout all of them share.
+- :mod:`aiosync.transports.collective` — non-colocated: torch.distributed broadcast
+  (NCCL / gloo); trainer side ``CollectiveWeightSynchronizer``, engine side
+  ``CollectiveWorkerMixin``.
+- :mod:`aiosync.transports.ipc` — colocated: ZMQ + shared-memory / CUDA-IPC handles;
+  ``IPCWeightSynchronizer`` and ``IPCWorkerMixin``.
+- :mod:`aiosync.transports.http` — colocated SGLang over its HTTP API;
+  ``HTTPWeightSynchronizer`` and the ``SGLangServer`` contract it drives.
+- :mod:`aiosync.transports.vllm_weight_transfer` — vLLM's own weight-transfer API
+  driven with aiosync's versions and events.
+
+Shared by all of them, and nothing else: :mod:`aiosync.transports.packing` (the
+bucket layout and manifest checks) and ``_wire`` (the msgpack frames and the
+errors re-built from a worker). Transports know the engine *contract*
+(``collective_rpc``, the worker mixins, SGLang's HTTP API), never an adapter
+class from :mod:`aiosync.engines`.
 """

@@ -1,6 +1,6 @@
 """Qwen3-MoE: HF per-expert checkpoint ↔ tunix-style stacked experts.
 
-Attention, norms and embeddings are those of :mod:`refit.nnx.qwen3`. A layer
+Attention, norms and embeddings are those of :mod:`aiosync.refit.nnx.qwen3`. A layer
 is sparse iff ``l not in mlp_only_layers and num_experts > 0 and
 (l + 1) % decoder_sparse_step == 0`` (``modeling_qwen3_moe.py``); other layers
 keep the dense MLP with ``intermediate_size``. On a sparse layer (E experts,

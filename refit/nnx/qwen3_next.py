@@ -2,7 +2,7 @@
 
 Schedule: ``layer_types`` (5.24 saves it), else ``"full_attention"`` when
 ``(l + 1) % full_attention_interval == 0`` (default 4), ``"linear_attention"``
-otherwise. MoE layers are those of :func:`refit.nnx.qwen3_moe.is_sparse_layer`.
+otherwise. MoE layers are those of :func:`aiosync.refit.nnx.qwen3_moe.is_sparse_layer`.
 
 Full-attention layer (N heads, K kv heads, D head_dim). The HF ``q_proj`` is
 **per-head interleaved**: for each head, D query rows then D gate rows

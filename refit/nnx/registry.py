@@ -27,7 +27,7 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(_BUILDERS))
 
 
 def model_map_for(config: Any) -> ModelMap:
-    """The :class:`~refit.nnx.table.ModelMap` for an HF config.
+    """The :class:`~aiosync.refit.nnx.table.ModelMap` for an HF config.
 
     Args:
         config: a transformers ``PretrainedConfig`` or a ``config.json`` dict

@@ -24,17 +24,17 @@ class NNXRefitSource(RefitSource):
             ``nnx.State``, or a nested ``dict`` of ``jax.Array`` in the map's
             NNX layout. After a functional update, pass the new state to
             :meth:`update_state`.
-        model_map: the family's :class:`~refit.nnx.table.ModelMap`
-            (``refit.model_map_for(hf_config)``).
+        model_map: the family's :class:`~aiosync.refit.nnx.table.ModelMap`
+            (``aiosync.refit.model_map_for(hf_config)``).
         dtype: the engine's dtype (e.g. ``torch.bfloat16`` for fp32 master
             weights); every floating-point tensor is cast on the JAX arrays'
             device before it is yielded (integer and bool tensors keep theirs,
-            as with ``refit.DTensorRefitSource``). Default: each array's own dtype.
+            as with ``aiosync.refit.DTensorRefitSource``). Default: each array's own dtype.
         contiguous: yield contiguous tensors (default). ``False`` yields a
             transposed kernel or an unstacked expert as a strided view of the
             JAX buffer, saving a copy when the consumer packs into its own
             buffer anyway (every aiosync transport does, through
-            ``transports.packing.pack``).
+            ``aiosync.transports.packing.pack``).
 
     Names, shapes and order are those of the HF checkpoint (the table order:
     embeddings, layers in order, final norm, ``lm_head`` when untied), with

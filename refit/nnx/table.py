@@ -2,7 +2,7 @@
 
 A :class:`ModelMap` is a table of :class:`Rule` s. Each rule names some HF
 checkpoint tensors (with their shapes, from the model's config), the NNX state
-paths they become, and a chain of :mod:`~refit.nnx.transforms`. The loader
+paths they become, and a chain of :mod:`~aiosync.refit.nnx.transforms`. The loader
 (:meth:`ModelMap.to_jax`) runs every chain forward; the refit
 (:meth:`ModelMap.to_hf`) runs the same chains backwards, so the two directions
 cannot drift apart. Names and shapes follow the HF safetensors checkpoint
@@ -260,7 +260,7 @@ class ModelMap:
             ``save_pretrained`` does for models with a weight conversion
             (Qwen3-MoE, Qwen3-Next). Either way the stream order is the order of
             transformers' own reverted state dict, so a manifest built from the
-            torch model (``refit.DTensorRefitSource``) lists the same names in
+            torch model (``aiosync.refit.DTensorRefitSource``) lists the same names in
             the same order.
         ignore_prefixes: HF names the loader skips without error (``mtp.`` for
             Qwen3-Next, the vision/audio towers of a multimodal Gemma 4).
@@ -458,7 +458,7 @@ class ModelMap:
             contiguous: when False, a tensor the inverse leaves as a strided
                 view (a transposed kernel, an unstacked expert) is yielded as
                 that view, uncopied: a consumer that copies into its own buffer
-                anyway (``transports.packing.pack`` accepts any strides) then
+                anyway (``aiosync.transports.packing.pack`` accepts any strides) then
                 makes the only copy.
 
         Raises:

@@ -21,8 +21,8 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from aiosync.engines.embedded.configs import TINY_QWEN3, TINY_QWEN3_MOE
 from aiosync.errors import RefitMismatchError, SyncTimeoutError, TransportError
-from transports.embedded.configs import TINY_QWEN3, TINY_QWEN3_MOE
 
 QWEN3 = TINY_QWEN3
 QWEN3_MOE = TINY_QWEN3_MOE
@@ -37,8 +37,8 @@ _ERRORS: dict[str, type[Exception]] = {
 def _worker_main(conn: Any, config: dict[str, Any], seed: int) -> None:
     import torch
 
-    from transports.collective_worker import CollectiveWorkerMixin
-    from transports.embedded.model import HFModelRunner
+    from aiosync.engines.embedded.model import HFModelRunner
+    from aiosync.transports.collective.worker import CollectiveWorkerMixin
 
     torch.set_num_threads(1)
 

@@ -18,9 +18,9 @@ from aiosync import (
     TransportError,
     VersionEventKind,
 )
-from refit.torch_source import DTensorRefitSource
-from transports.collective import CollectiveWeightSynchronizer
-from transports.embedded.model import HFModelRunner
+from aiosync.engines.embedded.model import HFModelRunner
+from aiosync.refit.torch_source import DTensorRefitSource
+from aiosync.transports.collective import CollectiveWeightSynchronizer
 
 pytestmark = pytest.mark.slow
 

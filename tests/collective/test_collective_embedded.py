@@ -10,10 +10,10 @@ import torch
 from collective_harness import QWEN3
 
 from aiosync import TrainCluster, create_weight_synchronizer, refit_if_stale
-from refit.torch_source import DTensorRefitSource
-from transports.collective import CollectiveWeightSynchronizer
-from transports.embedded.engine import EmbeddedEngine
-from transports.embedded.model import HFModelRunner
+from aiosync.engines.embedded.engine import EmbeddedEngine
+from aiosync.engines.embedded.model import HFModelRunner
+from aiosync.refit.torch_source import DTensorRefitSource
+from aiosync.transports.collective import CollectiveWeightSynchronizer
 
 pytestmark = pytest.mark.slow
 

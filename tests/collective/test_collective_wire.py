@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from aiosync import TrainCluster, TransportError
-from transports._collective_wire import (
+from aiosync.transports.collective import CollectiveWeightSynchronizer, kv_scale_entries
+from aiosync.transports.collective._wire import (
     decode_trailer,
     encode_trailer,
     header_tensor,
     trailer_nbytes,
     validate_header,
 )
-from transports.collective import CollectiveWeightSynchronizer, kv_scale_entries
-from transports.packing import plan_buckets
+from aiosync.transports.packing import plan_buckets
 
 MANIFEST = {
     "model.embed_tokens.weight": ((8, 4), torch.bfloat16),

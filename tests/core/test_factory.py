@@ -24,7 +24,7 @@ from aiosync import TrainCluster, create_weight_synchronizer
 def test_factory_picks_transport(source, engine, backend, colocated, class_name):
     extra = {} if colocated else {"train_cluster": TrainCluster(), "inference_world_size": 2}
     if backend == "sglang":
-        from transports.sglang_backend import SGLangHTTPBackend
+        from aiosync.engines.sglang.backend import SGLangHTTPBackend
 
         engine = SGLangHTTPBackend("http://127.0.0.1:9")  # constructing connects to nothing
     sync = create_weight_synchronizer(source, engine, colocated=colocated, backend=backend, **extra)

@@ -12,11 +12,11 @@ import pytest
 import pytest_asyncio
 import torch
 
+from aiosync.engines.embedded.configs import TINY_QWEN3
+from aiosync.engines.embedded.engine import EmbeddedEngine
+from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.errors import SyncError, SyncTimeoutError, TransportError
 from aiosync.interfaces import EngineWorkers, GenerationBackend
-from transports.embedded.configs import TINY_QWEN3
-from transports.embedded.engine import EmbeddedEngine
-from transports.embedded.model import HFModelRunner
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -10,9 +10,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from aiosync.engines.embedded.configs import TINY_QWEN3_MOE, TINY_QWEN3_TIED
+from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.errors import RefitMismatchError
-from transports.embedded.configs import TINY_QWEN3_MOE, TINY_QWEN3_TIED
-from transports.embedded.model import HFModelRunner
 
 MOE = TINY_QWEN3_MOE
 DENSE_TIED = TINY_QWEN3_TIED

@@ -5,17 +5,17 @@ stdout line with ``--json``) and imported by ``tests/gpu/test_gpu.py`` (small
 sizes, exact assertions). Needs one CUDA device; nothing is downloaded.
 
 1. **CUDA-IPC refit between two processes on one GPU.** The trainer process
-   packs a Qwen3-0.6B-shaped manifest (``transports.packing``) into two
+   packs a Qwen3-0.6B-shaped manifest (``aiosync.transports.packing``) into two
    rotating device buffers, shares each with ``torch.multiprocessing``'s CUDA
    IPC handles (the mechanism vLLM's and aiosync's colocated transports use),
    and a second process copies every tensor out of the mapped buffer into its
    own preallocated weights, acknowledging each bucket before its buffer is
-   reused. Bit-exactness: per-tensor :func:`transports.packing.bucket_checksum`
+   reused. Bit-exactness: per-tensor :func:`aiosync.transports.packing.bucket_checksum`
    of the receiver's weights equal the sender's (integer arithmetic, exact),
    and in the small test every tensor is compared with ``torch.equal``.
    Throughput, GB/s (10^9 bytes/s), against a device-to-device copy of the
    same bytes in one process.
-2. **Packing throughput on device:** :func:`transports.packing.pack` of the
+2. **Packing throughput on device:** :func:`aiosync.transports.packing.pack` of the
    same manifest into device buffers, GB/s, against the same D2D copy.
 3. **JAX→torch dlpack:** a JAX array on the GPU viewed by ``torch.from_dlpack``
    must share its memory (same device pointer) and values.
@@ -38,8 +38,8 @@ import torch
 import torch.multiprocessing as mp
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from transports.embedded.configs import TINY_QWEN3
-from transports.packing import BucketPlan, bucket_checksum, pack, plan_buckets, unpack
+from aiosync.engines.embedded.configs import TINY_QWEN3
+from aiosync.transports.packing import BucketPlan, bucket_checksum, pack, plan_buckets, unpack
 
 __all__ = [
     "collective_refit",
@@ -360,7 +360,7 @@ def _collective_worker_main(conn: Any, manifest_json: dict[str, Any], device: st
     """The engine process: the real CollectiveWorkerMixin, its RPCs served over a pipe."""
     from types import SimpleNamespace
 
-    from transports.collective_worker import CollectiveWorkerMixin
+    from aiosync.transports.collective.worker import CollectiveWorkerMixin
 
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -451,7 +451,7 @@ def collective_refit(
     import anyio
 
     from aiosync import TrainCluster
-    from transports.collective import CollectiveWeightSynchronizer
+    from aiosync.transports.collective import CollectiveWeightSynchronizer
 
     trainer_dev = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
     worker_dev = "cuda:1" if backend == "nccl" else "cpu"

@@ -7,7 +7,7 @@ import gpu_checks
 import pytest
 import torch
 
-from transports.packing import pack, plan_buckets, unpack
+from aiosync.transports.packing import pack, plan_buckets, unpack
 
 pytestmark = pytest.mark.gpu
 

@@ -24,10 +24,10 @@ import torch
 from safetensors.torch import load as safetensors_load
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from aiosync.engines.embedded.configs import TINY_QWEN3
+from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.interfaces import RefitManifest, RefitSource
-from refit import DTensorRefitSource
-from transports.embedded.configs import TINY_QWEN3
-from transports.embedded.model import HFModelRunner
+from aiosync.refit import DTensorRefitSource
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,7 +40,7 @@ API_KEY = "test-key-123"
 
 
 class TestServer:
-    """A ``python -m transports.sglang_test_server`` process and an admin client."""
+    """A ``python -m aiosync.engines.sglang.test_server`` process and an admin client."""
 
     __test__ = False
 
@@ -49,7 +49,7 @@ class TestServer:
         cmd = [
             sys.executable,
             "-m",
-            "transports.sglang_test_server",
+            "aiosync.engines.sglang.test_server",
             "--port",
             "0",
             "--port-file",

@@ -12,8 +12,8 @@ import anyio
 import pytest
 import torch
 
-from aiosync import SyncError, SyncTimeoutError, TransportError
-from transports.http import HTTPWeightSynchronizer, SGLangHTTPBackend
+from aiosync import SGLangHTTPBackend, SyncError, SyncTimeoutError, TransportError
+from aiosync.transports.http import HTTPWeightSynchronizer
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from aiosync import SyncError, refit_if_stale
-from transports.http import HTTPWeightSynchronizer, SGLangHTTPBackend
+from aiosync import SGLangHTTPBackend, SyncError, refit_if_stale
+from aiosync.transports.http import HTTPWeightSynchronizer
 
 pytestmark = pytest.mark.slow
 

@@ -11,11 +11,12 @@ import pytest
 
 from aiosync import (
     RefitMismatchError,
+    SGLangHTTPBackend,
     TransportError,
     VersionEventKind,
     create_weight_synchronizer,
 )
-from transports.http import HTTPWeightSynchronizer, SGLangHTTPBackend
+from aiosync.transports.http import HTTPWeightSynchronizer
 
 pytestmark = pytest.mark.slow
 

@@ -32,7 +32,9 @@ import httpx
 import pytest
 import torch
 
-from transports._sglang_wire import (
+from aiosync import SGLangHTTPBackend
+from aiosync.transports.http import HTTPWeightSynchronizer
+from aiosync.transports.http._wire import (
     allocate_flat,
     decode_flattened_bucket,
     group_flat,
@@ -41,7 +43,6 @@ from transports._sglang_wire import (
     serialize_flat,
     use_file_system_sharing,
 )
-from transports.http import HTTPWeightSynchronizer, SGLangHTTPBackend
 
 
 def _stub_torchvision() -> None:

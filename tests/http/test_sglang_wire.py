@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from aiosync import RefitMismatchError, TransportError
-from transports._sglang_wire import (
+from aiosync.transports.http._wire import (
     allocate_flat,
     decode_flattened_bucket,
     group_flat,
@@ -159,7 +159,7 @@ def test_cpu_handles_open_in_an_unrelated_process() -> None:
     code = textwrap.dedent(
         """
         import sys
-        from transports._sglang_wire import decode_flattened_bucket
+        from aiosync.transports.http._wire import decode_flattened_bucket
         [(name, t)] = decode_flattened_bucket(sys.stdin.read())
         print(name, t.float().flatten().tolist())
         """

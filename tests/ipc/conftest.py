@@ -15,11 +15,11 @@ import pytest
 import pytest_asyncio
 import torch
 
+from aiosync.engines.embedded.configs import TINY_QWEN3_MOE, TINY_QWEN3_TIED
+from aiosync.engines.embedded.engine import EmbeddedEngine
+from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.interfaces import RefitManifest, RefitSource
-from refit import DTensorRefitSource
-from transports.embedded.configs import TINY_QWEN3_MOE, TINY_QWEN3_TIED
-from transports.embedded.engine import EmbeddedEngine
-from transports.embedded.model import HFModelRunner
+from aiosync.refit import DTensorRefitSource
 
 MOE = TINY_QWEN3_MOE
 DENSE_TIED = TINY_QWEN3_TIED

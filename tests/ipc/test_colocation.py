@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from transports.colocation import generation_gpu_fraction
+from aiosync.engines.colocation import generation_gpu_fraction
 
 
 @pytest.mark.parametrize(

@@ -27,12 +27,13 @@ import torch
 import zmq
 import zmq.asyncio
 
+from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
 from aiosync.interfaces import refit_if_stale
-from transports._shm import SharedBuffer
-from transports.embedded.engine import EmbeddedEngine
-from transports.ipc import IPCWeightSynchronizer, _BucketSender
-from transports.packing import BucketPlan, group_by_bucket, pack, plan_buckets
+from aiosync.transports.ipc import IPCWeightSynchronizer
+from aiosync.transports.ipc._shm import SharedBuffer
+from aiosync.transports.ipc.synchronizer import _BucketSender
+from aiosync.transports.packing import BucketPlan, group_by_bucket, pack, plan_buckets
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -314,10 +315,10 @@ async def test_engine_that_stops_answering_times_out_and_next_sync_succeeds(
 
 _TRAINER_CHILD = r"""
 import asyncio, json, os, sys
-from refit import DTensorRefitSource
-from transports.embedded.model import HFModelRunner
-from transports.ipc import _BucketSender
-from transports.packing import plan_buckets
+from aiosync.refit import DTensorRefitSource
+from aiosync.engines.embedded.model import HFModelRunner
+from aiosync.transports.ipc.synchronizer import _BucketSender
+from aiosync.transports.packing import plan_buckets
 config, seed, bucket_bytes, die_at = json.loads(sys.argv[1])
 trainer = HFModelRunner.from_config(config, seed=seed)
 source = DTensorRefitSource(trainer.model)

@@ -9,7 +9,7 @@ import torch
 
 from aiosync.errors import SyncError
 from aiosync.factory import create_weight_synchronizer
-from transports.ipc import IPCWeightSynchronizer, default_bucket_bytes
+from aiosync.transports.ipc import IPCWeightSynchronizer, default_bucket_bytes
 
 MiB = 1024**2
 

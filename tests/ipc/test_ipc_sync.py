@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.events import VersionEventKind
-from transports.embedded.engine import EmbeddedEngine
-from transports.ipc import IPCWeightSynchronizer
+from aiosync.transports.ipc import IPCWeightSynchronizer
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -190,7 +190,7 @@ async def test_kv_scales_are_ignored_with_one_warning(
         await sync.init_communicator()
         assert sync.plan is not None
         assert 16 * 1024**2 <= sync.plan.bucket_bytes <= 5 * 1024**3
-        with caplog.at_level(logging.WARNING, logger="transports.ipc"):
+        with caplog.at_level(logging.WARNING, logger="aiosync.transports.ipc"):
             for _ in range(2):
                 await sync.mark_stale()
                 await sync.sync_weights(kv_scales={0: 0.5, 1: 0.25})

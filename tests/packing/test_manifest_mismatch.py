@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from aiosync import RefitMismatchError
-from transports.packing import (
+from aiosync.transports.packing import (
     BucketPlan,
     bucket_checksum,
     compare_manifests,

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aiosync._config import PACK_ALIGNMENT_BYTES
-from transports.packing import BucketPlan, group_by_bucket, pack, plan_buckets, unpack
+from aiosync.transports.packing import BucketPlan, group_by_bucket, pack, plan_buckets, unpack
 
 DTYPES = [
     torch.float32,

@@ -1,4 +1,4 @@
-"""A small flax NNX Qwen3 (dense) in the layout of ``refit.nnx.qwen3``.
+"""A small flax NNX Qwen3 (dense) in the layout of ``aiosync.refit.nnx.qwen3``.
 
 Written from the Qwen3 architecture (RMSNorm, q/k norm on the head dim, RoPE
 with rotate-half, GQA, SwiGLU), not from the refit table: if the table's

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from transports.embedded.configs import (
+from aiosync.engines.embedded.configs import (
     TINY_GEMMA4_MOE,
     TINY_QWEN3,
     TINY_QWEN3_MOE,
@@ -22,7 +22,7 @@ S, F = "sliding_attention", "full_attention"
 
 
 def _kw(config: dict[str, Any]) -> dict[str, Any]:
-    """A deep copy of a ``transports.embedded.configs`` dict without ``model_type``."""
+    """A deep copy of a ``aiosync.engines.embedded.configs`` dict without ``model_type``."""
     return {k: copy.deepcopy(v) for k, v in config.items() if k != "model_type"}
 
 

@@ -9,8 +9,8 @@ import torch
 
 jax = pytest.importorskip("jax")
 
-from refit import DTensorRefitSource  # noqa: E402
-from refit.nnx import NNXRefitSource, model_map_for  # noqa: E402
+from aiosync.refit import DTensorRefitSource  # noqa: E402
+from aiosync.refit.nnx import NNXRefitSource, model_map_for  # noqa: E402
 
 BUILDERS = [
     "qwen3_config",

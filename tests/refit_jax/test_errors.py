@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from aiosync.errors import RefitMismatchError
-from refit.nnx import SUPPORTED_MODEL_TYPES, model_map_for
+from aiosync.refit.nnx import SUPPORTED_MODEL_TYPES, model_map_for
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")

@@ -12,8 +12,8 @@ import torch
 jax = pytest.importorskip("jax")
 nnx = pytest.importorskip("flax.nnx")
 
-from refit.nnx import NNXRefitSource, model_map_for  # noqa: E402
-from refit.nnx.table import flatten_params  # noqa: E402
+from aiosync.refit.nnx import NNXRefitSource, model_map_for  # noqa: E402
+from aiosync.refit.nnx.table import flatten_params  # noqa: E402
 
 IDS = [[3, 17, 99, 4, 64, 1, 127, 8, 42, 5], [0, 9, 9, 100, 31, 2, 77, 6, 15, 120]]
 

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 jax = pytest.importorskip("jax")
 
-from refit.nnx import model_map_for  # noqa: E402
-from refit.nnx.table import flatten_params  # noqa: E402
+from aiosync.refit.nnx import model_map_for  # noqa: E402
+from aiosync.refit.nnx.table import flatten_params  # noqa: E402
 
 SETTINGS = settings(
     max_examples=8,

@@ -11,7 +11,7 @@ import torch
 
 jax = pytest.importorskip("jax")
 
-from refit.nnx import model_map_for  # noqa: E402
+from aiosync.refit.nnx import model_map_for  # noqa: E402
 
 
 def _load(models: ModuleType, builder: str, **over: Any) -> tuple[dict[str, torch.Tensor], Any]:

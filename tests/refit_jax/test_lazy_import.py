@@ -7,10 +7,11 @@ import sys
 
 _PROBE = """
 import sys
-import refit
+import aiosync.refit
 assert "jax" not in sys.modules and "flax" not in sys.modules, "import refit imported jax"
-from refit.nnx import NNXRefitSource, model_map_for
-assert refit.NNXRefitSource is NNXRefitSource and refit.model_map_for is model_map_for
+from aiosync.refit.nnx import NNXRefitSource, model_map_for
+assert aiosync.refit.NNXRefitSource is NNXRefitSource
+assert aiosync.refit.model_map_for is model_map_for
 mm = model_map_for({"model_type": "qwen3", "vocab_size": 8, "hidden_size": 4,
                     "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
                     "num_key_value_heads": 1, "head_dim": 2, "tie_word_embeddings": True})

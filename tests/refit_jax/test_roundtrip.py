@@ -11,8 +11,8 @@ import torch
 
 jax = pytest.importorskip("jax")
 
-from refit.nnx import model_map_for  # noqa: E402
-from refit.nnx.table import flatten_params  # noqa: E402
+from aiosync.refit.nnx import model_map_for  # noqa: E402
+from aiosync.refit.nnx.table import flatten_params  # noqa: E402
 
 # (id, builder name in _refit_jax_models, config overrides)
 FAMILIES: list[tuple[str, str, dict[str, Any]]] = [

@@ -14,7 +14,7 @@ pytest.importorskip("jax")
 _PROBE = """
 import jax, jax.numpy as jnp, numpy as np, torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from refit.nnx import NNXRefitSource, model_map_for
+from aiosync.refit.nnx import NNXRefitSource, model_map_for
 
 assert len(jax.devices()) == 2, jax.devices()
 config = {"model_type": "qwen3_moe", "vocab_size": 32, "hidden_size": 16,

@@ -14,8 +14,8 @@ jnp = pytest.importorskip("jax.numpy")
 nnx = pytest.importorskip("flax.nnx")
 
 from aiosync.interfaces import RefitSource  # noqa: E402
-from refit.nnx import NNXRefitSource, model_map_for  # noqa: E402
-from refit.nnx.convert import jax_to_torch, torch_to_numpy  # noqa: E402
+from aiosync.refit.nnx import NNXRefitSource, model_map_for  # noqa: E402
+from aiosync.refit.nnx.convert import jax_to_torch, torch_to_numpy  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +149,7 @@ def test_strided_view_stream_has_the_same_values_without_the_copies(
 
 
 def test_engine_dtype_casts_floating_point_only() -> None:
-    from refit.nnx.table import ModelMap, copy
+    from aiosync.refit.nnx.table import ModelMap, copy
 
     model_map = ModelMap("toy", [copy("a.weight", ("a",), (3,)), copy("steps", ("steps",), (2,))])
     params = {"a": jnp.ones(3, jnp.float32), "steps": jnp.arange(2, dtype=jnp.int32)}

@@ -7,7 +7,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from refit.nnx.transforms import (
+from aiosync.refit.nnx.transforms import (
     Concat,
     Reshape,
     Stack,
@@ -100,7 +100,7 @@ def test_transform_definitions_that_cannot_be_inverted_are_rejected() -> None:
     ],
 )
 def test_every_rule_of_every_table_inverts_exactly(models: ModuleType, builder: str) -> None:
-    from refit.nnx import model_map_for
+    from aiosync.refit.nnx import model_map_for
 
     model_map = model_map_for(getattr(models, builder)(attention_bias=False).to_dict())
     gen = torch.Generator().manual_seed(0)

@@ -24,7 +24,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard, distribute_ten
 sys.path.insert(0, str(Path(__file__).parent))
 from _refit_torch_models import build_model
 
-from refit import DTensorRefitSource
+from aiosync.refit import DTensorRefitSource
 
 
 def _fsdp2(model: nn.Module, mesh: DeviceMesh) -> nn.Module:

@@ -24,7 +24,7 @@ from transformers import (
     Qwen3NextForCausalLM,
 )
 
-from transports.embedded.configs import (
+from aiosync.engines.embedded.configs import (
     TINY_GEMMA4_MOE,
     TINY_QWEN3,
     TINY_QWEN3_MOE,
@@ -35,7 +35,7 @@ MODEL_KINDS = ("qwen3", "qwen3_tied", "qwen3_moe", "qwen3_next", "gemma4_moe", "
 
 
 def _kw(config: dict[str, Any], **over: Any) -> dict[str, Any]:
-    """Config-class keyword arguments from a ``transports.embedded.configs`` dict."""
+    """Config-class keyword arguments from a ``aiosync.engines.embedded.configs`` dict."""
     return {k: copy.deepcopy(v) for k, v in config.items() if k != "model_type"} | over
 
 

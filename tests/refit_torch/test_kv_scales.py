@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refit import kv_scales_to_tensors
+from aiosync.refit import kv_scales_to_tensors
 
 
 def test_layer_indices_set_both_scales_as_0d_float32() -> None:

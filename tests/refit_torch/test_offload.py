@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from refit import DTensorRefitSource
+from aiosync.refit import DTensorRefitSource
 
 BuildModel = Callable[..., nn.Module]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from refit import DTensorRefitSource
+from aiosync.refit import DTensorRefitSource
 
 
 def test_iter_weights_leaves_grad_mode_on_in_the_consuming_thread():

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from aiosync import RefitMismatchError, RefitSource
-from refit import DTensorRefitSource
-from transports.packing import group_by_bucket, pack, plan_buckets, unpack
+from aiosync.refit import DTensorRefitSource
+from aiosync.transports.packing import group_by_bucket, pack, plan_buckets, unpack
 
 BuildModel = Callable[..., nn.Module]
 Checkpoint = Callable[[str], dict[str, torch.Tensor]]
@@ -55,8 +55,8 @@ def test_plain_model_streams_exactly_what_save_pretrained_writes(
 
 
 def test_manifest_matches_embedded_engine_expected_manifest(build_model: BuildModel) -> None:
-    from transports.embedded.model import HFModelRunner
-    from transports.packing import compare_manifests
+    from aiosync.engines.embedded.model import HFModelRunner
+    from aiosync.transports.packing import compare_manifests
 
     for kind in ("qwen3_tied", "qwen3_moe"):
         model = build_model(kind)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from transports.embedded.configs import TINY_QWEN3 as _TINY
+from aiosync.engines.embedded.configs import TINY_QWEN3 as _TINY
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: plenty for 128 tokens
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -60,7 +60,7 @@ def llm(tiny_qwen3_dir: Path) -> Iterator[Any]:
     """``vllm.LLM`` on CPU with aiosync's worker extension (engine core and worker processes)."""
     from vllm import LLM
 
-    from transports.vllm_backend import WORKER_EXTENSION
+    from aiosync.engines.vllm.backend import WORKER_EXTENSION
 
     engine = LLM(
         model=str(tiny_qwen3_dir),

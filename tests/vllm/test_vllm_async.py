@@ -13,10 +13,10 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed here: run .ci/vllm.sh (.venv-vllm)")
 
 from aiosync import TrainCluster
-from refit import DTensorRefitSource
-from transports.collective import CollectiveWeightSynchronizer
-from transports.ipc import IPCWeightSynchronizer
-from transports.vllm_backend import WORKER_EXTENSION, VLLMGenerationBackend
+from aiosync.engines.vllm.backend import WORKER_EXTENSION, VLLMGenerationBackend
+from aiosync.refit import DTensorRefitSource
+from aiosync.transports.collective import CollectiveWeightSynchronizer
+from aiosync.transports.ipc import IPCWeightSynchronizer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

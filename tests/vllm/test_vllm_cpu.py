@@ -14,11 +14,11 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed here: run .ci/vllm.sh (.venv-vllm)")
 
 from aiosync import TrainCluster
+from aiosync.engines.vllm.backend import VLLMGenerationBackend
 from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
-from refit import DTensorRefitSource
-from transports.collective import CollectiveWeightSynchronizer
-from transports.ipc import IPCWeightSynchronizer
-from transports.vllm_backend import VLLMGenerationBackend
+from aiosync.refit import DTensorRefitSource
+from aiosync.transports.collective import CollectiveWeightSynchronizer
+from aiosync.transports.ipc import IPCWeightSynchronizer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -246,7 +246,7 @@ async def test_sleep_on_the_cpu_worker_is_a_logged_no_op(
 ) -> None:
     backend = VLLMGenerationBackend(llm)
     before = await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
-    with caplog.at_level(logging.WARNING, logger="transports.vllm_backend"):
+    with caplog.at_level(logging.WARNING, logger="aiosync.engines.vllm.backend"):
         await backend.finish_generation()
         await backend.prepare_for_generation()
         await backend.finish_generation()

@@ -13,8 +13,11 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: run .ci/vllm.sh 
 
 from vllm.distributed.weight_transfer.base import layerwise_groups
 
-from refit import DTensorRefitSource
-from transports.vllm_weight_transfer import refit_weight_source, vllm_weight_transfer_available
+from aiosync.refit import DTensorRefitSource
+from aiosync.transports.vllm_weight_transfer import (
+    refit_weight_source,
+    vllm_weight_transfer_available,
+)
 
 pytestmark = pytest.mark.vllm
 

@@ -5,7 +5,7 @@
 by name:
 
 * ``aiosync_ipc_init(plan)`` once: the worker rebuilds the
-  :class:`~transports.packing.BucketPlan` from its JSON form (re-deriving the
+  :class:`~aiosync.transports.packing.BucketPlan` from its JSON form (re-deriving the
   digest) and, where the model offers ``expected_manifest()``, compares the
   manifests (names, shapes, dtypes; order is the trainer's) →
   :class:`~aiosync.errors.RefitMismatchError` naming the first differences.
@@ -42,9 +42,10 @@ import torch
 import zmq
 
 from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
-from transports._shm import MappedBuffer, open_handle
-from transports._wire import decode, encode, error_fields
-from transports.packing import BucketPlan, compare_manifests, unpack
+
+from .._wire import decode, encode, error_fields
+from ..packing import BucketPlan, compare_manifests, unpack
+from ._shm import MappedBuffer, open_handle
 
 __all__ = ["IPCWorkerMixin"]
 

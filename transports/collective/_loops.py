@@ -1,6 +1,6 @@
 """The two halves of one sync on the data group: the source's send loop and a receiver's.
 
-Both follow the wire format of :mod:`transports._collective_wire` and keep at
+Both follow the wire format of :mod:`aiosync.transports.collective._wire` and keep at
 least two buckets in flight: the source packs bucket ``k+1`` while bucket ``k``
 is on the wire, and a receiver posts the receive of bucket ``k+1`` before it
 loads bucket ``k``. Each loop ends with the vote (:meth:`SyncGroup.agree`), so
@@ -18,15 +18,15 @@ import torch
 
 from aiosync.errors import RefitMismatchError, SyncError, TransportError
 
-from ._collective_wire import (
+from ..packing import Bucket, BucketPlan, bucket_checksum, group_by_bucket, pack
+from ._group import STATUS_ERROR, STATUS_MISMATCH, STATUS_OK, SyncGroup
+from ._wire import (
     decode_trailer,
     encode_trailer,
     header_tensor,
     trailer_nbytes,
     validate_header,
 )
-from ._pg import STATUS_ERROR, STATUS_MISMATCH, STATUS_OK, SyncGroup
-from .packing import Bucket, BucketPlan, bucket_checksum, group_by_bucket, pack
 
 __all__ = ["RotatingBuffers", "SendResult", "receive_buckets", "send_buckets"]
 

@@ -43,7 +43,7 @@ import zmq.asyncio
 
 from aiosync._config import DEFAULT_RPC_TIMEOUT_S
 from aiosync.errors import SyncError, SyncTimeoutError, TransportError
-from transports._wire import decode, encode, rebuild_error
+from aiosync.transports._wire import decode, encode, rebuild_error
 
 from ._worker import run_worker, tensor_from_wire
 
@@ -52,7 +52,7 @@ __all__ = ["DEFAULT_WORKER_EXTENSION", "EmbeddedEngine"]
 _log = logging.getLogger(__name__)
 
 #: The worker extension mixed into every worker unless told otherwise.
-DEFAULT_WORKER_EXTENSION = "transports.worker_extension.AiosyncWorkerExtension"
+DEFAULT_WORKER_EXTENSION = "aiosync.engines.vllm.worker_extension.AiosyncWorkerExtension"
 
 #: Time allowed for the workers to import torch and build their models, seconds.
 DEFAULT_START_TIMEOUT_S: float = 600.0

@@ -1,7 +1,7 @@
 """One embedded-engine worker process: builds the model, then serves RPCs by name.
 
 The worker object mirrors a vLLM worker: ``worker.model_runner.model`` is the
-:class:`~transports.embedded.model.HFModelRunner`, and the worker-extension
+:class:`~aiosync.engines.embedded.model.HFModelRunner`, and the worker-extension
 mixins (``AiosyncWorkerExtension`` by default) are among its bases, so their
 ``aiosync_*`` methods are callable through ``collective_rpc``.
 
@@ -28,9 +28,10 @@ import zmq
 import zmq.asyncio
 
 from aiosync.errors import SyncError
-from transports._wire import decode, encode, error_fields
-from transports.embedded.model import HFModelRunner
-from transports.packing import dtype_from_name, dtype_name
+from aiosync.transports._wire import decode, encode, error_fields
+from aiosync.transports.packing import dtype_from_name, dtype_name
+
+from .model import HFModelRunner
 
 __all__ = ["EmbeddedWorker", "run_worker"]
 

@@ -25,7 +25,7 @@ client=..., source=...)`` builds a ``TrainerWeightTransferEngine`` whose
 timeouts and coalescing, and vLLM moves the bytes with its own backend
 (no aiosync worker extension needed on the engine; the engine must be built
 with ``weight_transfer_config=WeightTransferConfig(backend=...)``).
-Use aiosync's own transports (``transports.collective`` / ``transports.ipc``
+Use aiosync's own transports (``aiosync.transports.collective`` / ``aiosync.transports.ipc``
 with the worker extension) where vLLM's backends do not run: its ``nccl`` and
 ``ipc`` backends need CUDA, so on CPU only aiosync's gloo and shared-memory
 paths exist. See ``docs/vllm.md``.
@@ -146,7 +146,7 @@ class VLLMWeightTransferSynchronizer(WeightSynchronizer):
     Args:
         policy: the trainer's refit source (HF checkpoint names).
         generation: the engine as the loop sees it (e.g.
-            :class:`transports.vllm_backend.VLLMGenerationBackend`); not used to
+            :class:`aiosync.engines.vllm.backend.VLLMGenerationBackend`); not used to
             move bytes.
         init_info: vLLM's trainer init info, e.g.
             ``NCCLTrainerInitInfo(master_address=..., master_port=...,
@@ -174,7 +174,8 @@ class VLLMWeightTransferSynchronizer(WeightSynchronizer):
         if not vllm_weight_transfer_available():
             raise ImportError(
                 "the installed vLLM has no vllm.distributed.weight_transfer "
-                "(vLLM >= 0.32 provides it); use transports.collective / transports.ipc"
+                "(vLLM >= 0.32 provides it); use aiosync.transports.collective / "
+                "aiosync.transports.ipc"
             )
         super().__init__(policy, generation, sync_timeout_s=sync_timeout_s, **options)
         self.init_info = init_info
@@ -214,7 +215,7 @@ class VLLMWeightTransferSynchronizer(WeightSynchronizer):
         if kv_scales:
             raise ValueError(
                 "vLLM's weight-transfer API carries no FP8 KV-cache scales; "
-                "use transports.collective for kv_scales"
+                "use aiosync.transports.collective for kv_scales"
             )
         engine = self._engine
         if engine is None:

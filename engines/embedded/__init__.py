@@ -5,6 +5,7 @@ It mirrors vLLM's worker contract (``worker.model_runner.model.load_weights``,
 run against it without a GPU. It is **not** a vLLM replacement: no batching
 scheduler, no paged KV cache, no CUDA graphs.
 
-- :mod:`transports.embedded.model` — :class:`HFModelRunner` (checkpoint-named ``load_weights``).
-- :mod:`transports.embedded.engine` — :class:`EmbeddedEngine` (worker processes, RPC).
+- :mod:`aiosync.engines.embedded.model` — :class:`HFModelRunner` (checkpoint-named
+  ``load_weights``).
+- :mod:`aiosync.engines.embedded.engine` — :class:`EmbeddedEngine` (worker processes, RPC).
 """

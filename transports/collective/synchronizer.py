@@ -2,8 +2,9 @@
 
 The trainer (``T`` ranks) and the engine (``W`` workers) run on separate devices
 or machines. :class:`CollectiveWeightSynchronizer` forms a dedicated
-torch.distributed group (:mod:`transports._pg`: NCCL on CUDA, gloo on CPU) and,
-per sync, broadcasts the manifest's packed buckets (:mod:`transports.packing`)
+torch.distributed group (:mod:`aiosync.transports.collective._group`: NCCL on CUDA,
+gloo on CPU) and,
+per sync, broadcasts the manifest's packed buckets (:mod:`aiosync.transports.packing`)
 from trainer rank 0. It is a pure data mover: no sleep/wake of the engine.
 
 Timeline of one sync (in-place)::
@@ -41,9 +42,8 @@ from aiosync.interfaces import (
     WeightSynchronizer,
 )
 
-from ._collective_loops import RotatingBuffers, SendResult, send_buckets
-from ._collective_wire import attention_layers, kv_scale_entries
-from ._pg import (
+from ..packing import BucketPlan, group_by_bucket, plan_buckets
+from ._group import (
     STATUS_ERROR,
     STATUS_MISMATCH,
     STATUS_OK,
@@ -51,7 +51,8 @@ from ._pg import (
     create_sync_group,
     open_store,
 )
-from .packing import BucketPlan, group_by_bucket, plan_buckets
+from ._loops import RotatingBuffers, SendResult, send_buckets
+from ._wire import attention_layers, kv_scale_entries
 
 __all__ = ["CollectiveWeightSynchronizer", "default_bucket_bytes", "kv_scale_entries"]
 
@@ -76,8 +77,8 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
     Every trainer rank constructs one and calls the same methods (SPMD): all
     ranks iterate ``policy.iter_weights()`` (gathers are collectives); rank 0
     sends and drives the engine's workers through ``generation.collective_rpc``.
-    The workers must mix in :class:`~transports.collective_worker.CollectiveWorkerMixin`
-    (``transports.worker_extension.AiosyncWorkerExtension`` for vLLM).
+    The workers must mix in :class:`~aiosync.transports.collective.worker.CollectiveWorkerMixin`
+    (``aiosync.engines.vllm.worker_extension.AiosyncWorkerExtension`` for vLLM).
 
     Session ranks: trainer ``0..T-1``, inference ``T..T+W-1``; the store lives
     on trainer rank 0 at ``train_cluster.master_addr:master_port``.

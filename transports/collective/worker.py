@@ -2,7 +2,7 @@
 
 vLLM (``worker_extension_cls``) and the embedded engine mix
 :class:`CollectiveWorkerMixin` into their workers; the trainer's
-:class:`~transports.collective.CollectiveWeightSynchronizer` calls its methods by
+:class:`~aiosync.transports.collective.CollectiveWeightSynchronizer` calls its methods by
 name through ``collective_rpc``. Every argument and result is JSON-safe.
 
 The worker needs ``self.model_runner.model.load_weights(iterable)`` taking HF
@@ -26,9 +26,9 @@ import torch
 
 from aiosync.errors import RefitMismatchError, SyncTimeoutError, TransportError
 
-from ._collective_loops import RotatingBuffers, receive_buckets
-from ._pg import STATUS_MISMATCH, STATUS_OK, SyncGroup, create_sync_group, open_store
-from .packing import Bucket, BucketPlan, compare_manifests, unpack
+from ..packing import Bucket, BucketPlan, compare_manifests, unpack
+from ._group import STATUS_MISMATCH, STATUS_OK, SyncGroup, create_sync_group, open_store
+from ._loops import RotatingBuffers, receive_buckets
 
 __all__ = ["CollectiveWorkerMixin"]
 
@@ -61,7 +61,7 @@ def _device_for(backend: str) -> torch.device:
 
 
 class CollectiveWorkerMixin:
-    """Receiver of :class:`~transports.collective.CollectiveWeightSynchronizer`.
+    """Receiver of :class:`~aiosync.transports.collective.CollectiveWeightSynchronizer`.
 
     Attributes:
         aiosync_weights_valid: False from the start of an in-place receive (or of

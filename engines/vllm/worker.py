@@ -136,7 +136,7 @@ class VLLMWorkerMixin:
         if checkpoint is None or plan is None or hasattr(model, "expected_manifest"):
             yield
             return
-        from transports.packing import BucketPlan
+        from aiosync.transports.packing import BucketPlan
 
         try:
             trainer_names = list(BucketPlan.from_json(plan).manifest())
@@ -189,7 +189,7 @@ class VLLMWorkerMixin:
 
         vLLM hands a worker's exception to its client as a plain ``Exception``
         holding ``str(exc)`` only; ``[aiosync:TypeName] message`` lets
-        :mod:`transports.vllm_backend` re-raise ``RefitMismatchError``,
+        :mod:`aiosync.engines.vllm.backend` re-raise ``RefitMismatchError``,
         ``TransportError`` or ``SyncTimeoutError`` as themselves.
         """
         if getattr(self, "vllm_config", None) is None:

@@ -23,7 +23,7 @@ pretend (see ``docs/vllm.md``).
 
 Errors: a worker's exception reaches the client of a multiprocess vLLM engine
 as a plain ``Exception`` carrying only its message; the worker extension
-(:mod:`transports.vllm_worker`) tags aiosync's own errors in that message and
+(:mod:`aiosync.engines.vllm.worker`) tags aiosync's own errors in that message and
 this module re-raises them with their type (``RefitMismatchError``,
 ``TransportError``, ``SyncTimeoutError``); anything else becomes a
 ``TransportError``.
@@ -51,14 +51,14 @@ __all__ = ["WORKER_EXTENSION", "VLLMGenerationBackend"]
 _log = logging.getLogger(__name__)
 
 #: The class to pass as vLLM's ``worker_extension_cls``.
-WORKER_EXTENSION = "transports.worker_extension.AiosyncWorkerExtension"
+WORKER_EXTENSION = "aiosync.engines.vllm.worker_extension.AiosyncWorkerExtension"
 
 #: The tags ``wake_up`` accepts (vLLM's ``LLM.wake_up``).
 _WAKE_TAGS = frozenset({"weights", "kv_cache", "scheduling"})
 
 _LLM_LOCKS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
 
-# ``[aiosync:TypeName] message``, written by transports.vllm_worker.
+# ``[aiosync:TypeName] message``, written by aiosync.engines.vllm.worker.
 _TAGGED_ERROR = re.compile(r"\[aiosync:(\w+)\] (.*)", re.DOTALL)
 
 
@@ -344,7 +344,7 @@ def _sleep_mode_enabled(engine: Any) -> bool:
 
 
 def _rebuild_worker_error(method: str, exc: Exception) -> Exception:
-    from transports._wire import rebuild_error
+    from aiosync.transports._wire import rebuild_error
 
     match = _TAGGED_ERROR.search(str(exc))
     if match is None:

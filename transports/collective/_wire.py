@@ -3,7 +3,7 @@
 One sync on the data group is::
 
     header   int64[5 + num_buckets]   magic, version, num_buckets, n_kv, verify, bucket nbytes...
-    bucket 0 .. bucket n-1            uint8, the packed buckets (transports.packing)
+    bucket 0 .. bucket n-1            uint8, the packed buckets (aiosync.transports.packing)
     trailer  uint8[4*n_kv + 8*n_cs]   float32 KV scales, then int64 per-bucket checksums
                                       (checksums only with verify; no trailer when both are empty)
 
@@ -22,7 +22,7 @@ import torch
 
 from aiosync.errors import RefitMismatchError, TransportError
 
-from .packing import BucketPlan
+from ..packing import BucketPlan
 
 __all__ = [
     "attention_layers",

@@ -1,15 +1,17 @@
 """The worker extension users hand to the engine: every aiosync receiver in one class.
 
-vLLM: ``LLM(..., worker_extension_cls="transports.worker_extension.AiosyncWorkerExtension")``;
+vLLM: ``LLM(..., worker_extension_cls=WORKER_EXTENSION)`` with
+``WORKER_EXTENSION = "aiosync.engines.vllm.worker_extension.AiosyncWorkerExtension"``;
 the trainer then drives the ``aiosync_*`` methods with ``collective_rpc``. The
 embedded engine mixes this class into its workers by default.
 """
 
 from __future__ import annotations
 
-from transports.collective_worker import CollectiveWorkerMixin
-from transports.ipc_worker import IPCWorkerMixin
-from transports.vllm_worker import VLLMWorkerMixin
+from aiosync.transports.collective.worker import CollectiveWorkerMixin
+from aiosync.transports.ipc.worker import IPCWorkerMixin
+
+from .worker import VLLMWorkerMixin
 
 __all__ = ["AiosyncWorkerExtension"]
 

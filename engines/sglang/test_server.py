@@ -1,6 +1,6 @@
 """A contract-true stand-in for SGLang's HTTP server, on the embedded transformers engine.
 
-Run it as ``python -m transports.sglang_test_server --port 0 --port-file F
+Run it as ``python -m aiosync.engines.sglang.test_server --port 0 --port-file F
 --model-config config.json``. It binds 127.0.0.1 only and serves, with SGLang's
 request bodies (``io_struct``), answers and status codes
 (``entrypoints/http_server.py``):
@@ -53,9 +53,13 @@ import torch
 from safetensors.torch import save as safetensors_save
 
 from aiosync.errors import SyncError, TransportError
+from aiosync.transports.http import (
+    FLATTENED_BUCKET,
+    decode_flattened_bucket,
+    use_file_system_sharing,
+)
 
-from ._sglang_wire import FLATTENED_BUCKET, decode_flattened_bucket, use_file_system_sharing
-from .embedded.model import HFModelRunner
+from ..embedded.model import HFModelRunner
 
 __all__ = ["ServerState", "main", "make_server", "serve_in_subprocess"]
 
@@ -488,7 +492,7 @@ async def serve_in_subprocess(
         config_path, port_file = Path(tmp) / "config.json", Path(tmp) / "port"
         config_path.write_text(json.dumps(dict(model_config)))
         proc = subprocess.Popen(
-            [sys.executable, "-m", "transports.sglang_test_server", "--port", "0",
+            [sys.executable, "-m", "aiosync.engines.sglang.test_server", "--port", "0",
              "--port-file", str(port_file), "--model-config", str(config_path),
              "--seed", str(seed), "--dtype", dtype, *args],
             stdout=subprocess.DEVNULL,

@@ -1,7 +1,8 @@
 """``HTTPWeightSynchronizer``: colocated SGLang, refit through its HTTP API.
 
 The SGLang server stays its own process, reached by URL through an
-:class:`~transports.sglang_backend.SGLangHTTPBackend`. One refit:
+:class:`~aiosync.transports.http.SGLangServer` (e.g. an
+:class:`aiosync.SGLangHTTPBackend`). One refit:
 
 1. ``policy.offload_before_refit()`` (free the trainer's optimizer memory);
 2. with the memory saver, wake the server's weights only
@@ -19,7 +20,7 @@ The SGLang server stays its own process, reached by URL through an
    out or is cancelled after that leaves a mix of two versions, and
    ``generate()`` refuses until a sync completes (``note_weights_loaded``);
 4. ``/flush_cache``, retried while the server is busy (bounded; see
-   ``SGLangHTTPBackend.flush_cache``), so no KV computed with old weights
+   ``SGLangServer.flush_cache``), so no KV computed with old weights
    survives (case C7);
 5. in a ``finally``: ``policy.offload_after_refit()`` and the wake of the
    remaining memory (KV cache), even when the refit failed.
@@ -41,7 +42,7 @@ from aiosync._config import DEFAULT_BUCKET_BYTES, DEFAULT_EVENT_BACKLOG, DEFAULT
 from aiosync.errors import SyncError
 from aiosync.interfaces import KVScales, RefitSource, WeightSynchronizer
 
-from ._sglang_wire import (
+from ._wire import (
     FLATTENED_BUCKET,
     FlatBucket,
     allocate_flat,
@@ -51,9 +52,9 @@ from ._sglang_wire import (
     serialize_flat,
     use_file_system_sharing,
 )
-from .sglang_backend import SGLangHTTPBackend
+from .server import SGLangServer
 
-__all__ = ["HTTPWeightSynchronizer", "SGLangHTTPBackend"]
+__all__ = ["HTTPWeightSynchronizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +64,9 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
 
     Args:
         policy: the trainer's refit source (HF checkpoint names).
-        generation: the server, an :class:`SGLangHTTPBackend` (URL, API key,
-            memory saver, timeouts live there).
+        generation: the server: anything that satisfies :class:`SGLangServer`,
+            e.g. an :class:`aiosync.SGLangHTTPBackend` (URL, API key, memory
+            saver, timeouts live there).
         bucket_bytes: limit per flattened bucket, bytes; a larger tensor travels
             alone.
         device: where buckets are packed: ``"cpu"`` (named shared memory) or a
@@ -76,14 +78,14 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         event_backlog: default backlog of :meth:`subscribe`, in events.
 
     Raises:
-        TypeError: ``generation`` is not an :class:`SGLangHTTPBackend`.
+        TypeError: ``generation`` does not satisfy :class:`SGLangServer`.
         ValueError: ``bucket_bytes`` is not positive.
     """
 
     def __init__(
         self,
         policy: RefitSource,
-        generation: SGLangHTTPBackend,
+        generation: SGLangServer,
         *,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         device: str | torch.device | None = None,
@@ -91,9 +93,10 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         sync_timeout_s: float = DEFAULT_SYNC_TIMEOUT_S,
         event_backlog: int = DEFAULT_EVENT_BACKLOG,
     ) -> None:
-        if not isinstance(generation, SGLangHTTPBackend):
+        if not isinstance(generation, SGLangServer):
             raise TypeError(
-                "HTTPWeightSynchronizer drives an SGLang server: pass an SGLangHTTPBackend, "
+                "HTTPWeightSynchronizer drives an SGLang server: pass an SGLangHTTPBackend "
+                "(or another SGLangServer), "
                 f"got {type(generation).__name__}"
             )
         if bucket_bytes <= 0:
@@ -101,7 +104,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         super().__init__(
             policy, generation, sync_timeout_s=sync_timeout_s, event_backlog=event_backlog
         )
-        self.generation: SGLangHTTPBackend = generation
+        self.generation: SGLangServer = generation
         self.bucket_bytes = bucket_bytes
         self.device = None if device is None else torch.device(device)
         self.abort_all_requests = abort_all_requests

@@ -2,10 +2,10 @@
 
 Trainer and engine share the device(s), so the weights never cross a network:
 :class:`IPCWeightSynchronizer` packs each bucket of the
-:class:`~transports.packing.BucketPlan` into one of two shared buffers (POSIX
+:class:`~aiosync.transports.packing.BucketPlan` into one of two shared buffers (POSIX
 shared memory on CPU, CUDA IPC memory on GPU; see ``transports/_shm.py``) and
 sends the engine's workers only the buffer's handle. The workers
-(:class:`~transports.ipc_worker.IPCWorkerMixin`) map the buffer, unpack views
+(:class:`~aiosync.transports.ipc.worker.IPCWorkerMixin`) map the buffer, unpack views
 and call ``load_weights``.
 
 Protocol, per sync (msgpack maps over a ZMQ ROUTER bound to ``ipc://`` in a
@@ -56,9 +56,10 @@ import zmq.asyncio
 from aiosync._config import DEFAULT_EVENT_BACKLOG, DEFAULT_RPC_TIMEOUT_S, DEFAULT_SYNC_TIMEOUT_S
 from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
 from aiosync.interfaces import KVScales, RefitSource, WeightSynchronizer
-from transports._shm import SharedBuffer
-from transports._wire import decode, encode, rebuild_error
-from transports.packing import Bucket, BucketPlan, group_by_bucket, pack, plan_buckets
+
+from .._wire import decode, encode, rebuild_error
+from ..packing import Bucket, BucketPlan, group_by_bucket, pack, plan_buckets
+from ._shm import SharedBuffer
 
 __all__ = ["DEFAULT_BUFFER_MEMORY_FRACTION", "IPCWeightSynchronizer", "default_bucket_bytes"]
 
@@ -97,7 +98,7 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         policy: the trainer's :class:`~aiosync.RefitSource` (HF checkpoint names).
         generation: the engine: a :class:`~aiosync.GenerationBackend` that is also
             an :class:`~aiosync.EngineWorkers` (``collective_rpc``) whose workers
-            include :class:`~transports.ipc_worker.IPCWorkerMixin`.
+            include :class:`~aiosync.transports.ipc.worker.IPCWorkerMixin`.
         bucket_bytes: staging-buffer size, bytes; default: ``buffer_memory_fraction``
             of the device's free memory (:func:`default_bucket_bytes`).
         buffer_memory_fraction: see ``bucket_bytes``.

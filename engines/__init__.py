@@ -1,0 +1,9 @@
+"""Engine adapters: *what* aiosync synchronizes into, apart from *how* (``aiosync.transports``).
+
+- :mod:`aiosync.engines.vllm` — ``VLLMGenerationBackend`` and the vLLM worker
+  extension (``aiosync.engines.vllm.worker_extension.AiosyncWorkerExtension``).
+- :mod:`aiosync.engines.sglang` — ``SGLangHTTPBackend`` and the SGLang-contract
+  test server (``python -m aiosync.engines.sglang.test_server``).
+- :mod:`aiosync.engines.embedded` — ``EmbeddedEngine``, the CPU reference engine.
+- :mod:`aiosync.engines.colocation` — how much of a device a colocated engine claims.
+"""

@@ -1,0 +1,11 @@
+"""SGLang: the HTTP generation backend and a contract-true test server.
+
+- :mod:`.backend` — :class:`SGLangHTTPBackend`, the server by URL (satisfies
+  :class:`aiosync.transports.http.SGLangServer`).
+- :mod:`.test_server` — ``python -m aiosync.engines.sglang.test_server``: SGLang's
+  HTTP contract on the embedded engine, for CPU tests.
+"""
+
+from .backend import SGLangHTTPBackend
+
+__all__ = ["SGLangHTTPBackend"]

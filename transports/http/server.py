@@ -1,0 +1,81 @@
+"""The SGLang server as the HTTP transport drives it: a protocol, not an adapter class.
+
+:class:`SGLangServer` names exactly the calls a refit makes (SGLang's
+``/get_server_info``, ``/update_weights_from_tensor``, ``/flush_cache`` and the
+memory-saver ``/resume_memory_occupation``) plus the validity bookkeeping that
+keeps ``generate()`` refused while the server holds a mix of two versions.
+:class:`aiosync.SGLangHTTPBackend` satisfies it; so can any client a user
+already has for their SGLang fleet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["SGLangServer"]
+
+
+@runtime_checkable
+class SGLangServer(Protocol):
+    """What :class:`~aiosync.transports.http.HTTPWeightSynchronizer` needs of an SGLang server.
+
+    Attributes:
+        base_url: the server's address, for messages.
+        enable_memory_saver: the server runs with ``--enable-memory-saver``.
+        tp_size: payloads per ``update_weights_from_tensor`` call (one per
+            tensor-parallel rank); None until known (the synchronizer then reads
+            ``tp_size`` from :meth:`server_info` and sets it).
+        request_timeout_s: limit for one request other than ``/generate``, seconds.
+    """
+
+    base_url: str
+    enable_memory_saver: bool
+    tp_size: int | None
+    request_timeout_s: float
+
+    @property
+    def released_tags(self) -> frozenset[str]:
+        """Memory regions (``"weights"``, ``"kv_cache"``, ...) released and not yet resumed."""
+        ...
+
+    @property
+    def weights_valid(self) -> bool:
+        """False while the server holds discarded or partly loaded weights."""
+        ...
+
+    def add_invalidation_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` whenever the server discards its weights."""
+        ...
+
+    def note_weights_loading(self) -> None:
+        """The first bucket of a new version is about to be posted: refuse to generate."""
+        ...
+
+    def note_weights_loaded(self) -> None:
+        """A complete version landed: generation may resume."""
+        ...
+
+    async def prepare_for_generation(self, tags: Sequence[str] | None = None) -> None:
+        """Resume released memory regions (``/resume_memory_occupation``), weights first."""
+        ...
+
+    async def server_info(self) -> dict[str, Any]:
+        """``/get_server_info``: the server's arguments (``tp_size``, ``enable_memory_saver``)."""
+        ...
+
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[str],
+        *,
+        load_format: str | None,
+        flush_cache: bool = False,
+        abort_all_requests: bool = False,
+        weight_version: str | None = None,
+    ) -> str:
+        """POST ``/update_weights_from_tensor`` with one payload per TP rank."""
+        ...
+
+    async def flush_cache(self, timeout_s: float | None = None) -> int:
+        """POST ``/flush_cache`` until the server accepts it; returns the attempts made."""
+        ...
