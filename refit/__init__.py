@@ -1,7 +1,7 @@
 """Refit sources: a trainer's weights as the engine's HF checkpoint, streamed.
 
-``refit`` imports torch (this is the torch seam) but never jax; the JAX/NNX
-sources live in their own modules. Nothing here imports ``transports``.
+``aiosync.refit`` imports torch (this is the torch seam) but never jax; the JAX/NNX
+sources live in their own modules. Nothing here imports ``aiosync.transports``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ __all__ = [
 if TYPE_CHECKING:
     from .nnx import NNXRefitSource, model_map_for
 
-# The JAX seam (refit/nnx/), loaded on first use so `import refit` never imports jax.
+# The JAX seam (refit/nnx/), loaded on first use so importing aiosync.refit never imports jax.
 _NNX_EXPORTS = frozenset({"NNXRefitSource", "model_map_for"})
 
 
@@ -30,4 +30,9 @@ def __getattr__(name: str) -> object:
         from . import nnx
 
         return getattr(nnx, name)
-    raise AttributeError(f"module 'refit' has no attribute {name!r}")
+    raise AttributeError(f"module 'aiosync.refit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # The lazy names too, so that dir() and tab completion show the JAX seam.
+    return sorted({*globals(), *__all__})

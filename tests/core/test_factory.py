@@ -68,11 +68,14 @@ def test_unknown_backend_lists_known_ones(source, engine):
         create_weight_synchronizer(source, engine, colocated=True, backend="trtllm")
 
 
-def test_import_aiosync_stays_free_of_heavy_modules():
+def test_import_aiosync_and_dir_stay_free_of_heavy_modules():
     code = (
         "import sys, aiosync\n"
-        "heavy = sorted({m.split('.')[0] for m in sys.modules} & "
-        "{'torch', 'zmq', 'httpx', 'jax', 'transformers', 'numpy', 'transports', 'refit'})\n"
+        "names = dir(aiosync)\n"
+        "assert {'IPCWeightSynchronizer', 'EmbeddedEngine'} <= set(names), names\n"
+        "loaded = {m.split('.')[0] for m in sys.modules} | {m for m in sys.modules}\n"
+        "heavy = sorted(loaded & {'torch', 'zmq', 'httpx', 'jax', 'transformers', 'numpy', "
+        "'aiosync.transports', 'aiosync.refit', 'aiosync.engines'})\n"
         "print(','.join(heavy))\n"
     )
     out = subprocess.run(

@@ -1,4 +1,4 @@
-"""``import refit`` stays free of jax; the JAX seam loads on first use."""
+"""``import aiosync.refit`` stays free of jax; the JAX seam loads on first use."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ _PROBE = """
 import sys
 import aiosync.refit
 assert "jax" not in sys.modules and "flax" not in sys.modules, "import refit imported jax"
+assert {"NNXRefitSource", "model_map_for"} <= set(dir(aiosync.refit)), dir(aiosync.refit)
+assert "jax" not in sys.modules, "dir(aiosync.refit) imported jax"
 from aiosync.refit.nnx import NNXRefitSource, model_map_for
 assert aiosync.refit.NNXRefitSource is NNXRefitSource
 assert aiosync.refit.model_map_for is model_map_for
