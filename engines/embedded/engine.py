@@ -32,7 +32,6 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from multiprocessing.process import BaseProcess
-from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
@@ -64,8 +63,9 @@ class EmbeddedEngine:
     Implements :class:`aiosync.GenerationBackend` and :class:`aiosync.EngineWorkers`.
 
     Args:
-        model: an HF config dict (with ``model_type``), a config.json path, or a
-            local model folder (loaded with ``from_pretrained`` when it holds
+        model: an HF config (a transformers ``PretrainedConfig`` such as
+            ``Qwen3Config(...)``, or its dict with ``model_type``), a config.json
+            path, or a local model folder (loaded with ``from_pretrained`` when it holds
             safetensors); see :meth:`HFModelRunner.from_config`.
         num_workers: worker processes (data-parallel replicas), >= 1.
         seed: seed for random initialisation (the same on every worker).
@@ -82,11 +82,16 @@ class EmbeddedEngine:
             ``load_weights`` and ``device``; ``generate``/``hf_state_dict`` for
             those RPCs); default :meth:`HFModelRunner.from_config`. Benchmarks
             use it for weights-only models.
+
+    Raises:
+        TypeError: ``model`` is none of the above, or ``num_workers`` is not an int
+            (before any process starts).
+        ValueError: ``num_workers < 1``, an unknown ``dtype`` or ``sleep_level``.
     """
 
     def __init__(
         self,
-        model: Mapping[str, Any] | str | Path,
+        model: object,
         *,
         num_workers: int = 1,
         seed: int = 0,
@@ -105,7 +110,7 @@ class EmbeddedEngine:
         _check_dtype(dtype)
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
-        self._model = dict(model) if isinstance(model, Mapping) else str(model)
+        self._model = _model_spec(model)
         self.num_workers = num_workers
         self.seed = seed
         self.dtype = dtype
@@ -132,7 +137,7 @@ class EmbeddedEngine:
     # -- lifecycle ------------------------------------------------------------
 
     @classmethod
-    async def start_engine(cls, model: Mapping[str, Any] | str | Path, **options: Any) -> Self:
+    async def start_engine(cls, model: object, **options: Any) -> Self:
         """Construct and :meth:`start` an engine."""
         engine = cls(model, **options)
         await engine.start()
@@ -501,3 +506,25 @@ def _check_dtype(dtype: object) -> None:
         raise ValueError(
             f"dtype must name a torch floating dtype (e.g. 'float32', 'bfloat16'), got {dtype!r}"
         )
+
+
+def _model_spec(model: object) -> dict[str, Any] | str:
+    """What the workers build the model from: a config dict, or a path as a string.
+
+    A transformers ``PretrainedConfig`` is taken by its ``to_dict()`` (which
+    carries ``model_type``); duck-typed so that this module does not import
+    transformers in the trainer process.
+    """
+    if isinstance(model, Mapping):
+        return dict(model)
+    if isinstance(model, str | os.PathLike):
+        return os.fspath(model)
+    to_dict = getattr(model, "to_dict", None)
+    if callable(to_dict) and isinstance(getattr(model, "model_type", None), str):
+        spec = to_dict()
+        if isinstance(spec, Mapping):
+            return {**spec, "model_type": model.model_type}  # type: ignore[attr-defined]
+    raise TypeError(
+        "model must be an HF config (a transformers PretrainedConfig or its dict with "
+        f"'model_type'), a config.json path or a model folder, got {type(model).__name__}"
+    )

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
@@ -83,7 +83,7 @@ class HFModelRunner:
     @classmethod
     def from_config(
         cls,
-        config: Mapping[str, Any] | str | Path,
+        config: PretrainedConfig | Mapping[str, Any] | str | Path,
         *,
         seed: int = 0,
         dtype: torch.dtype | str = torch.float32,
@@ -91,8 +91,9 @@ class HFModelRunner:
         """Build a model from an HF config (or load a local checkpoint folder).
 
         Args:
-            config: a config dict (``config.to_dict()`` or config.json's content;
-                must contain ``model_type``), a path to a config.json, or a local
+            config: a transformers ``PretrainedConfig``, a config dict
+                (``config.to_dict()`` or config.json's content; must contain
+                ``model_type``), a path to a config.json, or a local
                 folder. A folder holding ``*.safetensors`` is loaded with
                 ``from_pretrained``; otherwise the weights are initialised randomly.
             seed: ``torch.manual_seed`` for random initialisation.
@@ -102,6 +103,8 @@ class HFModelRunner:
             ValueError: the config has no ``model_type``.
         """
         torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        if isinstance(config, PretrainedConfig):
+            config = config.to_dict()
         if isinstance(config, Mapping):
             items = dict(config)
         else:

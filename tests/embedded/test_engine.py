@@ -193,3 +193,22 @@ async def test_shutdown_stops_workers_and_removes_the_socket_dir() -> None:
     with pytest.raises(TransportError, match="shut down"):
         await engine.status()
     await engine.shutdown()
+
+
+async def test_engine_takes_a_transformers_config_object(reference: HFModelRunner) -> None:
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(**DENSE)
+    async with EmbeddedEngine(config, num_workers=1, seed=SEED, worker_extension_cls=None) as e:
+        [state] = await e.hf_state_dicts()
+    expected = reference.hf_state_dict()
+    assert list(state) == list(expected)
+    assert all(torch.equal(state[n], t) for n, t in expected.items())
+
+
+@pytest.mark.parametrize("model", [42, object(), [("model_type", "qwen3")]])
+async def test_a_model_that_is_not_a_config_raises_type_error_before_any_process(
+    model: object,
+) -> None:
+    with pytest.raises(TypeError, match="model must be an HF config"):
+        EmbeddedEngine(model)
