@@ -228,7 +228,57 @@ def compare_manifests(
                 problems.append(f"order differs at entry {i}: {a!r} vs {b!r}")
                 break
     if problems:
-        raise RefitMismatchError("refit manifest mismatch: " + "; ".join(problems))
+        hints = _mismatch_hints(local, remote, only_local, only_remote, local_label, remote_label)
+        raise RefitMismatchError("refit manifest mismatch: " + "; ".join(problems + hints))
+
+
+def _mismatch_hints(
+    local: Mapping[str, tuple[Sequence[int], torch.dtype]],
+    remote: Mapping[str, tuple[Sequence[int], torch.dtype]],
+    only_local: list[str],
+    only_remote: list[str],
+    local_label: str,
+    remote_label: str,
+) -> list[str]:
+    """The fix for the two mismatches users hit first: a dtype rule, a name prefix."""
+    hints: list[str] = []
+    for names, other, label in (
+        (only_local, remote, local_label),
+        (only_remote, local, remote_label),
+    ):
+        prefix = _common_prefix(names, other)
+        if prefix:
+            hints.append(
+                f"hint: every {label} name differs only by the prefix {prefix!r}; strip it "
+                "(DTensorRefitSource(state_dict_adapter=...)) or load the model unwrapped"
+            )
+    dtypes = {
+        (dtype_name(local[n][1]), dtype_name(remote[n][1]))
+        for n in local
+        if n in remote and tuple(local[n][0]) == tuple(remote[n][0]) and local[n][1] != remote[n][1]
+    }
+    if len(dtypes) == 1:
+        ((mine, theirs),) = dtypes
+        hints.append(
+            f"hint: every differing tensor is {mine} on the {local_label} and {theirs} on the "
+            f"{remote_label}: make them agree, on the trainer with "
+            "DTensorRefitSource(model, dtype=torch.<engine dtype>) or with the engine's dtype"
+        )
+    return hints
+
+
+def _common_prefix(names: list[str], other: Mapping[str, object]) -> str:
+    """The one prefix that, stripped from every name, gives a name of ``other``; else ''."""
+    if not names:
+        return ""
+    first = names[0]
+    for cut in range(1, len(first)):
+        if first[cut - 1] == "." and first[cut:] in other:
+            prefix = first[:cut]
+            if all(n.startswith(prefix) and n[cut:] in other for n in names):
+                return prefix
+            return ""
+    return ""
 
 
 def _slot_view(buffer: torch.Tensor, slot: TensorSlot) -> torch.Tensor:

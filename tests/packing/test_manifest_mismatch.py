@@ -150,3 +150,27 @@ def test_checksum_sees_a_changed_or_moved_byte() -> None:
     assert bucket_checksum(buffer.clone()) == base
     assert bucket_checksum(changed) != base
     assert bucket_checksum(swapped) != base
+
+
+def test_a_dtype_only_mismatch_names_both_dtypes_and_the_fix() -> None:
+    trainer = {"model.w": ((2,), torch.float32), "lm_head.weight": ((2,), torch.float32)}
+    engine = {name: (shape, torch.bfloat16) for name, (shape, _) in trainer.items()}
+    with pytest.raises(RefitMismatchError) as info:
+        compare_manifests(trainer, engine)
+    assert str(info.value).endswith(
+        "hint: every differing tensor is float32 on the trainer and bfloat16 on the engine: "
+        "make them agree, on the trainer with DTensorRefitSource(model, dtype=torch.<engine "
+        "dtype>) or with the engine's dtype"
+    )
+
+
+def test_names_that_differ_by_a_common_prefix_say_which_prefix() -> None:
+    engine = {"model.w": ((2,), torch.float32), "lm_head.weight": ((2,), torch.float32)}
+    trainer = {f"lm.{name}": spec for name, spec in engine.items()}
+    with pytest.raises(RefitMismatchError, match=r"differs only by the prefix 'lm\.'"):
+        compare_manifests(trainer, engine)
+    # A rename that is not a prefix gets no prefix hint.
+    renamed = {"model.v": ((2,), torch.float32), "lm_head.weight": ((2,), torch.float32)}
+    with pytest.raises(RefitMismatchError) as info:
+        compare_manifests(renamed, engine)
+    assert "prefix" not in str(info.value)
