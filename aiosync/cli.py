@@ -378,20 +378,41 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="versions, devices, transports that run here")
     info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(func=_cmd_info)
-    bench = sub.add_parser("bench", help="refit throughput of a transport vs. memcpy")
+    bench = sub.add_parser(
+        "bench",
+        help="refit throughput of a transport vs. memcpy",
+    )
     bench.add_argument(
         "--transport", nargs="+", choices=list(_TRANSPORTS), required=True, help="one or more"
     )
-    bench.add_argument("--model", choices=list(MODEL_CONFIGS), default="qwen3-0.6b")
     bench.add_argument(
-        "--layers", type=_positive_int, default=1, help="decoder layers (without --sizes)"
+        "--model",
+        choices=list(MODEL_CONFIGS),
+        default="qwen3-0.6b",
+        help="real model dimensions the manifest is shaped like (default: %(default)s)",
+    )
+    bench.add_argument(
+        "--layers",
+        type=_positive_int,
+        default=1,
+        help="decoder layers (without --sizes; default: %(default)s)",
     )
     bench.add_argument(
         "--sizes", type=_positive_int, nargs="+", default=None, help="decoder-layer counts"
     )
-    bench.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    bench.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float16", "float32"),
+        help="dtype of every tensor in the manifest (default: %(default)s)",
+    )
     bench.add_argument("--bucket-mb", type=_positive_int, default=None, help="bucket size, MiB")
-    bench.add_argument("--repeats", type=_positive_int, default=3, help="timed refits per size")
+    bench.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=3,
+        help="timed refits per size, median reported, after one warm-up (default: %(default)s)",
+    )
     bench.add_argument("--plot", default=None, help="write a PNG of GB/s against size")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(func=_cmd_bench)

@@ -83,3 +83,13 @@ def test_bench_rejects_non_positive_counts_before_running(flag: list[str]) -> No
     proc = aiosync("bench", "--transport", "ipc", *flag)
     assert proc.returncode == 2
     assert f"argument {flag[0]}: expected an integer >= 1" in proc.stderr
+
+
+def test_bench_help_gives_every_default_and_description() -> None:
+    proc = aiosync("bench", "--help")
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert "real model dimensions the manifest is shaped like (default: qwen3-0.6b)" in text
+    assert "dtype of every tensor in the manifest (default: bfloat16)" in text
+    assert "timed refits per size, median reported, after one warm-up (default: 3)" in text
+    assert "qwen3-tiny" in text
