@@ -517,7 +517,7 @@ async def serve_in_subprocess(
 def main(argv: list[str] | None = None) -> None:
     """Command line: build the model, bind, write the port, serve until killed."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--port", type=int, default=0, help="0: a free port (default)")
     parser.add_argument("--port-file", type=Path, help="write the bound port here when ready")
     parser.add_argument("--model-config", required=True, help="config.json (or a folder)")
     parser.add_argument("--seed", type=int, default=0)
