@@ -29,6 +29,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from multiprocessing.process import BaseProcess
@@ -51,6 +52,14 @@ __all__ = ["DEFAULT_WORKER_EXTENSION", "EmbeddedEngine"]
 _log = logging.getLogger(__name__)
 
 #: The worker extension mixed into every worker unless told otherwise.
+_WORKER_NAME = "aiosync-embedded-"
+# A worker whose bootstrap re-ran a script that starts an engine exits with this code.
+_EXIT_UNGUARDED_MAIN = 87
+_UNGUARDED_MAIN = (
+    "the worker re-ran the main script (multiprocessing's spawn imports it again in every "
+    "worker) and the script started an engine there: put the code that starts the engine under "
+    "'if __name__ == \"__main__\":'"
+)
 DEFAULT_WORKER_EXTENSION = "aiosync.engines.vllm.worker_extension.AiosyncWorkerExtension"
 
 #: Time allowed for the workers to import torch and build their models, seconds.
@@ -152,6 +161,12 @@ class EmbeddedEngine:
         """
         if self._started:
             return self
+        if multiprocessing.current_process().name.startswith(_WORKER_NAME):
+            # spawn re-runs the parent's main script in each worker before the worker
+            # starts; a script without a __main__ guard gets here. Exit with a code
+            # the parent turns into the fix, instead of multiprocessing's bootstrap error.
+            sys.stderr.write(f"aiosync: {_UNGUARDED_MAIN}\n")
+            raise SystemExit(_EXIT_UNGUARDED_MAIN)
         self._started = True
         loop = asyncio.get_running_loop()
         self._dir = tempfile.mkdtemp(prefix="aiosync-engine-")
@@ -188,7 +203,7 @@ class EmbeddedEngine:
                 self.runner_factory,
                 weights_valid,
             ),
-            name=f"aiosync-embedded-{rank}",
+            name=f"{_WORKER_NAME}{rank}",
             daemon=True,
         )
         proc.start()
@@ -391,6 +406,8 @@ class EmbeddedEngine:
         loop.remove_reader(proc.sentinel)
         proc.join(1)  # already exited (its sentinel fired): reaps it
         reason = f"process {proc.pid} exited with code {proc.exitcode}"
+        if proc.exitcode == _EXIT_UNGUARDED_MAIN:
+            reason += f": {_UNGUARDED_MAIN}"
         self._dead[rank] = reason
         if not self._closed:
             _log.warning("embedded engine worker %d: %s", rank, reason)

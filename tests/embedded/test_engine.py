@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import signal
 import stat
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import anyio
 import pytest
 import pytest_asyncio
 import torch
@@ -212,3 +214,32 @@ async def test_a_model_that_is_not_a_config_raises_type_error_before_any_process
 ) -> None:
     with pytest.raises(TypeError, match="model must be an HF config"):
         EmbeddedEngine(model)
+
+
+_UNGUARDED_SCRIPT = """
+import asyncio
+from aiosync.engines.embedded.configs import TINY_QWEN3
+from aiosync.engines.embedded.engine import EmbeddedEngine
+
+
+async def main():
+    async with EmbeddedEngine(TINY_QWEN3, num_workers=1, worker_extension_cls=None):
+        pass
+
+asyncio.run(main())  # no `if __name__ == "__main__":` guard
+"""
+
+
+async def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(_UNGUARDED_SCRIPT)
+    with anyio.fail_after(600):
+        proc = await anyio.run_process([sys.executable, str(script)], check=False)
+    assert proc.returncode == 1
+    last = proc.stderr.decode().strip().splitlines()[-1]
+    assert last.startswith("aiosync.errors.TransportError: engine worker 0 died: process ")
+    assert last.endswith(
+        "exited with code 87: the worker re-ran the main script (multiprocessing's spawn imports "
+        "it again in every worker) and the script started an engine there: put the code that "
+        "starts the engine under 'if __name__ == \"__main__\":'"
+    )
