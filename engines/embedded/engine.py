@@ -52,6 +52,8 @@ __all__ = ["DEFAULT_WORKER_EXTENSION", "EmbeddedEngine"]
 _log = logging.getLogger(__name__)
 
 #: The worker extension mixed into every worker unless told otherwise.
+DEFAULT_WORKER_EXTENSION = "aiosync.engines.vllm.worker_extension.AiosyncWorkerExtension"
+
 _WORKER_NAME = "aiosync-embedded-"
 # A worker whose bootstrap re-ran a script that starts an engine exits with this code.
 _EXIT_UNGUARDED_MAIN = 87
@@ -60,7 +62,6 @@ _UNGUARDED_MAIN = (
     "worker) and the script started an engine there: put the code that starts the engine under "
     "'if __name__ == \"__main__\":'"
 )
-DEFAULT_WORKER_EXTENSION = "aiosync.engines.vllm.worker_extension.AiosyncWorkerExtension"
 
 #: Time allowed for the workers to import torch and build their models, seconds.
 DEFAULT_START_TIMEOUT_S: float = 600.0
@@ -537,10 +538,9 @@ def _model_spec(model: object) -> dict[str, Any] | str:
     if isinstance(model, str | os.PathLike):
         return os.fspath(model)
     to_dict = getattr(model, "to_dict", None)
-    if callable(to_dict) and isinstance(getattr(model, "model_type", None), str):
-        spec = to_dict()
-        if isinstance(spec, Mapping):
-            return {**spec, "model_type": model.model_type}  # type: ignore[attr-defined]
+    spec = to_dict() if callable(to_dict) else None
+    if isinstance(spec, Mapping) and spec.get("model_type"):
+        return dict(spec)
     raise TypeError(
         "model must be an HF config (a transformers PretrainedConfig or its dict with "
         f"'model_type'), a config.json path or a model folder, got {type(model).__name__}"
