@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import zmq
@@ -31,7 +31,8 @@ from aiosync.errors import SyncError
 from aiosync.transports._wire import decode, encode, error_fields
 from aiosync.transports.packing import dtype_from_name, dtype_name
 
-from .model import HFModelRunner
+if TYPE_CHECKING:
+    from .model import HFModelRunner
 
 __all__ = ["EmbeddedWorker", "run_worker"]
 
@@ -182,6 +183,10 @@ def build_worker(
     respawned worker, holding initial rather than synced weights) makes it
     refuse to generate until a sync succeeds.
     """
+    # transformers is imported here, in the worker, so that the parent can name the missing
+    # extra (EmbeddedEngine.__init__) instead of failing on import.
+    from .model import HFModelRunner
+
     factory = HFModelRunner.from_config if runner_factory is None else _import(runner_factory)
     runner = factory(model, seed=seed, dtype=dtype)
     bases: tuple[type, ...] = (EmbeddedWorker,)

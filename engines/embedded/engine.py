@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import itertools
 import logging
 import multiprocessing
@@ -96,6 +97,7 @@ class EmbeddedEngine:
     Raises:
         TypeError: ``model`` is none of the above, or ``num_workers`` is not an int
             (before any process starts).
+        ImportError: transformers is not installed (``pip install 'aiosync[embedded]'``).
         ValueError: ``num_workers < 1``, an unknown ``dtype`` or ``sleep_level``.
     """
 
@@ -118,6 +120,11 @@ class EmbeddedEngine:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         _check_dtype(dtype)
+        # The workers build transformers models; say so here rather than in a dead worker's log.
+        if importlib.util.find_spec("transformers") is None:
+            raise ImportError(
+                "the embedded engine runs transformers models: pip install 'aiosync[embedded]'"
+            )
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
         self._model = _model_spec(model)
