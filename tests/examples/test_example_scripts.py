@@ -40,6 +40,14 @@ def test_collective_every_worker_generates_like_trainer_after_each_refit() -> No
     assert all(line.endswith("equal") for line in lines)
 
 
+def test_nnx_qwen3_refits_bit_exact_and_the_engine_decodes_like_jax() -> None:
+    pytest.importorskip("flax")
+    out = run_script("nnx_qwen3.py", "--steps", "2")
+    lines = [line for line in out.splitlines() if line.startswith("weight_version")]
+    assert [line.split(":")[0] for line in lines] == ["weight_version 1", "weight_version 2"]
+    assert all("25 tensors bit-exact" in line and line.endswith("equal") for line in lines)
+
+
 def test_replay_subscriber_drops_rollouts_beyond_max_staleness() -> None:
     out = run_script("replay_subscriber.py", "--steps", "4")
     trained = re.findall(r"train on a rollout of v(\d+) \(staleness (\d+)\)", out)

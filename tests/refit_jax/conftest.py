@@ -12,11 +12,11 @@ import pytest
 HERE = Path(__file__).parent
 
 
-def load_local(name: str) -> ModuleType:
-    """Import ``HERE/name.py`` by path (pytest's importlib mode keeps it off sys.path)."""
+def load_local(name: str, folder: Path = HERE) -> ModuleType:
+    """Import ``folder/name.py`` by path (pytest's importlib mode keeps it off sys.path)."""
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -32,7 +32,7 @@ def models() -> ModuleType:
 
 @pytest.fixture(scope="session")
 def nnx_qwen3() -> ModuleType:
-    """The project's own NNX Qwen3 (``_nnx_qwen3.py``); needs jax and flax."""
+    """The NNX Qwen3 of ``examples/nnx_qwen3.py``; needs jax and flax."""
     pytest.importorskip("jax")
     pytest.importorskip("flax")
-    return load_local("_nnx_qwen3")
+    return load_local("nnx_qwen3", HERE.parents[1] / "examples")

@@ -1,13 +1,35 @@
-"""A small flax NNX Qwen3 (dense) in the layout of ``aiosync.refit.nnx.qwen3``.
+"""A JAX trainer's refit: a small flax NNX Qwen3 streamed into an engine through aiosync.
 
-Written from the Qwen3 architecture (RMSNorm, q/k norm on the head dim, RoPE
-with rotate-half, GQA, SwiGLU), not from the refit table: if the table's
-layout were a self-consistent permutation instead of what the model computes
-with, its logits would not match transformers'.
+``NNXQwen3`` is a dense Qwen3 in the parameter layout that
+``aiosync.refit.model_map_for(Qwen3Config(...))`` expects (``aiosync.refit.nnx.qwen3``):
+
+    embedder.input_embedding        [vocab, hidden]
+    layers[i].attn.q_proj.w         [hidden, heads, head_dim]      (k/v: kv_heads)
+    layers[i].attn.o_proj.w         [heads, head_dim, hidden]
+    layers[i].attn.{q,k}_norm.w     [head_dim]
+    layers[i].mlp.{gate,up}_proj    nnx.Linear kernel [hidden, intermediate]
+    layers[i].mlp.down_proj         nnx.Linear kernel [intermediate, hidden]
+    layers[i].{input,post_attention}_layernorm.w, final_norm.w   [hidden]
+    lm_head.w                       [hidden, vocab]   (absent when tied)
+
+It is written from the Qwen3 architecture (RMSNorm, q/k norm on the head dim,
+RoPE with rotate-half, GQA, SwiGLU), not from the refit table: the tests load
+transformers' weights into it through the map and compare logits, so the
+layout is what the model computes with. Your own NNX model needs the same
+parameter tree, or a map of its own.
+
+Run (needs ``pip install -e '.[jax,embedded]'``)::
+
+    python examples/nnx_qwen3.py --steps 2
+
+Each step takes one SGD step in JAX, then refits the embedded engine over IPC;
+the engine's weights then equal the NNX model's, bit for bit, and its greedy
+output equals a greedy decode of the NNX model.
 """
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 import jax
@@ -122,3 +144,78 @@ class NNXQwen3(nnx.Module):
         x = self.final_norm(x)
         head = emb.T if self.tied else self.lm_head.w[...]
         return x @ head
+
+
+# -- the demo: SGD in JAX, refit into the embedded engine ---------------------
+
+
+def _greedy(model: NNXQwen3, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(max_new_tokens):  # no KV cache: recompute, it is a demo
+        logits = model(jnp.asarray([ids]))
+        ids.append(int(jnp.argmax(logits[0, -1])))
+    return ids[len(prompt) :]
+
+
+def _sgd_step(model: NNXQwen3, ids: jax.Array, lr: float = 1e-2) -> None:
+    def loss_fn(m: NNXQwen3) -> jax.Array:
+        logp = jax.nn.log_softmax(m(ids[:, :-1]), axis=-1)
+        return -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1).mean()
+
+    grads = nnx.grad(loss_fn)(model)
+    params = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda p, g: p - lr * g, params, grads))
+
+
+async def main(steps: int) -> None:
+    import torch
+    from transformers import Qwen3Config
+
+    import aiosync
+    from aiosync.refit import NNXRefitSource, model_map_for
+
+    config = Qwen3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    )  # fmt: skip
+    model = NNXQwen3(config, nnx.Rngs(0))
+    source = NNXRefitSource(model, model_map_for(config))  # fp32, as the engine below
+    prompt = [1, 2, 3, 4]
+    async with (
+        aiosync.EmbeddedEngine(config, dtype="float32") as engine,
+        aiosync.create_weight_synchronizer(
+            source, engine, colocated=True, backend="embedded"
+        ) as sync,
+    ):
+        await sync.init_communicator()
+        # The engine booted with its own random weights; each step below marks stale
+        # before it generates, so the first refit also serves as the initial sync.
+        for _ in range(steps):
+            batch = jax.random.randint(jax.random.key(sync.policy_version), (4, 9), 0, 128)
+            _sgd_step(model, batch)
+            await sync.mark_stale()
+            await aiosync.refit_if_stale(sync, engine)
+
+            [engine_state] = await engine.hf_state_dicts()
+            sent = dict(source.iter_weights())
+            exact = list(engine_state) == list(sent) and all(
+                torch.equal(engine_state[n], t) for n, t in sent.items()
+            )
+            (engine_out,) = await engine.generate([prompt], max_new_tokens=6)
+            nnx_out = _greedy(model, prompt, 6)
+            print(
+                f"weight_version {sync.weight_version}: {len(sent)} tensors "
+                f"{'bit-exact' if exact else 'DIFFERENT'}; "
+                f"greedy engine {engine_out} nnx {nnx_out} "
+                f"{'equal' if engine_out == nnx_out else 'DIFFERENT'}"
+            )
+            if not exact or engine_out != nnx_out:
+                raise SystemExit("the engine disagrees with the NNX model after a refit")
+
+
+if __name__ == "__main__":
+    import anyio
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=2)
+    anyio.run(main, parser.parse_args().steps)
