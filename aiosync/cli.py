@@ -4,8 +4,10 @@
 refits a manifest shaped like a real model (dimensions stored in
 :mod:`aiosync._model_shapes`; ``--sizes`` are decoder-layer counts) through each
 transport into a real engine (the embedded engine's worker processes, or the
-SGLang test server for ``http``), and prints bytes, tensors, seconds, GB/s and
-the ratio to a ``copy_`` of the same bytes measured in the same run.
+SGLang test server for ``http``), and prints bytes, tensors, milliseconds per
+refit, GB/s and the ratio to a ``copy_`` of the same bytes measured in the same
+run. Below :data:`LATENCY_BOUND_BYTES` the GB/s and ratio cells read "—": a
+refit that small measures fixed costs, not bandwidth (``--json`` keeps them).
 
 torch, the transports and matplotlib are imported inside the commands, so
 ``aiosync --help`` stays instant.
@@ -24,7 +26,7 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,8 +34,10 @@ from ._model_shapes import MODEL_CONFIGS
 
 if TYPE_CHECKING:
     import torch
+    from matplotlib.figure import Figure
+    from rich.table import Table
 
-__all__ = ["BenchRow", "main"]
+__all__ = ["LATENCY_BOUND_BYTES", "BenchRow", "main"]
 
 #: Transports ``aiosync bench`` runs, with the factory arguments that select them.
 _TRANSPORTS: dict[str, tuple[str, bool]] = {
@@ -43,6 +47,12 @@ _TRANSPORTS: dict[str, tuple[str, bool]] = {
 }
 #: Time allowed for the SGLang test server to build its model and bind, seconds.
 _SERVER_START_TIMEOUT_S = 300.0
+#: Refits smaller than this (bytes) are reported by latency, not GB/s. A refit has
+#: fixed costs whatever its size (engine RPC round trips, handle exchange, the
+#: cache flush): about 5 ms on a CPU, as a 130 KB refit shows. A memcpy-class
+#: 10 GB/s moves 64 MiB in about 7 ms, so below this size those fixed costs are
+#: half the time or more and GB/s (and its ratio to memcpy) would describe them.
+LATENCY_BOUND_BYTES = 64 * 1024 * 1024
 #: Packages ``aiosync info`` reports.
 _PACKAGES = ("aiosync", "torch", "transformers", "vllm", "sglang", "jax", "flax", "numpy")
 
@@ -155,6 +165,10 @@ class BenchRow:
         gbps: ``nbytes / seconds / 1e9``.
         memcpy_gbps: one ``copy_`` of ``nbytes`` bytes (fastest of >= 10), same run, GB/s.
         ratio: ``gbps / memcpy_gbps``.
+        latency_ms: ``seconds`` in milliseconds.
+        memcpy_latency_ms: that ``copy_``, milliseconds.
+        latency_bound: ``nbytes < LATENCY_BOUND_BYTES``: fixed costs dominate, so
+            the table shows ``latency_ms`` and leaves GB/s and the ratio out.
     """
 
     transport: str
@@ -166,6 +180,9 @@ class BenchRow:
     gbps: float
     memcpy_gbps: float
     ratio: float
+    latency_ms: float
+    memcpy_latency_ms: float
+    latency_bound: bool
 
 
 def _free_port() -> int:
@@ -295,40 +312,104 @@ async def _bench_one(transport: str, model: str, layers: int, args: argparse.Nam
                 await sync.sync_weights()
                 times.append(time.perf_counter() - start)
     seconds = statistics.median(times[1:])
-    memcpy = nbytes / _memcpy_seconds(nbytes, args.repeats) / 1e9
+    memcpy_s = _memcpy_seconds(nbytes, args.repeats)
+    memcpy = nbytes / memcpy_s / 1e9
     gbps = nbytes / seconds / 1e9
     return BenchRow(
         transport, model, config["num_hidden_layers"], nbytes, len(manifest),
-        seconds, gbps, memcpy, gbps / memcpy,
+        seconds, gbps, memcpy, gbps / memcpy, seconds * 1e3, memcpy_s * 1e3,
+        nbytes < LATENCY_BOUND_BYTES,
     )  # fmt: skip
 
 
-def _plot(rows: Sequence[BenchRow], path: str) -> None:
-    import matplotlib
+def _bench_figure(rows: Sequence[BenchRow]) -> Figure:
+    """Milliseconds per refit and GB/s against refit size (bytes), log-log, one colour per
+    transport; dashed in the same colour: the memcpy measured in that transport's run."""
+    from matplotlib import ticker
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    class LogLabels(ticker.LogFormatter):
+        # matplotlib picks which log ticks get a label (every decade, or the minor
+        # ticks of a short span); this writes them as 0.02 or 230 kB, not 2x10^-2.
+        def __init__(self, fmt: Callable[[float], str], *, minor: bool) -> None:
+            super().__init__(labelOnlyBase=not minor)
+            self.fmt = fmt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for transport in dict.fromkeys(r.transport for r in rows):
+        def __call__(self, x: float, pos: int | None = None) -> str:
+            return self.fmt(x) if super().__call__(x, pos) else ""
+
+    fig = Figure(figsize=(11, 4.5), layout="constrained")
+    lat_ax, bw_ax = fig.subplots(1, 2)
+    transports = list(dict.fromkeys(r.transport for r in rows))
+    for i, transport in enumerate(transports):
         mine = sorted((r for r in rows if r.transport == transport), key=lambda r: r.nbytes)
-        ax.plot([r.nbytes / 1e6 for r in mine], [r.gbps for r in mine], "o-", label=transport)
-    memcpy = sorted(rows, key=lambda r: r.nbytes)
-    ax.plot(
-        [r.nbytes / 1e6 for r in memcpy],
-        [r.memcpy_gbps for r in memcpy],
-        "k--",
-        label="memcpy (same bytes)",
-    )
-    ax.set_xscale("log")
-    ax.set_xlabel("refit size (MB)")
-    ax.set_ylabel("GB/s")
-    ax.set_title(f"aiosync refit throughput, {rows[0].model}-shaped manifests")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+        sizes = [r.nbytes for r in mine]
+        colour = f"C{i}"
+        lat_ax.plot(sizes, [r.latency_ms for r in mine], "o-", color=colour, label=transport)
+        lat_ax.plot(sizes, [r.memcpy_latency_ms for r in mine], "--", color=colour)
+        bw_ax.plot(sizes, [r.gbps for r in mine], "o-", color=colour)
+        bw_ax.plot(sizes, [r.memcpy_gbps for r in mine], "--", color=colour)
+    all_sizes = sorted({r.nbytes for r in rows})
+    eng = ticker.EngFormatter(unit="B")
+    # Three significant figures: "132 kB", "1.15 GB" (EngFormatter alone prints 131.584 kB).
+    size_labels = ticker.FuncFormatter(lambda x, _pos: eng(float(f"{x:.3g}")))
+    for ax, ylabel in ((lat_ax, "ms per refit"), (bw_ax, "GB/s")):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        # Ticks at the measured sizes (at most 8) name each point; a log locator
+        # would leave a span shorter than a decade with one label or none.
+        ax.xaxis.set_major_locator(ticker.FixedLocator(all_sizes, nbins=7))
+        ax.xaxis.set_minor_locator(ticker.NullLocator())
+        ax.xaxis.set_major_formatter(size_labels)
+        ax.tick_params(axis="x", labelrotation=30)
+        ax.yaxis.set_major_formatter(LogLabels("{:g}".format, minor=False))
+        ax.yaxis.set_minor_formatter(LogLabels("{:g}".format, minor=True))
+        ax.set_xlabel("refit size (bytes)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+    lat_ax.set_title("latency")
+    bw_ax.set_title("throughput")
+    memcpy = Line2D([], [], color="0.3", linestyle="--", label="memcpy, same bytes, same run")
+    lat_ax.legend(handles=[*lat_ax.get_legend_handles_labels()[0], memcpy], fontsize="small")
+    if any(r.latency_bound for r in rows):
+        left, right = bw_ax.get_xlim()
+        shade = bw_ax.axvspan(left, min(right, LATENCY_BOUND_BYTES), color="0.5", alpha=0.12, lw=0)
+        bw_ax.set_xlim(left, right)
+        shade.set_label(f"< {LATENCY_BOUND_BYTES >> 20} MiB: fixed costs dominate, read latency")
+        bw_ax.legend(handles=[shade], fontsize="small")
+    fig.suptitle(f"aiosync refit, {rows[0].model}-shaped manifests")
+    return fig
+
+
+def _plot(rows: Sequence[BenchRow], path: str) -> None:
+    _bench_figure(rows).savefig(path, dpi=100)
+
+
+def _bench_table(rows: Sequence[BenchRow], title: str) -> Table:
+    """The text table: GB/s and the memcpy ratio only where a refit is not latency-bound."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("transport")
+    for name in ("layers", "bytes", "tensors", "ms / refit", "GB/s", "memcpy GB/s", "vs memcpy"):
+        table.add_column(name, justify="right")
+    for r in rows:
+        throughput = (
+            ("—", "—", "—")
+            if r.latency_bound
+            else (f"{r.gbps:.3f}", f"{r.memcpy_gbps:.3f}", f"{r.ratio:.2f}x")
+        )
+        table.add_row(
+            r.transport, str(r.layers), f"{r.nbytes:,}", str(r.tensors), f"{r.latency_ms:,.2f}",
+            *throughput,
+        )  # fmt: skip
+    if any(r.latency_bound for r in rows):
+        table.caption = (
+            f"—: under {LATENCY_BOUND_BYTES >> 20} MiB a refit's time is mostly fixed costs, "
+            "so GB/s would not measure bandwidth; --json keeps every figure"
+        )
+    return table
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -349,18 +430,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(json.dumps({"rows": [asdict(r) for r in rows], "plot": args.plot}))
         return 0
     from rich.console import Console
-    from rich.table import Table
 
-    table = Table(
-        "transport", "layers", "bytes", "tensors", "seconds", "GB/s", "memcpy GB/s", "ratio",
-        title=f"aiosync bench: {args.model}-shaped manifests (median of {args.repeats})",
-    )  # fmt: skip
-    for r in rows:
-        table.add_row(
-            r.transport, str(r.layers), f"{r.nbytes:,}", str(r.tensors), f"{r.seconds:.4f}",
-            f"{r.gbps:.3f}", f"{r.memcpy_gbps:.3f}", f"{r.ratio:.2f}x",
-        )  # fmt: skip
-    Console(width=None if sys.stdout.isatty() else 120).print(table)
+    title = f"aiosync bench: {args.model}-shaped manifests (median of {args.repeats})"
+    Console(width=None if sys.stdout.isatty() else 120).print(_bench_table(rows, title))
     if args.plot:
         print(f"plot written to {args.plot}")
     return 0
@@ -413,7 +485,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=3,
         help="timed refits per size, median reported, after one warm-up (default: %(default)s)",
     )
-    bench.add_argument("--plot", default=None, help="write a PNG of GB/s against size")
+    bench.add_argument(
+        "--plot",
+        default=None,
+        help="write a PNG of ms per refit and GB/s against size (log-log), memcpy dashed",
+    )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(func=_cmd_bench)
     return parser

@@ -1,8 +1,8 @@
 """A contract-true stand-in for SGLang's HTTP server, on the embedded transformers engine.
 
 Run it as ``python -m aiosync.engines.sglang.test_server --port 0 --port-file F
---model-config config.json``. It binds 127.0.0.1 only and serves, with SGLang's
-request bodies (``io_struct``), answers and status codes
+--model-config config.json`` (or a preset name such as ``qwen3-tiny``). It binds
+127.0.0.1 only and serves, with SGLang's request bodies (``io_struct``), answers and status codes
 (``entrypoints/http_server.py``):
 
 ``/health``, ``/get_model_info``, ``/get_server_info``, ``/get_weight_version``,
@@ -59,6 +59,7 @@ from aiosync.transports.http import (
     use_file_system_sharing,
 )
 
+from ..._model_shapes import MODEL_CONFIGS
 from ..embedded.model import HFModelRunner
 
 __all__ = ["ServerState", "main", "make_server", "serve_in_subprocess"]
@@ -514,12 +515,30 @@ async def serve_in_subprocess(
                 proc.wait()
 
 
+def _model_config(parser: argparse.ArgumentParser, value: str) -> str | dict[str, Any]:
+    """``--model-config``: a path on disk wins; otherwise a preset name of ``aiosync bench``."""
+    if Path(value).exists():
+        return value
+    if value in MODEL_CONFIGS:
+        return dict(MODEL_CONFIGS[value])
+    parser.error(
+        f"--model-config {value!r} is neither a config.json or folder on disk nor a preset; "
+        f"presets: {', '.join(MODEL_CONFIGS)}"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     """Command line: build the model, bind, write the port, serve until killed."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=0, help="0: a free port (default)")
     parser.add_argument("--port-file", type=Path, help="write the bound port here when ready")
-    parser.add_argument("--model-config", required=True, help="config.json (or a folder)")
+    parser.add_argument(
+        "--model-config",
+        required=True,
+        help="config.json, a folder holding one (with *.safetensors: loaded, else random "
+        f"weights), or a preset of `aiosync bench --model`: {', '.join(MODEL_CONFIGS)} "
+        "(qwen3-tiny builds in seconds; the others are full-size, random weights)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--tp-size", type=int, default=1)
@@ -527,9 +546,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--enable-memory-saver", action="store_true")
     parser.add_argument("--enable-weights-cpu-backup", action="store_true")
     args = parser.parse_args(argv)
+    # Resolved before the model build so that a typo fails at once, with the presets listed.
+    model_config = _model_config(parser, args.model_config)
     use_file_system_sharing()
     torch.set_num_threads(1)
-    runner = HFModelRunner.from_config(args.model_config, seed=args.seed, dtype=args.dtype)
+    runner = HFModelRunner.from_config(model_config, seed=args.seed, dtype=args.dtype)
     state = ServerState(
         runner=runner,
         tp_size=args.tp_size,

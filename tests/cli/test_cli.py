@@ -67,7 +67,7 @@ def test_bench_every_transport_writes_table_figures_and_a_valid_png(tmp_path: Pa
         assert r["ratio"] == pytest.approx(r["gbps"] / r["memcpy_gbps"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with Image.open(png) as image:
-        assert image.format == "PNG" and image.size == (700, 450)
+        assert image.format == "PNG" and image.size == (1100, 450)
 
 
 def test_bench_rejects_an_unknown_model() -> None:
