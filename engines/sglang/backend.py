@@ -15,7 +15,8 @@ endpoint                             method  body → answer
 ``/resume_memory_occupation``        POST    ``{"tags": [...]}`` → 200 ``null``
 ``/get_weight_version``              GET     → ``{"weight_version": str | null}``
 ``/get_server_info``                 GET     → server args (``tp_size``,
-                                             ``enable_memory_saver``, ...)
+                                             ``enable_memory_saver``, ``model_path``,
+                                             ``dtype``, ...)
 ===================================  ======  ==========================================
 
 Errors answer 400 with ``{"error": {"message": ...}}`` (or ``{"message": ...}``);
@@ -34,15 +35,22 @@ is not released is never resumed (SGLang raises on it).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
 
 from aiosync._config import DEFAULT_RPC_TIMEOUT_S
 from aiosync.errors import SyncError, SyncTimeoutError, TransportError
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
 
 __all__ = [
     "DEFAULT_FLUSH_TIMEOUT_S",
@@ -90,9 +98,13 @@ class SGLangHTTPBackend:
         generate_timeout_s: limit for one ``/generate`` call, seconds.
         flush_timeout_s: how long :meth:`flush_cache` retries a busy server, seconds.
         transport: an ``httpx.AsyncBaseTransport`` to use (tests, proxies).
+        hf_config: the served model's HF config (a ``PretrainedConfig``, a
+            config dict, a ``config.json`` or model folder, or a cached Hub id)
+            for :meth:`expected_manifest`; None: the server's ``model_path``.
 
     Raises:
         ValueError: a non-positive timeout or ``tp_size``, or an unknown tag.
+        TypeError: ``hf_config`` is none of the accepted types.
     """
 
     def __init__(
@@ -108,6 +120,7 @@ class SGLangHTTPBackend:
         generate_timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S,
         flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S,
         transport: httpx.AsyncBaseTransport | None = None,
+        hf_config: PretrainedConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
     ) -> None:
         for label, value in (
             ("request_timeout_s", request_timeout_s),
@@ -121,6 +134,14 @@ class SGLangHTTPBackend:
         unknown = [t for t in release_tags if t not in MEMORY_TAGS]
         if unknown:
             raise ValueError(f"unknown memory tags {unknown}; known: {list(MEMORY_TAGS)}")
+        if hf_config is not None and not (
+            isinstance(hf_config, Mapping | str | os.PathLike) or hasattr(hf_config, "to_dict")
+        ):
+            raise TypeError(
+                "hf_config must be a PretrainedConfig, a config dict, a path or a Hub id, "
+                f"got {type(hf_config).__name__}"
+            )
+        self.hf_config = hf_config
         self.base_url = base_url.rstrip("/")
         self.enable_memory_saver = enable_memory_saver
         self.release_tags = tuple(t for t in MEMORY_TAGS if t in release_tags)
@@ -142,6 +163,9 @@ class SGLangHTTPBackend:
         self._weights_valid = True
         self._invalid_reason = ""
         self._listeners: list[Callable[[], None]] = []
+        self._manifest_cache: tuple[Any, dict[str, tuple[tuple[int, ...], torch.dtype]]] | None
+        self._manifest_cache = None
+        self._warned_manifest = False
 
     # -- state --------------------------------------------------------------------
 
@@ -296,6 +320,74 @@ class SGLangHTTPBackend:
             raise TransportError(f"/get_server_info answered {str(info)[:200]}")
         return info
 
+    async def expected_manifest(
+        self, server_info: Mapping[str, Any] | None = None
+    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]] | None:
+        """``{hf_name: (shape, dtype)}`` the server's ``load_weights`` takes, or None if unknown.
+
+        Derived from the served model's HF config built on the ``meta`` device
+        (no memory, typically well under a second): ``hf_config`` if given, else
+        the ``model_path`` of ``/get_server_info`` (a local folder, a
+        ``config.json`` or a Hub id already in the local HF cache; nothing is
+        downloaded, no remote code runs), with the server's
+        ``json_model_override_args`` applied, in the dtype the server runs
+        (its ``dtype`` argument; ``"auto"`` resolved as SGLang does). Cached
+        per configuration.
+
+        Args:
+            server_info: ``/get_server_info``'s answer if the caller has it
+                (saves a request).
+
+        Returns:
+            The manifest in checkpoint order; None when the server's model
+            cannot be built here (not cached locally, remote code, quantized):
+            a ``RuntimeWarning`` says so once, and a mismatch then surfaces only
+            as the server's refusal of a bucket.
+
+        Raises:
+            SyncError: the ``hf_config`` given to the backend cannot be loaded or built.
+            TransportError, SyncTimeoutError: ``/get_server_info`` failed.
+        """
+        from ._manifest import UnknownManifest
+
+        info = dict(server_info) if server_info is not None else await self.server_info()
+        source = self.hf_config if self.hf_config is not None else info.get("model_path")
+        revision = info.get("revision")
+        overrides = _overrides(info.get("json_model_override_args"))
+        dtype = info.get("dtype")
+        key = (
+            id(source) if not isinstance(source, str | os.PathLike) else os.fspath(source),
+            revision,
+            json.dumps(overrides, sort_keys=True, default=str),
+            dtype,
+        )
+        if self._manifest_cache is not None and self._manifest_cache[0] == key:
+            return dict(self._manifest_cache[1])
+        try:
+            if source is None or isinstance(overrides, str):
+                raise UnknownManifest(
+                    "the server reports no model_path"
+                    if source is None
+                    else f"unreadable json_model_override_args: {overrides}"
+                )
+            manifest = await anyio.to_thread.run_sync(
+                _derive_manifest, source, revision, overrides, dtype
+            )
+        except UnknownManifest as exc:
+            if self.hf_config is not None:
+                raise SyncError(f"hf_config: {exc}") from exc
+            if not self._warned_manifest:
+                self._warned_manifest = True
+                warnings.warn(
+                    f"cannot check the refit manifest against {self.base_url} before the first "
+                    f"bucket ({exc}); pass SGLangHTTPBackend(hf_config=...) to check it",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return None
+        self._manifest_cache = (key, manifest)
+        return dict(manifest)
+
     async def resolve_tp_size(self) -> int:
         """``tp_size`` as given, or as the server reports it (cached)."""
         if self.tp_size is None:
@@ -422,6 +514,31 @@ class SGLangHTTPBackend:
             return response.json()
         except ValueError:
             return response.text
+
+
+def _overrides(raw: Any) -> dict[str, Any] | str:
+    """SGLang's ``json_model_override_args`` (a JSON object as a string); the text if unreadable."""
+    if raw is None or raw == "":
+        return {}
+    if isinstance(raw, Mapping):
+        return dict(raw)
+    try:
+        value = json.loads(str(raw))
+    except ValueError:
+        return str(raw)
+    return dict(value) if isinstance(value, dict) else str(raw)
+
+
+def _derive_manifest(
+    source: Any, revision: Any, overrides: Mapping[str, Any], dtype: Any
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Config → dtype → meta model → checkpoint manifest (worker thread: it imports and builds)."""
+    from ._manifest import checkpoint_manifest, engine_dtype, load_hf_config
+
+    config = load_hf_config(
+        source, revision=None if revision is None else str(revision), overrides=overrides
+    )
+    return checkpoint_manifest(config, engine_dtype(config, None if dtype is None else str(dtype)))
 
 
 def _server_message(response: httpx.Response) -> str:

@@ -226,6 +226,10 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/get_server_info" and method == "GET":
             return {
                 "model_path": state.model_path,
+                # SGLang reports its --dtype; this server's is the model's own.
+                "dtype": str(next(state.runner.model.parameters()).dtype).removeprefix("torch."),
+                "revision": None,
+                "json_model_override_args": "{}",
                 "tp_size": state.tp_size,
                 "dp_size": 1,
                 "enable_memory_saver": state.enable_memory_saver,

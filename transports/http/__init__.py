@@ -2,19 +2,21 @@
 
 - :mod:`.synchronizer` — the trainer side, :class:`HTTPWeightSynchronizer`.
 - :mod:`.server` — :class:`SGLangServer`, the server contract the synchronizer
-  drives (``aiosync.SGLangHTTPBackend`` satisfies it).
+  drives (``aiosync.SGLangHTTPBackend`` satisfies it), and the optional
+  :class:`SGLangManifestSource` (the manifest checked at ``init_communicator()``).
 - The engine side is SGLang itself; a server that imitates it decodes each
   payload with :func:`decode_flattened_bucket` (``load_format=FLATTENED_BUCKET``)
   after :func:`use_file_system_sharing`, as the SGLang-contract test server does.
 """
 
 from ._wire import FLATTENED_BUCKET, decode_flattened_bucket, use_file_system_sharing
-from .server import SGLangServer
+from .server import SGLangManifestSource, SGLangServer
 from .synchronizer import HTTPWeightSynchronizer
 
 __all__ = [
     "FLATTENED_BUCKET",
     "HTTPWeightSynchronizer",
+    "SGLangManifestSource",
     "SGLangServer",
     "decode_flattened_bucket",
     "use_file_system_sharing",

@@ -6,14 +6,23 @@ memory-saver ``/resume_memory_occupation``) plus the validity bookkeeping that
 keeps ``generate()`` refused while the server holds a mix of two versions.
 :class:`aiosync.SGLangHTTPBackend` satisfies it; so can any client a user
 already has for their SGLang fleet.
+
+:class:`SGLangManifestSource` is optional: a server object that also offers
+``expected_manifest()`` has the trainer's manifest checked against it at
+``init_communicator()``, before the first bucket (SGLang loads a bucket's
+tensors one by one and refuses an unknown name only after the earlier ones
+were overwritten).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-__all__ = ["SGLangServer"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["SGLangManifestSource", "SGLangServer"]
 
 
 @runtime_checkable
@@ -78,4 +87,19 @@ class SGLangServer(Protocol):
 
     async def flush_cache(self, timeout_s: float | None = None) -> int:
         """POST ``/flush_cache`` until the server accepts it; returns the attempts made."""
+        ...
+
+
+@runtime_checkable
+class SGLangManifestSource(Protocol):
+    """An SGLang server that can say which tensors its ``load_weights`` takes."""
+
+    async def expected_manifest(
+        self, server_info: Mapping[str, Any] | None = None
+    ) -> Mapping[str, tuple[Sequence[int], torch.dtype]] | None:
+        """``{hf_name: (shape, dtype)}`` the server loads, or None when it cannot be known.
+
+        Args:
+            server_info: ``/get_server_info``'s answer, if the caller already has it.
+        """
         ...

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -42,6 +43,7 @@ from aiosync._config import DEFAULT_BUCKET_BYTES, DEFAULT_EVENT_BACKLOG, DEFAULT
 from aiosync.errors import SyncError
 from aiosync.interfaces import KVScales, RefitSource, WeightSynchronizer
 
+from ..packing import compare_manifests
 from ._wire import (
     FLATTENED_BUCKET,
     FlatBucket,
@@ -52,7 +54,7 @@ from ._wire import (
     serialize_flat,
     use_file_system_sharing,
 )
-from .server import SGLangServer
+from .server import SGLangManifestSource, SGLangServer
 
 __all__ = ["HTTPWeightSynchronizer"]
 
@@ -122,11 +124,18 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         return self._plan
 
     async def init_communicator(self) -> None:
-        """Plan the buckets, learn the server's TP size, check its memory-saver setting.
+        """Plan the buckets, learn the server's TP size, check its settings and manifest.
+
+        When the server object offers ``expected_manifest()``
+        (:class:`SGLangManifestSource`, e.g. ``SGLangHTTPBackend``), the
+        trainer's names, shapes and dtypes are compared with it here, in any
+        order (SGLang loads names in any order), before any bucket is posted.
 
         Raises:
             TransportError, SyncTimeoutError: the server is unreachable or refuses.
             SyncError: ``enable_memory_saver`` differs from the server's.
+            RefitMismatchError: the trainer's manifest differs from the server's
+                (names the first differing entries on both sides).
         """
         self._check_open()
         self._manifest = {
@@ -145,6 +154,10 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             tp = info.get("tp_size", 1)
             self.generation.tp_size = tp if isinstance(tp, int) and tp >= 1 else 1
         self._tp_size = self.generation.tp_size
+        if isinstance(self.generation, SGLangManifestSource):
+            engine = await self.generation.expected_manifest(info)
+            if engine is not None:
+                _compare_unordered(self._manifest, engine)
         use_file_system_sharing()
         await super().init_communicator()
 
@@ -264,6 +277,17 @@ def _pack_and_wait(
     pack_flat(bucket, tensors, flat)
     if flat.is_cuda:
         torch.cuda.current_stream(flat.device).synchronize()
+
+
+def _compare_unordered(
+    trainer: Mapping[str, tuple[Sequence[int], torch.dtype]],
+    engine: Mapping[str, tuple[Sequence[int], torch.dtype]],
+) -> None:
+    # SGLang takes a bucket's names in any order: report only real differences,
+    # so the engine's entries are laid out in the trainer's order first.
+    reordered = {name: engine[name] for name in trainer if name in engine}
+    reordered.update((name, spec) for name, spec in engine.items() if name not in trainer)
+    compare_manifests(trainer, reordered)
 
 
 def _sole_error(group: BaseExceptionGroup) -> BaseException:

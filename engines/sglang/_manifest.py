@@ -1,0 +1,174 @@
+"""The SGLang server's refit manifest, derived from its model's HF config on the ``meta`` device.
+
+SGLang's ``load_weights`` takes the model's HF checkpoint names (what
+``save_pretrained`` writes: q/k/v and gate/up separate, tied heads absent,
+MoE experts per expert) and fuses them itself. So the server expects exactly
+the manifest of the HF model its config describes, in the dtype it runs in.
+Building that model on ``meta`` allocates nothing and takes well under a
+second even for large models, so the check can run at ``init_communicator()``,
+before any byte moves.
+
+Which config and dtype: what the server reports in ``/get_server_info``
+(``model_path``, ``revision``, ``json_model_override_args``, ``dtype``),
+resolved the way SGLang resolves them (``ModelConfig``: ``dtype="auto"`` takes
+the config's dtype, except float32, which runs as float16, or bfloat16 for the
+Gemma family). ``model_path`` may be a local folder, a ``config.json`` or a Hub
+id already in the local HF cache; nothing is downloaded and no remote code runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
+
+__all__ = ["UnknownManifest", "checkpoint_manifest", "engine_dtype", "load_hf_config"]
+
+#: SGLang's dtype names (``server_args.dtype``) and the torch dtype each means.
+_DTYPE_NAMES = {
+    "half": "float16",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float": "float32",
+    "float32": "float32",
+}
+# Keys a saved config.json carries that are not constructor arguments of the config.
+_NOT_CONFIG_ARGS = ("model_type", "transformers_version", "architectures")
+
+
+class UnknownManifest(Exception):
+    """The server's manifest cannot be derived here (no config, unknown model or dtype)."""
+
+
+def load_hf_config(
+    source: PretrainedConfig | Mapping[str, Any] | str | os.PathLike[str],
+    *,
+    revision: str | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> PretrainedConfig:
+    """The model's HF config from what SGLang was started with.
+
+    Args:
+        source: a ``PretrainedConfig``; a config dict (with ``model_type``); a
+            path to a ``config.json`` or a model folder; or a Hub id that is in
+            the local HF cache (never downloaded).
+        revision: the Hub revision (SGLang's ``--revision``).
+        overrides: config fields to replace (SGLang's ``--json-model-override-args``).
+
+    Raises:
+        UnknownManifest: no such file, folder or cached Hub id, or no ``model_type``.
+    """
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(source, PretrainedConfig):
+        config = copy.deepcopy(source)  # the overrides must not change the caller's
+    elif isinstance(source, Mapping):
+        config = _config_from_dict(source)
+    else:
+        path = Path(source)
+        try:
+            if path.is_file():
+                config = _config_from_dict(json.loads(path.read_text()))
+            else:
+                # A folder, or a Hub id: only what is already on this machine.
+                config = AutoConfig.from_pretrained(
+                    str(source), revision=revision, local_files_only=True, trust_remote_code=False
+                )
+        except UnknownManifest:
+            raise
+        except OSError as exc:
+            raise UnknownManifest(
+                f"{str(source)!r} is no config.json or model folder here, and no Hub id in the "
+                "local HF cache (nothing is downloaded)"
+            ) from exc
+        except Exception as exc:  # ValueError (remote code, unknown architecture), ...
+            raise UnknownManifest(
+                f"cannot load the model config from {str(source)!r}: {type(exc).__name__}: {exc}"
+            ) from exc
+    if overrides:
+        config.update(dict(overrides))
+    return config
+
+
+def _config_from_dict(items: Mapping[str, Any]) -> PretrainedConfig:
+    from transformers import AutoConfig
+
+    model_type = items.get("model_type")
+    if not model_type:
+        raise UnknownManifest("the model config has no 'model_type'")
+    kwargs = {k: v for k, v in items.items() if k not in _NOT_CONFIG_ARGS}
+    try:
+        return AutoConfig.for_model(str(model_type), **kwargs)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UnknownManifest(
+            f"transformers does not know model_type {model_type!r}: {exc}"
+        ) from exc
+
+
+def engine_dtype(config: PretrainedConfig, dtype: str | None) -> torch.dtype:
+    """The dtype an SGLang server started with ``--dtype dtype`` runs ``config``'s model in.
+
+    Args:
+        config: the model's HF config.
+        dtype: SGLang's ``dtype`` server argument (``"auto"``, ``"bfloat16"``,
+            ``"half"``, ...); None is ``"auto"``, SGLang's default.
+
+    Raises:
+        UnknownManifest: a dtype name SGLang does not accept.
+    """
+    import torch
+
+    name = (dtype or "auto").lower()
+    if name != "auto":
+        if name not in _DTYPE_NAMES:
+            raise UnknownManifest(f"the server reports an unknown dtype {dtype!r}")
+        resolved: torch.dtype = getattr(torch, _DTYPE_NAMES[name])
+        return resolved
+    text = getattr(config, "get_text_config", lambda: config)()
+    declared = getattr(text, "dtype", None)
+    if isinstance(declared, str):
+        declared = getattr(torch, _DTYPE_NAMES.get(declared, declared), None)
+    if not isinstance(declared, torch.dtype):
+        declared = torch.float32
+    if declared != torch.float32:
+        return declared
+    # SGLang runs float32 checkpoints in half precision unless told otherwise.
+    model_type = str(getattr(text, "model_type", "") or getattr(config, "model_type", ""))
+    return torch.bfloat16 if model_type.startswith("gemma") else torch.float16
+
+
+def checkpoint_manifest(
+    config: PretrainedConfig, dtype: torch.dtype
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``{hf_name: (shape, dtype)}`` of ``config``'s checkpoint, built on ``meta`` (no memory).
+
+    The names, shapes and order are what ``save_pretrained`` writes (tied
+    weights removed, MoE experts per expert), as the embedded engine derives
+    them.
+
+    Raises:
+        UnknownManifest: quantized models (their checkpoint layout is the
+            quantizer's), or a config transformers cannot build as a causal LM.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..embedded.model import HFModelRunner
+
+    if getattr(config, "quantization_config", None):
+        raise UnknownManifest("the model is quantized; its checkpoint layout is not derivable")
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return HFModelRunner(model).expected_manifest()
+    except Exception as exc:  # any model transformers cannot build here
+        raise UnknownManifest(
+            f"cannot build {type(config).__name__} as a causal LM: {type(exc).__name__}: {exc}"
+        ) from exc
