@@ -32,6 +32,7 @@ from .replay import ReplaySample, StalenessStats, VersionedReplayBuffer
 
 if TYPE_CHECKING:
     from aiosync.engines.embedded.engine import EmbeddedEngine
+    from aiosync.engines.fleet import EngineFleet
     from aiosync.engines.sglang.backend import SGLangHTTPBackend
     from aiosync.engines.vllm.backend import VLLMGenerationBackend
     from aiosync.transports.collective import CollectiveWeightSynchronizer
@@ -48,6 +49,7 @@ __all__ = [
     "KNOWN_BACKENDS",
     "CollectiveWeightSynchronizer",
     "EmbeddedEngine",
+    "EngineFleet",
     "EngineWorkers",
     "EventSubscription",
     "GenerationBackend",
@@ -78,6 +80,7 @@ __all__ = [
 _LAZY: dict[str, str] = {
     "CollectiveWeightSynchronizer": "aiosync.transports.collective",
     "EmbeddedEngine": "aiosync.engines.embedded.engine",
+    "EngineFleet": "aiosync.engines.fleet",
     "HTTPWeightSynchronizer": "aiosync.transports.http",
     "IPCWeightSynchronizer": "aiosync.transports.ipc",
     "SGLangHTTPBackend": "aiosync.engines.sglang.backend",

@@ -10,8 +10,10 @@ backend            colocated   synchronizer
 =================  ==========  ================================
 
 ``"embedded"`` (the CPU reference engine) behaves as ``"vllm"``: it speaks the
-same worker-extension protocol. Transports are imported here, lazily, so that
-``import aiosync`` stays free of torch, zmq and httpx.
+same worker-extension protocol. A list of engines is one fleet
+(:class:`~aiosync.EngineFleet`): one sync updates them all. Transports are
+imported here, lazily, so that ``import aiosync`` stays free of torch, zmq and
+httpx.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def create_weight_synchronizer(
 
     Args:
         policy: the trainer's refit source (HF names and shapes).
-        generation: the engine's generation backend.
+        generation: the engine's generation backend, or a list of them (wrapped
+            in an :class:`~aiosync.EngineFleet`).
         colocated: True when trainer and engine share devices.
         backend: ``"vllm"``, ``"sglang"`` or ``"embedded"``.
         train_cluster: non-colocated only: a :class:`~aiosync.TrainCluster`
@@ -59,8 +62,9 @@ def create_weight_synchronizer(
 
     Raises:
         TypeError: ``colocated`` is not a bool.
-        ValueError: unknown backend (the message lists the known ones), or a
-            non-colocated setup without ``train_cluster``/``inference_world_size``.
+        ValueError: unknown backend (the message lists the known ones), a
+            non-colocated setup without ``train_cluster``/``inference_world_size``,
+            or an empty list of engines.
         NotImplementedError: non-colocated SGLang.
     """
     if not isinstance(colocated, bool):
@@ -90,6 +94,10 @@ def create_weight_synchronizer(
             "train_cluster": train_cluster,
             "inference_world_size": inference_world_size,
         }
+    if isinstance(generation, list | tuple):
+        from aiosync.engines.fleet import EngineFleet
+
+        generation = EngineFleet(generation)
     module_name, class_name = _TRANSPORTS[(backend, colocated)]
     cls = getattr(importlib.import_module(module_name), class_name)
     sync: WeightSynchronizer = cls(policy, generation, **options)

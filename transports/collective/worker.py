@@ -26,6 +26,7 @@ import torch
 
 from aiosync.errors import RefitMismatchError, SyncTimeoutError, TransportError
 
+from .._worker_rank import WorkerRankMixin
 from ..packing import Bucket, BucketPlan, compare_manifests, unpack
 from ._group import STATUS_MISMATCH, STATUS_OK, SyncGroup, create_sync_group, open_store
 from ._loops import RotatingBuffers, receive_buckets
@@ -60,7 +61,7 @@ def _device_for(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-class CollectiveWorkerMixin:
+class CollectiveWorkerMixin(WorkerRankMixin):
     """Receiver of :class:`~aiosync.transports.collective.CollectiveWeightSynchronizer`.
 
     Attributes:
@@ -86,7 +87,7 @@ class CollectiveWorkerMixin:
         timeout_s: float,
         session: str,
     ) -> dict[str, Any]:
-        """Join the sync group as inference rank ``train_world_size + self.rank``.
+        """Join the sync group as inference rank ``train_world_size + aiosync_worker_rank()``.
 
         Blocks until every rank has joined and compared the bucket-plan digest
         (and, when the model has ``expected_manifest()``, the manifest itself).
@@ -296,16 +297,14 @@ class CollectiveWorkerMixin:
             self.aiosync_collective_destroy()
 
     def _aiosync_coll_rank(self, inference_world: int) -> int:
-        rank = getattr(self, "rank", None)
-        if rank is None:
-            if inference_world != 1:
-                raise TransportError(
-                    "the worker has no `rank` attribute; it is needed with several workers"
-                )
-            return 0
-        if not 0 <= int(rank) < inference_world:
+        if getattr(self, "rank", None) is None and inference_world != 1:
+            raise TransportError(
+                "the worker has no `rank` attribute; it is needed with several workers"
+            )
+        rank = self.aiosync_worker_rank()
+        if not 0 <= rank < inference_world:
             raise TransportError(f"worker rank {rank} outside 0..{inference_world - 1}")
-        return int(rank)
+        return rank
 
     @staticmethod
     def _aiosync_coll_iter_staged(state: _ReceiverState) -> Iterator[tuple[str, torch.Tensor]]:

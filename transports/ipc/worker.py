@@ -44,6 +44,7 @@ import zmq
 from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
 
 from .._wire import decode, encode, error_fields
+from .._worker_rank import WorkerRankMixin
 from ..packing import BucketPlan, compare_manifests, unpack
 from ._shm import MappedBuffer, open_handle
 
@@ -59,7 +60,7 @@ _LINGER_MS = 2000
 _POLL_SLICE_MS = 100
 
 
-class IPCWorkerMixin:
+class IPCWorkerMixin(WorkerRankMixin):
     """Receives refits from ``IPCWeightSynchronizer`` into ``model_runner.model.load_weights``.
 
     Expects on the worker: ``self.model_runner.model.load_weights(iterable)``
@@ -77,9 +78,6 @@ class IPCWorkerMixin:
             state = _ReceiverState()
             self._aiosync_ipc = state
         return state
-
-    def _aiosync_rank(self) -> int:
-        return int(getattr(self, "rank", 0))
 
     # -- RPCs -----------------------------------------------------------------
 
@@ -103,7 +101,7 @@ class IPCWorkerMixin:
             return {"ok": False, **error_fields(exc)}
         return {
             "ok": True,
-            "rank": self._aiosync_rank(),
+            "rank": self.aiosync_worker_rank(),
             "digest": bucket_plan.digest,
             "num_tensors": bucket_plan.num_tensors,
         }
@@ -145,7 +143,7 @@ class IPCWorkerMixin:
     def _aiosync_receive(
         self, state: _ReceiverState, endpoint: str, sync_id: str, digest: str, timeout_s: float
     ) -> dict[str, Any]:
-        rank = self._aiosync_rank()
+        rank = self.aiosync_worker_rank()
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"{sync_id}/{rank}".encode())
         # Linger so a final error or done message still reaches the trainer after close.

@@ -1,0 +1,254 @@
+"""Several engines behind one trainer, synchronized as one: :class:`EngineFleet`.
+
+A fleet is itself a :class:`~aiosync.GenerationBackend` and an
+:class:`~aiosync.EngineWorkers`, so every transport drives it unchanged: one
+``sync_weights()`` moves the weights to the workers of every engine
+concurrently, and ``weight_version`` advances only when all of them committed.
+
+Worker ranks are global: engine ``i``'s workers follow those of engines
+``0..i-1`` (each engine's workers are told their offset, see
+``aiosync.transports._worker_rank``), as vLLM numbers data-parallel replicas.
+An error of one engine is raised with the engine named (``engine 1 of 2: ...``)
+and fails the whole sync; every engine that may hold part of the failed
+version then refuses to generate until a sync succeeds.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import anyio
+
+from aiosync import errors
+from aiosync.errors import TransportError
+
+__all__ = ["EngineFleet"]
+
+_T = TypeVar("_T")
+
+# aiosync's own errors take one message argument, so they can be re-raised
+# with the engine named and their type kept.
+_RENAMEABLE = tuple(getattr(errors, name) for name in errors.__all__)
+
+
+class EngineFleet:
+    """Several engines (vLLM replicas, embedded engines) updated by one synchronizer.
+
+    Args:
+        engines: the engines (one is allowed); each a :class:`~aiosync.GenerationBackend`,
+            and an :class:`~aiosync.EngineWorkers` (``collective_rpc``) for the
+            IPC and collective transports. Order fixes the worker ranks.
+
+    Raises:
+        ValueError: no engine, or the same engine twice.
+    """
+
+    def __init__(self, engines: Sequence[Any]) -> None:
+        engines = list(engines)
+        if not engines:
+            raise ValueError("an engine fleet needs at least one engine")
+        if len({id(e) for e in engines}) != len(engines):
+            raise ValueError("an engine appears twice in the fleet")
+        self.engines: list[Any] = engines
+        #: Each engine's first global worker rank, once assigned.
+        self._offsets: list[int] | None = None
+        self._num_workers = 0
+        self._assigning = anyio.Lock()
+
+    def __len__(self) -> int:
+        return len(self.engines)
+
+    def __repr__(self) -> str:
+        return f"EngineFleet({', '.join(type(e).__name__ for e in self.engines)})"
+
+    # -- fan-out ---------------------------------------------------------------
+
+    async def _on_each(self, call: Callable[[int, Any], Awaitable[_T]]) -> list[_T]:
+        """``call(i, engine)`` on every engine concurrently; results in engine order.
+
+        The first engine to fail cancels the others and its error is raised,
+        naming the engine.
+        """
+        results: list[Any] = [None] * len(self.engines)
+        failures: list[tuple[int, BaseException]] = []
+
+        async def run(i: int, engine: Any, scope: anyio.CancelScope) -> None:
+            try:
+                results[i] = await call(i, engine)
+            except Exception as exc:
+                failures.append((i, exc))
+                scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            for i, engine in enumerate(self.engines):
+                tg.start_soon(run, i, engine, tg.cancel_scope)
+        if failures:
+            raise self._named(*failures[0])
+        return results
+
+    def _label(self, index: int) -> str:
+        return f"engine {index} of {len(self.engines)} ({type(self.engines[index]).__name__})"
+
+    def _named(self, index: int, exc: BaseException) -> BaseException:
+        label = self._label(index)
+        if type(exc) in _RENAMEABLE:
+            renamed = type(exc)(f"{label}: {exc}")
+            renamed.__cause__ = exc
+            return renamed
+        exc.add_note(f"raised by {label}")
+        return exc
+
+    # -- EngineWorkers ---------------------------------------------------------
+
+    async def collective_rpc(
+        self,
+        method: str,
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[Any]:
+        """Call ``method`` on every worker of every engine; one result per worker,
+        in global rank order (engine 0's workers first).
+
+        Raises:
+            TransportError: an engine has no ``collective_rpc``, or the workers'
+                ranks are not unique across the fleet.
+            Whatever an engine's ``collective_rpc`` raises, naming the engine.
+        """
+        await self._assign_ranks(timeout_s)
+
+        async def rpc(i: int, engine: Any) -> list[Any]:
+            replies: list[Any] = await engine.collective_rpc(
+                method, args, kwargs, timeout_s=timeout_s
+            )
+            # aiosync's worker RPCs answer failures as {"ok": False, "type", "message"}:
+            # name the engine there too, since the trainer raises from that reply.
+            for reply in replies:
+                if isinstance(reply, dict) and reply.get("ok") is False:
+                    reply["message"] = f"{self._label(i)}: {reply.get('message', '')}"
+            return replies
+
+        return [reply for replies in await self._on_each(rpc) for reply in replies]
+
+    async def _assign_ranks(self, timeout_s: float | None) -> None:
+        if self._offsets is not None:
+            return
+        async with self._assigning:
+            if self._offsets is not None:
+                return
+            for i, engine in enumerate(self.engines):
+                if not hasattr(engine, "collective_rpc"):
+                    raise TransportError(
+                        f"engine {i} ({type(engine).__name__}) has no collective_rpc"
+                    )
+            offsets: list[int] = []
+            ranks: list[int] = []
+            # One engine after the other: an engine's offset is the worker count before it.
+            for i, engine in enumerate(self.engines):
+                offsets.append(len(ranks))
+                try:
+                    got = await engine.collective_rpc(
+                        "aiosync_set_rank_offset", (offsets[-1],), timeout_s=timeout_s
+                    )
+                except Exception as exc:
+                    raise self._named(i, exc) from None
+                ranks.extend(int(r) for r in got)
+            if sorted(ranks) != list(range(len(ranks))):
+                raise TransportError(
+                    f"worker ranks across the fleet are not 0..{len(ranks) - 1}: {ranks}"
+                )
+            self._offsets = offsets
+            self._num_workers = len(ranks)
+
+    def locate(self, rank: int) -> tuple[int, int]:
+        """``(engine index, worker rank within that engine)`` of a global worker rank.
+
+        Raises:
+            ValueError: before the first ``collective_rpc`` (ranks are not assigned
+                yet), or no worker has ``rank``.
+        """
+        if self._offsets is None:
+            raise ValueError("worker ranks are assigned on the fleet's first collective_rpc")
+        if 0 <= rank < self._num_workers:
+            index = bisect.bisect_right(self._offsets, rank) - 1
+            return index, rank - self._offsets[index]
+        raise ValueError(f"no worker has rank {rank} (the fleet has {self._num_workers})")
+
+    async def respawn_dead_workers(self) -> list[int]:
+        """Replace dead workers of every engine that can (the embedded engine);
+        returns their global ranks. New workers learn their rank offset again."""
+        respawned: list[int] = []
+        for i, engine in enumerate(self.engines):
+            respawn = getattr(engine, "respawn_dead_workers", None)
+            if respawn is None:
+                continue
+            local = await respawn()
+            if local:
+                base = self._offsets[i] if self._offsets is not None else 0
+                respawned.extend(base + r for r in local)
+        if respawned:
+            self._offsets = None
+        return respawned
+
+    # -- GenerationBackend -----------------------------------------------------
+
+    async def prepare_for_generation(self, tags: Sequence[str] | None = None) -> None:
+        """Wake ``tags`` (None: all) on every engine, concurrently."""
+        await self._on_each(lambda i, e: e.prepare_for_generation(tags=tags))
+
+    async def finish_generation(self) -> None:
+        """Let every engine sleep, concurrently."""
+        await self._on_each(lambda i, e: e.finish_generation())
+
+    def add_weights_discarded_listener(self, listener: Callable[[], None]) -> None:
+        """Register ``listener`` with every engine that reports discarded weights."""
+        for engine in self.engines:
+            add = getattr(engine, "add_weights_discarded_listener", None)
+            if add is not None:
+                add(listener)
+
+    def remove_weights_discarded_listener(self, listener: Callable[[], None]) -> None:
+        """Undo :meth:`add_weights_discarded_listener`."""
+        for engine in self.engines:
+            remove = getattr(engine, "remove_weights_discarded_listener", None)
+            if remove is not None:
+                remove(listener)
+
+    async def generate(self, prompts: Sequence[Sequence[int]], **options: Any) -> list[list[int]]:
+        """Split ``prompts`` over the engines (data parallel); results in prompt order.
+
+        Engine ``i`` of ``n`` gets prompts ``i, i + n, ...``; ``options`` (sampling
+        parameters) go to every engine's ``generate``.
+
+        Raises:
+            Whatever an engine's ``generate`` raises (e.g. :class:`~aiosync.SyncError`
+            while its weights are not valid), naming the engine.
+        """
+        n = len(self.engines)
+        parts = [list(prompts[i::n]) for i in range(n)]
+
+        async def run(i: int, engine: Any) -> list[list[int]]:
+            if not parts[i]:
+                return []
+            out: list[list[int]] = await engine.generate(parts[i], **options)
+            return out
+
+        outs = await self._on_each(run)
+        merged: list[list[int]] = [[] for _ in prompts]
+        for i, out in enumerate(outs):
+            merged[i::n] = out
+        return merged
+
+    # -- tests and tools -------------------------------------------------------
+
+    async def hf_state_dicts(self) -> list[Any]:
+        """Every worker's weights, global rank order (engines that offer it)."""
+        outs = await self._on_each(lambda i, e: e.hf_state_dicts())
+        return [state for out in outs for state in out]
+
+    async def status(self) -> list[dict[str, Any]]:
+        """Every worker's status, global rank order (engines that offer it)."""
+        outs = await self._on_each(lambda i, e: e.status())
+        return [s for out in outs for s in out]
