@@ -7,7 +7,7 @@ concurrently, and ``weight_version`` advances only when all of them committed.
 
 Worker ranks are global: engine ``i``'s workers follow those of engines
 ``0..i-1`` (each engine's workers are told their offset, see
-``aiosync.transports._worker_rank``), as vLLM numbers data-parallel replicas.
+``aiosync.transports._identity``), as vLLM numbers data-parallel replicas.
 An error of one engine is raised with the engine named (``engine 1 of 2: ...``)
 and fails the whole sync; every engine that may hold part of the failed
 version then refuses to generate until a sync succeeds.

@@ -65,6 +65,8 @@ class EmbeddedWorker:
         self.device = runner.device
         self.model_runner = SimpleNamespace(model=runner)
         self.aiosync_weights_valid = weights_valid
+        #: The device this worker stands for when pairing with a sharded trainer (None: "cpu").
+        self.device_label: str | None = None
         self._asleep: set[str] = set()
         self._state_lock = threading.Lock()
 
@@ -175,13 +177,15 @@ def build_worker(
     extension: str | None,
     runner_factory: str | None = None,
     weights_valid: bool = True,
+    device_label: str | None = None,
 ) -> EmbeddedWorker:
     """An :class:`EmbeddedWorker` whose class also derives from ``extension`` (dotted path).
 
     ``runner_factory`` (dotted path of ``f(model, seed=, dtype=)``) replaces
     :meth:`HFModelRunner.from_config` when given. ``weights_valid=False`` (a
     respawned worker, holding initial rather than synced weights) makes it
-    refuse to generate until a sync succeeds.
+    refuse to generate until a sync succeeds. ``device_label`` names the
+    "device" this CPU worker stands for (``EmbeddedEngine(device_labels=...)``).
     """
     # transformers is imported here, in the worker, so that the parent can name the missing
     # extra (EmbeddedEngine.__init__) instead of failing on import.
@@ -197,6 +201,7 @@ def build_worker(
         bases += (mixin,)
     cls = type("EmbeddedWorker", bases, {})
     worker: EmbeddedWorker = cls(rank, world_size, runner, weights_valid)
+    worker.device_label = device_label
     return worker
 
 
@@ -211,6 +216,7 @@ def run_worker(
     threads: int,
     runner_factory: str | None = None,
     weights_valid: bool = True,
+    device_label: str | None = None,
 ) -> None:
     """Process entry point: connect to ``endpoint``, build the worker, serve until told to stop."""
     torch.set_num_threads(threads)
@@ -230,6 +236,7 @@ def run_worker(
             extension,
             runner_factory,
             weights_valid,
+            device_label,
         )
         asyncio.run(_main(sock, rank, build))
     finally:

@@ -93,12 +93,17 @@ class EmbeddedEngine:
             ``load_weights`` and ``device``; ``generate``/``hf_state_dict`` for
             those RPCs); default :meth:`HFModelRunner.from_config`. Benchmarks
             use it for weights-only models.
+        device_labels: one label per worker naming the device it stands for, so
+            that a sharded trainer's ranks pair with "their" workers as on GPUs
+            (see :class:`~aiosync.IPCWeightSynchronizer`'s ``process_group``);
+            default ``"cpu"`` for every worker.
 
     Raises:
         TypeError: ``model`` is none of the above, or ``num_workers`` is not an int
             (before any process starts).
         ImportError: transformers is not installed (``pip install 'aiosync[embedded]'``).
-        ValueError: ``num_workers < 1``, an unknown ``dtype`` or ``sleep_level``.
+        ValueError: ``num_workers < 1``, an unknown ``dtype`` or ``sleep_level``, or
+            ``device_labels`` not one string per worker.
     """
 
     def __init__(
@@ -114,6 +119,7 @@ class EmbeddedEngine:
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
         threads_per_worker: int = 1,
         runner_factory: str | None = None,
+        device_labels: Sequence[str] | None = None,
     ) -> None:
         if not isinstance(num_workers, int) or isinstance(num_workers, bool):
             raise TypeError(f"num_workers must be an int, got {type(num_workers).__name__}")
@@ -127,7 +133,15 @@ class EmbeddedEngine:
             )
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
+        if device_labels is not None and (
+            len(device_labels) != num_workers
+            or not all(isinstance(x, str) and x for x in device_labels)
+        ):
+            raise ValueError(
+                f"device_labels must be {num_workers} non-empty strings, got {device_labels!r}"
+            )
         self._model = _model_spec(model)
+        self.device_labels = None if device_labels is None else list(device_labels)
         self.num_workers = num_workers
         self.seed = seed
         self.dtype = dtype
@@ -210,6 +224,7 @@ class EmbeddedEngine:
                 self.threads_per_worker,
                 self.runner_factory,
                 weights_valid,
+                None if self.device_labels is None else self.device_labels[rank],
             ),
             name=f"{_WORKER_NAME}{rank}",
             daemon=True,

@@ -216,7 +216,7 @@ async def test_a_model_that_is_not_a_config_raises_type_error_before_any_process
         EmbeddedEngine(model)
 
 
-def test_without_transformers_the_engine_names_the_extra_before_any_process(
+async def test_without_transformers_the_engine_names_the_extra_before_any_process(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed

@@ -191,7 +191,7 @@ async def test_an_engine_killed_mid_sync_fails_it_for_all_and_both_refuse_until_
         assert await fleet.collective_rpc("aiosync_worker_rank") == [0, 1, 2]
 
 
-def test_a_fleet_refuses_no_engine_and_duplicates() -> None:
+async def test_a_fleet_refuses_no_engine_and_duplicates() -> None:
     with pytest.raises(ValueError, match="at least one engine"):
         EngineFleet([])
     engine = object()

@@ -65,3 +65,19 @@ def test_nccl_collective_refit_between_two_gpus_is_bit_exact() -> None:
     assert result["weight_version"] == 2
     assert result["mismatched"] == []
     assert result["bit_exact"] is True
+
+
+def test_device_identity_is_the_gpu_uuid_and_a_worker_on_the_device_pairs_with_it() -> None:
+    # Sharded IPC pairing keys trainer ranks and engine workers by GPU UUID.
+    import shutil
+    import subprocess
+
+    from aiosync.transports._identity import WorkerIdentityMixin, device_identity
+
+    identity = device_identity(torch.device("cuda", 0))
+    assert identity.startswith("GPU-")
+    if shutil.which("nvidia-smi"):
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+        assert f"(UUID: {identity})" in listing
+    torch.cuda.set_device(0)
+    assert WorkerIdentityMixin().aiosync_device_identity() == identity

@@ -81,8 +81,11 @@ class RogueTrainer:
         self.sync_id = ""
         self.ident = b""
 
-    def start(self, digest: str | None = None) -> asyncio.Task[list[Any]]:
-        """Start the worker's receive loop for a new session of this rogue trainer."""
+    def start(
+        self, digest: str | None = None, devices: list[str] | None = None
+    ) -> asyncio.Task[list[Any]]:
+        """Start the worker's receive loop for a new session of this rogue trainer
+        (as a sharded trainer whose ranks sit on ``devices``, when given)."""
         self.count += 1
         self.sync_id = f"rogue-{self.count}"
         self.ident = f"{self.sync_id}/0".encode()
@@ -92,6 +95,8 @@ class RogueTrainer:
             "digest": digest or self.plan.digest,
             "timeout_s": self.timeout_s,
         }
+        if devices is not None:
+            session["endpoints"] = {d: f"ipc://{self.dir}/s.sock" for d in devices}
         return asyncio.create_task(
             self.engine.collective_rpc("aiosync_ipc_receive", (session,), timeout_s=30)
         )
@@ -163,6 +168,34 @@ async def test_receiver_turns_a_malformed_message_into_transport_error(
     [reply] = await task
     assert (reply["ok"], reply["type"]) == (False, "TransportError")
     assert all(s["weights_valid"] for s in await dense_engine.status())
+
+
+async def test_a_paired_worker_refuses_a_session_without_its_device_and_foreign_buffers(
+    rogue_trainer: tuple[RogueTrainer, IPCWeightSynchronizer],
+    dense_engine: EmbeddedEngine,
+    h: SimpleNamespace,
+) -> None:
+    rogue, sync = rogue_trainer
+    # No trainer rank on the worker's device ("cpu"): refused before it connects.
+    [reply] = await rogue.start(devices=["cpu:0", "cpu:1"])
+    assert (reply["ok"], reply["type"]) == (False, "TransportError")
+    assert reply["message"] == (
+        "engine worker 0 is on device cpu, where no trainer rank runs "
+        "(trainer devices: ['cpu:0', 'cpu:1'])"
+    )
+    # A buffer announced as another device's is refused before it is mapped.
+    task = rogue.start(devices=["cpu", "cpu:1"])
+    assert (await rogue.recv())["t"] == "hello"
+    handle = {"kind": "shm", "name": "/aiosync-none", "nbytes": 8}
+    await rogue.send({"t": "data", "seq": 0, "bucket": 0, "handle": handle, "device": "cpu:1"})
+    [reply] = await task
+    assert (reply["ok"], reply["type"]) == (False, "TransportError")
+    assert reply["message"] == (
+        "a buffer of device cpu:1 reached a worker on device cpu: "
+        "buffers are only mapped on their own device"
+    )
+    assert all(s["weights_valid"] for s in await dense_engine.status())
+    await h.assert_engine_equals(dense_engine, sync.trainer)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("fault", ["duplicate", "missing"])
@@ -330,7 +363,7 @@ def weights():
             os._exit(17)  # the trainer dies mid-refit, without any cleanup
         yield item
 print(json.dumps({"endpoint": sender.endpoint, "digest": plan.digest}), flush=True)
-asyncio.run(sender.send("child-1", 1, weights()))
+asyncio.run(sender.send("child-1", [0], weights()))
 """
 
 
@@ -428,7 +461,7 @@ async def test_abort_to_unreachable_workers_leaves_no_unretrieved_error() -> Non
     previous = loop.get_exception_handler()
     loop.set_exception_handler(lambda _loop, context: unhandled.append(context))
     try:
-        sender.abort("nobody-1", 2, "test")
+        sender.abort("nobody-1", [0, 1], "test")
         await asyncio.sleep(0)
         gc.collect()
         await asyncio.sleep(0)

@@ -26,7 +26,7 @@ import torch
 
 from aiosync.errors import RefitMismatchError, SyncTimeoutError, TransportError
 
-from .._worker_rank import WorkerRankMixin
+from .._identity import WorkerIdentityMixin
 from ..packing import Bucket, BucketPlan, compare_manifests, unpack
 from ._group import STATUS_MISMATCH, STATUS_OK, SyncGroup, create_sync_group, open_store
 from ._loops import RotatingBuffers, receive_buckets
@@ -61,7 +61,7 @@ def _device_for(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-class CollectiveWorkerMixin(WorkerRankMixin):
+class CollectiveWorkerMixin(WorkerIdentityMixin):
     """Receiver of :class:`~aiosync.transports.collective.CollectiveWeightSynchronizer`.
 
     Attributes:

@@ -43,8 +43,8 @@ import zmq
 
 from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
 
+from .._identity import WorkerIdentityMixin
 from .._wire import decode, encode, error_fields
-from .._worker_rank import WorkerRankMixin
 from ..packing import BucketPlan, compare_manifests, unpack
 from ._shm import MappedBuffer, open_handle
 
@@ -60,7 +60,7 @@ _LINGER_MS = 2000
 _POLL_SLICE_MS = 100
 
 
-class IPCWorkerMixin(WorkerRankMixin):
+class IPCWorkerMixin(WorkerIdentityMixin):
     """Receives refits from ``IPCWeightSynchronizer`` into ``model_runner.model.load_weights``.
 
     Expects on the worker: ``self.model_runner.model.load_weights(iterable)``
@@ -85,7 +85,8 @@ class IPCWorkerMixin(WorkerRankMixin):
         """Register the trainer's bucket plan (``BucketPlan.to_json()``).
 
         Returns:
-            ``{"ok": True, "rank", "digest", "num_tensors"}``, or ``{"ok": False,
+            ``{"ok": True, "rank", "device", "digest", "num_tensors"}`` (``device``:
+            see ``aiosync_device_identity``), or ``{"ok": False,
             "type": "RefitMismatchError", "message"}`` when the plan is malformed
             or its manifest differs from ``expected_manifest()`` (first
             differing names on both sides).
@@ -102,6 +103,7 @@ class IPCWorkerMixin(WorkerRankMixin):
         return {
             "ok": True,
             "rank": self.aiosync_worker_rank(),
+            "device": self.aiosync_device_identity(),
             "digest": bucket_plan.digest,
             "num_tensors": bucket_plan.num_tensors,
         }
@@ -111,7 +113,10 @@ class IPCWorkerMixin(WorkerRankMixin):
 
         Args:
             session: ``{"endpoint": "ipc://...", "sync_id": str, "digest": str,
-                "timeout_s": float}`` from the trainer.
+                "timeout_s": float}`` from the trainer; from a sharded trainer also
+                ``"endpoints": {device identity: "ipc://..."}``, one per trainer
+                rank: the worker connects to its own device's rank and refuses
+                buffers of any other device.
 
         Returns:
             ``{"ok": True, "rank", "tensors", "bytes"}`` or ``{"ok": False, "type",
@@ -125,8 +130,20 @@ class IPCWorkerMixin(WorkerRankMixin):
             sync_id = str(session["sync_id"])
             digest = str(session["digest"])
             timeout_s = float(session["timeout_s"])
+            endpoints = session.get("endpoints")
+            device = None
+            if endpoints is not None:
+                device = self.aiosync_device_identity()
+                if device not in endpoints:
+                    raise TransportError(
+                        f"engine worker {self.aiosync_worker_rank()} is on device {device}, "
+                        f"where no trainer rank runs (trainer devices: {sorted(endpoints)})"
+                    )
+                endpoint = str(endpoints[device])
         except (KeyError, TypeError, ValueError) as exc:
             return {"ok": False, **error_fields(TransportError(f"malformed session: {exc!r}"))}
+        except TransportError as exc:
+            return {"ok": False, **error_fields(exc)}
         # A newer session supersedes one still waiting (a trainer that failed and
         # retried); only one receiver writes into the model at a time.
         state.current = sync_id
@@ -134,14 +151,26 @@ class IPCWorkerMixin(WorkerRankMixin):
             error = SyncTimeoutError(f"a previous refit did not end within {timeout_s} s")
             return {"ok": False, **error_fields(error)}
         try:
-            return self._aiosync_receive(state, endpoint, sync_id, digest, timeout_s)
+            return self._aiosync_receive(state, endpoint, sync_id, digest, timeout_s, device)
         finally:
             state.lock.release()
+
+    def aiosync_ipc_last_receive(self) -> dict[str, Any]:
+        """Statistics of this worker's last successful receive: ``{"ok", "rank",
+        "tensors", "bytes", "sync_id", "senders"}`` (``senders``: the device
+        identities of the trainer ranks its buffers came from); ``{}`` before one."""
+        return dict(self._aiosync_ipc_state().last)
 
     # -- the receive loop -----------------------------------------------------
 
     def _aiosync_receive(
-        self, state: _ReceiverState, endpoint: str, sync_id: str, digest: str, timeout_s: float
+        self,
+        state: _ReceiverState,
+        endpoint: str,
+        sync_id: str,
+        digest: str,
+        timeout_s: float,
+        device: str | None,
     ) -> dict[str, Any]:
         rank = self.aiosync_worker_rank()
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
@@ -159,11 +188,20 @@ class IPCWorkerMixin(WorkerRankMixin):
                     f"was initialised with ({known or 'none'}): re-run init_communicator()"
                 )
             sock.send(encode({"t": "hello", "sync_id": sync_id, "rank": rank, "digest": digest}))
+            senders: set[str] = set()
             tensors, nbytes = self._aiosync_load_buckets(
-                state, sock, plan, mapped, sync_id, timeout_s
+                state, sock, plan, mapped, sync_id, timeout_s, device, senders
             )
             sock.send(encode({"t": "done", "sync_id": sync_id, "rank": rank}))
-            return {"ok": True, "rank": rank, "tensors": tensors, "bytes": nbytes}
+            state.last = {
+                "ok": True,
+                "rank": rank,
+                "tensors": tensors,
+                "bytes": nbytes,
+                "sync_id": sync_id,
+                "senders": sorted(senders),
+            }
+            return dict(state.last)
         except Exception as exc:
             if not isinstance(exc, SyncError):
                 exc = TransportError(f"engine worker {rank}: {type(exc).__name__}: {exc}")
@@ -186,7 +224,11 @@ class IPCWorkerMixin(WorkerRankMixin):
         mapped: dict[str, MappedBuffer],
         sync_id: str,
         timeout_s: float,
+        device: str | None,
+        senders: set[str],
     ) -> tuple[int, int]:
+        """Load every bucket until ``end``; ``senders`` collects the devices the
+        buffers came from. Returns ``(tensors, bytes)`` loaded."""
         load_weights = self.model_runner.model.load_weights  # type: ignore[attr-defined]
         arrived = [0] * len(plan.buckets)
         tensors = nbytes = 0
@@ -195,6 +237,12 @@ class IPCWorkerMixin(WorkerRankMixin):
             kind = msg.get("t")
             if kind == "data":
                 seq, index, handle = _data_fields(msg, len(plan.buckets))
+                if device is not None and msg.get("device") != device:
+                    raise TransportError(
+                        f"a buffer of device {msg.get('device')} reached a worker on device "
+                        f"{device}: buffers are only mapped on their own device"
+                    )
+                senders.add(str(msg.get("device")))
                 bucket = plan.buckets[index]
                 key = repr(sorted(handle.items()))
                 buffer = mapped.get(key)
@@ -226,6 +274,8 @@ class _ReceiverState:
         self.plans: OrderedDict[str, BucketPlan] = OrderedDict()
         self.lock = threading.Lock()
         self.current: str | None = None
+        #: The reply of the last successful receive, with the devices it came from.
+        self.last: dict[str, Any] = {}
 
     def remember(self, plan: BucketPlan) -> None:
         self.plans[plan.digest] = plan

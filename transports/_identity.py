@@ -1,0 +1,80 @@
+"""Who a worker is: its rank among every worker a synchronizer feeds, and its device.
+
+**Rank.** One synchronizer may feed several engines at once (an
+:class:`~aiosync.EngineFleet`, or vLLM's data-parallel replicas). Each worker
+then needs a rank that is unique across all of them, for the IPC transport's
+socket identities and the collective transport's group ranks. As vLLM's own
+NCCL weight-transfer engine does, the rank is
+``data_parallel_index * world_size + rank`` (``world_size`` = TP × PP of one
+replica), plus an offset the fleet gives each engine (the worker counts of the
+engines before it).
+
+**Device.** A sharded trainer pairs each of its ranks with the engine workers on
+the same device (CUDA IPC handles do not cross devices): a CUDA device is
+identified by its GPU UUID (as vLLM and NeMo-RL key their IPC sockets), a CPU
+"device" by an explicit label (the embedded engine's ``device_labels``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["CPU_LABEL", "WorkerIdentityMixin", "device_identity"]
+
+#: The label of a CPU device when none is given.
+CPU_LABEL = "cpu"
+
+
+def device_identity(device: torch.device, label: str | None = None) -> str:
+    """``device``'s identity: ``label`` if given, else the GPU UUID on CUDA
+    (``"GPU-<uuid>"``, as ``nvidia-smi -L`` prints it), else ``"cpu"``."""
+    if label is not None:
+        return label
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        return f"GPU-{torch.cuda.get_device_properties(index).uuid}"
+    return CPU_LABEL
+
+
+class WorkerIdentityMixin:
+    """Gives an engine worker its global rank and its device identity.
+
+    Reads ``self.rank`` (vLLM's ``Worker.rank``, the embedded engine's; 0 when
+    absent), on vLLM ``self.parallel_config`` (``rank``, ``world_size``,
+    ``data_parallel_index``), and ``self.device_label`` (the embedded engine's
+    label of a CPU worker's device; None elsewhere).
+    """
+
+    _aiosync_rank_offset: int = 0
+
+    def aiosync_set_rank_offset(self, offset: int) -> int:
+        """Called by :class:`~aiosync.EngineFleet`: this engine's workers start at
+        rank ``offset`` (>= 0). Returns the worker's rank with the offset applied.
+
+        Raises:
+            ValueError: ``offset`` is negative or not an int.
+        """
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"rank offset must be an int >= 0, got {offset!r}")
+        self._aiosync_rank_offset = offset
+        return self.aiosync_worker_rank()
+
+    def aiosync_worker_rank(self) -> int:
+        """``offset + data_parallel_index * world_size + rank`` (0-based)."""
+        config = getattr(self, "parallel_config", None)
+        index = getattr(config, "data_parallel_index", None)
+        if index is None:
+            index = getattr(config, "data_parallel_rank", None) or 0  # older vLLM
+        rank = getattr(config, "rank", None)
+        if rank is None:
+            rank = getattr(self, "rank", None) or 0
+        per_replica = int(getattr(config, "world_size", 1)) if index else 1
+        return self._aiosync_rank_offset + int(index) * per_replica + int(rank)
+
+    def aiosync_device_identity(self) -> str:
+        """This worker's device: its ``device_label``, else the GPU UUID of the
+        current CUDA device, else ``"cpu"``."""
+        label = getattr(self, "device_label", None)
+        if label is None and torch.cuda.is_available():
+            return device_identity(torch.device("cuda"))
+        return device_identity(torch.device("cpu"), label)
