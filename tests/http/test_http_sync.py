@@ -17,6 +17,7 @@ from aiosync import (
     create_weight_synchronizer,
 )
 from aiosync.transports.http import HTTPWeightSynchronizer
+from aiosync.transports.http._segment import own_segments
 
 pytestmark = pytest.mark.slow
 
@@ -28,11 +29,6 @@ BUCKET_BYTES = 64 * 1024
 def server(tp2_server: Any) -> Any:
     tp2_server.reset()
     return tp2_server
-
-
-def _own_segments() -> list[str]:
-    # torch names shared-memory segments torch_<pid>_<...>.
-    return [f for f in os.listdir("/dev/shm") if f.startswith(f"torch_{os.getpid()}_")]
 
 
 async def test_sync_is_bit_exact_and_server_reports_our_version(
@@ -84,13 +80,13 @@ async def test_shared_segments_are_released_after_the_server_acknowledged(
     server: Any, make_trainer: Any, state_equal: Any, prompts: list[list[int]]
 ) -> None:
     trainer = make_trainer(seed=9)
-    # Earlier tests' failed requests may have left segments (no acknowledgement).
-    before = set(_own_segments())
+    before = set(own_segments())
+    assert before == set()  # every earlier sync, failed or not, released its buckets
     seen: list[int] = []
     # When the source is asked for a tensor, at most one bucket is in flight
     # (the next is packed only then): every earlier one was acknowledged and
     # its segment must be gone on both sides already.
-    trainer.on_tensor = lambda name: seen.append(len(set(_own_segments()) - before))
+    trainer.on_tensor = lambda name: seen.append(len(set(own_segments()) - before))
     async with SGLangHTTPBackend(server.url) as backend:
         sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
         await sync.init_communicator()
@@ -99,7 +95,7 @@ async def test_shared_segments_are_released_after_the_server_acknowledged(
         assert len(sync.plan) > 1
     assert len(seen) == len(trainer.prepare_refit_info())
     assert max(seen) <= 1
-    assert set(_own_segments()) - before == set()
+    assert set(own_segments()) - before == set()
 
 
 async def test_greedy_generation_equals_the_trainers_and_no_stale_prefix_survives(

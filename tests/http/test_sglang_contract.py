@@ -117,7 +117,8 @@ def test_our_payloads_rebuild_bit_exact_with_sglangs_reader() -> None:
     plan = plan_flat_buckets(MIXED, bucket_bytes=64)
     received: dict[str, torch.Tensor] = {}
     for bucket, group in group_flat(iter(sent.items()), plan, MIXED):
-        flat = pack_flat(bucket, group, allocate_flat(bucket, torch.device("cpu")))
+        flat = allocate_flat(bucket, torch.device("cpu"))
+        pack_flat(bucket, group, flat.tensor)
         data = sg.Serializer.deserialize(serialize_flat(bucket, flat))
         metadata = [
             sg.Metadata(
@@ -133,6 +134,7 @@ def test_our_payloads_rebuild_bit_exact_with_sglangs_reader() -> None:
         rebuilt = sg.Bucket(flattened_tensor=data["flattened_tensor"], metadata=metadata)
         for name, tensor in rebuilt.reconstruct_tensors():
             received[name] = tensor.clone()
+        flat.release()
     assert set(received) == set(sent)
     for name, tensor in sent.items():
         assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor)

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import base64
+import functools
+import gc
 import io
 import os
 import pickle
 import subprocess
 import sys
 import textwrap
+import types
 from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch
 
 from aiosync import RefitMismatchError, TransportError
+from aiosync.transports.http._segment import own_segments
 from aiosync.transports.http._wire import (
+    FlatBucket,
+    FlatBuffer,
     allocate_flat,
     decode_flattened_bucket,
     group_flat,
@@ -68,9 +74,11 @@ def test_round_trip_is_bit_exact_for_every_dtype() -> None:
     sent = dict(_tensors(MIXED))
     received: dict[str, torch.Tensor] = {}
     for bucket, group in group_flat(iter(sent.items()), plan, MIXED):
-        flat = pack_flat(bucket, group, allocate_flat(bucket, torch.device("cpu")))
+        flat = allocate_flat(bucket, torch.device("cpu"))
+        pack_flat(bucket, group, flat.tensor)
         for name, tensor in decode_flattened_bucket(serialize_flat(bucket, flat)):
             received[name] = tensor.clone()
+        flat.release()
     assert list(received) != [] and set(received) == set(sent)
     for name, tensor in sent.items():
         assert received[name].dtype == tensor.dtype
@@ -82,9 +90,11 @@ def test_non_contiguous_source_tensors_are_packed_correctly() -> None:
     base = torch.arange(32, dtype=torch.float32).reshape(4, 8)
     plan = plan_flat_buckets(manifest, bucket_bytes=1 << 20)
     [(bucket, group)] = list(group_flat([("w", base.t())], plan, manifest))
-    flat = pack_flat(bucket, group, allocate_flat(bucket, torch.device("cpu")))
+    flat = allocate_flat(bucket, torch.device("cpu"))
+    pack_flat(bucket, group, flat.tensor)
     [(name, got)] = decode_flattened_bucket(serialize_flat(bucket, flat))
     assert name == "w" and torch.equal(got, base.t())
+    flat.release()
 
 
 @pytest.mark.parametrize(
@@ -131,8 +141,6 @@ def test_decoder_rejects_payloads_naming_other_callables(obj: object) -> None:
 
 
 def test_decoder_rejects_metadata_outside_the_flat_tensor() -> None:
-    import types
-
     meta = types.SimpleNamespace(
         name="w", shape=torch.Size([4]), dtype=torch.float32, start_idx=0, end_idx=9, numel=9
     )
@@ -148,13 +156,13 @@ def test_decoder_rejects_metadata_outside_the_flat_tensor() -> None:
 
 @pytest.mark.slow
 def test_cpu_handles_open_in_an_unrelated_process() -> None:
-    """file_system sharing: a process that is not our child maps the same memory."""
-    use_file_system_sharing()
+    """A process that is not our child maps the same memory, by the segment's name."""
     manifest = {"w": ((3, 5), torch.bfloat16)}
     plan = plan_flat_buckets(manifest, bucket_bytes=1 << 20)
     tensor = torch.arange(15, dtype=torch.float32).reshape(3, 5).to(torch.bfloat16)
     [(bucket, group)] = list(group_flat([("w", tensor)], plan, manifest))
-    flat = pack_flat(bucket, group, allocate_flat(bucket, torch.device("cpu")))
+    flat = allocate_flat(bucket, torch.device("cpu"))
+    pack_flat(bucket, group, flat.tensor)
     payload = serialize_flat(bucket, flat)
     code = textwrap.dedent(
         """
@@ -176,3 +184,110 @@ def test_cpu_handles_open_in_an_unrelated_process() -> None:
     ).stdout.split(" ", 1)
     assert out[0] == "w"
     assert out[1].strip() == str([float(i) for i in range(15)])
+    flat.release()
+    assert flat.path is not None and not os.path.exists(flat.path)
+
+
+def _one_bucket(
+    shape: tuple[int, ...] = (4, 3), dtype: torch.dtype = torch.float32
+) -> tuple[FlatBucket, FlatBuffer, torch.Tensor]:
+    manifest = {"w": (shape, dtype)}
+    [bucket] = plan_flat_buckets(manifest, bucket_bytes=1 << 20)
+    tensor = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape).to(dtype)
+    flat = allocate_flat(bucket, torch.device("cpu"))
+    pack_flat(bucket, [("w", tensor)], flat.tensor)
+    return bucket, flat, tensor
+
+
+def test_payload_names_only_globals_sglangs_safe_unpickler_admits() -> None:
+    """SGLang's ``SafeUnpickler`` admits a global whose module starts with one of its
+    prefixes (``torch.``, ``functools.``, ``types.``, ...; ``sglang/srt/utils/common.py``);
+    ours name nothing else, not even ``builtins.getattr``."""
+
+    seen: set[tuple[str, str]] = set()
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> object:
+            seen.add((module, name))
+            return super().find_class(module, name)
+
+    bucket, flat, tensor = _one_bucket(dtype=torch.bfloat16)
+    raw = base64.b64decode(serialize_flat(bucket, flat))
+    loaded = Recording(io.BytesIO(raw)).load()
+    assert sorted(seen) == [
+        ("functools", "partial"),
+        ("torch", "Size"),
+        ("torch", "bfloat16"),
+        ("torch", "from_file"),
+        ("types", "SimpleNamespace"),
+    ]
+    assert torch.equal(loaded["flattened_tensor"].view(4, 3), tensor)
+    assert flat.path is not None and flat.path in raw.decode("latin-1")
+    assert flat.path.startswith(f"/dev/shm/aiosync-http-{os.getpid()}-")
+    flat.release()
+
+
+def test_a_released_segment_is_a_typed_error_and_maps_nothing() -> None:
+    bucket, flat, _ = _one_bucket()
+    payload = serialize_flat(bucket, flat)
+    path = flat.path
+    assert path is not None and path.rsplit("/", 1)[1] in own_segments()
+    flat.release()
+    flat.release()  # idempotent
+    assert flat.released and not os.path.exists(path)
+    with pytest.raises(TransportError, match=r"cannot map bucket segment /dev/shm/aiosync-http-"):
+        decode_flattened_bucket(payload)
+    # The decoder never creates the file it was told to map.
+    assert not os.path.exists(path)
+    with pytest.raises(ValueError, match="released"):
+        serialize_flat(bucket, flat)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        ("/etc/passwd", False, 4),
+        ("/dev/shm/torch_1_2", False, 4),
+        ("/dev/shm/aiosync-http-1-0123456789abcdef", True, 4),  # a writable mapping
+        ("/dev/shm/aiosync-http-1-0123456789abcdef/../x", False, 4),
+    ],
+)
+def test_decoder_maps_only_bucket_segments_read_only(call: tuple[str, bool, int]) -> None:
+    class Forged:
+        def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+            return functools.partial(torch.from_file, dtype=torch.float32), call
+
+    meta = types.SimpleNamespace(
+        name="w", shape=torch.Size([4]), dtype=torch.float32, start_idx=0, end_idx=4, numel=4
+    )
+
+    class ByName(pickle.Pickler):
+        def reducer_override(self, obj: object) -> object:
+            if obj is torch.from_file:
+                return "from_file"  # a global, as a sender names it
+            if type(obj) is functools.partial:
+                return obj.__reduce__()
+            return NotImplemented
+
+    buf = io.BytesIO()
+    ByName(buf).dump({"flattened_tensor": Forged(), "metadata": [meta]})
+    payload = base64.b64encode(buf.getvalue())
+    with pytest.raises(TransportError, match="is not a bucket segment"):
+        decode_flattened_bucket(payload.decode())
+
+
+def test_a_zero_element_bucket_travels_without_a_segment() -> None:
+    bucket, flat, _ = _one_bucket(shape=(0, 3))
+    assert flat.path is None
+    [(name, got)] = decode_flattened_bucket(serialize_flat(bucket, flat))
+    assert name == "w" and got.shape == (0, 3) and got.dtype == torch.float32
+    flat.release()
+
+
+def test_a_forgotten_buffer_is_unlinked_when_collected() -> None:
+    _, flat, _ = _one_bucket()
+    path = flat.path
+    assert path is not None and os.path.exists(path)
+    del flat
+    gc.collect()
+    assert not os.path.exists(path)

@@ -5,8 +5,12 @@
   drives (``aiosync.SGLangHTTPBackend`` satisfies it), and the optional
   :class:`SGLangManifestSource` (the manifest checked at ``init_communicator()``).
 - The engine side is SGLang itself; a server that imitates it decodes each
-  payload with :func:`decode_flattened_bucket` (``load_format=FLATTENED_BUCKET``)
-  after :func:`use_file_system_sharing`, as the SGLang-contract test server does.
+  payload with :func:`decode_flattened_bucket` (``load_format=FLATTENED_BUCKET``),
+  as the SGLang-contract test server does. CPU payloads name a ``/dev/shm``
+  file the synchronizer owns and unlinks once the server answered (or the post
+  failed): no torch helper process, no process-wide setting.
+  :func:`use_file_system_sharing` is only for code that exchanges torch's own
+  CPU reductions (SGLang's ``FlattenedTensorBucket`` senders).
 """
 
 from ._wire import FLATTENED_BUCKET, decode_flattened_bucket, use_file_system_sharing

@@ -6,9 +6,15 @@ What SGLang's HTTP server accepts (``io_struct.UpdateWeightsFromTensorReqInput``
 * ``serialized_named_tensors``: one base64 string per tensor-parallel rank,
   each ``MultiprocessingSerializer.serialize(obj)``, i.e. a
   ``multiprocessing.reduction.ForkingPickler`` pickle. Rank ``r`` loads entry
-  ``r`` with SGLang's ``SafeUnpickler``. The pickle carries tensor *handles*,
-  not bytes: a CUDA-IPC handle for device tensors, a shared-memory file name
-  (torch's ``file_system`` sharing strategy) for CPU tensors.
+  ``r`` with SGLang's ``SafeUnpickler`` (it admits globals under ``torch.``,
+  ``functools.``, ``types.``, ...). The pickle carries tensor *handles*, not
+  bytes: a CUDA-IPC handle for device tensors; for CPU tensors, the name of a
+  ``/dev/shm`` file the transport owns (:mod:`._segment`), rebuilt as
+  ``functools.partial(torch.from_file, dtype=d)(path, False, numel)``, a
+  read-only zero-copy mapping. Not torch's ``file_system`` reductions: those
+  start a ``torch_shm_manager`` daemon that outlives the process (holding its
+  stderr), need the process-wide sharing strategy switched, and pin a segment
+  for every payload the server never decodes (cases C15, C18 of the issue log).
 * with ``load_format="flattened_bucket"`` the object is
   ``{"flattened_tensor": Tensor[numel], "metadata": [m, ...]}`` where each ``m``
   has ``name``, ``shape``, ``dtype``, ``start_idx``, ``end_idx``, ``numel``;
@@ -29,14 +35,17 @@ before they load), so a trainer and a server with different
 ``CUDA_VISIBLE_DEVICES`` agree on the device.
 
 The receiving end (:func:`decode_flattened_bucket`) is for the test server: a
-restricted unpickler that admits only torch's tensor and storage rebuild
-functions and the plain data types of the metadata.
+restricted unpickler that admits only our segment mapping (a ``/dev/shm`` file
+named as the transport names them, read-only), torch's tensor and storage
+rebuild functions (what SGLang's own ``FlattenedTensorBucket`` senders use) and
+the plain data types of the metadata.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import io
 import pickle
 import types
@@ -51,9 +60,12 @@ from torch.multiprocessing import reductions
 
 from aiosync.errors import RefitMismatchError, TransportError
 
+from ._segment import FlatBuffer, is_segment_path
+
 __all__ = [
     "FLATTENED_BUCKET",
     "FlatBucket",
+    "FlatBuffer",
     "FlatSlot",
     "allocate_flat",
     "decode_flattened_bucket",
@@ -199,30 +211,31 @@ def group_flat(
 
 
 def use_file_system_sharing() -> None:
-    """Share CPU tensors between unrelated processes by shared-memory file name.
+    """Make this process pickle CPU tensors with torch's ``file_system`` strategy.
 
-    torch's default ``file_descriptor`` strategy passes descriptors over a
-    socket only a child process can reach; a server started on its own (SGLang,
-    the test server) needs names it can open: the ``file_system`` strategy.
-    Process-wide; idempotent.
+    Only for code that sends or decodes torch's own CPU reductions between
+    unrelated processes (SGLang's ``FlattenedTensorBucket`` senders): the
+    default ``file_descriptor`` strategy passes descriptors over a socket only
+    a child process can reach. The HTTP transport does not need it (its CPU
+    payloads name a ``/dev/shm`` file, :mod:`._segment`) and never calls it.
+    Process-wide (it also starts torch's ``torch_shm_manager`` daemon on first
+    use); idempotent.
     """
     if torch_mp.get_sharing_strategy() != "file_system":
         torch_mp.set_sharing_strategy("file_system")
 
 
-def allocate_flat(bucket: FlatBucket, device: torch.device) -> torch.Tensor:
-    """An uninitialised ``[bucket.numel]`` tensor of ``bucket.dtype`` for :func:`pack_flat`.
+def allocate_flat(bucket: FlatBucket, device: torch.device) -> FlatBuffer:
+    """An uninitialised ``[bucket.numel]`` buffer of ``bucket.dtype`` for :func:`pack_flat`.
 
-    On CPU it is allocated directly in named shared memory (nothing is copied
-    when it is pickled); the segment is unlinked once every process that
-    mapped it dropped its tensor (this switches the process to the
-    ``file_system`` sharing strategy, see :func:`use_file_system_sharing`).
+    On CPU it is a ``/dev/shm`` file this process owns and maps (nothing is
+    copied when it is serialized); call ``release()`` once the server answered,
+    or the post failed or was cancelled: that unlinks the file.
+
+    Raises:
+        OSError: the shared-memory file cannot be created (``/dev/shm`` full).
     """
-    if device.type == "cpu":
-        use_file_system_sharing()
-        storage = torch.UntypedStorage._new_shared(bucket.nbytes)
-        return torch.empty(0, dtype=bucket.dtype).set_(storage, 0, (bucket.numel,), (1,))
-    return torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
+    return FlatBuffer.allocate(bucket.numel, bucket.dtype, device)
 
 
 def pack_flat(
@@ -233,7 +246,7 @@ def pack_flat(
     Args:
         bucket: the layout.
         tensors: ``(hf_name, tensor)`` pairs as :func:`group_flat` yields them.
-        out: a ``[bucket.numel]`` tensor of ``bucket.dtype`` (:func:`allocate_flat`).
+        out: a ``[bucket.numel]`` tensor of ``bucket.dtype`` (``allocate_flat(...).tensor``).
 
     Returns:
         ``out``.
@@ -243,31 +256,62 @@ def pack_flat(
     return out
 
 
+# Functions a payload names as globals: pickle would otherwise reach torch's C
+# functions through builtins.getattr, which no restricted unpickler should admit.
+_GLOBAL_NAMES: dict[int, str] = {id(torch.from_file): "from_file", id(torch.empty): "empty"}
+
+
 class _SGLangPickler(ForkingPickler):
-    """ForkingPickler whose CUDA handles carry the device UUID (SGLang's ``patch_torch``)."""
+    """ForkingPickler for one flat buffer: a ``/dev/shm`` mapping on CPU, on CUDA an IPC
+    handle carrying the device UUID (SGLang's ``patch_torch``)."""
+
+    def __init__(self, file: io.BytesIO, flat: FlatBuffer) -> None:
+        super().__init__(file)
+        self._flat = flat
 
     def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor) and obj.is_cuda:
-            rebuild, args = reductions.reduce_tensor(obj)
-            device = args[_CUDA_DEVICE_ARG]
-            uuid = str(torch.cuda.get_device_properties(device).uuid)
-            return rebuild, (*args[:_CUDA_DEVICE_ARG], uuid, *args[_CUDA_DEVICE_ARG + 1 :])
-        return NotImplemented
+        if isinstance(obj, torch.Tensor):
+            if obj is not self._flat.tensor:
+                raise pickle.PicklingError("a payload carries only its bucket's flat tensor")
+            if obj.is_cuda:
+                rebuild, args = reductions.reduce_tensor(obj)
+                device = args[_CUDA_DEVICE_ARG]
+                uuid = str(torch.cuda.get_device_properties(device).uuid)
+                return rebuild, (*args[:_CUDA_DEVICE_ARG], uuid, *args[_CUDA_DEVICE_ARG + 1 :])
+            if self._flat.path is None:  # zero elements: nothing to map
+                return functools.partial(torch.empty, dtype=obj.dtype), (0,)
+            return (
+                functools.partial(torch.from_file, dtype=obj.dtype),
+                (self._flat.path, False, obj.numel()),
+            )
+        if type(obj) is functools.partial:
+            # functools.partial's own reduction, not multiprocessing's _rebuild_partial.
+            return obj.__reduce__()
+        name = _GLOBAL_NAMES.get(id(obj))
+        return name if name is not None else NotImplemented
 
 
-def serialize_flat(bucket: FlatBucket, flat: torch.Tensor) -> str:
+def serialize_flat(bucket: FlatBucket, flat: FlatBuffer) -> str:
     """One ``serialized_named_tensors`` entry: base64 of a ForkingPickler pickle.
 
-    Equal to SGLang's ``MultiprocessingSerializer.serialize(
-    {"flattened_tensor": flat, "metadata": [...]}, output_str=True)``. Call it
-    once per tensor-parallel rank: each CUDA-IPC handle is refcounted per load.
+    What SGLang's ``MultiprocessingSerializer.deserialize`` turns into
+    ``{"flattened_tensor": flat, "metadata": [...]}``. On CPU the tensor is a
+    read-only mapping of ``flat.path`` (valid until :meth:`FlatBuffer.release`);
+    on CUDA a CUDA-IPC handle. Call it once per tensor-parallel rank: each
+    CUDA-IPC handle is refcounted per load.
 
     Args:
         bucket: the layout of ``flat``.
-        flat: the packed tensor; keep it alive until the server acknowledged.
+        flat: the packed buffer; release it only once the server answered.
+
+    Raises:
+        ValueError: ``flat`` was released or does not hold ``bucket``.
     """
-    if not flat.is_cuda:
-        use_file_system_sharing()
+    if flat.numel != bucket.numel or flat.dtype != bucket.dtype:
+        raise ValueError(
+            f"buffer of {flat.numel} {flat.dtype} does not hold bucket {bucket.index} "
+            f"({bucket.numel} {bucket.dtype})"
+        )
     metadata = [
         types.SimpleNamespace(
             name=slot.name,
@@ -280,7 +324,7 @@ def serialize_flat(bucket: FlatBucket, flat: torch.Tensor) -> str:
         for slot in bucket.slots
     ]
     buf = io.BytesIO()
-    _SGLangPickler(buf).dump({"flattened_tensor": flat, "metadata": metadata})
+    _SGLangPickler(buf, flat).dump({"flattened_tensor": flat.tensor, "metadata": metadata})
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -331,10 +375,42 @@ def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
     return tensor
 
 
+def _map_segment(
+    filename: Any, shared: Any = None, size: Any = 0, *, dtype: Any = None
+) -> torch.Tensor:
+    """``torch.from_file`` restricted to what a sender names: one of its bucket segments,
+    mapped read-only (``MAP_PRIVATE``: nothing the server does reaches the sender)."""
+    if not is_segment_path(filename) or shared or not isinstance(dtype, torch.dtype):
+        raise pickle.UnpicklingError(
+            f"from_file({filename!r}, shared={shared!r}, dtype={dtype!r}) is not a bucket segment"
+        )
+    if not isinstance(size, int) or size < 1:
+        raise pickle.UnpicklingError(f"bucket segment size {size!r} is not a positive int")
+    try:
+        return torch.from_file(filename, False, size, dtype=dtype)
+    except RuntimeError as exc:
+        # Unlinked by the sender (it gave up on this post) or shorter than declared.
+        raise pickle.UnpicklingError(f"cannot map bucket segment {filename}: {exc}") from exc
+
+
+def _empty_bucket(*size: Any, dtype: Any = None) -> torch.Tensor:
+    """``torch.empty`` restricted to a zero-element bucket (never an allocation)."""
+    if size != (0,) or not isinstance(dtype, torch.dtype):
+        raise pickle.UnpicklingError(f"empty{size!r} is not a zero-element bucket")
+    return torch.empty(0, dtype=dtype)
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
-    """Admits torch's tensor/storage rebuild functions and plain data types only."""
+    """Admits bucket segments, torch's tensor/storage rebuild functions and plain data only."""
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch", "from_file"):
+            return _map_segment
+        if (module, name) == ("torch", "empty"):
+            return _empty_bucket
+        if (module, name) == ("functools", "partial"):
+            # Only ever wraps what this method admitted.
+            return functools.partial
         if module == "torch.multiprocessing.reductions" and name == "rebuild_cuda_tensor":
             return _rebuild_cuda_tensor
         if module == "torch.multiprocessing.reductions" and name in _REBUILDS:
@@ -356,11 +432,12 @@ def decode_flattened_bucket(payload: str | bytes) -> list[tuple[str, torch.Tenso
     """Decode one ``serialized_named_tensors`` entry into ``(hf_name, tensor)`` views.
 
     The views alias the sender's shared memory (or CUDA-IPC memory): copy them
-    (``load_weights``) and drop them so the segment can be released.
+    (``load_weights``) and drop them so the memory can be freed.
 
     Raises:
-        TransportError: not base64, a pickle naming anything but torch's rebuild
-            functions and plain data types, or metadata that does not fit the
+        TransportError: not base64, a pickle naming anything but a bucket
+            segment, torch's rebuild functions and plain data types, a segment
+            the sender already released, or metadata that does not fit the
             flat tensor.
     """
     try:

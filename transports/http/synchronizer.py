@@ -12,9 +12,12 @@ The SGLang server stays its own process, reached by URL through an
    ``/update_weights_from_tensor`` with ``load_format="flattened_bucket"``,
    one serialized handle per tensor-parallel rank, ``flush_cache=False``, and
    on the last bucket ``weight_version=str(version)`` so the server reports
-   the version only once all of it landed. A bucket's memory is freed only
-   after the server acknowledged it (case C11); on CPU the handle is a
-   shared-memory file name, released when both sides dropped it. Before the
+   the version only once all of it landed. A bucket's memory is released only
+   after the server answered for it (case C11), and on every other path too
+   (a failed, timed-out or cancelled post, a bucket packed but never posted;
+   case C15): on CPU the handle names a ``/dev/shm`` file this process owns
+   and unlinks then (a server that mapped it keeps its mapping; nothing else,
+   no torch daemon, no process-wide setting, is involved). Before the
    first bucket is posted the backend's weights are marked invalid
    (``note_weights_loading``): SGLang loads in place, so a sync that fails, times
    out or is cancelled after that leaves a mix of two versions, and
@@ -47,12 +50,12 @@ from ..packing import compare_manifests
 from ._wire import (
     FLATTENED_BUCKET,
     FlatBucket,
+    FlatBuffer,
     allocate_flat,
     group_flat,
     pack_flat,
     plan_flat_buckets,
     serialize_flat,
-    use_file_system_sharing,
 )
 from .server import SGLangManifestSource, SGLangServer
 
@@ -158,7 +161,6 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             engine = await self.generation.expected_manifest(info)
             if engine is not None:
                 _compare_unordered(self._manifest, engine)
-        use_file_system_sharing()
         await super().init_communicator()
 
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
@@ -199,10 +201,13 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
 
         Two stages overlap: while the server loads bucket ``k`` the next one is
         gathered and packed. At most two buckets exist at a time (one in flight,
-        one packed and waiting); each is dropped only after the server answered
-        for it (case C11).
+        one packed and waiting); each is released only after the server answered
+        for it (case C11), and every one still held is released when the stream
+        ends any other way (case C15).
         """
-        send, receive = anyio.create_memory_object_stream[tuple[FlatBucket, torch.Tensor]](0)
+        send, receive = anyio.create_memory_object_stream[tuple[FlatBucket, FlatBuffer]](0)
+        # Every buffer allocated and not yet released, whoever holds it now.
+        live: set[FlatBuffer] = set()
 
         async def produce() -> None:
             async with send:
@@ -210,7 +215,8 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                 for bucket, tensors in group_flat(weights, self._plan, self._manifest):
                     device = self.device or tensors[0][1].device
                     flat = allocate_flat(bucket, device)
-                    await anyio.to_thread.run_sync(_pack_and_wait, bucket, tensors, flat)
+                    live.add(flat)
+                    await anyio.to_thread.run_sync(_pack_and_wait, bucket, tensors, flat.tensor)
                     del tensors
                     try:
                         await send.send((bucket, flat))
@@ -229,16 +235,22 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                         try:
                             await self._post_bucket(bucket, flat, version, sent)
                         finally:
-                            # Answered (or failed): drop our handle so the shared
-                            # segment / CUDA block is freed once the server let go.
-                            del flat
+                            # Answered, failed or abandoned: the server either
+                            # loaded from its own mapping or never will.
+                            flat.release()
+                            live.discard(flat)
                         nbytes += bucket.nbytes
         except BaseExceptionGroup as group:
             raise _sole_error(group) from None
+        finally:
+            # Packed (or being packed) but never posted: the poster failed first,
+            # the source raised, or the sync was cancelled or timed out.
+            for flat in live:
+                flat.release()
         return nbytes
 
     async def _post_bucket(
-        self, bucket: FlatBucket, flat: torch.Tensor, version: int, sent: int
+        self, bucket: FlatBucket, flat: FlatBuffer, version: int, sent: int
     ) -> None:
         # One serialization per rank: SGLang refcounts each CUDA-IPC handle per load.
         payloads = [serialize_flat(bucket, flat) for _ in range(self._tp_size)]
