@@ -193,10 +193,14 @@ class SGLangHTTPBackend:
         """For the synchronizer: the first bucket of a new version is about to be posted.
 
         From here the server may hold a mix of two versions (SGLang loads each
-        bucket in place), so :meth:`generate` refuses and the listeners are told
-        until :meth:`note_weights_loaded`, even if the sync fails or is cancelled.
+        bucket in place), so :meth:`generate` refuses until
+        :meth:`note_weights_loaded`, even if the sync fails or is cancelled. The
+        listeners are not called: this is the syncing synchronizer's own load
+        (it turns stale itself if the sync fails), not a discard by the server,
+        which would fail the sync in flight.
         """
-        self._discard_weights(
+        self._weights_valid = False
+        self._invalid_reason = (
             "a sync began loading new weights and did not complete (failed, timed out "
             "or cancelled), so the server may hold a mix of two versions"
         )

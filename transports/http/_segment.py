@@ -52,7 +52,11 @@ def own_segments(pid: int | None = None) -> list[str]:
         return []
 
 
-def _unlink(path: str) -> None:
+def _unlink(path: str, owner: int) -> None:
+    # A forked child inherits the buffer objects, not the segments' ownership:
+    # only the creating process unlinks (e.g. from its exit handlers).
+    if os.getpid() != owner:
+        return
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
 
@@ -76,7 +80,9 @@ class FlatBuffer:
         self.path = path
         self.numel = tensor.numel()
         self.dtype = tensor.dtype
-        self._finalizer = None if path is None else weakref.finalize(self, _unlink, path)
+        self._finalizer = (
+            None if path is None else weakref.finalize(self, _unlink, path, os.getpid())
+        )
 
     @classmethod
     def allocate(cls, numel: int, dtype: torch.dtype, device: torch.device) -> FlatBuffer:
@@ -100,7 +106,7 @@ class FlatBuffer:
             os.ftruncate(fd, numel * dtype.itemsize)
             tensor = torch.from_file(path, True, numel, dtype=dtype)
         except BaseException:
-            _unlink(path)
+            _unlink(path, os.getpid())
             raise
         finally:
             os.close(fd)

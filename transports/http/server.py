@@ -58,7 +58,8 @@ class SGLangServer(Protocol):
         ...
 
     def note_weights_loading(self) -> None:
-        """The first bucket of a new version is about to be posted: refuse to generate."""
+        """The first bucket of a new version is about to be posted: refuse to generate
+        (without calling the invalidation listeners: the caller is the syncing one)."""
         ...
 
     def note_weights_loaded(self) -> None:

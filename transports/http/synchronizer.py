@@ -43,7 +43,7 @@ import anyio
 import torch
 
 from aiosync._config import DEFAULT_BUCKET_BYTES, DEFAULT_EVENT_BACKLOG, DEFAULT_SYNC_TIMEOUT_S
-from aiosync.errors import SyncError
+from aiosync.errors import SyncError, TransportError
 from aiosync.interfaces import KVScales, RefitSource, WeightSynchronizer
 
 from ..packing import compare_manifests
@@ -214,7 +214,13 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                 weights = self.policy.iter_weights()
                 for bucket, tensors in group_flat(weights, self._plan, self._manifest):
                     device = self.device or tensors[0][1].device
-                    flat = allocate_flat(bucket, device)
+                    try:
+                        flat = allocate_flat(bucket, device)
+                    except OSError as exc:
+                        raise TransportError(
+                            f"bucket {bucket.index} ({bucket.nbytes} bytes): cannot create its "
+                            f"shared-memory file: {exc}"
+                        ) from exc
                     live.add(flat)
                     await anyio.to_thread.run_sync(_pack_and_wait, bucket, tensors, flat.tensor)
                     del tensors
