@@ -88,12 +88,18 @@ _LAZY: dict[str, str] = {
 }
 
 
+#: Subpackages reachable as attributes without an explicit import (``aiosync.refit.X``).
+_SUBPACKAGES = ("engines", "refit", "transports")
+
+
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"aiosync.{name}")
     raise AttributeError(f"module 'aiosync' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
     # The lazy names too, so that dir() and tab completion show the transports.
-    return sorted({*globals(), *__all__})
+    return sorted({*globals(), *__all__, *_SUBPACKAGES})

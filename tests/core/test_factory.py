@@ -72,7 +72,7 @@ def test_import_aiosync_and_dir_stay_free_of_heavy_modules():
     code = (
         "import sys, aiosync\n"
         "names = dir(aiosync)\n"
-        "assert {'IPCWeightSynchronizer', 'EmbeddedEngine'} <= set(names), names\n"
+        "assert {'IPCWeightSynchronizer', 'EmbeddedEngine', 'refit', 'engines'} <= set(names)\n"
         "heavy = sorted(set(sys.modules) & {'torch', 'zmq', 'httpx', 'jax', 'transformers', "
         "'numpy', "
         "'aiosync.transports', 'aiosync.refit', 'aiosync.engines'})\n"
@@ -82,6 +82,17 @@ def test_import_aiosync_and_dir_stay_free_of_heavy_modules():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert out.stdout.strip() == ""
+
+
+def test_subpackages_are_attributes_without_an_explicit_import():
+    code = (
+        "import aiosync\n"
+        "print(aiosync.refit.DTensorRefitSource.__module__, aiosync.engines.__name__)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert out.stdout.split() == ["aiosync.refit.torch_source", "aiosync.engines"]
 
 
 def test_public_api_is_exported():
