@@ -25,6 +25,8 @@ Test-only endpoints (under ``/_aiosync/``, no API key needed):
   "weight_version", "load_format", "flush_cache", "entries"}]``.
 * ``GET /_aiosync/state_dict``: the weights in checkpoint names, safetensors bytes.
 * ``GET /_aiosync/manifest``: ``[[hf_name, shape, dtype], ...]`` the model expects.
+* ``GET /_aiosync/kv_scales``: the FP8 KV-cache scales loaded (``load_weights`` of
+  ``model.layers.{i}.self_attn.{k,v}_scale``), one ``{name: float}`` per TP rank.
 * ``POST /_aiosync/faults`` ``{"path": "/flush_cache", "mode": "error"|"hang"|"drop"|"busy",
   "count": n | null}``: the next ``n`` (null: all) requests to ``path`` answer 500,
   never answer, have their connection dropped, or answer 400 as a busy server does.
@@ -392,6 +394,9 @@ class _Handler(BaseHTTPRequestHandler):
                 [name, list(shape), str(dtype).removeprefix("torch.")]
                 for name, (shape, dtype) in state.runner.expected_manifest().items()
             ]
+        if path == "/_aiosync/kv_scales" and method == "GET":
+            with state.model_lock:
+                return [dict(state.runner.kv_scales)]
         if path == "/_aiosync/state_dict" and method == "GET":
             with state.model_lock:
                 return safetensors_save(state.runner.hf_state_dict())

@@ -93,6 +93,12 @@ class TestServer:
         response.raise_for_status()
         return safetensors_load(response.content)
 
+    def kv_scales(self) -> list[dict[str, float]]:
+        """The FP8 KV-cache scales each TP rank loaded, ``{name: value}``."""
+        response = self.admin.get("/_aiosync/kv_scales")
+        response.raise_for_status()
+        return [dict(rank) for rank in response.json()]
+
     def close(self) -> None:
         self.admin.close()
         self.proc.terminate()

@@ -8,6 +8,7 @@ import pickle
 from typing import Any
 
 import pytest
+import torch
 
 from aiosync import (
     RefitMismatchError,
@@ -118,23 +119,62 @@ async def test_greedy_generation_equals_the_trainers_and_no_stale_prefix_survive
         assert second != first
 
 
-async def test_kv_scales_are_ignored_with_one_warning(
-    server: Any, make_trainer: Any, state_equal: Any
+async def test_kv_scales_land_exactly_after_the_weights_and_generation_still_matches(
+    server: Any, make_trainer: Any, state_equal: Any, prompts: list[list[int]]
 ) -> None:
     trainer = make_trainer(seed=14)
     async with SGLangHTTPBackend(server.url) as backend:
         sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
         await sync.init_communicator()
         await sync.mark_stale()
-        with pytest.warns(RuntimeWarning, match="ignores kv_scales"):
-            await sync.sync_weights(kv_scales={0: 0.5})
-        await sync.mark_stale()
-        import warnings
+        await sync.sync_weights(kv_scales={0: 0.5, "model.layers.1.self_attn.v_scale": 0.1})
+        assert sync.weight_version == 1 and not sync.is_stale
+        expected = {
+            "model.layers.0.self_attn.k_scale": 0.5,
+            "model.layers.0.self_attn.v_scale": 0.5,
+            # Sent as float32: 0.1 rounded to the nearest float32.
+            "model.layers.1.self_attn.v_scale": float(torch.tensor(0.1, dtype=torch.float32)),
+        }
+        assert server.kv_scales()[0] == expected
+        state_equal(server.state_dict(), trainer.expected())
+        assert await backend.generate(prompts, max_new_tokens=5) == trainer.reference_generate(
+            prompts, 5
+        )
+    updates = [e for e in server.log() if e["path"] == "/update_weights_from_tensor"]
+    # One bucket per plan entry, then the scales' own bucket, all answered.
+    assert len(updates) == len(sync.plan) + 1
+    assert all(e["status"] == 200 and e["entries"] == 2 for e in updates)
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            await sync.sync_weights(kv_scales={0: 0.5})
-        assert sync.weight_version == 2
+
+@pytest.mark.parametrize(
+    ("kv_scales", "error", "match"),
+    [
+        ({7: 0.5}, ValueError, r"layer index 7 is not an attention layer .*layers with "
+         r"self_attn: 0, 1\)"),
+        ({"model.layers.9.self_attn.k_scale": 0.5}, RefitMismatchError, r"no 'model\.layers\.9"),
+        ({"model.layers.0.mlp.k_scale": 0.5}, ValueError, "neither a layer index"),
+    ],
+)  # fmt: skip
+async def test_a_bad_kv_scale_is_refused_before_any_request_and_versions_stay(
+    server: Any, make_trainer: Any, state_equal: Any, kv_scales: Any, error: Any, match: str
+) -> None:
+    trainer = make_trainer(seed=18)
+    async with SGLangHTTPBackend(server.url) as backend:
+        sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
+        await sync.init_communicator()
+        await sync.mark_stale()
+        await sync.sync_weights()
+        held = server.state_dict()
+        trainer.step(seed=19)
+        await sync.mark_stale()
+        server.reset()
+        with pytest.raises(error, match=match):
+            await sync.sync_weights(kv_scales=kv_scales)
+        assert sync.weight_version == 1 and sync.policy_version == 2 and sync.is_stale
+        assert server.log() == []  # not one request: nothing moved
+        assert await backend.get_weight_version() == "1"
+        state_equal(server.state_dict(), held)
+        assert backend.weights_valid  # the server still holds version 1, whole
 
 
 async def test_factory_builds_the_http_synchronizer_for_colocated_sglang(

@@ -28,14 +28,18 @@ The SGLang server stays its own process, reached by URL through an
 5. in a ``finally``: ``policy.offload_after_refit()`` and the wake of the
    remaining memory (KV cache), even when the refit failed.
 
-Only the collective transport applies FP8 ``kv_scales``; this one ignores
-them and warns once.
+FP8 KV-cache scales (``sync_weights(kv_scales=...)``) travel after the
+weights, in one last small float32 bucket, as the engine's
+``model.layers.{i}.self_attn.{k,v}_scale`` 0-d tensors (names from
+:func:`aiosync.transports._kv_scales.kv_scale_entries`, as the IPC and
+collective transports send them); SGLang's loaders take those names in
+``load_weights``. They are checked against the manifest's attention layers
+before any byte moves.
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -46,11 +50,13 @@ from aiosync._config import DEFAULT_BUCKET_BYTES, DEFAULT_EVENT_BACKLOG, DEFAULT
 from aiosync.errors import SyncError, TransportError
 from aiosync.interfaces import KVScales, RefitSource, WeightSynchronizer
 
+from .._kv_scales import attention_layers, kv_scale_entries
 from ..packing import compare_manifests
 from ._wire import (
     FLATTENED_BUCKET,
     FlatBucket,
     FlatBuffer,
+    FlatSlot,
     allocate_flat,
     group_flat,
     pack_flat,
@@ -116,7 +122,6 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         self._manifest: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self._plan: tuple[FlatBucket, ...] = ()
         self._tp_size = 1
-        self._warned_kv_scales = False
         generation.add_invalidation_listener(self._invalidate_engine_weights)
         if not generation.weights_valid:
             self._invalidate_engine_weights()
@@ -163,21 +168,39 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                 _compare_unordered(self._manifest, engine)
         await super().init_communicator()
 
+    async def sync_weights(self, kv_scales: KVScales | None = None) -> None:
+        """Move the current ``policy_version`` to the server (see the base class).
+
+        Args:
+            kv_scales: FP8 KV-cache scales, ``{layer_index: scale}`` (both
+                ``k_scale`` and ``v_scale`` of that layer) or
+                ``{"model.layers.{i}.self_attn.{k|v}_scale": scale}``; posted
+                after the last weight bucket, in one float32 bucket of 0-d
+                tensors (4 bytes per scale), before the cache flush.
+
+        Raises:
+            TypeError, ValueError: malformed ``kv_scales``, or a layer index
+                without attention in the manifest (before any request is sent).
+            RefitMismatchError: a full KV-scale name whose layer has no attention
+                in the manifest (before any request is sent), or a source that
+                differs from its manifest.
+            TransportError, SyncTimeoutError: the server failed, refused or did
+                not answer in time.
+            SyncError: not initialized, shut down, or the server discarded its
+                weights during the sync.
+        """
+        if isinstance(kv_scales, Mapping) and kv_scales and self._manifest:
+            kv_scale_entries(kv_scales, attention_layers(self._manifest))
+        await super().sync_weights(kv_scales)
+
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
-        if kv_scales is not None and not self._warned_kv_scales:
-            self._warned_kv_scales = True
-            warnings.warn(
-                "HTTPWeightSynchronizer ignores kv_scales: only the collective transport "
-                "sends FP8 KV-cache scales; the SGLang server keeps its own",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        kv = kv_scale_entries(kv_scales, attention_layers(self._manifest))
         backend = self.generation
         self.policy.offload_before_refit()
         failed = True
         try:
             await backend.prepare_for_generation(["weights"])
-            nbytes = await self._send_buckets(version)
+            nbytes = await self._send_buckets(version, kv)
             await backend.flush_cache()
             backend.note_weights_loaded()
             failed = False
@@ -196,8 +219,9 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                     # Do not mask the refit's own error with the wake's.
                     logger.exception("waking %s after a failed refit also failed", rest)
 
-    async def _send_buckets(self, version: int) -> int:
-        """Stream every bucket to the server; returns the payload bytes.
+    async def _send_buckets(self, version: int, kv: Sequence[tuple[str, float]] = ()) -> int:
+        """Stream every bucket to the server, then the KV-scale bucket (if ``kv``);
+        returns the payload bytes.
 
         Two stages overlap: while the server loads bucket ``k`` the next one is
         gathered and packed. At most two buckets exist at a time (one in flight,
@@ -205,22 +229,18 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         for it (case C11), and every one still held is released when the stream
         ends any other way (case C15).
         """
+        total = len(self._plan) + (1 if kv else 0)
         send, receive = anyio.create_memory_object_stream[tuple[FlatBucket, FlatBuffer]](0)
         # Every buffer allocated and not yet released, whoever holds it now.
         live: set[FlatBuffer] = set()
 
         async def produce() -> None:
+            device = self.device or torch.device("cpu")
             async with send:
                 weights = self.policy.iter_weights()
                 for bucket, tensors in group_flat(weights, self._plan, self._manifest):
                     device = self.device or tensors[0][1].device
-                    try:
-                        flat = allocate_flat(bucket, device)
-                    except OSError as exc:
-                        raise TransportError(
-                            f"bucket {bucket.index} ({bucket.nbytes} bytes): cannot create its "
-                            f"shared-memory file: {exc}"
-                        ) from exc
+                    flat = _allocate(bucket, device)
                     live.add(flat)
                     await anyio.to_thread.run_sync(_pack_and_wait, bucket, tensors, flat.tensor)
                     del tensors
@@ -228,6 +248,17 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                         await send.send((bucket, flat))
                     except anyio.BrokenResourceError:
                         return  # the poster failed; its error is the one raised
+                    del flat
+                if kv:
+                    bucket, tensors = _kv_bucket(len(self._plan), kv)
+                    # Where the weights went (a CUDA-IPC handle on GPU, as they do).
+                    flat = _allocate(bucket, device)
+                    live.add(flat)
+                    pack_flat(bucket, tensors, flat.tensor)
+                    try:
+                        await send.send((bucket, flat))
+                    except anyio.BrokenResourceError:
+                        return
                     del flat
 
         nbytes = 0
@@ -239,7 +270,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                     async for bucket, flat in receive:
                         sent += 1
                         try:
-                            await self._post_bucket(bucket, flat, version, sent)
+                            await self._post_bucket(bucket, flat, version, sent, total)
                         finally:
                             # Answered, failed or abandoned: the server either
                             # loaded from its own mapping or never will.
@@ -256,7 +287,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         return nbytes
 
     async def _post_bucket(
-        self, bucket: FlatBucket, flat: FlatBuffer, version: int, sent: int
+        self, bucket: FlatBucket, flat: FlatBuffer, version: int, sent: int, total: int
     ) -> None:
         # One serialization per rank: SGLang refcounts each CUDA-IPC handle per load.
         payloads = [serialize_flat(bucket, flat) for _ in range(self._tp_size)]
@@ -271,7 +302,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             flush_cache=False,
             abort_all_requests=self.abort_all_requests and sent == 1,
             # Reported by the server only once every bucket landed.
-            weight_version=str(version) if sent == len(self._plan) else None,
+            weight_version=str(version) if sent == total else None,
         )
 
     async def shutdown(self) -> None:
@@ -286,6 +317,25 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             "weight_version": self.weight_version,
         }
         return f"HTTPWeightSynchronizer({info})"
+
+
+def _allocate(bucket: FlatBucket, device: torch.device) -> FlatBuffer:
+    try:
+        return allocate_flat(bucket, device)
+    except OSError as exc:
+        raise TransportError(
+            f"bucket {bucket.index} ({bucket.nbytes} bytes): cannot create its "
+            f"shared-memory file: {exc}"
+        ) from exc
+
+
+def _kv_bucket(
+    index: int, kv: Sequence[tuple[str, float]]
+) -> tuple[FlatBucket, list[tuple[str, torch.Tensor]]]:
+    """The KV-scale bucket: one float32 element per scale, each loaded as a 0-d tensor."""
+    slots = tuple(FlatSlot(name, (), i, i + 1) for i, (name, _) in enumerate(kv))
+    tensors = [(name, torch.tensor(value, dtype=torch.float32)) for name, value in kv]
+    return FlatBucket(index, torch.float32, slots, len(kv)), tensors
 
 
 def _pack_and_wait(
