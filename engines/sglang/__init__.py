@@ -6,6 +6,6 @@
   HTTP contract on the embedded engine, for CPU tests.
 """
 
-from .backend import SGLangHTTPBackend
+from .backend import SGLangGeneration, SGLangHTTPBackend
 
-__all__ = ["SGLangHTTPBackend"]
+__all__ = ["SGLangGeneration", "SGLangHTTPBackend"]

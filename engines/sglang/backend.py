@@ -13,6 +13,8 @@ endpoint                             method  body → answer
 ``/flush_cache``                     POST    none → 200, or 400 while requests run
 ``/release_memory_occupation``       POST    ``{"tags": [...]}`` → 200 ``null``
 ``/resume_memory_occupation``        POST    ``{"tags": [...]}`` → 200 ``null``
+``/update_weight_version``           POST    ``UpdateWeightVersionReqInput`` →
+                                             ``{"success", "message", "new_version"}``
 ``/get_weight_version``              GET     → ``{"weight_version": str | null}``
 ``/get_server_info``                 GET     → server args (``tp_size``,
                                              ``enable_memory_saver``, ``model_path``,
@@ -40,6 +42,7 @@ import logging
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -58,6 +61,7 @@ __all__ = [
     "FLUSH_BACKOFF_INITIAL_S",
     "FLUSH_BACKOFF_MAX_S",
     "MEMORY_TAGS",
+    "SGLangGeneration",
     "SGLangHTTPBackend",
 ]
 
@@ -77,6 +81,28 @@ DEFAULT_GENERATE_TIMEOUT_S: float = 600.0
 # Connecting to a local server never legitimately takes long.
 _CONNECT_TIMEOUT_S = 10.0
 _DISCARDED = "they were released by the memory saver and not re-synced"
+
+
+@dataclass(frozen=True, slots=True)
+class SGLangGeneration:
+    """One ``/generate`` result: the new token ids and the server's ``meta_info``.
+
+    Attributes:
+        output_ids: the generated token ids.
+        meta_info: SGLang's ``meta_info`` as the server answered it (``finish_reason``,
+            ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ...).
+    """
+
+    output_ids: list[int]
+    meta_info: dict[str, Any]
+
+    @property
+    def weight_version(self) -> str | None:
+        """``meta_info["weight_version"]``: the version the server reported when it
+        answered (what the last completed ``/update_weight_version`` or versioned
+        update set), None if it reports none."""
+        version = self.meta_info.get("weight_version")
+        return None if version is None else str(version)
 
 
 class SGLangHTTPBackend:
@@ -274,6 +300,9 @@ class SGLangHTTPBackend:
     ) -> list[list[int]]:
         """Generate from token-id prompts via ``/generate``; returns the new token ids.
 
+        :meth:`generate_with_meta` answers the same with each result's ``meta_info``
+        (the server's ``weight_version`` among it).
+
         Args:
             prompts: one list of token ids per prompt.
             max_new_tokens: tokens to generate per prompt.
@@ -286,6 +315,32 @@ class SGLangHTTPBackend:
                 posted part of a new version and then failed, timed out or was
                 cancelled (never generate on mixed weights).
             TransportError, SyncTimeoutError: the server failed or did not answer.
+        """
+        results = await self.generate_with_meta(
+            prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            sampling_params=sampling_params,
+        )
+        return [r.output_ids for r in results]
+
+    async def generate_with_meta(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        sampling_params: Mapping[str, Any] | None = None,
+    ) -> list[SGLangGeneration]:
+        """:meth:`generate`, with each result's ``meta_info``: one
+        :class:`SGLangGeneration` per prompt, in prompt order.
+
+        ``result.weight_version`` is the version the server reported for that
+        response (``meta_info.weight_version``); after a sync committed it is
+        ``str(sync.weight_version)``.
+
+        Raises:
+            SyncError, TransportError, SyncTimeoutError: as :meth:`generate`.
         """
         if "weights" in self._released or not self._weights_valid:
             reason = self._invalid_reason or _DISCARDED
@@ -307,12 +362,14 @@ class SGLangHTTPBackend:
             raise TransportError(
                 f"/generate answered {len(items)} results for {len(prompts)} prompts"
             )
-        out: list[list[int]] = []
+        out: list[SGLangGeneration] = []
         for item in items:
             ids = item.get("output_ids", item.get("token_ids")) if isinstance(item, dict) else None
             if not isinstance(ids, list):
                 raise TransportError(f"/generate answer without output_ids: {str(item)[:200]}")
-            out.append([int(i) for i in ids])
+            meta = item.get("meta_info")
+            meta_info = dict(meta) if isinstance(meta, dict) else {}
+            out.append(SGLangGeneration([int(i) for i in ids], meta_info))
         return out
 
     # -- the calls a refit makes ----------------------------------------------------
@@ -464,6 +521,26 @@ class SGLangHTTPBackend:
         raise TransportError(
             f"/flush_cache did not succeed within {budget} s ({attempts} attempts); last: {last}"
         )
+
+    async def update_weight_version(
+        self, new_version: str, *, abort_all_requests: bool = False
+    ) -> None:
+        """POST ``/update_weight_version``: the server reports ``new_version`` from now on
+        (``/get_weight_version``, ``meta_info.weight_version``); the weights are untouched.
+
+        Args:
+            new_version: the label, e.g. ``str(sync.weight_version)``.
+            abort_all_requests: abort running requests first (SGLang's default is
+                True; the synchronizer sends False: it flushed an idle cache already).
+
+        Raises:
+            TransportError: non-2xx, ``success: false``, or a connection error.
+            SyncTimeoutError: no answer within ``request_timeout_s``.
+        """
+        body = {"new_version": new_version, "abort_all_requests": abort_all_requests}
+        answer = await self._post("/update_weight_version", body)
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise TransportError(f"/update_weight_version failed: {answer.get('message')}")
 
     async def get_weight_version(self) -> str | None:
         """``/get_weight_version``: the ``weight_version`` of the last completed update."""

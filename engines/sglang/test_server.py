@@ -7,7 +7,8 @@ Run it as ``python -m aiosync.engines.sglang.test_server --port 0 --port-file F
 
 ``/health``, ``/get_model_info``, ``/get_server_info``, ``/get_weight_version``,
 ``/generate``, ``/update_weights_from_tensor`` (``load_format="flattened_bucket"``,
-one entry per ``--tp-size`` rank), ``/flush_cache`` (400 while a ``/generate`` runs),
+one entry per ``--tp-size`` rank), ``/update_weight_version`` (the label only),
+``/flush_cache`` (400 while a ``/generate`` runs),
 ``/release_memory_occupation`` and ``/resume_memory_occupation`` (tags
 ``weights``, ``kv_cache``, ``cuda_graph``; resuming weights that were released
 discards them, as the memory saver does: they read NaN until a sync).
@@ -22,7 +23,8 @@ tensor/storage rebuild functions and plain data types; anything else is a 400.
 Test-only endpoints (under ``/_aiosync/``, no API key needed):
 
 * ``GET /_aiosync/log``: the request log, ``[{"method", "path", "status", "tags",
-  "weight_version", "load_format", "flush_cache", "entries"}]``.
+  "weight_version", "new_version", "load_format", "flush_cache", "abort_all_requests",
+  "entries"}]``.
 * ``GET /_aiosync/state_dict``: the weights in checkpoint names, safetensors bytes.
 * ``GET /_aiosync/manifest``: ``[[hf_name, shape, dtype], ...]`` the model expects.
 * ``GET /_aiosync/kv_scales``: the FP8 KV-cache scales loaded (``load_weights`` of
@@ -245,6 +247,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._generate(_object(data))
         if path == "/update_weights_from_tensor" and method == "POST":
             return self._update_weights_from_tensor(_object(data))
+        if path == "/update_weight_version" and method == "POST":
+            return self._update_weight_version(_object(data))
         if path == "/flush_cache":
             with state.lock:
                 if state.running:
@@ -355,6 +359,25 @@ class _Handler(BaseHTTPRequestHandler):
             message += f" Weight version updated to {version}."
         return {"success": True, "message": message}
 
+    def _update_weight_version(self, data: dict[str, Any]) -> Any:
+        """SGLang's ``UpdateWeightVersionReqInput``: ``new_version`` (str), ``abort_all_requests``
+        (default True). Only the label changes, never the weights. Requests here run to
+        completion inside their handler, so there is nothing in flight to abort between
+        them: ``abort_all_requests`` is accepted and changes nothing."""
+        version = data.get("new_version")
+        if not isinstance(version, str):
+            raise _error(f"new_version must be a string, got {version!r}")
+        abort = data.get("abort_all_requests", True)
+        if not isinstance(abort, bool):
+            raise _error(f"abort_all_requests must be a bool, got {abort!r}")
+        with self.server.state.lock:
+            self.server.state.weight_version = version
+        return {
+            "success": True,
+            "message": f"Weight version updated to {version}",
+            "new_version": version,
+        }
+
     def _release(self, tags: list[str]) -> None:
         state = self.server.state
         if not state.enable_memory_saver:
@@ -450,7 +473,8 @@ def _summary(data: Any) -> dict[str, Any]:
     if not isinstance(data, dict):
         return {}
     out: dict[str, Any] = {}
-    for key in ("tags", "weight_version", "load_format", "flush_cache", "abort_all_requests"):
+    keys = ("tags", "weight_version", "new_version", "load_format", "flush_cache")
+    for key in (*keys, "abort_all_requests"):
         if key in data:
             out[key] = data[key]
     if isinstance(data.get("serialized_named_tensors"), list):

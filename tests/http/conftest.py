@@ -93,6 +93,18 @@ class TestServer:
         response.raise_for_status()
         return safetensors_load(response.content)
 
+    def generate(self, prompts: Sequence[Sequence[int]], n: int) -> list[tuple[list[int], str]]:
+        """Greedy ``/generate`` straight to the server (no backend to refuse it):
+        ``(output_ids, meta_info.weight_version)`` per prompt."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        body = {
+            "input_ids": [list(p) for p in prompts],
+            "sampling_params": {"max_new_tokens": n, "temperature": 0.0},
+        }
+        response = self.admin.post("/generate", json=body, headers=headers)
+        response.raise_for_status()
+        return [(r["output_ids"], r["meta_info"]["weight_version"]) for r in response.json()]
+
     def kv_scales(self) -> list[dict[str, float]]:
         """The FP8 KV-cache scales each TP rank loaded, ``{name: value}``."""
         response = self.admin.get("/_aiosync/kv_scales")

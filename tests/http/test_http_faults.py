@@ -234,6 +234,9 @@ async def _interrupted_after_first_bucket(
 
     # The server holds a mix: bucket 0 of v2, the tail still v1.
     held = server.state_dict()
+    # It still reports the committed version, in answers too (asked directly:
+    # the backend refuses to generate).
+    assert [v for _, v in server.generate(prompts, 2)] == ["1"] * len(prompts)
     for slot in plan[0].slots:
         assert torch.equal(held[slot.name], new[slot.name]), slot.name
     for name in set(old) - maybe_landed:
@@ -251,9 +254,9 @@ async def _interrupted_after_first_bucket(
     assert sync.weight_version == 2 and not sync.is_stale and backend.weights_valid
     assert await backend.get_weight_version() == "2"
     state_equal(server.state_dict(), new)
-    assert await backend.generate(prompts, max_new_tokens=4) == trainer.reference_generate(
-        prompts, 4
-    )
+    results = await backend.generate_with_meta(prompts, max_new_tokens=4)
+    assert [r.output_ids for r in results] == trainer.reference_generate(prompts, 4)
+    assert [r.weight_version for r in results] == ["2"] * len(prompts)
     await backend.aclose()
 
 
@@ -271,3 +274,76 @@ async def test_sync_timed_out_after_a_bucket_landed_refuses_generate_until_a_syn
     await _interrupted_after_first_bucket(
         server, make_trainer(seed=42), state_equal, prompts, "timeout"
     )
+
+
+async def test_the_server_reports_the_synchronizers_version_after_every_commit(
+    server: Any, make_trainer: Any, prompts: list[list[int]]
+) -> None:
+    trainer = make_trainer(seed=50)
+    sync, backend = await _synced(server, trainer)
+    for step in range(3):
+        expected = str(sync.weight_version)
+        assert await backend.get_weight_version() == expected
+        results = await backend.generate_with_meta(prompts, max_new_tokens=3)
+        assert [r.weight_version for r in results] == [expected] * len(prompts)
+        assert [r.output_ids for r in results] == trainer.reference_generate(prompts, 3)
+        # generate() answers the same token ids, without the meta_info.
+        assert await backend.generate(prompts, max_new_tokens=3) == [r.output_ids for r in results]
+        trainer.step(seed=51 + step)
+        await sync.mark_stale()
+        await sync.sync_weights()
+    assert sync.weight_version == 4
+    assert await backend.get_weight_version() == "4"
+    await backend.aclose()
+
+
+async def test_a_failed_flush_leaves_the_committed_version_on_the_server_and_its_answers(
+    server: Any, make_trainer: Any, state_equal: Any, prompts: list[list[int]]
+) -> None:
+    trainer = make_trainer(seed=52)
+    sync, backend = await _synced(server, trainer)
+    # The server's prefix cache now holds these answers, computed with version 1.
+    v1 = await backend.generate(prompts, max_new_tokens=4)
+    trainer.step(seed=53)
+    await sync.mark_stale()
+    server.reset()
+    server.fault("/flush_cache", "error", count=None)
+    with pytest.raises(TransportError, match="/flush_cache did not succeed"):
+        await sync.sync_weights()
+    assert sync.weight_version == 1 and sync.is_stale
+    assert await backend.get_weight_version() == "1"
+    # Every bucket of version 2 landed, the flush did not: the cached answers of
+    # version 1 are still served, and labelled version 1, not 2.
+    assert server.generate(prompts, 4) == [(ids, "1") for ids in v1]
+    assert "/update_weight_version" not in [e["path"] for e in server.log()]
+    with pytest.raises(SyncError, match="did not complete"):
+        await backend.generate(prompts, max_new_tokens=4)
+    server.reset()
+    await sync.sync_weights()
+    assert sync.weight_version == 2 and await backend.get_weight_version() == "2"
+    results = await backend.generate_with_meta(prompts, max_new_tokens=4)
+    assert [r.output_ids for r in results] == trainer.reference_generate(prompts, 4)
+    assert [r.weight_version for r in results] == ["2"] * len(prompts)
+    state_equal(server.state_dict(), trainer.expected())
+    await backend.aclose()
+
+
+async def test_a_refused_version_update_fails_the_sync_and_generate_until_a_sync(
+    server: Any, make_trainer: Any, state_equal: Any, prompts: list[list[int]]
+) -> None:
+    trainer = make_trainer(seed=54)
+    sync, backend = await _synced(server, trainer)
+    trainer.step(seed=55)
+    await sync.mark_stale()
+    server.fault("/update_weight_version", "error", count=1)
+    with pytest.raises(TransportError, match="/update_weight_version: HTTP 500"):
+        await sync.sync_weights()
+    assert sync.weight_version == 1 and sync.is_stale
+    assert await backend.get_weight_version() == "1"
+    with pytest.raises(SyncError, match="did not complete"):
+        await backend.generate(prompts, max_new_tokens=2)
+    await sync.sync_weights()
+    assert sync.weight_version == 2 and not sync.is_stale
+    assert await backend.get_weight_version() == "2"
+    state_equal(server.state_dict(), trainer.expected())
+    await backend.aclose()

@@ -70,10 +70,13 @@ async def test_every_bucket_is_one_request_with_one_entry_per_rank(
     assert all(e["load_format"] == "flattened_bucket" for e in updates)
     # flush_cache=True would make SGLang assert inside the update: always False.
     assert all(e["flush_cache"] is False for e in updates)
-    # The version is reported only once every bucket landed.
-    assert [e.get("weight_version") for e in updates] == [None] * (len(updates) - 1) + ["5"]
-    paths = [e["path"] for e in server.log()]
-    assert paths[-1] == "/flush_cache"
+    # No bucket carries the version: SGLang would report it before the flush.
+    assert all("weight_version" not in e for e in updates)
+    log = server.log()
+    # The version is set once every bucket landed and the cache was flushed.
+    assert [e["path"] for e in log[-2:]] == ["/flush_cache", "/update_weight_version"]
+    assert log[-1]["new_version"] == "5" and log[-1]["abort_all_requests"] is False
+    assert log[-1]["status"] == 200
     assert trainer.events == ["offload_before", "stream", "offload_after"]
 
 
@@ -257,4 +260,5 @@ async def test_a_source_that_drifts_from_its_manifest_raises_refit_mismatch(
     # The last bucket never moved: the server does not report the version.
     updates = [e for e in server.log() if e["path"] == "/update_weights_from_tensor"]
     assert all(e.get("weight_version") is None for e in updates)
-    assert "/flush_cache" not in [e["path"] for e in server.log()]
+    paths = [e["path"] for e in server.log()]
+    assert "/flush_cache" not in paths and "/update_weight_version" not in paths

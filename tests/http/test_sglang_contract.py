@@ -196,6 +196,7 @@ async def test_every_body_the_transport_sends_builds_sglangs_request_objects(
         "/release_memory_occupation": sg.io.ReleaseMemoryOccupationReqInput,
         "/resume_memory_occupation": sg.io.ResumeMemoryOccupationReqInput,
         "/generate": sg.io.GenerateReqInput,
+        "/update_weight_version": sg.io.UpdateWeightVersionReqInput,
     }
     checked: set[str] = set()
     for method, path, body in tap.seen:
@@ -211,7 +212,9 @@ async def test_every_body_the_transport_sends_builds_sglangs_request_objects(
             assert request.flush_cache is False and request.abort_all_requests is False
             assert len(request.serialized_named_tensors) == 1
             assert isinstance(request.serialized_named_tensors[0], bytes)
-            assert request.weight_version in (None, "1", "2")
+            assert request.weight_version is None  # set after the flush instead
+        elif path == "/update_weight_version":
+            assert request.new_version in ("1", "2") and request.abort_all_requests is False
         elif path == "/generate":
             assert request.input_ids == prompts
             assert request.sampling_params == {"max_new_tokens": 2, "temperature": 0.0}

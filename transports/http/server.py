@@ -1,9 +1,10 @@
 """The SGLang server as the HTTP transport drives it: a protocol, not an adapter class.
 
 :class:`SGLangServer` names exactly the calls a refit makes (SGLang's
-``/get_server_info``, ``/update_weights_from_tensor``, ``/flush_cache`` and the
-memory-saver ``/resume_memory_occupation``) plus the validity bookkeeping that
-keeps ``generate()`` refused while the server holds a mix of two versions.
+``/get_server_info``, ``/update_weights_from_tensor``, ``/flush_cache``,
+``/update_weight_version`` and the memory-saver ``/resume_memory_occupation``)
+plus the validity bookkeeping that keeps ``generate()`` refused while the
+server holds a mix of two versions.
 :class:`aiosync.SGLangHTTPBackend` satisfies it; so can any client a user
 already has for their SGLang fleet.
 
@@ -88,6 +89,12 @@ class SGLangServer(Protocol):
 
     async def flush_cache(self, timeout_s: float | None = None) -> int:
         """POST ``/flush_cache`` until the server accepts it; returns the attempts made."""
+        ...
+
+    async def update_weight_version(
+        self, new_version: str, *, abort_all_requests: bool = False
+    ) -> None:
+        """POST ``/update_weight_version``: the label the server reports from now on."""
         ...
 
 

@@ -10,9 +10,9 @@ The SGLang server stays its own process, reached by URL through an
 3. stream the source into single-dtype flattened buckets (each tensor checked
    against the manifest before it is packed); per bucket, one
    ``/update_weights_from_tensor`` with ``load_format="flattened_bucket"``,
-   one serialized handle per tensor-parallel rank, ``flush_cache=False``, and
-   on the last bucket ``weight_version=str(version)`` so the server reports
-   the version only once all of it landed. A bucket's memory is released only
+   one serialized handle per tensor-parallel rank, ``flush_cache=False`` and
+   no ``weight_version`` (SGLang would report it as soon as that bucket
+   loaded, before the flush). A bucket's memory is released only
    after the server answered for it (case C11), and on every other path too
    (a failed, timed-out or cancelled post, a bucket packed but never posted;
    case C15): on CPU the handle names a ``/dev/shm`` file this process owns
@@ -24,7 +24,11 @@ The SGLang server stays its own process, reached by URL through an
    ``generate()`` refuses until a sync completes (``note_weights_loaded``);
 4. ``/flush_cache``, retried while the server is busy (bounded; see
    ``SGLangServer.flush_cache``), so no KV computed with old weights
-   survives (case C7);
+   survives (case C7); then ``/update_weight_version`` with
+   ``new_version=str(version)``, ``abort_all_requests=False``: the server
+   reports the version (``/get_weight_version``, ``meta_info.weight_version``)
+   only once all of it landed and the cache is flushed, so after a failed,
+   timed-out or cancelled sync it still reports the last committed one;
 5. in a ``finally``: ``policy.offload_after_refit()`` and the wake of the
    remaining memory (KV cache), even when the refit failed.
 
@@ -200,8 +204,10 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         failed = True
         try:
             await backend.prepare_for_generation(["weights"])
-            nbytes = await self._send_buckets(version, kv)
+            nbytes = await self._send_buckets(kv)
             await backend.flush_cache()
+            # Only now: the whole version landed and no KV of the old one survives.
+            await backend.update_weight_version(str(version), abort_all_requests=False)
             backend.note_weights_loaded()
             failed = False
             return nbytes
@@ -219,7 +225,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                     # Do not mask the refit's own error with the wake's.
                     logger.exception("waking %s after a failed refit also failed", rest)
 
-    async def _send_buckets(self, version: int, kv: Sequence[tuple[str, float]] = ()) -> int:
+    async def _send_buckets(self, kv: Sequence[tuple[str, float]] = ()) -> int:
         """Stream every bucket to the server, then the KV-scale bucket (if ``kv``);
         returns the payload bytes.
 
@@ -229,7 +235,6 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         for it (case C11), and every one still held is released when the stream
         ends any other way (case C15).
         """
-        total = len(self._plan) + (1 if kv else 0)
         send, receive = anyio.create_memory_object_stream[tuple[FlatBucket, FlatBuffer]](0)
         # Every buffer allocated and not yet released, whoever holds it now.
         live: set[FlatBuffer] = set()
@@ -270,7 +275,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                     async for bucket, flat in receive:
                         sent += 1
                         try:
-                            await self._post_bucket(bucket, flat, version, sent, total)
+                            await self._post_bucket(bucket, flat, sent)
                         finally:
                             # Answered, failed or abandoned: the server either
                             # loaded from its own mapping or never will.
@@ -286,9 +291,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                 flat.release()
         return nbytes
 
-    async def _post_bucket(
-        self, bucket: FlatBucket, flat: FlatBuffer, version: int, sent: int, total: int
-    ) -> None:
+    async def _post_bucket(self, bucket: FlatBucket, flat: FlatBuffer, sent: int) -> None:
         # One serialization per rank: SGLang refcounts each CUDA-IPC handle per load.
         payloads = [serialize_flat(bucket, flat) for _ in range(self._tp_size)]
         if sent == 1:
@@ -301,8 +304,6 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             load_format=FLATTENED_BUCKET,
             flush_cache=False,
             abort_all_requests=self.abort_all_requests and sent == 1,
-            # Reported by the server only once every bucket landed.
-            weight_version=str(version) if sent == total else None,
         )
 
     async def shutdown(self) -> None:
