@@ -40,6 +40,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -584,13 +586,21 @@ def main(argv: list[str] | None = None) -> None:
     use_file_system_sharing()
     torch.set_num_threads(1)
     runner = HFModelRunner.from_config(model_config, seed=args.seed, dtype=args.dtype)
+    model_path = str(args.model_config)
+    config_dir = None
+    if isinstance(model_config, dict):
+        # A preset has no folder: write its config so that /get_server_info's model_path
+        # lets a trainer check its manifest against this model, as with real SGLang.
+        config_dir = tempfile.mkdtemp(prefix="aiosync-sglang-config-")
+        runner.model.config.save_pretrained(config_dir)
+        model_path = config_dir
     state = ServerState(
         runner=runner,
         tp_size=args.tp_size,
         api_key=args.api_key,
         enable_memory_saver=args.enable_memory_saver,
         weights_cpu_backup=args.enable_weights_cpu_backup,
-        model_path=str(args.model_config),
+        model_path=model_path,
     )
     server = make_server(state, args.port)
     port = server.server_address[1]
@@ -599,10 +609,14 @@ def main(argv: list[str] | None = None) -> None:
         tmp.write_text(str(port))
         tmp.replace(args.port_file)
     print(f"aiosync SGLang test server on http://127.0.0.1:{port}", file=sys.stderr, flush=True)
+    # Stopped with SIGTERM (as serve_in_subprocess does): clean up on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         server.serve_forever()
     finally:
         server.server_close()
+        if config_dir is not None:
+            shutil.rmtree(config_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -54,7 +55,9 @@ def test_a_preset_name_builds_that_model_and_serves_generate(tiny_server: str) -
     preset = MODEL_CONFIGS["qwen3-tiny"]
     with httpx.Client(base_url=tiny_server, timeout=60.0) as client:
         info = client.get("/get_model_info").json()
-        assert info["model_path"] == "qwen3-tiny"
+        # A folder holding the preset's config, so that trainers can check their manifest.
+        config = json.loads((Path(info["model_path"]) / "config.json").read_text())
+        assert (config["model_type"], config["num_hidden_layers"]) == ("qwen3", 8)
         manifest = client.get("/_aiosync/manifest").json()
         # Embeddings, final norm and head, and 11 tensors per decoder layer.
         assert len(manifest) == 3 + 11 * preset["num_hidden_layers"]
@@ -93,3 +96,27 @@ def test_help_names_the_presets() -> None:
     assert proc.returncode == 0, proc.stderr
     text = " ".join(proc.stdout.split())
     assert "or a preset of `aiosync bench --model`: " + ", ".join(MODEL_CONFIGS) in text
+
+
+@pytest.mark.slow
+def test_a_trainer_of_another_size_is_refused_before_any_bucket(tiny_server: str) -> None:
+    # The preset has 8 layers; the examples' tiny Qwen3 has 2: the manifest check must see it.
+    import anyio
+
+    from aiosync import RefitMismatchError, SGLangHTTPBackend, create_weight_synchronizer
+    from aiosync.engines.embedded.configs import TINY_QWEN3
+    from aiosync.engines.embedded.model import HFModelRunner
+    from aiosync.refit import DTensorRefitSource
+
+    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=1)
+
+    async def init() -> None:
+        backend = SGLangHTTPBackend(tiny_server)
+        sync = create_weight_synchronizer(
+            DTensorRefitSource(trainer.model), backend, colocated=True, backend="sglang"
+        )
+        async with sync:
+            with pytest.raises(RefitMismatchError, match=r"model\.layers\.2\.self_attn"):
+                await sync.init_communicator()
+
+    anyio.run(init)
