@@ -194,6 +194,16 @@ class EngineFleet:
 
     # -- GenerationBackend -----------------------------------------------------
 
+    async def on_weights_committed(self, version: int) -> None:
+        """Tell every engine that reports weight versions that ``version`` landed."""
+
+        async def report(i: int, engine: Any) -> None:
+            committed = getattr(engine, "on_weights_committed", None)
+            if committed is not None:
+                await committed(version)
+
+        await self._on_each(report)
+
     async def prepare_for_generation(self, tags: Sequence[str] | None = None) -> None:
         """Wake ``tags`` (None: all) on every engine, concurrently."""
         await self._on_each(lambda i, e: e.prepare_for_generation(tags=tags))

@@ -42,10 +42,15 @@ class WorkerIdentityMixin:
     Reads ``self.rank`` (vLLM's ``Worker.rank``, the embedded engine's; 0 when
     absent), on vLLM ``self.parallel_config`` (``rank``, ``world_size``,
     ``data_parallel_index``), and ``self.device_label`` (the embedded engine's
-    label of a CPU worker's device; None elsewhere).
+    label of a CPU worker's device; None elsewhere). Engines that can discard a
+    worker's weights while a refit runs increment ``aiosync_discard_epoch``.
     """
 
     _aiosync_rank_offset: int = 0
+    #: Incremented by the engine whenever it discards this worker's weights (a
+    #: level-2 sleep, a memory release): a refit that spans a discard must not
+    #: mark the weights valid.
+    aiosync_discard_epoch: int = 0
 
     def aiosync_set_rank_offset(self, offset: int) -> int:
         """Called by :class:`~aiosync.EngineFleet`: this engine's workers start at

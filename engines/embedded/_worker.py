@@ -111,6 +111,7 @@ class EmbeddedWorker:
             if level >= 2:
                 self.model_runner.model.fill_(0.0)
                 self.aiosync_weights_valid = False
+                self.aiosync_discard_epoch = getattr(self, "aiosync_discard_epoch", 0) + 1
                 return True
         return False
 

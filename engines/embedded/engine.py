@@ -164,6 +164,9 @@ class EmbeddedEngine:
         self._discard_listeners: list[Callable[[], None]] = []
         self._started = False
         self._closed = False
+        #: The synchronizer's ``weight_version`` of the weights every worker holds;
+        #: None before the first sync (the engine's own initial weights).
+        self.weight_version: int | None = None
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -451,6 +454,11 @@ class EmbeddedEngine:
             raise SyncError("await EmbeddedEngine.start() first")
 
     # -- GenerationBackend ----------------------------------------------------
+
+    async def on_weights_committed(self, version: int) -> None:
+        """Record ``version`` as the engine's :attr:`weight_version` (called by the
+        synchronizer once a sync landed on every worker)."""
+        self.weight_version = version
 
     async def prepare_for_generation(self, tags: Sequence[str] | None = None) -> None:
         """Wake ``tags`` (``"weights"``, ``"kv_cache"``; None: all) on every worker.

@@ -204,6 +204,28 @@ class VLLMGenerationBackend:
         """
         self._discard_listeners.append(callback)
 
+    async def on_weights_committed(self, version: int) -> None:
+        """Set vLLM's weight version to ``str(version)`` (``LLM.llm_engine.set_weight_version``,
+        ``AsyncLLM.update_weight_version``): outputs from now on carry it. Called by the
+        synchronizer after a sync landed on every worker; a vLLM without weight
+        versions is left as is."""
+        if self._is_async:
+            update = getattr(self.engine, "update_weight_version", None)
+            if update is not None:
+                await update(str(version))
+            return
+        setter = getattr(getattr(self.engine, "llm_engine", None), "set_weight_version", None)
+        if setter is not None:
+            await self._in_thread(functools.partial(setter, str(version)))
+
+    async def weight_version(self) -> str | None:
+        """The weight version vLLM reports (None: this vLLM has none)."""
+        if self._is_async:
+            get = getattr(self.engine, "get_weight_version", None)
+            return None if get is None else str(await get())
+        getter = getattr(getattr(self.engine, "llm_engine", None), "get_weight_version", None)
+        return None if getter is None else str(await self._in_thread(getter))
+
     async def prepare_for_generation(self, tags: Sequence[str] | None = None) -> None:
         """Wake the engine (``tags``: ``"weights"``, ``"kv_cache"``; None: all).
 

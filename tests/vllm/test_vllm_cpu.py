@@ -126,6 +126,7 @@ async def test_ipc_shared_memory_sync_changes_vllm_output_exactly_as_the_trainer
         await backend.prepare_for_generation()
         after = await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
         assert sync.weight_version == 1
+        assert await backend.weight_version() == "1"  # vLLM labels its outputs with it
     assert after == trainer_greedy(trainer)
     assert after != before
 
@@ -147,10 +148,12 @@ async def test_failed_sync_into_vllm_keeps_version_and_blocks_generation_until_a
     async with bad:
         await bad.init_communicator()
         await bad.mark_stale()
+        reported = await backend.weight_version()
         with pytest.raises(SyncError, match="final_norm"):
             await bad.sync_weights()
         assert bad.weight_version == 0
         assert bad.is_stale
+        assert await backend.weight_version() == reported  # not the failed version
     # The engine saw part of a refit: it must refuse to generate (case C6).
     with pytest.raises(SyncError, match="partially updated"):
         await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)

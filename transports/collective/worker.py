@@ -179,6 +179,7 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         """
         state = self._aiosync_collective_state()
         start = time.perf_counter()
+        discards = self.aiosync_discard_epoch
         self.aiosync_weights_valid = False
         model = self.model_runner.model  # type: ignore[attr-defined]
 
@@ -199,6 +200,7 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         except BaseException:
             self._aiosync_coll_drop_if_broken()
             raise
+        self._aiosync_coll_check_discards(discards)
         self.aiosync_weights_valid = True
         return self._aiosync_coll_result(version, kv_names, checksums, scales, start)
 
@@ -274,14 +276,20 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         assert staged.result is not None
         kv, checksums = staged.result
         start = time.perf_counter()
+        discards = self.aiosync_discard_epoch
         self.aiosync_weights_valid = False
         model = self.model_runner.model  # type: ignore[attr-defined]
         model.load_weights(self._aiosync_coll_iter_staged(state))
         scales = self._aiosync_coll_load_kv(staged.kv_names, kv, state.group.device)
+        self._aiosync_coll_check_discards(discards)
         self.aiosync_weights_valid = True
         return self._aiosync_coll_result(version, staged.kv_names, checksums, scales, start)
 
     # -- helpers ---------------------------------------------------------------
+
+    def _aiosync_coll_check_discards(self, discards: int) -> None:
+        if self.aiosync_discard_epoch != discards:
+            raise TransportError("the engine discarded this worker's weights during the refit")
 
     def _aiosync_collective_state(self) -> _ReceiverState:
         state = self._aiosync_collective

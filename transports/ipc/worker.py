@@ -230,6 +230,7 @@ class IPCWorkerMixin(WorkerIdentityMixin):
         """Load every bucket until ``end``; ``senders`` collects the devices the
         buffers came from. Returns ``(tensors, bytes)`` loaded."""
         load_weights = self.model_runner.model.load_weights  # type: ignore[attr-defined]
+        discards = self.aiosync_discard_epoch
         arrived = [0] * len(plan.buckets)
         tensors = nbytes = 0
         while True:
@@ -261,6 +262,16 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                 sock.send(encode({"t": "ack", "sync_id": sync_id, "seq": seq}))
             elif kind == "end":
                 _check_arrivals(plan, arrived)
+                if self.aiosync_discard_epoch != discards:
+                    raise TransportError(
+                        "the engine discarded this worker's weights during the refit"
+                    )
+                kv = _kv_fields(msg)
+                if kv:
+                    with torch.no_grad():
+                        load_weights(
+                            (name, torch.tensor(value, dtype=torch.float32)) for name, value in kv
+                        )
                 self.aiosync_weights_valid = True
                 return tensors, nbytes
             elif kind == "abort":
@@ -326,6 +337,14 @@ def _data_fields(msg: Mapping[str, Any], num_buckets: int) -> tuple[int, int, di
     if not 0 <= index < num_buckets:
         raise RefitMismatchError(f"bucket {index} is not in the plan ({num_buckets} buckets)")
     return seq, index, handle
+
+
+def _kv_fields(msg: Mapping[str, Any]) -> list[tuple[str, float]]:
+    """The ``end`` message's KV-cache scales: ``[(engine name, float32 value), ...]``."""
+    try:
+        return [(str(name), float(value)) for name, value in msg.get("kv_scales") or ()]
+    except (TypeError, ValueError) as exc:
+        raise TransportError(f"malformed kv_scales in the end message: {exc!r}") from exc
 
 
 def _check_arrivals(plan: BucketPlan, arrived: list[int]) -> None:
