@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,10 @@ _DTYPE_NAMES = {
     "float": "float32",
     "float32": "float32",
 }
+# transformers builds a model under a process-wide default dtype (set, then restored):
+# two builds at once (the servers of a fleet, each checked from a worker thread) would
+# restore each other's and give parameters the wrong dtype. One build at a time.
+_BUILD_LOCK = threading.Lock()
 # Keys a saved config.json carries that are not constructor arguments of the config.
 _NOT_CONFIG_ARGS = ("model_type", "transformers_version", "architectures")
 
@@ -151,7 +156,8 @@ def checkpoint_manifest(
 
     The names, shapes and order are what ``save_pretrained`` writes (tied
     weights removed, MoE experts per expert), as the embedded engine derives
-    them.
+    them. Thread-safe: builds run one at a time (transformers sets the
+    process-wide default dtype while it builds).
 
     Raises:
         UnknownManifest: quantized models (their checkpoint layout is the
@@ -165,7 +171,7 @@ def checkpoint_manifest(
     if getattr(config, "quantization_config", None):
         raise UnknownManifest("the model is quantized; its checkpoint layout is not derivable")
     try:
-        with torch.device("meta"):
+        with _BUILD_LOCK, torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         return HFModelRunner(model).expected_manifest()
     except Exception as exc:  # any model transformers cannot build here

@@ -1,10 +1,10 @@
 """Fixtures for the HTTP transport: a real test server process on 127.0.0.1, a real trainer.
 
 Servers are module-scoped (one process per test module; building a model costs
-seconds on a loaded CPU). Every test syncs before it asserts and resets the
-server's faults and log first, so what a previous test left does not matter.
-Backends and synchronizers are built inside each test (they are cheap), so no
-async fixture crosses event loops.
+seconds on a loaded CPU), the fleet's pair session-scoped. Every test syncs
+before it asserts and resets the server's faults and log first, so what a
+previous test left does not matter. Backends and synchronizers are built inside
+each test (they are cheap), so no async fixture crosses event loops.
 """
 
 from __future__ import annotations
@@ -213,6 +213,24 @@ def saver_server(server_workdir: Path, dense_config: Path) -> Iterator[TestServe
 def auth_server(server_workdir: Path, dense_config: Path) -> Iterator[TestServer]:
     """A server with ``--api-key`` :data:`API_KEY`."""
     yield from _serve(server_workdir, dense_config, "--api-key", API_KEY)
+
+
+@pytest.fixture(scope="session")
+def server_pair(
+    server_workdir: Path, dense_config: Path
+) -> Iterator[tuple[TestServer, TestServer]]:
+    """Two plain servers (TP=1, no memory saver) for fleets, started once per session."""
+    first = TestServer(server_workdir, dense_config)
+    try:
+        second = TestServer(server_workdir, dense_config)
+    except BaseException:
+        first.close()
+        raise
+    try:
+        yield first, second
+    finally:
+        first.close()
+        second.close()
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -18,7 +19,12 @@ import torch
 
 from aiosync import RefitMismatchError, SGLangHTTPBackend, SyncError
 from aiosync.engines.embedded.configs import TINY_QWEN3, TINY_QWEN3_TIED
-from aiosync.engines.sglang._manifest import UnknownManifest, engine_dtype, load_hf_config
+from aiosync.engines.sglang._manifest import (
+    UnknownManifest,
+    checkpoint_manifest,
+    engine_dtype,
+    load_hf_config,
+)
 from aiosync.interfaces import RefitManifest, RefitSource
 from aiosync.transports.http import HTTPWeightSynchronizer
 
@@ -218,3 +224,15 @@ def test_unknown_dtype_and_unknown_model_type_are_typed() -> None:
         load_hf_config({"hidden_size": 4})
     with pytest.raises(UnknownManifest, match="does not know model_type 'no-such-arch'"):
         load_hf_config({"model_type": "no-such-arch"})
+
+
+def test_manifests_built_at_once_from_threads_keep_their_own_dtype() -> None:
+    # A fleet checks each server from its own worker thread; transformers builds
+    # under a process-wide default dtype, so unserialized builds restored each
+    # other's and gave parameters the wrong dtype (29 of 32 here before the fix).
+    config = load_hf_config(TINY_QWEN3)
+    dtypes = [torch.bfloat16, torch.float16] * 8
+    with ThreadPoolExecutor(4) as pool:
+        manifests = list(pool.map(lambda d: checkpoint_manifest(config, d), dtypes))
+    for manifest, dtype in zip(manifests, dtypes, strict=True):
+        assert {d for _, d in manifest.values()} == {dtype}

@@ -32,6 +32,16 @@ The SGLang server stays its own process, reached by URL through an
 5. in a ``finally``: ``policy.offload_after_refit()`` and the wake of the
    remaining memory (KV cache), even when the refit failed.
 
+Several servers (an :class:`aiosync.EngineFleet` of SGLang backends, or a
+list of them) are refit as one: every step above runs on every server
+concurrently, each bucket is posted to every server before the next one, and
+``weight_version`` advances only once every server flushed and took the
+version. A server that fails fails the sync, its error naming it
+(``SGLang server 1 of 2 (http://...): ...``); every server then refuses to
+generate until a sync lands. Should a server refuse ``/update_weight_version``
+after the others took it, those others report a version the synchronizer did
+not commit; they hold all of it, flushed, and still refuse to generate.
+
 FP8 KV-cache scales (``sync_weights(kv_scales=...)``) travel after the
 weights, in one last small float32 bucket, as the engine's
 ``model.layers.{i}.self_attn.{k,v}_scale`` 0-d tensors (names from
@@ -44,12 +54,13 @@ before any byte moves.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import anyio
 import torch
 
+from aiosync import errors
 from aiosync._config import DEFAULT_BUCKET_BYTES, DEFAULT_EVENT_BACKLOG, DEFAULT_SYNC_TIMEOUT_S
 from aiosync.errors import SyncError, TransportError
 from aiosync.interfaces import KVScales, RefitSource, WeightSynchronizer
@@ -73,15 +84,22 @@ __all__ = ["HTTPWeightSynchronizer"]
 
 logger = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
+
+# aiosync's own errors take one message argument: re-raised with the server named.
+_RENAMEABLE = tuple(getattr(errors, name) for name in errors.__all__)
+
 
 class HTTPWeightSynchronizer(WeightSynchronizer):
-    """Refits a colocated SGLang server over HTTP (``/update_weights_from_tensor``).
+    """Refits colocated SGLang servers over HTTP (``/update_weights_from_tensor``).
 
     Args:
         policy: the trainer's refit source (HF checkpoint names).
         generation: the server: anything that satisfies :class:`SGLangServer`,
             e.g. an :class:`aiosync.SGLangHTTPBackend` (URL, API key, memory
-            saver, timeouts live there).
+            saver, timeouts live there); or several, as an
+            :class:`aiosync.EngineFleet` of them (what
+            ``create_weight_synchronizer`` makes of a list) or a list.
         bucket_bytes: limit per flattened bucket, bytes; a larger tensor travels
             alone.
         device: where buckets are packed: ``"cpu"`` (named shared memory) or a
@@ -93,14 +111,16 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         event_backlog: default backlog of :meth:`subscribe`, in events.
 
     Raises:
-        TypeError: ``generation`` does not satisfy :class:`SGLangServer`.
-        ValueError: ``bucket_bytes`` is not positive.
+        TypeError: ``generation`` (or one of its engines) does not satisfy
+            :class:`SGLangServer`; the message names what it lacks.
+        ValueError: ``bucket_bytes`` is not positive, no server, or the same
+            server twice.
     """
 
     def __init__(
         self,
         policy: RefitSource,
-        generation: SGLangServer,
+        generation: SGLangServer | Sequence[SGLangServer] | Any,
         *,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         device: str | torch.device | None = None,
@@ -108,26 +128,23 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         sync_timeout_s: float = DEFAULT_SYNC_TIMEOUT_S,
         event_backlog: int = DEFAULT_EVENT_BACKLOG,
     ) -> None:
-        if not isinstance(generation, SGLangServer):
-            raise TypeError(
-                "HTTPWeightSynchronizer drives an SGLang server: pass an SGLangHTTPBackend "
-                "(or another SGLangServer), "
-                f"got {type(generation).__name__}"
-            )
+        servers = _servers_of(generation)
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
         super().__init__(
             policy, generation, sync_timeout_s=sync_timeout_s, event_backlog=event_backlog
         )
-        self.generation: SGLangServer = generation
+        #: The SGLang servers refit, in the fleet's order (one for a single server).
+        self.servers: tuple[SGLangServer, ...] = servers
         self.bucket_bytes = bucket_bytes
         self.device = None if device is None else torch.device(device)
         self.abort_all_requests = abort_all_requests
         self._manifest: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self._plan: tuple[FlatBucket, ...] = ()
-        self._tp_size = 1
-        generation.add_invalidation_listener(self._invalidate_engine_weights)
-        if not generation.weights_valid:
+        self._tp_sizes = [1] * len(servers)
+        for server in servers:
+            server.add_invalidation_listener(self._invalidate_engine_weights)
+        if not all(server.weights_valid for server in servers):
             self._invalidate_engine_weights()
 
     @property
@@ -136,18 +153,20 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         return self._plan
 
     async def init_communicator(self) -> None:
-        """Plan the buckets, learn the server's TP size, check its settings and manifest.
+        """Plan the buckets; learn each server's TP size, check its settings and manifest.
 
-        When the server object offers ``expected_manifest()``
+        When a server object offers ``expected_manifest()``
         (:class:`SGLangManifestSource`, e.g. ``SGLangHTTPBackend``), the
         trainer's names, shapes and dtypes are compared with it here, in any
         order (SGLang loads names in any order), before any bucket is posted.
+        Every server is asked concurrently.
 
         Raises:
-            TransportError, SyncTimeoutError: the server is unreachable or refuses.
+            TransportError, SyncTimeoutError: a server is unreachable or refuses.
             SyncError: ``enable_memory_saver`` differs from the server's.
             RefitMismatchError: the trainer's manifest differs from the server's
                 (names the first differing entries on both sides).
+            With several servers the message names the server.
         """
         self._check_open()
         self._manifest = {
@@ -155,22 +174,26 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             for name, (shape, dtype) in self.policy.prepare_refit_info().items()
         }
         self._plan = plan_flat_buckets(self._manifest, self.bucket_bytes)
-        info = await self.generation.server_info()
+        self._tp_sizes = await self._each(self._check_server)
+        await super().init_communicator()
+
+    async def _check_server(self, server: SGLangServer) -> int:
+        """One server's part of :meth:`init_communicator`; returns its TP size."""
+        info = await server.server_info()
         server_saver = info.get("enable_memory_saver")
-        if server_saver is not None and bool(server_saver) != self.generation.enable_memory_saver:
+        if server_saver is not None and bool(server_saver) != server.enable_memory_saver:
             raise SyncError(
                 f"the SGLang server runs with enable_memory_saver={bool(server_saver)} but the "
-                f"backend was built with enable_memory_saver={self.generation.enable_memory_saver}"
+                f"backend was built with enable_memory_saver={server.enable_memory_saver}"
             )
-        if self.generation.tp_size is None:
+        if server.tp_size is None:
             tp = info.get("tp_size", 1)
-            self.generation.tp_size = tp if isinstance(tp, int) and tp >= 1 else 1
-        self._tp_size = self.generation.tp_size
-        if isinstance(self.generation, SGLangManifestSource):
-            engine = await self.generation.expected_manifest(info)
+            server.tp_size = tp if isinstance(tp, int) and tp >= 1 else 1
+        if isinstance(server, SGLangManifestSource):
+            engine = await server.expected_manifest(info)
             if engine is not None:
                 _compare_unordered(self._manifest, engine)
-        await super().init_communicator()
+        return server.tp_size
 
     async def sync_weights(self, kv_scales: KVScales | None = None) -> None:
         """Move the current ``policy_version`` to the server (see the base class).
@@ -199,31 +222,32 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
 
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
         kv = kv_scale_entries(kv_scales, attention_layers(self._manifest))
-        backend = self.generation
         self.policy.offload_before_refit()
         failed = True
         try:
-            await backend.prepare_for_generation(["weights"])
+            await self._each(lambda server: server.prepare_for_generation(["weights"]))
             nbytes = await self._send_buckets(kv)
-            await backend.flush_cache()
+            await self._each(lambda server: server.flush_cache())
             # Only now: the whole version landed and no KV of the old one survives.
-            await backend.update_weight_version(str(version), abort_all_requests=False)
-            backend.note_weights_loaded()
+            label = str(version)
+            await self._each(
+                lambda server: server.update_weight_version(label, abort_all_requests=False)
+            )
+            for server in self.servers:
+                server.note_weights_loaded()
             failed = False
             return nbytes
         finally:
             # Runs on failure and cancellation too: shield it, but bound it.
             with anyio.CancelScope(shield=True):
                 self.policy.offload_after_refit()
-                rest = [t for t in backend.released_tags if t != "weights"]
                 try:
-                    with anyio.fail_after(backend.request_timeout_s):
-                        await backend.prepare_for_generation(rest)
+                    await self._each(_wake_the_rest)
                 except Exception:
                     if not failed:
                         raise
                     # Do not mask the refit's own error with the wake's.
-                    logger.exception("waking %s after a failed refit also failed", rest)
+                    logger.exception("waking the memory left released after a failed refit")
 
     async def _send_buckets(self, kv: Sequence[tuple[str, float]] = ()) -> int:
         """Stream every bucket to the server, then the KV-scale bucket (if ``kv``);
@@ -292,19 +316,64 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         return nbytes
 
     async def _post_bucket(self, bucket: FlatBucket, flat: FlatBuffer, sent: int) -> None:
-        # One serialization per rank: SGLang refcounts each CUDA-IPC handle per load.
-        payloads = [serialize_flat(bucket, flat) for _ in range(self._tp_size)]
         if sent == 1:
-            # From this post on the server may hold a mix of two versions: invalid
+            # From this post on the servers may hold a mix of two versions: invalid
             # (generate refuses) until _transfer notes the whole version loaded. Set
-            # before the await, so a failure, timeout or cancellation leaves it so.
-            self.generation.note_weights_loading()
-        await self.generation.update_weights_from_tensor(
-            payloads,
-            load_format=FLATTENED_BUCKET,
-            flush_cache=False,
-            abort_all_requests=self.abort_all_requests and sent == 1,
-        )
+            # on every server before the first await, so that a failure, timeout or
+            # cancellation leaves them all so.
+            for server in self.servers:
+                server.note_weights_loading()
+
+        async def post(index: int, server: SGLangServer) -> None:
+            # One serialization per TP rank (rank r loads entry r): SGLang refcounts
+            # each CUDA-IPC handle per load. On CPU they name the same segment.
+            payloads = [serialize_flat(bucket, flat) for _ in range(self._tp_sizes[index])]
+            await server.update_weights_from_tensor(
+                payloads,
+                load_format=FLATTENED_BUCKET,
+                flush_cache=False,
+                abort_all_requests=self.abort_all_requests and sent == 1,
+            )
+
+        await self._each_indexed(post)
+
+    async def _each(self, call: Callable[[SGLangServer], Awaitable[_T]]) -> list[_T]:
+        """``call(server)`` on every server concurrently; results in server order."""
+        return await self._each_indexed(lambda _, server: call(server))
+
+    async def _each_indexed(self, call: Callable[[int, SGLangServer], Awaitable[_T]]) -> list[_T]:
+        """``call(i, server)`` on every server concurrently; results in server order.
+
+        The first server to fail cancels the others; its error is raised, naming
+        the server when there are several (type kept for aiosync's errors).
+        """
+        if len(self.servers) == 1:
+            return [await call(0, self.servers[0])]
+        results: list[Any] = [None] * len(self.servers)
+        failures: list[tuple[int, Exception]] = []
+
+        async def run(i: int, server: SGLangServer, scope: anyio.CancelScope) -> None:
+            try:
+                results[i] = await call(i, server)
+            except Exception as exc:
+                failures.append((i, exc))
+                scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            for i, server in enumerate(self.servers):
+                tg.start_soon(run, i, server, tg.cancel_scope)
+        if failures:
+            raise self._named(*failures[0])
+        return results
+
+    def _named(self, index: int, exc: Exception) -> Exception:
+        label = f"SGLang server {index} of {len(self.servers)} ({self.servers[index].base_url})"
+        if type(exc) in _RENAMEABLE:
+            renamed = type(exc)(f"{label}: {exc}")
+            renamed.__cause__ = exc
+            return renamed
+        exc.add_note(f"raised by {label}")
+        return exc
 
     async def shutdown(self) -> None:
         """End the event stream. Idempotent. The backend stays open: whoever
@@ -312,12 +381,53 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         await super().shutdown()
 
     def __repr__(self) -> str:
+        urls = [server.base_url for server in self.servers]
         info: dict[str, Any] = {
-            "url": self.generation.base_url,
+            "url": urls[0] if len(urls) == 1 else urls,
             "buckets": len(self._plan),
             "weight_version": self.weight_version,
         }
         return f"HTTPWeightSynchronizer({info})"
+
+
+def _servers_of(generation: Any) -> tuple[SGLangServer, ...]:
+    """The servers behind ``generation``: itself, an ``EngineFleet``'s engines, or a list."""
+    if isinstance(generation, SGLangServer):
+        return (generation,)
+    engines = getattr(generation, "engines", None)  # an aiosync.EngineFleet
+    if engines is None and isinstance(generation, list | tuple):
+        engines = generation
+    if engines is None:
+        raise TypeError(
+            "HTTPWeightSynchronizer drives an SGLang server: pass an SGLangHTTPBackend "
+            "(or another SGLangServer), or several in an EngineFleet; "
+            f"got {type(generation).__name__}{_lacks(generation)}"
+        )
+    servers = tuple(engines)
+    if not servers:
+        raise ValueError("HTTPWeightSynchronizer needs at least one SGLang server")
+    for i, server in enumerate(servers):
+        if not isinstance(server, SGLangServer):
+            raise TypeError(
+                f"engine {i} of {len(servers)} is not an SGLang server (SGLangServer): "
+                f"{type(server).__name__}{_lacks(server)}"
+            )
+    if len({id(server) for server in servers}) != len(servers):
+        raise ValueError("the same SGLang server appears twice")
+    return servers
+
+
+def _lacks(obj: Any) -> str:
+    members = {*SGLangServer.__annotations__, *vars(SGLangServer)}
+    missing = sorted(m for m in members if not m.startswith("_") and not hasattr(obj, m))
+    return f", which lacks {', '.join(missing)}" if missing else ""
+
+
+async def _wake_the_rest(server: SGLangServer) -> None:
+    """Resume what the refit left released (the KV cache), bounded by the request timeout."""
+    rest = [tag for tag in server.released_tags if tag != "weights"]
+    with anyio.fail_after(server.request_timeout_s):
+        await server.prepare_for_generation(rest)
 
 
 def _allocate(bucket: FlatBucket, device: torch.device) -> FlatBuffer:
