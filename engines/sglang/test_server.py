@@ -7,7 +7,8 @@ Run it as ``python -m aiosync.engines.sglang.test_server --port 0 --port-file F
 
 ``/health``, ``/get_model_info``, ``/get_server_info``, ``/get_weight_version``,
 ``/generate``, ``/update_weights_from_tensor`` (``load_format="flattened_bucket"``,
-one entry per ``--tp-size`` rank), ``/update_weight_version`` (the label only),
+one entry per ``--tp-size`` rank: rank ``r`` decodes and loads entry ``r`` into its
+own copy of the model), ``/update_weight_version`` (the label only),
 ``/flush_cache`` (400 while a ``/generate`` runs),
 ``/release_memory_occupation`` and ``/resume_memory_occupation`` (tags
 ``weights``, ``kv_cache``, ``cuda_graph``; resuming weights that were released
@@ -25,7 +26,8 @@ Test-only endpoints (under ``/_aiosync/``, no API key needed):
 * ``GET /_aiosync/log``: the request log, ``[{"method", "path", "status", "tags",
   "weight_version", "new_version", "load_format", "flush_cache", "abort_all_requests",
   "entries"}]``.
-* ``GET /_aiosync/state_dict``: the weights in checkpoint names, safetensors bytes.
+* ``GET /_aiosync/state_dict?rank=r``: TP rank ``r``'s weights (default 0) in
+  checkpoint names, safetensors bytes.
 * ``GET /_aiosync/manifest``: ``[[hf_name, shape, dtype], ...]`` the model expects.
 * ``GET /_aiosync/kv_scales``: the FP8 KV-cache scales loaded (``load_weights`` of
   ``model.layers.{i}.self_attn.{k,v}_scale``), one ``{name: float}`` per TP rank.
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import shutil
 import signal
@@ -53,6 +56,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import anyio
 import torch
@@ -102,6 +106,22 @@ class ServerState:
     log: list[dict[str, Any]] = field(default_factory=list)
     faults: dict[str, _Fault] = field(default_factory=dict)
     unhang: threading.Event = field(default_factory=threading.Event)
+    #: Tensor-parallel ranks 1.. (rank 0 is ``runner``), copies of ``runner`` unless
+    #: given. Each holds the whole model (no sharding) and loads only its own
+    #: ``serialized_named_tensors`` entry, so that every rank's weights can be
+    #: read back; generation runs on rank 0.
+    other_ranks: list[HFModelRunner] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        while len(self.other_ranks) < self.tp_size - 1:
+            self.other_ranks.append(HFModelRunner(copy.deepcopy(self.runner.model)))
+
+    @property
+    def ranks(self) -> list[HFModelRunner]:
+        """Every TP rank's model, rank order (rank 0 is ``runner``)."""
+        return [self.runner, *self.other_ranks]
 
     def take_fault(self, path: str) -> str | None:
         with self.lock:
@@ -336,15 +356,19 @@ class _Handler(BaseHTTPRequestHandler):
                 400, {"success": False, "message": "weights are released; resume them first"}
             )
         try:
-            # Every rank decodes its own entry; rank 0's tensors are loaded.
+            # Rank r decodes entry r and loads it into its own model, as SGLang's
+            # TP workers do (each deserializes only its own rank's entry).
             per_rank = [decode_flattened_bucket(e) for e in entries]
         except TransportError as exc:
             raise _HTTPError(400, {"success": False, "message": str(exc)}) from exc
         try:
             with state.model_lock:
-                state.runner.load_weights(per_rank[0])
-        except SyncError as exc:
-            raise _HTTPError(400, {"success": False, "message": str(exc)}) from exc
+                for rank, (runner, tensors) in enumerate(zip(state.ranks, per_rank, strict=True)):
+                    try:
+                        runner.load_weights(tensors)
+                    except SyncError as exc:
+                        message = f"TP rank {rank}: {exc}" if rank else str(exc)
+                        raise _HTTPError(400, {"success": False, "message": message}) from exc
         finally:
             # Drop every view so the sender's shared segments can be released.
             del per_rank
@@ -404,7 +428,8 @@ class _Handler(BaseHTTPRequestHandler):
         if "weights" in tags and not state.weights_cpu_backup:
             # The memory saver hands back fresh pages: the old weights are gone.
             with state.model_lock:
-                state.runner.fill_(float("nan"))
+                for runner in state.ranks:
+                    runner.fill_(float("nan"))
         return None
 
     # -- test-only ------------------------------------------------------------------
@@ -421,10 +446,14 @@ class _Handler(BaseHTTPRequestHandler):
             ]
         if path == "/_aiosync/kv_scales" and method == "GET":
             with state.model_lock:
-                return [dict(state.runner.kv_scales)]
+                return [dict(runner.kv_scales) for runner in state.ranks]
         if path == "/_aiosync/state_dict" and method == "GET":
+            query = parse_qs(urlsplit(self.path).query)
+            rank_text = query.get("rank", ["0"])[0]
+            if not rank_text.isdigit() or int(rank_text) >= len(state.ranks):
+                raise _error(f"rank must be one of 0..{len(state.ranks) - 1}, got {rank_text!r}")
             with state.model_lock:
-                return safetensors_save(state.runner.hf_state_dict())
+                return safetensors_save(state.ranks[int(rank_text)].hf_state_dict())
         if path == "/_aiosync/faults" and method == "POST":
             spec = _object(data)
             mode, target, count = spec.get("mode"), spec.get("path"), spec.get("count")

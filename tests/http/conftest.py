@@ -88,8 +88,9 @@ class TestServer:
         body = {"path": path, "mode": mode, "count": count}
         self.admin.post("/_aiosync/faults", json=body).raise_for_status()
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        response = self.admin.get("/_aiosync/state_dict")
+    def state_dict(self, rank: int = 0) -> dict[str, torch.Tensor]:
+        """TP rank ``rank``'s weights (each rank loads its own payload entry)."""
+        response = self.admin.get("/_aiosync/state_dict", params={"rank": rank})
         response.raise_for_status()
         return safetensors_load(response.content)
 

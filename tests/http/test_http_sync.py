@@ -19,6 +19,13 @@ from aiosync import (
 )
 from aiosync.transports.http import HTTPWeightSynchronizer
 from aiosync.transports.http._segment import own_segments
+from aiosync.transports.http._wire import (
+    allocate_flat,
+    group_flat,
+    pack_flat,
+    plan_flat_buckets,
+    serialize_flat,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -53,6 +60,53 @@ async def test_sync_is_bit_exact_and_server_reports_our_version(
     assert await backend.get_weight_version() == "2"
     await backend.aclose()
     await sync.shutdown()
+
+
+async def test_every_tp_rank_loads_its_own_entry_and_both_ranks_are_bit_exact(
+    server: Any, make_trainer: Any, state_equal: Any
+) -> None:
+    trainer = make_trainer(seed=22)
+    async with SGLangHTTPBackend(server.url) as backend:
+        sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
+        await sync.init_communicator()
+        await sync.mark_stale()
+        await sync.sync_weights()
+    expected = trainer.expected()
+    state_equal(server.state_dict(rank=0), expected)
+    state_equal(server.state_dict(rank=1), expected)
+    updates = [e for e in server.log() if e["path"] == "/update_weights_from_tensor"]
+    assert [e["entries"] for e in updates] == [2] * len(sync.plan)
+
+
+async def test_entry_r_of_serialized_named_tensors_is_what_tp_rank_r_loads(
+    server: Any, make_trainer: Any, state_equal: Any
+) -> None:
+    # Two trainers' buckets in one request: rank 0 must load the first's, rank 1 the second's.
+    first, second = make_trainer(seed=23), make_trainer(seed=24)
+    manifest = {n: (tuple(s), d) for n, (s, d) in first.prepare_refit_info().items()}
+    plan = plan_flat_buckets(manifest, BUCKET_BYTES)
+    streams = zip(
+        group_flat(first.inner.iter_weights(), plan, manifest),
+        group_flat(second.inner.iter_weights(), plan, manifest),
+        strict=True,
+    )
+    for (bucket, ours), (_, theirs) in streams:
+        flats = [allocate_flat(bucket, torch.device("cpu")) for _ in range(2)]
+        pack_flat(bucket, ours, flats[0].tensor)
+        pack_flat(bucket, theirs, flats[1].tensor)
+        body = {
+            "serialized_named_tensors": [serialize_flat(bucket, flat) for flat in flats],
+            "load_format": "flattened_bucket",
+            "flush_cache": False,
+        }
+        response = server.admin.post("/update_weights_from_tensor", json=body)
+        for flat in flats:
+            flat.release()
+        assert response.status_code == 200, response.text
+    rank0, rank1 = server.state_dict(rank=0), server.state_dict(rank=1)
+    state_equal(rank0, first.expected())
+    state_equal(rank1, second.expected())
+    assert sum(not torch.equal(rank0[n], rank1[n]) for n in rank0) > len(rank0) // 2
 
 
 async def test_every_bucket_is_one_request_with_one_entry_per_rank(
@@ -138,7 +192,7 @@ async def test_kv_scales_land_exactly_after_the_weights_and_generation_still_mat
             # Sent as float32: 0.1 rounded to the nearest float32.
             "model.layers.1.self_attn.v_scale": float(torch.tensor(0.1, dtype=torch.float32)),
         }
-        assert server.kv_scales()[0] == expected
+        assert server.kv_scales() == [expected, expected]  # on both TP ranks
         state_equal(server.state_dict(), trainer.expected())
         assert await backend.generate(prompts, max_new_tokens=5) == trainer.reference_generate(
             prompts, 5
