@@ -89,26 +89,60 @@ def _local_identity(tensor: torch.Tensor) -> int:
 
 def _dedup_tied(
     entries: list[tuple[str, torch.Tensor]], tied: Mapping[str, str]
-) -> list[tuple[str, torch.Tensor]]:
-    """Drop the second name of each tied pair, as ``save_pretrained`` does.
+) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
+    """Drop the tied name of each real tie, as ``save_pretrained`` does.
 
-    A name is dropped when it shares storage with an earlier one (a real tie),
-    or when the config ties it to a source that is present (a tie broken by
-    re-wrapping parameters, e.g. per-parameter ``distribute_tensor``).
+    A name the config ties (``tied``, ``{name: source}``) is dropped when it is
+    the same tensor as its source: the same object (zero-size tensors
+    included) or the same non-empty storage, offset and shape. One that holds
+    a tensor of its own is a *broken* tie (``lm_head`` replaced or re-wrapped
+    after ``tie_weights()``, e.g. by per-parameter ``distribute_tensor``): it
+    is trained separately, its values drift from the source's, and dropping it
+    would discard them, so it is kept. Other aliases (one storage view under
+    two names the config does not tie) are kept once, under the first name.
+
+    Returns:
+        ``(kept entries, {broken tied name: its source name})``.
     """
-    names = {name for name, _ in entries}
+    by_name = dict(entries)
+    dropped: set[str] = set()
+    broken: dict[str, str] = {}
+    for name, source in tied.items():
+        if name not in by_name or source not in by_name:
+            continue
+        if _same_tensor(by_name[name], by_name[source]):
+            dropped.add(name)  # a real tie: the checkpoint stores the source only
+        else:
+            broken[name] = source
     seen: set[tuple[int, int, tuple[int, ...]]] = set()
     kept: list[tuple[str, torch.Tensor]] = []
     for name, tensor in entries:
-        if tied.get(name) in names:
+        if name in dropped:
             continue
+        key = _storage_key(tensor)
         local = getattr(tensor, "_local_tensor", tensor)
-        key = (_local_identity(tensor), int(local.storage_offset()), tuple(tensor.shape))
         if local.numel() > 0 and key in seen:
-            continue
+            continue  # an alias the config does not declare: sent once, as save_pretrained does
         seen.add(key)
         kept.append((name, tensor))
-    return kept
+    return kept, broken
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
+    local = getattr(tensor, "_local_tensor", tensor)
+    return _local_identity(tensor), int(local.storage_offset()), tuple(tensor.shape)
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """One tensor under two names: the same object, or the same non-empty storage view.
+
+    Zero-size tensors have no storage to compare (their data pointers may all
+    be 0), so only the object tells.
+    """
+    if a is b:
+        return True
+    local = getattr(a, "_local_tensor", a)
+    return local.numel() > 0 and _storage_key(a) == _storage_key(b)
 
 
 def _hf_reverter(model: nn.Module) -> Reverter | None:

@@ -9,6 +9,7 @@ never materialized twice.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -33,6 +34,8 @@ from ._torch_rules import _zero_copy_split
 
 __all__ = ["DTensorRefitSource"]
 
+_log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, slots=True)
 class _Entry:
@@ -55,7 +58,9 @@ class DTensorRefitSource(RefitSource):
 
     Names and shapes are those ``save_pretrained`` writes (the HF safetensors
     checkpoint), not the module's: wrapper prefixes are stripped, tied weights
-    (``lm_head.weight`` when ``tie_word_embeddings``) appear once, and tensors
+    (``lm_head.weight`` when ``tie_word_embeddings``) appear once when they are
+    one tensor (a head the config ties but the model holds separately, a
+    broken tie, is never dropped: see :attr:`broken_ties`), and tensors
     that transformers fuses in memory are split back as transformers' own
     reversal (``revert_weight_conversion``) does (Qwen3-MoE / Qwen3-Next:
     ``mlp.experts.gate_up_proj [E, 2*Im, H]`` → ``mlp.experts.{e}.gate_proj.weight
@@ -117,6 +122,7 @@ class DTensorRefitSource(RefitSource):
         )
         self._tied = _tied_aliases(inner)
         self._plan: tuple[_Entry, ...] | None = None
+        self._broken_ties: dict[str, str] = {}
         self._offloaded: list[tuple[dict[str, Any], str, torch.device]] = []
 
     # -- manifest -------------------------------------------------------------
@@ -139,7 +145,17 @@ class DTensorRefitSource(RefitSource):
         by_key = {key: module_key for key, module_key, _ in raw}
         if len(by_key) != len(raw):
             raise RefitMismatchError("two state_dict keys map to the same name after unwrapping")
-        kept = _dedup_tied([(key, t) for key, _, t in raw], self._tied)
+        kept, broken = _dedup_tied([(key, t) for key, _, t in raw], self._tied)
+        for name, source in broken.items():
+            _log.warning(
+                "the config ties %s to %s (tie_word_embeddings), but the model holds it as a "
+                "separate tensor whose values may have drifted: it is sent as its own checkpoint "
+                "tensor. An engine that ties it refuses the refit (RefitMismatchError); re-tie "
+                "it (model.tie_weights()) or set tie_word_embeddings=False on both sides",
+                name,
+                source,
+            )
+        self._broken_ties = broken
         return [(by_key[key], key, t) for key, t in kept]
 
     def _build_plan(self) -> tuple[_Entry, ...]:
@@ -218,6 +234,18 @@ class DTensorRefitSource(RefitSource):
         if self._plan is None:
             self._plan = self._build_plan()
         return self._plan
+
+    @property
+    def broken_ties(self) -> dict[str, str]:
+        """``{tied name: source name}`` for ties the config declares but the model broke.
+
+        Such a name (``lm_head.weight`` when ``tie_word_embeddings`` is set but the
+        head is a tensor of its own) is in the manifest and streamed like any
+        other; a warning is logged when the manifest is built. Empty for a model
+        whose ties hold. Builds the manifest (shapes only) if needed.
+        """
+        self._entries()
+        return dict(self._broken_ties)
 
     def prepare_refit_info(self) -> RefitManifest:
         """``{hf_name: (shape, dtype)}`` in :meth:`iter_weights` order (HF checkpoint names).

@@ -6,7 +6,9 @@ buffer; each tensor sits at an offset aligned to :data:`PACK_ALIGNMENT_BYTES`
 (512) bytes, so any dtype can be viewed in place. A tensor larger than a
 bucket travels alone in its own, larger buffer (a 1.73 GiB embedding against a
 1.65 GiB buffer once aborted a refit). Buckets may mix dtypes: the layout is by
-bytes.
+bytes. Zero-size tensors (a ``(0, 4)`` parameter) occupy no bytes; a bucket may
+then hold zero bytes (always so for a manifest of only zero-size tensors), and
+the transports move nothing for it but still deliver its names.
 
 Both sides derive the same :class:`BucketPlan` from the manifest and compare
 its :attr:`BucketPlan.digest` before any data moves; :func:`compare_manifests`
@@ -111,7 +113,8 @@ class BucketPlan:
 
     @property
     def max_bucket_nbytes(self) -> int:
-        """Size of the largest buffer needed, bytes (0 for an empty plan)."""
+        """Size of the largest buffer needed, bytes (0 for an empty plan, or one of
+        zero-size tensors only)."""
         return max((b.nbytes for b in self.buckets), default=0)
 
     def manifest(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -240,8 +243,23 @@ def _mismatch_hints(
     local_label: str,
     remote_label: str,
 ) -> list[str]:
-    """The fix for the two mismatches users hit first: a dtype rule, a name prefix."""
+    """The fix for the mismatches users hit first: a dtype rule, a name prefix, a tie."""
     hints: list[str] = []
+    # Names that differ by exactly one output head: one side ties it to the embedding.
+    if not only_remote and (head := _tied_head(only_local)):
+        hints.append(
+            f"hint: the {local_label} has {head} as a tensor of its own, the {remote_label} "
+            "ties it to the input embedding (tie_word_embeddings=True): the tie is broken "
+            "(lm_head replaced or re-wrapped after tie_weights(), see "
+            "DTensorRefitSource.broken_ties) or the configs disagree. Its values are not "
+            "dropped silently: re-tie it (model.tie_weights()) or set "
+            "tie_word_embeddings=False on both sides"
+        )
+    elif not only_local and (head := _tied_head(only_remote)):
+        hints.append(
+            f"hint: the {remote_label} has {head} of its own, the {local_label} ties it to the "
+            "input embedding and sends that once: set tie_word_embeddings the same on both sides"
+        )
     for names, other, label in (
         (only_local, remote, local_label),
         (only_remote, local, remote_label),
@@ -265,6 +283,13 @@ def _mismatch_hints(
             "DTensorRefitSource(model, dtype=torch.<engine dtype>) or with the engine's dtype"
         )
     return hints
+
+
+def _tied_head(names: list[str]) -> str | None:
+    """The output-head name (``lm_head.weight``, any prefix) when it is ``names``' only one."""
+    if len(names) == 1 and (names[0] == "lm_head.weight" or names[0].endswith(".lm_head.weight")):
+        return names[0]
+    return None
 
 
 def _common_prefix(names: list[str], other: Mapping[str, object]) -> str:

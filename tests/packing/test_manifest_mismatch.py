@@ -174,3 +174,33 @@ def test_names_that_differ_by_a_common_prefix_say_which_prefix() -> None:
     with pytest.raises(RefitMismatchError) as info:
         compare_manifests(renamed, engine)
     assert "prefix" not in str(info.value)
+
+
+def test_a_head_only_the_trainer_has_says_the_tie_is_broken() -> None:
+    tied_engine = dict(BASE)
+    trainer = {**BASE, "lm_head.weight": ((128, 64), torch.bfloat16)}
+    with pytest.raises(RefitMismatchError) as info:
+        compare_manifests(trainer, tied_engine)
+    assert str(info.value) == (
+        "refit manifest mismatch: 1 name(s) unknown to the engine, first: ['lm_head.weight']; "
+        "hint: the trainer has lm_head.weight as a tensor of its own, the engine ties it to the "
+        "input embedding (tie_word_embeddings=True): the tie is broken (lm_head replaced or "
+        "re-wrapped after tie_weights(), see DTensorRefitSource.broken_ties) or the configs "
+        "disagree. Its values are not dropped silently: re-tie it (model.tie_weights()) or set "
+        "tie_word_embeddings=False on both sides"
+    )
+
+
+def test_a_head_only_the_engine_has_says_to_match_the_tie_setting() -> None:
+    engine = {**BASE, "language_model.lm_head.weight": ((128, 64), torch.bfloat16)}
+    with pytest.raises(RefitMismatchError) as info:
+        compare_manifests(BASE, engine)
+    assert str(info.value).endswith(
+        "hint: the engine has language_model.lm_head.weight of its own, the trainer ties it to "
+        "the input embedding and sends that once: set tie_word_embeddings the same on both sides"
+    )
+    # A head among other renames is no tie question.
+    renamed = {**_renamed(), "lm_head.weight": ((128, 64), torch.bfloat16)}
+    with pytest.raises(RefitMismatchError) as info:
+        compare_manifests(BASE, renamed)
+    assert "tie" not in str(info.value)

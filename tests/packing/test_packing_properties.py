@@ -114,3 +114,22 @@ def test_pack_into_a_reused_larger_buffer_round_trips(
             assert buffer.data_ptr() == staging.data_ptr()
         for name, view in unpack(buffer, bucket):
             assert _bits(view) == _bits(tensors[name])
+
+
+def test_a_manifest_of_zero_size_tensors_is_one_bucket_of_zero_bytes() -> None:
+    # C17: nothing to pack or allocate, yet every name is in the plan and unpacks.
+    manifest = {
+        "a": ((0, 4), torch.float32),
+        "b": ((3, 0), torch.bfloat16),
+        "c": ((0,), torch.int64),
+    }
+    plan = plan_buckets(manifest, 1024)
+    assert [(b.nbytes, [s.name for s in b.slots]) for b in plan.buckets] == [(0, ["a", "b", "c"])]
+    assert (plan.total_bytes, plan.max_bucket_nbytes, plan.num_tensors) == (0, 0, 3)
+    tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in manifest.items()}
+    ((bucket, group),) = list(group_by_bucket(tensors.items(), plan))
+    assert pack(bucket, group).numel() == 0
+    unpacked = [
+        (n, tuple(v.shape), v.dtype) for n, v in unpack(torch.empty(0, dtype=torch.uint8), bucket)
+    ]
+    assert unpacked == [(n, shape, dtype) for n, (shape, dtype) in manifest.items()]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -129,6 +130,77 @@ def test_tied_lm_head_is_streamed_once_and_untied_is_streamed(build_model: Build
     assert "model.embed_tokens.weight" in tied
     assert "lm_head.weight" in untied
     assert set(untied) - set(tied) == {"lm_head.weight"}
+
+
+def _untie_and_perturb(model: Any) -> torch.Tensor:
+    """Replace a tied ``lm_head.weight`` by a tensor of its own whose values drifted (C19)."""
+    assert model.config.tie_word_embeddings
+    head = nn.Parameter(model.model.embed_tokens.weight.detach() + 0.25)
+    model.lm_head.weight = head
+    return head
+
+
+def test_broken_tie_streams_the_drifted_head_under_its_own_name(
+    build_model: BuildModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """C19: the config ties lm_head, the model does not: the head is sent, never dropped."""
+    model: Any = build_model("qwen3_tied")
+    head = _untie_and_perturb(model)
+    source = DTensorRefitSource(model)
+    with caplog.at_level("WARNING", logger="aiosync.refit.torch_source"):
+        manifest = source.prepare_refit_info()
+    assert source.broken_ties == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert list(manifest)[-1] == "lm_head.weight"
+    assert manifest["lm_head.weight"] == ((128, 64), torch.float32)
+    assert [r.getMessage()[:60] for r in caplog.records] == [
+        "the config ties lm_head.weight to model.embed_tokens.weight "
+    ]
+    streamed = dict(source.iter_weights())
+    assert list(streamed) == list(manifest)
+    assert torch.equal(streamed["lm_head.weight"], head)
+    assert torch.equal(streamed["model.embed_tokens.weight"], model.model.embed_tokens.weight)
+    assert not torch.equal(streamed["lm_head.weight"], streamed["model.embed_tokens.weight"])
+
+
+def test_broken_tie_into_a_tied_engine_is_a_mismatch_that_names_the_tie(
+    build_model: BuildModel,
+) -> None:
+    from aiosync.engines.embedded.model import HFModelRunner
+    from aiosync.transports.packing import compare_manifests
+
+    model = build_model("qwen3_tied")
+    tied_model: Any = build_model("qwen3_tied", seed=1)
+    untied_model: Any = build_model("qwen3", seed=1)
+    engine = HFModelRunner(tied_model).expected_manifest()
+    untied_engine = HFModelRunner(untied_model).expected_manifest()
+    _untie_and_perturb(model)
+    trainer = DTensorRefitSource(model).prepare_refit_info()
+    with pytest.raises(RefitMismatchError) as info:
+        compare_manifests(trainer, engine)
+    message = str(info.value)
+    assert "unknown to the engine, first: ['lm_head.weight']" in message
+    assert "the tie is broken" in message
+    assert "model.tie_weights()" in message and "tie_word_embeddings=False" in message
+    compare_manifests(trainer, untied_engine)  # an engine with its own head takes it
+
+
+def test_real_ties_are_dropped_by_identity_zero_size_included(build_model: BuildModel) -> None:
+    tied = DTensorRefitSource(build_model("qwen3_tied"))
+    assert "lm_head.weight" not in tied.prepare_refit_info()
+    assert tied.broken_ties == {}
+    # A zero-size embedding has no storage to compare: only the object tells the tie.
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from aiosync.engines.embedded.configs import TINY_QWEN3_TIED
+
+    config = {k: v for k, v in TINY_QWEN3_TIED.items() if k != "model_type"}
+    empty = Qwen3ForCausalLM(Qwen3Config(**{**config, "vocab_size": 0}))
+    assert empty.lm_head.weight is empty.model.embed_tokens.weight
+    source = DTensorRefitSource(empty)
+    manifest = source.prepare_refit_info()
+    assert "lm_head.weight" not in manifest
+    assert manifest["model.embed_tokens.weight"] == ((0, 64), torch.float32)
+    assert source.broken_ties == {}
 
 
 class _DDPLike(nn.Module):

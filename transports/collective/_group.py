@@ -59,6 +59,16 @@ def _wrap(exc: BaseException, what: str) -> SyncError:
     return TransportError(f"{what}: {text}")
 
 
+class _NothingSent:
+    """The work handle of a broadcast that moved nothing (an empty tensor)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+_NOTHING_SENT = _NothingSent()
+
+
 @dataclass(eq=False)
 class SyncGroup:
     """One session's store and process groups (see the module docstring).
@@ -117,10 +127,15 @@ class SyncGroup:
         """Start broadcasting contiguous ``tensor`` from the source; returns the work handle.
 
         Call :meth:`wait` on the handle before reading (receiver) or reusing
-        (source) ``tensor``. Raises :class:`TransportError` on a non-data rank.
+        (source) ``tensor``. An empty ``tensor`` (a bucket of zero-size
+        tensors) is not sent: every rank derives the same sizes from the plan,
+        so all of them skip it. Raises :class:`TransportError` on a non-data rank.
         """
         if self.data is None:
             raise TransportError(f"{self.describe_rank(self.rank)} has no data group")
+        if tensor.numel() == 0:
+            # A zero-count NCCL collective may be handed a null data pointer.
+            return _NOTHING_SENT
         opts = BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
@@ -248,11 +263,15 @@ def open_store(
 
     The trainer keeps its store for the synchronizer's lifetime, so re-forming
     a group never has to bind the port again; each group uses its own key prefix.
+    The server binds at once (it does not wait for clients): a port in use
+    fails here, in milliseconds. ``master_port=0`` on the server lets the OS
+    pick a free port; the store's ``port`` attribute says which.
 
     Raises:
-        TransportError: the port is taken.
+        TransportError: the port is taken (naming ``master_addr:master_port``).
         SyncTimeoutError: a client found no server within ``timeout_s``.
     """
+    where = f"sync-group store at {master_addr}:{master_port}"
     try:
         return dist.TCPStore(
             master_addr,
@@ -263,7 +282,13 @@ def open_store(
             wait_for_workers=False,
         )
     except Exception as exc:
-        raise _wrap(exc, f"sync-group store at {master_addr}:{master_port}") from exc
+        text = str(exc)
+        if is_master and ("EADDRINUSE" in text or "address already in use" in text.lower()):
+            raise TransportError(
+                f"{where}: the port is already in use (EADDRINUSE); choose another "
+                "TrainCluster.master_port, or 0 to let the OS pick a free one"
+            ) from exc
+        raise _wrap(exc, where) from exc
 
 
 def create_sync_group(

@@ -20,6 +20,7 @@ the final copy into the live weights (``aiosync_collective_commit``).
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal, TypeVar
@@ -58,6 +59,8 @@ __all__ = ["CollectiveWeightSynchronizer", "default_bucket_bytes", "kv_scale_ent
 
 _T = TypeVar("_T")
 
+_log = logging.getLogger(__name__)
+
 #: Cap of the GPU default bucket size, bytes (NeMo-RL's choice).
 _MAX_GPU_BUCKET_BYTES = 5 * 1024**3
 
@@ -81,7 +84,10 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
     (``aiosync.engines.vllm.worker_extension.AiosyncWorkerExtension`` for vLLM).
 
     Session ranks: trainer ``0..T-1``, inference ``T..T+W-1``; the store lives
-    on trainer rank 0 at ``train_cluster.master_addr:master_port``.
+    on trainer rank 0 at ``train_cluster.master_addr:master_port`` (port 0: one
+    the OS picks, logged and readable as :attr:`master_port`). Rank 0 binds it
+    before it asks the workers to join, so a port in use is a
+    :class:`~aiosync.errors.TransportError` at once.
 
     Args:
         policy: the trainer's refit source (HF checkpoint names and layout).
@@ -167,6 +173,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         # Kept for the synchronizer's lifetime (rank 0: the TCPStore server), so
         # re-forming a group never has to bind the port again.
         self._store: Any = None
+        self._bound_port: int | None = None
         self._buffers: RotatingBuffers | None = None
         self._sessions = 0
         # Set when a thread running collectives is abandoned (timeout/cancel):
@@ -197,6 +204,13 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         return self.train_cluster.rank == 0
 
     @property
+    def master_port(self) -> int | None:
+        """The sync group's store port: ``train_cluster.master_port``, or, when that is
+        0, the port the OS picked on rank 0 (None until ``init_communicator()`` bound it;
+        kept after ``shutdown()``)."""
+        return self.train_cluster.master_port or self._bound_port
+
+    @property
     def world_size(self) -> int:
         """Ranks of the sync group: trainer ranks plus inference workers."""
         return self.train_cluster.world_size + self.inference_world_size
@@ -212,7 +226,8 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         Raises:
             RefitMismatchError: a rank's manifest or plan differs (every rank raises).
             SyncTimeoutError: a rank did not join within ``collective_timeout_s``.
-            TransportError: the rendezvous or a worker RPC failed.
+            TransportError: the rendezvous or a worker RPC failed; on rank 0, the
+                store's port is in use (raised before any worker is contacted).
         """
         self._check_open()
         await self._form_group()
@@ -239,6 +254,25 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         self._sessions += 1
         session = f"{self._sessions}"
         tc = self.train_cluster
+        if self.is_source and self._store is None:
+            # Bound before any worker is asked to join: a port in use fails now,
+            # not after the workers waited the whole formation limit for a
+            # rendezvous that cannot happen.
+            self._store = await anyio.to_thread.run_sync(
+                lambda: open_store(
+                    tc.master_addr,
+                    tc.master_port,
+                    is_master=True,
+                    timeout_s=self.collective_timeout_s,
+                )
+            )
+            self._bound_port = int(self._store.port)
+            _log.info(
+                "sync-group store listening on %s:%d%s",
+                tc.master_addr,
+                self._bound_port,
+                " (picked by the OS: TrainCluster.master_port=0)" if tc.master_port == 0 else "",
+            )
 
         def join() -> SyncGroup:
             if self._store is None:
@@ -276,7 +310,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             await self._rpc("aiosync_collective_destroy", {}, self.rpc_timeout_s)
             kwargs = {
                 "master_addr": tc.master_addr,
-                "master_port": tc.master_port,
+                "master_port": self.master_port,
                 "world_size": self.world_size,
                 "train_world_size": tc.world_size,
                 "backend": self.backend,

@@ -12,6 +12,9 @@ same memory in the receiving process.
   handle and torch's cross-process reference counter, as
   ``torch.multiprocessing.reductions`` uses them), plus the device's UUID so a
   receiver with a different ``CUDA_VISIBLE_DEVICES`` finds the same GPU.
+* Nothing: a bucket of zero bytes (a manifest of zero-size tensors) travels as
+  :data:`EMPTY_HANDLE`; no segment exists (a 0-byte ``mmap`` is an error) and
+  the receiver gets an empty tensor.
 """
 
 from __future__ import annotations
@@ -28,12 +31,15 @@ import torch
 
 from aiosync.errors import TransportError
 
-__all__ = ["MappedBuffer", "SharedBuffer", "open_handle"]
+__all__ = ["EMPTY_HANDLE", "MappedBuffer", "SharedBuffer", "open_handle"]
 
 _NAME_PREFIX = "aiosync-"
 # What a segment name we created looks like; anything else in a handle is refused
 # so a forged message cannot make a receiver map an arbitrary segment.
 _NAME_RE = re.compile(r"^aiosync-[0-9]+-[0-9a-f]{16}$")
+
+#: The handle of a zero-byte buffer: no memory is shared, the receiver maps nothing.
+EMPTY_HANDLE: Mapping[str, Any] = {"kind": "empty", "nbytes": 0}
 
 
 def _posix() -> Any:
@@ -66,6 +72,8 @@ class SharedBuffer:
     @classmethod
     def create(cls, nbytes: int, device: torch.device | str = "cpu") -> SharedBuffer:
         """Allocate ``nbytes`` (> 0) bytes on ``device`` (``cpu`` or ``cuda:N``).
+
+        A zero-byte bucket needs no buffer: send :data:`EMPTY_HANDLE` instead.
 
         Raises:
             ValueError: ``nbytes`` is not positive or the device type is unsupported.
@@ -162,14 +170,20 @@ class MappedBuffer:
 def open_handle(handle: Mapping[str, Any]) -> MappedBuffer:
     """Map the buffer a :meth:`SharedBuffer.handle` describes.
 
+    :data:`EMPTY_HANDLE` maps nothing: the result holds an empty CPU tensor.
+
     Raises:
         TransportError: malformed fields, a segment name aiosync did not create,
-            a segment that is gone or smaller than ``nbytes``, or a CUDA device
-            this process cannot see.
+            a segment that is gone or smaller than ``nbytes``, an empty handle
+            claiming bytes, or a CUDA device this process cannot see.
     """
     try:
         kind = handle["kind"]
         nbytes = int(handle["nbytes"])
+        if kind == "empty":
+            if nbytes != 0:
+                raise TransportError(f"an empty buffer handle claims {nbytes} bytes")
+            return MappedBuffer(torch.empty(0, dtype=torch.uint8), None)
         if kind == "shm":
             return _open_shm(str(handle["name"]), nbytes)
         if kind == "cuda":
