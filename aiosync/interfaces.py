@@ -89,6 +89,10 @@ class GenerationBackend(Protocol):
         """Let the engine release device memory while the trainer runs (sleep)."""
         ...
 
+    # Optional: ``async def on_weights_committed(self, version: int) -> None``, called
+    # by the synchronizer once ``version`` landed on every worker, so that the engine
+    # reports (and labels its outputs with) the synchronizer's ``weight_version``.
+
 
 @runtime_checkable
 class EngineWorkers(Protocol):
@@ -113,13 +117,34 @@ class TrainCluster:
         world_size: trainer ranks taking part in the refit (all gather; rank 0 sends).
         rank: this process's rank among them.
         master_addr: host of the sync group's ``TCPStore`` (loopback in tests).
-        master_port: its TCP port.
+        master_port: its TCP port, bound by trainer rank 0. ``0`` (the default):
+            rank 0 lets the OS pick a free port, logs it and exposes it as the
+            synchronizer's ``master_port``, and passes it to the engine's workers.
+            Only with ``world_size == 1``: the other trainer ranks cannot learn a
+            port rank 0 has not bound yet, so with several ranks pick one port
+            (as for ``MASTER_PORT``) and give it to every rank.
+
+    Raises:
+        ValueError: ``master_port`` outside ``0..65535``, or ``0`` with ``world_size > 1``.
+        TypeError: ``master_port`` is not an int.
     """
 
     world_size: int = 1
     rank: int = 0
     master_addr: str = "127.0.0.1"
-    master_port: int = 29600
+    master_port: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.master_port, bool) or not isinstance(self.master_port, int):
+            raise TypeError(f"master_port must be an int, got {type(self.master_port).__name__}")
+        if not 0 <= self.master_port <= 65535:
+            raise ValueError(f"master_port must be in 0..65535, got {self.master_port}")
+        if self.master_port == 0 and self.world_size > 1:
+            raise ValueError(
+                f"master_port=0 (let rank 0 pick a free port) needs world_size == 1, got "
+                f"{self.world_size} ranks, which must all be told the same port: choose one "
+                "(as for MASTER_PORT) and pass it to every rank"
+            )
 
 
 def _check_kv_scales(kv_scales: KVScales | None) -> None:
@@ -181,6 +206,9 @@ class WeightSynchronizer(ABC):
         # True when the engine may hold weights that are not ``weight_version``
         # (a sync failed half-way, or the engine discarded its weights).
         self._engine_dirty = False
+        # Counts the engine's weight discards, so that one during a sync is not
+        # cleared by that sync's success.
+        self._discards = 0
         self._initialized = False
         self._closed = False
         self._lock = anyio.Lock()
@@ -232,8 +260,10 @@ class WeightSynchronizer(ABC):
 
     def _invalidate_engine_weights(self) -> None:
         """For transports: the engine no longer holds ``weight_version`` (e.g. woken
-        after discarding its weights); a sync is required before it generates."""
+        after discarding its weights); a sync is required before it generates.
+        A sync in flight when this happens fails instead of committing."""
         self._engine_dirty = True
+        self._discards += 1
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -253,14 +283,15 @@ class WeightSynchronizer(ABC):
         if still stale. Not stale: returns at once.
 
         Args:
-            kv_scales: FP8 KV-cache scales ``{layer_index_or_name: float}``;
-                only the collective transport sends them.
+            kv_scales: FP8 KV-cache scales ``{layer_index_or_name: float}``,
+                loaded as the engine's ``model.layers.{i}.self_attn.{k,v}_scale``.
 
         Raises:
             TypeError, ValueError: malformed ``kv_scales`` (before anything moves).
             SyncTimeoutError: the sync ran past ``sync_timeout_s`` seconds.
             RefitMismatchError, TransportError: from the transport.
-            SyncError: not initialized, or shut down.
+            SyncError: not initialized, or shut down, or the engine discarded its
+                weights while the sync ran (sync again).
         """
         _check_kv_scales(kv_scales)
         self._check_open()
@@ -271,11 +302,22 @@ class WeightSynchronizer(ABC):
             if not self.is_stale:
                 return
             version = self._policy_version
+            discards = self._discards
             self._events.publish(VersionEventKind.SYNC_STARTED, version)
             start = time.perf_counter()
             try:
                 with anyio.fail_after(self.sync_timeout_s):
                     nbytes = await self._transfer(version, kv_scales)
+                if self._discards != discards:
+                    raise SyncError(
+                        f"the engine discarded its weights while version {version} was being "
+                        "synced: some workers may hold neither version; sync again"
+                    )
+                # The engine labels what it generates from now on with this version.
+                committed = getattr(self.generation, "on_weights_committed", None)
+                if committed is not None:
+                    with anyio.CancelScope(shield=True):
+                        await committed(version)
             except BaseException as exc:
                 self._engine_dirty = True
                 self._events.publish(
@@ -338,14 +380,31 @@ class WeightSynchronizer(ABC):
         await self.shutdown()
 
 
-async def refit_if_stale(sync: WeightSynchronizer, generation: GenerationBackend) -> bool:
+async def refit_if_stale(
+    sync: WeightSynchronizer, generation: GenerationBackend | None = None
+) -> bool:
     """The loop's handshake before generating.
 
     If ``sync.is_stale``: ``await sync.sync_weights()`` then
     ``await generation.prepare_for_generation()``. Returns whether it refit.
     Errors of ``sync_weights`` propagate and ``prepare_for_generation`` is
     then not called, so the engine never generates with half-updated weights.
+
+    Args:
+        generation: the engine to wake; default ``sync.generation`` (the engine,
+            or the :class:`~aiosync.EngineFleet` a list of engines became).
+
+    Raises:
+        TypeError: ``generation`` has no ``prepare_for_generation`` (e.g. a plain
+            list of engines), before anything is synced.
     """
+    if generation is None:
+        generation = sync.generation
+    if not callable(getattr(generation, "prepare_for_generation", None)):
+        raise TypeError(
+            f"generation must be an engine with prepare_for_generation, got "
+            f"{type(generation).__name__}; for a fleet pass sync.generation (or omit it)"
+        )
     if not sync.is_stale:
         return False
     await sync.sync_weights()

@@ -49,6 +49,21 @@ async def test_handshake_refits_then_prepares_generation(sync, source, engine, h
     assert sync.transfers == [1]
 
 
+async def test_handshake_defaults_to_the_synchronizers_engine(sync, source, engine, holds):
+    source.step()
+    await sync.mark_stale()
+    assert await refit_if_stale(sync) is True
+    assert engine.calls == [("prepare_for_generation", None)]
+    assert sync.weight_version == 1 and holds(engine, source)
+
+
+async def test_handshake_refuses_a_plain_list_before_syncing(sync, engine):
+    await sync.mark_stale()
+    with pytest.raises(TypeError, match=r"for a fleet pass sync\.generation"):
+        await refit_if_stale(sync, [engine])  # type: ignore[arg-type]
+    assert sync.transfers == [] and sync.weight_version == 0
+
+
 async def test_sync_when_not_stale_moves_nothing(sync):
     await sync.sync_weights()
     assert sync.transfers == []
@@ -174,6 +189,32 @@ async def test_sync_commits_the_version_seen_at_start(sync):
         await sync.mark_stale(5)
         sync.gate.set()
     assert (sync.weight_version, sync.policy_version, sync.is_stale) == (1, 5, True)
+
+
+async def test_weights_discarded_during_a_sync_fail_it_instead_of_committing(sync):
+    # Case C14 at the synchronizer: an invalidation after the sync began is not lost.
+    sync.gate = anyio.Event()
+    events = []
+    async with sync.subscribe() as stream, anyio.create_task_group() as tg:
+        await sync.mark_stale()
+
+        async def run() -> None:
+            with pytest.raises(SyncError, match="discarded its weights while version 1"):
+                await sync.sync_weights()
+
+        tg.start_soon(run)
+        await sync.started.wait()
+        sync._invalidate_engine_weights()  # the engine discarded its weights mid-sync
+        sync.gate.set()
+        async for event in stream:
+            events.append(event.kind.name)
+            if event.kind.name == "FAILED":
+                break
+    assert sync.transfers == [1]
+    assert (sync.weight_version, sync.is_stale) == (0, True)
+    assert events == ["STALE", "SYNC_STARTED", "FAILED"]
+    await sync.sync_weights()  # nothing discarded this time: it lands
+    assert (sync.weight_version, sync.is_stale) == (1, False)
 
 
 @pytest.mark.parametrize(

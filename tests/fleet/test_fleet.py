@@ -99,6 +99,7 @@ async def test_one_ipc_sync_updates_every_engine_and_ranks_are_global(
         await sync.mark_stale()
         assert await refit_if_stale(sync, fleet) is True
         assert (sync.weight_version, sync.is_stale) == (1, False)
+        assert (engine_a.weight_version, engine_b.weight_version) == (1, 1)
         await _assert_all_equal(fleet, trainer)
         # Prompts are split over the engines and come back in order.
         expected = trainer.generate(PROMPTS, max_new_tokens=4)
@@ -175,6 +176,7 @@ async def test_an_engine_killed_mid_sync_fails_it_for_all_and_both_refuse_until_
         with pytest.raises(TransportError, match=r"engine 1 of 2 \(EmbeddedEngine\): .*died"):
             await sync.sync_weights()
         assert (sync.weight_version, sync.is_stale) == (1, True)
+        assert engine_a.weight_version == 1  # the engine does not report the failed version
         # Engine A took part of version 2: it refuses; engine B is dead.
         assert [s["weights_valid"] for s in await engine_a.status()] == [False, False]
         with pytest.raises(SyncError, match="worker 0: weights are not valid"):
@@ -187,6 +189,7 @@ async def test_an_engine_killed_mid_sync_fails_it_for_all_and_both_refuse_until_
         await sync.init_communicator()  # the new worker learns the plan and its rank
         assert await refit_if_stale(sync, fleet) is True
         assert (sync.weight_version, sync.is_stale) == (2, False)
+        assert (engine_a.weight_version, engine_b.weight_version) == (2, 2)
         await _assert_all_equal(fleet, trainer)
         assert await fleet.collective_rpc("aiosync_worker_rank") == [0, 1, 2]
 

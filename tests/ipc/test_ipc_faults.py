@@ -505,3 +505,39 @@ async def test_shutdown_during_a_sync_fails_it_naming_the_shutdown(
     healed = await _synced(dense_engine, h, seed=31)
     await h.assert_engine_equals(dense_engine, healed.trainer)  # type: ignore[attr-defined]
     await healed.shutdown()
+
+
+async def test_weights_discarded_mid_sync_fail_it_and_the_engine_refuses_until_a_sync_lands(
+    dense_engine: EmbeddedEngine, h: SimpleNamespace
+) -> None:
+    # Case C14: a level-2 sleep 0.1 s into the sync zeroes the weights under it.
+    sync = await _synced(dense_engine, h, seed=31)
+    with torch.no_grad():
+        for p in sync.trainer.model.parameters():  # type: ignore[attr-defined]
+            p.mul_(1.5)
+
+    def discard(i: int) -> None:
+        if i == 6:
+            time.sleep(0.1)
+            anyio.from_thread.run(dense_engine.finish_generation)
+
+    sync.policy.on_tensor = discard  # type: ignore[attr-defined]
+    dense_engine.sleep_level = 2
+    try:
+        await sync.mark_stale()
+        # Whichever side sees it first: the worker (its discard epoch moved) or the
+        # synchronizer (the engine's discard listener fired during the sync).
+        with pytest.raises(SyncError, match=r"discarded (this worker's|its) weights"):
+            await sync.sync_weights()
+    finally:
+        dense_engine.sleep_level = 1
+        sync.policy.on_tensor = None  # type: ignore[attr-defined]
+    assert (sync.weight_version, sync.is_stale) == (1, True)
+    await dense_engine.prepare_for_generation()
+    assert [s["weights_valid"] for s in await dense_engine.status()] == [False]
+    with pytest.raises(SyncError, match="not valid"):
+        await dense_engine.generate(h.PROMPTS, max_new_tokens=2)
+    assert await refit_if_stale(sync, dense_engine) is True
+    assert (sync.weight_version, sync.is_stale) == (2, False)
+    await h.assert_engine_equals(dense_engine, sync.trainer)  # type: ignore[attr-defined]
+    await sync.shutdown()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import signal
 import stat
@@ -181,8 +180,8 @@ async def test_level2_sleep_marks_engine_stale_until_a_sync(
         await h.assert_engine_equals(dense_engine, trainer)
 
 
-async def test_kv_scales_are_ignored_with_one_warning(
-    dense_engine: EmbeddedEngine, h: SimpleNamespace, caplog: pytest.LogCaptureFixture
+async def test_kv_scales_reach_every_worker_as_the_engines_scale_parameters(
+    dense_engine: EmbeddedEngine, h: SimpleNamespace
 ) -> None:
     trainer = h.trainer_model(h.DENSE_TIED, seed=16)
     # No bucket_bytes: the staging buffers take a share of the free memory.
@@ -190,14 +189,22 @@ async def test_kv_scales_are_ignored_with_one_warning(
         await sync.init_communicator()
         assert sync.plan is not None
         assert 16 * 1024**2 <= sync.plan.bucket_bytes <= 5 * 1024**3
-        with caplog.at_level(logging.WARNING, logger="aiosync.transports.ipc"):
-            for _ in range(2):
-                await sync.mark_stale()
-                await sync.sync_weights(kv_scales={0: 0.5, 1: 0.25})
-        warnings = [r for r in caplog.records if "kv_scales" in r.getMessage()]
-        assert len(warnings) == 1
-        assert sync.weight_version == 2
+        await sync.mark_stale()
+        await sync.sync_weights(kv_scales={0: 0.5, "model.layers.1.self_attn.v_scale": 0.25})
+        assert sync.weight_version == 1
         await h.assert_engine_equals(dense_engine, trainer)
+        [status] = await dense_engine.status()
+        assert status["kv_scales"] == {
+            "model.layers.0.self_attn.k_scale": 0.5,
+            "model.layers.0.self_attn.v_scale": 0.5,
+            "model.layers.1.self_attn.v_scale": 0.25,
+        }
+        # A layer the manifest has no attention for: refused before anything moves.
+        await sync.mark_stale()
+        with pytest.raises(ValueError, match="layer index 7 is not an attention layer"):
+            await sync.sync_weights(kv_scales={7: 1.0})
+        assert (sync.weight_version, sync.policy_version) == (1, 2)
+        assert all(s["weights_valid"] for s in await dense_engine.status())
 
 
 async def test_socket_dir_is_private_and_removed_with_buffers_on_shutdown(

@@ -19,8 +19,14 @@ private 0700 directory; the trainer drives the workers' receive loop with
    packed while the engine loads bucket ``k``; a buffer is reused only after
    every worker acknowledged the bucket it held. A bucket larger than the
    buffers (a lone oversized tensor) gets a buffer of its own, freed after its acks.
-3. trainer → ``end {sync_id, buckets}``; each worker checks every manifest
-   entry arrived exactly once, sets its weights valid, answers ``done``.
+3. trainer → ``end {sync_id, buckets, kv_scales}``; each worker checks every
+   manifest entry arrived exactly once, loads the FP8 KV-cache scales (engine
+   names, float32), sets its weights valid, answers ``done``.
+
+A sharded trainer (``process_group``) runs this on every rank: each rank binds
+its own socket and streams to the workers on its device only; the session sent
+to the workers maps each device to its rank's socket (``endpoints``), and the
+ranks agree on the outcome over the group before anyone commits.
 
 Any failure: the trainer sends ``abort`` (best effort), the base class keeps
 ``weight_version`` and marks the engine stale; the workers keep their weights
@@ -45,7 +51,7 @@ import os
 import secrets
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -55,11 +61,13 @@ import zmq.asyncio
 
 from aiosync._config import DEFAULT_EVENT_BACKLOG, DEFAULT_RPC_TIMEOUT_S, DEFAULT_SYNC_TIMEOUT_S
 from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
-from aiosync.interfaces import KVScales, RefitSource, WeightSynchronizer
+from aiosync.interfaces import KVScales, RefitManifest, RefitSource, WeightSynchronizer
 
-from .._wire import decode, encode, rebuild_error
+from .._identity import CPU_LABEL, device_identity
+from .._kv_scales import attention_layers, kv_scale_entries
+from .._wire import decode, encode, error_fields, rebuild_error
 from ..packing import Bucket, BucketPlan, group_by_bucket, pack, plan_buckets
-from ._shm import SharedBuffer
+from ._shm import EMPTY_HANDLE, SharedBuffer
 
 __all__ = ["DEFAULT_BUFFER_MEMORY_FRACTION", "IPCWeightSynchronizer", "default_bucket_bytes"]
 
@@ -107,9 +115,22 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         rpc_timeout_s: limit for every single wait (a hello, an ack, an RPC), seconds.
         sync_timeout_s: limit for a whole ``sync_weights``, seconds.
         event_backlog: see :class:`~aiosync.WeightSynchronizer`.
+        process_group: a sharded trainer's ``torch.distributed`` group. Every rank
+            runs a synchronizer and makes the same calls (the source's gathers are
+            collectives); rank ``r`` packs on its own device and sends only to the
+            engine workers on that device, all devices at once. Group rank 0
+            holds the engine (``generation``; pass None on the other ranks) and
+            drives its RPCs. A sync commits on every rank or fails on every rank
+            with the same typed error (the ranks agree over this group: use gloo,
+            whose timeout bounds the agreement). None: a single-process trainer
+            feeding every worker.
+        device_label: this rank's device identity for the pairing, matched
+            against each worker's (the embedded engine's ``device_labels`` on
+            CPU); default: the GPU UUID on CUDA, ``"cpu"`` on CPU.
 
     Raises:
-        ValueError: a non-positive size, fraction or timeout.
+        ValueError: a non-positive size, fraction or timeout; group rank 0 of a
+            sharded trainer without ``generation``.
     """
 
     def __init__(
@@ -123,10 +144,15 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
         sync_timeout_s: float = DEFAULT_SYNC_TIMEOUT_S,
         event_backlog: int = DEFAULT_EVENT_BACKLOG,
+        process_group: Any = None,
+        device_label: str | None = None,
     ) -> None:
         super().__init__(
             policy, generation, sync_timeout_s=sync_timeout_s, event_backlog=event_backlog
         )
+        self._ranks = _TrainerRanks(process_group)
+        if self._ranks.is_driver and generation is None:
+            raise ValueError("generation is None on the trainer rank that drives the engine")
         if bucket_bytes is not None and bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
         if not 0 < buffer_memory_fraction <= 1:
@@ -143,10 +169,15 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         self.bucket_bytes = bucket_bytes
         self.buffer_memory_fraction = buffer_memory_fraction
         self.rpc_timeout_s = rpc_timeout_s
+        self.device_id = device_identity(self.device, device_label)
         self.plan: BucketPlan | None = None
         self.num_workers = 0
+        #: Global ranks of the engine workers this trainer rank sends to.
+        self.peers: list[int] = []
+        self._endpoints: dict[str, str] | None = None
+        self._session_token = ""
+        self._syncs = 0
         self._sender: _BucketSender | None = None
-        self._warned_kv_scales = False
         listen = getattr(generation, "add_weights_discarded_listener", None)
         if listen is not None:
             listen(self._invalidate_engine_weights)
@@ -163,38 +194,127 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         """
         self._check_open()
         manifest = self.policy.prepare_refit_info()
+        size = self.bucket_bytes or default_bucket_bytes(self.device, self.buffer_memory_fraction)
+        if not self._ranks.sharded:
+            workers = await self._init_plan_and_workers(manifest, size)
+            self.num_workers = len(workers)
+            self.peers = [rank for rank, _device in workers]
+            self._session_token = secrets.token_hex(6)
+        else:
+            await self._init_sharded(manifest, size)
+        await super().init_communicator()
+
+    async def _init_plan_and_workers(
+        self, manifest: RefitManifest, bucket_bytes: int
+    ) -> list[tuple[int, str]]:
+        """Plan, socket and buffers (once); the engine's workers learn the plan.
+        Returns each worker's ``(global rank, device identity)`` (driver only)."""
         if self.plan is None:
-            size = self.bucket_bytes or default_bucket_bytes(
-                self.device, self.buffer_memory_fraction
-            )
-            self.plan = plan_buckets(manifest, size)
-            self._sender = _BucketSender(self.plan, self.device, self.rpc_timeout_s)
+            self.plan = plan_buckets(manifest, bucket_bytes)
+            self._sender = _BucketSender(self.plan, self.device, self.rpc_timeout_s, self.device_id)
         elif plan_buckets(manifest, self.plan.bucket_bytes).digest != self.plan.digest:
             raise RefitMismatchError("the policy's manifest changed since init_communicator()")
+        if not self._ranks.is_driver:
+            return []
         replies = await self.generation.collective_rpc(
             "aiosync_ipc_init", (self.plan.to_json(),), timeout_s=self.rpc_timeout_s
         )
         for rank, reply in enumerate(replies):
             _check_reply(reply, rank, "aiosync_ipc_init")
-        self.num_workers = len(replies)
-        await super().init_communicator()
+        return [
+            (int(reply.get("rank", i)), str(reply.get("device", CPU_LABEL)))
+            for i, reply in enumerate(replies)
+        ]
+
+    async def _init_sharded(self, manifest: RefitManifest, bucket_bytes: int) -> None:
+        # Every rank reaches the same verdict from the same gathered data, so an
+        # error here is raised on all of them alike.
+        proposed = await self._ranks.all_gather((self.device_id, bucket_bytes))
+        devices = [device for device, _size in proposed]
+        if len(set(devices)) != len(devices):
+            raise TransportError(f"two trainer ranks on one device: {devices}")
+        error: dict[str, str] | None = None
+        workers: list[tuple[int, str]] = []
+        try:
+            # One plan on every rank (the smallest buffer proposed): workers know one digest.
+            workers = await self._init_plan_and_workers(manifest, min(s for _d, s in proposed))
+        except Exception as exc:
+            error = error_fields(exc)
+        token = secrets.token_hex(6)
+        endpoint = None if self._sender is None else self._sender.endpoint
+        gathered = await self._ranks.all_gather((endpoint, error, workers, token))
+        for rank, (_endpoint, err, _workers, _token) in enumerate(gathered):
+            if err is not None:
+                raise rebuild_error(err, f"trainer rank {rank}")
+        _endpoint, _err, workers, self._session_token = gathered[0]
+        self._endpoints = {devices[r]: str(g[0]) for r, g in enumerate(gathered)}
+        orphans = sorted({device for _rank, device in workers} - set(devices))
+        if orphans:
+            raise TransportError(
+                f"engine workers on devices {orphans}, where no trainer rank runs "
+                f"(trainer ranks' devices: {devices}); pair every engine device with a rank"
+            )
+        self.num_workers = len(workers)
+        self.peers = [rank for rank, device in workers if device == self.device_id]
+
+    async def sync_weights(self, kv_scales: KVScales | None = None) -> None:
+        """Move the current ``policy_version`` to every worker (see the base class).
+
+        Args:
+            kv_scales: FP8 KV-cache scales, ``{layer_index: scale}`` (both
+                ``k_scale`` and ``v_scale`` of that layer) or
+                ``{"model.layers.{i}.self_attn.{k|v}_scale": scale}``; each worker
+                loads them after the last bucket, as 0-d float32 tensors, before
+                its weights count as valid.
+
+        Raises:
+            TypeError, ValueError: malformed ``kv_scales``, or a layer without
+                attention in the manifest (before anything moves).
+            RefitMismatchError, TransportError, SyncTimeoutError: see the module docs.
+        """
+        if isinstance(kv_scales, Mapping) and kv_scales:
+            layers = None if self.plan is None else attention_layers(self.plan.manifest())
+            kv_scale_entries(kv_scales, layers)
+        await super().sync_weights(kv_scales)
 
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
-        if kv_scales is not None and not self._warned_kv_scales:
-            self._warned_kv_scales = True
-            _log.warning(
-                "IPCWeightSynchronizer ignores kv_scales (only the collective transport sends them)"
-            )
-        failed = False
+        assert self.plan is not None
+        kv = kv_scale_entries(kv_scales, attention_layers(self.plan.manifest()))
+        self._syncs += 1
+        sync_id = f"{version}-{self._session_token}-{self._syncs}"
+        weights = self.policy.iter_weights()
+        failed: BaseException | None = None
+        nbytes = 0
         try:
             self.policy.offload_before_refit()
-            await self.generation.prepare_for_generation(tags=["weights"])
-            return await self._stream(version)
-        except BaseException:
-            failed = True
-            raise
+            if self._ranks.is_driver:
+                await self.generation.prepare_for_generation(tags=["weights"])
+            nbytes = await self._stream(sync_id, weights, kv)
+        except BaseException as exc:
+            failed = exc
+            if not self._ranks.sharded:
+                raise
         finally:
-            await self._after_refit(failed)
+            await self._after_refit(failed is not None)
+        if self._ranks.sharded:
+            await self._agree(weights, failed)
+        return nbytes
+
+    async def _agree(self, weights: Iterator[Any], failed: BaseException | None) -> None:
+        """Sharded trainers: commit on every rank or fail on every rank alike."""
+        with anyio.CancelScope(shield=True):
+            if failed is not None:
+                # The other ranks still gather: take part until the source is exhausted.
+                await anyio.to_thread.run_sync(_drain, weights)
+            outcome = None if failed is None else error_fields(failed)
+            outcomes = await self._ranks.all_gather(outcome)
+        for rank, fields in enumerate(outcomes):
+            if fields is not None:
+                if rank == self._ranks.rank and isinstance(failed, Exception):
+                    raise failed
+                raise rebuild_error(fields, f"trainer rank {rank}") from failed
+        if failed is not None:  # cancelled here, while every rank succeeded
+            raise failed
 
     async def _after_refit(self, failed: bool) -> None:
         # Runs even when the sync was cancelled or timed out, hence the shield;
@@ -202,23 +322,31 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         with anyio.CancelScope(shield=True):
             try:
                 self.policy.offload_after_refit()
-                with anyio.fail_after(self.rpc_timeout_s):
-                    await self.generation.prepare_for_generation(tags=["kv_cache"])
+                if self._ranks.is_driver:
+                    with anyio.fail_after(self.rpc_timeout_s):
+                        await self.generation.prepare_for_generation(tags=["kv_cache"])
             except Exception:
                 if not failed:
                     raise
                 _log.exception("colocated refit: cleanup after a failed sync also failed")
 
-    async def _stream(self, version: int) -> int:
+    async def _stream(
+        self,
+        sync_id: str,
+        weights: Iterator[tuple[str, torch.Tensor]],
+        kv: list[tuple[str, float]],
+    ) -> int:
         assert self._sender is not None and self.plan is not None
-        sync_id = f"{version}-{secrets.token_hex(6)}"
-        session = {
+        session: dict[str, Any] = {
             "endpoint": self._sender.endpoint,
             "sync_id": sync_id,
             "digest": self.plan.digest,
             "timeout_s": self.rpc_timeout_s,
         }
+        if self._endpoints is not None:
+            session["endpoints"] = self._endpoints
         sender = self._sender
+        peers = self.peers
         result = 0
 
         async def drive_receivers() -> None:
@@ -230,20 +358,21 @@ class IPCWeightSynchronizer(WeightSynchronizer):
 
         async def send() -> None:
             nonlocal result
-            result = await sender.send(sync_id, self.num_workers, self.policy.iter_weights())
+            result = await sender.send(sync_id, peers, weights, kv)
 
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(drive_receivers)
+                if self._ranks.is_driver:
+                    tg.start_soon(drive_receivers)
                 tg.start_soon(send)
         except BaseExceptionGroup as group:
-            sender.abort(sync_id, self.num_workers, repr(group.exceptions[0]))
+            sender.abort(sync_id, peers, repr(group.exceptions[0]))
             if sender.closed:
                 # The workers' replies merely echo the abort that shutdown sent.
                 raise TransportError(_SHUT_DOWN_MID_SYNC) from _most_telling(group)
             raise _most_telling(group) from None
         except BaseException as exc:
-            sender.abort(sync_id, self.num_workers, repr(exc))
+            sender.abort(sync_id, peers, repr(exc))
             if sender.closed and isinstance(exc, Exception):
                 raise TransportError(_SHUT_DOWN_MID_SYNC) from exc
             raise
@@ -263,6 +392,41 @@ class IPCWeightSynchronizer(WeightSynchronizer):
     def socket_dir(self) -> str | None:
         """The private (0700) directory holding the ``ipc://`` socket, None before init."""
         return None if self._sender is None else self._sender.directory
+
+
+def _drain(weights: Iterator[Any]) -> None:
+    """Iterate ``weights`` to its end (a sharded source's remaining gathers); its
+    own errors end the draining, they were or will be reported elsewhere."""
+    with contextlib.suppress(Exception):
+        for _ in weights:
+            pass
+
+
+class _TrainerRanks:
+    """The trainer's ranks as a sharded IPC refit sees them (one rank without a group)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        if group is None:
+            self.rank, self.size = 0, 1
+        else:
+            import torch.distributed as dist
+
+            self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.sharded = self.size > 1
+        #: The rank that holds the engine and drives its RPCs.
+        self.is_driver = self.rank == 0
+
+    async def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order; blocks a worker thread."""
+        import torch.distributed as dist
+
+        def gather() -> list[Any]:
+            out: list[Any] = [None] * self.size
+            dist.all_gather_object(out, obj, group=self.group)
+            return out
+
+        return await anyio.to_thread.run_sync(gather)
 
 
 def _check_reply(reply: Any, rank: int, method: str) -> None:
@@ -294,9 +458,12 @@ def _most_telling(group: BaseExceptionGroup[BaseException]) -> BaseException:
 class _BucketSender:
     """The trainer's socket and staging buffers; streams one plan's buckets per call."""
 
-    def __init__(self, plan: BucketPlan, device: torch.device, timeout_s: float) -> None:
+    def __init__(
+        self, plan: BucketPlan, device: torch.device, timeout_s: float, device_id: str = CPU_LABEL
+    ) -> None:
         self.plan = plan
         self.device = device
+        self.device_id = device_id
         self.timeout_s = timeout_s
         self.directory = tempfile.mkdtemp(prefix="aiosync-ipc-")
         os.chmod(self.directory, 0o700)
@@ -317,12 +484,20 @@ class _BucketSender:
         self._sync_sock: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
         self._closed = False
         # The send in flight: its cancel scope, its sync, and an event set when it ends.
-        self._active: tuple[anyio.CancelScope, str, int, anyio.Event] | None = None
+        self._active: tuple[anyio.CancelScope, str, Sequence[int], anyio.Event] | None = None
 
     async def send(
-        self, sync_id: str, num_workers: int, weights: Iterator[tuple[str, torch.Tensor]]
+        self,
+        sync_id: str,
+        ranks: Sequence[int],
+        weights: Iterator[tuple[str, torch.Tensor]],
+        kv: Sequence[tuple[str, float]] = (),
     ) -> int:
-        """Stream every bucket to the ``num_workers`` workers; returns the bytes sent.
+        """Stream every bucket, then the KV-cache scales ``kv`` (engine names, values),
+        to the workers of global ``ranks``; returns the bytes sent.
+
+        With no ranks (a sharded trainer's rank whose device holds no worker) the
+        source is still iterated to its end: its gathers are collectives.
 
         Raises:
             TransportError: the synchronizer was shut down during the sync
@@ -333,24 +508,44 @@ class _BucketSender:
             raise TransportError("the IPC synchronizer was shut down")
         ended = anyio.Event()
         with anyio.CancelScope() as scope:
-            self._active = (scope, sync_id, num_workers, ended)
+            self._active = (scope, sync_id, ranks, ended)
             try:
-                return await self._send(sync_id, num_workers, weights)
+                return await self._send(sync_id, ranks, weights, kv)
             finally:
                 self._active = None
                 ended.set()
         raise TransportError(_SHUT_DOWN_MID_SYNC)
 
     async def _send(
-        self, sync_id: str, num_workers: int, weights: Iterator[tuple[str, torch.Tensor]]
+        self,
+        sync_id: str,
+        ranks: Sequence[int],
+        weights: Iterator[tuple[str, torch.Tensor]],
+        kv: Sequence[tuple[str, float]],
     ) -> int:
-        peers = await self._handshake(sync_id, num_workers)
+        if not ranks:
+            await anyio.to_thread.run_sync(_drain, weights)
+            return 0
+        peers = await self._handshake(sync_id, ranks)
         groups = group_by_bucket(weights, self.plan)
         holder: list[int | None] = [None] * len(self._buffers)  # seq each buffer holds
         acks: dict[int, set[int]] = {}
         nbytes = 0
         for seq in range(len(self.plan.buckets)):
             bucket, group = await anyio.to_thread.run_sync(next, groups)
+            data = {
+                "t": "data",
+                "sync_id": sync_id,
+                "seq": seq,
+                "bucket": bucket.index,
+                "device": self.device_id,
+            }
+            if bucket.nbytes == 0:
+                # Only zero-size tensors (already checked against their slots by
+                # group_by_bucket): nothing to pack, and no 0-byte segment exists.
+                del group
+                await self._send_all(peers, encode({**data, "handle": dict(EMPTY_HANDLE)}))
+                continue
             transient: SharedBuffer | None = None
             if bucket.nbytes > self.plan.bucket_bytes or not self._buffers:
                 transient = await anyio.to_thread.run_sync(
@@ -370,7 +565,6 @@ class _BucketSender:
                 handle = buffer.handle()
                 if transient is not None:
                     handle["transient"] = True
-                data = {"t": "data", "sync_id": sync_id, "seq": seq, "bucket": bucket.index}
                 await self._send_all(peers, encode({**data, "handle": handle}))
                 nbytes += sum(s.nbytes for s in bucket.slots)
                 if transient is not None:
@@ -382,10 +576,15 @@ class _BucketSender:
         await anyio.to_thread.run_sync(_exhaust, groups)
         for seq in range(len(self.plan.buckets)):
             await self._wait_acks(sync_id, peers, acks, seq)
-        end = {"t": "end", "sync_id": sync_id, "buckets": len(self.plan.buckets)}
+        end = {
+            "t": "end",
+            "sync_id": sync_id,
+            "buckets": len(self.plan.buckets),
+            "kv_scales": [[name, value] for name, value in kv],
+        }
         await self._send_all(peers, encode(end))
         done: set[int] = set()
-        while len(done) < num_workers:
+        while len(done) < len(peers):
             rank, msg = await self._recv(sync_id, "the end of the refit")
             if msg.get("t") == "done":
                 done.add(rank)
@@ -398,12 +597,18 @@ class _BucketSender:
         if buffer.tensor.is_cuda:
             torch.cuda.current_stream(buffer.tensor.device).synchronize()
 
-    async def _handshake(self, sync_id: str, num_workers: int) -> dict[int, bytes]:
+    async def _handshake(self, sync_id: str, ranks: Sequence[int]) -> dict[int, bytes]:
+        expected = set(ranks)
         peers: dict[int, bytes] = {}
-        while len(peers) < num_workers:
+        while len(peers) < len(expected):
             rank, msg = await self._recv(sync_id, "the engine workers to connect")
             if msg.get("t") != "hello":
                 continue
+            if rank not in expected:
+                raise TransportError(
+                    f"engine worker {rank} connected to the trainer rank of device "
+                    f"{self.device_id}, which does not serve it"
+                )
             if msg.get("digest") != self.plan.digest:
                 raise RefitMismatchError(
                     f"engine worker {rank} holds bucket plan {str(msg.get('digest'))[:16]}, "
@@ -458,12 +663,12 @@ class _BucketSender:
             except zmq.ZMQError as exc:
                 raise TransportError(f"engine worker {rank} is unreachable: {exc}") from exc
 
-    def abort(self, sync_id: str, num_workers: int, reason: str) -> None:
+    def abort(self, sync_id: str, ranks: Sequence[int], reason: str) -> None:
         """Tell the workers of ``sync_id`` to stop waiting (best effort, never raises)."""
         if self._closed:
             return
         payload = encode({"t": "abort", "sync_id": sync_id, "reason": reason[:500]})
-        for rank in range(num_workers):
+        for rank in ranks:
             with contextlib.suppress(zmq.ZMQError):  # not connected (yet, or any more)
                 self._sync_sock.send_multipart([f"{sync_id}/{rank}".encode(), payload], zmq.NOBLOCK)
 
@@ -478,8 +683,8 @@ class _BucketSender:
         for it to let go of the buffers, then :meth:`close`."""
         active = self._active
         if active is not None and not self._closed:
-            scope, sync_id, num_workers, ended = active
-            self.abort(sync_id, num_workers, "the IPC synchronizer was shut down")
+            scope, sync_id, ranks, ended = active
+            self.abort(sync_id, ranks, "the IPC synchronizer was shut down")
             scope.cancel()
             with anyio.move_on_after(self.timeout_s):
                 await ended.wait()

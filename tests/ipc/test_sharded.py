@@ -1,0 +1,101 @@
+"""A sharded trainer: 2 FSDP2 ranks (gloo) paired per device with a 2-worker embedded engine.
+
+The ranks run ``_sharded_trainer.py`` (one process each); rank 0 holds the engine.
+Each worker stands for one device and must be fed by the trainer rank on that
+device only; a failure on one rank fails the sync on every rank alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).parent
+REPO = HERE.parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("sharded")
+    port = _free_port()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(HERE / "_sharded_trainer.py"),
+                str(r),
+                "2",
+                str(port),
+                str(out / f"{r}.json"),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=600)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-4000:]}"
+    return [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
+
+
+def test_each_rank_feeds_only_the_worker_on_its_device_bit_exact(
+    ranks: list[dict[str, Any]],
+) -> None:
+    assert [r["peers"] for r in ranks] == [[0], [1]]
+    assert ranks[0]["bit_exact"] == [True, True]
+    receives = ranks[0]["receives"]
+    assert [(x["rank"], x["senders"]) for x in receives] == [(0, ["cpu:0"]), (1, ["cpu:1"])]
+    # Every worker got the whole checkpoint (25 tensors of the tiny Qwen3, fp32).
+    assert [(x["tensors"], x["bytes"]) for x in receives] == [(25, 460544), (25, 460544)]
+
+
+def test_versions_agree_on_every_rank_after_success_failure_and_heal(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for key, versions in (
+        ("after_ok", [1, 1, False]),
+        ("after_failure", [2, 1, True]),
+        ("after_heal", [2, 2, False]),
+    ):
+        assert [r[key] for r in ranks] == [versions, versions], key
+
+
+def test_a_worker_dying_on_one_device_fails_the_sync_on_every_rank_with_one_error(
+    ranks: list[dict[str, Any]],
+) -> None:
+    (kind0, message0), (kind1, message1) = (r["failure"] for r in ranks)
+    assert kind0 == kind1 == "TransportError"
+    assert message0.startswith("engine worker 1 died: process ")
+    assert message1 == f"trainer rank 0: {message0}"
+    assert ranks[0]["respawned"] == [1]
+    assert ranks[0]["healed_bit_exact"] == [True, True]
