@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 
+import anyio
 import pytest
 import torch
 from collective_harness import QWEN3
@@ -64,3 +65,26 @@ async def test_embedded_engine_refits_bit_exact_and_generates_like_the_trainer()
             assert [s["kv_scales"] for s in await engine.status()] == [scales, scales]
             want = trainer.generate(prompts, max_new_tokens=5, ignore_eos=True)
             assert await engine.generate(prompts, max_new_tokens=5, ignore_eos=True) == want
+
+
+@pytest.mark.parametrize("claimed", [1, 3])
+async def test_a_wrong_inference_world_size_is_named_before_the_rendezvous(claimed: int) -> None:
+    trainer = HFModelRunner.from_config(dict(QWEN3), seed=201)
+    async with EmbeddedEngine(dict(QWEN3), num_workers=2, seed=7) as engine:
+        sync = create_weight_synchronizer(
+            DTensorRefitSource(trainer.model),
+            engine,
+            colocated=False,
+            backend="embedded",
+            train_cluster=TrainCluster(),
+            inference_world_size=claimed,
+            collective_timeout_s=600.0,  # a rendezvous would hang this long: it must not start
+        )
+        async with sync:
+            with anyio.fail_after(120):
+                with pytest.raises(ValueError) as raised:
+                    await sync.init_communicator()
+    assert str(raised.value) == (
+        f"inference_world_size={claimed}, but the engine has 2 worker(s): "
+        "pass inference_world_size=2"
+    )

@@ -228,6 +228,8 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             SyncTimeoutError: a rank did not join within ``collective_timeout_s``.
             TransportError: the rendezvous or a worker RPC failed; on rank 0, the
                 store's port is in use (raised before any worker is contacted).
+            ValueError: ``inference_world_size`` is not the engine's worker count
+                (raised before the rendezvous).
         """
         self._check_open()
         await self._form_group()
@@ -307,7 +309,13 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             # once, whereas the rendezvous below would wait the whole
             # collective timeout for a rank that never comes, in a thread that
             # cannot be interrupted.
-            await self._rpc("aiosync_collective_destroy", {}, self.rpc_timeout_s)
+            workers = await self._rpc("aiosync_collective_destroy", {}, self.rpc_timeout_s)
+            if len(workers) != self.inference_world_size:
+                # Else the rendezvous would wait its whole limit for ranks that never come.
+                raise ValueError(
+                    f"inference_world_size={self.inference_world_size}, but the engine has "
+                    f"{len(workers)} worker(s): pass inference_world_size={len(workers)}"
+                )
             kwargs = {
                 "master_addr": tc.master_addr,
                 "master_port": self.master_port,
