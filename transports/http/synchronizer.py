@@ -250,8 +250,8 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                     logger.exception("waking the memory left released after a failed refit")
 
     async def _send_buckets(self, kv: Sequence[tuple[str, float]] = ()) -> int:
-        """Stream every bucket to the server, then the KV-scale bucket (if ``kv``);
-        returns the payload bytes.
+        """Stream every bucket to the servers, then the KV-scale bucket (if ``kv``);
+        returns the payload bytes (of one server's copy).
 
         Two stages overlap: while the server loads bucket ``k`` the next one is
         gathered and packed. At most two buckets exist at a time (one in flight,
@@ -283,7 +283,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                     # Where the weights went (a CUDA-IPC handle on GPU, as they do).
                     flat = _allocate(bucket, device)
                     live.add(flat)
-                    pack_flat(bucket, tensors, flat.tensor)
+                    _pack_and_wait(bucket, tensors, flat.tensor)  # a few bytes: inline
                     try:
                         await send.send((bucket, flat))
                     except anyio.BrokenResourceError:
