@@ -43,6 +43,7 @@ import argparse
 import contextlib
 import copy
 import json
+import os
 import shutil
 import signal
 import socket
@@ -638,8 +639,14 @@ def main(argv: list[str] | None = None) -> None:
         tmp.write_text(str(port))
         tmp.replace(args.port_file)
     print(f"aiosync SGLang test server on http://127.0.0.1:{port}", file=sys.stderr, flush=True)
-    # Stopped with SIGTERM (as serve_in_subprocess does): clean up on the way out.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    def stop(*_: object) -> None:
+        # Stopped with SIGTERM (as serve_in_subprocess does): remove the preset's config
+        # folder, then leave at once (an unwinding exit races torch's native threads).
+        if config_dir is not None:
+            shutil.rmtree(config_dir, ignore_errors=True)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
     try:
         server.serve_forever()
     finally:
