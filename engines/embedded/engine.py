@@ -7,7 +7,9 @@ object per process with ``model_runner.model.load_weights`` and the worker
 extension mixins, ``collective_rpc`` by method name, sleep/wake, and
 data-parallel generation.
 
-RPCs travel over a ZMQ ``ipc://`` socket in a private (0700) directory as
+RPCs travel over a ZMQ ``ipc://`` socket in a private (0700) directory
+(``aiosync-engine-<pid>-*`` in the temp dir; :meth:`EmbeddedEngine.start` first
+removes what dead aiosync processes left, :mod:`aiosync.transports._leftovers`) as
 msgpack maps. Every call has a timeout; a worker that dies fails its pending
 calls at once with :class:`~aiosync.errors.TransportError`.
 
@@ -44,6 +46,7 @@ import zmq.asyncio
 
 from aiosync._config import DEFAULT_RPC_TIMEOUT_S
 from aiosync.errors import SyncError, SyncTimeoutError, TransportError
+from aiosync.transports._leftovers import dir_prefix, sweep_leftovers
 from aiosync.transports._wire import decode, encode, rebuild_error
 
 from ._worker import run_worker, tensor_from_wire
@@ -194,7 +197,9 @@ class EmbeddedEngine:
             raise SystemExit(_EXIT_UNGUARDED_MAIN)
         self._started = True
         loop = asyncio.get_running_loop()
-        self._dir = tempfile.mkdtemp(prefix="aiosync-engine-")
+        # Remove what dead aiosync processes (SIGKILLed trainers, engines) left behind.
+        sweep_leftovers()
+        self._dir = tempfile.mkdtemp(prefix=dir_prefix("engine"))
         os.chmod(self._dir, 0o700)
         self._endpoint = f"ipc://{self._dir}/rpc.sock"
         self._ctx = zmq.asyncio.Context()

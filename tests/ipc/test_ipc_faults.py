@@ -33,6 +33,7 @@ from aiosync.interfaces import refit_if_stale
 from aiosync.transports.ipc import IPCWeightSynchronizer
 from aiosync.transports.ipc._shm import SharedBuffer
 from aiosync.transports.ipc.synchronizer import _BucketSender
+from aiosync.transports.ipc.worker import TRAINER_GONE
 from aiosync.transports.packing import BucketPlan, group_by_bucket, pack, plan_buckets
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -347,18 +348,20 @@ async def test_engine_that_stops_answering_times_out_and_next_sync_succeeds(
 
 
 _TRAINER_CHILD = r"""
-import asyncio, json, os, sys
+import asyncio, json, os, signal, sys
 from aiosync.refit import DTensorRefitSource
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.transports.ipc.synchronizer import _BucketSender
 from aiosync.transports.packing import plan_buckets
-config, seed, bucket_bytes, die_at = json.loads(sys.argv[1])
+config, seed, bucket_bytes, die_at, *how = json.loads(sys.argv[1])
 trainer = HFModelRunner.from_config(config, seed=seed)
 source = DTensorRefitSource(trainer.model)
 plan = plan_buckets(source.prepare_refit_info(), bucket_bytes)
 sender = _BucketSender(plan, __import__("torch").device("cpu"), 60.0)
 def weights():
     for i, item in enumerate(source.iter_weights()):
+        if i == die_at and how == ["sigkill"]:
+            os.kill(os.getpid(), signal.SIGKILL)  # killed mid-refit: no handler runs
         if i == die_at:
             os._exit(17)  # the trainer dies mid-refit, without any cleanup
         yield item
@@ -388,8 +391,8 @@ async def test_trainer_killed_mid_sync_fails_the_engine_receive_and_next_sync_su
     }
     [reply] = await dense_engine.collective_rpc("aiosync_ipc_receive", (session,), timeout_s=60)
     assert await child.wait() == 17
-    assert reply["ok"] is False
-    assert reply["type"] in ("SyncTimeoutError", "TransportError")
+    # The exit closed the trainer's connection: the worker noticed it at once.
+    assert reply == {"ok": False, "type": "TransportError", "message": TRAINER_GONE}
     assert [s["weights_valid"] for s in await dense_engine.status()] == [False]
     with pytest.raises(Exception, match="not valid"):
         await dense_engine.generate(h.PROMPTS, max_new_tokens=2)
@@ -397,6 +400,64 @@ async def test_trainer_killed_mid_sync_fails_the_engine_receive_and_next_sync_su
     assert sync.weight_version == 1
     sync._invalidate_engine_weights()  # the engine was written to by someone else
     await _heals(sync, dense_engine, h)
+    await sync.shutdown()
+
+
+async def test_trainer_sigkilled_mid_sync_ends_the_engine_receive_long_before_its_timeout(
+    dense_engine: EmbeddedEngine, h: SimpleNamespace
+) -> None:
+    # The session allows 120 s of silence; the worker must notice the dead trainer
+    # from its socket's monitor (the kernel closes the connection), not the timeout.
+    sync = await _synced(dense_engine, h, seed=30)
+    assert sync.plan is not None
+    arg = json.dumps([h.DENSE_TIED, 31, BUCKET_BYTES, 8, "sigkill"])
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _TRAINER_CHILD, arg, stdout=asyncio.subprocess.PIPE
+    )
+    assert child.stdout is not None
+    info = json.loads(await asyncio.wait_for(child.stdout.readline(), 300))
+    session = {
+        "endpoint": info["endpoint"],
+        "sync_id": "child-1",
+        "digest": info["digest"],
+        "timeout_s": 120.0,
+    }
+    started = time.monotonic()
+    with anyio.fail_after(30):  # a failure detector: the worker would wait 120 s
+        [reply] = await dense_engine.collective_rpc(
+            "aiosync_ipc_receive", (session,), timeout_s=150
+        )
+    print(f"the worker noticed the dead trainer after {time.monotonic() - started:.2f} s")
+    assert await child.wait() == -signal.SIGKILL
+    assert reply == {"ok": False, "type": "TransportError", "message": TRAINER_GONE}
+    assert [s["weights_valid"] for s in await dense_engine.status()] == [False]
+    with pytest.raises(Exception, match="not valid"):
+        await dense_engine.generate(h.PROMPTS, max_new_tokens=2)
+    # The worker stays usable: the next sync heals it.
+    sync._invalidate_engine_weights()  # the engine was written to by someone else
+    await _heals(sync, dense_engine, h)
+    await sync.shutdown()
+
+
+async def test_a_session_whose_trainer_socket_is_gone_fails_at_once(
+    dense_engine: EmbeddedEngine, h: SimpleNamespace
+) -> None:
+    sync = await _synced(dense_engine, h, seed=32)
+    assert sync.plan is not None
+    with tempfile.TemporaryDirectory(prefix="aiosync-test-") as gone:
+        session = {
+            "endpoint": f"ipc://{gone}/refit.sock",  # nothing was ever bound here
+            "sync_id": "gone-1",
+            "digest": sync.plan.digest,
+            "timeout_s": 120.0,
+        }
+        with anyio.fail_after(30):  # a failure detector: the worker would wait 120 s
+            [reply] = await dense_engine.collective_rpc(
+                "aiosync_ipc_receive", (session,), timeout_s=150
+            )
+    assert reply == {"ok": False, "type": "TransportError", "message": TRAINER_GONE}
+    # Nothing was written: the engine still serves version 1.
+    assert [s["weights_valid"] for s in await dense_engine.status()] == [True]
     await sync.shutdown()
 
 

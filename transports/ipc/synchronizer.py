@@ -9,8 +9,11 @@ sends the engine's workers only the buffer's handle. The workers
 and call ``load_weights``.
 
 Protocol, per sync (msgpack maps over a ZMQ ROUTER bound to ``ipc://`` in a
-private 0700 directory; the trainer drives the workers' receive loop with
-``collective_rpc("aiosync_ipc_receive", ...)`` concurrently):
+private 0700 directory, ``aiosync-ipc-<pid>-*`` in the temp dir; the first
+``init_communicator()`` removes those and the segments of dead aiosync
+processes, see :mod:`aiosync.transports._leftovers`; the trainer drives the
+workers' receive loop with ``collective_rpc("aiosync_ipc_receive", ...)``
+concurrently):
 
 1. worker → ``hello {sync_id, rank, digest}``: the trainer checks every digest
    against its plan before any data moves (:class:`RefitMismatchError`).
@@ -65,6 +68,7 @@ from aiosync.interfaces import KVScales, RefitManifest, RefitSource, WeightSynch
 
 from .._identity import CPU_LABEL, device_identity
 from .._kv_scales import attention_layers, kv_scale_entries
+from .._leftovers import dir_prefix, sweep_leftovers
 from .._wire import decode, encode, error_fields, rebuild_error
 from ..packing import Bucket, BucketPlan, group_by_bucket, pack, plan_buckets
 from ._shm import EMPTY_HANDLE, SharedBuffer
@@ -465,7 +469,10 @@ class _BucketSender:
         self.device = device
         self.device_id = device_id
         self.timeout_s = timeout_s
-        self.directory = tempfile.mkdtemp(prefix="aiosync-ipc-")
+        # A trainer killed earlier (SIGKILL runs no cleanup) left its segments and
+        # socket directory behind; they carry its pid, so the dead ones go now.
+        sweep_leftovers()
+        self.directory = tempfile.mkdtemp(prefix=dir_prefix("ipc"))
         os.chmod(self.directory, 0o700)
         self.endpoint = f"ipc://{self.directory}/refit.sock"
         self._ctx = zmq.asyncio.Context()

@@ -22,7 +22,11 @@ than raising, so the trainer gets the typed error back from any engine's RPC.
 
 Protocol messages are msgpack maps (see ``transports/ipc.py``); one that does
 not decode is a :class:`~aiosync.errors.TransportError`. Every receive has a
-timeout: a trainer that died surfaces as :class:`~aiosync.errors.SyncTimeoutError`.
+timeout (:class:`~aiosync.errors.SyncTimeoutError`), but a trainer that dies
+(even by SIGKILL) is noticed at once: a monitor on the worker's socket reports
+the ``ipc://`` connection closing (or the trainer's socket file missing), and
+the receive ends with ``TransportError("the trainer went away during the
+refit")`` instead of waiting the whole timeout.
 
 ``self.aiosync_weights_valid`` turns False when the first bucket lands and True
 only when the whole manifest did; engines refuse to generate while it is False.
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -40,6 +45,7 @@ from typing import Any
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
 
@@ -58,6 +64,10 @@ _MAX_PLANS = 4
 _LINGER_MS = 2000
 #: Slice of a receive wait after which the worker checks whether it was superseded, ms.
 _POLL_SLICE_MS = 100
+#: Socket events that may mean the trainer is gone (see :meth:`_TrainerLink._trainer_gone`).
+_MONITOR_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+#: What a worker's receive reports when the trainer's end of the connection vanished.
+TRAINER_GONE = "the trainer went away during the refit"
 
 
 class IPCWorkerMixin(WorkerIdentityMixin):
@@ -122,7 +132,8 @@ class IPCWorkerMixin(WorkerIdentityMixin):
             ``{"ok": True, "rank", "tensors", "bytes"}`` or ``{"ok": False, "type",
             "message"}`` (``RefitMismatchError``: unknown digest, missing or
             duplicate buckets; ``TransportError``: malformed message, trainer
-            abort; ``SyncTimeoutError``: nothing from the trainer in ``timeout_s``).
+            abort, the trainer went away (its process died: noticed at once);
+            ``SyncTimeoutError``: nothing from the trainer in ``timeout_s`` seconds).
         """
         state = self._aiosync_ipc_state()
         try:
@@ -177,6 +188,10 @@ class IPCWorkerMixin(WorkerIdentityMixin):
         sock.setsockopt(zmq.IDENTITY, f"{sync_id}/{rank}".encode())
         # Linger so a final error or done message still reaches the trainer after close.
         sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        # Before connect, so no event of this connection is missed: the kernel closes
+        # a dead trainer's end of the ipc:// connection, which the monitor reports.
+        monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+        link = _TrainerLink(sock, monitor, endpoint)
         mapped: dict[str, MappedBuffer] = {}
         try:
             sock.connect(endpoint)
@@ -190,7 +205,7 @@ class IPCWorkerMixin(WorkerIdentityMixin):
             sock.send(encode({"t": "hello", "sync_id": sync_id, "rank": rank, "digest": digest}))
             senders: set[str] = set()
             tensors, nbytes = self._aiosync_load_buckets(
-                state, sock, plan, mapped, sync_id, timeout_s, device, senders
+                state, link, plan, mapped, sync_id, timeout_s, device, senders
             )
             sock.send(encode({"t": "done", "sync_id": sync_id, "rank": rank}))
             state.last = {
@@ -214,12 +229,14 @@ class IPCWorkerMixin(WorkerIdentityMixin):
         finally:
             for buffer in mapped.values():
                 buffer.close()
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close()
 
     def _aiosync_load_buckets(
         self,
         state: _ReceiverState,
-        sock: zmq.Socket[bytes],
+        link: _TrainerLink,
         plan: BucketPlan,
         mapped: dict[str, MappedBuffer],
         sync_id: str,
@@ -234,7 +251,7 @@ class IPCWorkerMixin(WorkerIdentityMixin):
         arrived = [0] * len(plan.buckets)
         tensors = nbytes = 0
         while True:
-            msg = _recv(sock, state, sync_id, timeout_s)
+            msg = link.recv(state, sync_id, timeout_s)
             kind = msg.get("t")
             if kind == "data":
                 seq, index, handle = _data_fields(msg, len(plan.buckets))
@@ -259,7 +276,7 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                 arrived[index] += 1
                 tensors += int(loaded) if isinstance(loaded, int) else len(bucket.slots)
                 nbytes += sum(slot.nbytes for slot in bucket.slots)
-                sock.send(encode({"t": "ack", "sync_id": sync_id, "seq": seq}))
+                link.sock.send(encode({"t": "ack", "sync_id": sync_id, "seq": seq}))
             elif kind == "end":
                 _check_arrivals(plan, arrived)
                 if self.aiosync_discard_epoch != discards:
@@ -306,23 +323,62 @@ def _compare_unordered(
     compare_manifests(trainer, reordered)
 
 
-def _recv(
-    sock: zmq.Socket[bytes], state: _ReceiverState, sync_id: str, timeout_s: float
-) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if state.current != sync_id:
-            raise TransportError("superseded by a newer refit")
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise SyncTimeoutError(f"no message from the trainer within {timeout_s} s")
-        if sock.poll(min(_POLL_SLICE_MS, max(1, int(remaining * 1000)))):
-            msg = decode(sock.recv())
-            if msg.get("sync_id") != sync_id:
-                raise TransportError(
-                    f"message for refit {msg.get('sync_id')!r} during refit {sync_id!r}"
-                )
-            return msg
+class _TrainerLink:
+    """A worker's DEALER to the trainer, with a monitor that tells when the trainer is gone."""
+
+    def __init__(self, sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes], endpoint: str) -> None:
+        self.sock = sock
+        self.monitor = monitor
+        self.path = endpoint.removeprefix("ipc://")
+        self.poller = zmq.Poller()
+        self.poller.register(sock, zmq.POLLIN)
+        self.poller.register(monitor, zmq.POLLIN)
+
+    def recv(self, state: _ReceiverState, sync_id: str, timeout_s: float) -> dict[str, Any]:
+        """The next message of refit ``sync_id``.
+
+        Raises:
+            TransportError: superseded by a newer refit, a message of another
+                refit, or the trainer went away (its connection closed, or its
+                socket file is gone).
+            SyncTimeoutError: nothing arrived within ``timeout_s`` seconds.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if state.current != sync_id:
+                raise TransportError("superseded by a newer refit")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise SyncTimeoutError(f"no message from the trainer within {timeout_s} s")
+            # Blocks in zmq_poll; the slice only bounds how late a supersede is seen.
+            ready = dict(self.poller.poll(min(_POLL_SLICE_MS, max(1, int(remaining * 1000)))))
+            if self.sock in ready:
+                msg = decode(self.sock.recv())
+                if msg.get("sync_id") != sync_id:
+                    raise TransportError(
+                        f"message for refit {msg.get('sync_id')!r} during refit {sync_id!r}"
+                    )
+                return msg
+            if self.monitor in ready and self._trainer_gone():
+                raise TransportError(TRAINER_GONE)
+
+    def _trainer_gone(self) -> bool:
+        """Drain the monitor; True if an event says the trainer cannot come back.
+
+        A closed connection is final: the trainer's ROUTER stays bound for the
+        whole refit, so only its process dying (or its socket closing) ends it.
+        A failed connect is final only when the socket file does not exist (the
+        trainer binds before it sends the session); one refused while the file
+        exists may be a full listen backlog, so the timeout stays the judge.
+        """
+        gone = False
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            closed = event == zmq.EVENT_DISCONNECTED
+            missing = event == zmq.EVENT_CONNECT_RETRIED and not os.path.exists(self.path)
+            gone = gone or closed or missing
+        # A message the trainer sent before it died is still delivered first.
+        return gone and not self.sock.poll(0)
 
 
 def _data_fields(msg: Mapping[str, Any], num_buckets: int) -> tuple[int, int, dict[str, Any]]:
