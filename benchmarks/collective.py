@@ -21,6 +21,10 @@ layers that give >= 10,000 tensors (26 of 48 layers, 33.6 GB). Tensors of one
 shape share one random source tensor (and one target on the receiver) so memory
 stays at a few GB; the bytes on the wire are the full manifest's.
 
+Each time is the best of ``--repeat`` runs (at least 3; 2 when ``--quick``),
+after one warm-up; the 1-minute load average at start and end is recorded
+(``_machine``).
+
 Usage: ``python benchmarks/collective.py [--quick] [--json]``.
 """
 
@@ -30,13 +34,13 @@ import argparse
 import json
 import multiprocessing as mp
 import socket
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from _machine import Machine, repeats_for
 
 from aiosync._model_shapes import model_manifest
 from aiosync.transports.collective._group import STATUS_OK, SyncGroup, create_sync_group, open_store
@@ -243,7 +247,7 @@ def _run(rank: int, args: argparse.Namespace, conn: Any) -> dict[str, Any]:
             "floor_kind": "flat" if side.flat else f"chunks of {args.bucket_mb} MiB",
         }
         for key, values in times.items():
-            row[f"{key}_s"] = statistics.median(values)
+            row[f"{key}_s"] = min(values)  # the run least disturbed by other tenants
         row["aiosync_over_floor"] = row["aiosync_s"] / row["floor_s"]
         row["per_tensor_over_aiosync"] = row["per_tensor_s"] / row["aiosync_s"]
         row["aiosync_GBps"] = side.total / row["aiosync_s"] / 1e9
@@ -277,7 +281,7 @@ def _fmt(row: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small manifests, one repeat (<1 min)")
+    parser.add_argument("--quick", action="store_true", help="small manifests, 2 repeats (<1 min)")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument(
         "--bucket-mb", type=int, default=512, help="bucket size, MiB (512: the CPU default)"
@@ -285,12 +289,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--flat-limit-mb", type=int, default=2048, help="largest flat floor buffer, MiB"
     )
-    parser.add_argument("--repeat", type=int, default=None, help="timed repeats (median reported)")
+    parser.add_argument("--repeat", type=int, default=None, help="timed repeats (best; >= 3)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     parser.add_argument("--port", type=int, default=0, help="TCPStore port (0: a free one)")
     args = parser.parse_args(argv)
-    if args.repeat is None:
-        args.repeat = 1 if args.quick else 2
+    args.repeat = repeats_for(args.quick, args.repeat)
+    machine = Machine(args.repeat)
     if args.port == 0:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -303,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         results = _run(0, args, parent)
     finally:
         proc.join(60)
+    machine.finish()
     results["config"] = {
         "backend": "gloo",
         "processes": 2,
@@ -310,9 +315,10 @@ def main(argv: list[str] | None = None) -> int:
         "repeat": args.repeat,
         "quick": args.quick,
     }
+    results.update(machine.fields())
     print(
-        "collective transport, gloo on CPU, 2 processes (rank 0 -> rank 1); median of "
-        f"{args.repeat}; bucket {args.bucket_mb} MiB"
+        "collective transport, gloo on CPU, 2 processes (rank 0 -> rank 1); "
+        f"bucket {args.bucket_mb} MiB; {machine.caption()}"
     )
     print(
         "tensors of one shape share one source/target tensor; "
@@ -331,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['staged_pause_s']:.3f} s staged (staged receive "
                 f"{row['staged_receive_s']:.3f} s, during which the engine keeps generating)"
             )
+    if (warning := machine.warning()) is not None:
+        print(warning)
     if args.json:
         print(json.dumps(results))
     return 0

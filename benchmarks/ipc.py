@@ -9,7 +9,9 @@ a preallocated copy. Measured in the same run:
 * ``ipc``: ``IPCWeightSynchronizer.sync_weights()`` into the worker (pack into
   the shared ping-pong buffers, handles over ZMQ, ``load_weights`` copies out).
 
-Throughput is manifest bytes / seconds (best of ``--repeats``), GB = 1e9 bytes.
+Throughput is manifest bytes / seconds (best of ``--repeats``, at least 3; 2
+when ``--quick``), GB = 1e9 bytes. The 1-minute load average at start and end
+is printed and recorded (``_machine``): take the figures on an idle machine.
 A size is skipped when the machine's available memory is below about 3.5x it.
 
 Usage::
@@ -30,6 +32,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from _machine import Machine, repeats_for
 
 from aiosync.interfaces import RefitManifest, RefitSource
 
@@ -130,13 +133,14 @@ def main() -> None:
     )
     parser.add_argument("--tensor-mb", type=float, default=16.0, help="size of each tensor")
     parser.add_argument("--bucket-mb", type=float, default=128.0, help="staging buffer size")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs (best; at least 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     args = parser.parse_args()
     sizes = [0.064] if args.quick else args.sizes_gb
     if args.quick:
         args.tensor_mb, args.bucket_mb = min(args.tensor_mb, 4.0), min(args.bucket_mb, 16.0)
-    repeats = 2 if args.quick else args.repeats
+    repeats = repeats_for(args.quick, args.repeats)
+    machine = Machine(repeats)
     bucket_bytes = int(args.bucket_mb * MiB)
     rows: list[dict[str, Any]] = []
     for size_gb in sizes:
@@ -161,7 +165,8 @@ def main() -> None:
                 "ratio": round(ipc_gbps / copy_gbps, 3),
             }
         )
-    _print_table(rows, bucket_bytes)
+    machine.finish()
+    _print_table(rows, bucket_bytes, machine)
     if args.json:
         print(
             json.dumps(
@@ -170,17 +175,21 @@ def main() -> None:
                     "bucket_bytes": bucket_bytes,
                     "tensor_mb": args.tensor_mb,
                     "threads": torch.get_num_threads(),
+                    **machine.fields(),
                     "rows": rows,
                 }
             )
         )
 
 
-def _print_table(rows: list[dict[str, Any]], bucket_bytes: int) -> None:
+def _print_table(rows: list[dict[str, Any]], bucket_bytes: int, machine: Machine) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"IPC refit vs copy_ (bucket {bucket_bytes / MiB:.0f} MiB, GB = 1e9 B)")
+    table = Table(
+        title=f"IPC refit vs copy_ (bucket {bucket_bytes / MiB:.0f} MiB, GB = 1e9 B)",
+        caption=machine.caption(),
+    )
     for column in ("manifest GB", "tensors", "copy_ GB/s", "IPC GB/s", "IPC / copy_"):
         table.add_column(column, justify="right")
     for row in rows:
@@ -195,6 +204,8 @@ def _print_table(rows: list[dict[str, Any]], bucket_bytes: int) -> None:
             f"{row['ratio']:.2f}x",
         )
     Console().print(table)
+    if (warning := machine.warning()) is not None:
+        print(warning)
 
 
 if __name__ == "__main__":

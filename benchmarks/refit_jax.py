@@ -19,6 +19,8 @@ few layers (the output says how many). In one process it measures:
   best of 3 after a warm-up: the cost per tensor must not grow with the tensor count.
 
 Ratios are throughputs relative to the baseline (1.0 = as fast as a memcpy).
+Each run is the best of ``--repeats`` (at least 3; 2 when ``--quick``); the
+1-minute load average at start and end is recorded (``_machine``).
 
 Usage: ``python benchmarks/refit_jax.py [--quick] [--json] [--layers N] [--experts E]``.
 """
@@ -35,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from _machine import Machine, repeats_for
 from rich.console import Console
 from rich.table import Table
 
@@ -119,15 +122,16 @@ def _manifest_cost(layers: int) -> tuple[float, int]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="1 layer, 32 experts, 1 repeat")
+    parser.add_argument("--quick", action="store_true", help="1 layer, 32 experts, 2 repeats")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 2)")
     parser.add_argument("--experts", type=int, default=None, help="experts (default 128)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs, best kept")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs, best kept (>= 3)")
     args = parser.parse_args(argv)
     layers = args.layers or (1 if args.quick else 2)
     experts = args.experts or (32 if args.quick else 128)
-    repeats = args.repeats or (1 if args.quick else 3)
+    repeats = repeats_for(args.quick, args.repeats)
+    machine = Machine(repeats)
 
     config = _config(layers, experts)
     model_map = model_map_for(config)
@@ -153,6 +157,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     _manifest_cost(2)  # warm-up: first-call costs are not per-tensor costs
     full_s, full_n = min(_manifest_cost(48) for _ in range(3))
     quarter_s, quarter_n = min(_manifest_cost(12) for _ in range(3))
+    machine.finish()
 
     base_s = runs["baseline"][0]
     result: dict[str, Any] = {
@@ -165,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "state_bytes": total,
         "jax_arrays": len(leaves),
         "hf_tensors": len(manifest),
-        "repeats": repeats,
+        **machine.fields(),
     }
     for name, (secs, nbytes, count) in runs.items():
         result[f"{name}_s"] = secs
@@ -186,9 +191,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     console.print(
         f"Qwen3-30B-A3B dims, [bold]{layers} of 48 layers, {experts} of 128 experts[/], bf16, "
         f"jax backend {result['jax_backend']}: {total / GB:.2f} GB in {len(leaves)} JAX arrays "
-        f"→ {len(manifest)} HF tensors; best of {repeats}"
+        f"→ {len(manifest)} HF tensors"
     )
-    table = Table("run", "seconds", "GB/s", "tensors", "ratio vs baseline")
+    table = Table(
+        "run", "seconds", "GB/s", "tensors", "ratio vs baseline", caption=machine.caption()
+    )
     labels = {
         "baseline": "baseline: np.asarray + staging copy",
         "refit": "refit: iter_weights + staging copy",
@@ -213,6 +220,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     console.print(scale)
     console.print(f"per-tensor cost, 48 vs 12 layers: {result['manifest_per_tensor_ratio']:.2f}x")
+    if (warning := machine.warning()) is not None:
+        console.print(warning)
     if args.json:
         print(json.dumps(result))
     return result

@@ -15,6 +15,9 @@ this measures, in one process:
   ~18,900 checkpoint tensors) built on the meta device, against a quarter of its
   layers: the cost per tensor must not grow with the tensor count.
 
+Refit and baseline times are the best of ``--repeats`` (at least 3; 2 when
+``--quick``); the 1-minute load average at start and end is recorded (``_machine``).
+
 Usage: ``python benchmarks/refit_torch.py [--quick] [--json] [--device cpu|cuda]``.
 """
 
@@ -34,6 +37,7 @@ from itertools import islice
 from typing import Any
 
 import torch
+from _machine import Machine, repeats_for
 from rich.console import Console
 from rich.table import Table
 
@@ -276,10 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--bucket-mib", type=int, default=None, help="bucket size, MiB")
-    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs (best; >= 3)")
     args = parser.parse_args(argv)
     bucket_bytes = (args.bucket_mib or (64 if args.quick else 256)) * MiB
-    repeats = args.repeats or (1 if args.quick else 3)
+    repeats = repeats_for(args.quick, args.repeats)
+    machine = Machine(repeats)
     console = Console(file=sys.stderr if args.json else sys.stdout, width=160)
 
     results = [
@@ -296,8 +301,12 @@ def main(argv: list[str] | None = None) -> int:
         for name, layers, experts in _plans(args.quick)
     ]
     scaling = bench_manifest_scaling(*((6, 24) if args.quick else (12, 48)))
+    machine.finish()
 
-    table = Table(title=f"refit gather+pack vs torch.cat ({args.device}, fp32 master → bf16)")
+    table = Table(
+        title=f"refit gather+pack vs torch.cat ({args.device}, fp32 master → bf16)",
+        caption=machine.caption(),
+    )
     for col in (
         "model",
         "layers",
@@ -340,12 +349,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{scaling['full_us_per_tensor']:.1f} µs/tensor; ratio "
         f"{scaling['per_tensor_cost_ratio_full_vs_small']:.2f} (1.0 = linear)"
     )
+    if (warning := machine.warning()) is not None:
+        console.print(warning)
     if args.json:
         print(
             json.dumps(
                 {
                     "device": args.device,
                     "bucket_bytes": bucket_bytes,
+                    **machine.fields(),
                     "models": [
                         {
                             "model": r.model,

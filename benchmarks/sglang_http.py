@@ -14,7 +14,11 @@ measures:
   the trainer side, load on the server side);
 * **per-request overhead**: the same refit cut into ~1, 10 and 100 buckets;
   the extra time per extra request, ms, next to one ``/get_weight_version``
-  round trip.
+  round trip (mean of 50).
+
+Refit and memcpy times are the best of ``--repeats`` (at least 3; 2 when
+``--quick``), after one warm-up; the 1-minute load average at start and end is
+recorded (``_machine``).
 
 Usage: ``python benchmarks/sglang_http.py [--quick] [--json] [--repeats N]``.
 """
@@ -25,7 +29,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,6 +39,7 @@ from typing import Any
 
 import httpx
 import torch
+from _machine import Machine, repeats_for
 from rich.console import Console
 from rich.table import Table
 
@@ -143,7 +147,7 @@ async def _time_sync(
             start = time.perf_counter()
             await sync.sync_weights()
             times.append(time.perf_counter() - start)
-        return statistics.median(times[1:]), len(sync.plan)
+        return min(times[1:]), len(sync.plan)
 
 
 async def _round_trip_ms(url: str, repeats: int = 50) -> float:
@@ -167,14 +171,14 @@ def _memcpy_s(source: _Source, repeats: int) -> float:
             out[offset : offset + raw.numel()].copy_(raw)
             offset += raw.numel()
         times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    return min(times[1:])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="~31 MB manifest, < 1 minute")
     parser.add_argument("--json", action="store_true", help="end with one JSON object")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs (best; >= 3)")
     parser.add_argument(
         "--threads",
         type=int,
@@ -184,6 +188,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    machine = Machine(repeats_for(args.quick, args.repeats))
+    args.repeats = machine.repeats
     config = QUICK if args.quick else FULL
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = _start_server(config, Path(tmp))
@@ -208,6 +214,7 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(60)
+    machine.finish()
 
     refit_gbps = nbytes / refit_s / GB
     memcpy_gbps = nbytes / memcpy_s / GB
@@ -216,7 +223,10 @@ def main() -> None:
         n: ((t - base_t) / (actual - base_n) * 1e3 if actual > base_n else 0.0)
         for n, (actual, t) in per_count.items()
     }
-    table = Table(title=f"HTTP refit, {nbytes / GB:.3f} GB bf16, {len(manifest)} tensors")
+    table = Table(
+        title=f"HTTP refit, {nbytes / GB:.3f} GB bf16, {len(manifest)} tensors",
+        caption=machine.caption(),
+    )
     table.add_column("measure")
     table.add_column("value", justify="right")
     table.add_column("ratio", justify="right")
@@ -231,6 +241,8 @@ def main() -> None:
         extra = f"{overhead[n]:.2f} ms/extra request" if actual > base_n else "-"
         table.add_row(f"refit in {actual} buckets", f"{t * 1e3:.1f} ms", extra)
     Console().print(table)
+    if (warning := machine.warning()) is not None:
+        print(warning)
     result = {
         "bytes": nbytes,
         "tensors": len(manifest),
@@ -244,6 +256,7 @@ def main() -> None:
             for n, (a, t) in per_count.items()
         },
         "quick": args.quick,
+        **machine.fields(),
     }
     if args.json:
         print(json.dumps(result))

@@ -12,8 +12,9 @@ Each worker receives the whole manifest, so "delivered" bytes grow with the
 workers. ``time / baseline`` should stay near 1 where the copies run in
 parallel (the paired design), and "delivered GB/s" should not fall as ranks
 grow. On a 2-core CPU machine the engines' copies compete for the same cores;
-on GPUs each pair has its own device. Best of ``--repeats``; the load average
-is printed with the figures (take them on an idle machine).
+on GPUs each pair has its own device. Best of ``--repeats`` (at least 3; 2 when
+``--quick``); the 1-minute load average at start and end is printed with the
+figures (``_machine``; take them on an idle machine).
 
 Usage::
 
@@ -27,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import os
 import socket
 import sys
 import time
@@ -38,6 +38,7 @@ import anyio
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _machine import Machine, repeats_for
 from ipc import FlatSource, _spec  # the weights-only model and source of the IPC benchmark
 
 GB = 1e9
@@ -160,11 +161,11 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     args = parser.parse_args()
     size_mb = 32.0 if args.quick else args.size_mb
-    repeats = 2 if args.quick else max(3, args.repeats)
+    repeats = repeats_for(args.quick, args.repeats)
     spec = _spec(int(size_mb * 1e6), args.tensor_mb)
     nbytes = spec["count"] * spec["numel"] * 2
     bucket_bytes = int(args.bucket_mb * MiB)
-    load_start = os.getloadavg()[0]
+    machine = Machine(repeats)
     args3 = (spec, bucket_bytes, repeats)
     cases = [
         ("1 rank -> 1 worker", 1, 1, lambda: anyio.run(_single, *args3)),
@@ -186,8 +187,8 @@ def main() -> None:
         )
     for row in rows:
         row["time_ratio"] = round(row["seconds"] / rows[0]["seconds"], 3)
-    load = [round(load_start, 2), round(os.getloadavg()[0], 2)]
-    _print_table(rows, nbytes, load, repeats)
+    machine.finish()
+    _print_table(rows, nbytes, machine)
     if args.json:
         print(
             json.dumps(
@@ -195,9 +196,7 @@ def main() -> None:
                     "benchmark": "topology",
                     "manifest_bytes": nbytes,
                     "bucket_bytes": bucket_bytes,
-                    "repeats": repeats,
-                    "load_average": load,
-                    "cpus": os.cpu_count(),
+                    **machine.fields(),
                     "threads": torch.get_num_threads(),
                     "rows": rows,
                 }
@@ -205,13 +204,12 @@ def main() -> None:
         )
 
 
-def _print_table(rows: list[dict[str, Any]], nbytes: int, load: list[float], repeats: int) -> None:
+def _print_table(rows: list[dict[str, Any]], nbytes: int, machine: Machine) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(
-        title=f"colocated IPC refit of {nbytes / GB:.3f} GB per worker "
-        f"(best of {repeats}; load {load[0]} -> {load[1]})"
+        title=f"colocated IPC refit of {nbytes / GB:.3f} GB per worker", caption=machine.caption()
     )
     for column in ("topology", "delivered GB", "seconds", "delivered GB/s", "time / 1x1"):
         table.add_column(column, justify="right")
@@ -224,8 +222,8 @@ def _print_table(rows: list[dict[str, Any]], nbytes: int, load: list[float], rep
             f"{row['time_ratio']:.2f}x",
         )
     Console().print(table)
-    if max(load) > (os.cpu_count() or 1):
-        print(f"warning: load average {max(load)} above 1 per core: the figures are not evidence")
+    if (warning := machine.warning()) is not None:
+        print(warning)
 
 
 if __name__ == "__main__":
