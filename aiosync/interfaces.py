@@ -9,11 +9,12 @@ and timeouts live here, once.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
@@ -212,6 +213,9 @@ class WeightSynchronizer(ABC):
         self._initialized = False
         self._closed = False
         self._lock = anyio.Lock()
+        # Held while a sync reads the source and while the trainer updates it
+        # (policy_update): a version is one consistent set of weights.
+        self._source_lock = anyio.Lock()
         self._events = _EventHub(lambda: (self._policy_version, self._weight_version))
 
     # -- versions -------------------------------------------------------------
@@ -258,6 +262,25 @@ class WeightSynchronizer(ABC):
         self._events.publish(VersionEventKind.STALE, version)
         return version
 
+    @contextlib.asynccontextmanager
+    async def policy_update(self) -> AsyncIterator[int]:
+        """Wrap the trainer's optimizer step: ``async with sync.policy_update(): optimizer.step()``.
+
+        Waits while a sync reads the source, and holds syncs off while the block
+        runs, so that a sync never streams a mix of two versions (tensors read
+        before and after the step). On a normal exit the new version is marked
+        stale (``policy_version + 1``, as :meth:`mark_stale`); an exception in
+        the block propagates and marks nothing. Yields the version the block
+        produces. The wait costs the trainer at most one refit's source read.
+
+        Raises:
+            SyncError: the synchronizer was shut down.
+        """
+        self._check_open()
+        async with self._source_lock:
+            yield self._policy_version + 1
+            await self.mark_stale()
+
     def _invalidate_engine_weights(self) -> None:
         """For transports: the engine no longer holds ``weight_version`` (e.g. woken
         after discarding its weights); a sync is required before it generates.
@@ -297,7 +320,9 @@ class WeightSynchronizer(ABC):
         self._check_open()
         if not self._initialized:
             raise SyncError("await init_communicator() before sync_weights()")
-        async with self._lock:
+        # The version is read under the source lock: a policy_update in progress
+        # finishes first, and the sync then moves (and names) the updated weights.
+        async with self._lock, self._source_lock:
             self._check_open()
             if not self.is_stale:
                 return

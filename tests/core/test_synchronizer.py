@@ -217,6 +217,57 @@ async def test_weights_discarded_during_a_sync_fail_it_instead_of_committing(syn
     assert (sync.weight_version, sync.is_stale) == (1, False)
 
 
+async def test_a_policy_update_waits_for_the_sync_reading_the_source(sync, source, engine):
+    # Without it, a step landing between the sync's reads streams a mix of two versions.
+    await sync.mark_stale()
+    sync.gate = anyio.Event()
+    order = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sync.sync_weights)
+        await sync.started.wait()  # the sync copied entry "a" and waits before "b"
+
+        async def step() -> None:
+            async with sync.policy_update() as version:
+                order.append(("step", version))
+                source.step()
+
+        tg.start_soon(step)
+        await anyio.sleep(0.05)
+        order.append(("gate",))
+        sync.gate.set()
+    assert order == [("gate",), ("step", 2)]
+    # The engine holds version 1 whole: every entry from before the step.
+    assert {k: v.tolist() for k, v in engine.weights.items()} == {
+        "a": [0.0] * 4,
+        "b": [[0.0, 0.0], [0.0, 0.0]],
+    }
+    assert (sync.weight_version, sync.policy_version, sync.is_stale) == (1, 2, True)
+    sync.gate = None
+    await sync.sync_weights()
+    assert engine.weights["a"].tolist() == [1.0] * 4 and sync.weight_version == 2
+
+
+async def test_a_sync_started_during_a_policy_update_moves_and_names_the_new_version(
+    sync, source, engine
+):
+    await sync.mark_stale()
+    async with anyio.create_task_group() as tg, sync.policy_update() as version:
+        tg.start_soon(sync.sync_weights)
+        await anyio.sleep(0.05)
+        assert sync.transfers == []  # held off until the step is done
+        source.step()
+    assert version == 2
+    assert sync.transfers == [2] and sync.weight_version == 2
+    assert engine.weights["a"].tolist() == [1.0] * 4
+
+
+async def test_a_failed_policy_update_marks_nothing(sync):
+    with pytest.raises(RuntimeError, match="nan loss"):
+        async with sync.policy_update():
+            raise RuntimeError("nan loss")
+    assert sync.policy_version == 0
+
+
 @pytest.mark.parametrize(
     ("kv_scales", "error"),
     [

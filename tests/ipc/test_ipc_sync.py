@@ -6,9 +6,11 @@ import asyncio
 import os
 import signal
 import stat
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import anyio
 import pytest
 
 from aiosync.engines.embedded.engine import EmbeddedEngine
@@ -230,3 +232,43 @@ async def test_socket_dir_is_private_and_removed_with_buffers_on_shutdown(
     assert not Path(directory).exists()
     assert _segments() - before == set()
     await sync.shutdown()  # idempotent
+
+
+async def test_an_optimizer_step_during_a_refit_waits_so_the_engine_gets_one_version(
+    dense_engine: EmbeddedEngine, h: SimpleNamespace
+) -> None:
+    # The mixed-version case: a step landing while the refit streams must not leave the
+    # engine with tensors of two versions (it served "v2" whose tensors were mostly v3).
+    import threading
+
+    import torch
+
+    trainer = h.trainer_model(h.DENSE_TIED, seed=33)
+    streaming = threading.Event()
+
+    def slow(i: int) -> None:
+        if i == 3:
+            streaming.set()
+        time.sleep(0.02)
+
+    source = h.TrainerSource(trainer.model, [], on_tensor=slow)
+    async with IPCWeightSynchronizer(source, dense_engine, bucket_bytes=4096) as sync:
+        await sync.init_communicator()
+        await sync.mark_stale()
+        before = trainer.hf_state_dict()
+
+        async def step() -> None:
+            await anyio.to_thread.run_sync(streaming.wait)
+            async with sync.policy_update():
+                with torch.no_grad():
+                    for p in trainer.model.parameters():
+                        p.mul_(2.0)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(step)
+            await sync.sync_weights()
+        assert (sync.weight_version, sync.policy_version) == (1, 2)
+        [state] = await dense_engine.hf_state_dicts()
+        assert all(torch.equal(state[n], t) for n, t in before.items())  # all of version 1
+        await sync.sync_weights()
+        await h.assert_engine_equals(dense_engine, trainer)  # then all of version 2
