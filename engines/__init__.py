@@ -5,5 +5,6 @@
 - :mod:`aiosync.engines.sglang` — ``SGLangHTTPBackend`` and the SGLang-contract
   test server (``python -m aiosync.engines.sglang.test_server``).
 - :mod:`aiosync.engines.embedded` — ``EmbeddedEngine``, the CPU reference engine.
-- :mod:`aiosync.engines.colocation` — how much of a device a colocated engine claims.
+- :mod:`aiosync.engines.colocation` — the scheduler's GPU share of a colocated engine
+  worker (``scheduler_gpu_share``; a placement figure, not a memory fraction).
 """
