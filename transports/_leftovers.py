@@ -9,7 +9,9 @@ aiosync's own entries whose creator is dead:
 * ``/dev/shm/aiosync-<pid>-<16 hex>``: IPC transport buckets (``ipc/_shm.py``);
 * ``/dev/shm/aiosync-http-<pid>-<16 hex>``: HTTP transport buckets (``http/_segment.py``);
 * ``<tempdir>/aiosync-ipc-<pid>-<8 chars>/``: the IPC trainer's socket directory;
-* ``<tempdir>/aiosync-engine-<pid>-<8 chars>/``: the embedded engine's RPC socket directory.
+* ``<tempdir>/aiosync-engine-<pid>-<8 chars>/``: the embedded engine's RPC socket directory;
+* ``<tempdir>/aiosync-sglang-<pid>-<8 chars>/``: ``serve_in_subprocess``'s config folder;
+* ``<tempdir>/aiosync-sglang-config-<pid>-<8 chars>/``: the SGLang test server's preset config.
 
 Nothing else is touched: another name, another user's entry, a symlink, a file
 where a directory belongs (or the reverse), or an entry whose pid is alive, is
@@ -39,15 +41,18 @@ SHM_DIR = "/dev/shm"
 _SEGMENT_RE = re.compile(r"^aiosync-(?:http-)?(?P<pid>[1-9][0-9]*)-[0-9a-f]{16}$")
 # Directories as tempfile.mkdtemp(prefix=dir_prefix(kind)) creates them (8 random
 # characters of tempfile's alphabet).
-_DIR_KINDS = ("ipc", "engine")
-_DIR_RE = re.compile(r"^aiosync-(?:ipc|engine)-(?P<pid>[1-9][0-9]*)-[a-z0-9_]{8}$")
+_DIR_KINDS = ("ipc", "engine", "sglang", "sglang-config")
+_DIR_RE = re.compile(
+    r"^aiosync-(?:ipc|engine|sglang|sglang-config)-(?P<pid>[1-9][0-9]*)-[a-z0-9_]{8}$"
+)
 
 
 def dir_prefix(kind: str) -> str:
     """The ``tempfile.mkdtemp`` prefix for a socket directory of ``kind`` made by this process.
 
     Raises:
-        ValueError: ``kind`` is not one the sweep knows (``"ipc"``, ``"engine"``).
+        ValueError: ``kind`` is not one the sweep knows (``"ipc"``, ``"engine"``,
+            ``"sglang"``, ``"sglang-config"``).
     """
     if kind not in _DIR_KINDS:
         raise ValueError(f"unknown aiosync directory kind {kind!r}; known: {_DIR_KINDS}")

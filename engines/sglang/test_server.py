@@ -52,7 +52,7 @@ import sys
 import tempfile
 import threading
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -64,6 +64,7 @@ import torch
 from safetensors.torch import save as safetensors_save
 
 from aiosync.errors import SyncError, TransportError
+from aiosync.transports._leftovers import dir_prefix, sweep_leftovers
 from aiosync.transports.http import (
     FLATTENED_BUCKET,
     decode_flattened_bucket,
@@ -550,20 +551,37 @@ async def serve_in_subprocess(
         args: more command-line flags (``["--api-key", "k", "--enable-memory-saver"]``).
         start_timeout_s: limit for the model build and bind, seconds.
 
+    The server exits with this process, however it ends (even SIGKILL): it holds
+    the read end of a pipe whose write end only this process has (``--parent-fd``);
+    the kernel closes that on death and the server reads EOF. A child this process
+    forks (not spawns) inherits the write end and keeps the server up while it lives.
+    Leftovers of dead aiosync processes are removed first
+    (:mod:`aiosync.transports._leftovers`).
+
     Raises:
         TransportError: the server exited before it was ready.
         TimeoutError: it was not ready within ``start_timeout_s``.
     """
-    with tempfile.TemporaryDirectory(prefix="aiosync-sglang-") as tmp:
+    sweep_leftovers()
+    with tempfile.TemporaryDirectory(prefix=dir_prefix("sglang")) as tmp:
         config_path, port_file = Path(tmp) / "config.json", Path(tmp) / "port"
         config_path.write_text(json.dumps(dict(model_config)))
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "aiosync.engines.sglang.test_server", "--port", "0",
-             "--port-file", str(port_file), "--model-config", str(config_path),
-             "--seed", str(seed), "--dtype", dtype, *args],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        # os.pipe() is close-on-exec: only the server (pass_fds) gets the read end.
+        parent_r, parent_w = os.pipe()
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "aiosync.engines.sglang.test_server", "--port", "0",
+                 "--port-file", str(port_file), "--model-config", str(config_path),
+                 "--seed", str(seed), "--dtype", dtype, "--parent-fd", str(parent_r), *args],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                pass_fds=(parent_r,),
+            )  # fmt: skip
+        except BaseException:
+            os.close(parent_w)
+            raise
+        finally:
+            os.close(parent_r)
         try:
             with anyio.fail_after(start_timeout_s):
                 while not port_file.exists():
@@ -578,6 +596,7 @@ async def serve_in_subprocess(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            os.close(parent_w)
 
 
 def _model_config(parser: argparse.ArgumentParser, value: str) -> str | dict[str, Any]:
@@ -610,7 +629,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--enable-memory-saver", action="store_true")
     parser.add_argument("--enable-weights-cpu-backup", action="store_true")
+    parser.add_argument(
+        "--parent-fd",
+        type=int,
+        default=None,
+        help="read end of a pipe from the parent: EOF (the parent died or closed it) stops "
+        "the server",
+    )
     args = parser.parse_args(argv)
+    folders: list[str] = []  # removed however the server stops
+
+    def stop(*_: object) -> None:
+        # Stopped with SIGTERM (as serve_in_subprocess does) or orphaned: remove the
+        # preset's config folder, then leave at once (an unwinding exit races torch's
+        # native threads).
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    if args.parent_fd is not None:
+        # Watching from the start: a parent that dies during the model build counts too.
+        _stop_on_eof(args.parent_fd, stop)
     # Resolved before the model build so that a typo fails at once, with the presets listed.
     model_config = _model_config(parser, args.model_config)
     use_file_system_sharing()
@@ -621,7 +661,8 @@ def main(argv: list[str] | None = None) -> None:
     if isinstance(model_config, dict):
         # A preset has no folder: write its config so that /get_server_info's model_path
         # lets a trainer check its manifest against this model, as with real SGLang.
-        config_dir = tempfile.mkdtemp(prefix="aiosync-sglang-config-")
+        config_dir = tempfile.mkdtemp(prefix=dir_prefix("sglang-config"))
+        folders.append(config_dir)
         runner.model.config.save_pretrained(config_dir)
         model_path = config_dir
     state = ServerState(
@@ -639,20 +680,28 @@ def main(argv: list[str] | None = None) -> None:
         tmp.write_text(str(port))
         tmp.replace(args.port_file)
     print(f"aiosync SGLang test server on http://127.0.0.1:{port}", file=sys.stderr, flush=True)
-    def stop(*_: object) -> None:
-        # Stopped with SIGTERM (as serve_in_subprocess does): remove the preset's config
-        # folder, then leave at once (an unwinding exit races torch's native threads).
-        if config_dir is not None:
-            shutil.rmtree(config_dir, ignore_errors=True)
-        os._exit(0)
-
-    signal.signal(signal.SIGTERM, stop)
     try:
         server.serve_forever()
     finally:
         server.server_close()
         if config_dir is not None:
             shutil.rmtree(config_dir, ignore_errors=True)
+
+
+def _stop_on_eof(fd: int, stop: Callable[[], None]) -> None:
+    """Call ``stop`` when pipe ``fd`` reads EOF: every write end closed (the parent died).
+
+    A daemon thread blocks in ``read``; nothing polls. The parent never writes, so
+    any bytes that arrive are read and ignored.
+    """
+
+    def watch() -> None:
+        with contextlib.suppress(OSError):  # a broken fd means no parent to wait for either
+            while os.read(fd, 64):
+                pass
+        stop()
+
+    threading.Thread(target=watch, name="aiosync-parent-watch", daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -44,13 +44,18 @@ def _names(pid: int) -> dict[str, str]:
         "http_segment": f"aiosync-http-{pid}-{secrets.token_hex(8)}",
         "ipc_dir": f"aiosync-ipc-{pid}-a1b2c3_d",
         "engine_dir": f"aiosync-engine-{pid}-zz00yy11",
+        "sglang_dir": f"aiosync-sglang-{pid}-q_w3e4r5",
+        "sglang_config_dir": f"aiosync-sglang-config-{pid}-mm99nn88",
     }
+
+
+_DIRS = ("ipc_dir", "engine_dir", "sglang_dir", "sglang_config_dir")
 
 
 def _make(shm: Path, tmp: Path, names: dict[str, str]) -> None:
     (shm / names["ipc_segment"]).write_bytes(b"x" * 64)
     (shm / names["http_segment"]).write_bytes(b"x" * 64)
-    for kind in ("ipc_dir", "engine_dir"):
+    for kind in _DIRS:
         (tmp / names[kind]).mkdir(mode=0o700)
         (tmp / names[kind] / "refit.sock").write_bytes(b"")
 
@@ -68,6 +73,7 @@ def test_sweep_removes_exactly_the_entries_of_dead_pids(tmp_path: Path, live_pid
         shm / f"other-{dead}-{secrets.token_hex(8)}",
         shm / f"aiosync-{dead}-not-hex",
         shm / f"aiosync-sglang-{dead}-{secrets.token_hex(8)}",
+        tmp / f"aiosync-sglang-x-{dead}-abcdefgh",
         tmp / "aiosync-ipc-18e3ntd7",  # an old name without a pid
         tmp / f"aiosync-rogue-{dead}-abcdefgh",
         tmp / f"aiosync-ipc-{dead}-toolongname",
@@ -88,14 +94,15 @@ def test_sweep_removes_exactly_the_entries_of_dead_pids(tmp_path: Path, live_pid
     removed = sweep_leftovers(shm_dir=str(shm), temp_dir=str(tmp))
 
     expected = [shm / gone["ipc_segment"], shm / gone["http_segment"]]
-    expected += [tmp / gone["ipc_dir"], tmp / gone["engine_dir"]]
+    expected += [tmp / gone[kind] for kind in _DIRS]
     assert removed == sorted(str(path) for path in expected)
     assert sorted(os.listdir(shm)) == sorted(
         [kept["ipc_segment"], kept["http_segment"], wrong_kind_segment.name]
         + [p.name for p in foreign if p.parent == shm]
     )
     assert sorted(os.listdir(tmp)) == sorted(
-        [kept["ipc_dir"], kept["engine_dir"], wrong_kind_dir.name, f"aiosync-ipc-{dead}-12345678"]
+        [kept[kind] for kind in _DIRS]
+        + [wrong_kind_dir.name, f"aiosync-ipc-{dead}-12345678"]
         + [p.name for p in foreign if p.parent == tmp]
     )
     assert (target / "data").read_bytes() == b"keep"
@@ -110,8 +117,9 @@ def test_sweep_of_missing_directories_removes_nothing(tmp_path: Path) -> None:
 def test_dir_prefix_carries_this_pid_and_refuses_unknown_kinds() -> None:
     assert dir_prefix("ipc") == f"aiosync-ipc-{os.getpid()}-"
     assert dir_prefix("engine") == f"aiosync-engine-{os.getpid()}-"
-    with pytest.raises(ValueError, match="unknown aiosync directory kind 'sglang'"):
-        dir_prefix("sglang")
+    assert dir_prefix("sglang-config") == f"aiosync-sglang-config-{os.getpid()}-"
+    with pytest.raises(ValueError, match="unknown aiosync directory kind 'rogue'"):
+        dir_prefix("rogue")
 
 
 @pytest.mark.asyncio(loop_scope="session")  # the engine fixtures' loop
@@ -130,7 +138,7 @@ async def test_starting_a_synchronizer_sweeps_real_segments_and_socket_dirs_of_d
             os.ftruncate(fd, 4096)
             os.close(fd)
             made.append(Path(SHM_DIR) / names[kind])
-        for kind in ("ipc_dir", "engine_dir"):
+        for kind in _DIRS:
             (tmp / names[kind]).mkdir(mode=0o700)
             made.append(tmp / names[kind])
     try:
