@@ -13,8 +13,8 @@ The task: the prompt is ``[BOS, d1, ..., dn, SEP]`` with random digits
 by code, is the fraction of positions copied right (random policy: ~0.06).
 
 Async: rollouts for batch k+1 are generated while batch k trains (an anyio task
-group). The loop speaks only the handshake: ``mark_stale()`` after each
-optimizer step, ``refit_if_stale()`` before generating. A
+group). The loop speaks only the handshake: each optimizer step inside
+``sync.policy_update()``, ``refit_if_stale()`` before generating. A
 ``VersionedReplayBuffer`` stamps every group with the weight version it was
 generated under and never hands out one staler than ``--max-staleness``.
 
@@ -358,7 +358,7 @@ async def run(args: argparse.Namespace) -> RunReport:
                 sync, max_staleness=args.max_staleness
             )
             refit_events = sync.subscribe()
-            weights_lock = anyio.Lock()  # optimizer steps vs. refits reading the weights
+            weights_lock = anyio.Lock()  # steps vs. the engine==trainer check after a refit
             last = {"gbps": 0.0, "seconds": 0.0}
             await check_engine()
             report.eval_start = await evaluate()
@@ -433,9 +433,10 @@ async def run(args: argparse.Namespace) -> RunReport:
                             stats = await anyio.to_thread.run_sync(
                                 trainer.backward, seqs, adv, plen, old, ref
                             )
-                            async with weights_lock:
+                            # policy_update: no sync reads a half-stepped policy; it marks
+                            # the new version stale on exit.
+                            async with weights_lock, sync.policy_update():
                                 await anyio.to_thread.run_sync(trainer.step)
-                                await sync.mark_stale()
                         info = (
                             f"reward {step_reward:.3f}  policy v{sync.policy_version}  "
                             f"weights v{sync.weight_version}  refit {last['gbps']:.3f} GB/s "
