@@ -11,6 +11,7 @@ import asyncio
 import gc
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -113,7 +114,7 @@ class RogueTrainer:
     def close(self) -> None:
         self.sock.close(linger=0)
         self.ctx.term()
-        os.rmdir(self.dir) if not os.listdir(self.dir) else None
+        shutil.rmtree(self.dir, ignore_errors=True)  # the socket file is left by zmq
 
 
 @pytest.fixture
