@@ -181,7 +181,7 @@ def main() -> None:
         "waking every subscriber task, the same floor the baseline pays"
     )
     if (warning := machine.warning()) is not None:
-        console.print(warning)
+        console.print(warning, soft_wrap=True)  # one line, for grep
     if args.json:
         print(
             json.dumps(

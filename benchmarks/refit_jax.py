@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     console.print(scale)
     console.print(f"per-tensor cost, 48 vs 12 layers: {result['manifest_per_tensor_ratio']:.2f}x")
     if (warning := machine.warning()) is not None:
-        console.print(warning)
+        console.print(warning, soft_wrap=True)  # one line, for grep
     if args.json:
         print(json.dumps(result))
     return result
