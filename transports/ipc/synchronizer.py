@@ -78,7 +78,12 @@ __all__ = ["DEFAULT_BUFFER_MEMORY_FRACTION", "IPCWeightSynchronizer", "default_b
 _log = logging.getLogger(__name__)
 
 #: Share of the device's free memory one staging buffer takes when no
-#: ``bucket_bytes`` is given (two buffers are used). NeMo-RL uses 2 %.
+#: ``bucket_bytes`` is given (two buffers are used). For comparison, NeMo-RL's IPC
+#: refit takes 30 % of free memory split over its two buffers
+#: (``NRL_REFIT_BUFFER_MEMORY_RATIO``, ``nemo_rl/weight_sync/ipc_weight_synchronizer.py``),
+#: its collective packing 2 % of *total* memory per buffer, at most 5 GiB
+#: (``nemo_rl/utils/packed_tensor.py``). aiosync keeps the small share until an idle
+#: benchmark shows a larger one pays for the memory it takes from the KV cache.
 DEFAULT_BUFFER_MEMORY_FRACTION: float = 0.02
 #: Largest default staging buffer, bytes (NeMo-RL caps at 5 GiB).
 _MAX_DEFAULT_BUCKET_BYTES = 5 * 1024**3
