@@ -21,16 +21,12 @@ from typing import Any, TypeVar
 
 import anyio
 
-from aiosync import errors
+from aiosync._fanout import each_named, named
 from aiosync.errors import TransportError
 
 __all__ = ["EngineFleet"]
 
 _T = TypeVar("_T")
-
-# aiosync's own errors take one message argument, so they can be re-raised
-# with the engine named and their type kept.
-_RENAMEABLE = tuple(getattr(errors, name) for name in errors.__all__)
 
 
 class EngineFleet:
@@ -67,38 +63,11 @@ class EngineFleet:
 
     async def _on_each(self, call: Callable[[int, Any], Awaitable[_T]]) -> list[_T]:
         """``call(i, engine)`` on every engine concurrently; results in engine order.
-
-        The first engine to fail cancels the others and its error is raised,
-        naming the engine.
-        """
-        results: list[Any] = [None] * len(self.engines)
-        failures: list[tuple[int, BaseException]] = []
-
-        async def run(i: int, engine: Any, scope: anyio.CancelScope) -> None:
-            try:
-                results[i] = await call(i, engine)
-            except Exception as exc:
-                failures.append((i, exc))
-                scope.cancel()
-
-        async with anyio.create_task_group() as tg:
-            for i, engine in enumerate(self.engines):
-                tg.start_soon(run, i, engine, tg.cancel_scope)
-        if failures:
-            raise self._named(*failures[0])
-        return results
+        The first engine to fail cancels the others; its error names the engine."""
+        return await each_named(self.engines, call, self._label)
 
     def _label(self, index: int) -> str:
         return f"engine {index} of {len(self.engines)} ({type(self.engines[index]).__name__})"
-
-    def _named(self, index: int, exc: BaseException) -> BaseException:
-        label = self._label(index)
-        if type(exc) in _RENAMEABLE:
-            renamed = type(exc)(f"{label}: {exc}")
-            renamed.__cause__ = exc
-            return renamed
-        exc.add_note(f"raised by {label}")
-        return exc
 
     # -- EngineWorkers ---------------------------------------------------------
 
@@ -153,7 +122,7 @@ class EngineFleet:
                         "aiosync_set_rank_offset", (offsets[-1],), timeout_s=timeout_s
                     )
                 except Exception as exc:
-                    raise self._named(i, exc) from None
+                    raise named(exc, self._label(i)) from None
                 ranks.extend(int(r) for r in got)
             if sorted(ranks) != list(range(len(ranks))):
                 raise TransportError(

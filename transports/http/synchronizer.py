@@ -60,8 +60,8 @@ from typing import Any, TypeVar
 import anyio
 import torch
 
-from aiosync import errors
 from aiosync._config import DEFAULT_BUCKET_BYTES, DEFAULT_EVENT_BACKLOG, DEFAULT_SYNC_TIMEOUT_S
+from aiosync._fanout import each_named
 from aiosync.errors import SyncError, TransportError
 from aiosync.interfaces import KVScales, RefitSource, WeightSynchronizer
 
@@ -85,9 +85,6 @@ __all__ = ["HTTPWeightSynchronizer"]
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-# aiosync's own errors take one message argument: re-raised with the server named.
-_RENAMEABLE = tuple(getattr(errors, name) for name in errors.__all__)
 
 
 class HTTPWeightSynchronizer(WeightSynchronizer):
@@ -347,33 +344,10 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         The first server to fail cancels the others; its error is raised, naming
         the server when there are several (type kept for aiosync's errors).
         """
-        if len(self.servers) == 1:
-            return [await call(0, self.servers[0])]
-        results: list[Any] = [None] * len(self.servers)
-        failures: list[tuple[int, Exception]] = []
+        return await each_named(self.servers, call, self._label)
 
-        async def run(i: int, server: SGLangServer, scope: anyio.CancelScope) -> None:
-            try:
-                results[i] = await call(i, server)
-            except Exception as exc:
-                failures.append((i, exc))
-                scope.cancel()
-
-        async with anyio.create_task_group() as tg:
-            for i, server in enumerate(self.servers):
-                tg.start_soon(run, i, server, tg.cancel_scope)
-        if failures:
-            raise self._named(*failures[0])
-        return results
-
-    def _named(self, index: int, exc: Exception) -> Exception:
-        label = f"SGLang server {index} of {len(self.servers)} ({self.servers[index].base_url})"
-        if type(exc) in _RENAMEABLE:
-            renamed = type(exc)(f"{label}: {exc}")
-            renamed.__cause__ = exc
-            return renamed
-        exc.add_note(f"raised by {label}")
-        return exc
+    def _label(self, index: int) -> str:
+        return f"SGLang server {index} of {len(self.servers)} ({self.servers[index].base_url})"
 
     async def shutdown(self) -> None:
         """End the event stream. Idempotent. The backend stays open: whoever
