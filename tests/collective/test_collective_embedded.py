@@ -88,3 +88,52 @@ async def test_a_wrong_inference_world_size_is_named_before_the_rendezvous(claim
         f"inference_world_size={claimed}, but the engine has 2 worker(s): "
         "pass inference_world_size=2"
     )
+
+
+class _DiscardingSource(DTensorRefitSource):
+    """A trainer whose ``i``-th tensor first makes the engine discard its weights."""
+
+    def __init__(self, model: torch.nn.Module, engine: EmbeddedEngine, at: int) -> None:
+        super().__init__(model)
+        self.engine, self.at = engine, at
+
+    def iter_weights(self):  # type: ignore[no-untyped-def]
+        for i, item in enumerate(super().iter_weights()):
+            if i == self.at:
+                anyio.from_thread.run(self.engine.finish_generation)  # a level-2 sleep
+                self.at = -1
+            yield item
+
+
+async def test_weights_discarded_mid_broadcast_fail_the_sync_and_the_engine_refuses() -> None:
+    # Case C14 on the collective: the discard is not lost by the sync's success.
+    from aiosync import SyncError
+
+    trainer = HFModelRunner.from_config(dict(QWEN3), seed=202)
+    async with EmbeddedEngine(dict(QWEN3), num_workers=1, seed=7, sleep_level=2) as engine:
+        source = _DiscardingSource(trainer.model, engine, at=6)
+        sync = create_weight_synchronizer(
+            source,
+            engine,
+            colocated=False,
+            backend="embedded",
+            train_cluster=TrainCluster(),
+            inference_world_size=1,
+            bucket_bytes=16 * 1024,
+            collective_timeout_s=60.0,
+        )
+        async with sync:
+            await sync.init_communicator()
+            await sync.mark_stale()
+            with pytest.raises(SyncError, match=r"discarded (this worker's|its) weights"):
+                await sync.sync_weights()
+            assert (sync.weight_version, sync.is_stale) == (0, True)
+            await engine.prepare_for_generation()
+            assert [s["weights_valid"] for s in await engine.status()] == [False]
+            with pytest.raises(SyncError, match="not valid"):
+                await engine.generate([[1, 2, 3]], max_new_tokens=2)
+            assert await refit_if_stale(sync) is True  # nothing discarded this time
+            assert (sync.weight_version, engine.weight_version) == (1, 1)
+            [state] = await engine.hf_state_dicts()
+            expected = trainer.hf_state_dict()
+            assert all(torch.equal(state[n], t) for n, t in expected.items())
