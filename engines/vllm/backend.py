@@ -231,11 +231,16 @@ class VLLMGenerationBackend:
 
         Waking the KV cache (``"kv_cache"`` or None) also drops vLLM's prefix
         cache, so no KV computed with the previous weights is reused after a
-        refit. Call it with ``["weights"]`` before a colocated refit and with
-        ``["kv_cache"]`` after it to keep peak memory low.
+        refit. vLLM refuses that while requests hold KV blocks (it returns
+        False); those requests are then preempted (``reset_running_requests``)
+        and recompute their KV with the new weights. Call it with
+        ``["weights"]`` before a colocated refit and with ``["kv_cache"]`` after
+        it to keep peak memory low.
 
         Raises:
             ValueError: an unknown tag.
+            TransportError: vLLM refused to drop its prefix cache even with the
+                running requests preempted.
         """
         wake = None if tags is None else list(tags)
         if wake is not None:
@@ -249,7 +254,21 @@ class VLLMGenerationBackend:
         elif not self._sleep_mode:
             self._warn_no_sleep()
         if wake is None or "kv_cache" in wake:
-            await self._call("reset_prefix_cache")
+            await self._reset_prefix_cache()
+
+    async def _reset_prefix_cache(self) -> None:
+        if await self._call("reset_prefix_cache") is not False:
+            return  # done (None: a vLLM that does not say)
+        # Requests hold KV blocks computed with the previous weights: preempt them.
+        try:
+            done = await self._call("reset_prefix_cache", reset_running_requests=True)
+        except TypeError:  # a vLLM without reset_running_requests
+            done = False
+        if done is False:
+            raise TransportError(
+                "vLLM refused to reset its prefix cache while requests hold KV blocks: "
+                "KV computed with the previous weights would be reused"
+            )
 
     async def finish_generation(self) -> None:
         """Sleep at ``sleep_level`` so the trainer gets the device memory back.

@@ -106,3 +106,68 @@ async def test_async_llm_refits_by_both_transports_match_the_trainers_greedy_out
         assert after_ipc != after_collective
     finally:
         await backend.shutdown()
+
+
+async def test_a_busy_engine_still_drops_its_prefix_cache_after_a_refit(
+    tiny_qwen3_dir: Path,
+) -> None:
+    # vLLM's reset_prefix_cache() returns False (and does nothing) while requests hold
+    # KV blocks; waking the KV cache must still drop every KV computed with old weights.
+    import asyncio
+    import itertools
+
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_engine_args(
+        AsyncEngineArgs(
+            model=str(tiny_qwen3_dir),
+            worker_extension_cls=WORKER_EXTENSION,
+            enforce_eager=True,
+            dtype="float32",
+            max_model_len=256,
+            max_num_seqs=4,
+            seed=0,
+            enable_prefix_caching=True,
+        )
+    )
+    backend = VLLMGenerationBackend(engine)
+    ids = itertools.count()
+    shared = [i % 120 + 1 for i in range(140)]  # more than one KV block (128 tokens on CPU)
+
+    async def cached_tokens(prompt: list[int]) -> int:
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        final = None
+        async for out in engine.generate(
+            TokensPrompt(prompt_token_ids=prompt), params, str(next(ids))
+        ):
+            final = out
+        assert final is not None
+        return int(final.num_cached_tokens or 0)
+
+    running = asyncio.Event()
+
+    async def long_request() -> int:
+        params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+        final = None
+        prompt = TokensPrompt(prompt_token_ids=[1, 2, 3])
+        async for out in engine.generate(prompt, params, "long"):
+            final = out
+            running.set()
+        assert final is not None
+        return len(final.outputs[0].token_ids)
+
+    try:
+        long = asyncio.create_task(long_request())
+        await running.wait()  # it holds KV blocks now
+        await cached_tokens(shared)
+        if await cached_tokens(shared) == 0:
+            pytest.skip("this vLLM build does not cache prefixes")
+        assert await engine.reset_prefix_cache() is False  # refused while the request runs
+        await backend.prepare_for_generation(["kv_cache"])  # preempts it, then resets
+        assert await cached_tokens(shared) == 0  # nothing of the old cache survived
+        assert await long == 120  # the preempted request resumes and finishes
+    finally:
+        await backend.shutdown()
