@@ -289,3 +289,21 @@ class Workers:
             )
             raise ranked[0][1]
         return [results[r] for r in range(len(self.indices))]
+
+
+class RecordingWorkers(Workers):
+    """The harness engine, recording which RPCs were made (``methods``, in order)."""
+
+    def __init__(self, workers: Workers) -> None:
+        super().__init__(workers.pool, workers.indices)
+        self.methods: list[str] = []
+
+    async def collective_rpc(
+        self,
+        method: str,
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[Any]:
+        self.methods.append(method)
+        return await super().collective_rpc(method, args, kwargs, timeout_s)

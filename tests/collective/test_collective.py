@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from anyio import create_task_group as anyio_task_group
-from collective_harness import QWEN3, QWEN3_MOE, WorkerPool, Workers
+from collective_harness import QWEN3, QWEN3_MOE, RecordingWorkers, WorkerPool, Workers
 
 from aiosync import (
     RefitMismatchError,
@@ -313,24 +313,6 @@ async def test_two_trainer_ranks_only_rank_zero_sends(pool: WorkerPool, free_por
             await sync.shutdown()
 
 
-class _RecordingWorkers(Workers):
-    """The harness engine, recording which RPCs were made."""
-
-    def __init__(self, workers: Workers) -> None:
-        super().__init__(workers.pool, workers.indices)
-        self.methods: list[str] = []
-
-    async def collective_rpc(
-        self,
-        method: str,
-        args: tuple[object, ...] = (),
-        kwargs: dict[str, object] | None = None,
-        timeout_s: float | None = None,
-    ) -> list[object]:
-        self.methods.append(method)
-        return await super().collective_rpc(method, args, kwargs, timeout_s)
-
-
 _BAD_KV_SCALES: list[tuple[dict[int | str, float], type[Exception], str]] = [
     ({-3: 1.0}, ValueError, "layer index must be >= 0, got -3"),
     ({999: 1.0}, ValueError, "layer index 999 is not an attention layer"),
@@ -343,7 +325,7 @@ async def test_kv_scale_keys_unknown_to_the_manifest_raise_before_any_byte_moves
     pool: WorkerPool, free_port: int
 ) -> None:
     trainer = _trainer(QWEN3, seed=109)
-    workers = _RecordingWorkers(await pool.view([0]))
+    workers = RecordingWorkers(await pool.view([0]))
     async with _sync(trainer, workers, free_port) as sync:
         await sync.init_communicator()
         await sync.mark_stale()

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
 import torch
-from collective_harness import QWEN3, WorkerPool, Workers
+from collective_harness import QWEN3, RecordingWorkers, WorkerPool, Workers
 from torch import nn
 
 from aiosync import TrainCluster, TransportError
@@ -35,24 +34,6 @@ def edge_pool() -> Iterator[WorkerPool]:
         yield workers
     finally:
         workers.close()
-
-
-class _RecordingWorkers(Workers):
-    """The harness engine, recording which RPCs were made."""
-
-    def __init__(self, workers: Workers) -> None:
-        super().__init__(workers.pool, workers.indices)
-        self.methods: list[str] = []
-
-    async def collective_rpc(
-        self,
-        method: str,
-        args: tuple[Any, ...] = (),
-        kwargs: Mapping[str, Any] | None = None,
-        timeout_s: float | None = None,
-    ) -> list[Any]:
-        self.methods.append(method)
-        return await super().collective_rpc(method, args, kwargs, timeout_s)
 
 
 def _sync(
@@ -137,7 +118,7 @@ async def test_a_busy_port_fails_at_once_without_asking_the_workers(
     edge_pool: WorkerPool,
 ) -> None:
     trainer = HFModelRunner.from_config(dict(QWEN3), seed=34)
-    workers = _RecordingWorkers(await edge_pool.view([2]))
+    workers = RecordingWorkers(await edge_pool.view([2]))
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

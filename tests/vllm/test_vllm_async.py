@@ -40,6 +40,23 @@ def trainer_greedy(model: Any) -> list[list[int]]:
     return outputs
 
 
+def _async_llm(model_dir: Path, **options: Any) -> Any:
+    """An ``AsyncLLM`` of the tiny checkpoint with aiosync's worker extension (CPU, eager)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = AsyncEngineArgs(
+        model=str(model_dir),
+        worker_extension_cls=WORKER_EXTENSION,
+        enforce_eager=True,
+        dtype="float32",
+        max_num_seqs=4,
+        seed=0,
+        **options,
+    )
+    return AsyncLLM.from_engine_args(args)
+
+
 def perturb(model: Any, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -51,21 +68,9 @@ async def test_async_llm_refits_by_both_transports_match_the_trainers_greedy_out
     tiny_qwen3_dir: Path, free_port: Callable[[], int]
 ) -> None:
     from transformers import Qwen3ForCausalLM
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
 
     trainer = Qwen3ForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32).eval()
-    engine = AsyncLLM.from_engine_args(
-        AsyncEngineArgs(
-            model=str(tiny_qwen3_dir),
-            worker_extension_cls=WORKER_EXTENSION,
-            enforce_eager=True,
-            dtype="float32",
-            max_model_len=128,
-            max_num_seqs=4,
-            seed=0,
-        )
-    )
+    engine = _async_llm(tiny_qwen3_dir, max_model_len=128)
     backend = VLLMGenerationBackend(engine)
     try:
         start = await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
@@ -117,22 +122,9 @@ async def test_a_busy_engine_still_drops_its_prefix_cache_after_a_refit(
     import itertools
 
     from vllm import SamplingParams
-    from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.inputs import TokensPrompt
-    from vllm.v1.engine.async_llm import AsyncLLM
 
-    engine = AsyncLLM.from_engine_args(
-        AsyncEngineArgs(
-            model=str(tiny_qwen3_dir),
-            worker_extension_cls=WORKER_EXTENSION,
-            enforce_eager=True,
-            dtype="float32",
-            max_model_len=256,
-            max_num_seqs=4,
-            seed=0,
-            enable_prefix_caching=True,
-        )
-    )
+    engine = _async_llm(tiny_qwen3_dir, max_model_len=256, enable_prefix_caching=True)
     backend = VLLMGenerationBackend(engine)
     ids = itertools.count()
     shared = [i % 120 + 1 for i in range(140)]  # more than one KV block (128 tokens on CPU)
