@@ -28,6 +28,7 @@ from .interfaces import (
     WeightSynchronizer,
     refit_if_stale,
 )
+from .lora import LoRAAdapter, LoRAAdapterSource, lora_adapter_name
 from .replay import ReplaySample, StalenessStats, VersionedReplayBuffer
 
 if TYPE_CHECKING:
@@ -56,6 +57,8 @@ __all__ = [
     "HTTPWeightSynchronizer",
     "IPCWeightSynchronizer",
     "KVScales",
+    "LoRAAdapter",
+    "LoRAAdapterSource",
     "RefitManifest",
     "RefitMismatchError",
     "RefitSource",
@@ -73,6 +76,7 @@ __all__ = [
     "WeightVersionEvent",
     "__version__",
     "create_weight_synchronizer",
+    "lora_adapter_name",
     "refit_if_stale",
 ]
 
