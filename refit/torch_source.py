@@ -20,6 +20,7 @@ from torch import nn
 from aiosync.errors import RefitMismatchError
 from aiosync.interfaces import RefitManifest, RefitSource
 
+from ._peft import LoraMerge, MergedPeft, find_peft_model
 from ._torch_names import (
     Reverter,
     _adapter_reverter,
@@ -47,6 +48,7 @@ class _Entry:
     # "plain": the tensor is the checkpoint tensor ``outputs[0]``; "views": a zero-copy
     # rule (``_torch_rules``) splits it; "revert": the reverter converts it.
     mode: Literal["plain", "views", "revert"]
+    merge: LoraMerge | None = None  # a PEFT model's LoRA, merged into the gathered tensor
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -68,6 +70,20 @@ class DTensorRefitSource(RefitSource):
     → ``mlp.experts.{e}.down_proj.weight [H, Im]``), as zero-copy views where a
     rule in ``refit/_torch_rules.py`` matches it exactly. Gemma 4 keeps its
     experts fused, as its checkpoints do.
+
+    A PEFT LoRA trainer (``peft.get_peft_model(model, LoraConfig(...))``, also
+    inside FSDP2/DDP/compile wrappers) is refit **merged**, as TRL does: the
+    base model's checkpoint, exactly what ``peft_model.merge_and_unload()
+    .save_pretrained()`` writes (names, shapes, order of the base model's own
+    source), each targeted weight ``[out, in]`` streamed as ``W + scaling · B @ A``
+    with the active adapter's ``lora_A [r, in]`` and ``lora_B [out, r]``
+    (PEFT's arithmetic: ``scaling`` is ``lora_alpha / r``, ``/ sqrt(r)`` with
+    ``use_rslora``, per module with ``rank_pattern``/``alpha_pattern``; the
+    product in fp32, then the manifest dtype), bit for bit what
+    ``merge_and_unload()`` gives for fp32 adapters. The trainer's modules are
+    never modified. A ``modules_to_save`` module is sent as the adapter's
+    trained copy under the original name. For the adapter alone, see
+    ``LoRAAdapterRefitSource``.
 
     Order: ``save_pretrained``'s (the ``state_dict`` order, naturally sorted by
     transformers when a conversion applies; all experts' ``gate_proj``, then all
@@ -92,6 +108,13 @@ class DTensorRefitSource(RefitSource):
 
     Raises:
         TypeError: ``dtype`` or ``state_dict_adapter`` is malformed.
+        ValueError: a PEFT model whose configuration the merged refit does not
+            support, naming the option: a PEFT type other than LoRA, DoRA
+            (``use_dora``) or another LoRA variant, several active adapters,
+            ``lora_bias``, ``target_parameters``, ``trainable_token_indices``,
+            ``layer_replication``, LoRA on a non-linear layer (embeddings,
+            quantized layers) or on a tied weight, adapters merged in place
+            (``merge_adapter()``); or PEFT tuner layers without their ``PeftModel``.
     """
 
     def __init__(
@@ -114,6 +137,12 @@ class DTensorRefitSource(RefitSource):
         self.dtype = dtype
         self.optimizer = optimizer
         inner = _unwrap(model)
+        peft_model = find_peft_model(inner)
+        # A PEFT model is refit as its base model, its adapter merged (``_peft``).
+        self._peft: MergedPeft | None = None
+        if peft_model is not None:
+            self._peft = MergedPeft(peft_model, _tied_aliases(peft_model.get_base_model()))
+            inner = self._peft.base_model
         self._hf_model = inner if state_dict_adapter is None else None
         self._reverter: Reverter | None = (
             _adapter_reverter(state_dict_adapter)
@@ -142,6 +171,8 @@ class DTensorRefitSource(RefitSource):
             for k, t in self.model.state_dict(keep_vars=True).items()
             if isinstance(t, torch.Tensor)
         ]
+        if self._peft is not None:
+            raw = self._peft.checkpoint_tensors(raw)
         by_key = {key: module_key for key, module_key, _ in raw}
         if len(by_key) != len(raw):
             raise RefitMismatchError("two state_dict keys map to the same name after unwrapping")
@@ -182,7 +213,8 @@ class DTensorRefitSource(RefitSource):
                 mode = "revert"
                 if self._hf_model is not None and self._rule_agrees(key, meta, outputs):
                     mode = "views"
-            entries.append(_Entry(module_key, key, outputs, mode))
+            merge = self._peft.merge_for(key) if self._peft is not None else None
+            entries.append(_Entry(module_key, key, outputs, mode, merge))
         if self._hf_model is not None:
             entries = self._in_checkpoint_order(entries, metas)
         return tuple(entries)
@@ -271,9 +303,12 @@ class DTensorRefitSource(RefitSource):
         the next optimizer step.
 
         Raises:
-            RefitMismatchError: the model changed since :meth:`prepare_refit_info`.
+            RefitMismatchError: the model changed since :meth:`prepare_refit_info`
+                (of a PEFT model: its active adapter, or an adapter merged in place).
         """
         entries = self._entries()
+        if self._peft is not None:
+            self._peft.check_unchanged()
         live = self.model.state_dict(keep_vars=True)
         # Everything below works on detached tensors, so no autograd graph is
         # built. ``torch.no_grad()`` is not held across the ``yield``: the grad
@@ -284,7 +319,10 @@ class DTensorRefitSource(RefitSource):
             if not isinstance(tensor, torch.Tensor):
                 raise RefitMismatchError(f"{entry.module_key!r} vanished from the model")
             full = tensor.detach()
-            if _is_dtensor(full):
+            if entry.merge is not None:
+                # Gathered in its own dtype: the merge rounds once, as PEFT's does.
+                full = entry.merge.merged(full)
+            elif _is_dtensor(full):
                 # Cast the local shard first when every output gets the same dtype:
                 # the gather then moves and allocates engine-dtype bytes (an
                 # elementwise cast commutes with the gather, bit for bit).
