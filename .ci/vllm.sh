@@ -25,7 +25,7 @@ install_vllm() {
   # "libc10_cuda.so: cannot open shared object file"); transformers and vLLM then
   # fail to import. A text-only model needs none of them.
   { "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true; } &&
-  "$VENV/bin/pip" install -q anyio pyzmq httpx msgpack safetensors \
+  "$VENV/bin/pip" install -q anyio pyzmq httpx msgpack safetensors "peft>=0.17" \
     pytest pytest-asyncio pytest-timeout
 }
 
@@ -37,6 +37,9 @@ if [[ ! -x "$VENV/bin/python" ]] || ! "$VENV/bin/python" -c "import vllm" 2>/dev
     exit 0
   fi
 fi
+# The LoRA tests' adapters (a venv built before they existed has no peft).
+"$VENV/bin/python" -c "import peft" 2>/dev/null || "$VENV/bin/pip" install -q "peft>=0.17" ||
+  echo "vllm tests: peft could not be installed, the LoRA tests skip" >&2
 "$VENV/bin/pip" install -q -e . --no-deps
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1

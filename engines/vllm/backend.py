@@ -14,6 +14,10 @@ expect of any engine:
   weights must not survive a refit); ``finish_generation()`` puts it to sleep
   (``sleep(level)``).
 * ``generate(prompts)`` — greedy (or sampled) token ids for token-id prompts.
+* ``load_lora_adapter(adapter)`` — an adapter-only refit (:class:`aiosync.LoRAAdapter`):
+  vLLM loads the adapter as ``LoRARequest(adapter.name, adapter.version, path)``
+  and every later ``generate`` uses it (the engine must be built with
+  ``enable_lora=True`` and ``max_lora_rank >= r``).
 
 Sleep mode exists only where vLLM supports it (CUDA, ROCm, XPU) and the engine
 was built with ``enable_sleep_mode=True``. vLLM's CPU worker rejects
@@ -34,17 +38,22 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 import re
+import shutil
+import tempfile
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager, suppress
 from typing import Any
 
 import anyio
 import anyio.to_thread
 
 from aiosync._config import DEFAULT_RPC_TIMEOUT_S
-from aiosync.errors import SyncError, SyncTimeoutError, TransportError
+from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
+from aiosync.lora import LoRAAdapter
 
 __all__ = ["WORKER_EXTENSION", "VLLMGenerationBackend"]
 
@@ -60,6 +69,16 @@ _LLM_LOCKS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDict
 
 # ``[aiosync:TypeName] message``, written by aiosync.engines.vllm.worker.
 _TAGGED_ERROR = re.compile(r"\[aiosync:(\w+)\] (.*)", re.DOTALL)
+
+#: Where :meth:`VLLMGenerationBackend.load_lora_adapter` writes the adapter's PEFT
+#: directory for vLLM to read (RAM-backed; the temp dir where it does not exist).
+#: Each directory is ``aiosync-lora-<pid>-<8 chars>`` and is removed once vLLM
+#: has read it.
+LORA_DIR_PARENT = "/dev/shm"
+
+#: PEFT's saved names of a LoRA pair: ``<prefix>.<module>.lora_A.weight`` ``[r, in]``,
+#: ``...lora_B.weight`` ``[out, r]`` (embedding LoRA, ``lora_embedding_A/B``, is not matched).
+LORA_PAIR_NAME = re.compile(r"(?P<module>.+)\.lora_(?P<kind>[AB])\.weight")
 
 
 class VLLMGenerationBackend:
@@ -104,6 +123,13 @@ class VLLMGenerationBackend:
         self._llm_lock = _LLM_LOCKS.setdefault(engine, threading.Lock())
         self._warned_no_sleep = False
         self._request_ids = 0
+        # LoRA: the request every generate() passes (None: the base model), why
+        # generate() refuses after a failed load, and the ids of aiosync adapters
+        # this backend added to vLLM and has not removed.
+        self._lora: Any = None
+        self._lora_error: str | None = None
+        self._lora_ids: set[int] = set()
+        self._lora_gate = _LoRAGate()
 
     @classmethod
     def from_model(
@@ -300,6 +326,10 @@ class VLLMGenerationBackend:
     ) -> list[list[int]]:
         """Generate from token-id prompts; returns the new token ids per prompt.
 
+        After a :meth:`load_lora_adapter` every prompt runs with that adapter
+        (``lora_request=`` of ``LLM.generate`` / ``AsyncLLM.generate``); before
+        any, with the base model alone. A call waits while an adapter loads.
+
         Args:
             prompts: one list of token ids per prompt.
             max_new_tokens: tokens to generate per prompt.
@@ -309,29 +339,171 @@ class VLLMGenerationBackend:
 
         Raises:
             SyncError: a worker holds half-updated weights (a refit failed
-                part-way); refit before generating.
+                part-way); the last :meth:`load_lora_adapter` failed; or vLLM no
+                longer holds the loaded adapter (a full-weight refit removes
+                every adapter; so does vLLM's LRU cache when other adapters
+                crowd it out). Refit (load an adapter) before generating.
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        statuses = await self.collective_rpc("aiosync_vllm_status")
-        invalid = [s["rank"] for s in statuses if not s["weights_valid"]]
-        if invalid:
-            raise SyncError(
-                f"vLLM worker(s) {invalid} hold partially updated weights; sync before generating"
+        async with self._lora_gate.shared():
+            if self._lora_error is not None:
+                raise SyncError(f"{self._lora_error}; load a LoRA adapter before generating")
+            lora = self._lora
+            statuses = await self.collective_rpc("aiosync_vllm_status")
+            invalid = [s["rank"] for s in statuses if not s["weights_valid"]]
+            if invalid:
+                raise SyncError(
+                    f"vLLM worker(s) {invalid} hold partially updated weights; "
+                    "sync before generating"
+                )
+            if lora is not None and lora.lora_int_id not in await self.list_loras():
+                # Its directory is gone: vLLM would try to read it again and its
+                # engine core would die (LoRAAdapterNotFoundError in a step).
+                raise SyncError(
+                    f"vLLM no longer holds LoRA adapter {lora.lora_name!r} (a full-weight "
+                    "refit or vLLM's adapter cache removed it); load it again before generating"
+                )
+            params = SamplingParams(
+                temperature=temperature,
+                max_tokens=max_new_tokens,
+                seed=seed,
+                ignore_eos=ignore_eos,
             )
-        params = SamplingParams(
-            temperature=temperature, max_tokens=max_new_tokens, seed=seed, ignore_eos=ignore_eos
-        )
-        inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        if self._is_async:
-            results: list[list[int]] = [[] for _ in inputs]
-            async with anyio.create_task_group() as tg:
-                for i, prompt in enumerate(inputs):
-                    tg.start_soon(self._generate_async, prompt, params, results, i)
-            return results
-        outputs = await self._call("generate", inputs, params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outputs]
+            inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+            if self._is_async:
+                results: list[list[int]] = [[] for _ in inputs]
+                async with anyio.create_task_group() as tg:
+                    for i, prompt in enumerate(inputs):
+                        tg.start_soon(self._generate_async, prompt, params, lora, results, i)
+                return results
+            outputs = await self._call(
+                "generate", inputs, params, use_tqdm=False, lora_request=lora
+            )
+            return [list(o.outputs[0].token_ids) for o in outputs]
+
+    # -- LoRA adapters -------------------------------------------------------------
+
+    @property
+    def active_lora_adapter(self) -> str | None:
+        """The name of the adapter :meth:`generate` uses (``"aiosync-v{version}"``);
+        None: the base model, or the last load failed."""
+        return None if self._lora is None else str(self._lora.lora_name)
+
+    async def list_loras(self) -> set[int]:
+        """The ``lora_int_id`` of every adapter vLLM holds (``list_loras()``; aiosync's
+        adapters have their weight version as id)."""
+        return {int(i) for i in await self._lora_call("list_loras")}
+
+    async def load_lora_adapter(self, adapter: LoRAAdapter) -> None:
+        """Load ``adapter`` into vLLM as ``LoRARequest(adapter.name, adapter.version, path)``,
+        make it the adapter every later :meth:`generate` uses, then remove the
+        aiosync adapter it replaces (``remove_lora``).
+
+        vLLM 0.32 reads adapters from a PEFT directory only (``LoRARequest.lora_path``;
+        no in-memory path without patching its worker): the adapter is written
+        with :meth:`LoRAAdapter.save` to ``LORA_DIR_PARENT/aiosync-lora-<pid>-<8 chars>``
+        (``/dev/shm``), loaded with ``add_lora`` (vLLM reads every tensor then)
+        and the directory removed, on every path. vLLM therefore must keep the
+        adapter in its CPU cache (``max_cpu_loras``) for as long as it is used:
+        :meth:`generate` refuses once it is gone.
+
+        Waits for running :meth:`generate` calls to finish (none may use the
+        adapter being removed) and holds new ones until the load ends. If the
+        load fails, in whatever way, :meth:`generate` refuses (``SyncError``)
+        until a later load succeeds: it never generates with a half-loaded
+        adapter, nor with the previous one or none in its place.
+
+        Args:
+            adapter: ``tensors`` ``{PEFT saved name: CPU tensor}``:
+                ``<module>.lora_A.weight`` ``[r, in_features]`` and
+                ``<module>.lora_B.weight`` ``[out_features, r]`` for each target
+                module, any float dtype (vLLM casts to its ``lora_dtype``, by
+                default the model's); ``config`` the ``adapter_config.json``
+                (``r``, ``lora_alpha``, ``target_modules``, ...); ``version`` >= 1
+                is vLLM's ``lora_int_id``.
+
+        Raises (all but the last before anything reaches vLLM):
+            TypeError: ``adapter`` is not a :class:`~aiosync.LoRAAdapter`, or its
+                ``config["r"]`` is not an int.
+            ValueError: the engine was built without ``enable_lora=True``; the
+                adapter's rank exceeds the engine's ``max_lora_rank``;
+                ``version`` < 1; no LoRA tensors.
+            RefitMismatchError: a tensor's shape does not fit: a lora_A without
+                its lora_B (or the reverse), ranks of a pair that differ or
+                differ from ``config["r"]``, or (checked by the workers against
+                the safetensors headers of a local, unquantized checkpoint) an
+                ``in_features``/``out_features`` other than the base weight's.
+            TransportError, SyncTimeoutError: vLLM refused or failed the load
+                (its message), or did not answer within ``rpc_timeout_s``.
+        """
+        async with self._lora_gate.exclusive():
+            try:
+                await self._load_lora(adapter)
+            except BaseException as exc:  # cancelled too: vLLM may hold part of it
+                self._lora = None
+                name = getattr(adapter, "name", adapter)
+                self._lora_error = (
+                    f"loading LoRA adapter {name!r} failed ({type(exc).__name__}: {exc})"
+                )
+                raise
+
+    async def _load_lora(self, adapter: LoRAAdapter) -> None:
+        from vllm.lora.request import LoRARequest
+
+        shapes = _check_lora_adapter(adapter, _lora_config(self.engine))
+        reports = await self.collective_rpc("aiosync_vllm_check_lora", (shapes,))
+        for report in reports:
+            if not report["checked"]:
+                _log.debug("LoRA shapes not checked against the model: %s", report["reason"])
+        problems = [p for report in reports for p in report["problems"]]
+        if problems:
+            raise RefitMismatchError(
+                f"LoRA adapter {adapter.name!r} does not fit the engine's model: "
+                + "; ".join(problems[:5])
+                + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
+            )
+        replaced = adapter.version in await self.list_loras()
+        folder = tempfile.mkdtemp(prefix=f"aiosync-lora-{os.getpid()}-", dir=_lora_dir_parent())
+        try:
+            await anyio.to_thread.run_sync(adapter.save, folder)
+            # load_inplace: reload even if an adapter with this id is held (a retry
+            # of the same version); generate() passes a request without it, or
+            # vLLM would re-read the (removed) directory at every step.
+            await self._add_lora(
+                LoRARequest(adapter.name, adapter.version, folder, load_inplace=True)
+            )
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        self._lora = LoRARequest(adapter.name, adapter.version, folder)
+        self._lora_error = None
+        for stale in sorted(self._lora_ids - {adapter.version}):
+            await self._lora_call("remove_lora", stale)
+            self._lora_ids.discard(stale)
+        if replaced:  # same name, new tensors: KV cached under that name is stale
+            await self._reset_prefix_cache()
+
+    async def _add_lora(self, request: Any) -> None:
+        self._lora_ids.add(request.lora_int_id)  # vLLM may hold part of it, even on failure
+        try:
+            with anyio.fail_after(self.rpc_timeout_s):
+                added = await self._lora_call("add_lora", request)
+        except TimeoutError as exc:
+            raise SyncTimeoutError(
+                f"vLLM add_lora({request.lora_name!r}) did not return within {self.rpc_timeout_s} s"
+            ) from exc
+        except TransportError as exc:
+            # A failed add can leave the adapter registered, half-copied into its
+            # slot (vLLM 0.32 registers it before activating it): drop it.
+            with suppress(Exception):
+                await self._lora_call("remove_lora", request.lora_int_id)
+                self._lora_ids.discard(request.lora_int_id)
+            raise TransportError(
+                f"vLLM could not load LoRA adapter {request.lora_name!r}: {exc.__cause__ or exc}"
+            ) from exc
+        if not added:
+            raise TransportError(f"vLLM did not load LoRA adapter {request.lora_name!r}")
 
     async def shutdown(self) -> None:
         """Stop the engine and its processes."""
@@ -348,6 +520,16 @@ class VLLMGenerationBackend:
             return await fn(*args, **kwargs)
         return await self._in_thread(functools.partial(fn, *args, **kwargs))
 
+    async def _lora_call(self, name: str, *args: Any) -> Any:
+        # AsyncLLM has add_lora/remove_lora/list_loras; vllm.LLM only through llm_engine.
+        try:
+            if self._is_async:
+                return await getattr(self.engine, name)(*args)
+            call = getattr(self.engine.llm_engine, name)
+            return await self._in_thread(functools.partial(call, *args))
+        except Exception as exc:
+            raise TransportError(f"vLLM {name} failed: {exc}") from exc
+
     async def _in_thread(self, fn: Callable[[], Any]) -> Any:
         def locked() -> Any:
             with self._llm_lock:
@@ -356,11 +538,13 @@ class VLLMGenerationBackend:
         return await anyio.to_thread.run_sync(locked, abandon_on_cancel=True)
 
     async def _generate_async(
-        self, prompt: Any, params: Any, results: list[list[int]], index: int
+        self, prompt: Any, params: Any, lora: Any, results: list[list[int]], index: int
     ) -> None:
         self._request_ids += 1
         final = None
-        async for out in self.engine.generate(prompt, params, f"aiosync-{self._request_ids}"):
+        async for out in self.engine.generate(
+            prompt, params, f"aiosync-{self._request_ids}", lora_request=lora
+        ):
             final = out
         assert final is not None
         results[index] = list(final.outputs[0].token_ids)
@@ -376,12 +560,138 @@ class VLLMGenerationBackend:
             )
 
 
-def _sleep_mode_enabled(engine: Any) -> bool:
+def _vllm_config(engine: Any) -> Any:
     config = getattr(engine, "vllm_config", None)
     if config is None:
         config = getattr(getattr(engine, "llm_engine", None), "vllm_config", None)
-    model_config = getattr(config, "model_config", None)
+    return config
+
+
+def _sleep_mode_enabled(engine: Any) -> bool:
+    model_config = getattr(_vllm_config(engine), "model_config", None)
     return bool(getattr(model_config, "enable_sleep_mode", False))
+
+
+def _lora_config(engine: Any) -> Any:
+    """The engine's ``LoRAConfig``.
+
+    Raises:
+        ValueError: the engine was built without ``enable_lora=True``.
+    """
+    lora_config = getattr(_vllm_config(engine), "lora_config", None)
+    if lora_config is None:
+        raise ValueError(
+            "this vLLM engine was built without LoRA support: build it with "
+            "enable_lora=True (vllm serve --enable-lora) and max_lora_rank >= the adapter's "
+            "rank to load LoRA adapters"
+        )
+    return lora_config
+
+
+def _check_lora_adapter(adapter: Any, lora_config: Any) -> dict[str, list[int]]:
+    """Check ``adapter`` against itself and the engine's ``LoRAConfig``; returns the
+    shapes of its LoRA pairs ``{peft_name: [rows, cols]}`` for the workers' check.
+
+    Raises:
+        TypeError, ValueError, RefitMismatchError: see ``load_lora_adapter``.
+    """
+    if not isinstance(adapter, LoRAAdapter):
+        raise TypeError(f"expected an aiosync.LoRAAdapter, got {type(adapter).__name__}")
+    if isinstance(adapter.version, bool) or not isinstance(adapter.version, int):
+        raise TypeError(f"LoRA adapter version must be an int, got {adapter.version!r}")
+    if adapter.version < 1:
+        raise ValueError(
+            f"LoRA adapter version must be >= 1 (vLLM's lora_int_id), got {adapter.version}"
+        )
+    rank = adapter.config.get("r")
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"LoRA adapter config['r'] must be an int, got {rank!r}")
+    pattern = dict(adapter.config.get("rank_pattern") or {})
+    max_rank = max([rank, *(int(r) for r in pattern.values())])
+    if max_rank > lora_config.max_lora_rank:
+        raise ValueError(
+            f"LoRA adapter {adapter.name!r} has rank {max_rank}, above the engine's "
+            f"max_lora_rank={lora_config.max_lora_rank}: build the engine with a larger "
+            "max_lora_rank (vllm serve --max-lora-rank)"
+        )
+    pairs: dict[str, dict[str, Sequence[int]]] = {}
+    shapes: dict[str, list[int]] = {}
+    for name, tensor in adapter.tensors.items():
+        match = LORA_PAIR_NAME.fullmatch(name)
+        if match is None:
+            continue  # embedding LoRA, modules_to_save: vLLM checks them
+        shape = list(tensor.shape)
+        if len(shape) != 2:
+            raise RefitMismatchError(f"LoRA tensor {name} must be 2-D, has shape {shape}")
+        pairs.setdefault(match["module"], {})[match["kind"]] = shape
+        shapes[name] = shape
+    if not pairs:
+        raise ValueError(f"LoRA adapter {adapter.name!r} holds no lora_A/lora_B tensors")
+    for module, pair in pairs.items():
+        if set(pair) != {"A", "B"}:
+            missing = "lora_B" if "A" in pair else "lora_A"
+            raise RefitMismatchError(f"LoRA adapter has no {module}.{missing}.weight")
+        a_rank, b_rank = pair["A"][0], pair["B"][1]
+        if a_rank != b_rank or (not pattern and a_rank != rank):
+            raise RefitMismatchError(
+                f"LoRA ranks of {module} do not agree: lora_A {list(pair['A'])} "
+                f"([r, in_features]), lora_B {list(pair['B'])} ([out_features, r]), "
+                f"config r={rank}"
+            )
+        if a_rank > lora_config.max_lora_rank:
+            raise ValueError(
+                f"LoRA rank {a_rank} of {module} is above the engine's "
+                f"max_lora_rank={lora_config.max_lora_rank}"
+            )
+    return shapes
+
+
+def _lora_dir_parent() -> str:
+    return LORA_DIR_PARENT if os.path.isdir(LORA_DIR_PARENT) else tempfile.gettempdir()
+
+
+class _LoRAGate:
+    """``generate()`` calls share it; a LoRA load holds it alone (waiting for the
+    running calls; calls that arrive meanwhile wait for the load). One event loop."""
+
+    def __init__(self) -> None:
+        self._running = 0
+        self._loading = False
+        self._changed: anyio.Event | None = None
+
+    async def _wait(self) -> None:
+        if self._changed is None:
+            self._changed = anyio.Event()
+        await self._changed.wait()
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    @asynccontextmanager
+    async def shared(self) -> AsyncIterator[None]:
+        while self._loading:
+            await self._wait()
+        self._running += 1
+        try:
+            yield
+        finally:
+            self._running -= 1
+            self._notify()
+
+    @asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        while self._loading:
+            await self._wait()
+        self._loading = True
+        try:
+            while self._running:
+                await self._wait()
+            yield
+        finally:
+            self._loading = False
+            self._notify()
 
 
 def _rebuild_worker_error(method: str, exc: Exception) -> Exception:

@@ -27,7 +27,7 @@ transfer engines bracket their receive the same way (``start_weight_update`` /
 live model (``aiosync_ipc_receive``, ``aiosync_collective_receive``,
 ``aiosync_collective_commit``) with those two calls, tags the errors of the
 collective RPCs with their type (vLLM passes only a worker error's message to
-its client), and adds a status RPC.
+its client), and adds a status RPC and the LoRA adapter shape check.
 It must come **before** the receiver mixins in the MRO::
 
     class AiosyncWorkerExtension(VLLMWorkerMixin, IPCWorkerMixin, CollectiveWorkerMixin): ...
@@ -40,12 +40,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .backend import LORA_PAIR_NAME
 
 __all__ = ["VLLMWorkerMixin"]
 
@@ -63,6 +65,7 @@ class VLLMWorkerMixin:
     aiosync_reloads: int = 0
     aiosync_last_reload_s: float = 0.0
     _aiosync_checkpoint: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
+    _aiosync_lora_base: dict[str, tuple[int, ...]] | None = None
 
     # -- the receiver RPCs: bracketed loads, typed errors ------------------------
 
@@ -149,6 +152,64 @@ class VLLMWorkerMixin:
             yield
         finally:
             del model.expected_manifest
+
+    # -- LoRA adapters ---------------------------------------------------------
+
+    def aiosync_vllm_check_lora(self, shapes: Mapping[str, Sequence[int]]) -> dict[str, Any]:
+        """Compare a LoRA adapter's tensor shapes with the base weights vLLM loaded.
+
+        vLLM copies ``lora_A`` ``[r, in_features]`` and ``lora_B``
+        ``[out_features, r]`` into the slots of its LoRA layers without checking
+        ``in_features``/``out_features``: a too-narrow tensor is copied into part
+        of the slot and the adapter is served half-written (measured on vLLM
+        0.32). Each ``<module>.lora_A.weight`` / ``.lora_B.weight`` (PEFT saved
+        names, any ``base_model.model.`` prefix) is checked against
+        ``<module>.weight`` ``[out_features, in_features]`` in the safetensors
+        headers of the local checkpoint (``model_config.model``).
+
+        Args:
+            shapes: ``{peft_name: [rows, cols]}`` of the adapter's lora_A/lora_B tensors.
+
+        Returns:
+            ``{"checked": bool, "problems": [str, ...], "reason": str}``;
+            ``checked`` is False (``reason`` says why) outside vLLM or where the
+            model is not a local, unquantized safetensors folder. A module absent
+            from the checkpoint is left to vLLM (which rejects unknown modules).
+        """
+        config = getattr(self, "vllm_config", None)
+        if config is None:
+            return {"checked": False, "problems": [], "reason": "not a vLLM worker"}
+        base = getattr(self, "_aiosync_lora_base", None)
+        if base is None:
+            try:
+                base = {n: spec[0] for n, spec in _checkpoint_manifest(config.model_config).items()}
+            except ValueError as exc:
+                return {"checked": False, "problems": [], "reason": str(exc)}
+            self._aiosync_lora_base = base
+        problems = []
+        for name, shape in shapes.items():
+            match = LORA_PAIR_NAME.fullmatch(name)
+            if match is None:
+                continue
+            module = match["module"]
+            for prefix in ("base_model.model.", ""):
+                if module.startswith(prefix) and f"{module[len(prefix) :]}.weight" in base:
+                    weight = f"{module[len(prefix) :]}.weight"
+                    break
+            else:
+                continue
+            out_features, in_features = base[weight][0], base[weight][-1]
+            if match["kind"] == "A" and shape[-1] != in_features:
+                problems.append(
+                    f"{name} has shape {list(shape)}, {weight} {list(base[weight])} needs "
+                    f"[r, {in_features}]"
+                )
+            if match["kind"] == "B" and shape[0] != out_features:
+                problems.append(
+                    f"{name} has shape {list(shape)}, {weight} {list(base[weight])} needs "
+                    f"[{out_features}, r]"
+                )
+        return {"checked": True, "problems": problems, "reason": ""}
 
     # -- status ----------------------------------------------------------------
 

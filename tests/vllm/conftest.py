@@ -76,6 +76,36 @@ def llm(tiny_qwen3_dir: Path) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
+def lora_options() -> dict[str, Any]:
+    """vLLM's LoRA options of the LoRA tests' engines: adapters of rank <= 8, one
+    per batch, and room for two in vLLM's CPU cache (so that an adapter aiosync
+    replaces stays listed unless aiosync removes it)."""
+    return {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1, "max_cpu_loras": 2}
+
+
+@pytest.fixture(scope="session")
+def lora_llm(tiny_qwen3_dir: Path, lora_options: dict[str, Any]) -> Iterator[Any]:
+    """``vllm.LLM`` as :func:`llm`, with LoRA enabled (:func:`lora_options`): one
+    engine for every LoRA test."""
+    from vllm import LLM
+
+    from aiosync.engines.vllm.backend import WORKER_EXTENSION
+
+    engine = LLM(
+        model=str(tiny_qwen3_dir),
+        worker_extension_cls=WORKER_EXTENSION,
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=4,
+        seed=0,
+        **lora_options,
+    )
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="session")
 def trainer(tiny_qwen3_dir: Path) -> Any:
     """The trainer's model: transformers, loaded from the same checkpoint as the engine."""
     from transformers import Qwen3ForCausalLM
