@@ -15,7 +15,7 @@ from ._config import (
     DEFAULT_RPC_TIMEOUT_S,
     DEFAULT_SYNC_TIMEOUT_S,
 )
-from .errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
+from .errors import OwnershipError, RefitMismatchError, SyncError, SyncTimeoutError, TransportError
 from .events import EventSubscription, VersionEventKind, WeightVersionEvent
 from .factory import KNOWN_BACKENDS, create_weight_synchronizer
 from .interfaces import (
@@ -59,6 +59,7 @@ __all__ = [
     "KVScales",
     "LoRAAdapter",
     "LoRAAdapterSource",
+    "OwnershipError",
     "RefitManifest",
     "RefitMismatchError",
     "RefitSource",

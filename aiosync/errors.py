@@ -8,6 +8,8 @@ The tree::
     │                              before any byte moves
     ├── TransportError             the peer is gone, answered badly, or broke the
     │                              protocol (dead process, non-2xx HTTP, bad message)
+    │   └── OwnershipError         a worker-side session (sync group, receive)
+    │                              belongs to another, live synchronizer
     └── SyncTimeoutError           a wait ran past its timeout (also a TimeoutError)
 
 A failed or cancelled ``sync_weights`` leaves ``weight_version`` unchanged and
@@ -16,7 +18,13 @@ A failed or cancelled ``sync_weights`` leaves ``weight_version`` unchanged and
 
 from __future__ import annotations
 
-__all__ = ["RefitMismatchError", "SyncError", "SyncTimeoutError", "TransportError"]
+__all__ = [
+    "OwnershipError",
+    "RefitMismatchError",
+    "SyncError",
+    "SyncTimeoutError",
+    "TransportError",
+]
 
 
 class SyncError(Exception):
@@ -34,6 +42,17 @@ class RefitMismatchError(SyncError):
 
 class TransportError(SyncError):
     """The peer is gone, answered with an error, or violated the protocol."""
+
+
+class OwnershipError(TransportError):
+    """An engine worker refused a call on a session that another synchronizer owns.
+
+    Every worker-side session (a collective sync group, an IPC receive) is keyed
+    by its synchronizer's owner token; destroying, joining or driving it from any
+    other synchronizer is refused while the owner is alive, so that two trainers
+    (or a stale client) on one engine never disturb each other. A session whose
+    owner is gone (its store unreachable, its group broken) may be taken over.
+    """
 
 
 class SyncTimeoutError(SyncError, TimeoutError):

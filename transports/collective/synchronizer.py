@@ -20,6 +20,7 @@ the final copy into the live weights (``aiosync_collective_commit``).
 from __future__ import annotations
 
 import contextlib
+import secrets
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Mapping
@@ -176,6 +177,8 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         self._bound_port: int | None = None
         self._buffers: RotatingBuffers | None = None
         self._sessions = 0
+        # Keys this synchronizer's group on the engine's workers (see OwnershipError).
+        self._owner = secrets.token_hex(8)
         # Set when a thread running collectives is abandoned (timeout/cancel):
         # it then tears the group down itself when it returns.
         self._abandoned = threading.Event()
@@ -254,6 +257,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         manifest = await anyio.to_thread.run_sync(self.policy.prepare_refit_info)
         plan = plan_buckets(manifest, self.bucket_bytes)
         self._sessions += 1
+        # Identical on every trainer rank: it names the group's keys in the store.
         session = f"{self._sessions}"
         tc = self.train_cluster
         if self.is_source and self._store is None:
@@ -468,7 +472,9 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
     async def _rpc(self, method: str, kwargs: dict[str, Any], timeout_s: float) -> list[Any]:
         with anyio.fail_after(timeout_s + 1.0):
             try:
-                return await self.generation.collective_rpc(method, (), kwargs, timeout_s)
+                # Every worker-side call names this synchronizer: the group is its own.
+                owned = {**kwargs, "owner": self._owner}
+                return await self.generation.collective_rpc(method, (), owned, timeout_s)
             except SyncError:
                 raise
             except TimeoutError as exc:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from aiosync.errors import RefitMismatchError, SyncTimeoutError, TransportError
+from aiosync.errors import OwnershipError, RefitMismatchError, SyncTimeoutError, TransportError
 
 from .._identity import WorkerIdentityMixin
 from ..packing import Bucket, BucketPlan, compare_manifests, unpack
@@ -32,6 +32,9 @@ from ._group import STATUS_MISMATCH, STATUS_OK, SyncGroup, create_sync_group, op
 from ._loops import RotatingBuffers, receive_buckets
 
 __all__ = ["CollectiveWorkerMixin"]
+
+#: A store key only checked for (never set): the check is a round trip to the owner.
+_PROBE_KEY = "aiosync/owner-probe"
 
 
 @dataclass(eq=False)
@@ -51,8 +54,23 @@ class _ReceiverState:
     group: SyncGroup
     plan: BucketPlan
     rotating: RotatingBuffers
+    #: The owner token of the synchronizer that formed the group.
+    owner: str = ""
     staging: list[torch.Tensor] = field(default_factory=list)
     staged: _Staged | None = None
+
+    def owner_alive(self) -> bool:
+        """Whether the owning trainer can still drive this group: the group is not
+        broken and the store its rank 0 serves still answers (a dead trainer's
+        store connection fails at once)."""
+        store = self.group.store
+        if self.group.broken or store is None:
+            return False
+        try:
+            store.check([_PROBE_KEY])
+        except Exception:  # DistNetworkError/DistStoreError: the owner's store is gone
+            return False
+        return True
 
 
 def _device_for(backend: str) -> torch.device:
@@ -86,27 +104,33 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         plan: dict[str, Any],
         timeout_s: float,
         session: str,
+        owner: str = "",
     ) -> dict[str, Any]:
         """Join the sync group as inference rank ``train_world_size + aiosync_worker_rank()``.
 
         Blocks until every rank has joined and compared the bucket-plan digest
         (and, when the model has ``expected_manifest()``, the manifest itself).
-        Any previous group of this worker is destroyed first.
+        A previous group of the same ``owner`` (or of an owner that is gone) is
+        destroyed first; one of another live owner is left alone and the call
+        refused.
 
         Args:
             plan: the trainer's :meth:`BucketPlan.to_json`.
             timeout_s: limit of the rendezvous and of every later collective, seconds.
             session: key namespace of this group in the store.
+            owner: the forming synchronizer's token; every later call on the
+                group must carry it.
 
         Returns:
             ``{"rank": session rank, "digest": plan digest}``.
 
         Raises:
+            OwnershipError: the worker is in a live group of another synchronizer.
             RefitMismatchError: some rank's manifest or plan differs (raised on every rank).
             SyncTimeoutError: a rank did not join within ``timeout_s``.
             TransportError: the rendezvous failed.
         """
-        self.aiosync_collective_destroy()
+        self.aiosync_collective_destroy(owner=owner)
         inference_world = world_size - train_world_size
         rank = train_world_size + self._aiosync_coll_rank(inference_world)
         status, message, digest = STATUS_OK, "", ""
@@ -138,15 +162,23 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
             raise
         assert parsed is not None  # a parse failure voted a mismatch above
         self._aiosync_collective = _ReceiverState(
-            group, parsed, RotatingBuffers(parsed, group.device)
+            group, parsed, RotatingBuffers(parsed, group.device), owner
         )
         return {"rank": rank, "digest": digest}
 
-    def aiosync_collective_destroy(self) -> None:
-        """Leave and destroy the sync group (idempotent; waits for a staged receive)."""
-        state, self._aiosync_collective = self._aiosync_collective, None
+    def aiosync_collective_destroy(self, owner: str = "") -> None:
+        """Leave and destroy the sync group (idempotent; waits for a staged receive).
+
+        Raises:
+            OwnershipError: the group belongs to another synchronizer that is
+                still alive (a group whose owner is gone is destroyed).
+        """
+        state = self._aiosync_collective
         if state is None:
             return
+        if state.owner != owner and state.owner_alive():
+            raise OwnershipError(self._aiosync_coll_foreign("destroy"))
+        self._aiosync_collective = None
         if state.staged is not None:
             state.staged.thread.join(state.group.timeout_s)
         state.group.destroy()
@@ -154,7 +186,7 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
     # -- receiving -------------------------------------------------------------
 
     def aiosync_collective_receive(
-        self, *, version: int, kv_names: list[str], verify: bool = False
+        self, *, version: int, kv_names: list[str], verify: bool = False, owner: str = ""
     ) -> dict[str, Any]:
         """Receive version ``version`` in place: each bucket is loaded as it lands.
 
@@ -165,6 +197,7 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
             version: the weight version being sent (checked against the header).
             kv_names: engine names of the FP8 KV-cache scales sent at the end.
             verify: the source sends per-bucket checksums; compare them.
+            owner: the token the group was formed with.
 
         Returns:
             ``{"version", "nbytes", "checksums", "pause_s", "kv_scales"}``:
@@ -172,12 +205,13 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
             only), seconds generation was blocked, ``{name: value}``.
 
         Raises:
+            OwnershipError: the group belongs to another synchronizer.
             TransportError: a collective failed (the group is then destroyed),
                 bad header, checksum mismatch, or another rank failed.
             RefitMismatchError: the engine rejected a tensor (every rank raises).
             SyncTimeoutError: a collective ran past the group's timeout.
         """
-        state = self._aiosync_collective_state()
+        state = self._aiosync_collective_state(owner)
         start = time.perf_counter()
         discards = self.aiosync_discard_epoch
         self.aiosync_weights_valid = False
@@ -205,15 +239,16 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         return self._aiosync_coll_result(version, kv_names, checksums, scales, start)
 
     def aiosync_collective_stage(
-        self, *, version: int, kv_names: list[str], verify: bool = False
+        self, *, version: int, kv_names: list[str], verify: bool = False, owner: str = ""
     ) -> dict[str, Any]:
         """Start receiving ``version`` into a staging area; returns at once.
 
         The engine keeps generating with its live weights meanwhile; the
         staging area holds one full copy of the packed weights (on the GPU with
-        NCCL). :meth:`aiosync_collective_commit` then copies it in.
+        NCCL). :meth:`aiosync_collective_commit` then copies it in. Raises
+        :class:`~aiosync.errors.OwnershipError` for a group of another owner.
         """
-        state = self._aiosync_collective_state()
+        state = self._aiosync_collective_state(owner)
         if state.staged is not None:
             raise TransportError("a staged receive is already running on this worker")
         if not state.staging:
@@ -250,17 +285,18 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         staged.thread.start()
         return {"version": version, "staging_bytes": sum(t.numel() for t in state.staging)}
 
-    def aiosync_collective_commit(self, *, version: int) -> dict[str, Any]:
+    def aiosync_collective_commit(self, *, version: int, owner: str = "") -> dict[str, Any]:
         """Wait for the staged receive of ``version``, then copy it into the live weights.
 
         Generation pauses only here: :attr:`aiosync_weights_valid` is False
         during the copy. Returns what :meth:`aiosync_collective_receive` returns.
 
         Raises:
+            OwnershipError: the group belongs to another synchronizer.
             TransportError: no staged receive, a different version, or it failed.
             SyncTimeoutError: it did not finish within the group's timeout.
         """
-        state = self._aiosync_collective_state()
+        state = self._aiosync_collective_state(owner)
         staged = state.staged
         if staged is None or staged.version != version:
             raise TransportError(f"no staged receive of version {version} on this worker")
@@ -291,18 +327,28 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         if self.aiosync_discard_epoch != discards:
             raise TransportError("the engine discarded this worker's weights during the refit")
 
-    def _aiosync_collective_state(self) -> _ReceiverState:
+    def _aiosync_collective_state(self, owner: str | None = None) -> _ReceiverState:
+        """The group; with ``owner``, only if that synchronizer formed it."""
         state = self._aiosync_collective
         if state is None:
             raise TransportError(
                 "no sync group on this worker: the trainer must init_communicator() first"
             )
+        if owner is not None and owner != state.owner:
+            raise OwnershipError(self._aiosync_coll_foreign("drive"))
         return state
+
+    def _aiosync_coll_foreign(self, what: str) -> str:
+        return (
+            f"engine worker {self.aiosync_worker_rank()} is in the sync group of another "
+            f"synchronizer, which is still alive: a synchronizer may not {what} it; one "
+            "engine takes one trainer's refits at a time"
+        )
 
     def _aiosync_coll_drop_if_broken(self) -> None:
         state = self._aiosync_collective
         if state is not None and state.group.broken:
-            self.aiosync_collective_destroy()
+            self.aiosync_collective_destroy(owner=state.owner)
 
     def _aiosync_coll_rank(self, inference_world: int) -> int:
         if getattr(self, "rank", None) is None and inference_world != 1:

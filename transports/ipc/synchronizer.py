@@ -351,6 +351,8 @@ class IPCWeightSynchronizer(WeightSynchronizer):
             "sync_id": sync_id,
             "digest": self.plan.digest,
             "timeout_s": self.rpc_timeout_s,
+            # The workers' receive is this synchronizer's alone (see OwnershipError).
+            "owner": self._session_token,
         }
         if self._endpoints is not None:
             session["endpoints"] = self._endpoints

@@ -47,7 +47,13 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
+from aiosync.errors import (
+    OwnershipError,
+    RefitMismatchError,
+    SyncError,
+    SyncTimeoutError,
+    TransportError,
+)
 
 from .._identity import WorkerIdentityMixin
 from .._wire import decode, encode, error_fields
@@ -123,14 +129,17 @@ class IPCWorkerMixin(WorkerIdentityMixin):
 
         Args:
             session: ``{"endpoint": "ipc://...", "sync_id": str, "digest": str,
-                "timeout_s": float}`` from the trainer; from a sharded trainer also
+                "timeout_s": float, "owner": str}`` from the trainer (``owner``: the
+                synchronizer's token; a newer session of the same owner supersedes
+                one still running, another owner's is refused); from a sharded trainer also
                 ``"endpoints": {device identity: "ipc://..."}``, one per trainer
                 rank: the worker connects to its own device's rank and refuses
                 buffers of any other device.
 
         Returns:
             ``{"ok": True, "rank", "tensors", "bytes"}`` or ``{"ok": False, "type",
-            "message"}`` (``RefitMismatchError``: unknown digest, missing or
+            "message"}`` (``OwnershipError``: a refit of another synchronizer is
+            running on this worker; ``RefitMismatchError``: unknown digest, missing or
             duplicate buckets; ``TransportError``: malformed message, trainer
             abort, the trainer went away (its process died: noticed at once);
             ``SyncTimeoutError``: nothing from the trainer in ``timeout_s`` seconds).
@@ -141,6 +150,7 @@ class IPCWorkerMixin(WorkerIdentityMixin):
             sync_id = str(session["sync_id"])
             digest = str(session["digest"])
             timeout_s = float(session["timeout_s"])
+            owner = str(session.get("owner", ""))
             endpoints = session.get("endpoints")
             device = None
             if endpoints is not None:
@@ -155,16 +165,26 @@ class IPCWorkerMixin(WorkerIdentityMixin):
             return {"ok": False, **error_fields(TransportError(f"malformed session: {exc!r}"))}
         except TransportError as exc:
             return {"ok": False, **error_fields(exc)}
-        # A newer session supersedes one still waiting (a trainer that failed and
-        # retried); only one receiver writes into the model at a time.
-        state.current = sync_id
-        if not state.lock.acquire(timeout=timeout_s):
-            error = SyncTimeoutError(f"a previous refit did not end within {timeout_s} s")
-            return {"ok": False, **error_fields(error)}
+        # A newer session of the same synchronizer supersedes one still waiting (a
+        # trainer that failed and retried); another synchronizer's is refused, so
+        # that it never cuts a refit it does not own short. Only one receiver
+        # writes into the model at a time.
+        if not state.claim(owner, sync_id):
+            foreign = OwnershipError(
+                f"engine worker {self.aiosync_worker_rank()} is receiving a refit of another "
+                "synchronizer; one engine takes one trainer's refits at a time"
+            )
+            return {"ok": False, **error_fields(foreign)}
         try:
-            return self._aiosync_receive(state, endpoint, sync_id, digest, timeout_s, device)
+            if not state.lock.acquire(timeout=timeout_s):
+                error = SyncTimeoutError(f"a previous refit did not end within {timeout_s} s")
+                return {"ok": False, **error_fields(error)}
+            try:
+                return self._aiosync_receive(state, endpoint, sync_id, digest, timeout_s, device)
+            finally:
+                state.lock.release()
         finally:
-            state.lock.release()
+            state.release(sync_id)
 
     def aiosync_ipc_last_receive(self) -> dict[str, Any]:
         """Statistics of this worker's last successful receive: ``{"ok", "rank",
@@ -301,9 +321,26 @@ class _ReceiverState:
     def __init__(self) -> None:
         self.plans: OrderedDict[str, BucketPlan] = OrderedDict()
         self.lock = threading.Lock()
+        #: The refit that may write now, and the synchronizer that owns it (None: idle).
         self.current: str | None = None
+        self.owner: str | None = None
+        self._claims = threading.Lock()
         #: The reply of the last successful receive, with the devices it came from.
         self.last: dict[str, Any] = {}
+
+    def claim(self, owner: str, sync_id: str) -> bool:
+        """Make ``sync_id`` the current refit unless another owner's is running."""
+        with self._claims:
+            if self.owner is not None and self.owner != owner:
+                return False
+            self.owner, self.current = owner, sync_id
+            return True
+
+    def release(self, sync_id: str) -> None:
+        """``sync_id`` ended; free the worker unless a newer refit took over."""
+        with self._claims:
+            if self.current == sync_id:
+                self.owner = None
 
     def remember(self, plan: BucketPlan) -> None:
         self.plans[plan.digest] = plan
