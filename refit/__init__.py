@@ -9,10 +9,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .kv_scales import kv_scales_to_tensors
+from .lora_source import LoRAAdapterRefitSource
 from .torch_source import DTensorRefitSource
 
 __all__ = [
     "DTensorRefitSource",
+    "LoRAAdapterRefitSource",
     "NNXRefitSource",
     "kv_scales_to_tensors",
     "model_map_for",

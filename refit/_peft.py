@@ -46,6 +46,14 @@ BASE_PREFIX = "base_model.model."
 #: checkpoint the engine loaded, so the adapter alone would be applied to the wrong base.
 _BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 
+#: ``LoraConfig`` options neither refit supports, and what they do.
+_UNSUPPORTED_OPTIONS = {
+    "lora_bias": "a trained bias on lora_B",
+    "target_parameters": "LoRA on raw parameters such as fused MoE experts",
+    "trainable_token_indices": "trainable embedding rows",
+    "layer_replication": "base layers duplicated in memory",
+}
+
 _MERGED_HINT = (
     "DTensorRefitSource(peft_model) refits the merged weights (W + scaling · B @ A) instead"
 )
@@ -177,11 +185,12 @@ def check_lora(peft_model: Any, adapter: str) -> Any:
         )
     for field in dataclasses.fields(config):
         if field.metadata.get("is_lora_variant") and getattr(config, field.name, None):
-            raise ValueError(f"{field.name}={getattr(config, field.name)!r} is not supported")
-    unsupported = ("lora_bias", "target_parameters", "trainable_token_indices", "layer_replication")
-    for option in unsupported:
+            raise ValueError(
+                f"{field.name}={getattr(config, field.name)!r} (a LoRA variant) is not supported"
+            )
+    for option, what in _UNSUPPORTED_OPTIONS.items():
         if getattr(config, option, None):
-            raise ValueError(f"{option}={getattr(config, option)!r} is not supported")
+            raise ValueError(f"{option}={getattr(config, option)!r} ({what}) is not supported")
     for path, module in _base_paths(peft_model):
         if isinstance(module, AuxiliaryTrainingWrapper) and not isinstance(
             module, ModulesToSaveWrapper

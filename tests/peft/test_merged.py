@@ -230,3 +230,8 @@ def test_merging_in_place_after_building_is_refused(build_peft: BuildPeft) -> No
     model.merge_adapter()
     with pytest.raises(RefitMismatchError, match="merge_adapter"):
         list(source.iter_weights())
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_inits_that_rewrite_the_base_merge_as_peft(build_peft: BuildPeft, init: str) -> None:
+    _assert_streams_merge_and_unload(build_peft(init_lora_weights=init, target_modules=["q_proj"]))
