@@ -207,7 +207,7 @@ def test_fan_in_fan_out_conv1d_gpt2() -> None:
     _assert_streams_merge_and_unload(model)
 
 
-def test_compiled_and_ddp_style_wrappers_are_unwrapped(build_peft: BuildPeft) -> None:
+def test_compiled_trainer_is_unwrapped(build_peft: BuildPeft) -> None:
     model = build_peft()
     names, _ = _merged_reference(model)
     compiled = torch.compile(model)
