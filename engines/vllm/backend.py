@@ -413,7 +413,9 @@ class VLLMGenerationBackend:
         adapter being removed) and holds new ones until the load ends. If the
         load fails, in whatever way, :meth:`generate` refuses (``SyncError``)
         until a later load succeeds: it never generates with a half-loaded
-        adapter, nor with the previous one or none in its place.
+        adapter, nor with the previous one or none in its place. Every error
+        but ``TransportError`` and ``SyncTimeoutError`` is raised before anything
+        reaches vLLM.
 
         Args:
             adapter: ``tensors`` ``{PEFT saved name: CPU tensor}``:
@@ -424,7 +426,7 @@ class VLLMGenerationBackend:
                 (``r``, ``lora_alpha``, ``target_modules``, ...); ``version`` >= 1
                 is vLLM's ``lora_int_id``.
 
-        Raises (all but the last before anything reaches vLLM):
+        Raises:
             TypeError: ``adapter`` is not a :class:`~aiosync.LoRAAdapter`, or its
                 ``config["r"]`` is not an int.
             ValueError: the engine was built without ``enable_lora=True``; the
