@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from aiosync.transports.collective import CollectiveWeightSynchronizer
     from aiosync.transports.http import HTTPWeightSynchronizer
     from aiosync.transports.ipc import IPCWeightSynchronizer
+    from aiosync.transports.lora import LoRAAdapterSynchronizer
 
 __version__ = "0.1.0.dev0"
 
@@ -59,6 +60,7 @@ __all__ = [
     "KVScales",
     "LoRAAdapter",
     "LoRAAdapterSource",
+    "LoRAAdapterSynchronizer",
     "OwnershipError",
     "RefitManifest",
     "RefitMismatchError",
@@ -88,6 +90,7 @@ _LAZY: dict[str, str] = {
     "EngineFleet": "aiosync.engines.fleet",
     "HTTPWeightSynchronizer": "aiosync.transports.http",
     "IPCWeightSynchronizer": "aiosync.transports.ipc",
+    "LoRAAdapterSynchronizer": "aiosync.transports.lora",
     "SGLangHTTPBackend": "aiosync.engines.sglang.backend",
     "VLLMGenerationBackend": "aiosync.engines.vllm.backend",
 }

@@ -22,7 +22,8 @@ from typing import Any, TypeVar
 import anyio
 
 from aiosync._fanout import each_named, named
-from aiosync.errors import TransportError
+from aiosync.errors import SyncError, TransportError
+from aiosync.lora import LoRAAdapter
 
 __all__ = ["EngineFleet"]
 
@@ -52,6 +53,8 @@ class EngineFleet:
         self._offsets: list[int] | None = None
         self._num_workers = 0
         self._assigning = anyio.Lock()
+        # Why generate() refuses on account of a LoRA adapter load across the fleet.
+        self._lora_refusal: str | None = None
 
     def __len__(self) -> int:
         return len(self.engines)
@@ -195,6 +198,25 @@ class EngineFleet:
             if remove is not None:
                 remove(listener)
 
+    async def load_lora_adapter(self, adapter: LoRAAdapter) -> None:
+        """Load ``adapter`` into every engine concurrently (each ``load_lora_adapter``).
+
+        The first engine to fail cancels the others and its error is raised,
+        naming it. From the call until it returns, and after it failed,
+        :meth:`generate` refuses until a load succeeds on every engine: engines
+        that did load the adapter are not used while others may not have it.
+
+        Raises:
+            TypeError: an engine has no ``load_lora_adapter`` (before any load).
+            Whatever an engine's ``load_lora_adapter`` raises, naming the engine.
+        """
+        for i, engine in enumerate(self.engines):
+            if not callable(getattr(engine, "load_lora_adapter", None)):
+                raise TypeError(f"{self._label(i)} has no load_lora_adapter(adapter)")
+        self._lora_refusal = f"loading LoRA adapter {adapter.name!r} did not complete everywhere"
+        await self._on_each(lambda i, e: e.load_lora_adapter(adapter))
+        self._lora_refusal = None
+
     async def generate(self, prompts: Sequence[Sequence[int]], **options: Any) -> list[list[int]]:
         """Split ``prompts`` over the engines (data parallel); results in prompt order.
 
@@ -202,9 +224,16 @@ class EngineFleet:
         parameters) go to every engine's ``generate``.
 
         Raises:
+            SyncError: a fleet-wide LoRA adapter load (:meth:`load_lora_adapter`)
+                is in flight or failed.
             Whatever an engine's ``generate`` raises (e.g. :class:`~aiosync.SyncError`
             while its weights are not valid), naming the engine.
         """
+        if self._lora_refusal is not None:
+            raise SyncError(
+                f"the engine fleet refuses to generate: {self._lora_refusal}; a sync must "
+                "succeed first"
+            )
         n = len(self.engines)
         parts = [list(prompts[i::n]) for i in range(n)]
 

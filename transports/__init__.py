@@ -9,6 +9,8 @@
   ``HTTPWeightSynchronizer`` and the ``SGLangServer`` contract it drives.
 - :mod:`aiosync.transports.vllm_weight_transfer` — vLLM's own weight-transfer API
   driven with aiosync's versions and events.
+- :mod:`aiosync.transports.lora` — adapter-only refits of a LoRA trainer through
+  the engine's own ``load_lora_adapter``; ``LoRAAdapterSynchronizer``.
 
 Shared by all of them, and nothing else: :mod:`aiosync.transports.packing` (the
 bucket layout and manifest checks) and ``_wire`` (the msgpack frames and the

@@ -12,6 +12,7 @@ waiting for the trainer's buckets) does not block the others.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import importlib
 import logging
@@ -54,6 +55,8 @@ class EmbeddedWorker:
         model_runner: ``model_runner.model`` is the :class:`HFModelRunner`.
         aiosync_weights_valid: False while a refit is in flight or after one
             failed, or after the weights were discarded; generation refuses then.
+        aiosync_lora_adapter: the LoRA adapter every generation applies (an
+            adapter-only refit's ``aiosync-v{version}``), None for the base model.
     """
 
     def __init__(
@@ -67,6 +70,10 @@ class EmbeddedWorker:
         self.aiosync_weights_valid = weights_valid
         #: The device this worker stands for when pairing with a sharded trainer (None: "cpu").
         self.device_label: str | None = None
+        self.aiosync_lora_adapter: str | None = None
+        # Why generation is refused on account of the adapter (a load in flight or
+        # failed), None when it is not.
+        self._lora_refusal: str | None = None
         self._asleep: set[str] = set()
         self._state_lock = threading.Lock()
 
@@ -94,26 +101,85 @@ class EmbeddedWorker:
                         f"worker {self.rank}: weights are not valid (a refit failed or they "
                         "were discarded while asleep); a sync must succeed before generating"
                     )
+                if self._lora_refusal is not None:
+                    raise SyncError(
+                        f"worker {self.rank}: {self._lora_refusal}; a sync must succeed before "
+                        "generating"
+                    )
                 if self._asleep:
                     raise SyncError(f"worker {self.rank}: asleep ({sorted(self._asleep)})")
+                adapter = self.aiosync_lora_adapter
             return runner.generate(
                 prompts,
                 max_new_tokens=max_new_tokens,
                 temperature=temperature,
                 seed=seed,
                 ignore_eos=ignore_eos,
+                lora_adapter=adapter,
             )
 
     def embedded_sleep(self, level: int) -> bool:
-        """Sleep; level 2 discards the weights (they are zeroed). Returns whether they were."""
-        with self._state_lock:
+        """Sleep; level 2 discards the weights (they are zeroed) and the LoRA adapter.
+        Returns whether they were discarded."""
+        runner: HFModelRunner = self.model_runner.model
+        # The model's lock first, as every other path takes them (no lock-order
+        # inversion); a weights-only runner (runner_factory) may have none.
+        model_lock = getattr(runner, "lock", None) or contextlib.nullcontext()
+        with model_lock, self._state_lock:
             self._asleep = {"weights", "kv_cache"}
             if level >= 2:
-                self.model_runner.model.fill_(0.0)
+                runner.fill_(0.0)
+                discard_adapters = getattr(runner, "unload_all_lora_adapters", None)
+                if discard_adapters is not None:
+                    discard_adapters()
+                self.aiosync_lora_adapter = None
                 self.aiosync_weights_valid = False
                 self.aiosync_discard_epoch = getattr(self, "aiosync_discard_epoch", 0) + 1
                 return True
         return False
+
+    def embedded_load_lora_adapter(
+        self, name: str, tensors: dict[str, list[Any]], config: dict[str, Any]
+    ) -> int:
+        """Make LoRA adapter ``name`` the one every generation applies; returns its bytes.
+
+        ``tensors`` is ``{peft_name: [dtype name, shape, raw bytes]}``
+        (:func:`tensor_to_wire`), ``config`` the ``adapter_config.json`` dict.
+        The previous adapter is removed first (adapters replace each other, they
+        never stack); the base weights are not touched. From the start of the
+        load until it succeeds, generation refuses: after a failure no adapter
+        is loaded and it keeps refusing until a load succeeds.
+
+        Raises:
+            SyncError: the base weights are not valid (discarded by a level-2
+                sleep, a failed full refit, a respawn): an adapter cannot restore
+                them; a full refit must land first (or sleep at level 1).
+            RefitMismatchError: the adapter does not fit the model.
+        """
+        runner: HFModelRunner = self.model_runner.model
+        with runner.lock:  # waits for a generation in progress
+            with self._state_lock:
+                if not self.aiosync_weights_valid:
+                    raise SyncError(
+                        f"worker {self.rank}: the base weights are not valid (discarded by a "
+                        "level-2 sleep, a failed refit or a respawn); an adapter-only refit "
+                        "cannot restore them: sync the full model first, or sleep at level 1"
+                    )
+                self._lora_refusal = f"loading LoRA adapter {name!r} did not complete"
+                self.aiosync_lora_adapter = None
+            runner.unload_all_lora_adapters()
+            decoded = {key: tensor_from_wire(fields) for key, fields in tensors.items()}
+            runner.load_lora_adapter(name, decoded, config)
+            with self._state_lock:
+                self.aiosync_lora_adapter = name
+                self._lora_refusal = None
+        return sum(t.numel() * t.element_size() for t in decoded.values())
+
+    def embedded_expected_manifest(self) -> list[list[Any]]:
+        """The base model's checkpoint manifest, ``[[hf_name, shape, dtype name], ...]``
+        in ``save_pretrained`` order (:meth:`HFModelRunner.expected_manifest`)."""
+        manifest = self.model_runner.model.expected_manifest()
+        return [[name, list(shape), dtype_name(dtype)] for name, (shape, dtype) in manifest.items()]
 
     def embedded_wake(self, tags: list[str] | None) -> list[str]:
         """Wake ``tags`` (``"weights"``, ``"kv_cache"``; None: all); returns what still sleeps."""
@@ -122,13 +188,19 @@ class EmbeddedWorker:
             return sorted(self._asleep)
 
     def embedded_status(self) -> dict[str, Any]:
-        """``{"rank", "pid", "weights_valid", "asleep", "kv_scales"}``."""
+        """``{"rank", "pid", "weights_valid", "asleep", "kv_scales", "lora_adapter",
+        "lora_loaded", "lora_valid"}``: ``lora_adapter`` is the adapter generations
+        apply (None: the base model), ``lora_loaded`` every adapter the model holds,
+        ``lora_valid`` False while an adapter load is in flight or after one failed."""
         return {
             "rank": self.rank,
             "pid": os.getpid(),
             "weights_valid": self.aiosync_weights_valid,
             "asleep": sorted(self._asleep),
             "kv_scales": dict(self.model_runner.model.kv_scales),
+            "lora_adapter": self.aiosync_lora_adapter,
+            "lora_loaded": list(getattr(self.model_runner.model, "lora_adapters", [])),
+            "lora_valid": self._lora_refusal is None,
         }
 
     def embedded_state_dict(self) -> dict[str, list[Any]]:

@@ -46,10 +46,12 @@ import zmq.asyncio
 
 from aiosync._config import DEFAULT_RPC_TIMEOUT_S
 from aiosync.errors import SyncError, SyncTimeoutError, TransportError
+from aiosync.lora import LoRAAdapter
 from aiosync.transports._leftovers import dir_prefix, sweep_leftovers
 from aiosync.transports._wire import decode, encode, rebuild_error
+from aiosync.transports.packing import dtype_from_name
 
-from ._worker import run_worker, tensor_from_wire
+from ._worker import run_worker, tensor_from_wire, tensor_to_wire
 
 __all__ = ["DEFAULT_WORKER_EXTENSION", "EmbeddedEngine"]
 
@@ -170,6 +172,12 @@ class EmbeddedEngine:
         #: The synchronizer's ``weight_version`` of the weights every worker holds;
         #: None before the first sync (the engine's own initial weights).
         self.weight_version: int | None = None
+        #: The LoRA adapter every generation applies (:meth:`load_lora_adapter`);
+        #: None: the base model.
+        self.lora_adapter: str | None = None
+        # Why generate() refuses on account of an adapter load (in flight or
+        # failed); None when it does not.
+        self._lora_refusal: str | None = None
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -477,10 +485,50 @@ class EmbeddedEngine:
         await self.collective_rpc("embedded_wake", (list(tags) if tags is not None else None,))
 
     async def finish_generation(self) -> None:
-        """Sleep every worker at ``sleep_level`` (2 discards the weights)."""
+        """Sleep every worker at ``sleep_level`` (2 discards the weights and the
+        LoRA adapter)."""
         discarded = await self.collective_rpc("embedded_sleep", (self.sleep_level,))
         if any(discarded):
+            self.lora_adapter = None
             self._notify_weights_discarded()
+
+    async def load_lora_adapter(self, adapter: LoRAAdapter) -> None:
+        """Make ``adapter`` the LoRA adapter every later :meth:`generate` applies, on every worker.
+
+        The tensors (``{peft_name: tensor}``, PEFT's saved names and layout:
+        ``lora_A`` ``[r, in_features]``, ``lora_B`` ``[out_features, r]``; megabytes)
+        travel to each worker in the RPC itself, which applies them with PEFT,
+        unmerged, cast to the engine's dtype: the base weights are not touched.
+        The adapter replaces the previous one (unloaded first; adapters never
+        stack). From the call until it returns, and after it failed, :meth:`generate`
+        refuses (:class:`~aiosync.errors.SyncError`) until a load succeeds: a
+        half-loaded adapter is never served, nor the previous one silently.
+
+        Raises:
+            SyncError: a worker's base weights are not valid (a level-2 sleep, a
+                failed full refit, a respawned worker): an adapter cannot restore them.
+            RefitMismatchError: the adapter does not fit the model (a target
+                module it lacks, a shape, a bad ``adapter_config.json``).
+            TransportError, SyncTimeoutError: as :meth:`collective_rpc`.
+        """
+        wire = {name: tensor_to_wire(tensor) for name, tensor in adapter.tensors.items()}
+        self._lora_refusal = f"loading LoRA adapter {adapter.name!r} did not complete"
+        self.lora_adapter = None
+        await self.collective_rpc(
+            "embedded_load_lora_adapter", (adapter.name, wire, dict(adapter.config))
+        )
+        self.lora_adapter = adapter.name
+        self._lora_refusal = None
+
+    async def expected_manifest(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{hf_name: (shape, dtype)}`` of the base model's checkpoint, in
+        ``save_pretrained`` order (worker 0's :meth:`HFModelRunner.expected_manifest`).
+
+        Raises:
+            TransportError, SyncTimeoutError: as :meth:`collective_rpc`.
+        """
+        (reply,) = await self._call("embedded_expected_manifest", [(0, [], {})], None)
+        return {name: (tuple(shape), dtype_from_name(dtype)) for name, shape, dtype in reply}
 
     def _notify_weights_discarded(self) -> None:
         for listener in list(self._discard_listeners):
@@ -515,11 +563,19 @@ class EmbeddedEngine:
         Greedy when ``temperature == 0``. Prompts are split into contiguous
         chunks, one per worker (data parallel); results come back in order.
 
+        With a LoRA adapter loaded (:meth:`load_lora_adapter`) every prompt is
+        generated with it.
+
         Raises:
             SyncError: a worker's weights are invalid (after a failed refit or a
-                level-2 sleep) or asleep.
+                level-2 sleep) or asleep, or a LoRA adapter load is in flight or failed.
             TransportError, SyncTimeoutError: as :meth:`collective_rpc`.
         """
+        if self._lora_refusal is not None:
+            raise SyncError(
+                f"the embedded engine refuses to generate: {self._lora_refusal}; a sync must "
+                "succeed first"
+            )
         batch = [list(p) for p in prompts]
         chunk = -(-len(batch) // self.num_workers) if batch else 0
         calls = []
@@ -539,7 +595,10 @@ class EmbeddedEngine:
     # -- tests and tools ------------------------------------------------------
 
     async def status(self) -> list[dict[str, Any]]:
-        """Each worker's ``{"rank", "pid", "weights_valid", "asleep", "kv_scales"}``."""
+        """Each worker's ``{"rank", "pid", "weights_valid", "asleep", "kv_scales",
+        "lora_adapter", "lora_loaded", "lora_valid"}`` (``lora_adapter``: the adapter
+        generations apply, None for the base model; ``lora_loaded``: every adapter
+        its model holds)."""
         return await self.collective_rpc("embedded_status")
 
     async def hf_state_dicts(self) -> list[dict[str, torch.Tensor]]:

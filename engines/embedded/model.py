@@ -12,6 +12,10 @@ one 2-D weight per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``).
 The runner resolves every checkpoint name once, at construction, to a view of
 the in-memory tensor it lands in, so loading costs one dict lookup and one
 ``copy_`` per tensor whatever the model's size (case C10).
+
+Adapter-only refits load PEFT LoRA adapters next to the base weights, unmerged
+(:meth:`HFModelRunner.load_lora_adapter`, see ``_lora.py``); ``generate`` applies
+the one it is told to.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from transformers.core_model_loading import revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from aiosync.errors import RefitMismatchError
+
+from ._lora import PeftAdapters
 
 _KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.[kv]_scale")
 
@@ -72,6 +78,8 @@ class HFModelRunner:
         #: vLLM would load into its attention layers, so a refit can be checked.
         self.kv_scales: dict[str, float] = {}
         self._num_layers = int(getattr(model.config, "num_hidden_layers", 0))
+        # LoRA adapters, applied unmerged with PEFT (imported on the first load).
+        self._adapters = PeftAdapters(model)
 
     @property
     def device(self) -> torch.device:
@@ -190,6 +198,44 @@ class HFModelRunner:
             for name in self._manifest:
                 self._targets[name].fill_(value)
 
+    # -- LoRA adapters (adapter-only refits) ------------------------------------
+
+    @property
+    def lora_adapters(self) -> list[str]:
+        """Names of the loaded LoRA adapters, in load order."""
+        with self.lock:
+            return self._adapters.names
+
+    def load_lora_adapter(
+        self, name: str, tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any]
+    ) -> None:
+        """Load a PEFT LoRA adapter under ``name``, unmerged (base weights untouched).
+
+        Args:
+            name: the adapter id (e.g. ``aiosync.lora_adapter_name(version)``).
+            tensors: ``{peft_name: tensor}`` as PEFT saves them
+                (``base_model.model.<module>.lora_A.weight`` ``[r, in_features]``,
+                ``...lora_B.weight`` ``[out_features, r]``); cast to the model's dtype.
+            config: the adapter's ``adapter_config.json`` dict.
+
+        Raises:
+            ValueError: ``name`` is already loaded.
+            RefitMismatchError: the adapter does not fit this model (see
+                :meth:`PeftAdapters.load`); nothing of it stays loaded.
+        """
+        with self.lock:
+            self._adapters.load(name, tensors, config)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Remove adapter ``name``; no error if it is not loaded."""
+        with self.lock:
+            self._adapters.remove(name)
+
+    def unload_all_lora_adapters(self) -> None:
+        """Remove every adapter: the model is the base model again."""
+        with self.lock:
+            self._adapters.clear()
+
     # -- generation -----------------------------------------------------------
 
     def generate(
@@ -200,15 +246,19 @@ class HFModelRunner:
         temperature: float = 0.0,
         seed: int | None = None,
         ignore_eos: bool = False,
+        lora_adapter: str | None = None,
     ) -> list[list[int]]:
         """Generate for each prompt (token ids) with ``model.generate``; returns only new ids.
 
         Greedy when ``temperature == 0``; else sampling at ``temperature``,
         reproducible with ``seed``. Prompts run one by one, unpadded, so a
         prompt's output does not depend on the others in the batch.
+        ``lora_adapter`` names a loaded adapter (:meth:`load_lora_adapter`) to
+        apply; None: the base model alone, whatever adapters are loaded.
 
         Raises:
             ValueError: an empty prompt, ``max_new_tokens < 1`` or ``temperature < 0``.
+            KeyError: ``lora_adapter`` is not loaded.
         """
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -216,7 +266,12 @@ class HFModelRunner:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         device = next(self.model.parameters()).device
         outputs: list[list[int]] = []
-        with self.lock, torch.random.fork_rng(devices=[]), torch.no_grad():
+        with (
+            self.lock,
+            self._adapters.using(lora_adapter),
+            torch.random.fork_rng(devices=[]),
+            torch.no_grad(),
+        ):
             if seed is not None:
                 torch.manual_seed(seed)
             for prompt in prompts:

@@ -58,6 +58,55 @@ def test_non_colocated_requires_cluster_and_world_size(source, engine, kwargs, m
         create_weight_synchronizer(source, engine, colocated=False, backend="vllm", **kwargs)
 
 
+class _AdapterSource(aiosync.LoRAAdapterSource):
+    """A LoRAAdapterSource as the factory sees it: ``lora_adapter_config()`` decides."""
+
+    def prepare_refit_info(self):
+        return {}
+
+    def iter_weights(self):
+        return iter(())
+
+    def lora_adapter_config(self):
+        return {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+
+
+class _LoRAEngine:
+    """An engine that serves adapter-only refits (it has ``load_lora_adapter``)."""
+
+    async def load_lora_adapter(self, adapter):
+        return None
+
+    async def prepare_for_generation(self, tags=None):
+        return None
+
+    async def finish_generation(self):
+        return None
+
+
+@pytest.mark.parametrize("colocated", [True, False])
+@pytest.mark.parametrize("backend", aiosync.KNOWN_BACKENDS)
+def test_factory_picks_the_adapter_transport_for_a_lora_adapter_source(backend, colocated):
+    source = _AdapterSource()
+    assert isinstance(source, aiosync.LoRAAdapterSource)
+    # Every backend and topology; no train_cluster or inference_world_size needed.
+    sync = create_weight_synchronizer(source, _LoRAEngine(), colocated=colocated, backend=backend)
+    assert type(sync) is aiosync.LoRAAdapterSynchronizer
+    assert (sync.policy_version, sync.weight_version) == (0, 0)
+
+
+def test_factory_makes_a_fleet_of_lora_engines_and_refuses_an_engine_without_lora(engine):
+    engines = [_LoRAEngine(), _LoRAEngine()]
+    sync = create_weight_synchronizer(_AdapterSource(), engines, colocated=True, backend="vllm")
+    assert isinstance(sync.generation, aiosync.EngineFleet)
+    assert sync.generation.engines == engines
+    without = r"engine 1 of 2 \(RecordingEngine\) has no load_lora_adapter"
+    with pytest.raises(TypeError, match=without):
+        create_weight_synchronizer(
+            _AdapterSource(), [_LoRAEngine(), engine], colocated=True, backend="vllm"
+        )
+
+
 def test_colocated_must_be_a_bool(source, engine):
     with pytest.raises(TypeError, match="colocated must be a bool"):
         create_weight_synchronizer(source, engine, colocated="no", backend="vllm")  # type: ignore[arg-type]

@@ -1,0 +1,303 @@
+"""Adapter-only refits into the embedded engine: real worker processes apply the adapter (PEFT).
+
+Every sync is checked against the trainer itself: greedy generation equals that
+of ``copy.deepcopy(peft_model).merge_and_unload()``, token for token (fp32,
+``lora_B`` random and nonzero), and the engine's base weights stay untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import torch
+from lora_harness import (
+    CONFIG,
+    ENGINE_SEED,
+    NEW_TOKENS,
+    PROMPTS,
+    LoRATrainer,
+    base_generate,
+)
+
+from aiosync import (
+    EngineFleet,
+    LoRAAdapterSynchronizer,
+    RefitMismatchError,
+    SyncError,
+    VersionEventKind,
+    create_weight_synchronizer,
+    lora_adapter_name,
+)
+from aiosync.engines.embedded._worker import tensor_to_wire
+from aiosync.engines.embedded.engine import EmbeddedEngine
+from aiosync.engines.embedded.model import HFModelRunner
+from aiosync.refit import DTensorRefitSource, LoRAAdapterRefitSource
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+#: Bytes of the tiny Qwen3's r=4 adapter on all 7 linear layers of its 2 blocks, fp32:
+#: per block q (4x64 + 128x4), k and v (4x64 + 64x4 each), o (4x128 + 64x4),
+#: gate and up (4x64 + 128x4 each), down (4x128 + 64x4) = 4864 parameters.
+ADAPTER_NBYTES = 2 * 4864 * 4
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine() -> AsyncIterator[EmbeddedEngine]:
+    """Two workers: the adapter must reach both (prompts are split over them)."""
+    async with EmbeddedEngine(
+        CONFIG, num_workers=2, seed=ENGINE_SEED, dtype="float32", rpc_timeout_s=120
+    ) as engine:
+        yield engine
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def second_engine() -> AsyncIterator[EmbeddedEngine]:
+    async with EmbeddedEngine(
+        CONFIG, num_workers=1, seed=ENGINE_SEED, dtype="float32", rpc_timeout_s=120
+    ) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def base_outputs() -> list[list[int]]:
+    return base_generate()
+
+
+@pytest.fixture(scope="module")
+def base_state() -> Iterator[dict[str, torch.Tensor]]:
+    yield HFModelRunner.from_config(CONFIG, seed=ENGINE_SEED).hf_state_dict()
+
+
+async def _adapters(engine: EmbeddedEngine) -> list[tuple[Any, Any, Any]]:
+    """Each worker's ``(active adapter, adapters loaded, lora_valid)``."""
+    return [(s["lora_adapter"], s["lora_loaded"], s["lora_valid"]) for s in await engine.status()]
+
+
+async def test_sync_serves_the_adapter_exactly_as_the_merged_model(
+    engine: EmbeddedEngine,
+    trainer: LoRATrainer,
+    base_outputs: list[list[int]],
+    base_state: dict[str, torch.Tensor],
+) -> None:
+    async with create_weight_synchronizer(
+        trainer.source, engine, colocated=True, backend="embedded"
+    ) as sync:
+        assert type(sync) is LoRAAdapterSynchronizer
+        await sync.init_communicator()
+        async with sync.subscribe() as events:
+            await sync.mark_stale()
+            assert sync.is_stale
+            await sync.sync_weights()
+            got = [await events.__anext__() for _ in range(3)]
+        assert [(e.kind, e.version, e.nbytes) for e in got] == [
+            (VersionEventKind.STALE, 1, 0),
+            (VersionEventKind.SYNC_STARTED, 1, 0),
+            (VersionEventKind.COMMITTED, 1, ADAPTER_NBYTES),
+        ]
+        assert trainer.adapter_nbytes() == ADAPTER_NBYTES
+        assert (sync.weight_version, sync.is_stale) == (1, False)
+        assert (engine.weight_version, engine.lora_adapter) == (1, "aiosync-v1")
+        assert await _adapters(engine) == [("aiosync-v1", ["aiosync-v1"], True)] * 2
+
+        outputs = await engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+        assert outputs == trainer.merged_generate()
+        assert outputs != base_outputs  # the adapter changes what the model says
+        # Only the adapter travelled: the base weights are the engine's own, untouched.
+        for state in await engine.hf_state_dicts():
+            assert list(state) == list(base_state)
+            assert all(torch.equal(state[name], t) for name, t in base_state.items())
+
+
+async def test_a_second_sync_replaces_the_adapter(
+    engine: EmbeddedEngine, trainer: LoRATrainer
+) -> None:
+    async with LoRAAdapterSynchronizer(trainer.source, engine) as sync:
+        await sync.init_communicator()
+        await sync.mark_stale()
+        await sync.sync_weights()
+        first = await engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+        assert first == trainer.merged_generate()
+
+        async with sync.policy_update() as version:
+            trainer.step(seed=7)
+        assert (version, sync.policy_version, sync.is_stale) == (2, 2, True)
+        await sync.sync_weights()
+        assert (sync.weight_version, sync.is_stale) == (2, False)
+        second = await engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+        assert second == trainer.merged_generate()
+        assert second != first
+        # Replaced, not stacked: version 1's adapter is gone from every worker.
+        assert await _adapters(engine) == [("aiosync-v2", ["aiosync-v2"], True)] * 2
+        assert lora_adapter_name(2) == engine.lora_adapter
+
+
+#: What PEFT's refusal looks like, raised from the worker.
+_NO_LAYER_FOR = (
+    r"engine worker 0 \(embedded_load_lora_adapter\): adapter 'aiosync-v1': tensors the "
+    r"model's adapter layers do not have: \['base_model\.model\.model\.layers\.0\.mlp\.down_proj"
+)
+
+
+class _InconsistentConfig(LoRAAdapterRefitSource):
+    """Its config targets q_proj only, its tensors every linear layer: PEFT, in the
+    engine's workers, refuses the tensors it has no layer for."""
+
+    def lora_adapter_config(self) -> dict[str, Any]:
+        return {**super().lora_adapter_config(), "target_modules": ["q_proj"]}
+
+
+async def test_a_failed_load_keeps_the_version_and_the_engine_refuses_until_a_sync_lands(
+    engine: EmbeddedEngine, trainer: LoRATrainer
+) -> None:
+    async with LoRAAdapterSynchronizer(trainer.source, engine) as good:
+        await good.init_communicator()
+        await good.mark_stale()
+        await good.sync_weights()
+        assert await engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS) == (
+            trainer.merged_generate()
+        )
+
+        async with LoRAAdapterSynchronizer(_InconsistentConfig(trainer.model), engine) as bad:
+            await bad.init_communicator()
+            await bad.mark_stale()
+            async with bad.subscribe() as events:
+                with pytest.raises(RefitMismatchError, match=_NO_LAYER_FOR):
+                    await bad.sync_weights()
+                kinds = [(await events.__anext__()).kind for _ in range(2)]
+            assert kinds == [VersionEventKind.SYNC_STARTED, VersionEventKind.FAILED]
+            assert (bad.weight_version, bad.policy_version, bad.is_stale) == (0, 1, True)
+            # Neither half an adapter nor, silently, the previous one.
+            with pytest.raises(SyncError, match="did not complete"):
+                await engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+            assert await _adapters(engine) == [(None, [], False)] * 2
+            assert engine.lora_adapter is None
+
+        # A sync that lands heals it.
+        await good.mark_stale()
+        await good.sync_weights()
+        assert (good.weight_version, good.is_stale) == (2, False)
+        assert await engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS) == (
+            trainer.merged_generate()
+        )
+        assert await _adapters(engine) == [("aiosync-v2", ["aiosync-v2"], True)] * 2
+
+
+async def test_kv_scales_are_refused_before_anything_moves(
+    engine: EmbeddedEngine, trainer: LoRATrainer
+) -> None:
+    async with LoRAAdapterSynchronizer(trainer.source, engine) as sync:
+        await sync.init_communicator()
+        await sync.mark_stale()
+        await sync.sync_weights()
+        v1 = await engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+        trainer.step(seed=11)
+        await sync.mark_stale()
+        async with sync.subscribe() as events:
+            with pytest.raises(NotImplementedError, match="KV-cache scales"):
+                await sync.sync_weights(kv_scales={0: 1.0})
+            # Nothing moved: the engine still serves version 1, nothing was published.
+            assert (sync.weight_version, sync.is_stale) == (1, True)
+            assert await engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS) == v1
+            await sync.sync_weights()
+            first = await events.__anext__()
+        assert (first.kind, first.version) == (VersionEventKind.SYNC_STARTED, 2)
+        assert await engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS) == (
+            trainer.merged_generate()
+        )
+
+
+class _FullModelAsAdapter(LoRAAdapterRefitSource):
+    """A full checkpoint posing as an adapter (a LoRA config over base-model tensors)."""
+
+    def __init__(self, trainer: LoRATrainer, base: DTensorRefitSource) -> None:
+        super().__init__(trainer.model)
+        self.base = base
+
+    def prepare_refit_info(self) -> Any:
+        return self.base.prepare_refit_info()
+
+
+async def test_init_refuses_what_is_not_an_adapter_or_does_not_fit_the_engine(
+    engine: EmbeddedEngine, trainer: LoRATrainer
+) -> None:
+    full = DTensorRefitSource(HFModelRunner.from_config(CONFIG, seed=ENGINE_SEED).model)
+    with pytest.raises(TypeError, match="LoRAAdapterSource"):
+        LoRAAdapterSynchronizer(full, engine)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="has no load_lora_adapter"):
+        LoRAAdapterSynchronizer(trainer.source, object())
+
+    async with LoRAAdapterSynchronizer(_FullModelAsAdapter(trainer, full), engine) as sync:
+        not_lora = r"'model\.embed_tokens\.weight' is not a LoRA tensor"
+        with pytest.raises(RefitMismatchError, match=not_lora):
+            await sync.init_communicator()
+
+    # An adapter trained on a model whose MLP is 96 wide, for an engine whose MLP is 128.
+    narrow = LoRATrainer(config={**CONFIG, "intermediate_size": 96})
+    async with LoRAAdapterSynchronizer(narrow.source, engine) as sync:
+        with pytest.raises(
+            RefitMismatchError,
+            match=r"model\.layers\.0\.mlp\.gate_proj\.weight: the engine's model has shape "
+            r"\(128, 64\), the adapter's .* imply \[96, 64\]",
+        ):
+            await sync.init_communicator()
+        with pytest.raises(SyncError, match="init_communicator"):
+            await sync.sync_weights()
+
+
+async def test_level_2_sleep_discards_the_adapter_and_the_sync_says_the_base_is_gone(
+    engine: EmbeddedEngine, trainer: LoRATrainer, base_state: dict[str, torch.Tensor]
+) -> None:
+    async with LoRAAdapterSynchronizer(trainer.source, engine) as sync:
+        await sync.init_communicator()
+        await sync.mark_stale()
+        await sync.sync_weights()
+        engine.sleep_level = 2
+        try:
+            await engine.finish_generation()
+        finally:
+            engine.sleep_level = 1
+        # The discard listeners fired: the synchronizer knows a sync is needed.
+        assert (sync.weight_version, sync.is_stale) == (1, True)
+        assert engine.lora_adapter is None
+        assert [(a, loaded) for a, loaded, _ in await _adapters(engine)] == [(None, [])] * 2
+        await engine.prepare_for_generation()
+        with pytest.raises(SyncError, match=r"an adapter-only refit\s+cannot restore them"):
+            await sync.sync_weights()
+        assert sync.is_stale
+
+        # Restore the base model (what a full refit would do), then the adapter lands.
+        wire = {name: tensor_to_wire(t) for name, t in base_state.items()}
+        await engine.collective_rpc("embedded_load_state_dict", (wire,))
+        await sync.sync_weights()
+        assert (sync.weight_version, sync.is_stale) == (1, False)
+        assert await engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS) == (
+            trainer.merged_generate()
+        )
+
+
+async def test_a_fleet_loads_the_adapter_into_every_engine(
+    engine: EmbeddedEngine, second_engine: EmbeddedEngine, trainer: LoRATrainer
+) -> None:
+    # Non-colocated needs no cluster for an adapter: it travels through the engines' API.
+    async with create_weight_synchronizer(
+        trainer.source, [engine, second_engine], colocated=False, backend="vllm"
+    ) as sync:
+        assert type(sync) is LoRAAdapterSynchronizer
+        fleet = sync.generation
+        assert isinstance(fleet, EngineFleet)
+        await sync.init_communicator()
+        await sync.mark_stale()
+        await sync.sync_weights()
+        assert sync.weight_version == 1
+        assert await fleet.generate(PROMPTS, max_new_tokens=NEW_TOKENS) == (
+            trainer.merged_generate()
+        )
+        for member in (engine, second_engine):
+            assert member.lora_adapter == "aiosync-v1"
+            assert await member.generate(PROMPTS, max_new_tokens=NEW_TOKENS) == (
+                trainer.merged_generate()
+            )
+        assert await _adapters(second_engine) == [("aiosync-v1", ["aiosync-v1"], True)]

@@ -1,0 +1,370 @@
+"""``LoRAAdapterSynchronizer``: adapter-only refits through the engine's own LoRA API.
+
+What verl and prime-rl do for speed with a LoRA trainer: only the adapter's
+tensors travel (megabytes, not the model's gigabytes), and the engine loads
+them as a LoRA adapter named after the weight version
+(:func:`aiosync.lora_adapter_name`, ``"aiosync-v{version}"``) that every later
+generation applies. The base weights are never touched.
+
+One refit:
+
+1. iterate ``policy.iter_weights()`` (a worker thread), checking each tensor
+   against the manifest (names, order, shapes, dtypes) and copying it to a CPU,
+   contiguous tensor;
+2. build a :class:`~aiosync.LoRAAdapter` (``name``, ``version``, the tensors,
+   ``policy.lora_adapter_config()``) and ``await generation.load_lora_adapter(adapter)``
+   (each engine of a fleet concurrently). The engine unloads the adapter it
+   replaces and refuses to generate from the start of the load until one
+   succeeds (never a half-loaded adapter, never a silent fallback).
+
+Versions, events, timeouts and discard epochs are the base class's, exactly as
+for full refits; the ``COMMITTED`` event's ``nbytes`` is the adapter's
+:attr:`~aiosync.LoRAAdapter.nbytes`.
+
+``init_communicator()`` checks, before any byte moves, that the manifest is a
+LoRA adapter in PEFT's saved layout (``aiosync/transports/lora/_layout.py``)
+whose config agrees with it, and that every adapted layer exists in each
+engine's base model with matching shapes (``lora_A`` ``[r, in_features]``,
+``lora_B`` ``[out_features, r]`` against the base ``[out_features, in_features]``,
+from the engine's ``expected_manifest()``; an engine without one is warned
+about and checked by its own load). An engine that also offers
+``check_lora_adapter(config, target_modules, max_rank)`` (the SGLang backend:
+``--enable-lora``, ``--max-lora-rank``, ``--lora-target-modules``) is asked too.
+
+An adapter-only refit cannot restore discarded base weights: a level-2 sleep,
+or SGLang's memory saver without a CPU backup, make the next sync fail with
+:class:`~aiosync.errors.SyncError` (sleep at level 1, or keep a CPU backup).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import anyio
+import torch
+
+from aiosync._config import DEFAULT_EVENT_BACKLOG, DEFAULT_SYNC_TIMEOUT_S
+from aiosync._fanout import each_named
+from aiosync.errors import RefitMismatchError, SyncError
+from aiosync.interfaces import KVScales, RefitManifest, WeightSynchronizer
+from aiosync.lora import LoRAAdapter, LoRAAdapterSource, lora_adapter_name
+
+from .._wire import error_fields, rebuild_error
+from ..ipc.synchronizer import _drain, _TrainerRanks
+from ._layout import AdaptedModule, adapted_modules, check_adapter_config, check_against_base
+
+__all__ = ["LoRAAdapterSynchronizer"]
+
+_log = logging.getLogger(__name__)
+
+_KV_SCALES = (
+    "an adapter-only refit leaves the base model, and with it the FP8 KV-cache scales, "
+    "alone: sync_weights(kv_scales=...) needs a full refit"
+)
+
+
+class LoRAAdapterSynchronizer(WeightSynchronizer):
+    """Refits a LoRA trainer's adapter into engines that serve LoRA adapters.
+
+    Args:
+        policy: the trainer's :class:`~aiosync.LoRAAdapterSource` (e.g.
+            ``aiosync.refit.LoRAAdapterRefitSource``): the adapter's tensors under
+            PEFT's saved names, and ``lora_adapter_config()``.
+        generation: an engine with ``async load_lora_adapter(adapter)`` (the
+            embedded engine, ``SGLangHTTPBackend``, vLLM's backend), an
+            :class:`~aiosync.EngineFleet` of them, or a list (loaded concurrently).
+            None on the trainer ranks other than 0 of a sharded trainer.
+        sync_timeout_s: limit for a whole ``sync_weights`` call, seconds.
+        event_backlog: default backlog of :meth:`subscribe`, in events.
+        process_group: a sharded trainer's ``torch.distributed`` group (gloo, whose
+            timeout bounds the agreement). Every rank runs a synchronizer and
+            makes the same calls, since the source's gathers are collectives; only
+            group rank 0 holds the engine and loads the adapter. A sync commits on
+            every rank or fails on every rank with the same typed error (the ranks
+            agree with one small ``all_gather_object``, as the IPC transport does).
+
+    Raises:
+        TypeError: ``policy`` has no ``lora_adapter_config()``, or an engine has
+            no ``load_lora_adapter`` (the message names it).
+        ValueError: no engine on group rank 0, or the same engine twice.
+    """
+
+    def __init__(
+        self,
+        policy: LoRAAdapterSource,
+        generation: Any,
+        *,
+        sync_timeout_s: float = DEFAULT_SYNC_TIMEOUT_S,
+        event_backlog: int = DEFAULT_EVENT_BACKLOG,
+        process_group: Any = None,
+    ) -> None:
+        if not callable(getattr(policy, "lora_adapter_config", None)):
+            raise TypeError(
+                "LoRAAdapterSynchronizer refits a LoRA adapter: policy must be a "
+                "LoRAAdapterSource (with lora_adapter_config()), e.g. "
+                f"aiosync.refit.LoRAAdapterRefitSource; got {type(policy).__name__}"
+            )
+        ranks = _TrainerRanks(process_group)
+        engines: tuple[Any, ...] = ()
+        if ranks.is_driver:
+            if generation is None:
+                raise ValueError("generation is None on the trainer rank that drives the engine")
+            engines = _engines_of(generation)
+        super().__init__(
+            policy, generation, sync_timeout_s=sync_timeout_s, event_backlog=event_backlog
+        )
+        self.policy: LoRAAdapterSource = policy
+        #: The engines loaded, in fleet order (empty on the non-driving ranks).
+        self.engines: tuple[Any, ...] = engines
+        self._ranks = ranks
+        self._manifest: RefitManifest = {}
+        self._config: dict[str, Any] = {}
+        #: The layers the adapter adapts, ``{module: AdaptedModule}`` (after
+        #: :meth:`init_communicator`).
+        self.modules: dict[str, AdaptedModule] = {}
+        self._listening: list[tuple[Any, str]] = []
+        for engine in engines:
+            for method in ("add_weights_discarded_listener", "add_invalidation_listener"):
+                listen = getattr(engine, method, None)
+                if callable(listen):
+                    listen(self._invalidate_engine_weights)
+                    self._listening.append((engine, method))
+                    break
+            if getattr(engine, "weights_valid", True) is False:
+                self._invalidate_engine_weights()
+
+    async def init_communicator(self) -> None:
+        """Check the adapter against its config and every engine's base model.
+
+        Raises:
+            TypeError: ``lora_adapter_config()`` is not a JSON-able dict.
+            RefitMismatchError: the manifest is not a LoRA adapter in PEFT's saved
+                layout, disagrees with its config, or targets a layer the engine's
+                model lacks or has with other shapes (names the first offender).
+            SyncError, TransportError, SyncTimeoutError: an engine refuses the
+                adapter's settings or cannot be asked (e.g. SGLang without
+                ``--enable-lora``). With several engines the message names the engine.
+            On a sharded trainer every rank raises the same error.
+        """
+        self._check_open()
+        error: BaseException | None = None
+        try:
+            manifest: RefitManifest = {
+                name: (tuple(int(d) for d in shape), dtype)
+                for name, (shape, dtype) in self.policy.prepare_refit_info().items()
+            }
+            config = _json_config(self.policy.lora_adapter_config())
+            modules = adapted_modules(manifest)
+            check_adapter_config(config, modules)
+            if self.engines:
+                await self._each(lambda i, engine: self._check_engine(i, engine, config, modules))
+        except Exception as exc:
+            if not self._ranks.sharded:
+                raise
+            error = exc
+        if self._ranks.sharded:
+            outcomes = await self._ranks.all_gather(None if error is None else error_fields(error))
+            _raise_first(outcomes, self._ranks.rank, error)
+        self._manifest, self._config, self.modules = manifest, config, modules
+        await super().init_communicator()
+
+    async def _check_engine(
+        self, index: int, engine: Any, config: Mapping[str, Any], modules: Mapping[str, Any]
+    ) -> None:
+        expected = getattr(engine, "expected_manifest", None)
+        base = await expected() if callable(expected) else None
+        if base is None:
+            warnings.warn(
+                f"cannot check the LoRA adapter's target layers against {self._label(index)} "
+                "before the first load (it offers no expected_manifest()); a mismatch "
+                "surfaces as the engine's refusal of the load",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        else:
+            check_against_base(modules, base)
+        check = getattr(engine, "check_lora_adapter", None)
+        if callable(check):
+            targets = sorted({m.target for m in modules.values()})
+            await check(config, targets, max(m.rank for m in modules.values()))
+
+    async def sync_weights(self, kv_scales: KVScales | None = None) -> None:
+        """Load the adapter of the current ``policy_version`` into every engine (see the base).
+
+        Args:
+            kv_scales: must be None: an adapter-only refit leaves the base model
+                and its FP8 KV-cache scales alone.
+
+        Raises:
+            NotImplementedError: ``kv_scales`` given (before anything moves, no event).
+            RefitMismatchError: the source yielded other names, shapes or dtypes
+                than its manifest, or the engine refused the adapter.
+            SyncError: not initialized, shut down, an engine's base weights were
+                discarded (an adapter cannot restore them), or the engine
+                discarded its weights during the sync.
+            TransportError, SyncTimeoutError: from the engine.
+        """
+        if kv_scales is not None:
+            raise NotImplementedError(_KV_SCALES)
+        await super().sync_weights(None)
+
+    async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
+        if kv_scales is not None:
+            raise NotImplementedError(_KV_SCALES)
+        weights = self.policy.iter_weights()
+        failed: BaseException | None = None
+        nbytes = 0
+        try:
+            keep = self._ranks.is_driver
+            tensors = await anyio.to_thread.run_sync(_collect, weights, self._manifest, keep)
+            if keep:
+                nbytes = await self._load(version, tensors)
+            else:  # the same count as the driver's adapter.nbytes: the events agree
+                nbytes = _manifest_nbytes(self._manifest)
+        except BaseException as exc:
+            failed = exc
+            if not self._ranks.sharded:
+                raise
+        if self._ranks.sharded:
+            await self._agree(weights, failed)
+        return nbytes
+
+    async def _load(self, version: int, tensors: dict[str, torch.Tensor]) -> int:
+        for i, engine in enumerate(self.engines):
+            if getattr(engine, "weights_valid", True) is False:
+                raise SyncError(
+                    f"{self._label(i)} holds no valid base weights (discarded, e.g. by the "
+                    "memory saver without a CPU backup): an adapter-only refit cannot restore them"
+                )
+        adapter = LoRAAdapter(lora_adapter_name(version), version, tensors, dict(self._config))
+        load = getattr(self.generation, "load_lora_adapter", None)
+        if callable(load):  # one engine, or an EngineFleet (which fans out itself)
+            await load(adapter)
+        else:
+            await self._each(lambda i, engine: engine.load_lora_adapter(adapter))
+        return adapter.nbytes
+
+    async def _agree(self, weights: Iterator[Any], failed: BaseException | None) -> None:
+        """Sharded trainers: commit on every rank or fail on every rank alike."""
+        with anyio.CancelScope(shield=True):
+            if failed is not None:
+                # The other ranks still gather: take part until the source is exhausted.
+                await anyio.to_thread.run_sync(_drain, weights)
+            outcome = None if failed is None else error_fields(failed)
+            outcomes = await self._ranks.all_gather(outcome)
+        _raise_first(outcomes, self._ranks.rank, failed)
+
+    async def _each(self, call: Any) -> list[Any]:
+        return await each_named(self.engines, call, self._label)
+
+    def _label(self, index: int) -> str:
+        return f"engine {index} of {len(self.engines)} ({type(self.engines[index]).__name__})"
+
+    async def shutdown(self) -> None:
+        """Stop listening to the engines and end the event stream. Idempotent.
+        The engines stay up: whoever started them stops them."""
+        for engine, method in self._listening:
+            forget = getattr(engine, method.replace("add_", "remove_"), None)
+            if callable(forget):
+                forget(self._invalidate_engine_weights)
+        self._listening = []
+        await super().shutdown()
+
+    def __repr__(self) -> str:
+        info = {
+            "engines": [type(e).__name__ for e in self.engines],
+            "modules": len(self.modules),
+            "weight_version": self.weight_version,
+        }
+        return f"LoRAAdapterSynchronizer({info})"
+
+
+def _engines_of(generation: Any) -> tuple[Any, ...]:
+    """The engines behind ``generation``: itself, an ``EngineFleet``'s engines, or a list."""
+    engines = getattr(generation, "engines", None)  # an aiosync.EngineFleet
+    if engines is None:
+        engines = list(generation) if isinstance(generation, list | tuple) else [generation]
+    engines = tuple(engines)
+    if not engines:
+        raise ValueError("LoRAAdapterSynchronizer needs at least one engine")
+    if len({id(e) for e in engines}) != len(engines):
+        raise ValueError("the same engine appears twice")
+    for i, engine in enumerate(engines):
+        if not callable(getattr(engine, "load_lora_adapter", None)):
+            where = f"engine {i} of {len(engines)}" if len(engines) > 1 else "the engine"
+            raise TypeError(
+                f"{where} ({type(engine).__name__}) has no load_lora_adapter(adapter): it cannot "
+                "serve adapter-only refits (aiosync's embedded, SGLang and vLLM backends can)"
+            )
+    return engines
+
+
+def _json_config(config: Any) -> dict[str, Any]:
+    """``lora_adapter_config()`` as a plain dict, checked JSON-able (adapter_config.json)."""
+    if not isinstance(config, Mapping):
+        raise TypeError(f"lora_adapter_config() must return a dict, got {type(config).__name__}")
+    try:
+        return dict(json.loads(json.dumps(dict(config))))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"lora_adapter_config() must be JSON-able: {exc}") from exc
+
+
+def _collect(
+    weights: Iterator[tuple[str, torch.Tensor]], manifest: RefitManifest, keep: bool
+) -> dict[str, torch.Tensor]:
+    """The source's tensors, checked against ``manifest`` (order, shapes, dtypes);
+    CPU, contiguous copies when ``keep`` (else only checked: a non-driving rank)."""
+    expected = iter(manifest.items())
+    out: dict[str, torch.Tensor] = {}
+    for index, (name, tensor) in enumerate(weights):
+        entry = next(expected, None)
+        if entry is None:
+            raise RefitMismatchError(
+                f"the source yielded {name!r} after all {len(manifest)} manifest entries"
+            )
+        want, (shape, dtype) = entry
+        if name != want:
+            raise RefitMismatchError(
+                f"the source yielded {name!r} where its manifest has {want!r} (entry {index})"
+            )
+        if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+            raise RefitMismatchError(
+                f"{name}: the manifest says {tuple(shape)} {dtype}, the source yielded "
+                f"{tuple(tensor.shape)} {tensor.dtype}"
+            )
+        if keep:
+            out[name] = tensor.detach().to("cpu", copy=True).contiguous()
+    missing = [name for name, _ in expected]
+    if missing:
+        raise RefitMismatchError(
+            f"the source ended {len(missing)} tensor(s) early; first missing: {missing[:3]}"
+        )
+    return out
+
+
+def _manifest_nbytes(manifest: RefitManifest) -> int:
+    """Bytes of the tensors ``manifest`` describes."""
+    total = 0
+    for shape, dtype in manifest.values():
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        total += numel * torch.empty((), dtype=dtype).element_size()
+    return total
+
+
+def _raise_first(
+    outcomes: Sequence[dict[str, str] | None], rank: int, own: BaseException | None
+) -> None:
+    """Raise the first rank's error (this rank's own exception if it is that one)."""
+    for other, fields in enumerate(outcomes):
+        if fields is not None:
+            if other == rank and isinstance(own, Exception):
+                raise own
+            raise rebuild_error(fields, f"trainer rank {other}") from own
+    if own is not None:  # cancelled here while every rank succeeded
+        raise own
