@@ -386,10 +386,41 @@ class VLLMGenerationBackend:
     # -- LoRA adapters -------------------------------------------------------------
 
     @property
-    def active_lora_adapter(self) -> str | None:
+    def lora_adapter(self) -> str | None:
         """The name of the adapter :meth:`generate` uses (``"aiosync-v{version}"``);
         None: the base model, or the last load failed."""
         return None if self._lora is None else str(self._lora.lora_name)
+
+    async def check_lora_adapter(
+        self, config: Mapping[str, Any], target_modules: Sequence[str], max_rank: int
+    ) -> None:
+        """Check that the engine can load an adapter of this shape (before any byte moves;
+        ``LoRAAdapterSynchronizer.init_communicator`` asks).
+
+        Args:
+            config: the adapter's ``adapter_config.json`` dict.
+            target_modules: the adapted layers' names (``q_proj``, ``down_proj``, ...).
+            max_rank: the adapter's largest rank ``r``.
+
+        Raises:
+            ValueError: the engine was built without ``enable_lora=True``, or
+                ``max_rank`` (or a ``config["rank_pattern"]`` rank) exceeds its
+                ``max_lora_rank``.
+            RefitMismatchError: a target module outside the engine's
+                ``lora_target_modules`` (vLLM would not apply LoRA there).
+            TransportError, SyncTimeoutError: as :meth:`collective_rpc`.
+        """
+        lora_config = _lora_config(self.engine)
+        pattern = dict(config.get("rank_pattern") or {})
+        _check_rank(
+            max([int(max_rank), *(int(r) for r in pattern.values())]),
+            lora_config,
+            "the LoRA adapter",
+        )
+        reports = await self.collective_rpc(
+            "aiosync_vllm_check_lora", kwargs={"targets": list(target_modules)}
+        )
+        _raise_lora_problems("the LoRA adapter", reports)
 
     async def list_loras(self) -> set[int]:
         """The ``lora_int_id`` of every adapter vLLM holds (``list_loras()``; aiosync's
@@ -436,7 +467,8 @@ class VLLMGenerationBackend:
                 its lora_B (or the reverse), ranks of a pair that differ or
                 differ from ``config["r"]``, or (checked by the workers against
                 the safetensors headers of a local, unquantized checkpoint) an
-                ``in_features``/``out_features`` other than the base weight's.
+                ``in_features``/``out_features`` other than the base weight's;
+                or a module outside the engine's ``lora_target_modules``.
             TransportError, SyncTimeoutError: vLLM refused or failed the load
                 (its message), or did not answer within ``rpc_timeout_s``.
         """
@@ -456,16 +488,7 @@ class VLLMGenerationBackend:
 
         shapes = _check_lora_adapter(adapter, _lora_config(self.engine))
         reports = await self.collective_rpc("aiosync_vllm_check_lora", (shapes,))
-        for report in reports:
-            if not report["checked"]:
-                _log.debug("LoRA shapes not checked against the model: %s", report["reason"])
-        problems = [p for report in reports for p in report["problems"]]
-        if problems:
-            raise RefitMismatchError(
-                f"LoRA adapter {adapter.name!r} does not fit the engine's model: "
-                + "; ".join(problems[:5])
-                + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
-            )
+        _raise_lora_problems(f"LoRA adapter {adapter.name!r}", reports)
         replaced = adapter.version in await self.list_loras()
         folder = tempfile.mkdtemp(prefix=f"aiosync-lora-{os.getpid()}-", dir=_lora_dir_parent())
         try:
@@ -609,13 +632,11 @@ def _check_lora_adapter(adapter: Any, lora_config: Any) -> dict[str, list[int]]:
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise TypeError(f"LoRA adapter config['r'] must be an int, got {rank!r}")
     pattern = dict(adapter.config.get("rank_pattern") or {})
-    max_rank = max([rank, *(int(r) for r in pattern.values())])
-    if max_rank > lora_config.max_lora_rank:
-        raise ValueError(
-            f"LoRA adapter {adapter.name!r} has rank {max_rank}, above the engine's "
-            f"max_lora_rank={lora_config.max_lora_rank}: build the engine with a larger "
-            "max_lora_rank (vllm serve --max-lora-rank)"
-        )
+    _check_rank(
+        max([rank, *(int(r) for r in pattern.values())]),
+        lora_config,
+        f"LoRA adapter {adapter.name!r}",
+    )
     pairs: dict[str, dict[str, Sequence[int]]] = {}
     shapes: dict[str, list[int]] = {}
     for name, tensor in adapter.tensors.items():
@@ -640,12 +661,31 @@ def _check_lora_adapter(adapter: Any, lora_config: Any) -> dict[str, list[int]]:
                 f"([r, in_features]), lora_B {list(pair['B'])} ([out_features, r]), "
                 f"config r={rank}"
             )
-        if a_rank > lora_config.max_lora_rank:
-            raise ValueError(
-                f"LoRA rank {a_rank} of {module} is above the engine's "
-                f"max_lora_rank={lora_config.max_lora_rank}"
-            )
+        _check_rank(a_rank, lora_config, f"LoRA adapter {adapter.name!r} at {module}")
     return shapes
+
+
+def _check_rank(rank: int, lora_config: Any, what: str) -> None:
+    if rank > lora_config.max_lora_rank:
+        raise ValueError(
+            f"{what} has rank {rank}, above the engine's "
+            f"max_lora_rank={lora_config.max_lora_rank}: build the engine with a larger "
+            "max_lora_rank (vllm serve --max-lora-rank)"
+        )
+
+
+def _raise_lora_problems(what: str, reports: Sequence[Mapping[str, Any]]) -> None:
+    """Raise the workers' ``aiosync_vllm_check_lora`` problems as one RefitMismatchError."""
+    for report in reports:
+        if not report["checked"]:
+            _log.debug("LoRA shapes not checked against the model: %s", report["reason"])
+    problems = list(dict.fromkeys(p for report in reports for p in report["problems"]))
+    if problems:
+        raise RefitMismatchError(
+            f"{what} does not fit the engine's model: "
+            + "; ".join(problems[:5])
+            + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
+        )
 
 
 def _lora_dir_parent() -> str:

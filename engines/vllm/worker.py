@@ -49,7 +49,7 @@ import torch
 
 from .backend import LORA_PAIR_NAME
 
-__all__ = ["VLLMWorkerMixin"]
+__all__ = ["VLLMWorkerMixin", "lora_target_problems"]
 
 _log = logging.getLogger(__name__)
 
@@ -155,9 +155,13 @@ class VLLMWorkerMixin:
 
     # -- LoRA adapters ---------------------------------------------------------
 
-    def aiosync_vllm_check_lora(self, shapes: Mapping[str, Sequence[int]]) -> dict[str, Any]:
-        """Compare a LoRA adapter's tensor shapes with the base weights vLLM loaded.
+    def aiosync_vllm_check_lora(
+        self, shapes: Mapping[str, Sequence[int]] | None = None, targets: Sequence[str] = ()
+    ) -> dict[str, Any]:
+        """Check a LoRA adapter against the engine's LoRA target modules and base weights.
 
+        Two things vLLM does not check: an adapted module outside the engine's
+        ``target_modules`` option (vLLM wraps only those), and the shapes.
         vLLM copies ``lora_A`` ``[r, in_features]`` and ``lora_B``
         ``[out_features, r]`` into the slots of its LoRA layers without checking
         ``in_features``/``out_features``: a too-narrow tensor is copied into part
@@ -169,28 +173,38 @@ class VLLMWorkerMixin:
 
         Args:
             shapes: ``{peft_name: [rows, cols]}`` of the adapter's lora_A/lora_B tensors.
+            targets: more adapted module names (``q_proj``, ``down_proj``, ...)
+                to check against ``target_modules``.
 
         Returns:
             ``{"checked": bool, "problems": [str, ...], "reason": str}``;
-            ``checked`` is False (``reason`` says why) outside vLLM or where the
-            model is not a local, unquantized safetensors folder. A module absent
-            from the checkpoint is left to vLLM (which rejects unknown modules).
+            ``checked`` is False (``reason`` says why) when the shapes could not
+            be checked: outside vLLM, or where the model is not a local,
+            unquantized safetensors folder. A module absent from the checkpoint
+            is left to vLLM (which rejects unknown modules).
         """
         config = getattr(self, "vllm_config", None)
         if config is None:
             return {"checked": False, "problems": [], "reason": "not a vLLM worker"}
+        shapes = dict(shapes or {})
+        pairs = {n: m for n in shapes if (m := LORA_PAIR_NAME.fullmatch(n)) is not None}
+        modules = set(targets) | {m["module"].rsplit(".", 1)[-1] for m in pairs.values()}
+        lora_config = getattr(config, "lora_config", None)
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        problems = lora_target_problems(
+            sorted(modules),
+            getattr(lora_config, "target_modules", None),
+            getattr(model, "packed_modules_mapping", None) or {},
+        )
         base = getattr(self, "_aiosync_lora_base", None)
         if base is None:
             try:
                 base = {n: spec[0] for n, spec in _checkpoint_manifest(config.model_config).items()}
             except ValueError as exc:
-                return {"checked": False, "problems": [], "reason": str(exc)}
+                return {"checked": False, "problems": problems, "reason": str(exc)}
             self._aiosync_lora_base = base
-        problems = []
-        for name, shape in shapes.items():
-            match = LORA_PAIR_NAME.fullmatch(name)
-            if match is None:
-                continue
+        for name, match in pairs.items():
+            shape = shapes[name]
             module = match["module"]
             for prefix in ("base_model.model.", ""):
                 if module.startswith(prefix) and f"{module[len(prefix) :]}.weight" in base:
@@ -302,6 +316,44 @@ class VLLMWorkerMixin:
             hook = getattr(self.model_runner, reset, None)  # type: ignore[attr-defined]
             if hook is not None:
                 hook()
+
+
+def lora_target_problems(
+    targets: Sequence[str],
+    allowed: Sequence[str] | None,
+    packed: Mapping[str, Sequence[str]],
+) -> list[str]:
+    """The adapted modules outside vLLM's ``target_modules`` option, as one message.
+
+    vLLM wraps a module for LoRA only if its name's last part, or the packed
+    module holding it (``packed_modules_mapping``: ``qkv_proj`` holds ``q_proj``,
+    ``k_proj``, ``v_proj``; ``gate_up_proj`` holds ``gate_proj``, ``up_proj``),
+    is in ``target_modules`` (``vllm.lora.utils.is_in_target_modules``; the
+    engine option ``lora_target_modules``); None allows every module.
+
+    Args:
+        targets: the adapter's module names (``q_proj``, ...).
+        allowed: the engine's ``LoRAConfig.target_modules``.
+        packed: the model's ``packed_modules_mapping``.
+
+    Returns:
+        ``[]``, or one message naming the modules outside and the option.
+    """
+    if allowed is None:
+        return []
+    allowed_set = set(allowed)
+    outside = [
+        t
+        for t in targets
+        if t not in allowed_set
+        and not any(t in children and parent in allowed_set for parent, children in packed.items())
+    ]
+    if not outside:
+        return []
+    return [
+        f"the adapter targets {outside}, outside the engine's LoRA target_modules "
+        f"{sorted(allowed_set)} (vLLM option lora_target_modules / --lora-target-modules)"
+    ]
 
 
 def _checkpoint_manifest(model_config: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

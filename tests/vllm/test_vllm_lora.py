@@ -28,6 +28,7 @@ from anyio.lowlevel import checkpoint
 
 from aiosync import LoRAAdapter, lora_adapter_name
 from aiosync.engines.vllm.backend import WORKER_EXTENSION, VLLMGenerationBackend
+from aiosync.engines.vllm.worker import lora_target_problems
 from aiosync.errors import RefitMismatchError, SyncError, TransportError
 from aiosync.refit import DTensorRefitSource
 from aiosync.transports.ipc import IPCWeightSynchronizer
@@ -121,11 +122,11 @@ async def test_loaded_adapter_generates_exactly_as_the_merged_model(
 ) -> None:
     backend = lora_backend
     assert await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS) == adapters.base_greedy
-    assert backend.active_lora_adapter is None
+    assert backend.lora_adapter is None
 
     await backend.load_lora_adapter(adapters.first.at(1))
 
-    assert backend.active_lora_adapter == "aiosync-v1"
+    assert backend.lora_adapter == "aiosync-v1"
     assert await backend.list_loras() == {1}
     assert adapter_dirs() == []
     out = await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
@@ -145,7 +146,7 @@ async def test_second_adapter_switches_outputs_and_removes_the_first(
     # max_cpu_loras=2: vLLM would keep v1 cached; aiosync removes it.
     await backend.load_lora_adapter(adapters.second.at(2))
 
-    assert backend.active_lora_adapter == "aiosync-v2"
+    assert backend.lora_adapter == "aiosync-v2"
     assert await backend.list_loras() == {2}
     out = await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
     assert out == adapters.second.merged_greedy
@@ -182,7 +183,7 @@ async def test_rank_above_max_lora_rank_is_refused_before_vllm_sees_it(
         await backend.load_lora_adapter(wide)
 
     assert await backend.list_loras() == {1}  # vLLM was not asked
-    assert backend.active_lora_adapter is None
+    assert backend.lora_adapter is None
     with pytest.raises(SyncError, match=r"loading LoRA adapter 'aiosync-v2' failed \(ValueError"):
         await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
     assert adapter_dirs() == []
@@ -253,9 +254,45 @@ async def test_engine_without_enable_lora_is_refused_with_the_option_named(
     llm: Any, adapters: Adapters
 ) -> None:
     backend = VLLMGenerationBackend(llm)
+    config = adapters.first.adapter.config
+    with pytest.raises(ValueError, match=r"built without LoRA support: build it with enable_lora"):
+        await backend.check_lora_adapter(config, TARGETS, 8)
     with pytest.raises(ValueError, match=r"built without LoRA support: build it with enable_lora"):
         await backend.load_lora_adapter(adapters.first.at(1))
     assert adapter_dirs() == []
+
+
+async def test_check_lora_adapter_before_any_byte_moves(
+    lora_backend: VLLMGenerationBackend, adapters: Adapters
+) -> None:
+    """What LoRAAdapterSynchronizer.init_communicator asks an engine."""
+    backend = lora_backend
+    config = adapters.first.adapter.config
+    assert await backend.check_lora_adapter(config, TARGETS, 8) is None
+    with pytest.raises(ValueError) as failed:
+        await backend.check_lora_adapter(config, TARGETS, 16)
+    assert str(failed.value) == (
+        "the LoRA adapter has rank 16, above the engine's max_lora_rank=8: build the engine "
+        "with a larger max_lora_rank (vllm serve --max-lora-rank)"
+    )
+    assert await backend.list_loras() == set()
+    assert backend.lora_adapter is None
+    # Checks do not load: generation still runs on the base model.
+    assert await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS) == adapters.base_greedy
+
+
+def test_modules_outside_vllms_lora_target_modules_are_named() -> None:
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    assert lora_target_problems(["q_proj", "down_proj"], None, packed) == []
+    assert (
+        lora_target_problems(["q_proj", "v_proj", "down_proj"], ["qkv_proj", "down_proj"], packed)
+        == []
+    )
+    assert lora_target_problems(["q_proj", "down_proj"], ["q_proj", "down_proj"], packed) == []
+    assert lora_target_problems(["q_proj", "up_proj", "down_proj"], ["qkv_proj"], packed) == [
+        "the adapter targets ['up_proj', 'down_proj'], outside the engine's LoRA target_modules "
+        "['qkv_proj'] (vLLM option lora_target_modules / --lora-target-modules)"
+    ]
 
 
 async def test_full_weight_refit_drops_the_adapter_and_generate_refuses(
@@ -318,7 +355,7 @@ async def test_async_llm_loads_and_switches_adapters_and_waits_for_running_gener
             assert running != []  # the load returned after the generation
         assert [out[:NEW_TOKENS] for out in running] == adapters.first.merged_greedy
 
-        assert backend.active_lora_adapter == "aiosync-v2"
+        assert backend.lora_adapter == "aiosync-v2"
         assert await backend.list_loras() == {2}
         assert await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS) == (
             adapters.second.merged_greedy
