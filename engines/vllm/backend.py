@@ -391,6 +391,37 @@ class VLLMGenerationBackend:
         None: the base model, or the last load failed."""
         return None if self._lora is None else str(self._lora.lora_name)
 
+    async def expected_manifest(self) -> dict[str, tuple[tuple[int, ...], Any]] | None:
+        """``{hf_name: (shape, torch.dtype)}`` of the checkpoint vLLM loaded, or None if unknown.
+
+        Read from the safetensors headers of the local checkpoint folder
+        (``model_config.model``) by worker 0, in the engine's dtype. The LoRA
+        synchronizer checks an adapter's layers against it before any byte moves
+        (``lora_A`` ``[r, in_features]``, ``lora_B`` ``[out_features, r]`` against
+        ``[out_features, in_features]``). The full-weight transports do not
+        consult it: their checkpoint check is opt-in
+        (``collective_rpc("aiosync_vllm_check_manifest", (True,))``), because
+        checkpoints can hold tensors a trainer never sends.
+
+        Returns:
+            The manifest (file by file, each in its header's order); None when
+            the model is not a local, unquantized safetensors folder (a hub id,
+            a quantized model).
+
+        Raises:
+            TransportError, SyncTimeoutError: as :meth:`collective_rpc`.
+        """
+        from aiosync.transports.packing import dtype_from_name
+
+        reply = (await self.collective_rpc("aiosync_vllm_checkpoint_manifest"))[0]
+        if reply["manifest"] is None:
+            _log.debug("no checkpoint manifest for this vLLM engine: %s", reply["reason"])
+            return None
+        return {
+            name: (tuple(int(d) for d in shape), dtype_from_name(dtype))
+            for name, shape, dtype in reply["manifest"]
+        }
+
     async def check_lora_adapter(
         self, config: Mapping[str, Any], target_modules: Sequence[str], max_rank: int
     ) -> None:

@@ -155,6 +155,29 @@ class VLLMWorkerMixin:
 
     # -- LoRA adapters ---------------------------------------------------------
 
+    def aiosync_vllm_checkpoint_manifest(self) -> dict[str, Any]:
+        """The local checkpoint's tensors from their safetensors headers, msgpack-safe.
+
+        Returns:
+            ``{"manifest": [[hf_name, [dims...], dtype_name], ...] | None, "reason": str}``:
+            dtype is the engine's (``model_config.dtype``); None (``reason``
+            says why) outside vLLM or where the model is not a local,
+            unquantized safetensors folder.
+        """
+        config = getattr(self, "vllm_config", None)
+        if config is None:
+            return {"manifest": None, "reason": "not a vLLM worker"}
+        from aiosync.transports.packing import dtype_name
+
+        try:
+            manifest = _checkpoint_manifest(config.model_config)
+        except ValueError as exc:
+            return {"manifest": None, "reason": str(exc)}
+        return {
+            "manifest": [[n, list(shape), dtype_name(dt)] for n, (shape, dt) in manifest.items()],
+            "reason": "",
+        }
+
     def aiosync_vllm_check_lora(
         self, shapes: Mapping[str, Sequence[int]] | None = None, targets: Sequence[str] = ()
     ) -> dict[str, Any]:

@@ -9,6 +9,7 @@ Run with ``pytest -m vllm tests/vllm`` in ``.venv-vllm``.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import tempfile
@@ -26,11 +27,11 @@ pytest.importorskip("peft", reason="peft is not installed here: run .ci/vllm.sh 
 
 from anyio.lowlevel import checkpoint
 
-from aiosync import LoRAAdapter, lora_adapter_name
+from aiosync import LoRAAdapter, create_weight_synchronizer, lora_adapter_name
 from aiosync.engines.vllm.backend import WORKER_EXTENSION, VLLMGenerationBackend
 from aiosync.engines.vllm.worker import lora_target_problems
 from aiosync.errors import RefitMismatchError, SyncError, TransportError
-from aiosync.refit import DTensorRefitSource
+from aiosync.refit import DTensorRefitSource, LoRAAdapterRefitSource
 from aiosync.transports.ipc import IPCWeightSynchronizer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -363,3 +364,52 @@ async def test_async_llm_loads_and_switches_adapters_and_waits_for_running_gener
         assert adapter_dirs() == []
     finally:
         await backend.shutdown()
+
+
+async def test_lora_adapter_synchronizer_refits_vllm_as_the_trainers_merged_model(
+    lora_backend: VLLMGenerationBackend, tiny_qwen3_dir: Path
+) -> None:
+    """End to end: a PEFT trainer, the factory's adapter-only synchronizer, vLLM."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3ForCausalLM
+
+    def merged_greedy(model: Any) -> list[list[int]]:
+        return greedy(copy.deepcopy(model).merge_and_unload().eval())
+
+    backend = lora_backend
+    base = Qwen3ForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32)
+    torch.manual_seed(5)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False)
+    peft_model = get_peft_model(base, config)
+    manifest = await backend.expected_manifest()
+    assert manifest is not None and len(manifest) == 25  # 2 layers of 11 tensors, 3 more
+    assert manifest["model.layers.0.self_attn.q_proj.weight"] == ((128, 64), torch.float32)
+
+    sync = create_weight_synchronizer(
+        LoRAAdapterRefitSource(peft_model), backend, colocated=True, backend="vllm"
+    )
+    async with sync:
+        await sync.init_communicator()
+        await sync.mark_stale()
+        await sync.sync_weights()
+        assert (sync.weight_version, backend.lora_adapter) == (1, "aiosync-v1")
+        first = await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+        assert first == merged_greedy(peft_model)
+
+        async with sync.policy_update():  # an optimizer step on the adapter alone
+            gen = torch.Generator().manual_seed(6)
+            with torch.no_grad():
+                for name, param in peft_model.named_parameters():
+                    if "lora_" in name:
+                        param.add_(torch.randn(param.shape, generator=gen) * 0.5)
+        assert sync.is_stale
+        await sync.sync_weights()
+
+        assert (sync.weight_version, sync.policy_version) == (2, 2)
+        assert not sync.is_stale
+        assert backend.lora_adapter == "aiosync-v2"
+        assert await backend.list_loras() == {2}
+        second = await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+    assert second == merged_greedy(peft_model)
+    assert second != first
+    assert adapter_dirs() == []
