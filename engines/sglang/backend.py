@@ -18,7 +18,15 @@ endpoint                             method  body → answer
 ``/get_weight_version``              GET     → ``{"weight_version": str | null}``
 ``/get_server_info``                 GET     → server args (``tp_size``,
                                              ``enable_memory_saver``, ``model_path``,
-                                             ``dtype``, ...)
+                                             ``dtype``, ``enable_lora``,
+                                             ``max_lora_rank``, ``lora_target_modules``...)
+``/load_lora_adapter``               POST    ``LoadLoRAAdapterReqInput`` (``lora_name``,
+                                             ``lora_path``: a PEFT adapter folder,
+                                             ``pinned``) → ``LoRAUpdateOutput``
+                                             ``{"success", "error_message",
+                                             "loaded_adapters"}``, 200 or 400
+``/unload_lora_adapter``             POST    ``UnloadLoRAAdapterReqInput`` (``lora_name``)
+                                             → ``LoRAUpdateOutput``, 200 or 400
 ===================================  ======  ==========================================
 
 Errors answer 400 with ``{"error": {"message": ...}}`` (or ``{"message": ...}``);
@@ -33,6 +41,17 @@ its synchronizer (which becomes stale) and refuses to generate. Waking is
 two-phase, driven by the synchronizer: ``prepare_for_generation(["weights"])``,
 the refit, then ``prepare_for_generation(["kv_cache"])`` (case C5). A tag that
 is not released is never resumed (SGLang raises on it).
+
+Adapter-only refits (``aiosync.LoRAAdapterSynchronizer``, server flag
+``--enable-lora``): :meth:`SGLangHTTPBackend.load_lora_adapter` writes the
+adapter as a PEFT folder under ``/dev/shm`` (``aiosync-lora-<pid>-*``, as vLLM's backend),
+loads it with ``/load_lora_adapter`` under ``aiosync-v{version}``, removes the
+folder once the server answered (SGLang reads it during the load), then unloads
+the adapter it replaces. ``/generate`` then carries ``lora_path=<that name>``
+(SGLang's field names the adapter, not a path). The path endpoint is used
+rather than ``/load_lora_adapter_from_tensors``, whose body changed between
+SGLang releases (``serialized_tensors`` str vs ``serialized_named_tensors`` list)
+and is pickle-based.
 """
 
 from __future__ import annotations
@@ -40,6 +59,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,7 +70,9 @@ import anyio
 import httpx
 
 from aiosync._config import DEFAULT_RPC_TIMEOUT_S
-from aiosync.errors import SyncError, SyncTimeoutError, TransportError
+from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
+from aiosync.lora import LoRAAdapter
+from aiosync.transports._leftovers import SHM_DIR
 
 if TYPE_CHECKING:
     import torch
@@ -192,6 +215,12 @@ class SGLangHTTPBackend:
         self._manifest_cache: tuple[Any, dict[str, tuple[tuple[int, ...], torch.dtype]]] | None
         self._manifest_cache = None
         self._warned_manifest = False
+        # aiosync's adapters this backend loaded on the server and has not unloaded
+        # (one whose load failed without an answer may be among them).
+        self._lora_names: list[str] = []
+        self._lora_active: str | None = None
+        # Why generate() refuses on account of an adapter load (in flight or failed).
+        self._lora_refusal: str | None = None
 
     # -- state --------------------------------------------------------------------
 
@@ -206,6 +235,11 @@ class SGLangHTTPBackend:
         version (a sync failed, timed out or was cancelled after its first bucket was
         posted), until a sync lands."""
         return self._weights_valid
+
+    @property
+    def lora_adapter(self) -> str | None:
+        """The LoRA adapter every :meth:`generate` applies (``lora_path``), None: the base model."""
+        return self._lora_active
 
     def add_invalidation_listener(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` whenever the server discards its weights.
@@ -309,11 +343,15 @@ class SGLangHTTPBackend:
             temperature: 0 for greedy.
             sampling_params: more SGLang ``sampling_params`` fields (``top_p``, ``stop``...).
 
+        With a LoRA adapter loaded (:meth:`load_lora_adapter`) every prompt is
+        generated with it (``lora_path``).
+
         Raises:
             SyncError: the server's weights are released or discarded and not
                 re-synced (never generate on garbage weights; case C6), or a sync
                 posted part of a new version and then failed, timed out or was
-                cancelled (never generate on mixed weights).
+                cancelled (never generate on mixed weights), or a LoRA adapter
+                load is in flight or failed.
             TransportError, SyncTimeoutError: the server failed or did not answer.
         """
         results = await self.generate_with_meta(
@@ -353,9 +391,16 @@ class SGLangHTTPBackend:
                 f"memory regions {sorted(self._released)} are released; "
                 "await prepare_for_generation() first"
             )
+        if self._lora_refusal is not None:
+            raise SyncError(
+                f"the SGLang server's LoRA adapter is not usable: {self._lora_refusal}; "
+                "a sync must succeed before generate()"
+            )
         params = {**(sampling_params or {}), "max_new_tokens": max_new_tokens}
         params["temperature"] = temperature
-        body = {"input_ids": [list(p) for p in prompts], "sampling_params": params}
+        body: dict[str, Any] = {"input_ids": [list(p) for p in prompts], "sampling_params": params}
+        if self._lora_active is not None:
+            body["lora_path"] = self._lora_active
         answer = await self._post("/generate", body, timeout_s=self.generate_timeout_s)
         items = answer if isinstance(answer, list) else [answer]
         if len(items) != len(prompts):
@@ -550,6 +595,122 @@ class SGLangHTTPBackend:
         version = answer["weight_version"]
         return None if version is None else str(version)
 
+    # -- LoRA adapters (adapter-only refits) ------------------------------------------
+
+    async def load_lora_adapter(self, adapter: LoRAAdapter) -> None:
+        """Make ``adapter`` the LoRA adapter every later :meth:`generate` applies.
+
+        Writes it as a PEFT adapter folder (:meth:`~aiosync.LoRAAdapter.save`) in
+        ``/dev/shm`` (the temp dir where there is none), named
+        ``aiosync-lora-<pid>-*``; POSTs ``/load_lora_adapter`` with
+        ``lora_name=adapter.name``; removes the folder once the server answered
+        (or the request failed, timed out or was cancelled); then unloads, with
+        ``/unload_lora_adapter``, every other adapter this backend loaded. The
+        server must run with ``--enable-lora`` (and ``--max-lora-rank``,
+        ``--lora-target-modules`` covering the adapter). From the call until it
+        returns, and after it raised, :meth:`generate` refuses until a load
+        succeeds: the previous adapter is never served silently.
+
+        Raises:
+            SyncError: the server's base weights were discarded (memory saver
+                without a CPU backup): an adapter cannot restore them.
+            TransportError: the server refused the adapter (its ``error_message``
+                quoted), an unload failed, or the connection failed.
+            SyncTimeoutError: no answer within ``request_timeout_s``.
+        """
+        name = adapter.name
+        self._lora_refusal = (
+            f"loading LoRA adapter {name!r} did not complete (failed, timed out or cancelled)"
+        )
+        self._lora_active = None
+        if not self._weights_valid or ("weights" in self._released and not self.weights_cpu_backup):
+            reason = self._invalid_reason or _DISCARDED
+            raise SyncError(
+                f"the SGLang server holds no valid base weights ({reason}): an adapter-only "
+                "refit cannot restore them"
+            )
+        if name in self._lora_names:
+            # An earlier load of this name may have landed before it failed; SGLang
+            # refuses a name it holds. Unknown to the server is fine too.
+            await self._unload_lora(name, quiet=True)
+        directory = tempfile.mkdtemp(
+            prefix=f"aiosync-lora-{os.getpid()}-", dir=SHM_DIR if os.path.isdir(SHM_DIR) else None
+        )
+        try:
+            await anyio.to_thread.run_sync(adapter.save, directory)
+            # Recorded first: a request that fails without an answer may have loaded it.
+            self._lora_names.append(name)
+            body = {"lora_name": name, "lora_path": directory, "pinned": False}
+            answer = await self._post("/load_lora_adapter", body)
+            _check_lora_answer(answer, "/load_lora_adapter")
+        finally:
+            # SGLang read the folder during the request; a failed one needs it no more.
+            shutil.rmtree(directory, ignore_errors=True)
+        failures = []
+        for old in [n for n in self._lora_names if n != name]:
+            try:
+                await self._unload_lora(old)
+            except (TransportError, SyncTimeoutError) as exc:
+                failures.append(f"{old}: {exc}")
+        if failures:
+            raise TransportError(
+                f"loaded LoRA adapter {name!r} but could not unload the one(s) it replaces: "
+                + "; ".join(failures)
+            )
+        self._lora_active = name
+        self._lora_refusal = None
+
+    async def _unload_lora(self, name: str, *, quiet: bool = False) -> None:
+        """POST ``/unload_lora_adapter``; ``quiet``: a refusal (not loaded) is no error."""
+        try:
+            _check_lora_answer(
+                await self._post("/unload_lora_adapter", {"lora_name": name}),
+                "/unload_lora_adapter",
+            )
+        except TransportError:
+            if not quiet:
+                raise
+        if name in self._lora_names:
+            self._lora_names.remove(name)
+
+    async def check_lora_adapter(
+        self, config: Mapping[str, Any], target_modules: Sequence[str], max_rank: int
+    ) -> None:
+        """Check that the server can load an adapter of this shape (before any byte moves).
+
+        Args:
+            config: the adapter's ``adapter_config.json`` dict.
+            target_modules: the adapted layers' names (``q_proj``, ``down_proj``...).
+            max_rank: the adapter's largest rank ``r``.
+
+        Raises:
+            SyncError: ``/get_server_info`` says the server runs without ``--enable-lora``.
+            RefitMismatchError: ``max_rank`` exceeds its ``--max-lora-rank``, or a target
+                module is outside its ``--lora-target-modules`` (SGLang's names:
+                ``q/k/v_proj`` count as ``qkv_proj``, ``gate/up_proj`` as ``gate_up_proj``).
+            TransportError, SyncTimeoutError: ``/get_server_info`` failed.
+        """
+        info = await self.server_info()
+        if "enable_lora" in info and not info["enable_lora"] and not info.get("lora_paths"):
+            raise SyncError(
+                f"the SGLang server {self.base_url} runs without --enable-lora: it cannot load "
+                "LoRA adapters (start it with --enable-lora --max-lora-rank R "
+                "--lora-target-modules ...)"
+            )
+        limit = info.get("max_lora_rank")
+        if isinstance(limit, int) and max_rank > limit:
+            raise RefitMismatchError(
+                f"the adapter's rank {max_rank} exceeds the SGLang server's --max-lora-rank {limit}"
+            )
+        allowed = info.get("lora_target_modules")
+        if isinstance(allowed, list | tuple) and allowed and "all" not in allowed:
+            outside = sorted(_sglang_modules(target_modules) - _sglang_modules(allowed))
+            if outside:
+                raise RefitMismatchError(
+                    f"the adapter targets {outside}, outside the SGLang server's "
+                    f"--lora-target-modules {sorted(allowed)}"
+                )
+
     async def aclose(self) -> None:
         """Close the HTTP connection pool. Idempotent."""
         await self._client.aclose()
@@ -622,8 +783,29 @@ def _derive_manifest(
     return checkpoint_manifest(config, engine_dtype(config, None if dtype is None else str(dtype)))
 
 
+#: SGLang's names for the layers it adapts (``lora/utils.py``, ``get_normalized_target_modules``).
+_SGLANG_MODULE = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+
+
+def _sglang_modules(names: Sequence[str]) -> set[str]:
+    return {_SGLANG_MODULE.get(str(n), str(n)) for n in names}
+
+
+def _check_lora_answer(answer: Any, path: str) -> None:
+    """A ``LoRAUpdateOutput`` that says ``success: false`` (with a 2xx) is a failure too."""
+    if isinstance(answer, dict) and answer.get("success") is False:
+        raise TransportError(f"{path} failed: {answer.get('error_message')}")
+
+
 def _server_message(response: httpx.Response) -> str:
-    """The server's own words: ``error.message``, ``message``, ``error``, or the text."""
+    """The server's own words: ``error.message``, ``message``, ``error_message``
+    (``LoRAUpdateOutput``), ``error``, or the text."""
     try:
         data = response.json()
     except ValueError:
@@ -634,6 +816,8 @@ def _server_message(response: httpx.Response) -> str:
             return str(error["message"])
         if "message" in data:
             return str(data["message"])
+        if data.get("error_message"):
+            return str(data["error_message"])
         if error is not None:
             return str(error)
     return str(data)[:500]

@@ -12,11 +12,21 @@ own copy of the model), ``/update_weight_version`` (the label only),
 ``/flush_cache`` (400 while a ``/generate`` runs),
 ``/release_memory_occupation`` and ``/resume_memory_occupation`` (tags
 ``weights``, ``kv_cache``, ``cuda_graph``; resuming weights that were released
-discards them, as the memory saver does: they read NaN until a sync).
+discards them, as the memory saver does: they read NaN until a sync),
+``/load_lora_adapter`` and ``/unload_lora_adapter`` (with ``--enable-lora``: a
+PEFT adapter folder is read during the request and applied with PEFT, unmerged,
+to every TP rank's model under a fresh ``lora_id``; answers ``LoRAUpdateOutput``
+``{"success", "error_message", "loaded_adapters"}``, 400 on failure with
+SGLang's messages: LoRA not enabled, a name already loaded, an unknown name, a
+rank above ``--max-lora-rank`` or a module outside ``--lora-target-modules``),
+and ``/generate``'s ``lora_path`` (an adapter *name* per prompt, or one for all;
+an unknown one is a 400, as SGLang's "The following requested LoRA adapters
+are not loaded").
 
 It emulates the radix prefix cache: a greedy ``/generate`` whose prompt and
 length were answered before is served from the cache, computed with whatever
-weights were live then, until ``/flush_cache`` (case C7 is observable).
+weights were live then, until ``/flush_cache`` (case C7 is observable). As in
+SGLang, each LoRA adapter (by ``lora_id``) has its own cache namespace.
 
 Tensor payloads are decoded by a restricted unpickler admitting only torch's
 tensor/storage rebuild functions and plain data types; anything else is a 400.
@@ -31,6 +41,7 @@ Test-only endpoints (under ``/_aiosync/``, no API key needed):
 * ``GET /_aiosync/manifest``: ``[[hf_name, shape, dtype], ...]`` the model expects.
 * ``GET /_aiosync/kv_scales``: the FP8 KV-cache scales loaded (``load_weights`` of
   ``model.layers.{i}.self_attn.{k,v}_scale``), one ``{name: float}`` per TP rank.
+* ``GET /_aiosync/lora_adapters``: the loaded LoRA adapters, ``{lora_name: lora_path}``.
 * ``POST /_aiosync/faults`` ``{"path": "/flush_cache", "mode": "error"|"hang"|"drop"|"busy",
   "count": n | null}``: the next ``n`` (null: all) requests to ``path`` answer 500,
   never answer, have their connection dropped, or answer 400 as a busy server does.
@@ -61,9 +72,11 @@ from urllib.parse import parse_qs, urlsplit
 
 import anyio
 import torch
+from safetensors.torch import load_file as safetensors_load_file
 from safetensors.torch import save as safetensors_save
 
 from aiosync.errors import SyncError, TransportError
+from aiosync.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from aiosync.transports._leftovers import dir_prefix, sweep_leftovers
 from aiosync.transports.http import (
     FLATTENED_BUCKET,
@@ -77,6 +90,15 @@ from ..embedded.model import HFModelRunner
 __all__ = ["ServerState", "main", "make_server", "serve_in_subprocess"]
 
 _ALL_TAGS = ("weights", "kv_cache", "cuda_graph")
+_LORA_DISABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+# SGLang's names for the layers it adapts (q/k/v and gate/up are fused there).
+_SGLANG_MODULE = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
 _FAULT_MODES = ("error", "hang", "drop", "busy")
 # A hung request gives up on its own after this long (seconds), so a test
 # that forgot to reset never leaves a thread behind for good.
@@ -100,11 +122,17 @@ class ServerState:
     weights_cpu_backup: bool = False
     model_path: str = ""
     weight_version: str | None = "default"
+    enable_lora: bool = False
+    max_lora_rank: int | None = None
+    lora_target_modules: list[str] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     model_lock: threading.Lock = field(default_factory=threading.Lock)
     released: set[str] = field(default_factory=set)
     running: int = 0
-    cache: dict[tuple[tuple[int, ...], int], list[int]] = field(default_factory=dict)
+    #: Loaded LoRA adapters, ``{lora_name: (lora_id, lora_path)}``, in load order;
+    #: each TP rank's model holds the adapter under ``lora_id``.
+    lora_adapters: dict[str, tuple[str, str]] = field(default_factory=dict)
+    cache: dict[tuple[tuple[int, ...], int, str | None], list[int]] = field(default_factory=dict)
     log: list[dict[str, Any]] = field(default_factory=list)
     faults: dict[str, _Fault] = field(default_factory=dict)
     unhang: threading.Event = field(default_factory=threading.Event)
@@ -262,6 +290,11 @@ class _Handler(BaseHTTPRequestHandler):
                 "dp_size": 1,
                 "enable_memory_saver": state.enable_memory_saver,
                 "enable_weights_cpu_backup": state.weights_cpu_backup,
+                "enable_lora": state.enable_lora,
+                "lora_paths": None,
+                "max_lora_rank": state.max_lora_rank,
+                "lora_target_modules": state.lora_target_modules,
+                "max_loaded_loras": None,
                 "weight_version": state.weight_version,
                 "version": "aiosync-test-server",
             }
@@ -273,6 +306,10 @@ class _Handler(BaseHTTPRequestHandler):
             return self._update_weights_from_tensor(_object(data))
         if path == "/update_weight_version" and method == "POST":
             return self._update_weight_version(_object(data))
+        if path == "/load_lora_adapter" and method == "POST":
+            return self._load_lora_adapter(_object(data))
+        if path == "/unload_lora_adapter" and method == "POST":
+            return self._unload_lora_adapter(_object(data))
         if path == "/flush_cache":
             with state.lock:
                 if state.running:
@@ -297,20 +334,32 @@ class _Handler(BaseHTTPRequestHandler):
         params = data.get("sampling_params") or {}
         max_new = int(params.get("max_new_tokens", 128))
         temperature = float(params.get("temperature", 1.0))
+        names = _lora_names(data.get("lora_path"), len(prompts))
         with state.lock:
             if state.released:
                 raise _error(f"memory released ({sorted(state.released)}); resume it first")
+            unknown = sorted({n for n in names if n is not None} - set(state.lora_adapters))
+            if unknown:
+                # SGLang's TokenizerManager: a ValueError, answered 400.
+                raise _error(
+                    f"The following requested LoRA adapters are not loaded: {set(unknown)}\n"
+                    f"Loaded adapters: {set(state.lora_adapters)}."
+                )
+            lora_ids = [None if n is None else state.lora_adapters[n][0] for n in names]
             state.running += 1
         try:
             results = []
-            for prompt in prompts:
-                key = (tuple(prompt), max_new)
+            for prompt, lora_id in zip(prompts, lora_ids, strict=True):
+                key = (tuple(prompt), max_new, lora_id)
                 with state.lock:
                     cached = state.cache.get(key) if temperature == 0 else None
                 if cached is None:
                     with state.model_lock:
                         out = state.runner.generate(
-                            [prompt], max_new_tokens=max_new, temperature=temperature
+                            [prompt],
+                            max_new_tokens=max_new,
+                            temperature=temperature,
+                            lora_adapter=lora_id,
                         )[0]
                     if temperature == 0:
                         with state.lock:
@@ -406,6 +455,75 @@ class _Handler(BaseHTTPRequestHandler):
             "new_version": version,
         }
 
+    def _load_lora_adapter(self, data: dict[str, Any]) -> Any:
+        """SGLang's ``LoadLoRAAdapterReqInput``: ``lora_name``, ``lora_path`` (a PEFT
+        adapter folder, read now), ``pinned``. Answers ``LoRAUpdateOutput``."""
+        state = self.server.state
+        name, path = data.get("lora_name"), data.get("lora_path")
+        if not isinstance(name, str) or not isinstance(path, str):
+            raise _HTTPError(422, {"detail": "lora_name and lora_path must be strings"})
+        if not state.enable_lora:
+            raise _lora_failure(state, _LORA_DISABLED)
+        with state.lock:
+            duplicate = name in state.lora_adapters
+        if duplicate:
+            raise _lora_failure(
+                state, f"Failed to load LoRA adapter {name} because it is already loaded"
+            )
+        try:
+            config = json.loads((Path(path) / ADAPTER_CONFIG_FILE).read_text())
+            tensors = safetensors_load_file(str(Path(path) / ADAPTER_WEIGHTS_FILE))
+        except (OSError, ValueError) as exc:
+            raise _lora_failure(state, f"{type(exc).__name__}: {exc}") from exc
+        rank = int(config.get("r", 0))
+        targets = config.get("target_modules") or []
+        allowed = state.lora_target_modules
+        outside = (
+            allowed is not None
+            and "all" not in allowed
+            and isinstance(targets, list)
+            and bool(_sglang_modules(targets) - _sglang_modules(allowed))
+        )
+        if (state.max_lora_rank is not None and rank > state.max_lora_rank) or outside:
+            raise _lora_failure(
+                state,
+                f"LoRA adapter {name} with rank {rank} is incompatible with the current LoRA "
+                "memory pool configuration. Please ensure that the LoRA adapter's rank is within "
+                "the configured `--max-lora-rank` and that the target modules are included in "
+                "`--lora-target-modules`.",
+            )
+        lora_id = uuid.uuid4().hex
+        with state.model_lock:
+            try:
+                for runner in state.ranks:
+                    runner.load_lora_adapter(lora_id, tensors, config)
+            except (SyncError, ValueError) as exc:
+                for runner in state.ranks:
+                    runner.unload_lora_adapter(lora_id)
+                raise _lora_failure(state, str(exc)) from exc
+            with state.lock:
+                state.lora_adapters[name] = (lora_id, path)
+        return _lora_result(state, True)
+
+    def _unload_lora_adapter(self, data: dict[str, Any]) -> Any:
+        """SGLang's ``UnloadLoRAAdapterReqInput``: ``lora_name``. Answers ``LoRAUpdateOutput``."""
+        state = self.server.state
+        name = data.get("lora_name")
+        if not isinstance(name, str):
+            raise _HTTPError(422, {"detail": "lora_name must be a string"})
+        if not state.enable_lora:
+            raise _lora_failure(state, _LORA_DISABLED)
+        with state.model_lock:
+            with state.lock:
+                entry = state.lora_adapters.pop(name, None)
+                loaded = state.lora_adapters.keys()
+                missing = f"LoRA with name {name} does not exist. Loaded LoRAs: {loaded}"
+            if entry is None:
+                raise _lora_failure(state, missing)
+            for runner in state.ranks:
+                runner.unload_lora_adapter(entry[0])
+        return _lora_result(state, True)
+
     def _release(self, tags: list[str]) -> None:
         state = self.server.state
         if not state.enable_memory_saver:
@@ -446,6 +564,9 @@ class _Handler(BaseHTTPRequestHandler):
                 [name, list(shape), str(dtype).removeprefix("torch.")]
                 for name, (shape, dtype) in state.runner.expected_manifest().items()
             ]
+        if path == "/_aiosync/lora_adapters" and method == "GET":
+            with state.lock:
+                return {name: lora_path for name, (_id, lora_path) in state.lora_adapters.items()}
         if path == "/_aiosync/kv_scales" and method == "GET":
             with state.model_lock:
                 return [dict(runner.kv_scales) for runner in state.ranks]
@@ -488,6 +609,35 @@ def _object(data: Any) -> dict[str, Any]:
     return data
 
 
+def _lora_result(state: ServerState, success: bool, error: str | None = None) -> dict[str, Any]:
+    """SGLang's ``LoRAUpdateOutput``: ``loaded_adapters`` maps each name to its path.
+    Takes ``state.lock``: never call it holding that lock."""
+    with state.lock:
+        loaded = {name: lora_path for name, (_id, lora_path) in state.lora_adapters.items()}
+    return {"success": success, "error_message": error, "loaded_adapters": loaded}
+
+
+def _lora_failure(state: ServerState, message: str) -> _HTTPError:
+    return _HTTPError(400, _lora_result(state, False, message))
+
+
+def _sglang_modules(names: Sequence[str]) -> set[str]:
+    return {_SGLANG_MODULE.get(str(n), str(n)) for n in names}
+
+
+def _lora_names(lora_path: Any, count: int) -> list[str | None]:
+    """``/generate``'s ``lora_path``: one adapter name (or None) per prompt."""
+    if lora_path is None or isinstance(lora_path, str):
+        return [lora_path] * count
+    if (
+        isinstance(lora_path, list)
+        and len(lora_path) == count
+        and all(n is None or isinstance(n, str) for n in lora_path)
+    ):
+        return list(lora_path)
+    raise _error(f"lora_path must be a name, null, or one per prompt ({count}), got {lora_path!r}")
+
+
 def _count(entries: Any) -> str:
     return str(len(entries)) if isinstance(entries, list) else repr(entries)
 
@@ -506,7 +656,15 @@ def _summary(data: Any) -> dict[str, Any]:
     if not isinstance(data, dict):
         return {}
     out: dict[str, Any] = {}
-    keys = ("tags", "weight_version", "new_version", "load_format", "flush_cache")
+    keys = (
+        "tags",
+        "weight_version",
+        "new_version",
+        "load_format",
+        "flush_cache",
+        "lora_name",
+        "lora_path",
+    )
     for key in (*keys, "abort_all_requests"):
         if key in data:
             out[key] = data[key]
@@ -629,6 +787,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--enable-memory-saver", action="store_true")
     parser.add_argument("--enable-weights-cpu-backup", action="store_true")
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    parser.add_argument("--max-lora-rank", type=int, default=None)
+    parser.add_argument("--lora-target-modules", nargs="*", default=None)
     parser.add_argument(
         "--parent-fd",
         type=int,
@@ -672,6 +833,9 @@ def main(argv: list[str] | None = None) -> None:
         enable_memory_saver=args.enable_memory_saver,
         weights_cpu_backup=args.enable_weights_cpu_backup,
         model_path=model_path,
+        enable_lora=args.enable_lora,
+        max_lora_rank=args.max_lora_rank,
+        lora_target_modules=args.lora_target_modules,
     )
     server = make_server(state, args.port)
     port = server.server_address[1]
