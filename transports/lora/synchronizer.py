@@ -84,8 +84,10 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
             timeout bounds the agreement). Every rank runs a synchronizer and
             makes the same calls, since the source's gathers are collectives; only
             group rank 0 holds the engine and loads the adapter. A sync commits on
-            every rank or fails on every rank with the same typed error (the ranks
-            agree with one small ``all_gather_object``, as the IPC transport does).
+            every rank or fails on every rank with the same typed error: the ranks
+            agree (a small ``all_gather_object``, as the IPC transport does) once
+            every rank has read the adapter, before rank 0 loads it (an adapter
+            a rank failed to produce is never loaded), and once more on the load.
 
     Raises:
         TypeError: ``policy`` has no ``lora_adapter_config()``, or an engine has
@@ -215,22 +217,31 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
         if kv_scales is not None:
             raise NotImplementedError(_KV_SCALES)
+        if not self._ranks.sharded:
+            adapter = await anyio.to_thread.run_sync(
+                _collect, self.policy.iter_weights(), self._manifest, True
+            )
+            return await self._load(version, adapter)
+        # Sharded: every rank iterates (the gathers are collectives); the ranks agree
+        # that every one of them read the whole adapter before rank 0 loads it (so an
+        # adapter some rank failed to produce is never served), then on the load.
         weights = self.policy.iter_weights()
         failed: BaseException | None = None
-        nbytes = 0
+        tensors: dict[str, torch.Tensor] = {}
         try:
             keep = self._ranks.is_driver
             tensors = await anyio.to_thread.run_sync(_collect, weights, self._manifest, keep)
-            if keep:
-                nbytes = await self._load(version, tensors)
-            else:  # the same count as the driver's adapter.nbytes: the events agree
-                nbytes = _manifest_nbytes(self._manifest)
         except BaseException as exc:
             failed = exc
-            if not self._ranks.sharded:
-                raise
-        if self._ranks.sharded:
-            await self._agree(weights, failed)
+        await self._agree(weights, failed)
+        # The same count as the driver's adapter.nbytes on every rank: the events agree.
+        nbytes = _manifest_nbytes(self._manifest)
+        try:
+            if self._ranks.is_driver:
+                nbytes = await self._load(version, tensors)
+        except BaseException as exc:
+            failed = exc
+        await self._agree(weights, failed)
         return nbytes
 
     async def _load(self, version: int, tensors: dict[str, torch.Tensor]) -> int:

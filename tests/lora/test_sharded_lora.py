@@ -1,0 +1,123 @@
+"""A sharded LoRA trainer: 2 gloo ranks, one ``LoRAAdapterSynchronizer`` each, rank 0 holding
+an SGLang-contract server's backend (``_sharded_lora_trainer.py`` runs each rank).
+
+A sync commits on every rank or fails on every rank with the same typed error;
+a rank that fails to read the adapter keeps rank 0 from loading it at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lora_harness import CONFIG, ENGINE_SEED, load_http_conftest
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).parent
+REPO = HERE.parents[1]
+#: Bytes of the r=4 adapter on every linear layer of the tiny Qwen3 (see test_embedded_lora).
+ADAPTER_NBYTES = 2 * 4864 * 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    config = tmp_path_factory.mktemp("sharded-lora-model") / "config.json"
+    config.write_text(json.dumps(CONFIG))
+    http = load_http_conftest()
+    args = ("--dtype", "float32", "--seed", str(ENGINE_SEED), "--enable-lora")
+    server = http.TestServer(tmp_path_factory.mktemp("sharded-lora-server"), config, *args)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def ranks(server: Any, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("sharded-lora")
+    port = _free_port()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    script = str(HERE / "_sharded_lora_trainer.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, str(r), "2", str(port), server.url, str(out / f"{r}.json")],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=600)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-4000:]}"
+    return [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
+
+
+def test_versions_and_events_agree_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    for key, versions in (
+        ("after_ok", [1, 1, False]),
+        ("after_failure", [2, 1, True]),
+        ("after_heal", [2, 2, False]),
+    ):
+        assert [r[key] for r in ranks] == [versions, versions], key
+    expected = [
+        ["stale", 1, 0],
+        ["sync_started", 1, 0],
+        ["committed", 1, ADAPTER_NBYTES],
+        ["stale", 2, 0],
+        ["sync_started", 2, 0],
+        ["failed", 2, 0],
+        ["sync_started", 2, 0],
+        ["committed", 2, ADAPTER_NBYTES],
+    ]
+    assert [r["events"] for r in ranks] == [expected, expected]
+    assert ranks[0]["ok_matches_merged"] is True
+    assert ranks[0]["heal_matches_merged"] is True
+
+
+def test_one_ranks_failure_fails_every_rank_alike_and_nothing_is_loaded(
+    ranks: list[dict[str, Any]], server: Any
+) -> None:
+    assert ranks[1]["failure"] == ["RefitMismatchError", "rank 1's source broke mid-read"]
+    assert ranks[0]["failure"] == [
+        "RefitMismatchError",
+        "trainer rank 1: rank 1's source broke mid-read",
+    ]
+    # Rank 0 read the whole adapter, but loaded nothing: the ranks agreed first.
+    assert ranks[0]["adapter_after_failure"] == "aiosync-v1"
+    loads = [
+        (e["path"], e.get("lora_name"), e["status"])
+        for e in server.log()
+        if e["path"] in ("/load_lora_adapter", "/unload_lora_adapter")
+    ]
+    assert loads == [
+        ("/load_lora_adapter", "aiosync-v1", 200),
+        ("/load_lora_adapter", "aiosync-v2", 200),
+        ("/unload_lora_adapter", "aiosync-v1", 200),
+    ]
