@@ -11,7 +11,9 @@ aiosync's own entries whose creator is dead:
 * ``<tempdir>/aiosync-ipc-<pid>-<8 chars>/``: the IPC trainer's socket directory;
 * ``<tempdir>/aiosync-engine-<pid>-<8 chars>/``: the embedded engine's RPC socket directory;
 * ``<tempdir>/aiosync-sglang-<pid>-<8 chars>/``: ``serve_in_subprocess``'s config folder;
-* ``<tempdir>/aiosync-sglang-config-<pid>-<8 chars>/``: the SGLang test server's preset config.
+* ``<tempdir>/aiosync-sglang-config-<pid>-<8 chars>/``: the SGLang test server's preset config;
+* ``/dev/shm/aiosync-lora-<pid>-<8 chars>/`` (or in the temp dir where there is no
+  ``/dev/shm``): a LoRA adapter folder handed to vLLM or SGLang (adapter-only refits).
 
 Nothing else is touched: another name, another user's entry, a symlink, a file
 where a directory belongs (or the reverse), or an entry whose pid is alive, is
@@ -41,9 +43,9 @@ SHM_DIR = "/dev/shm"
 _SEGMENT_RE = re.compile(r"^aiosync-(?:http-)?(?P<pid>[1-9][0-9]*)-[0-9a-f]{16}$")
 # Directories as tempfile.mkdtemp(prefix=dir_prefix(kind)) creates them (8 random
 # characters of tempfile's alphabet).
-_DIR_KINDS = ("ipc", "engine", "sglang", "sglang-config")
+_DIR_KINDS = ("ipc", "engine", "sglang", "sglang-config", "lora")
 _DIR_RE = re.compile(
-    r"^aiosync-(?:ipc|engine|sglang|sglang-config)-(?P<pid>[1-9][0-9]*)-[a-z0-9_]{8}$"
+    r"^aiosync-(?:ipc|engine|sglang|sglang-config|lora)-(?P<pid>[1-9][0-9]*)-[a-z0-9_]{8}$"
 )
 
 
@@ -52,7 +54,7 @@ def dir_prefix(kind: str) -> str:
 
     Raises:
         ValueError: ``kind`` is not one the sweep knows (``"ipc"``, ``"engine"``,
-            ``"sglang"``, ``"sglang-config"``).
+            ``"sglang"``, ``"sglang-config"``, ``"lora"``).
     """
     if kind not in _DIR_KINDS:
         raise ValueError(f"unknown aiosync directory kind {kind!r}; known: {_DIR_KINDS}")
@@ -85,6 +87,7 @@ def sweep_leftovers(shm_dir: str = SHM_DIR, temp_dir: str | None = None) -> list
         The absolute paths removed, sorted.
     """
     removed = _sweep(shm_dir, _SEGMENT_RE, stat.S_ISREG)
+    removed += _sweep(shm_dir, _DIR_RE, stat.S_ISDIR)  # LoRA adapter folders
     removed += _sweep(temp_dir or tempfile.gettempdir(), _DIR_RE, stat.S_ISDIR)
     if removed:
         _log.info("removed %d leftover(s) of dead aiosync processes: %s", len(removed), removed)

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import anyio
+import anyio.from_thread
 import pytest
 import torch
 
@@ -216,9 +217,10 @@ async def _interrupted_after_first_bucket(
         if name != trigger:
             return
         if how == "cancel":
-            scope.cancel()
+            # The transport reads the source in a worker thread.
+            anyio.from_thread.run_sync(scope.cancel)
         else:
-            # A slow source: blocks (on the event loop, as a real one does) past the limit.
+            # A slow source: blocks (its gathers, in the transport's thread) past the limit.
             time.sleep(max(0.0, start + sync.sync_timeout_s - time.monotonic()) + 0.5)
 
     trainer.on_tensor = interrupt

@@ -46,6 +46,7 @@ def _names(pid: int) -> dict[str, str]:
         "engine_dir": f"aiosync-engine-{pid}-zz00yy11",
         "sglang_dir": f"aiosync-sglang-{pid}-q_w3e4r5",
         "sglang_config_dir": f"aiosync-sglang-config-{pid}-mm99nn88",
+        "lora_dir": f"aiosync-lora-{pid}-k3j4h5g6",
     }
 
 
@@ -58,6 +59,9 @@ def _make(shm: Path, tmp: Path, names: dict[str, str]) -> None:
     for kind in _DIRS:
         (tmp / names[kind]).mkdir(mode=0o700)
         (tmp / names[kind] / "refit.sock").write_bytes(b"")
+    # A LoRA adapter folder handed to vLLM/SGLang lives in /dev/shm.
+    (shm / names["lora_dir"]).mkdir(mode=0o700)
+    (shm / names["lora_dir"] / "adapter_model.safetensors").write_bytes(b"x")
 
 
 def test_sweep_removes_exactly_the_entries_of_dead_pids(tmp_path: Path, live_pid: int) -> None:
@@ -93,11 +97,11 @@ def test_sweep_removes_exactly_the_entries_of_dead_pids(tmp_path: Path, live_pid
 
     removed = sweep_leftovers(shm_dir=str(shm), temp_dir=str(tmp))
 
-    expected = [shm / gone["ipc_segment"], shm / gone["http_segment"]]
+    expected = [shm / gone["ipc_segment"], shm / gone["http_segment"], shm / gone["lora_dir"]]
     expected += [tmp / gone[kind] for kind in _DIRS]
     assert removed == sorted(str(path) for path in expected)
     assert sorted(os.listdir(shm)) == sorted(
-        [kept["ipc_segment"], kept["http_segment"], wrong_kind_segment.name]
+        [kept["ipc_segment"], kept["http_segment"], kept["lora_dir"], wrong_kind_segment.name]
         + [p.name for p in foreign if p.parent == shm]
     )
     assert sorted(os.listdir(tmp)) == sorted(
@@ -118,6 +122,7 @@ def test_dir_prefix_carries_this_pid_and_refuses_unknown_kinds() -> None:
     assert dir_prefix("ipc") == f"aiosync-ipc-{os.getpid()}-"
     assert dir_prefix("engine") == f"aiosync-engine-{os.getpid()}-"
     assert dir_prefix("sglang-config") == f"aiosync-sglang-config-{os.getpid()}-"
+    assert dir_prefix("lora") == f"aiosync-lora-{os.getpid()}-"
     with pytest.raises(ValueError, match="unknown aiosync directory kind 'rogue'"):
         dir_prefix("rogue")
 

@@ -264,7 +264,11 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             device = self.device or torch.device("cpu")
             async with send:
                 weights = self.policy.iter_weights()
-                for bucket, tensors in group_flat(weights, self._plan, self._manifest):
+                groups = group_flat(weights, self._plan, self._manifest)
+                # The source gathers and casts (FSDP collectives, copies): in a worker
+                # thread, so the event loop keeps serving (generation, events) meanwhile.
+                while (item := await anyio.to_thread.run_sync(next, groups, None)) is not None:
+                    bucket, tensors = item
                     device = self.device or tensors[0][1].device
                     flat = _allocate(bucket, device)
                     live.add(flat)

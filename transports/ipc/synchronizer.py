@@ -89,6 +89,9 @@ DEFAULT_BUFFER_MEMORY_FRACTION: float = 0.02
 _MAX_DEFAULT_BUCKET_BYTES = 5 * 1024**3
 #: Smallest default staging buffer, bytes.
 _MIN_DEFAULT_BUCKET_BYTES = 16 * 1024**2
+#: Limit of the KV-cache wake after a failed sync, seconds: a healthy engine answers in
+#: milliseconds, and a hung one must not delay the sync's error by ``rpc_timeout_s``.
+_WAKE_AFTER_FAILURE_S = 2.0
 #: What a sync in flight raises when ``shutdown()`` interrupts it.
 _SHUT_DOWN_MID_SYNC = "the IPC synchronizer was shut down during the sync"
 
@@ -332,7 +335,10 @@ class IPCWeightSynchronizer(WeightSynchronizer):
             try:
                 self.policy.offload_after_refit()
                 if self._ranks.is_driver:
-                    with anyio.fail_after(self.rpc_timeout_s):
+                    # After a failure the engine may be the reason (hung, dead): its
+                    # wake must not hold the error back by a whole RPC timeout.
+                    limit = min(self.rpc_timeout_s, _WAKE_AFTER_FAILURE_S) if failed else None
+                    with anyio.fail_after(limit if limit is not None else self.rpc_timeout_s):
                         await self.generation.prepare_for_generation(tags=["kv_cache"])
             except Exception:
                 if not failed:
