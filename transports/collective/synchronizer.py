@@ -20,8 +20,8 @@ the final copy into the live weights (``aiosync_collective_commit``).
 from __future__ import annotations
 
 import contextlib
-import secrets
 import logging
+import secrets
 import threading
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal, TypeVar

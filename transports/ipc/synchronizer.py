@@ -69,6 +69,7 @@ from aiosync.interfaces import KVScales, RefitManifest, RefitSource, WeightSynch
 from .._identity import CPU_LABEL, device_identity
 from .._kv_scales import attention_layers, kv_scale_entries
 from .._leftovers import dir_prefix, sweep_leftovers
+from .._ranks import TrainerRanks, drain
 from .._wire import decode, encode, error_fields, rebuild_error
 from ..packing import Bucket, BucketPlan, group_by_bucket, pack, plan_buckets
 from ._shm import EMPTY_HANDLE, SharedBuffer
@@ -162,7 +163,7 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         super().__init__(
             policy, generation, sync_timeout_s=sync_timeout_s, event_backlog=event_backlog
         )
-        self._ranks = _TrainerRanks(process_group)
+        self._ranks = TrainerRanks(process_group)
         if self._ranks.is_driver and generation is None:
             raise ValueError("generation is None on the trainer rank that drives the engine")
         if bucket_bytes is not None and bucket_bytes <= 0:
@@ -317,7 +318,7 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         with anyio.CancelScope(shield=True):
             if failed is not None:
                 # The other ranks still gather: take part until the source is exhausted.
-                await anyio.to_thread.run_sync(_drain, weights)
+                await anyio.to_thread.run_sync(drain, weights)
             outcome = None if failed is None else error_fields(failed)
             outcomes = await self._ranks.all_gather(outcome)
         for rank, fields in enumerate(outcomes):
@@ -409,41 +410,6 @@ class IPCWeightSynchronizer(WeightSynchronizer):
     def socket_dir(self) -> str | None:
         """The private (0700) directory holding the ``ipc://`` socket, None before init."""
         return None if self._sender is None else self._sender.directory
-
-
-def _drain(weights: Iterator[Any]) -> None:
-    """Iterate ``weights`` to its end (a sharded source's remaining gathers); its
-    own errors end the draining, they were or will be reported elsewhere."""
-    with contextlib.suppress(Exception):
-        for _ in weights:
-            pass
-
-
-class _TrainerRanks:
-    """The trainer's ranks as a sharded IPC refit sees them (one rank without a group)."""
-
-    def __init__(self, group: Any) -> None:
-        self.group = group
-        if group is None:
-            self.rank, self.size = 0, 1
-        else:
-            import torch.distributed as dist
-
-            self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
-        self.sharded = self.size > 1
-        #: The rank that holds the engine and drives its RPCs.
-        self.is_driver = self.rank == 0
-
-    async def all_gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` (picklable), in rank order; blocks a worker thread."""
-        import torch.distributed as dist
-
-        def gather() -> list[Any]:
-            out: list[Any] = [None] * self.size
-            dist.all_gather_object(out, obj, group=self.group)
-            return out
-
-        return await anyio.to_thread.run_sync(gather)
 
 
 def _check_reply(reply: Any, rank: int, method: str) -> None:
@@ -544,7 +510,7 @@ class _BucketSender:
         kv: Sequence[tuple[str, float]],
     ) -> int:
         if not ranks:
-            await anyio.to_thread.run_sync(_drain, weights)
+            await anyio.to_thread.run_sync(drain, weights)
             return 0
         peers = await self._handshake(sync_id, ranks)
         groups = group_by_bucket(weights, self.plan)

@@ -53,8 +53,8 @@ from aiosync.errors import RefitMismatchError, SyncError
 from aiosync.interfaces import KVScales, RefitManifest, WeightSynchronizer
 from aiosync.lora import LoRAAdapter, LoRAAdapterSource, lora_adapter_name
 
+from .._ranks import TrainerRanks, drain
 from .._wire import error_fields, rebuild_error
-from ..ipc.synchronizer import _drain, _TrainerRanks
 from ._layout import AdaptedModule, adapted_modules, check_adapter_config, check_against_base
 
 __all__ = ["LoRAAdapterSynchronizer"]
@@ -110,7 +110,7 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
                 "LoRAAdapterSource (with lora_adapter_config()), e.g. "
                 f"aiosync.refit.LoRAAdapterRefitSource; got {type(policy).__name__}"
             )
-        ranks = _TrainerRanks(process_group)
+        ranks = TrainerRanks(process_group)
         engines: tuple[Any, ...] = ()
         if ranks.is_driver:
             if generation is None:
@@ -264,7 +264,7 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
         with anyio.CancelScope(shield=True):
             if failed is not None:
                 # The other ranks still gather: take part until the source is exhausted.
-                await anyio.to_thread.run_sync(_drain, weights)
+                await anyio.to_thread.run_sync(drain, weights)
             outcome = None if failed is None else error_fields(failed)
             outcomes = await self._ranks.all_gather(outcome)
         _raise_first(outcomes, self._ranks.rank, failed)

@@ -1,0 +1,59 @@
+"""A sharded trainer's ranks as a colocated transport sees them.
+
+Every trainer rank of a sharded (FSDP2) trainer runs the synchronizer, since the
+gathers that read the source are collectives; rank 0 alone drives the engine's
+RPCs, and the ranks agree on a sync's outcome with one small ``all_gather`` over
+the trainer's own process group. Shared by the IPC and the LoRA-adapter
+transports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+__all__ = ["TrainerRanks", "drain"]
+
+
+def drain(weights: Iterator[Any]) -> None:
+    """Iterate ``weights`` to its end (a sharded source's remaining gathers); its
+    own errors end the draining, they were or will be reported elsewhere."""
+    with contextlib.suppress(Exception):
+        for _ in weights:
+            pass
+
+
+class TrainerRanks:
+    """This process's place among the trainer's ranks (one rank without a group).
+
+    Args:
+        group: the trainer's ``torch.distributed`` process group, or None for a
+            single-process trainer.
+    """
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        if group is None:
+            self.rank, self.size = 0, 1
+        else:
+            import torch.distributed as dist
+
+            self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.sharded = self.size > 1
+        #: The rank that holds the engine and drives its RPCs.
+        self.is_driver = self.rank == 0
+
+    async def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order; blocks a worker thread."""
+        import torch.distributed as dist
+
+        def gather() -> list[Any]:
+            out: list[Any] = [None] * self.size
+            dist.all_gather_object(out, obj, group=self.group)
+            return out
+
+        return await anyio.to_thread.run_sync(gather)
