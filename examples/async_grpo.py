@@ -18,12 +18,23 @@ group). The loop speaks only the handshake: each optimizer step inside
 ``VersionedReplayBuffer`` stamps every group with the weight version it was
 generated under and never hands out one staler than ``--max-staleness``.
 
+LoRA (``--lora-rank N``, N > 0): the trainer wraps the policy with PEFT
+(``LoraConfig(r=N, lora_alpha=2N)`` on ``q/k/v/o_proj`` and ``gate/up/down_proj``;
+only the adapter trains) and refits it either adapter-only (``--lora-refit
+adapter``, the default: ``LoRAAdapterRefitSource``; the factory picks
+``LoRAAdapterSynchronizer`` and the engine loads the adapter as
+``aiosync-v{version}``) or merged (``--lora-refit merged``: ``DTensorRefitSource``
+streams the base checkpoint with the adapter merged in, through the usual
+transport). The loop is the same either way.
+
 Run::
 
     python examples/async_grpo.py                     # colocated: IPC into the embedded engine
     python examples/async_grpo.py --no-colocated      # torch.distributed broadcast (gloo)
     python examples/async_grpo.py --backend sglang    # HTTP into aiosync's SGLang test server
     python examples/async_grpo.py --backend vllm      # a real vLLM (where installed)
+    python examples/async_grpo.py --lora-rank 8       # PEFT LoRA, adapter-only refits
+    python examples/async_grpo.py --lora-rank 8 --lora-refit merged
     python examples/async_grpo.py --quick --json-report report.json
 """
 
@@ -55,6 +66,7 @@ from aiosync import (
     VersionEventKind,
     WeightSynchronizer,
     create_weight_synchronizer,
+    lora_adapter_name,
     refit_if_stale,
 )
 from aiosync.replay import VersionedReplayBuffer
@@ -84,6 +96,12 @@ def policy_config(args: argparse.Namespace) -> dict[str, Any]:
         "eos_token_id": None,
         "pad_token_id": PAD,
     }
+
+
+#: The layers LoRA adapts: every linear layer of a Qwen3 decoder layer (attention and MLP).
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: ``max_lora_rank`` values vLLM accepts (its ``LoRAConfig``).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def make_prompts(rng: random.Random, n: int, length: int) -> list[list[int]]:
@@ -116,11 +134,47 @@ def build_policy(config: dict[str, Any], seed: int) -> torch.nn.Module:
     return HFModelRunner.from_config(config, seed=seed).model.train()
 
 
+def with_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
+    """``model`` wrapped with a PEFT LoRA adapter of rank ``rank`` (``lora_alpha = 2 rank``)
+    on :data:`LORA_TARGET_MODULES`; only the adapter's fp32 ``lora_A`` ``[rank, in]``
+    and ``lora_B`` ``[out, rank]`` train, the base weights are frozen.
+
+    PEFT's default init (``B = 0``) keeps the policy equal to the base model
+    until the first step, so the engine's initial weights are the policy's.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=2 * rank,
+        target_modules=list(LORA_TARGET_MODULES),
+        init_lora_weights=True,
+        task_type="CAUSAL_LM",
+    )
+    peft_model: torch.nn.Module = get_peft_model(model, config)
+    return peft_model.train()
+
+
+def base_checkpoint(peft_model: Any) -> dict[str, torch.Tensor]:
+    """The frozen base weights of a PEFT model under checkpoint names, copies.
+
+    PEFT wraps each target ``nn.Linear`` so its weight appears as
+    ``<module>.base_layer.weight`` next to ``<module>.lora_A.<adapter>.weight``:
+    drop the adapters' tensors and the ``base_layer`` level.
+    """
+    return {
+        key.replace(".base_layer.", "."): tensor.detach().clone()
+        for key, tensor in peft_model.get_base_model().state_dict().items()
+        if ".lora_" not in key
+    }
+
+
 class GRPOTrainer:
     """GRPO updates on groups: advantages ``(r - mean_g) / (std_g + eps)``, clipped ratio.
 
     Args:
-        model: the policy (trained in place).
+        model: the policy (trained in place: every parameter that requires a
+            gradient, i.e. a PEFT model's adapter alone).
         lr: AdamW learning rate.
         clip_eps: PPO clip range, the ratio is clipped to ``[1 - eps, 1 + eps]``.
         kl_coef: weight of the k3 KL estimate to the initial policy; 0 disables it.
@@ -131,9 +185,9 @@ class GRPOTrainer:
     ) -> None:
         self.model = model
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if kl_coef else None
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0
-        )
+        # Every parameter for full fine-tuning; a LoRA model's adapter alone.
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
         self.clip_eps = clip_eps
         self.kl_coef = kl_coef
 
@@ -210,15 +264,26 @@ class RunReport:
     synchronizer: str
     steps: int
     max_staleness: int
+    #: LoRA rank; 0 for full fine-tuning (then the other ``lora_*`` fields are empty)
+    lora_rank: int = 0
+    lora_alpha: int = 0
+    lora_target_modules: list[str] = field(default_factory=list)
+    #: ``"adapter"`` (adapter-only refits) or ``"merged"``; None for full fine-tuning
+    lora_refit: str | None = None
+    #: parameters the optimizer trains (a LoRA model: the adapter's)
+    trainable_params: int = 0
     rewards: list[float] = field(default_factory=list)
     start_reward: float = 0.0
     end_reward: float = 0.0
     eval_start: float = 0.0
     eval_end: float = 0.0
     #: one ``{version, nbytes, seconds, gbps}`` per COMMITTED event, in order
+    #: (``nbytes``: the bytes of that refit, the adapter's for adapter-only refits)
     refits: list[dict[str, float]] = field(default_factory=list)
     refit_failures: int = 0
     #: ``[weight_version, engine weights equal the trainer's]`` after each refit
+    #: (adapter-only refits: the engine's base weights equal the trainer's frozen
+    #: ones and every worker applies the adapter of that version)
     verified: list[tuple[int, bool]] = field(default_factory=list)
     #: ``[target_weight_version, policy_version at use, staleness]`` per used group
     samples: list[tuple[int, int, int]] = field(default_factory=list)
@@ -262,8 +327,12 @@ async def open_engine(
             from aiosync.engines.vllm.backend import VLLMGenerationBackend
         except ImportError as exc:
             raise SystemExit(f"--backend vllm needs vLLM installed: {exc}") from exc
+        lora: dict[str, Any] = {}
+        if adapter_refits(args):  # vLLM serves adapters only when built for them
+            rank = min(r for r in VLLM_LORA_RANKS if r >= args.lora_rank)
+            lora = {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1}
         with tempfile.TemporaryDirectory(prefix="aiosync-grpo-") as folder:
-            model.save_pretrained(folder)
+            save_checkpoint(model, folder)
             vllm_engine = await anyio.to_thread.run_sync(
                 functools.partial(
                     VLLMGenerationBackend.from_model,
@@ -272,6 +341,7 @@ async def open_engine(
                     dtype="float32",
                     enforce_eager=True,
                     tensor_parallel_size=args.engine_workers,
+                    **lora,
                 )
             )
             try:
@@ -290,39 +360,70 @@ def topology(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def save_checkpoint(model: Any, folder: str) -> None:
+    """``save_pretrained`` of the policy's initial weights, as an engine loads them
+    (a PEFT model: its base model's checkpoint, without the adapter)."""
+    if callable(getattr(model, "get_base_model", None)):
+        model.get_base_model().save_pretrained(folder, state_dict=base_checkpoint(model))
+    else:
+        model.save_pretrained(folder)
+
+
 def make_verifier(
-    engine: Any, model: torch.nn.Module, enabled: bool
-) -> Callable[[], Awaitable[bool | None]]:
-    """``await verify()``: do all engine workers hold exactly the trainer's weights?"""
+    engine: Any, model: torch.nn.Module, enabled: bool, *, adapter_only: bool
+) -> Callable[[int], Awaitable[bool | None]]:
+    """``await verify(weight_version)``: do all engine workers hold exactly the trainer's weights?
+
+    Full and merged refits: every worker's checkpoint equals the trainer's
+    (merged) one bit for bit. Adapter-only refits: every worker's base weights
+    equal the trainer's frozen ones bit for bit and every worker applies the
+    adapter of ``weight_version`` (none at version 0).
+    """
     from aiosync.refit import DTensorRefitSource
 
-    source = DTensorRefitSource(model)
+    source = None if adapter_only else DTensorRefitSource(model)
     read_engine = getattr(engine, "hf_state_dicts", None)
+    read_status = getattr(engine, "status", None)
 
-    async def verify() -> bool | None:
+    async def verify(version: int) -> bool | None:
         if not enabled or read_engine is None:
             return None
-        trainer = {k: v.detach().clone() for k, v in source.iter_weights()}
+        if source is None:
+            trainer = base_checkpoint(model)
+        else:
+            trainer = {k: v.detach().clone() for k, v in source.iter_weights()}
         engines = await read_engine()
-        return all(
+        equal = all(
             e.keys() == trainer.keys() and all(torch.equal(e[k], v) for k, v in trainer.items())
             for e in engines
         )
+        if adapter_only:
+            if read_status is None:
+                return None
+            want = lora_adapter_name(version) if version else None
+            equal = equal and all(w["lora_adapter"] == want for w in await read_status())
+        return equal
 
     return verify
 
 
 async def run(args: argparse.Namespace) -> RunReport:
     """Train for ``args.steps`` batches; returns the :class:`RunReport`."""
-    from aiosync.refit import DTensorRefitSource
+    from aiosync.refit import DTensorRefitSource, LoRAAdapterRefitSource
 
     started = time.perf_counter()
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     config = policy_config(args)
     model = build_policy(config, args.seed)
+    if args.lora_rank:
+        model = with_lora(model, args.lora_rank)
     trainer = GRPOTrainer(model, lr=args.lr, clip_eps=args.clip_eps, kl_coef=args.kl_coef)
-    source = DTensorRefitSource(model, optimizer=trainer.optimizer)
+    source: Any
+    if adapter_refits(args):  # the adapter's tensors alone, loaded by the engine's LoRA API
+        source = LoRAAdapterRefitSource(model)
+    else:  # the whole checkpoint (a LoRA model's with the adapter merged in)
+        source = DTensorRefitSource(model, optimizer=trainer.optimizer)
     P, G, L = args.prompts_per_step, args.group_size, args.digits
     console = Console(stderr=True, quiet=args.quiet, width=None if sys.stderr.isatty() else 110)
     log_every = max(1, args.steps // 10)
@@ -338,14 +439,23 @@ async def run(args: argparse.Namespace) -> RunReport:
             synchronizer=type(sync).__name__,
             steps=args.steps,
             max_staleness=args.max_staleness,
+            trainable_params=sum(
+                p.numel() for group in trainer.optimizer.param_groups for p in group["params"]
+            ),
         )
-        verify = make_verifier(engine, model, args.verify)
+        if args.lora_rank:
+            report.lora_rank = args.lora_rank
+            report.lora_alpha = 2 * args.lora_rank
+            report.lora_target_modules = list(LORA_TARGET_MODULES)
+            report.lora_refit = args.lora_refit
+        verify = make_verifier(engine, model, args.verify, adapter_only=adapter_refits(args))
         eval_prompts = make_prompts(random.Random(args.seed + 1), args.eval_prompts, L)
 
         async def check_engine() -> None:
-            equal = await verify()
+            version = sync.weight_version
+            equal = await verify(version)
             if equal is not None:
-                report.verified.append((sync.weight_version, equal))
+                report.verified.append((version, equal))
 
         async def evaluate() -> float:
             outs = await engine.generate(eval_prompts, max_new_tokens=L, ignore_eos=True)
@@ -477,6 +587,13 @@ def _print_summary(console: Console, report: RunReport, histogram_text: str) -> 
         f"{'colocated' if report.colocated else 'not colocated'}): "
         f"{report.steps} steps in {report.seconds:.0f} s"
     )
+    if report.lora_rank:
+        per_refit = report.refits[-1]["nbytes"] if report.refits else 0
+        console.print(
+            f"LoRA r={report.lora_rank} (alpha {report.lora_alpha}), {report.lora_refit} "
+            f"refits: {report.trainable_params} trainable parameters, {per_refit:.0f} bytes "
+            "per refit"
+        )
     console.print(
         f"reward (sampled): start {report.start_reward:.3f} -> end {report.end_reward:.3f}   "
         f"greedy eval: start {report.eval_start:.3f} -> end {report.eval_end:.3f}"
@@ -528,6 +645,19 @@ class _Metrics:
             self._staleness.observe(steps)
 
 
+#: Backends this example can refit adapter-only (they load LoRA adapters: ``load_lora_adapter``).
+ADAPTER_BACKENDS = frozenset({"embedded", "vllm"})
+ADAPTER_BACKENDS_WHY = (
+    "the SGLang test server this example launches runs without --enable-lora, so it cannot "
+    "load LoRA adapters"
+)
+
+
+def adapter_refits(args: argparse.Namespace) -> bool:
+    """Whether the run refits a LoRA adapter alone (``--lora-rank N --lora-refit adapter``)."""
+    return bool(args.lora_rank) and args.lora_refit == "adapter"
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line; ``--quick`` shrinks everything for tests."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -542,6 +672,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--digits", type=int, default=3, help="digits to copy")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument(
+        "--lora-rank", type=int, default=0, help="train a PEFT LoRA adapter of this rank (0: all)"
+    )
+    p.add_argument(
+        "--lora-refit",
+        choices=("adapter", "merged"),
+        default="adapter",
+        help="with --lora-rank: send the adapter alone, or the checkpoint with it merged",
+    )
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--clip-eps", type=float, default=0.2)
     p.add_argument("--kl-coef", type=float, default=0.0, help="KL to the initial policy")
@@ -554,6 +693,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json-report", default=None, help="write the RunReport here")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
+    if args.lora_rank < 0:
+        p.error(f"--lora-rank must be >= 0, got {args.lora_rank}")
+    if adapter_refits(args) and args.backend not in ADAPTER_BACKENDS:
+        p.error(
+            f"--lora-refit adapter: {ADAPTER_BACKENDS_WHY}; use --lora-refit merged with "
+            f"--backend {args.backend}, or --backend {' or '.join(sorted(ADAPTER_BACKENDS))}"
+        )
     if args.quick:
         args.steps = min(args.steps, 4)
         args.prompts_per_step, args.group_size, args.eval_prompts = 4, 4, 8
