@@ -18,6 +18,10 @@ expect of any engine:
   vLLM loads the adapter as ``LoRARequest(adapter.name, adapter.version, path)``
   and every later ``generate`` uses it (the engine must be built with
   ``enable_lora=True`` and ``max_lora_rank >= r``).
+* ``pause_generation(mode, clear_cache)`` / ``resume_generation()`` — the
+  synchronizer's in-flight policy around a sync: ``AsyncLLM``'s own
+  ``pause_generation(mode=..., clear_cache=...)`` (``"abort"``, ``"wait"``,
+  ``"keep"``); on ``vllm.LLM`` only ``"wait"`` (see :meth:`VLLMGenerationBackend.pause_generation`).
 
 Sleep mode exists only where vLLM supports it (CUDA, ROCm, XPU) and the engine
 was built with ``enable_sleep_mode=True``. vLLM's CPU worker rejects
@@ -54,8 +58,9 @@ import anyio.to_thread
 from aiosync._config import DEFAULT_RPC_TIMEOUT_S
 from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
 from aiosync.lora import LoRAAdapter
+from aiosync.transports._leftovers import dir_prefix
 
-__all__ = ["WORKER_EXTENSION", "VLLMGenerationBackend"]
+__all__ = ["IN_FLIGHT_MODES", "WORKER_EXTENSION", "VLLMGenerationBackend"]
 
 _log = logging.getLogger(__name__)
 
@@ -64,6 +69,10 @@ WORKER_EXTENSION = "aiosync.engines.vllm.worker_extension.AiosyncWorkerExtension
 
 #: The tags ``wake_up`` accepts (vLLM's ``LLM.wake_up``).
 _WAKE_TAGS = frozenset({"weights", "kv_cache", "scheduling"})
+
+#: The in-flight policies :meth:`VLLMGenerationBackend.pause_generation` knows
+#: (aiosync's ``InFlightPolicy``; vLLM's ``PauseMode`` has the same three values).
+IN_FLIGHT_MODES = ("abort", "wait", "keep")
 
 _LLM_LOCKS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
 
@@ -129,7 +138,7 @@ class VLLMGenerationBackend:
         self._lora: Any = None
         self._lora_error: str | None = None
         self._lora_ids: set[int] = set()
-        self._lora_gate = _LoRAGate()
+        self._gate = _GenerationGate()
 
     @classmethod
     def from_model(
@@ -323,12 +332,16 @@ class VLLMGenerationBackend:
         temperature: float = 0.0,
         seed: int | None = None,
         ignore_eos: bool = True,
+        timeout_s: float | None = None,
     ) -> list[list[int]]:
         """Generate from token-id prompts; returns the new token ids per prompt.
 
         After a :meth:`load_lora_adapter` every prompt runs with that adapter
         (``lora_request=`` of ``LLM.generate`` / ``AsyncLLM.generate``); before
-        any, with the base model alone. A call waits while an adapter loads.
+        any, with the base model alone. A call waits while an adapter loads and
+        while generation is paused (:meth:`pause_generation`), then runs.
+        A call already running when an ``AsyncLLM`` is paused in ``"abort"``
+        mode returns the tokens generated so far (fewer than ``max_new_tokens``).
 
         Args:
             prompts: one list of token ids per prompt.
@@ -336,8 +349,12 @@ class VLLMGenerationBackend:
             temperature: 0.0 is greedy.
             ignore_eos: keep going past an end-of-sequence token, so every
                 output has ``max_new_tokens`` tokens.
+            timeout_s: how long to wait for a pause or an adapter load to end
+                before generating, seconds (None: ``rpc_timeout_s``). Generation
+                itself is not bounded.
 
         Raises:
+            SyncTimeoutError: still paused (or loading an adapter) after ``timeout_s``.
             SyncError: a worker holds half-updated weights (a refit failed
                 part-way); the last :meth:`load_lora_adapter` failed; or vLLM no
                 longer holds the loaded adapter (a full-weight refit removes
@@ -347,7 +364,8 @@ class VLLMGenerationBackend:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        async with self._lora_gate.shared():
+        wait_s = self.rpc_timeout_s if timeout_s is None else timeout_s
+        async with self._gate.shared(wait_s):
             if self._lora_error is not None:
                 raise SyncError(f"{self._lora_error}; load a LoRA adapter before generating")
             lora = self._lora
@@ -382,6 +400,115 @@ class VLLMGenerationBackend:
                 "generate", inputs, params, use_tqdm=False, lora_request=lora
             )
             return [list(o.outputs[0].token_ids) for o in outputs]
+
+    # -- in-flight policy ----------------------------------------------------------
+
+    async def pause_generation(self, mode: str, clear_cache: bool = True) -> None:
+        """Stop admitting generation for a sync; ``mode`` says what happens to running requests.
+
+        Every :meth:`generate` call that arrives while paused waits (up to its
+        ``timeout_s``) and runs after :meth:`resume_generation`. The synchronizer
+        calls this before the first byte of a sync reaches the engine.
+
+        On an ``AsyncLLM`` this is vLLM's ``pause_generation(mode=mode,
+        clear_cache=clear_cache)`` (the engine core's scheduler pause; the same as
+        ``POST /pause?mode=...``):
+
+        * ``"abort"``: running requests end now with the tokens they have (vLLM's
+          finish reason ``"abort"``); a running :meth:`generate` returns them.
+        * ``"wait"``: returns once running requests have finished (with the
+          weights they started with); requests added meanwhile stay queued.
+        * ``"keep"``: running requests are frozen in place and continue after
+          :meth:`resume_generation`; their remaining tokens come from the
+          weights the engine holds then.
+
+        For ``"abort"`` and ``"wait"`` it also waits until every running
+        :meth:`generate` of this backend that vLLM had started answering has
+        returned. ``clear_cache=True`` makes vLLM drop its prefix cache (and
+        preempt the frozen requests of ``"keep"``, which recompute their KV on
+        resume) once the pause is complete.
+
+        On a ``vllm.LLM`` (synchronous; vLLM 0.32 gives it no pause and its engine
+        client is not thread-safe, so nothing may reach it while a ``generate``
+        runs in its worker thread) only ``"wait"`` exists: it waits for this
+        backend's running :meth:`generate` calls to return and holds new ones.
+        ``clear_cache=True`` then drops the prefix cache (preempting requests
+        that hold KV blocks, as :meth:`prepare_for_generation` does).
+
+        Args:
+            mode: ``"abort"``, ``"wait"`` or ``"keep"`` (:data:`IN_FLIGHT_MODES`).
+            clear_cache: drop the prefix cache while paused, so no KV computed
+                with the old weights is reused.
+
+        Raises:
+            ValueError: an unknown ``mode``.
+            NotImplementedError: ``"abort"`` or ``"keep"`` on a ``vllm.LLM``;
+                raised before anything changes, so before any byte of a sync moves.
+            TransportError: vLLM failed the pause, or refused to drop its prefix
+                cache; generation is resumed before it is raised.
+            SyncTimeoutError: running requests did not finish within
+                ``rpc_timeout_s`` (``"abort"``, ``"wait"``); generation is resumed
+                before it is raised.
+        """
+        if mode not in IN_FLIGHT_MODES:
+            raise ValueError(f"unknown in-flight mode {mode!r}; known: {list(IN_FLIGHT_MODES)}")
+        if not self._is_async and mode != "wait":
+            raise NotImplementedError(
+                f"in-flight mode {mode!r} is not supported on a synchronous vllm.LLM: "
+                "vLLM 0.32 gives LLM no pause, and nothing may reach its engine while "
+                "generate() runs in another thread; use 'wait', or an AsyncLLM "
+                "(vllm.v1.engine.async_llm.AsyncLLM), whose pause_generation supports "
+                "'abort', 'wait' and 'keep'"
+            )
+        self._gate.pause()
+        try:
+            with anyio.fail_after(self.rpc_timeout_s):
+                if self._is_async:
+                    await self._pause_async(mode, clear_cache)
+                else:
+                    await self._gate.idle()
+                    if clear_cache:
+                        await self._reset_prefix_cache()
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(self.rpc_timeout_s):
+                await self.resume_generation()
+            if isinstance(exc, TimeoutError) and not isinstance(exc, SyncError):
+                raise SyncTimeoutError(
+                    f"vLLM's running requests did not end within {self.rpc_timeout_s} s "
+                    f"of pause_generation({mode!r})"
+                ) from exc
+            raise
+
+    async def _pause_async(self, mode: str, clear_cache: bool) -> None:
+        try:
+            await self.engine.pause_generation(mode=mode, clear_cache=clear_cache)
+        except Exception as exc:
+            raise TransportError(f"vLLM pause_generation(mode={mode!r}) failed: {exc}") from exc
+        if mode != "keep":
+            await self._gate.drained()
+
+    async def resume_generation(self) -> None:
+        """End :meth:`pause_generation`: vLLM schedules again (``AsyncLLM.resume_generation``;
+        frozen ``"keep"`` requests continue, queued ones start) and held
+        :meth:`generate` calls run. Idempotent: vLLM is told to resume even when
+        this backend did not pause it (a pause cut short may have reached vLLM).
+
+        Raises:
+            TransportError: vLLM failed the resume (held :meth:`generate` calls
+                are let through all the same).
+        """
+        self._gate.resume()
+        if not self._is_async:
+            return
+        try:
+            await self.engine.resume_generation()
+        except Exception as exc:
+            raise TransportError(f"vLLM resume_generation failed: {exc}") from exc
+
+    @property
+    def generation_paused(self) -> bool:
+        """True between :meth:`pause_generation` and :meth:`resume_generation`."""
+        return self._gate.paused
 
     # -- LoRA adapters -------------------------------------------------------------
 
@@ -503,7 +630,7 @@ class VLLMGenerationBackend:
             TransportError, SyncTimeoutError: vLLM refused or failed the load
                 (its message), or did not answer within ``rpc_timeout_s``.
         """
-        async with self._lora_gate.exclusive():
+        async with self._gate.exclusive():
             try:
                 await self._load_lora(adapter)
             except BaseException as exc:  # cancelled too: vLLM may hold part of it
@@ -521,7 +648,7 @@ class VLLMGenerationBackend:
         reports = await self.collective_rpc("aiosync_vllm_check_lora", (shapes,))
         _raise_lora_problems(f"LoRA adapter {adapter.name!r}", reports)
         replaced = adapter.version in await self.list_loras()
-        folder = tempfile.mkdtemp(prefix=f"aiosync-lora-{os.getpid()}-", dir=_lora_dir_parent())
+        folder = tempfile.mkdtemp(prefix=dir_prefix("lora"), dir=_lora_dir_parent())
         try:
             await anyio.to_thread.run_sync(adapter.save, folder)
             # load_inplace: reload even if an adapter with this id is held (a retry
@@ -598,10 +725,17 @@ class VLLMGenerationBackend:
     ) -> None:
         self._request_ids += 1
         final = None
-        async for out in self.engine.generate(
-            prompt, params, f"aiosync-{self._request_ids}", lora_request=lora
-        ):
-            final = out
+        try:
+            async for out in self.engine.generate(
+                prompt, params, f"aiosync-{self._request_ids}", lora_request=lora
+            ):
+                if final is None:
+                    self._gate.streaming += 1
+                final = out
+        finally:
+            if final is not None:
+                self._gate.streaming -= 1
+                self._gate.notify()
         assert final is not None
         results[index] = list(final.outputs[0].token_ids)
 
@@ -723,13 +857,21 @@ def _lora_dir_parent() -> str:
     return LORA_DIR_PARENT if os.path.isdir(LORA_DIR_PARENT) else tempfile.gettempdir()
 
 
-class _LoRAGate:
+class _GenerationGate:
     """``generate()`` calls share it; a LoRA load holds it alone (waiting for the
-    running calls; calls that arrive meanwhile wait for the load). One event loop."""
+    running calls; calls that arrive meanwhile wait for the load); a pause keeps
+    new calls out until the resume. One event loop.
+
+    ``streaming`` counts the running calls' requests that vLLM has started
+    answering (an ``AsyncLLM`` output came) and not finished: after vLLM's own
+    "abort"/"wait" pause, those end on their own and :meth:`drained` waits for them.
+    """
 
     def __init__(self) -> None:
         self._running = 0
         self._loading = False
+        self.paused = False
+        self.streaming = 0
         self._changed: anyio.Event | None = None
 
     async def _wait(self) -> None:
@@ -742,10 +884,20 @@ class _LoRAGate:
             self._changed.set()
             self._changed = None
 
+    def notify(self) -> None:
+        self._notify()
+
     @asynccontextmanager
-    async def shared(self) -> AsyncIterator[None]:
-        while self._loading:
-            await self._wait()
+    async def shared(self, timeout_s: float) -> AsyncIterator[None]:
+        try:
+            with anyio.fail_after(timeout_s):
+                while self._loading or self.paused:
+                    await self._wait()
+        except TimeoutError as exc:
+            what = "paused for a sync" if self.paused else "loading a LoRA adapter"
+            raise SyncTimeoutError(
+                f"generate() waited {timeout_s} s for the vLLM engine, still {what}"
+            ) from exc
         self._running += 1
         try:
             yield
@@ -765,6 +917,24 @@ class _LoRAGate:
         finally:
             self._loading = False
             self._notify()
+
+    def pause(self) -> None:
+        """Hold every later ``generate()`` call until :meth:`resume`."""
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+        self._notify()
+
+    async def idle(self) -> None:
+        """Wait until no ``generate()`` call runs."""
+        while self._running:
+            await self._wait()
+
+    async def drained(self) -> None:
+        """Wait until no request that vLLM had started answering is still streaming."""
+        while self.streaming:
+            await self._wait()
 
 
 def _rebuild_worker_error(method: str, exc: Exception) -> Exception:
