@@ -700,6 +700,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             f"--lora-refit adapter: {ADAPTER_BACKENDS_WHY}; use --lora-refit merged with "
             f"--backend {args.backend}, or --backend {' or '.join(sorted(ADAPTER_BACKENDS))}"
         )
+    if adapter_refits(args) and args.backend == "vllm" and args.lora_rank > VLLM_LORA_RANKS[-1]:
+        p.error(
+            f"--lora-rank {args.lora_rank}: vLLM's max_lora_rank is at most {VLLM_LORA_RANKS[-1]}"
+        )
     if args.quick:
         args.steps = min(args.steps, 4)
         args.prompts_per_step, args.group_size, args.eval_prompts = 4, 4, 8
