@@ -9,6 +9,7 @@ so its unpaused output is a fixed list of ``LONG_TOKENS`` tokens to compare agai
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -51,6 +52,9 @@ async def async_backend(tiny_qwen3_dir: Path) -> AsyncIterator[VLLMGenerationBac
     backend = VLLMGenerationBackend(AsyncLLM.from_engine_args(args))
     yield backend
     await backend.shutdown()
+    # Drop the engine now: its __del__ shuts down again, which fails at interpreter exit.
+    backend.engine = None
+    gc.collect()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
