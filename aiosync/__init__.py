@@ -19,8 +19,10 @@ from .errors import OwnershipError, RefitMismatchError, SyncError, SyncTimeoutEr
 from .events import EventSubscription, VersionEventKind, WeightVersionEvent
 from .factory import KNOWN_BACKENDS, create_weight_synchronizer
 from .interfaces import (
+    IN_FLIGHT_POLICIES,
     EngineWorkers,
     GenerationBackend,
+    InFlightPolicy,
     KVScales,
     RefitManifest,
     RefitSource,
@@ -48,6 +50,7 @@ __all__ = [
     "DEFAULT_EVENT_BACKLOG",
     "DEFAULT_RPC_TIMEOUT_S",
     "DEFAULT_SYNC_TIMEOUT_S",
+    "IN_FLIGHT_POLICIES",
     "KNOWN_BACKENDS",
     "CollectiveWeightSynchronizer",
     "EmbeddedEngine",
@@ -57,6 +60,7 @@ __all__ = [
     "GenerationBackend",
     "HTTPWeightSynchronizer",
     "IPCWeightSynchronizer",
+    "InFlightPolicy",
     "KVScales",
     "LoRAAdapter",
     "LoRAAdapterSource",

@@ -34,11 +34,15 @@ async def each_named(
     peers: Sequence[_P],
     call: Callable[[int, _P], Awaitable[_R]],
     label: Callable[[int], str],
+    *,
+    settle: bool = False,
 ) -> list[_R]:
     """``call(i, peer)`` on every peer concurrently; results in peer order.
 
-    The first peer to fail cancels the others, and its error is raised through
-    :func:`named` with ``label(i)``. One peer: called directly, its error as is.
+    The first peer to fail cancels the others (with ``settle``: the others run
+    to their end, as a resume that must reach every peer), and its error is
+    raised through :func:`named` with ``label(i)``. One peer: called directly,
+    its error as is.
     """
     if len(peers) == 1:
         return [await call(0, peers[0])]
@@ -50,7 +54,8 @@ async def each_named(
             results[i] = await call(i, peer)
         except Exception as exc:
             failures.append((i, exc))
-            scope.cancel()
+            if not settle:
+                scope.cancel()
 
     async with anyio.create_task_group() as tg:
         for i, peer in enumerate(peers):

@@ -59,6 +59,10 @@ class WeightVersionEvent:
         duration_s: seconds the sync took (``COMMITTED`` and ``FAILED``), else 0.0.
         error: ``repr`` of the exception (``FAILED``), else ``None``.
         missed: events this subscriber lost (``OVERFLOW``), else 0.
+        pause_s: seconds the engine's generation was paused for this sync (from the
+            ``pause_generation`` call to the end of ``resume_generation``;
+            ``COMMITTED`` and ``FAILED``), 0.0 when it was not paused (an engine
+            without ``pause_generation``, or a sync that failed before pausing).
     """
 
     kind: VersionEventKind
@@ -70,6 +74,7 @@ class WeightVersionEvent:
     duration_s: float = 0.0
     error: str | None = None
     missed: int = 0
+    pause_s: float = 0.0
 
 
 class EventSubscription:
@@ -175,10 +180,11 @@ class _EventHub:
         nbytes: int = 0,
         duration_s: float = 0.0,
         error: str | None = None,
+        pause_s: float = 0.0,
     ) -> WeightVersionEvent:
         policy, weight = self._versions()
         event = WeightVersionEvent(
-            kind, version, time.time(), policy, weight, nbytes, duration_s, error
+            kind, version, time.time(), policy, weight, nbytes, duration_s, error, pause_s=pause_s
         )
         for sub in self._subscriptions:
             sub._offer(event)

@@ -10,6 +10,7 @@ and timeouts live here, once.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import numbers
 import time
@@ -17,7 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, Self, get_args, runtime_checkable
 
 import anyio
 
@@ -29,8 +30,10 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "IN_FLIGHT_POLICIES",
     "EngineWorkers",
     "GenerationBackend",
+    "InFlightPolicy",
     "KVScales",
     "RefitManifest",
     "RefitSource",
@@ -44,6 +47,21 @@ RefitManifest = dict[str, tuple[tuple[int, ...], "torch.dtype"]]
 
 #: FP8 KV-cache scales: ``{layer_index_or_name: scale}`` (a float per layer).
 KVScales = Mapping[str | int, float]
+
+#: What a sync does with the requests the engine is generating when it starts
+#: (see :class:`GenerationBackend`'s ``pause_generation``): ``"abort"`` ends them
+#: now, ``"wait"`` lets them finish first, ``"keep"`` freezes them and lets the
+#: new weights compute their remaining tokens.
+InFlightPolicy = Literal["abort", "wait", "keep"]
+
+#: The values of :data:`InFlightPolicy`, in that order.
+IN_FLIGHT_POLICIES: tuple[InFlightPolicy, ...] = get_args(InFlightPolicy)
+
+#: Limit for the engine's ``resume_generation`` after a sync, seconds (it also
+#: runs after a failed or cancelled sync, shielded, so it must be bounded).
+DEFAULT_RESUME_TIMEOUT_S: float = 30.0
+
+_log = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -93,6 +111,25 @@ class GenerationBackend(Protocol):
     # Optional: ``async def on_weights_committed(self, version: int) -> None``, called
     # by the synchronizer once ``version`` landed on every worker, so that the engine
     # reports (and labels its outputs with) the synchronizer's ``weight_version``.
+    #
+    # Optional, the in-flight policy (vLLM's pause_generation/resume_generation,
+    # SGLang's /pause_generation and /continue_generation); the synchronizer calls
+    # them around every sync when the engine has them:
+    #
+    # ``async def pause_generation(self, mode: InFlightPolicy, clear_cache: bool = True)
+    # -> None``: stop admitting new requests (they wait until resumed), then, for the
+    # requests already running:
+    #   * ``"abort"``: end them now with the tokens they have, marked aborted;
+    #     return once they ended;
+    #   * ``"wait"``: let them run to their end; return once they finished;
+    #   * ``"keep"``: freeze them in place (between two tokens); return once no
+    #     forward pass runs. After ``resume_generation`` they continue, their
+    #     remaining tokens computed by the weights live then.
+    # ``clear_cache``: also drop the engine's prefix/KV cache of finished requests
+    # (computed by the old weights). Raises ValueError for an unknown mode.
+    #
+    # ``async def resume_generation(self) -> None``: admit requests again and let
+    # frozen ones continue. Idempotent (called after failed syncs too).
 
 
 @runtime_checkable
@@ -148,6 +185,14 @@ class TrainCluster:
             )
 
 
+def _check_in_flight(in_flight: object) -> InFlightPolicy:
+    """``in_flight`` as an :data:`InFlightPolicy`; ValueError for anything else."""
+    for policy in IN_FLIGHT_POLICIES:
+        if in_flight == policy and isinstance(in_flight, str):
+            return policy
+    raise ValueError(f"in_flight must be one of {IN_FLIGHT_POLICIES}, got {in_flight!r}")
+
+
 def _check_kv_scales(kv_scales: KVScales | None) -> None:
     if kv_scales is None:
         return
@@ -177,11 +222,26 @@ class WeightSynchronizer(ABC):
     Subclasses implement :meth:`_transfer` and may extend :meth:`init_communicator`
     and :meth:`shutdown` (calling ``super()``).
 
+    In-flight requests (case C13): when the engine has ``pause_generation`` (see
+    :class:`GenerationBackend`), every sync pauses it with ``in_flight`` before
+    the first byte reaches it, and resumes it once the version committed, or
+    failed, or was cancelled. A request the engine is generating meanwhile is
+    never computed by a mix of two weight sets without saying so: ``"wait"``
+    (the default) finishes it on the old weights first, ``"abort"`` ends it
+    (marked aborted), ``"keep"`` continues it on the new ones afterwards.
+
     Args:
         policy: the trainer's :class:`RefitSource`.
         generation: the engine (a :class:`GenerationBackend`).
-        sync_timeout_s: limit for a whole ``sync_weights`` call, seconds.
+        sync_timeout_s: limit for a whole ``sync_weights`` call, seconds (the
+            pause, a ``"wait"`` for running requests included).
         event_backlog: default ``max_backlog`` of :meth:`subscribe`, in events.
+        in_flight: the default :data:`InFlightPolicy` of :meth:`sync_weights`.
+
+    Raises:
+        ValueError: ``sync_timeout_s`` not finite and > 0, ``event_backlog < 1``,
+            or ``in_flight`` not one of :data:`IN_FLIGHT_POLICIES`.
+        TypeError: ``event_backlog`` is not an int.
     """
 
     def __init__(
@@ -191,7 +251,9 @@ class WeightSynchronizer(ABC):
         *,
         sync_timeout_s: float = DEFAULT_SYNC_TIMEOUT_S,
         event_backlog: int = DEFAULT_EVENT_BACKLOG,
+        in_flight: InFlightPolicy = "wait",
     ) -> None:
+        _check_in_flight(in_flight)
         if not (isinstance(sync_timeout_s, int | float) and 0 < sync_timeout_s < math.inf):
             raise ValueError(f"sync_timeout_s must be a finite number > 0, got {sync_timeout_s!r}")
         if isinstance(event_backlog, bool) or not isinstance(event_backlog, int):
@@ -201,6 +263,8 @@ class WeightSynchronizer(ABC):
         self.policy = policy
         self.generation = generation
         self.sync_timeout_s = sync_timeout_s
+        #: What :meth:`sync_weights` does with requests in flight (its default).
+        self.in_flight: InFlightPolicy = in_flight
         self._event_backlog = event_backlog
         self._policy_version = 0
         self._weight_version = 0
@@ -299,23 +363,41 @@ class WeightSynchronizer(ABC):
         self._check_open()
         self._initialized = True
 
-    async def sync_weights(self, kv_scales: KVScales | None = None) -> None:
+    async def sync_weights(
+        self, kv_scales: KVScales | None = None, *, in_flight: InFlightPolicy | None = None
+    ) -> None:
         """Move the weights of the current ``policy_version`` to every worker.
 
         A call made while another sync runs waits for it, then syncs again only
-        if still stale. Not stale: returns at once.
+        if still stale. Not stale: returns at once (the engine is not paused).
+
+        When the engine has ``pause_generation``, the sync pauses it with the
+        in-flight policy before the first byte reaches it and resumes it after
+        the version committed, and after a failure or cancellation too (shielded,
+        bounded by :data:`DEFAULT_RESUME_TIMEOUT_S`; a resume error is logged and
+        never hides the sync's own). The pause window, seconds, is the
+        ``pause_s`` of the ``COMMITTED``/``FAILED`` event.
 
         Args:
             kv_scales: FP8 KV-cache scales ``{layer_index_or_name: float}``,
                 loaded as the engine's ``model.layers.{i}.self_attn.{k,v}_scale``.
+            in_flight: this call's :data:`InFlightPolicy`; None: :attr:`in_flight`.
 
         Raises:
-            TypeError, ValueError: malformed ``kv_scales`` (before anything moves).
-            SyncTimeoutError: the sync ran past ``sync_timeout_s`` seconds.
-            RefitMismatchError, TransportError: from the transport.
+            TypeError, ValueError: malformed ``kv_scales``, or an ``in_flight``
+                that is not one of :data:`IN_FLIGHT_POLICIES` (before anything moves).
+            SyncTimeoutError: the sync (the pause included) ran past
+                ``sync_timeout_s`` seconds.
+            RefitMismatchError, TransportError: from the transport, or from the
+                engine's ``pause_generation`` (the sync then fails, and the engine
+                is resumed).
             SyncError: not initialized, or shut down, or the engine discarded its
                 weights while the sync ran (sync again).
+            Whatever the engine's ``resume_generation`` raised after the version
+                committed (``weight_version`` has advanced; the engine may still
+                be paused: call its ``resume_generation``).
         """
+        policy = _check_in_flight(self.in_flight if in_flight is None else in_flight)
         _check_kv_scales(kv_scales)
         self._check_open()
         if not self._initialized:
@@ -330,8 +412,15 @@ class WeightSynchronizer(ABC):
             discards = self._discards
             self._events.publish(VersionEventKind.SYNC_STARTED, version)
             start = time.perf_counter()
+            paused_at: float | None = None
             try:
                 with anyio.fail_after(self.sync_timeout_s):
+                    pause = self._pause_method()
+                    if pause is not None:
+                        # Set before the call: a pause that fails half-way (some
+                        # engines of a fleet paused) is resumed all the same.
+                        paused_at = time.perf_counter()
+                        await pause(policy, clear_cache=True)
                     nbytes = await self._transfer(version, kv_scales)
                 if self._discards != discards:
                     raise SyncError(
@@ -345,11 +434,13 @@ class WeightSynchronizer(ABC):
                         await committed(version)
             except BaseException as exc:
                 self._engine_dirty = True
+                pause_s = await self._resume_after(paused_at, failed=True)
                 self._events.publish(
                     VersionEventKind.FAILED,
                     version,
                     duration_s=time.perf_counter() - start,
                     error=repr(exc),
+                    pause_s=pause_s,
                 )
                 if isinstance(exc, TimeoutError) and not isinstance(exc, SyncTimeoutError):
                     raise SyncTimeoutError(
@@ -358,12 +449,66 @@ class WeightSynchronizer(ABC):
                 raise
             self._weight_version = max(self._weight_version, version)
             self._engine_dirty = False
+            resume_error: BaseException | None = None
+            try:
+                pause_s = await self._resume_after(paused_at, failed=False)
+            except Exception as exc:
+                resume_error = exc
+                pause_s = time.perf_counter() - paused_at if paused_at is not None else 0.0
             self._events.publish(
                 VersionEventKind.COMMITTED,
                 version,
                 nbytes=nbytes,
                 duration_s=time.perf_counter() - start,
+                pause_s=pause_s,
             )
+            if resume_error is not None:
+                raise resume_error
+
+    def _drives_generation(self) -> bool:
+        """Whether this process pauses and resumes the engine around a sync.
+
+        True unless the transport says this trainer rank does not drive the
+        engine: a sharded trainer's ranks other than the driver (a transport's
+        ``_ranks.is_driver``, the collective transport's ``is_source``).
+        Transports may override it.
+        """
+        ranks = getattr(self, "_ranks", None)
+        if ranks is not None:
+            return bool(getattr(ranks, "is_driver", True))
+        return bool(getattr(self, "is_source", True))
+
+    def _pause_method(self) -> Any:
+        """The engine's ``pause_generation`` when this process should call it, else None."""
+        if self.generation is None or not self._drives_generation():
+            return None
+        pause = getattr(self.generation, "pause_generation", None)
+        return pause if callable(pause) else None
+
+    async def _resume_after(self, paused_at: float | None, *, failed: bool) -> float:
+        """Resume the engine if this sync paused it; returns the pause window, seconds.
+
+        Shielded from cancellation and bounded by :data:`DEFAULT_RESUME_TIMEOUT_S`.
+        After a failed sync (``failed``) an error of the resume is logged, not
+        raised, so that the sync's own error is the one the caller sees.
+        """
+        if paused_at is None:
+            return 0.0
+        resume = getattr(self.generation, "resume_generation", None)
+        try:
+            with anyio.CancelScope(shield=True), anyio.fail_after(DEFAULT_RESUME_TIMEOUT_S):
+                if callable(resume):
+                    await resume()
+        except Exception as exc:
+            if not failed:
+                if isinstance(exc, TimeoutError):
+                    raise SyncTimeoutError(
+                        f"the engine did not resume generation within "
+                        f"{DEFAULT_RESUME_TIMEOUT_S} s after the sync"
+                    ) from exc
+                raise
+            _log.exception("resuming generation after a failed sync")
+        return time.perf_counter() - paused_at
 
     @abstractmethod
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:

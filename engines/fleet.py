@@ -23,6 +23,7 @@ import anyio
 
 from aiosync._fanout import each_named, named
 from aiosync.errors import SyncError, TransportError
+from aiosync.interfaces import IN_FLIGHT_POLICIES, InFlightPolicy
 from aiosync.lora import LoRAAdapter
 
 __all__ = ["EngineFleet"]
@@ -176,6 +177,42 @@ class EngineFleet:
 
         await self._on_each(report)
 
+    async def pause_generation(self, mode: InFlightPolicy, clear_cache: bool = True) -> None:
+        """Pause generation on every engine that can (``pause_generation``), concurrently.
+
+        Returns once every engine's pause returned (see
+        :class:`~aiosync.GenerationBackend`: ``"abort"``, ``"wait"``, ``"keep"``).
+        An engine that failed to pause cancels the others' pauses; the
+        synchronizer then resumes the whole fleet.
+
+        Raises:
+            ValueError: an unknown ``mode`` (before any engine is told).
+            Whatever an engine's ``pause_generation`` raises, naming the engine.
+        """
+        if mode not in IN_FLIGHT_POLICIES:
+            raise ValueError(f"mode must be one of {IN_FLIGHT_POLICIES}, got {mode!r}")
+
+        async def pause(i: int, engine: Any) -> None:
+            method = getattr(engine, "pause_generation", None)
+            if method is not None:
+                await method(mode, clear_cache=clear_cache)
+
+        await self._on_each(pause)
+
+    async def resume_generation(self) -> None:
+        """Resume generation on every engine that can (``resume_generation``).
+
+        Every engine is resumed even if another's resume fails; the first error
+        is raised then, naming its engine.
+        """
+
+        async def resume(i: int, engine: Any) -> None:
+            method = getattr(engine, "resume_generation", None)
+            if method is not None:
+                await method()
+
+        await each_named(self.engines, resume, self._label, settle=True)
+
     async def prepare_for_generation(self, tags: Sequence[str] | None = None) -> None:
         """Wake ``tags`` (None: all) on every engine, concurrently."""
         await self._on_each(lambda i, e: e.prepare_for_generation(tags=tags))
@@ -245,6 +282,41 @@ class EngineFleet:
 
         outs = await self._on_each(run)
         merged: list[list[int]] = [[] for _ in prompts]
+        for i, out in enumerate(outs):
+            merged[i::n] = out
+        return merged
+
+    async def generate_with_meta(
+        self, prompts: Sequence[Sequence[int]], **options: Any
+    ) -> list[Any]:
+        """:meth:`generate` through every engine's ``generate_with_meta``: one result
+        per prompt, in prompt order, of the engine's own type (e.g.
+        :class:`~aiosync.engines.embedded.engine.EmbeddedGeneration`).
+
+        Raises:
+            TypeError: an engine has no ``generate_with_meta`` (before any generation).
+            SyncError: as :meth:`generate`.
+            Whatever an engine's ``generate_with_meta`` raises, naming the engine.
+        """
+        for i, engine in enumerate(self.engines):
+            if not callable(getattr(engine, "generate_with_meta", None)):
+                raise TypeError(f"{self._label(i)} has no generate_with_meta")
+        if self._lora_refusal is not None:
+            raise SyncError(
+                f"the engine fleet refuses to generate: {self._lora_refusal}; a sync must "
+                "succeed first"
+            )
+        n = len(self.engines)
+        parts = [list(prompts[i::n]) for i in range(n)]
+
+        async def run(i: int, engine: Any) -> list[Any]:
+            if not parts[i]:
+                return []
+            out: list[Any] = await engine.generate_with_meta(parts[i], **options)
+            return out
+
+        outs = await self._on_each(run)
+        merged: list[Any] = [None] * len(prompts)
         for i, out in enumerate(outs):
             merged[i::n] = out
         return merged

@@ -32,6 +32,8 @@ from aiosync.errors import SyncError
 from aiosync.transports._wire import decode, encode, error_fields
 from aiosync.transports.packing import dtype_from_name, dtype_name
 
+from ._gate import GenerationGate, RequestTicket
+
 if TYPE_CHECKING:
     from .model import HFModelRunner
 
@@ -39,8 +41,9 @@ __all__ = ["EmbeddedWorker", "run_worker"]
 
 _log = logging.getLogger(__name__)
 
-#: Threads per worker serving RPCs: a receiver, a generate, and control calls.
-_RPC_THREADS = 4
+#: Threads per worker serving RPCs: a receiver, generations (waiting at the gate
+#: while paused), and control calls (pause, resume, status).
+_RPC_THREADS = 8
 #: How often an idle worker checks that its parent is alive, in milliseconds.
 _PARENT_POLL_MS = 1000
 
@@ -57,6 +60,8 @@ class EmbeddedWorker:
             failed, or after the weights were discarded; generation refuses then.
         aiosync_lora_adapter: the LoRA adapter every generation applies (an
             adapter-only refit's ``aiosync-v{version}``), None for the base model.
+        aiosync_gate: the :class:`GenerationGate` of its requests (pause/resume).
+        aiosync_weight_version: the weight version its tokens are labelled with.
     """
 
     def __init__(
@@ -76,6 +81,10 @@ class EmbeddedWorker:
         self._lora_refusal: str | None = None
         self._asleep: set[str] = set()
         self._state_lock = threading.Lock()
+        #: Admission and per-step gate of generation requests (the in-flight policy).
+        self.aiosync_gate = GenerationGate()
+        #: The synchronizer's weight version of the weights held (None: never synced).
+        self.aiosync_weight_version: int | None = None
 
     def embedded_generate(
         self,
@@ -88,35 +97,100 @@ class EmbeddedWorker:
         """Generate for ``prompts`` (token ids); only the new ids are returned.
 
         Raises:
-            SyncError: the weights are invalid (a refit failed half-way or the
-                engine discarded them) or asleep.
+            SyncError: as :meth:`embedded_generate_with_meta`.
+        """
+        results = self.embedded_generate_with_meta(
+            prompts, max_new_tokens, temperature, seed, ignore_eos
+        )
+        return [r["token_ids"] for r in results]
+
+    def embedded_generate_with_meta(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+    ) -> list[dict[str, Any]]:
+        """Generate for ``prompts``, one token per step; per prompt ``{"token_ids",
+        "aborted", "versions"}`` (``versions``: the engine's weight version each
+        token was computed with, None before the first sync).
+
+        Each prompt is one request at the worker's :class:`GenerationGate`:
+        admitted once no pause is in force, then stepped token by token. Before
+        every step, under the model's lock, the weights are checked: a refit that
+        began loading (without pausing this request), a discard, a sleep or a
+        LoRA load in flight stops the request with :class:`SyncError` rather than
+        mixing versions.
+
+        Raises:
+            SyncError: the weights are invalid (a refit failed half-way or is
+                loading, or the engine discarded them), asleep, or a LoRA adapter
+                load is in flight or failed (at admission or before a step).
         """
         runner: HFModelRunner = self.model_runner.model
-        # Checked under the model's lock: a receiver marks the weights invalid
-        # before its first load_weights, which then waits for this generation.
-        with runner.lock:
-            with self._state_lock:
-                if not self.aiosync_weights_valid:
-                    raise SyncError(
-                        f"worker {self.rank}: weights are not valid (a refit failed or they "
-                        "were discarded while asleep); a sync must succeed before generating"
-                    )
-                if self._lora_refusal is not None:
-                    raise SyncError(
-                        f"worker {self.rank}: {self._lora_refusal}; a sync must succeed before "
-                        "generating"
-                    )
-                if self._asleep:
-                    raise SyncError(f"worker {self.rank}: asleep ({sorted(self._asleep)})")
-                adapter = self.aiosync_lora_adapter
-            return runner.generate(
-                prompts,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                seed=seed,
-                ignore_eos=ignore_eos,
-                lora_adapter=adapter,
+        generator = runner.make_generator(seed)
+        results: list[dict[str, Any]] = []
+        for prompt in prompts:
+            versions: list[int | None] = []
+
+            def before_forward(versions: list[int | None] = versions) -> str | None:
+                # Under the model's lock: nothing loads into the weights meanwhile.
+                with self._state_lock:
+                    self._check_can_generate()
+                    versions.append(self.aiosync_weight_version)
+                    return self.aiosync_lora_adapter
+
+            with self.aiosync_gate.request() as ticket:
+
+                def gate(_step: int, ticket: RequestTicket = ticket) -> bool:
+                    return self.aiosync_gate.step(ticket)
+
+                out = runner.decode(
+                    prompt,
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    generator=generator,
+                    ignore_eos=ignore_eos,
+                    before_forward=before_forward,
+                    gate=gate,
+                )
+            results.append(
+                {"token_ids": out.token_ids, "aborted": out.aborted, "versions": versions}
             )
+        return results
+
+    def _check_can_generate(self) -> None:
+        """Raise SyncError unless the weights may serve a step (hold ``_state_lock``)."""
+        if not self.aiosync_weights_valid:
+            raise SyncError(
+                f"worker {self.rank}: weights are not valid (a refit failed or is loading, or "
+                "they were discarded while asleep); a sync must succeed before generating"
+            )
+        if self._lora_refusal is not None:
+            raise SyncError(
+                f"worker {self.rank}: {self._lora_refusal}; a sync must succeed before generating"
+            )
+        if self._asleep:
+            raise SyncError(f"worker {self.rank}: asleep ({sorted(self._asleep)})")
+
+    def embedded_pause_generation(self, mode: str) -> int:
+        """Pause this worker's generation (:class:`GenerationGate`, ``mode`` one of
+        ``"abort"``, ``"wait"``, ``"keep"``); returns the requests left frozen.
+
+        Raises:
+            ValueError: an unknown ``mode``.
+        """
+        return self.aiosync_gate.pause(mode)
+
+    def embedded_resume_generation(self) -> None:
+        """Admit requests again and let frozen ones continue. Idempotent."""
+        self.aiosync_gate.resume()
+
+    def embedded_set_weight_version(self, version: int) -> None:
+        """Label the tokens computed from now on with weight ``version``."""
+        with self._state_lock:
+            self.aiosync_weight_version = version
 
     def embedded_sleep(self, level: int) -> bool:
         """Sleep; level 2 discards the weights (they are zeroed) and the LoRA adapter.
@@ -189,9 +263,12 @@ class EmbeddedWorker:
 
     def embedded_status(self) -> dict[str, Any]:
         """``{"rank", "pid", "weights_valid", "asleep", "kv_scales", "lora_adapter",
-        "lora_loaded", "lora_valid"}``: ``lora_adapter`` is the adapter generations
-        apply (None: the base model), ``lora_loaded`` every adapter the model holds,
-        ``lora_valid`` False while an adapter load is in flight or after one failed."""
+        "lora_loaded", "lora_valid", "paused", "requests", "weight_version"}``:
+        ``lora_adapter`` is the adapter generations apply (None: the base model),
+        ``lora_loaded`` every adapter the model holds, ``lora_valid`` False while an
+        adapter load is in flight or after one failed; ``paused`` the pause mode in
+        force (None: running), ``requests`` the decode steps each running request
+        has started, ``weight_version`` the version its tokens are labelled with."""
         return {
             "rank": self.rank,
             "pid": os.getpid(),
@@ -201,6 +278,9 @@ class EmbeddedWorker:
             "lora_adapter": self.aiosync_lora_adapter,
             "lora_loaded": list(getattr(self.model_runner.model, "lora_adapters", [])),
             "lora_valid": self._lora_refusal is None,
+            "paused": self.aiosync_gate.mode,
+            "requests": self.aiosync_gate.progress(),
+            "weight_version": self.aiosync_weight_version,
         }
 
     def embedded_state_dict(self) -> dict[str, list[Any]]:

@@ -1,7 +1,8 @@
 """The embedded engine: transformers models in worker processes, driven like vLLM.
 
 A reference engine for CPU machines and tests — **not a vLLM replacement** (no
-scheduler, no paged KV cache, one prompt at a time). It gives every aiosync
+scheduler, no paged KV cache, one prompt at a time, one token per step, with a
+pause gate between steps: :meth:`EmbeddedEngine.pause_generation`). It gives every aiosync
 transport a real engine to talk to: separate processes (``spawn``), a worker
 object per process with ``model_runner.model.load_weights`` and the worker
 extension mixins, ``collective_rpc`` by method name, sleep/wake, and
@@ -29,12 +30,14 @@ import contextlib
 import importlib.util
 import itertools
 import logging
+import math
 import multiprocessing
 import os
 import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from types import TracebackType
 from typing import Any, Self
@@ -46,6 +49,7 @@ import zmq.asyncio
 
 from aiosync._config import DEFAULT_RPC_TIMEOUT_S
 from aiosync.errors import SyncError, SyncTimeoutError, TransportError
+from aiosync.interfaces import IN_FLIGHT_POLICIES, InFlightPolicy
 from aiosync.lora import LoRAAdapter
 from aiosync.transports._leftovers import dir_prefix, sweep_leftovers
 from aiosync.transports._wire import decode, encode, rebuild_error
@@ -53,7 +57,7 @@ from aiosync.transports.packing import dtype_from_name
 
 from ._worker import run_worker, tensor_from_wire, tensor_to_wire
 
-__all__ = ["DEFAULT_WORKER_EXTENSION", "EmbeddedEngine"]
+__all__ = ["DEFAULT_WORKER_EXTENSION", "EmbeddedEngine", "EmbeddedGeneration"]
 
 _log = logging.getLogger(__name__)
 
@@ -470,8 +474,49 @@ class EmbeddedEngine:
 
     async def on_weights_committed(self, version: int) -> None:
         """Record ``version`` as the engine's :attr:`weight_version` (called by the
-        synchronizer once a sync landed on every worker)."""
+        synchronizer once a sync landed on every worker); the workers label the
+        tokens they compute from now on with it (:meth:`generate_with_meta`).
+
+        Raises:
+            TransportError, SyncTimeoutError: as :meth:`collective_rpc`.
+        """
         self.weight_version = version
+        await self.collective_rpc("embedded_set_weight_version", (version,))
+
+    async def pause_generation(self, mode: InFlightPolicy, clear_cache: bool = True) -> None:
+        """Pause generation on every worker (the in-flight policy, decode-step granularity).
+
+        From the call on no new request starts (a :meth:`generate` waits until
+        :meth:`resume_generation`); the running ones, per ``mode``:
+
+        * ``"abort"``: end before their next token, keeping the tokens they have,
+          marked aborted (:meth:`generate_with_meta`); returns once all ended.
+        * ``"wait"``: run to their end; returns then.
+        * ``"keep"``: stop before their next token and stay there with their KV
+          cache; returns once no forward pass runs. After :meth:`resume_generation`
+          they continue, their remaining tokens computed by the weights live then,
+          attending to the KV cache the earlier weights computed (as vLLM's
+          ``keep`` and SGLang's ``in_place``).
+
+        ``clear_cache``: accepted for the contract; this engine keeps no KV cache
+        between requests (no prefix cache), so there is nothing to clear.
+
+        Raises:
+            ValueError: an unknown ``mode`` (before any worker is told).
+            TransportError: as :meth:`collective_rpc` (no time limit of its own:
+                ``"wait"`` lasts as long as the longest request; bound it with a
+                cancel scope, as the synchronizer does).
+        """
+        _check_mode(mode)
+        await self.collective_rpc("embedded_pause_generation", (mode,), timeout_s=math.inf)
+
+    async def resume_generation(self) -> None:
+        """Undo :meth:`pause_generation` on every worker. Idempotent.
+
+        Raises:
+            TransportError, SyncTimeoutError: as :meth:`collective_rpc`.
+        """
+        await self.collective_rpc("embedded_resume_generation")
 
     async def prepare_for_generation(self, tags: Sequence[str] | None = None) -> None:
         """Wake ``tags`` (``"weights"``, ``"kv_cache"``; None: all) on every worker.
@@ -562,6 +607,10 @@ class EmbeddedEngine:
 
         Greedy when ``temperature == 0``. Prompts are split into contiguous
         chunks, one per worker (data parallel); results come back in order.
+        Each prompt advances one token per step; while the engine is paused
+        (:meth:`pause_generation`) a call waits for :meth:`resume_generation`.
+        A request aborted by a pause returns the tokens it had
+        (:meth:`generate_with_meta` says which were aborted).
 
         With a LoRA adapter loaded (:meth:`load_lora_adapter`) every prompt is
         generated with it.
@@ -570,6 +619,33 @@ class EmbeddedEngine:
             SyncError: a worker's weights are invalid (after a failed refit or a
                 level-2 sleep) or asleep, or a LoRA adapter load is in flight or failed.
             TransportError, SyncTimeoutError: as :meth:`collective_rpc`.
+        """
+        results = await self.generate_with_meta(
+            prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            ignore_eos=ignore_eos,
+            timeout_s=timeout_s,
+        )
+        return [r.token_ids for r in results]
+
+    async def generate_with_meta(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        timeout_s: float | None = None,
+    ) -> list[EmbeddedGeneration]:
+        """:meth:`generate`, with each result's standing: one :class:`EmbeddedGeneration`
+        per prompt, in prompt order (whether it was aborted, which weight versions
+        computed its tokens).
+
+        Raises:
+            SyncError, TransportError, SyncTimeoutError: as :meth:`generate`.
         """
         if self._lora_refusal is not None:
             raise SyncError(
@@ -589,16 +665,18 @@ class EmbeddedEngine:
                     "ignore_eos": ignore_eos,
                 }
                 calls.append((rank, [part], kwargs))
-        results = await self._call("embedded_generate", calls, timeout_s)
-        return [out for part in results for out in part]
+        results = await self._call("embedded_generate_with_meta", calls, timeout_s)
+        return [EmbeddedGeneration.from_reply(out) for part in results for out in part]
 
     # -- tests and tools ------------------------------------------------------
 
     async def status(self) -> list[dict[str, Any]]:
         """Each worker's ``{"rank", "pid", "weights_valid", "asleep", "kv_scales",
-        "lora_adapter", "lora_loaded", "lora_valid"}`` (``lora_adapter``: the adapter
-        generations apply, None for the base model; ``lora_loaded``: every adapter
-        its model holds)."""
+        "lora_adapter", "lora_loaded", "lora_valid", "paused", "requests",
+        "weight_version"}`` (``lora_adapter``: the adapter generations apply, None
+        for the base model; ``lora_loaded``: every adapter its model holds;
+        ``paused``: the pause mode in force, None when running; ``requests``: the
+        decode steps each running request has started)."""
         return await self.collective_rpc("embedded_status")
 
     async def hf_state_dicts(self) -> list[dict[str, torch.Tensor]]:
@@ -607,6 +685,56 @@ class EmbeddedEngine:
         return [
             {name: tensor_from_wire(fields) for name, fields in reply.items()} for reply in replies
         ]
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddedGeneration:
+    """One prompt's result from :meth:`EmbeddedEngine.generate_with_meta`.
+
+    Attributes:
+        token_ids: the new token ids.
+        aborted: a pause in ``"abort"`` mode ended the request early;
+            ``token_ids`` are those it had by then.
+        versions: per token, the engine's ``weight_version`` when the token was
+            computed (None: before the first sync); ``len(versions) == len(token_ids)``.
+    """
+
+    token_ids: list[int]
+    aborted: bool
+    versions: list[int | None]
+
+    @property
+    def first_version(self) -> int | None:
+        """The weight version of the first token (None: no token, or never synced)."""
+        return self.versions[0] if self.versions else None
+
+    @property
+    def last_version(self) -> int | None:
+        """The weight version of the last token (None: no token, or never synced)."""
+        return self.versions[-1] if self.versions else None
+
+    @property
+    def version_change_at(self) -> int | None:
+        """Index of the first token computed by other weights than token 0
+        (a refit landed while the request was kept in flight); None: one version."""
+        for index, version in enumerate(self.versions):
+            if version != self.versions[0]:
+                return index
+        return None
+
+    @classmethod
+    def from_reply(cls, reply: Mapping[str, Any]) -> EmbeddedGeneration:
+        """From a worker's ``{"token_ids", "aborted", "versions"}``."""
+        return cls(
+            [int(t) for t in reply["token_ids"]],
+            bool(reply["aborted"]),
+            [None if v is None else int(v) for v in reply["versions"]],
+        )
+
+
+def _check_mode(mode: object) -> None:
+    if mode not in IN_FLIGHT_POLICIES:
+        raise ValueError(f"mode must be one of {IN_FLIGHT_POLICIES}, got {mode!r}")
 
 
 def _check_dtype(dtype: object) -> None:

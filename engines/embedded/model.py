@@ -16,14 +16,20 @@ the in-memory tensor it lands in, so loading costs one dict lookup and one
 Adapter-only refits load PEFT LoRA adapters next to the base weights, unmerged
 (:meth:`HFModelRunner.load_lora_adapter`, see ``_lora.py``); ``generate`` applies
 the one it is told to.
+
+Generation advances one token per forward pass (:meth:`HFModelRunner.decode`),
+with a gate between steps, so an engine can pause a request mid-way (the
+in-flight policy of :class:`aiosync.WeightSynchronizer`).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +44,7 @@ from ._lora import PeftAdapters
 
 _KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.[kv]_scale")
 
-__all__ = ["HFModelRunner"]
+__all__ = ["DecodeResult", "HFModelRunner"]
 
 # Checkpoint name of one expert's projection; the fused in-memory tensors live on
 # the ``experts`` module (transformers 5.x, ``conversion_mapping.py`` "qwen2_moe").
@@ -80,6 +86,10 @@ class HFModelRunner:
         self._num_layers = int(getattr(model.config, "num_hidden_layers", 0))
         # LoRA adapters, applied unmerged with PEFT (imported on the first load).
         self._adapters = PeftAdapters(model)
+        # The forward's KV-cache argument and output: ``cache`` from transformers 5.2x
+        # on (``past_key_values`` is deprecated there), ``past_key_values`` before.
+        forward = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in forward else "past_key_values"
 
     @property
     def device(self) -> torch.device:
@@ -248,51 +258,139 @@ class HFModelRunner:
         ignore_eos: bool = False,
         lora_adapter: str | None = None,
     ) -> list[list[int]]:
-        """Generate for each prompt (token ids) with ``model.generate``; returns only new ids.
+        """Generate for each prompt (token ids) with :meth:`decode`; returns only new ids.
 
-        Greedy when ``temperature == 0``; else sampling at ``temperature``,
-        reproducible with ``seed``. Prompts run one by one, unpadded, so a
-        prompt's output does not depend on the others in the batch.
-        ``lora_adapter`` names a loaded adapter (:meth:`load_lora_adapter`) to
-        apply; None: the base model alone, whatever adapters are loaded.
+        Greedy when ``temperature == 0`` (token for token what transformers'
+        ``model.generate(do_sample=False)`` answers); else sampling at
+        ``temperature`` (no top-k/top-p), reproducible with ``seed`` (one
+        ``torch.Generator`` for the call, so concurrent calls do not disturb each
+        other). Prompts run one by one, unpadded, so a prompt's output does not
+        depend on the others in the batch. ``lora_adapter`` names a loaded
+        adapter (:meth:`load_lora_adapter`) to apply; None: the base model alone,
+        whatever adapters are loaded.
 
         Raises:
             ValueError: an empty prompt, ``max_new_tokens < 1`` or ``temperature < 0``.
             KeyError: ``lora_adapter`` is not loaded.
         """
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        device = next(self.model.parameters()).device
-        outputs: list[list[int]] = []
-        with (
-            self.lock,
-            self._adapters.using(lora_adapter),
-            torch.random.fork_rng(devices=[]),
-            torch.no_grad(),
-        ):
-            if seed is not None:
-                torch.manual_seed(seed)
-            for prompt in prompts:
-                if not prompt:
-                    raise ValueError("prompts must not be empty")
-                ids = torch.tensor([prompt], dtype=torch.long, device=device)
-                kwargs: dict[str, Any] = {"do_sample": False}
-                if temperature > 0:
-                    kwargs = {"do_sample": True, "temperature": temperature, "top_k": 0}
-                if ignore_eos:
-                    kwargs["eos_token_id"] = None
-                out = self.model.generate(  # type: ignore[operator]
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=max_new_tokens,
-                    min_new_tokens=max_new_tokens if ignore_eos else 0,
-                    pad_token_id=self.model.config.pad_token_id or 0,
-                    **kwargs,
-                )
-                outputs.append(out[0, len(prompt) :].tolist())
-        return outputs
+        _check_sampling(max_new_tokens, temperature)
+        generator = self.make_generator(seed)
+        return [
+            self.decode(
+                prompt,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                generator=generator,
+                ignore_eos=ignore_eos,
+                before_forward=lambda: lora_adapter,
+            ).token_ids
+            for prompt in prompts
+        ]
+
+    def make_generator(self, seed: int | None) -> torch.Generator:
+        """A ``torch.Generator`` on the model's device, seeded with ``seed`` (None: random)."""
+        generator = torch.Generator(self.device)
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(seed)
+        return generator
+
+    def decode(
+        self,
+        prompt: Sequence[int],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+        ignore_eos: bool = False,
+        before_forward: Callable[[], str | None] = lambda: None,
+        gate: Callable[[int], bool] | None = None,
+    ) -> DecodeResult:
+        """Generate for one prompt, one token per forward pass, with a KV cache.
+
+        Step ``i`` (``0 <= i < max_new_tokens``) computes new token ``i``: step 0
+        runs the prompt (``[1, len(prompt)]`` token ids, int64) through the model,
+        step ``i > 0`` the single token ``i - 1`` against the KV cache of all
+        earlier positions (transformers' ``DynamicCache``, ``use_cache=True``),
+        exactly as ``model.generate`` does. The next token is the argmax of the
+        last position's logits (float32, ``[vocab_size]``), or a sample of
+        ``softmax(logits / temperature)``. Decoding stops after an EOS token
+        (``generation_config.eos_token_id``) unless ``ignore_eos``.
+
+        Between steps, outside :attr:`lock`, ``gate(i)`` is called before step
+        ``i``: it may block (an engine pausing in place), raise, or return False
+        to end the request now (``DecodeResult.aborted``). The forward pass runs
+        under :attr:`lock`; ``before_forward()`` is called there first and names
+        the LoRA adapter to apply (None: the base model); it may raise to end
+        the request. A refit never lands in the middle of a step, and one that
+        lands between steps is seen from the next step on. The KV cache of the
+        earlier positions is kept across such a refit (what vLLM's ``keep`` and
+        SGLang's ``in_place`` pause modes do): after it, the new weights compute
+        the remaining tokens while attending to keys and values the old weights
+        computed.
+
+        Raises:
+            ValueError: an empty prompt, ``max_new_tokens < 1`` or ``temperature < 0``.
+            KeyError: ``before_forward()`` names an adapter that is not loaded.
+            Whatever ``gate`` or ``before_forward`` raise.
+        """
+        _check_sampling(max_new_tokens, temperature)
+        if not prompt:
+            raise ValueError("prompts must not be empty")
+        eos = set() if ignore_eos else self.eos_ids()
+        step_input = torch.tensor([list(prompt)], dtype=torch.long, device=self.device)
+        cache: Any = None
+        tokens: list[int] = []
+        for i in range(max_new_tokens):
+            if gate is not None and not gate(i):
+                return DecodeResult(tokens, aborted=True)
+            with self.lock:
+                adapter = before_forward()
+                with self._adapters.using(adapter), torch.no_grad():
+                    kwargs = {self._cache_arg: cache}
+                    out = self.model(input_ids=step_input, use_cache=True, **kwargs)
+                    cache = out[self._cache_arg]
+                    logits = out.logits[0, -1, :].to(dtype=torch.float32)
+            if temperature > 0:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                token = int(torch.multinomial(probs, 1, generator=generator).item())
+            else:
+                token = int(torch.argmax(logits).item())
+            tokens.append(token)
+            if token in eos:
+                break
+            step_input = torch.tensor([[token]], dtype=torch.long, device=self.device)
+        return DecodeResult(tokens, aborted=False)
+
+    def eos_ids(self) -> set[int]:
+        """The EOS token ids decoding stops at (``generation_config.eos_token_id``)."""
+        config = getattr(self.model, "generation_config", None)
+        eos = getattr(config, "eos_token_id", None)
+        if eos is None:
+            return set()
+        return {int(eos)} if isinstance(eos, int) else {int(e) for e in eos}
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeResult:
+    """One prompt's generation by :meth:`HFModelRunner.decode`.
+
+    Attributes:
+        token_ids: the new token ids, in order.
+        aborted: the request was ended early (its gate said so): ``token_ids``
+            holds what it had by then.
+    """
+
+    token_ids: list[int]
+    aborted: bool
+
+
+def _check_sampling(max_new_tokens: int, temperature: float) -> None:
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
 
 
 def _checkpoint_manifest(model: PreTrainedModel) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -63,7 +63,7 @@ import torch
 from aiosync._config import DEFAULT_BUCKET_BYTES, DEFAULT_EVENT_BACKLOG, DEFAULT_SYNC_TIMEOUT_S
 from aiosync._fanout import each_named
 from aiosync.errors import SyncError, TransportError
-from aiosync.interfaces import KVScales, RefitSource, WeightSynchronizer
+from aiosync.interfaces import InFlightPolicy, KVScales, RefitSource, WeightSynchronizer
 
 from .._kv_scales import attention_layers, kv_scale_entries
 from ..packing import compare_manifests
@@ -192,7 +192,9 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                 _compare_unordered(self._manifest, engine)
         return server.tp_size
 
-    async def sync_weights(self, kv_scales: KVScales | None = None) -> None:
+    async def sync_weights(
+        self, kv_scales: KVScales | None = None, *, in_flight: InFlightPolicy | None = None
+    ) -> None:
         """Move the current ``policy_version`` to the server (see the base class).
 
         Args:
@@ -201,6 +203,8 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                 ``{"model.layers.{i}.self_attn.{k|v}_scale": scale}``; posted
                 after the last weight bucket, in one float32 bucket of 0-d
                 tensors (4 bytes per scale), before the cache flush.
+            in_flight: what happens to requests in flight (see the base class);
+                None: ``self.in_flight``.
 
         Raises:
             TypeError, ValueError: malformed ``kv_scales``, or a layer index
@@ -215,7 +219,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         """
         if isinstance(kv_scales, Mapping) and kv_scales and self._manifest:
             kv_scale_entries(kv_scales, attention_layers(self._manifest))
-        await super().sync_weights(kv_scales)
+        await super().sync_weights(kv_scales, in_flight=in_flight)
 
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
         kv = kv_scale_entries(kv_scales, attention_layers(self._manifest))

@@ -64,7 +64,13 @@ import zmq.asyncio
 
 from aiosync._config import DEFAULT_EVENT_BACKLOG, DEFAULT_RPC_TIMEOUT_S, DEFAULT_SYNC_TIMEOUT_S
 from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
-from aiosync.interfaces import KVScales, RefitManifest, RefitSource, WeightSynchronizer
+from aiosync.interfaces import (
+    InFlightPolicy,
+    KVScales,
+    RefitManifest,
+    RefitSource,
+    WeightSynchronizer,
+)
 
 from .._identity import CPU_LABEL, device_identity
 from .._kv_scales import attention_layers, kv_scale_entries
@@ -270,7 +276,9 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         self.num_workers = len(workers)
         self.peers = [rank for rank, device in workers if device == self.device_id]
 
-    async def sync_weights(self, kv_scales: KVScales | None = None) -> None:
+    async def sync_weights(
+        self, kv_scales: KVScales | None = None, *, in_flight: InFlightPolicy | None = None
+    ) -> None:
         """Move the current ``policy_version`` to every worker (see the base class).
 
         Args:
@@ -279,6 +287,8 @@ class IPCWeightSynchronizer(WeightSynchronizer):
                 ``{"model.layers.{i}.self_attn.{k|v}_scale": scale}``; each worker
                 loads them after the last bucket, as 0-d float32 tensors, before
                 its weights count as valid.
+            in_flight: what happens to requests in flight (see the base class);
+                None: ``self.in_flight``.
 
         Raises:
             TypeError, ValueError: malformed ``kv_scales``, or a layer without
@@ -288,7 +298,7 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         if isinstance(kv_scales, Mapping) and kv_scales:
             layers = None if self.plan is None else attention_layers(self.plan.manifest())
             kv_scale_entries(kv_scales, layers)
-        await super().sync_weights(kv_scales)
+        await super().sync_weights(kv_scales, in_flight=in_flight)
 
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
         assert self.plan is not None

@@ -50,7 +50,7 @@ import torch
 from aiosync._config import DEFAULT_EVENT_BACKLOG, DEFAULT_SYNC_TIMEOUT_S
 from aiosync._fanout import each_named
 from aiosync.errors import RefitMismatchError, SyncError
-from aiosync.interfaces import KVScales, RefitManifest, WeightSynchronizer
+from aiosync.interfaces import InFlightPolicy, KVScales, RefitManifest, WeightSynchronizer
 from aiosync.lora import LoRAAdapter, LoRAAdapterSource, lora_adapter_name
 
 from .._ranks import TrainerRanks, drain
@@ -194,12 +194,16 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
             targets = sorted({m.target for m in modules.values()})
             await check(config, targets, max(m.rank for m in modules.values()))
 
-    async def sync_weights(self, kv_scales: KVScales | None = None) -> None:
+    async def sync_weights(
+        self, kv_scales: KVScales | None = None, *, in_flight: InFlightPolicy | None = None
+    ) -> None:
         """Load the adapter of the current ``policy_version`` into every engine (see the base).
 
         Args:
             kv_scales: must be None: an adapter-only refit leaves the base model
                 and its FP8 KV-cache scales alone.
+            in_flight: what happens to requests in flight (see the base class);
+                None: ``self.in_flight``.
 
         Raises:
             NotImplementedError: ``kv_scales`` given (before anything moves, no event).
@@ -212,7 +216,7 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
         """
         if kv_scales is not None:
             raise NotImplementedError(_KV_SCALES)
-        await super().sync_weights(None)
+        await super().sync_weights(None, in_flight=in_flight)
 
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
         if kv_scales is not None:

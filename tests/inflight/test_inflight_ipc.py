@@ -1,0 +1,271 @@
+"""Case C13 on the IPC transport into a real embedded engine: a request in flight while a sync runs.
+
+Each test syncs OLD, starts a LONG greedy request, waits until it has computed
+some tokens, then syncs NEW with an in-flight policy, and checks the request's
+exact tokens and version labels against transformers' own computation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import anyio
+import pytest
+import pytest_asyncio
+from transformers import PreTrainedModel
+
+from aiosync.engines.embedded.engine import EmbeddedEngine, EmbeddedGeneration
+from aiosync.events import VersionEventKind, WeightVersionEvent
+from aiosync.transports.ipc import IPCWeightSynchronizer
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def env(h: SimpleNamespace) -> AsyncIterator[SimpleNamespace]:
+    trainer = h.build_model(h.OLD_SEED)
+    source = h.FaultySource(trainer)
+    async with EmbeddedEngine(h.CONFIG, num_workers=1, seed=h.ENGINE_SEED) as engine:
+        sync = IPCWeightSynchronizer(source, engine, rpc_timeout_s=60)
+        async with sync:
+            await sync.init_communicator()
+            yield SimpleNamespace(engine=engine, sync=sync, trainer=trainer, source=source)
+
+
+async def _sync_old(env: SimpleNamespace, h: SimpleNamespace, old: PreTrainedModel) -> int:
+    """Bring the engine to OLD (nothing in flight); returns its version."""
+    env.source.fail_before = None
+    h.load_into(env.trainer, old)
+    version = await env.sync.mark_stale()
+    await env.sync.sync_weights()
+    assert env.sync.weight_version == version
+    return version
+
+
+async def _mid_request(engine: EmbeddedEngine, at_least: int = 30) -> None:
+    """Wait until the one running request has started ``at_least`` decode steps."""
+    with anyio.fail_after(120):
+        while True:
+            (status,) = await engine.status()
+            if status["requests"] and status["requests"][0] >= at_least:
+                return
+            await anyio.sleep(0.005)
+
+
+async def _run_during_request(
+    env: SimpleNamespace, h: SimpleNamespace, call: Any
+) -> tuple[EmbeddedGeneration, Any]:
+    """Start a LONG request, run ``call()`` once it is mid-way; both results."""
+    results: list[EmbeddedGeneration] = []
+
+    async def request() -> None:
+        results.extend(
+            await env.engine.generate_with_meta([h.PROMPT], max_new_tokens=h.LONG, ignore_eos=True)
+        )
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(request)
+        await _mid_request(env.engine)
+        outcome = await call()
+    (result,) = results
+    return result, outcome
+
+
+async def _events_until(events: Any, kind: VersionEventKind) -> list[WeightVersionEvent]:
+    seen = []
+    with anyio.fail_after(10):
+        async for event in events:
+            seen.append(event)
+            if event.kind == kind:
+                return seen
+    raise AssertionError(f"no {kind} event in {seen}")
+
+
+async def test_decode_loop_is_transformers_greedy_token_for_token(
+    env: SimpleNamespace, h: SimpleNamespace, old_model: PreTrainedModel, old_tokens: list[int]
+) -> None:
+    version = await _sync_old(env, h, old_model)
+    (result,) = await env.engine.generate_with_meta(
+        [h.PROMPT], max_new_tokens=h.LONG, ignore_eos=True
+    )
+    assert result.token_ids == old_tokens
+    assert (result.aborted, result.versions) == (False, [version] * h.LONG)
+    assert await env.engine.generate([h.PROMPT], max_new_tokens=7) == [old_tokens[:7]]
+
+
+async def test_wait_finishes_the_request_on_old_weights_before_the_sync_moves(
+    env: SimpleNamespace,
+    h: SimpleNamespace,
+    old_model: PreTrainedModel,
+    new_model: PreTrainedModel,
+    old_tokens: list[int],
+) -> None:
+    old_version = await _sync_old(env, h, old_model)
+    h.load_into(env.trainer, new_model)
+    new_version = await env.sync.mark_stale()
+    async with env.sync.subscribe() as events:
+        result, _ = await _run_during_request(
+            env, h, lambda: env.sync.sync_weights(in_flight="wait")
+        )
+        seen = await _events_until(events, VersionEventKind.COMMITTED)
+    assert result.token_ids == old_tokens
+    assert (result.aborted, result.versions) == (False, [old_version] * h.LONG)
+    assert result.version_change_at is None
+    committed = seen[-1]
+    assert (committed.version, env.sync.weight_version) == (new_version, new_version)
+    # The pause lasted while the request finished: within the sync, not zero.
+    assert 0.0 < committed.pause_s <= committed.duration_s
+    (status,) = await env.engine.status()
+    assert (status["paused"], status["requests"], status["weight_version"]) == (
+        None,
+        [],
+        new_version,
+    )
+    new_tokens = h.hf_greedy(new_model, h.PROMPT, 12)
+    assert await env.engine.generate([h.PROMPT], max_new_tokens=12) == [new_tokens]
+
+
+async def test_abort_ends_the_request_with_a_prefix_of_old_output(
+    env: SimpleNamespace,
+    h: SimpleNamespace,
+    old_model: PreTrainedModel,
+    new_model: PreTrainedModel,
+    old_tokens: list[int],
+) -> None:
+    old_version = await _sync_old(env, h, old_model)
+    h.load_into(env.trainer, new_model)
+    new_version = await env.sync.mark_stale()
+    result, _ = await _run_during_request(env, h, lambda: env.sync.sync_weights(in_flight="abort"))
+    k = len(result.token_ids)
+    assert result.aborted is True
+    assert 30 <= k < h.LONG
+    assert result.token_ids == old_tokens[:k]
+    assert result.versions == [old_version] * k
+    assert env.sync.weight_version == new_version
+    new_tokens = h.hf_greedy(new_model, h.PROMPT, 12)
+    (after,) = await env.engine.generate_with_meta([h.PROMPT], max_new_tokens=12)
+    assert (after.token_ids, after.aborted, after.versions) == (
+        new_tokens,
+        False,
+        [new_version] * 12,
+    )
+
+
+async def test_keep_continues_the_request_on_new_weights_from_where_it_stopped(
+    env: SimpleNamespace,
+    h: SimpleNamespace,
+    old_model: PreTrainedModel,
+    new_model: PreTrainedModel,
+    old_tokens: list[int],
+) -> None:
+    old_version = await _sync_old(env, h, old_model)
+    h.load_into(env.trainer, new_model)
+    new_version = await env.sync.mark_stale()
+    env.sync.in_flight = "keep"  # the synchronizer's default, this time
+    try:
+        result, _ = await _run_during_request(env, h, env.sync.sync_weights)
+    finally:
+        env.sync.in_flight = "wait"
+    k = result.version_change_at
+    assert k is not None and 30 <= k < h.LONG
+    assert result.aborted is False
+    assert result.versions == [old_version] * k + [new_version] * (h.LONG - k)
+    assert (result.first_version, result.last_version) == (old_version, new_version)
+    assert result.token_ids[:k] == old_tokens[:k]
+    # The rest: NEW's greedy continuation, attending to OLD's KV cache of the prefix.
+    expected = h.greedy_switch(old_model, new_model, h.PROMPT, k, h.LONG)
+    assert result.token_ids == expected
+    assert expected[k:] != old_tokens[k:]
+
+
+async def test_resume_after_a_failed_sync_lets_the_kept_request_finish_on_old_weights(
+    env: SimpleNamespace,
+    h: SimpleNamespace,
+    old_model: PreTrainedModel,
+    new_model: PreTrainedModel,
+    old_tokens: list[int],
+) -> None:
+    old_version = await _sync_old(env, h, old_model)
+    h.load_into(env.trainer, new_model)
+    await env.sync.mark_stale()
+    env.source.fail_before = RuntimeError("trainer offload failed")
+
+    async def failing_sync() -> BaseException:
+        with pytest.raises(RuntimeError, match="trainer offload failed") as info:
+            await env.sync.sync_weights(in_flight="keep")
+        return info.value
+
+    async with env.sync.subscribe() as events:
+        result, _ = await _run_during_request(env, h, failing_sync)
+        failed = (await _events_until(events, VersionEventKind.FAILED))[-1]
+    # Nothing moved: resumed, the kept request ends on the weights it started with.
+    assert result.token_ids == old_tokens
+    assert (result.aborted, result.versions) == (False, [old_version] * h.LONG)
+    assert failed.pause_s > 0.0 and "trainer offload failed" in (failed.error or "")
+    (status,) = await env.engine.status()
+    assert (status["paused"], env.sync.weight_version, env.sync.is_stale) == (
+        None,
+        old_version,
+        True,
+    )
+
+
+async def test_resume_after_a_cancelled_sync(
+    env: SimpleNamespace,
+    h: SimpleNamespace,
+    old_model: PreTrainedModel,
+    new_model: PreTrainedModel,
+    old_tokens: list[int],
+) -> None:
+    old_version = await _sync_old(env, h, old_model)
+    h.load_into(env.trainer, new_model)
+    await env.sync.mark_stale()
+
+    async def cancelled_sync() -> bool:
+        # "wait" waits for the long request: cancelled while paused, before a byte moved.
+        with anyio.move_on_after(0.2) as scope:
+            await env.sync.sync_weights(in_flight="wait")
+        return scope.cancelled_caught
+
+    async with env.sync.subscribe() as events:
+        result, cancelled = await _run_during_request(env, h, cancelled_sync)
+        failed = (await _events_until(events, VersionEventKind.FAILED))[-1]
+    assert cancelled is True
+    assert result.token_ids == old_tokens
+    assert (result.aborted, result.versions) == (False, [old_version] * h.LONG)
+    assert failed.pause_s > 0.0 and "Cancelled" in (failed.error or "")
+    (status,) = await env.engine.status()
+    assert status["paused"] is None
+    # New requests are admitted again, and the sync succeeds next time.
+    assert await env.engine.generate([h.PROMPT], max_new_tokens=5) == [old_tokens[:5]]
+    await env.sync.sync_weights()
+    assert env.sync.is_stale is False
+
+
+async def test_an_unknown_policy_is_refused_before_anything_moves(
+    env: SimpleNamespace,
+    h: SimpleNamespace,
+    old_model: PreTrainedModel,
+    new_model: PreTrainedModel,
+) -> None:
+    old_version = await _sync_old(env, h, old_model)
+    h.load_into(env.trainer, new_model)
+    await env.sync.mark_stale()
+    async with env.sync.subscribe() as events:
+        refused = r"in_flight must be one of \('abort', 'wait', 'keep'\), got 'drop'"
+        with pytest.raises(ValueError, match=refused):
+            await env.sync.sync_weights(in_flight="drop")  # type: ignore[arg-type]
+        env.sync.in_flight = "pause"  # type: ignore[assignment]
+        try:
+            with pytest.raises(ValueError, match="got 'pause'"):
+                await env.sync.sync_weights()
+        finally:
+            env.sync.in_flight = "wait"
+        with pytest.raises(ValueError, match="mode must be one of"):
+            await env.engine.pause_generation("drop")  # type: ignore[arg-type]
+        await env.sync.sync_weights()
+        kinds = [(await anext(events)).kind for _ in range(2)]
+    assert kinds == [VersionEventKind.SYNC_STARTED, VersionEventKind.COMMITTED]
+    assert env.sync.weight_version == old_version + 1
