@@ -38,6 +38,7 @@ from aiosync._config import (
 from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
 from aiosync.interfaces import (
     EngineWorkers,
+    InFlightPolicy,
     KVScales,
     RefitSource,
     TrainCluster,
@@ -351,7 +352,9 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
 
     # -- one sync --------------------------------------------------------------
 
-    async def sync_weights(self, kv_scales: KVScales | None = None) -> None:
+    async def sync_weights(
+        self, kv_scales: KVScales | None = None, *, in_flight: InFlightPolicy | None = None
+    ) -> None:
         """Broadcast the current ``policy_version`` to every worker (see the base class).
 
         Args:
@@ -359,6 +362,8 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
                 ``k_scale`` and ``v_scale`` of that layer) or
                 ``{"model.layers.{i}.self_attn.{k|v}_scale": scale}``; they are
                 loaded after the weights as 0-d float32 tensors.
+            in_flight: what happens to requests in flight (see the base class);
+                None: ``self.in_flight``.
 
         Raises:
             TypeError, ValueError: malformed ``kv_scales`` (before anything moves).
@@ -370,7 +375,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         """
         if isinstance(kv_scales, Mapping):
             kv_scale_entries(kv_scales)
-        await super().sync_weights(kv_scales)
+        await super().sync_weights(kv_scales, in_flight=in_flight)
 
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
         kv = kv_scale_entries(kv_scales, await self._attention_layers(kv_scales))
