@@ -217,10 +217,11 @@ async def test_rpc_to_a_stuck_vllm_worker_times_out_and_the_engine_recovers(
     async with sync:
         await sync.init_communicator()
         # The trainer never sends: the worker blocks waiting for the sync header (C2).
+        # Called as the synchronizer calls it, with its owner token (the group is its own).
         with pytest.raises(SyncTimeoutError, match="aiosync_collective_receive"):
             await backend.collective_rpc(
                 "aiosync_collective_receive",
-                kwargs={"version": 1, "kv_names": []},
+                kwargs={"version": 1, "kv_names": [], "owner": sync._owner},
                 timeout_s=1.0,
             )
     # The next call waits for the abandoned one, which the group's timeout ends;

@@ -11,9 +11,14 @@ default group):
   per-sync vote. Gloo on GPU too, so small control messages never queue behind
   bucket broadcasts.
 * ``data`` — the bucket broadcasts, on ``nccl`` (CUDA) or ``gloo`` (CPU), over
-  only the source (trainer rank 0, data rank 0) and the inference ranks (data
-  rank ``1 + i``): non-source trainer ranks take part in the gathers of
-  ``iter_weights()`` but never receive a byte.
+  the source (trainer rank 0, data rank 0) and the inference ranks (data rank
+  ``1 + i``).
+
+The synchronizer forms the engine's session with the source as its only trainer
+rank (``train_world_size=1``, as vLLM's weight-transfer API does): the other
+trainer ranks take part in the gathers of ``iter_weights()`` and agree on each
+outcome with the source in a control-only group of the trainer ranks
+(``with_data=False``), never in the engine's.
 
 Every blocking call here has the group's timeout (seconds). Failures surface as
 :class:`~aiosync.errors.TransportError` (a peer died, the connection closed) or
@@ -39,6 +44,7 @@ __all__ = [
     "STATUS_ERROR",
     "STATUS_MISMATCH",
     "STATUS_OK",
+    "STATUS_TIMEOUT",
     "SyncGroup",
     "create_sync_group",
     "open_store",
@@ -48,6 +54,7 @@ __all__ = [
 STATUS_OK = 0
 STATUS_MISMATCH = 1
 STATUS_ERROR = 2
+STATUS_TIMEOUT = 3
 
 _DIGEST_BYTES = 32  # SHA-256 of the bucket plan
 
@@ -193,6 +200,7 @@ class SyncGroup:
 
         Raises:
             RefitMismatchError: a rank reported a manifest mismatch, or digests differ.
+            SyncTimeoutError: every failing rank reported a timeout.
             TransportError: a rank reported another failure.
         """
         votes = self.exchange(status, message, digest)
@@ -213,8 +221,11 @@ class SyncGroup:
         if not problems:
             return
         text = "; ".join(problems)
-        if digest or any(code == STATUS_MISMATCH for code, _, _ in votes):
+        codes = {code for code, _, _ in votes}
+        if (digest and len({d for _, d, _ in votes}) > 1) or STATUS_MISMATCH in codes:
             raise RefitMismatchError(text)
+        if codes - {STATUS_OK} == {STATUS_TIMEOUT}:
+            raise SyncTimeoutError(text)
         raise TransportError(text)
 
     # -- teardown --------------------------------------------------------------
@@ -301,11 +312,13 @@ def create_sync_group(
     device: torch.device,
     timeout_s: float,
     session: str,
+    with_data: bool = True,
 ) -> SyncGroup:
     """Build the session's groups over ``store`` (from :func:`open_store`; blocking).
 
     Keys live under ``aiosync/<session>/`` so a re-formed group never reads a
-    previous session's keys.
+    previous session's keys. ``with_data=False`` builds the control group only
+    (the trainer ranks' own group, which agrees on outcomes and never broadcasts).
 
     Raises:
         SyncTimeoutError: a rank did not join within ``timeout_s`` seconds.
@@ -316,7 +329,7 @@ def create_sync_group(
     ctrl = data = None
     try:
         ctrl = dist.ProcessGroupGloo(dist.PrefixStore("ctrl", root), rank, world_size, timeout)
-        in_data = rank == 0 or rank >= train_world_size
+        in_data = with_data and (rank == 0 or rank >= train_world_size)
         if in_data:
             data_rank = 0 if rank == 0 else 1 + rank - train_world_size
             data_size = 1 + world_size - train_world_size

@@ -100,8 +100,14 @@ def send_buckets(
     kv: list[tuple[str, float]],
     verify: bool,
     cancelled: Callable[[], bool] = lambda: False,
+    before_vote: Callable[[BaseException | None], BaseException | None] | None = None,
 ) -> SendResult:
     """Source side: header, packed buckets, trailer, vote (blocking).
+
+    ``before_vote(failure)`` runs right before the receivers' vote with the
+    source's own failure (or None) and returns the failure to vote: the other
+    trainer ranks' outcome folds in there, so a rank whose read failed makes the
+    receivers refuse the weights as well.
 
     ``weights`` is consumed lazily, so producing (gathering) bucket ``k+1``
     overlaps the broadcast of bucket ``k``. On CUDA packing runs on a side
@@ -176,6 +182,8 @@ def send_buckets(
     if trailer_nbytes(len(kv), len(plan.buckets), verify):
         trailer = encode_trailer([v for _, v in kv], checksums).to(group.device)
         group.wait(group.broadcast(trailer, what="broadcast of the trailer"), what="trailer")
+    if before_vote is not None:
+        failure = before_vote(failure)
     if failure is not None:
         group.agree(_status_of(failure), f"source failed: {failure}")
         raise failure  # agree() raised already unless the vote was lost

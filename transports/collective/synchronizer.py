@@ -23,7 +23,7 @@ import contextlib
 import logging
 import secrets
 import threading
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Literal, TypeVar
 
 import anyio
@@ -50,6 +50,7 @@ from ._group import (
     STATUS_ERROR,
     STATUS_MISMATCH,
     STATUS_OK,
+    STATUS_TIMEOUT,
     SyncGroup,
     create_sync_group,
     open_store,
@@ -85,10 +86,15 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
     The workers must mix in :class:`~aiosync.transports.collective.worker.CollectiveWorkerMixin`
     (``aiosync.engines.vllm.worker_extension.AiosyncWorkerExtension`` for vLLM).
 
-    Session ranks: trainer ``0..T-1``, inference ``T..T+W-1``; the store lives
-    on trainer rank 0 at ``train_cluster.master_addr:master_port`` (port 0: one
-    the OS picks, logged and readable as :attr:`master_port`). Rank 0 binds it
-    before it asks the workers to join, so a port in use is a
+    The engine's session holds the source (trainer rank 0, session rank 0) and
+    the inference workers (session ranks ``1..W``), as vLLM's weight-transfer API
+    does; with several trainer ranks the others take part in the gathers only
+    and agree on every outcome with the source in a control-only gloo group of
+    the trainer ranks, so that versions, ``is_stale`` and events are identical on
+    every rank and a failure anywhere is the same error everywhere. The store
+    lives on trainer rank 0 at ``train_cluster.master_addr:master_port`` (port 0:
+    one the OS picks, logged and readable as :attr:`master_port`). Rank 0 binds
+    it before it asks the workers to join, so a port in use is a
     :class:`~aiosync.errors.TransportError` at once.
 
     Args:
@@ -172,6 +178,8 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         self.collective_timeout_s = collective_timeout_s
         self._plan: BucketPlan | None = None
         self._group: SyncGroup | None = None
+        # The trainer ranks' control-only group (several ranks): agrees on outcomes.
+        self._trainers: SyncGroup | None = None
         # Kept for the synchronizer's lifetime (rank 0: the TCPStore server), so
         # re-forming a group never has to bind the port again.
         self._store: Any = None
@@ -216,8 +224,9 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
 
     @property
     def world_size(self) -> int:
-        """Ranks of the sync group: trainer ranks plus inference workers."""
-        return self.train_cluster.world_size + self.inference_world_size
+        """Ranks of the engine's sync group: the source plus the inference workers (the
+        other trainer ranks never join it)."""
+        return 1 + self.inference_world_size
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -281,7 +290,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
                 " (picked by the OS: TrainCluster.master_port=0)" if tc.master_port == 0 else "",
             )
 
-        def join() -> SyncGroup:
+        def store() -> Any:
             if self._store is None:
                 self._store = open_store(
                     tc.master_addr,
@@ -289,11 +298,30 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
                     is_master=self.is_source,
                     timeout_s=self.collective_timeout_s,
                 )
-            group = create_sync_group(
-                store=self._store,
+            return self._store
+
+        def join_trainers() -> SyncGroup | None:
+            if tc.world_size == 1:
+                return None
+            return create_sync_group(
+                store=store(),
                 rank=tc.rank,
-                world_size=self.world_size,
+                world_size=tc.world_size,
                 train_world_size=tc.world_size,
+                backend="gloo",
+                device=torch.device("cpu"),
+                timeout_s=self._trainer_timeout(),
+                session=f"{session}/trainers",
+                with_data=False,
+            )
+
+        def join_engine() -> SyncGroup:
+            # The engine's session holds the source alone on the trainer side.
+            group = create_sync_group(
+                store=store(),
+                rank=0,
+                world_size=self.world_size,
+                train_world_size=1,
                 backend=self.backend,
                 device=self.device,
                 timeout_s=self.collective_timeout_s,
@@ -306,40 +334,78 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
                 raise
             return group
 
-        if not self.is_source:
-            group = await self._in_thread(join, self._formation_limit())
-        else:
-            # Ask every worker first (leaving any old group is idempotent and
-            # cheap): an engine that knows a worker is dead fails this RPC at
-            # once, whereas the rendezvous below would wait the whole
-            # collective timeout for a rank that never comes, in a thread that
-            # cannot be interrupted.
-            workers = await self._rpc("aiosync_collective_destroy", {}, self.rpc_timeout_s)
-            if len(workers) != self.inference_world_size:
-                # Else the rendezvous would wait its whole limit for ranks that never come.
-                raise ValueError(
-                    f"inference_world_size={self.inference_world_size}, but the engine has "
-                    f"{len(workers)} worker(s): pass inference_world_size={len(workers)}"
-                )
-            kwargs = {
-                "master_addr": tc.master_addr,
-                "master_port": self.master_port,
-                "world_size": self.world_size,
-                "train_world_size": tc.world_size,
-                "backend": self.backend,
-                "plan": plan.to_json(),
-                "timeout_s": self.collective_timeout_s,
-                "session": session,
-            }
-            group, _ = await self._both(
-                lambda: self._in_thread(join, self._formation_limit()),
-                lambda: self._rpc("aiosync_collective_init", kwargs, self._formation_limit()),
+        trainers = await self._in_thread(join_trainers, self._formation_limit())
+        group: SyncGroup | None = None
+        failure: Exception | None = None
+        try:
+            if self.is_source:
+                group = await self._join_engine(join_engine, plan, session)
+        except Exception as exc:
+            if trainers is None:
+                raise
+            failure = exc
+        if trainers is not None:
+            # Every trainer rank learns the source's verdict and compares plan digests.
+            try:
+                await self._agree_trainers(trainers, failure, plan.digest)
+            except BaseException:
+                for g in (group, trainers):
+                    if g is not None:
+                        await anyio.to_thread.run_sync(g.destroy)
+                raise
+        self._group, self._trainers, self._plan = group, trainers, plan
+        self._buffers = RotatingBuffers(plan, self.device) if self.is_source else None
+
+    async def _join_engine(
+        self, join: Callable[[], SyncGroup], plan: BucketPlan, session: str
+    ) -> SyncGroup:
+        """The source and every engine worker form the engine's session together."""
+        # Ask every worker first (leaving any old group is idempotent and
+        # cheap): an engine that knows a worker is dead fails this RPC at
+        # once, whereas the rendezvous below would wait the whole
+        # collective timeout for a rank that never comes, in a thread that
+        # cannot be interrupted.
+        workers = await self._rpc("aiosync_collective_destroy", {}, self.rpc_timeout_s)
+        if len(workers) != self.inference_world_size:
+            # Else the rendezvous would wait its whole limit for ranks that never come.
+            raise ValueError(
+                f"inference_world_size={self.inference_world_size}, but the engine has "
+                f"{len(workers)} worker(s): pass inference_world_size={len(workers)}"
             )
-        self._group, self._plan = group, plan
-        self._buffers = RotatingBuffers(plan, self.device) if group.is_source else None
+        kwargs = {
+            "master_addr": self.train_cluster.master_addr,
+            "master_port": self.master_port,
+            "world_size": self.world_size,
+            "train_world_size": 1,
+            "backend": self.backend,
+            "plan": plan.to_json(),
+            "timeout_s": self.collective_timeout_s,
+            "session": session,
+        }
+        group, _ = await self._both(
+            lambda: self._in_thread(join, self._formation_limit()),
+            lambda: self._rpc("aiosync_collective_init", kwargs, self._formation_limit()),
+        )
+        return group
+
+    async def _agree_trainers(
+        self, trainers: SyncGroup, failure: BaseException | None, digest: str = ""
+    ) -> None:
+        """The trainer ranks' vote: raise the same error on every rank if any failed.
+
+        Shielded and bounded (by the trainer group's own timeout), so a rank
+        that failed or was cancelled still tells the others instead of leaving
+        them waiting.
+        """
+        status, message = _vote_of(failure)
+        with anyio.CancelScope(shield=True):
+            await self._in_thread(
+                lambda: trainers.agree(status, message, digest), self._trainer_timeout() + 1.0
+            )
 
     async def _teardown(self, *, notify_workers: bool) -> None:
         group, self._group = self._group, None
+        trainers, self._trainers = self._trainers, None
         # After a failed sync our group is gone but a worker may still hold its own.
         if notify_workers and self.is_source and self._plan is not None:
             # Unreachable workers destroy a broken group themselves.
@@ -347,8 +413,9 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
                 await self._rpc("aiosync_collective_destroy", {}, self.rpc_timeout_s)
         # A thread abandoned by a timeout may still hold the group: let it finish.
         await anyio.to_thread.run_sync(self._idle.wait, self.collective_timeout_s)
-        if group is not None:
-            await anyio.to_thread.run_sync(group.destroy)
+        for g in (group, trainers):
+            if g is not None:
+                await anyio.to_thread.run_sync(g.destroy)
 
     # -- one sync --------------------------------------------------------------
 
@@ -379,55 +446,128 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
 
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
         kv = kv_scale_entries(kv_scales, await self._attention_layers(kv_scales))
-        if self._group is None or self._group.broken:
+        if self._needs_forming():
             await self._form_group()
-        group, plan = self._group, self._plan
-        assert group is not None and plan is not None
+        group, trainers, plan = self._group, self._trainers, self._plan
+        assert plan is not None
+        nbytes = plan.total_bytes + 4 * len(kv)
+        # Every trainer rank votes twice per sync: on its read of the source (before
+        # the workers vote, so they refuse weights a rank failed to read), then on
+        # the sync's final outcome.
+        read_vote = _ReadVote(trainers)
+        failure: BaseException | None = None
         try:
-            if not self.is_source:
-                await self._in_thread(lambda: self._follow(group, plan), self.sync_timeout_s)
-                return plan.total_bytes + 4 * len(kv)
-            buffers = self._buffers
-            assert buffers is not None
-
-            def send() -> SendResult:
-                return send_buckets(
-                    group,
-                    plan,
-                    buffers,
-                    self.policy.iter_weights(),
-                    version=version,
-                    kv=kv,
-                    verify=self.verify,
-                    cancelled=self._abandoned.is_set,
-                )
-
-            kwargs = {"version": version, "kv_names": [n for n, _ in kv], "verify": self.verify}
-            if self.overlap == "inplace":
-                sent, results = await self._both(
-                    lambda: self._in_thread(send, self.sync_timeout_s),
-                    lambda: self._rpc("aiosync_collective_receive", kwargs, self.sync_timeout_s),
-                )
+            if self.is_source:
+                assert group is not None
+                nbytes = await self._send(group, plan, version, kv, read_vote)
             else:
-                await self._rpc("aiosync_collective_stage", kwargs, self.rpc_timeout_s)
-                sent = await self._in_thread(send, self.sync_timeout_s)
-                results = await self._rpc(
-                    "aiosync_collective_commit", {"version": version}, self.rpc_timeout_s
+
+                def follow() -> None:
+                    # The other trainer ranks take part in the gathers only.
+                    own: Exception | None = None
+                    try:
+                        _consume(self.policy.iter_weights(), plan)
+                    except Exception as exc:
+                        own = exc
+                    agreed = read_vote(own)
+                    if agreed is not None:
+                        raise agreed
+
+                await self._in_thread(follow, self.sync_timeout_s)
+        except BaseException as exc:
+            failure = exc
+        if trainers is not None and not read_vote.done:
+            # The source failed before its workers' vote: still pair the read vote.
+            with anyio.CancelScope(shield=True):
+                await self._in_thread(
+                    lambda: read_vote(_as_vote(failure)), self._trainer_timeout() + 1.0
                 )
-            self._check_results(sent, results)
-            self.last_worker_results = results
-            return sent.nbytes
-        except BaseException:
-            # Whatever failed, the next sync re-forms the group: a worker may still
-            # sit in a receive, or hold a half-staged copy. Aborting now also makes
-            # every peer's pending collective fail at once instead of timing out.
-            self._group = None
-            group.broken = True
-            if self._idle.is_set():
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(group.destroy)
-            # else: the abandoned thread destroys it when it returns.
-            raise
+        if failure is not None:
+            # Whatever failed, the next sync re-forms the groups: a worker may still
+            # sit in a receive, or hold a half-staged copy. Aborting the engine's
+            # group now also makes every peer's pending collective fail at once.
+            self._drop_engine_group()
+        if trainers is not None:
+            try:
+                await self._agree_trainers(trainers, _as_vote(failure))
+            except Exception as agreed:
+                self._drop_trainer_group()
+                if failure is not None and not isinstance(failure, Exception):
+                    raise  # a cancellation stays one
+                # The same error on every trainer rank, naming the rank that failed.
+                raise agreed from failure
+        if failure is not None:
+            self._drop_trainer_group()
+            raise failure
+        return nbytes
+
+    def _needs_forming(self) -> bool:
+        """Whether this rank's groups must be (re-)formed; after a failure every rank
+        dropped them, so the trainer ranks re-form together."""
+        if self._plan is None:
+            return True
+        if self.is_source and (self._group is None or self._group.broken):
+            return True
+        return self.train_cluster.world_size > 1 and (
+            self._trainers is None or self._trainers.broken
+        )
+
+    async def _send(
+        self,
+        group: SyncGroup,
+        plan: BucketPlan,
+        version: int,
+        kv: list[tuple[str, float]],
+        read_vote: Callable[[BaseException | None], BaseException | None],
+    ) -> int:
+        """The source: broadcast every bucket to the workers; returns the bytes sent."""
+        buffers = self._buffers
+        assert buffers is not None
+
+        def send() -> SendResult:
+            return send_buckets(
+                group,
+                plan,
+                buffers,
+                self.policy.iter_weights(),
+                version=version,
+                kv=kv,
+                verify=self.verify,
+                cancelled=self._abandoned.is_set,
+                before_vote=read_vote,
+            )
+
+        kwargs = {"version": version, "kv_names": [n for n, _ in kv], "verify": self.verify}
+        if self.overlap == "inplace":
+            sent, results = await self._both(
+                lambda: self._in_thread(send, self.sync_timeout_s),
+                lambda: self._rpc("aiosync_collective_receive", kwargs, self.sync_timeout_s),
+            )
+        else:
+            await self._rpc("aiosync_collective_stage", kwargs, self.rpc_timeout_s)
+            sent = await self._in_thread(send, self.sync_timeout_s)
+            results = await self._rpc(
+                "aiosync_collective_commit", {"version": version}, self.rpc_timeout_s
+            )
+        self._check_results(sent, results)
+        self.last_worker_results = results
+        return sent.nbytes
+
+    def _drop_engine_group(self) -> None:
+        group, self._group = self._group, None
+        self._drop(group)
+
+    def _drop_trainer_group(self) -> None:
+        trainers, self._trainers = self._trainers, None
+        self._drop(trainers)
+
+    def _drop(self, group: SyncGroup | None) -> None:
+        if group is None:
+            return
+        group.broken = True
+        if self._idle.is_set():
+            group.destroy()
+        # else: the abandoned thread destroys it when it returns.
 
     async def _attention_layers(self, kv_scales: KVScales | None) -> frozenset[int] | None:
         """Layers of the refit manifest that have attention (None: no scales to check).
@@ -441,17 +581,6 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             return attention_layers(self._plan.manifest())
         manifest = await anyio.to_thread.run_sync(self.policy.prepare_refit_info)
         return attention_layers(manifest)
-
-    def _follow(self, group: SyncGroup, plan: BucketPlan) -> None:
-        """Non-source trainer ranks: take part in the gathers, then in the vote."""
-        try:
-            for _ in group_by_bucket(self.policy.iter_weights(), plan):
-                pass
-        except SyncError as exc:
-            code = STATUS_MISMATCH if isinstance(exc, RefitMismatchError) else STATUS_ERROR
-            group.agree(code, str(exc))
-            raise
-        group.agree(STATUS_OK)
 
     def _check_results(self, sent: SendResult, results: list[Any]) -> None:
         if len(results) != self.inference_world_size:
@@ -473,6 +602,11 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
 
     def _formation_limit(self) -> float:
         return 2 * self.collective_timeout_s + self.rpc_timeout_s
+
+    def _trainer_timeout(self) -> float:
+        """Limit of the trainer ranks' votes, seconds: the other ranks wait in them while
+        the source forms the engine's group or finishes its whole sync."""
+        return max(self._formation_limit(), self.sync_timeout_s)
 
     async def _rpc(self, method: str, kwargs: dict[str, Any], timeout_s: float) -> list[Any]:
         with anyio.fail_after(timeout_s + 1.0):
@@ -502,7 +636,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
                 raise TransportError("a previous, timed-out sync is still unwinding")
         self._idle.clear()
         self._abandoned.clear()
-        group = self._group
+        groups = (self._group, self._trainers)
 
         def run() -> _T:
             result: Any = None
@@ -511,7 +645,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
                 return result
             finally:
                 if self._abandoned.is_set():
-                    for g in (group, result):
+                    for g in (*groups, result):
                         if isinstance(g, SyncGroup):
                             g.broken = True
                             g.destroy()
@@ -554,3 +688,52 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
                 ranked[0][1].add_note(f"meanwhile, on the {key} side: {other!r}")
             raise ranked[0][1]
         return results["local"], results["remote"]
+
+
+def _consume(weights: Iterable[tuple[str, torch.Tensor]], plan: BucketPlan) -> None:
+    """A non-source trainer rank's part: read (gather) every tensor, checked against
+    the plan, sending nothing."""
+    for _ in group_by_bucket(weights, plan):
+        pass
+
+
+def _vote_of(failure: BaseException | None) -> tuple[int, str]:
+    """A trainer rank's vote: its status code and what it says."""
+    if failure is None:
+        return STATUS_OK, ""
+    if isinstance(failure, RefitMismatchError):
+        return STATUS_MISMATCH, str(failure)
+    status = STATUS_TIMEOUT if isinstance(failure, TimeoutError) else STATUS_ERROR
+    return status, f"{type(failure).__name__}: {failure}"
+
+
+def _as_vote(failure: BaseException | None) -> Exception | None:
+    """What a rank votes for ``failure``: a cancellation is voted as an error."""
+    if failure is None or isinstance(failure, Exception):
+        return failure
+    return TransportError("sync cancelled on a trainer rank")
+
+
+class _ReadVote:
+    """One sync's first trainer vote (every rank's read of the source), taken once.
+
+    Called with this rank's own failure (or None); returns the failure this rank
+    must act on: its own, else the agreed error of a rank that failed. With a
+    single trainer rank it returns the own failure untouched.
+    """
+
+    def __init__(self, trainers: SyncGroup | None) -> None:
+        self.trainers = trainers
+        self.done = trainers is None
+        self._agreed: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, own: BaseException | None) -> BaseException | None:
+        with self._lock:
+            if not self.done and self.trainers is not None:
+                self.done = True
+                try:
+                    self.trainers.agree(*_vote_of(own))
+                except SyncError as exc:
+                    self._agreed = exc
+        return own if own is not None else self._agreed
