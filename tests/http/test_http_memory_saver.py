@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import anyio
+import anyio.from_thread
 import pytest
 
 from aiosync import SGLangHTTPBackend, SyncError, refit_if_stale
@@ -122,3 +124,44 @@ async def test_memory_saver_mismatch_with_the_server_is_refused_at_init(
         sync = HTTPWeightSynchronizer(make_trainer(seed=25), backend)
         with pytest.raises(SyncError, match="enable_memory_saver"):
             await sync.init_communicator()
+
+
+@pytest.mark.parametrize("at", [0, 7, 15])
+async def test_weights_released_mid_sync_fail_it_and_the_server_refuses_until_a_sync_lands(
+    server: Any, make_trainer: Any, state_equal: Any, prompts: list[list[int]], at: int
+) -> None:
+    """C14 on HTTP: the server's weights released while a sync streams (at the first
+    tensor, mid-way, or the last): the sync fails instead of committing, the version
+    stays, generation refuses, and the next sync heals."""
+    trainer = make_trainer(seed=60 + at)
+    async with SGLangHTTPBackend(server.url, enable_memory_saver=True) as backend:
+        sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
+        await sync.init_communicator()
+        await sync.mark_stale()
+        await sync.sync_weights()
+        names = list(trainer.prepare_refit_info())
+        trigger = names[min(at, len(names) - 1)]
+
+        def release(name: str) -> None:
+            if name == trigger:
+                trainer.on_tensor = None
+                # The transport reads the source in a worker thread.
+                anyio.from_thread.run(backend.finish_generation)
+
+        trainer.step(seed=80 + at)
+        await sync.mark_stale()
+        trainer.on_tensor = release
+        with pytest.raises(SyncError):
+            await sync.sync_weights()
+        assert (sync.policy_version, sync.weight_version, sync.is_stale) == (2, 1, True)
+        assert await backend.get_weight_version() == "1"
+        await backend.prepare_for_generation()
+        with pytest.raises(SyncError):
+            await backend.generate(prompts, max_new_tokens=2)
+
+        await refit_if_stale(sync, backend)
+        assert (sync.weight_version, sync.is_stale) == (2, False)
+        state_equal(server.state_dict(), trainer.expected())
+        assert await backend.generate(prompts, max_new_tokens=3) == trainer.reference_generate(
+            prompts, 3
+        )
