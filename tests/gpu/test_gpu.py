@@ -3,6 +3,11 @@ JAX arrays reach torch without a copy. Timing is printed by run.sh, never assert
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import gpu_checks
 import pytest
 import torch
@@ -81,3 +86,42 @@ def test_device_identity_is_the_gpu_uuid_and_a_worker_on_the_device_pairs_with_i
         assert f"(UUID: {identity})" in listing
     torch.cuda.set_device(0)
     assert WorkerIdentityMixin().aiosync_device_identity() == identity
+
+
+_EXPANDABLE_PROBE = """
+import torch
+import torch.multiprocessing as mp
+
+from aiosync.transports.ipc._shm import SharedBuffer, open_handle
+
+
+def child(handle, queue):
+    mapped = open_handle(handle)
+    queue.put(int(mapped.tensor.to(torch.int64).sum()))
+    mapped.close()
+
+
+if __name__ == "__main__":
+    buffer = SharedBuffer.create(1 << 20, "cuda:0")
+    buffer.tensor.copy_(torch.arange(1 << 20, device="cuda:0") % 251)
+    torch.cuda.synchronize()
+    queue = mp.get_context("spawn").Queue()
+    proc = mp.get_context("spawn").Process(target=child, args=(buffer.handle(), queue))
+    proc.start()
+    print(queue.get(timeout=120))
+    proc.join(60)
+    buffer.close()
+"""
+
+
+def test_shared_buffers_are_ipc_shareable_with_expandable_segments(tmp_path: Path) -> None:
+    # C20: the trainer runs with expandable segments on, as many do to fight fragmentation.
+    script = tmp_path / "probe.py"
+    script.write_text(_EXPANDABLE_PROBE)
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(out.stdout.strip().splitlines()[-1]) == sum(i % 251 for i in range(1 << 20))

@@ -28,6 +28,8 @@ import weakref
 
 import torch
 
+from .._cuda_ipc import ipc_shareable_allocations
+
 __all__ = ["SEGMENT_DIR", "FlatBuffer", "is_segment_path", "own_segments"]
 
 #: Where POSIX shared memory lives on Linux; the payload names a file here.
@@ -96,7 +98,9 @@ class FlatBuffer:
         if numel < 0:
             raise ValueError(f"numel must be >= 0, got {numel}")
         if device.type != "cpu":
-            return cls(torch.empty(numel, dtype=dtype, device=device), None)
+            # Sent as a CUDA-IPC handle: memory IPC can share (C20).
+            with ipc_shareable_allocations():
+                return cls(torch.empty(numel, dtype=dtype, device=device), None)
         if numel == 0:
             # A 0-byte mapping is an error: nothing to share, the payload says "empty".
             return cls(torch.empty(0, dtype=dtype), None)

@@ -15,6 +15,14 @@ same memory in the receiving process.
 * Nothing: a bucket of zero bytes (a manifest of zero-size tensors) travels as
   :data:`EMPTY_HANDLE`; no segment exists (a 0-byte ``mmap`` is an error) and
   the receiver gets an empty tensor.
+
+With ``expandable_segments:True`` (``PYTORCH_CUDA_ALLOC_CONF``/``PYTORCH_ALLOC_CONF``)
+torch's caching allocator maps memory with the CUDA virtual-memory API, whose
+blocks ``cudaIpcGetMemHandle`` cannot share (case C20). The staging buffers are
+therefore allocated with the setting switched off for that one allocation and
+restored right after (``transports/_cuda_ipc.py``), as verl and NeMo-RL
+do; where torch cannot switch it, the allocation fails with a
+:class:`~aiosync.errors.TransportError` naming the setting, before any byte moves.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from typing import Any
 import torch
 
 from aiosync.errors import TransportError
+
+from .._cuda_ipc import allocator_settings, ipc_shareable_allocations
 
 __all__ = ["EMPTY_HANDLE", "MappedBuffer", "SharedBuffer", "open_handle"]
 
@@ -102,18 +112,26 @@ class SharedBuffer:
 
     @classmethod
     def _create_cuda(cls, nbytes: int, device: torch.device) -> SharedBuffer:
-        tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        with ipc_shareable_allocations():
+            tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
         storage = tensor.untyped_storage()
-        (
-            _device_index,
-            handle,
-            size_bytes,
-            offset_bytes,
-            ref_counter_handle,
-            ref_counter_offset,
-            event_handle,
-            event_sync_required,
-        ) = storage._share_cuda_()
+        try:
+            (
+                _device_index,
+                handle,
+                size_bytes,
+                offset_bytes,
+                ref_counter_handle,
+                ref_counter_offset,
+                event_handle,
+                event_sync_required,
+            ) = storage._share_cuda_()
+        except RuntimeError as exc:
+            raise TransportError(
+                f"CUDA IPC cannot share a {nbytes}-byte staging buffer on {device} "
+                f"(allocator settings: {allocator_settings()!r}; expandable_segments "
+                f"memory is not shareable): {exc}"
+            ) from exc
         uuid = str(torch.cuda.get_device_properties(tensor.device).uuid)
         fields = {
             "kind": "cuda",
