@@ -71,8 +71,9 @@ import httpx
 
 from aiosync._config import DEFAULT_RPC_TIMEOUT_S
 from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
+from aiosync.interfaces import IN_FLIGHT_POLICIES, InFlightPolicy
 from aiosync.lora import LoRAAdapter
-from aiosync.transports._leftovers import SHM_DIR
+from aiosync.transports._leftovers import SHM_DIR, dir_prefix
 
 if TYPE_CHECKING:
     import torch
@@ -99,6 +100,9 @@ DEFAULT_FLUSH_TIMEOUT_S: float = 60.0
 FLUSH_BACKOFF_INITIAL_S: float = 0.05
 #: Longest wait between ``/flush_cache`` attempts, seconds.
 FLUSH_BACKOFF_MAX_S: float = 2.0
+#: How often :meth:`SGLangHTTPBackend.pause_generation` polls ``/get_load`` while
+#: waiting for running requests (``"wait"``), seconds.
+WAIT_POLL_S: float = 0.05
 #: Limit for one ``/generate`` call, seconds (rollouts are long).
 DEFAULT_GENERATE_TIMEOUT_S: float = 600.0
 # Connecting to a local server never legitimately takes long.
@@ -126,6 +130,14 @@ class SGLangGeneration:
         update set), None if it reports none."""
         version = self.meta_info.get("weight_version")
         return None if version is None else str(version)
+
+    @property
+    def aborted(self) -> bool:
+        """The server ended the request early (``finish_reason.type == "abort"``: a
+        pause in ``"abort"`` mode, an ``abort_all_requests``); ``output_ids`` are
+        the tokens it had by then."""
+        reason = self.meta_info.get("finish_reason")
+        return isinstance(reason, dict) and reason.get("type") == "abort"
 
 
 class SGLangHTTPBackend:
@@ -417,6 +429,73 @@ class SGLangHTTPBackend:
             out.append(SGLangGeneration([int(i) for i in ids], meta_info))
         return out
 
+    # -- the in-flight policy -------------------------------------------------------
+
+    async def pause_generation(self, mode: InFlightPolicy, clear_cache: bool = True) -> None:
+        """Pause the server's generation (SGLang's ``/pause_generation``) per ``mode``.
+
+        From the call on the server admits no new request (they wait until
+        :meth:`resume_generation`); the running ones:
+
+        * ``"abort"``: ``{"mode": "abort"}``: ended now, answered with the tokens
+          they have and ``finish_reason`` ``abort`` (:attr:`SGLangGeneration.aborted`).
+        * ``"wait"``: SGLang has no such mode: poll ``/get_load`` until no request
+          runs (every ``WAIT_POLL_S`` seconds), then ``{"mode": "in_place"}`` with
+          nothing left to freeze; a request admitted between the two is let
+          finish (``/continue_generation``) and the wait starts over.
+        * ``"keep"``: ``{"mode": "retract"}`` with ``clear_cache`` (the default, and
+          what a refit passes): the requests go back to the waiting queue, their
+          KV cache dropped, so that the refit's ``/flush_cache`` may run (SGLang
+          refuses it while requests sit in the running batch); after
+          :meth:`resume_generation` the server recomputes their prompt and tokens
+          so far with the new weights and continues. ``clear_cache=False``:
+          ``{"mode": "in_place"}``, the KV cache of the old weights kept (as
+          vLLM's ``keep``); ``/flush_cache`` then fails until they finish.
+
+        ``clear_cache`` sends no request of its own: the refit flushes the radix
+        cache once the new weights loaded (``/flush_cache``, which SGLang runs only
+        with no request in the running batch: hence ``retract`` for ``keep``).
+
+        Raises:
+            ValueError: an unknown ``mode`` (before any request).
+            TransportError, SyncTimeoutError: the server failed or did not answer
+                (``"wait"``: no time limit of its own; bound it with a cancel scope,
+                as the synchronizer does).
+        """
+        if mode not in IN_FLIGHT_POLICIES:
+            raise ValueError(f"mode must be one of {IN_FLIGHT_POLICIES}, got {mode!r}")
+        if mode == "abort":
+            await self._post("/pause_generation", {"mode": "abort"})
+        elif mode == "keep":
+            sglang_mode = "retract" if clear_cache else "in_place"
+            await self._post("/pause_generation", {"mode": sglang_mode})
+        else:
+            while True:
+                while await self._requests_in_flight():
+                    await anyio.sleep(WAIT_POLL_S)
+                await self._post("/pause_generation", {"mode": "in_place"})
+                if not await self._requests_in_flight():
+                    break
+                await self._post("/continue_generation", {})
+
+    async def resume_generation(self) -> None:
+        """``/continue_generation``: admit requests again, let paused ones continue.
+        Idempotent.
+
+        Raises:
+            TransportError, SyncTimeoutError: the server failed or did not answer.
+        """
+        await self._post("/continue_generation", {})
+
+    async def _requests_in_flight(self) -> int:
+        """Requests the server holds (running or waiting), from ``/get_load``."""
+        load = await self._request("GET", "/get_load")
+        ranks = load if isinstance(load, list) else [load]
+        try:
+            return sum(int(rank["num_reqs"]) for rank in ranks)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TransportError(f"/get_load answered {str(load)[:200]}") from exc
+
     # -- the calls a refit makes ----------------------------------------------------
 
     async def server_info(self) -> dict[str, Any]:
@@ -634,7 +713,7 @@ class SGLangHTTPBackend:
             # refuses a name it holds. Unknown to the server is fine too.
             await self._unload_lora(name, quiet=True)
         directory = tempfile.mkdtemp(
-            prefix=f"aiosync-lora-{os.getpid()}-", dir=SHM_DIR if os.path.isdir(SHM_DIR) else None
+            prefix=dir_prefix("lora"), dir=SHM_DIR if os.path.isdir(SHM_DIR) else None
         )
         try:
             await anyio.to_thread.run_sync(adapter.save, directory)

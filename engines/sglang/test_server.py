@@ -6,7 +6,11 @@ Run it as ``python -m aiosync.engines.sglang.test_server --port 0 --port-file F
 (``entrypoints/http_server.py``):
 
 ``/health``, ``/get_model_info``, ``/get_server_info``, ``/get_weight_version``,
-``/generate``, ``/update_weights_from_tensor`` (``load_format="flattened_bucket"``,
+``/generate`` (token by token, so a pause lands between two tokens),
+``/pause_generation`` (``{"mode": "abort"|"in_place"|"retract"}``, SGLang's
+``PauseGenerationReqInput``) and ``/continue_generation``, ``/get_load``
+(``[{"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}]``),
+``/update_weights_from_tensor`` (``load_format="flattened_bucket"``,
 one entry per ``--tp-size`` rank: rank ``r`` decodes and loads entry ``r`` into its
 own copy of the model), ``/update_weight_version`` (the label only),
 ``/flush_cache`` (400 while a ``/generate`` runs),
@@ -111,6 +115,113 @@ class _Fault:
     remaining: int | None  # None: forever
 
 
+_PAUSE_MODES = ("abort", "in_place", "retract")
+
+
+@dataclass
+class _Ticket:
+    """One ``/generate`` request at the :class:`_Scheduler`."""
+
+    aborted: bool = False
+    retracted: bool = False
+    in_step: bool = False
+    tokens: int = 0
+
+
+class _Scheduler:
+    """SGLang's pause contract (``PauseGenerationReqInput``) at decode-step granularity.
+
+    While paused, new requests wait before admission (SGLang's ``is_pause_cond``)
+    and the admitted ones, per mode: ``"abort"`` ends them before their next
+    token (``finish_reason`` ``abort``), the pause returning once all ended;
+    ``"in_place"`` freezes them between two tokens with their KV cache (they stay
+    in the running batch: ``/flush_cache`` refuses); ``"retract"`` moves them
+    back to the waiting queue, their KV cache dropped (``/flush_cache`` may run),
+    recomputed from prompt and tokens so far after ``/continue_generation``.
+    """
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.mode: str | None = None
+        self.epoch = 0
+        self.tickets: list[_Ticket] = []
+
+    def admit(self) -> _Ticket:
+        with self.cond:
+            while self.mode is not None:
+                self.cond.wait()
+            ticket = _Ticket()
+            self.tickets.append(ticket)
+            return ticket
+
+    def readmit(self, ticket: _Ticket) -> None:
+        """A retracted request waits in the queue until generation continues."""
+        with self.cond:
+            while self.mode is not None and not ticket.aborted:
+                self.cond.wait()
+            ticket.retracted = False
+
+    def finish(self, ticket: _Ticket) -> None:
+        with self.cond:
+            self.tickets.remove(ticket)
+            self.cond.notify_all()
+
+    def step(self, ticket: _Ticket) -> bool:
+        """Before each token: False ends this decode (aborted, or retracted)."""
+        with self.cond:
+            if ticket.in_step:
+                ticket.in_step = False
+                ticket.tokens += 1
+                self.cond.notify_all()
+            while not ticket.aborted and self.mode == "in_place":
+                self.cond.wait()
+            if self.mode == "retract" and not ticket.aborted:
+                ticket.retracted = True
+                self.cond.notify_all()
+            if ticket.aborted or ticket.retracted:
+                return False
+            ticket.in_step = True
+            return True
+
+    def pause(self, mode: str) -> None:
+        with self.cond:
+            self.mode = mode
+            self.epoch += 1
+            epoch = self.epoch
+            if mode == "abort":
+                for ticket in self.tickets:
+                    ticket.aborted = True
+            self.cond.notify_all()
+
+            def settled() -> bool:
+                if mode == "abort":
+                    return not self.tickets
+                if mode == "in_place":
+                    return not any(t.in_step for t in self.tickets)
+                return all(t.retracted for t in self.tickets)
+
+            while not settled() and self.epoch == epoch:
+                self.cond.wait()
+
+    def resume(self) -> None:
+        with self.cond:
+            self.mode = None
+            self.epoch += 1
+            self.cond.notify_all()
+
+    def abort_all(self) -> None:
+        with self.cond:
+            for ticket in self.tickets:
+                ticket.aborted = True
+            self.cond.notify_all()
+
+    def load(self) -> tuple[int, int, int]:
+        """``(requests in the running batch, retracted ones waiting, tokens generated)``."""
+        with self.cond:
+            waiting = sum(t.retracted for t in self.tickets)
+            return len(self.tickets) - waiting, waiting, sum(t.tokens for t in self.tickets)
+
+
 @dataclass
 class ServerState:
     """Everything the handlers share; guarded by ``lock`` (the model by ``model_lock``)."""
@@ -128,7 +239,8 @@ class ServerState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     model_lock: threading.Lock = field(default_factory=threading.Lock)
     released: set[str] = field(default_factory=set)
-    running: int = 0
+    #: The ``/generate`` requests admitted, and the pause in force.
+    scheduler: _Scheduler = field(default_factory=_Scheduler)
     #: Loaded LoRA adapters, ``{lora_name: (lora_id, lora_path)}``, in load order;
     #: each TP rank's model holds the adapter under ``lora_id``.
     lora_adapters: dict[str, tuple[str, str]] = field(default_factory=dict)
@@ -147,6 +259,12 @@ class ServerState:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         while len(self.other_ranks) < self.tp_size - 1:
             self.other_ranks.append(HFModelRunner(copy.deepcopy(self.runner.model)))
+
+    @property
+    def running(self) -> int:
+        """Requests in the running batch (frozen in place ones included; retracted
+        ones wait in the queue and hold no KV cache)."""
+        return self.scheduler.load()[0]
 
     @property
     def ranks(self) -> list[HFModelRunner]:
@@ -302,6 +420,21 @@ class _Handler(BaseHTTPRequestHandler):
             return {"weight_version": state.weight_version}
         if path == "/generate" and method == "POST":
             return self._generate(_object(data))
+        if path == "/pause_generation" and method == "POST":
+            return self._pause_generation(data)
+        if path == "/continue_generation" and method == "POST":
+            state.scheduler.resume()
+            return {"message": "Generation continued successfully.", "status": "ok"}
+        if path == "/get_load" and method == "GET":
+            running, waiting, tokens = state.scheduler.load()
+            return [
+                {
+                    "dp_rank": 0,
+                    "num_reqs": running + waiting,
+                    "num_waiting_reqs": waiting,
+                    "num_tokens": tokens,
+                }
+            ]
         if path == "/update_weights_from_tensor" and method == "POST":
             return self._update_weights_from_tensor(_object(data))
         if path == "/update_weight_version" and method == "POST":
@@ -334,6 +467,7 @@ class _Handler(BaseHTTPRequestHandler):
         params = data.get("sampling_params") or {}
         max_new = int(params.get("max_new_tokens", 128))
         temperature = float(params.get("temperature", 1.0))
+        ignore_eos = bool(params.get("ignore_eos", False))
         names = _lora_names(data.get("lora_path"), len(prompts))
         with state.lock:
             if state.released:
@@ -346,44 +480,96 @@ class _Handler(BaseHTTPRequestHandler):
                     f"Loaded adapters: {set(state.lora_adapters)}."
                 )
             lora_ids = [None if n is None else state.lora_adapters[n][0] for n in names]
-            state.running += 1
-        try:
-            results = []
-            for prompt, lora_id in zip(prompts, lora_ids, strict=True):
-                key = (tuple(prompt), max_new, lora_id)
-                with state.lock:
-                    cached = state.cache.get(key) if temperature == 0 else None
-                if cached is None:
-                    with state.model_lock:
-                        out = state.runner.generate(
-                            [prompt],
-                            max_new_tokens=max_new,
-                            temperature=temperature,
-                            lora_adapter=lora_id,
-                        )[0]
-                    if temperature == 0:
-                        with state.lock:
-                            state.cache[key] = out
-                else:
-                    out = cached
-                results.append(
-                    {
-                        "text": "",
-                        "output_ids": out,
-                        "meta_info": {
-                            "id": uuid.uuid4().hex,
-                            "finish_reason": {"type": "length", "length": max_new},
-                            "prompt_tokens": len(prompt),
-                            "completion_tokens": len(out),
-                            "cached_tokens": len(prompt) if cached is not None else 0,
-                            "weight_version": state.weight_version,
-                        },
-                    }
-                )
-        finally:
+        results = []
+        for prompt, lora_id in zip(prompts, lora_ids, strict=True):
+            key = (tuple(prompt), max_new, lora_id)
             with state.lock:
-                state.running -= 1
+                cached = state.cache.get(key) if temperature == 0 else None
+            aborted = False
+            versions: list[str | None] = []
+            if cached is None:
+                out, aborted, versions = self._decode(
+                    prompt, max_new, temperature, ignore_eos, lora_id
+                )
+                if temperature == 0 and not aborted and len(set(versions)) == 1:
+                    with state.lock:
+                        state.cache[key] = out
+            else:
+                out = cached
+            finish: dict[str, Any] = {"type": "length", "length": max_new}
+            if aborted:
+                finish = {"type": "abort", "message": "Abort in waiting queue"}
+            results.append(
+                {
+                    "text": "",
+                    "output_ids": out,
+                    "meta_info": {
+                        "id": uuid.uuid4().hex,
+                        "finish_reason": finish,
+                        "prompt_tokens": len(prompt),
+                        "completion_tokens": len(out),
+                        "cached_tokens": len(prompt) if cached is not None else 0,
+                        "weight_version": state.weight_version,
+                        # Test-server only: the weight version label each token was
+                        # computed under (SGLang reports only the answer's).
+                        "aiosync_token_versions": versions,
+                    },
+                }
+            )
         return results[0] if single else results
+
+    def _decode(
+        self,
+        prompt: list[int],
+        max_new: int,
+        temperature: float,
+        ignore_eos: bool,
+        lora_id: str | None,
+    ) -> tuple[list[int], bool, list[str | None]]:
+        """One request, token by token, at the scheduler: ``(ids, aborted, versions)``."""
+        state = self.server.state
+        ticket = state.scheduler.admit()
+        out: list[int] = []
+        versions: list[str | None] = []
+
+        def before_forward() -> str | None:
+            with state.lock:
+                versions.append(state.weight_version)
+            return lora_id
+
+        def gate(_step: int) -> bool:
+            return state.scheduler.step(ticket)
+
+        try:
+            while True:
+                result = state.runner.decode(
+                    prompt + out,
+                    max_new_tokens=max_new - len(out),
+                    temperature=temperature,
+                    ignore_eos=ignore_eos,
+                    before_forward=before_forward,
+                    gate=gate,
+                )
+                out += result.token_ids
+                ended = bool(out) and not ignore_eos and out[-1] in state.runner.eos_ids()
+                if not result.aborted or ticket.aborted or ended or len(out) >= max_new:
+                    return out, ticket.aborted, versions
+                # Retracted: back in the queue, KV cache dropped; recomputed from the
+                # prompt and the tokens so far once generation continues.
+                state.scheduler.readmit(ticket)
+                if ticket.aborted:
+                    return out, True, versions
+        finally:
+            state.scheduler.finish(ticket)
+
+    def _pause_generation(self, data: Any) -> Any:
+        """SGLang's ``PauseGenerationReqInput``: ``mode`` ``"abort"`` (default),
+        ``"in_place"`` or ``"retract"`` (see :class:`_Scheduler`)."""
+        mode = (data or {}).get("mode", "abort") if isinstance(data, dict) else "abort"
+        if mode not in _PAUSE_MODES:
+            raise _error(f"Invalid mode: {mode!r}. Expected one of {list(_PAUSE_MODES)}.")
+        self.server.state.scheduler.pause(mode)
+        return {"message": "Generation paused successfully.", "status": "ok"}
 
     def _update_weights_from_tensor(self, data: dict[str, Any]) -> Any:
         state = self.server.state
@@ -438,15 +624,16 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _update_weight_version(self, data: dict[str, Any]) -> Any:
         """SGLang's ``UpdateWeightVersionReqInput``: ``new_version`` (str), ``abort_all_requests``
-        (default True). Only the label changes, never the weights. Requests here run to
-        completion inside their handler, so there is nothing in flight to abort between
-        them: ``abort_all_requests`` is accepted and changes nothing."""
+        (default True). Only the label changes, never the weights; ``abort_all_requests``
+        ends the running requests before their next token (``finish_reason`` abort)."""
         version = data.get("new_version")
         if not isinstance(version, str):
             raise _error(f"new_version must be a string, got {version!r}")
         abort = data.get("abort_all_requests", True)
         if not isinstance(abort, bool):
             raise _error(f"abort_all_requests must be a bool, got {abort!r}")
+        if abort:
+            self.server.state.scheduler.abort_all()
         with self.server.state.lock:
             self.server.state.weight_version = version
         return {

@@ -127,10 +127,15 @@ async def test_every_bucket_is_one_request_with_one_entry_per_rank(
     # No bucket carries the version: SGLang would report it before the flush.
     assert all("weight_version" not in e for e in updates)
     log = server.log()
-    # The version is set once every bucket landed and the cache was flushed.
-    assert [e["path"] for e in log[-2:]] == ["/flush_cache", "/update_weight_version"]
-    assert log[-1]["new_version"] == "5" and log[-1]["abort_all_requests"] is False
-    assert log[-1]["status"] == 200
+    # The version is set once every bucket landed and the cache was flushed; then
+    # the sync resumes the generation it paused (the in-flight policy).
+    assert [e["path"] for e in log[-3:]] == [
+        "/flush_cache",
+        "/update_weight_version",
+        "/continue_generation",
+    ]
+    assert log[-2]["new_version"] == "5" and log[-2]["abort_all_requests"] is False
+    assert log[-2]["status"] == 200
     assert trainer.events == ["offload_before", "stream", "offload_after"]
 
 

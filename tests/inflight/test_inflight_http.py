@@ -1,0 +1,200 @@
+"""Case C13 on the HTTP transport into the SGLang test server: a ``/generate`` in flight
+while a refit runs, for each in-flight policy (SGLang's ``/pause_generation`` modes).
+
+Each test syncs OLD, starts a LONG greedy ``/generate``, waits until the server
+reports tokens generated (``/get_load``), then syncs NEW, and checks the exact
+tokens and the per-token version labels against transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+import pytest_asyncio
+from transformers import PreTrainedModel
+
+from aiosync.engines.sglang import SGLangGeneration, SGLangHTTPBackend
+from aiosync.engines.sglang.test_server import serve_in_subprocess
+from aiosync.events import VersionEventKind
+from aiosync.transports.http import HTTPWeightSynchronizer
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def env(h: SimpleNamespace) -> AsyncIterator[SimpleNamespace]:
+    trainer = h.build_model(h.OLD_SEED)
+    source = h.FaultySource(trainer)
+    async with (
+        serve_in_subprocess(h.CONFIG, seed=h.ENGINE_SEED) as url,
+        SGLangHTTPBackend(url) as backend,
+        HTTPWeightSynchronizer(source, backend) as sync,
+        httpx.AsyncClient(base_url=url) as admin,
+    ):
+        await sync.init_communicator()
+        yield SimpleNamespace(
+            backend=backend, sync=sync, trainer=trainer, source=source, admin=admin
+        )
+
+
+async def _sync_old(env: SimpleNamespace, h: SimpleNamespace, old: PreTrainedModel) -> int:
+    env.source.fail_before = None
+    h.load_into(env.trainer, old)
+    version = await env.sync.mark_stale()
+    await env.sync.sync_weights()
+    return version
+
+
+async def _mid_request(admin: httpx.AsyncClient, at_least: int = 30) -> None:
+    with anyio.fail_after(120):
+        while True:
+            (load,) = (await admin.get("/get_load")).json()
+            if load["num_reqs"] == 1 and load["num_tokens"] >= at_least:
+                return
+            await anyio.sleep(0.005)
+
+
+async def _run_during_request(
+    env: SimpleNamespace, h: SimpleNamespace, call: Any
+) -> tuple[SGLangGeneration, list[str], Any]:
+    """A LONG ``/generate`` with ``call()`` once it is mid-way: the result, its
+    per-token version labels, and ``call()``'s."""
+    results: list[SGLangGeneration] = []
+
+    async def request() -> None:
+        results.extend(
+            await env.backend.generate_with_meta(
+                [h.PROMPT], max_new_tokens=h.LONG, sampling_params={"ignore_eos": True}
+            )
+        )
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(request)
+        await _mid_request(env.admin)
+        outcome = await call()
+    (result,) = results
+    return result, list(result.meta_info["aiosync_token_versions"]), outcome
+
+
+async def test_wait_finishes_the_request_on_old_weights_before_the_refit(
+    env: SimpleNamespace,
+    h: SimpleNamespace,
+    old_model: PreTrainedModel,
+    new_model: PreTrainedModel,
+    old_tokens: list[int],
+) -> None:
+    old = await _sync_old(env, h, old_model)
+    h.load_into(env.trainer, new_model)
+    new = await env.sync.mark_stale()
+    async with env.sync.subscribe() as events:
+        result, versions, _ = await _run_during_request(
+            env, h, lambda: env.sync.sync_weights(in_flight="wait")
+        )
+        with anyio.fail_after(10):
+            started, committed = [await anext(events) for _ in range(2)]
+    assert (started.kind, started.version) == (VersionEventKind.SYNC_STARTED, new)
+    assert (committed.kind, committed.version) == (VersionEventKind.COMMITTED, new)
+    assert 0.0 < committed.pause_s <= committed.duration_s
+    assert result.output_ids == old_tokens
+    assert (result.aborted, versions) == (False, [str(old)] * h.LONG)
+    assert await env.backend.generate([h.PROMPT], max_new_tokens=12) == [
+        h.hf_greedy(new_model, h.PROMPT, 12)
+    ]
+
+
+async def test_abort_ends_the_request_with_a_prefix_of_old_output(
+    env: SimpleNamespace,
+    h: SimpleNamespace,
+    old_model: PreTrainedModel,
+    new_model: PreTrainedModel,
+    old_tokens: list[int],
+) -> None:
+    old = await _sync_old(env, h, old_model)
+    h.load_into(env.trainer, new_model)
+    new = await env.sync.mark_stale()
+    result, versions, _ = await _run_during_request(
+        env, h, lambda: env.sync.sync_weights(in_flight="abort")
+    )
+    k = len(result.output_ids)
+    assert result.aborted is True
+    assert result.meta_info["finish_reason"]["type"] == "abort"
+    assert 30 <= k < h.LONG
+    assert result.output_ids == old_tokens[:k]
+    assert versions == [str(old)] * k
+    assert env.sync.weight_version == new
+    (after,) = await env.backend.generate_with_meta([h.PROMPT], max_new_tokens=12)
+    assert (after.output_ids, after.aborted, after.weight_version) == (
+        h.hf_greedy(new_model, h.PROMPT, 12),
+        False,
+        str(new),
+    )
+
+
+async def test_keep_retracts_the_request_and_continues_it_on_new_weights(
+    env: SimpleNamespace,
+    h: SimpleNamespace,
+    old_model: PreTrainedModel,
+    new_model: PreTrainedModel,
+    old_tokens: list[int],
+) -> None:
+    old = await _sync_old(env, h, old_model)
+    h.load_into(env.trainer, new_model)
+    new = await env.sync.mark_stale()
+    result, versions, _ = await _run_during_request(
+        env, h, lambda: env.sync.sync_weights(in_flight="keep")
+    )
+    k = versions.index(str(new))
+    assert 30 <= k < h.LONG
+    assert result.aborted is False
+    assert versions == [str(old)] * k + [str(new)] * (h.LONG - k)
+    assert result.output_ids[:k] == old_tokens[:k]
+    # Retracted (SGLang's mode for keep with clear_cache): the new weights recompute
+    # the prompt and the k tokens kept, then continue greedily.
+    rest = h.hf_greedy(new_model, h.PROMPT + old_tokens[:k], h.LONG - k)
+    assert result.output_ids[k:] == rest
+    assert rest != old_tokens[k:]
+    paths = [e["path"] for e in (await env.admin.get("/_aiosync/log")).json()]
+    last_pause = len(paths) - 1 - paths[::-1].index("/pause_generation")
+    sync_paths = paths[last_pause:]
+    # Retracted, the request holds no KV cache: the refit's flush is not refused.
+    assert sync_paths[:2] == ["/pause_generation", "/update_weights_from_tensor"]
+    assert "/flush_cache" in sync_paths
+    # The retracted request was answered after the refit continued generation.
+    assert sync_paths[-2:] == ["/continue_generation", "/generate"]
+    assert "/update_weights_from_tensor" in sync_paths
+
+
+async def test_a_failed_refit_resumes_generation(
+    env: SimpleNamespace,
+    h: SimpleNamespace,
+    old_model: PreTrainedModel,
+    new_model: PreTrainedModel,
+    old_tokens: list[int],
+) -> None:
+    old = await _sync_old(env, h, old_model)
+    h.load_into(env.trainer, new_model)
+    await env.sync.mark_stale()
+    env.source.fail_before = RuntimeError("trainer offload failed")
+
+    async def failing_sync() -> None:
+        with pytest.raises(RuntimeError, match="trainer offload failed"):
+            await env.sync.sync_weights(in_flight="wait")
+
+    async with env.sync.subscribe() as events:
+        result, versions, _ = await _run_during_request(env, h, failing_sync)
+        with anyio.fail_after(10):
+            failed = [await anext(events) for _ in range(2)][-1]
+    assert result.output_ids == old_tokens
+    assert (result.aborted, versions) == (False, [str(old)] * h.LONG)
+    assert failed.kind == VersionEventKind.FAILED and failed.pause_s > 0.0
+    assert (env.sync.weight_version, env.sync.is_stale) == (old, True)
+    paths = [e["path"] for e in (await env.admin.get("/_aiosync/log")).json()]
+    assert paths[-1] == "/continue_generation"
+    # Resumed: a new request is admitted and answered by OLD (nothing moved).
+    with anyio.fail_after(60):
+        assert await env.backend.generate([h.PROMPT], max_new_tokens=9) == [old_tokens[:9]]
