@@ -106,6 +106,8 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             first bucket loads.
         sync_timeout_s: limit for a whole ``sync_weights`` call, seconds.
         event_backlog: default backlog of :meth:`subscribe`, in events.
+        in_flight: what requests running on the engine do during a sync
+            (``"wait"``, ``"abort"``, ``"keep"``; see :class:`~aiosync.WeightSynchronizer`).
 
     Raises:
         TypeError: ``generation`` (or one of its engines) does not satisfy
@@ -124,12 +126,17 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         abort_all_requests: bool = False,
         sync_timeout_s: float = DEFAULT_SYNC_TIMEOUT_S,
         event_backlog: int = DEFAULT_EVENT_BACKLOG,
+        in_flight: InFlightPolicy = "wait",
     ) -> None:
         servers = _servers_of(generation)
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
         super().__init__(
-            policy, generation, sync_timeout_s=sync_timeout_s, event_backlog=event_backlog
+            policy,
+            generation,
+            sync_timeout_s=sync_timeout_s,
+            event_backlog=event_backlog,
+            in_flight=in_flight,
         )
         #: The SGLang servers refit, in the fleet's order (one for a single server).
         self.servers: tuple[SGLangServer, ...] = servers

@@ -80,6 +80,8 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
             None on the trainer ranks other than 0 of a sharded trainer.
         sync_timeout_s: limit for a whole ``sync_weights`` call, seconds.
         event_backlog: default backlog of :meth:`subscribe`, in events.
+        in_flight: what requests running on the engine do during a sync
+            (``"wait"``, ``"abort"``, ``"keep"``; see :class:`~aiosync.WeightSynchronizer`).
         process_group: a sharded trainer's ``torch.distributed`` group (gloo, whose
             timeout bounds the agreement). Every rank runs a synchronizer and
             makes the same calls, since the source's gathers are collectives; only
@@ -102,6 +104,7 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
         *,
         sync_timeout_s: float = DEFAULT_SYNC_TIMEOUT_S,
         event_backlog: int = DEFAULT_EVENT_BACKLOG,
+        in_flight: InFlightPolicy = "wait",
         process_group: Any = None,
     ) -> None:
         if not callable(getattr(policy, "lora_adapter_config", None)):
@@ -117,7 +120,11 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
                 raise ValueError("generation is None on the trainer rank that drives the engine")
             engines = _engines_of(generation)
         super().__init__(
-            policy, generation, sync_timeout_s=sync_timeout_s, event_backlog=event_backlog
+            policy,
+            generation,
+            sync_timeout_s=sync_timeout_s,
+            event_backlog=event_backlog,
+            in_flight=in_flight,
         )
         self.policy: LoRAAdapterSource = policy
         #: The engines loaded, in fleet order (empty on the non-driving ranks).
