@@ -763,22 +763,23 @@ class SGLangHTTPBackend:
             max_rank: the adapter's largest rank ``r``.
 
         Raises:
-            SyncError: ``/get_server_info`` says the server runs without ``--enable-lora``.
-            RefitMismatchError: ``max_rank`` exceeds its ``--max-lora-rank``, or a target
-                module is outside its ``--lora-target-modules`` (SGLang's names:
+            ValueError: ``/get_server_info`` says the server runs without
+                ``--enable-lora``, or ``max_rank`` exceeds its ``--max-lora-rank`` (the
+                engine's configuration, as vLLM's ``enable_lora``/``max_lora_rank``).
+            RefitMismatchError: a target module is outside its ``--lora-target-modules`` (SGLang's names:
                 ``q/k/v_proj`` count as ``qkv_proj``, ``gate/up_proj`` as ``gate_up_proj``).
             TransportError, SyncTimeoutError: ``/get_server_info`` failed.
         """
         info = await self.server_info()
         if "enable_lora" in info and not info["enable_lora"] and not info.get("lora_paths"):
-            raise SyncError(
+            raise ValueError(
                 f"the SGLang server {self.base_url} runs without --enable-lora: it cannot load "
                 "LoRA adapters (start it with --enable-lora --max-lora-rank R "
                 "--lora-target-modules ...)"
             )
         limit = info.get("max_lora_rank")
         if isinstance(limit, int) and max_rank > limit:
-            raise RefitMismatchError(
+            raise ValueError(
                 f"the adapter's rank {max_rank} exceeds the SGLang server's --max-lora-rank {limit}"
             )
         allowed = info.get("lora_target_modules")

@@ -259,7 +259,7 @@ async def test_init_checks_the_servers_lora_settings_and_shapes_before_any_load(
         LoRAAdapterSynchronizer(too_wide.source, backend) as sync,
     ):
         too_high = r"rank 16 exceeds the SGLang server's --max-lora-rank 8"
-        with pytest.raises(RefitMismatchError, match=too_high):
+        with pytest.raises(ValueError, match=too_high):
             await sync.init_communicator()
     narrow = LoRATrainer(config={**CONFIG, "intermediate_size": 96})
     async with (
@@ -275,7 +275,7 @@ async def test_init_checks_the_servers_lora_settings_and_shapes_before_any_load(
             SGLangHTTPBackend(plain.url) as backend,
             LoRAAdapterSynchronizer(LoRATrainer().source, backend) as sync,
         ):
-            with pytest.raises(SyncError, match="runs without --enable-lora"):
+            with pytest.raises(ValueError, match="runs without --enable-lora"):
                 await sync.init_communicator()
         answer = plain.admin.post(
             "/load_lora_adapter", json={"lora_name": "a", "lora_path": "/nonexistent"}

@@ -154,9 +154,11 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
             RefitMismatchError: the manifest is not a LoRA adapter in PEFT's saved
                 layout, disagrees with its config, or targets a layer the engine's
                 model lacks or has with other shapes (names the first offender).
-            SyncError, TransportError, SyncTimeoutError: an engine refuses the
-                adapter's settings or cannot be asked (e.g. SGLang without
-                ``--enable-lora``). With several engines the message names the engine.
+            ValueError: an engine is not configured for this adapter (vLLM without
+                ``enable_lora`` or with ``max_lora_rank`` below its rank; SGLang without
+                ``--enable-lora`` or with ``--max-lora-rank`` below it).
+            TransportError, SyncTimeoutError: an engine cannot be asked. With several
+                engines the message names the engine.
             On a sharded trainer every rank raises the same error.
         """
         self._check_open()
