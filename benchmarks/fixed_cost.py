@@ -2,30 +2,51 @@
 
 With so few bytes, the copy is nothing and what is left is the protocol: the
 time a sync costs whatever the model. Measured in the same run, interleaved
-(one of each per iteration, so a change of load hits both alike):
+(one of each per iteration, so a change of load hits all alike):
 
 * ``sync``: ``IPCWeightSynchronizer.sync_weights()`` of one bf16 tensor of
   4 KiB (2,048 elements) into a one-worker :class:`~aiosync.EmbeddedEngine`
   (the weights-only ``FlatModel`` of ``benchmarks/ipc.py``), after a warm-up
   sync; ``mark_stale()`` before each, outside the timing.
+* ``sync_awake``: the same through :class:`AwakeReportingEngine`, the engine
+  with the optional ``asleep_tags`` attribute (kept locally: what the engine
+  says it put to sleep); the synchronizer then skips the two wake RPCs of an
+  awake engine. It stands for the one-line engine change that gives every
+  embedded engine that attribute.
 * ``rpc`` (baseline): one ``engine.collective_rpc("embedded_status")`` round
-  trip, the floor of any engine RPC (msgpack over the engine's ZMQ socket).
+  trip, the floor of any engine RPC (msgpack over the engine's ZMQ socket,
+  one hop to a worker thread and back).
 
 Median and p90 of ``--syncs`` samples each (50; ``--quick``: 10), in ms, and
-the ratio sync / rpc (medians).
+the ratios to rpc (medians).
 
-Process round trips per sync, read from the code (``transports/ipc/synchronizer.py``,
-``transports/ipc/worker.py``, ``engines/embedded/engine.py``), one trainer rank,
-one worker, one bucket: three engine RPCs, run one after the other —
-``prepare_for_generation(tags=["weights"])`` (``embedded_wake``), then
-``aiosync_ipc_receive``, then ``prepare_for_generation(tags=["kv_cache"])``.
-Inside the second the worker connects a fresh ZMQ DEALER (with a socket
-monitor) to the trainer's ROUTER and the two exchange ``hello`` (worker →
-trainer), ``data`` → ``ack`` (one per bucket) and ``end`` → ``done``. On the
-critical path that is 11 one-way messages (2 + 7 + 2), i.e. 5.5 RPC-equivalent
-round trips, plus packing the bucket into shared memory and the worker's
-mapping it and copying out; a ratio near 5.5 means the protocol costs what its
-messages do and nothing else.
+Process round trips per sync, read from the code (``interfaces.py``'s
+``WeightSynchronizer.sync_weights``, ``transports/ipc/synchronizer.py``,
+``transports/ipc/worker.py``, ``engines/embedded/engine.py``), one trainer
+rank, one worker, one bucket, engine idle, one after the other:
+
+1. ``pause_generation("wait")`` (base class) → ``embedded_pause_generation``: 1 RPC;
+2. ``prepare_for_generation(tags=["weights"])`` → ``embedded_wake``: 1 RPC,
+   skipped when the engine's ``asleep_tags`` says the weights are awake;
+3. ``aiosync_ipc_receive``: the RPC request (1 message), then the worker
+   connects a fresh ZMQ DEALER (with a socket monitor) to the trainer's ROUTER
+   and the two exchange ``hello`` (worker → trainer), ``data`` → ``ack`` (one
+   per bucket), ``end`` → ``done``; the worker's ``done`` and its RPC reply
+   travel together (the trainer waits for both, in parallel): 6 serial messages;
+4. ``prepare_for_generation(tags=["kv_cache"])`` → ``embedded_wake``: 1 RPC,
+   skipped as 2.;
+5. ``on_weights_committed(version)`` (base class) → ``embedded_set_weight_version``: 1 RPC;
+6. ``resume_generation()`` (base class) → ``embedded_resume_generation``: 1 RPC.
+
+That is 6 engine RPCs and 16 serial one-way messages (8 round trips), or,
+with ``asleep_tags``, 4 RPCs and 12 messages (6 round trips). Each engine RPC
+also hops to a worker thread and back (the embedded worker's RPC pool); the
+trainer hops to a thread once per bucket to read the source and pack (it hopped
+three times before issue 16: read, pack, check the source ended). A ratio to
+rpc near the round trips means the protocol costs what its messages do and
+nothing else. (Before issue 16 this docstring counted 3 RPCs and 11 messages:
+it predated the base class's pause, resume and on_weights_committed, and
+counted ``done`` and the reply apart.)
 
 Usage::
 
@@ -52,10 +73,16 @@ SPEC = {"count": 1, "numel": 2048}
 TENSOR_BYTES = SPEC["count"] * SPEC["numel"] * 2
 #: Staging buffer, bytes (1 MiB; the default would take 2 % of the free memory).
 BUCKET_BYTES = 1 << 20
+#: Engine RPCs per sync (see the module docs): an engine without ``asleep_tags``,
+#: and one that reports it is awake.
+RPCS_PER_SYNC = 6
+RPCS_PER_SYNC_AWAKE = 4
 #: Serial one-way messages between trainer and worker per sync (see the module docs).
-MESSAGES_PER_SYNC = 11
+MESSAGES_PER_SYNC = 16
+MESSAGES_PER_SYNC_AWAKE = 12
 #: ... as round trips, the unit the RPC baseline measures.
 ROUND_TRIPS_PER_SYNC = MESSAGES_PER_SYNC / 2
+ROUND_TRIPS_PER_SYNC_AWAKE = MESSAGES_PER_SYNC_AWAKE / 2
 
 
 class PointModel(FlatModel):
@@ -66,14 +93,36 @@ class PointModel(FlatModel):
         self.kv_scales: dict[str, float] = {}
 
 
+class AwakeReportingEngine:
+    """An :class:`~aiosync.EmbeddedEngine` with ``asleep_tags``, kept as the engine
+    would keep it: every tag asleep from ``finish_generation()`` on, a tag awake
+    once ``prepare_for_generation`` woke it. Everything else is the engine's."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        #: The tags the engine put to sleep (``"weights"``, ``"kv_cache"``).
+        self.asleep_tags: frozenset[str] = frozenset()
+
+    async def prepare_for_generation(self, tags: Any = None) -> None:
+        await self.engine.prepare_for_generation(tags)
+        self.asleep_tags -= set(tags) if tags is not None else self.asleep_tags
+
+    async def finish_generation(self) -> None:
+        self.asleep_tags = frozenset({"weights", "kv_cache"})
+        await self.engine.finish_generation()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+
 def _percentile(values: list[float], q: float) -> float:
     """The ``q`` quantile (0..1) of ``values``, nearest rank."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _measure(samples: int) -> tuple[list[float], list[float]]:
-    """``(sync seconds, rpc seconds)``, ``samples`` of each, interleaved."""
+async def _measure(samples: int) -> tuple[list[float], list[float], list[float]]:
+    """``(sync seconds, sync_awake seconds, rpc seconds)``, ``samples`` of each, interleaved."""
     from aiosync.engines.embedded.engine import EmbeddedEngine
     from aiosync.transports.ipc import IPCWeightSynchronizer
 
@@ -86,24 +135,31 @@ async def _measure(samples: int) -> tuple[list[float], list[float]]:
     )
     source = FlatSource(SPEC)
     syncs: list[float] = []
+    awake: list[float] = []
     rpcs: list[float] = []
     # A small staging buffer: its size changes the memory taken at init, not a sync's cost.
     sync = IPCWeightSynchronizer(source, engine, bucket_bytes=BUCKET_BYTES)
-    async with engine, sync:
+    sync_awake = IPCWeightSynchronizer(
+        source, AwakeReportingEngine(engine), bucket_bytes=BUCKET_BYTES
+    )
+    async with engine, sync, sync_awake:
         await sync.init_communicator()
+        await sync_awake.init_communicator()
         for _ in range(3):  # warm-up: maps the shared buffers, first connects, caches
-            await sync.mark_stale()
-            await sync.sync_weights()
+            for each in (sync, sync_awake):
+                await each.mark_stale()
+                await each.sync_weights()
             await engine.collective_rpc("embedded_status")
         for _ in range(samples):
             start = time.perf_counter()
             await engine.collective_rpc("embedded_status")
             rpcs.append(time.perf_counter() - start)
-            await sync.mark_stale()
-            start = time.perf_counter()
-            await sync.sync_weights()
-            syncs.append(time.perf_counter() - start)
-    return syncs, rpcs
+            for each, out in ((sync, syncs), (sync_awake, awake)):
+                await each.mark_stale()
+                start = time.perf_counter()
+                await each.sync_weights()
+                out.append(time.perf_counter() - start)
+    return syncs, awake, rpcs
 
 
 def _summary(seconds: list[float]) -> dict[str, float]:
@@ -123,11 +179,12 @@ def main() -> None:
     samples = 10 if args.quick else max(3, args.syncs)
     torch.set_num_threads(1)  # a 4 KiB pack needs no OpenMP team spinning on shared cores
     machine = Machine(samples)
-    sync_s, rpc_s = asyncio.run(_measure(samples))
+    sync_s, awake_s, rpc_s = asyncio.run(_measure(samples))
     machine.finish()
-    sync, rpc = _summary(sync_s), _summary(rpc_s)
+    sync, awake, rpc = _summary(sync_s), _summary(awake_s), _summary(rpc_s)
     ratio = round(sync["median_ms"] / rpc["median_ms"], 3)
-    _print_table(sync, rpc, ratio, machine)
+    ratio_awake = round(awake["median_ms"] / rpc["median_ms"], 3)
+    _print_table(sync, awake, rpc, ratio, ratio_awake, machine)
     if args.json:
         print(
             json.dumps(
@@ -135,10 +192,16 @@ def main() -> None:
                     "benchmark": "fixed_cost",
                     "tensor_bytes": TENSOR_BYTES,
                     "sync": sync,
+                    "sync_awake": awake,
                     "rpc": rpc,
                     "ratio_sync_vs_rpc": ratio,
+                    "ratio_sync_awake_vs_rpc": ratio_awake,
+                    "rpcs_per_sync": RPCS_PER_SYNC,
+                    "rpcs_per_sync_awake": RPCS_PER_SYNC_AWAKE,
                     "round_trips_per_sync": ROUND_TRIPS_PER_SYNC,
+                    "round_trips_per_sync_awake": ROUND_TRIPS_PER_SYNC_AWAKE,
                     "messages_per_sync": MESSAGES_PER_SYNC,
+                    "messages_per_sync_awake": MESSAGES_PER_SYNC_AWAKE,
                     **machine.fields(),
                 }
             )
@@ -146,7 +209,12 @@ def main() -> None:
 
 
 def _print_table(
-    sync: dict[str, float], rpc: dict[str, float], ratio: float, machine: Machine
+    sync: dict[str, float],
+    awake: dict[str, float],
+    rpc: dict[str, float],
+    ratio: float,
+    ratio_awake: float,
+    machine: Machine,
 ) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -155,19 +223,30 @@ def _print_table(
         title=f"fixed cost of one IPC sync ({TENSOR_BYTES} B tensor, embedded engine, 1 worker)",
         caption=machine.caption("median, p90"),
     )
-    for column in ("measure", "median ms", "p90 ms", "/ rpc"):
+    for column in ("measure", "median ms", "p90 ms", "/ rpc", "round trips"):
         table.add_column(column, justify="right")
     table.add_row(
-        "one RPC (embedded_status)", f"{rpc['median_ms']:.3f}", f"{rpc['p90_ms']:.3f}", "1"
+        "one RPC (embedded_status)", f"{rpc['median_ms']:.3f}", f"{rpc['p90_ms']:.3f}", "1", "1"
     )
     table.add_row(
-        "one sync (IPC)", f"{sync['median_ms']:.3f}", f"{sync['p90_ms']:.3f}", f"{ratio:.2f}x"
+        "one sync (IPC)",
+        f"{sync['median_ms']:.3f}",
+        f"{sync['p90_ms']:.3f}",
+        f"{ratio:.2f}x",
+        f"{ROUND_TRIPS_PER_SYNC:g}",
+    )
+    table.add_row(
+        "one sync, engine reports asleep_tags",
+        f"{awake['median_ms']:.3f}",
+        f"{awake['p90_ms']:.3f}",
+        f"{ratio_awake:.2f}x",
+        f"{ROUND_TRIPS_PER_SYNC_AWAKE:g}",
     )
     Console().print(table)
     print(
-        f"a sync makes 3 engine RPCs and {MESSAGES_PER_SYNC} serial one-way messages "
-        f"({ROUND_TRIPS_PER_SYNC:g} round trips): / rpc near {ROUND_TRIPS_PER_SYNC:g} means "
-        "the messages are the whole cost"
+        f"a sync makes {RPCS_PER_SYNC} engine RPCs and {MESSAGES_PER_SYNC} serial one-way "
+        f"messages ({RPCS_PER_SYNC_AWAKE} and {MESSAGES_PER_SYNC_AWAKE} when the engine reports "
+        "it is awake): / rpc near the round trips means the messages are the whole cost"
     )
     if (warning := machine.warning()) is not None:
         print(warning)

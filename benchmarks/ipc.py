@@ -14,11 +14,23 @@ when ``--quick``), GB = 1e9 bytes. The 1-minute load average at start and end
 is printed and recorded (``_machine``): take the figures on an idle machine.
 A size is skipped when the machine's available memory is below about 3.5x it.
 
+``--trace``: after the timed runs, one more sync per size with the transport's
+trace on (``IPCWeightSynchronizer(trace=True)``, off by default; the timed runs
+never trace) and a timeline table per size: for each bucket, in ms since the
+first bucket's pack started, the trainer's pack start/end (reading the source
+included), data sent and last ack received, and the worker's data received,
+load start/end and ack sent. Both sides stamp ``time.monotonic()``: on Linux
+that is ``CLOCK_MONOTONIC``, one clock for every process of the host, so the
+columns compare directly. The last column, ``pack k+1 ∥ load k``, is how long
+the trainer packed bucket ``k+1`` while the worker loaded bucket ``k``, ms (0:
+no pipelining). The JSON rows then carry the raw ``trace``.
+
 Usage::
 
     python benchmarks/ipc.py            # 0.25, 1, 4 GB
     python benchmarks/ipc.py --quick    # 64 MB, < 1 minute
     python benchmarks/ipc.py --json     # last stdout line: one JSON object
+    python benchmarks/ipc.py --trace    # plus a per-bucket timeline of one sync
 """
 
 from __future__ import annotations
@@ -100,8 +112,10 @@ def _bench_copy(source: FlatSource, repeats: int) -> float:
 
 
 async def _bench_ipc(
-    source: FlatSource, spec: dict[str, int], bucket_bytes: int, repeats: int
-) -> float:
+    source: FlatSource, spec: dict[str, int], bucket_bytes: int, repeats: int, trace: bool = False
+) -> tuple[float, dict[str, Any] | None]:
+    """Best seconds of ``repeats`` IPC syncs, and (``trace``) the timeline of one
+    more sync (``IPCWeightSynchronizer.last_trace``), else None."""
     from aiosync.engines.embedded.engine import EmbeddedEngine
     from aiosync.transports.ipc import IPCWeightSynchronizer
 
@@ -122,7 +136,54 @@ async def _bench_ipc(
             start = time.perf_counter()
             await sync.sync_weights()
             best = min(best, time.perf_counter() - start)
-    return best
+        timeline = None
+        if trace:
+            sync.trace = True
+            await sync.mark_stale()
+            await sync.sync_weights()
+            timeline = sync.last_trace
+    return best, timeline
+
+
+def _timeline(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per bucket: the trainer's and worker 0's timestamps, ms since the first
+    pack started, and ``overlap_ms``: how long packing bucket ``k+1`` ran while
+    the worker loaded bucket ``k`` (None for the last bucket)."""
+    trainer = trace["trainer"]
+    workers = trace["workers"]
+    worker = {row["seq"]: row for row in workers[min(workers)]} if workers else {}
+    if not trainer:
+        return []
+    t0 = min(row["pack_start"] for row in trainer)
+
+    def ms(value: float | None) -> float | None:
+        return None if value is None else round(1e3 * (value - t0), 3)
+
+    rows = []
+    for k, row in enumerate(trainer):
+        load = worker.get(row["seq"], {})
+        overlap = None
+        if k + 1 < len(trainer) and load:
+            after = trainer[k + 1]
+            start = max(after["pack_start"], load["load_start"])
+            end = min(after["pack_end"], load["load_end"])
+            overlap = round(1e3 * max(0.0, end - start), 3)
+        rows.append(
+            {
+                "seq": row["seq"],
+                "mib": round(row["bytes"] / MiB, 2),
+                "pack_start": ms(row.get("pack_start")),
+                "pack_end": ms(row.get("pack_end")),
+                "sent": ms(row.get("sent")),
+                "received": ms(load.get("received")),
+                "load_start": ms(load.get("load_start")),
+                "load_end": ms(load.get("load_end")),
+                "ack_sent": ms(load.get("ack_sent")),
+                "acked": ms(row.get("acked")),
+                "overlap_ms": overlap,
+            }
+        )
+    return rows
 
 
 def main() -> None:
@@ -135,6 +196,9 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=128.0, help="staging buffer size")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs (best; at least 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
+    parser.add_argument(
+        "--trace", action="store_true", help="one more traced sync per size: a bucket timeline"
+    )
     args = parser.parse_args()
     sizes = [0.064] if args.quick else args.sizes_gb
     if args.quick:
@@ -152,21 +216,26 @@ def main() -> None:
             continue
         source = FlatSource(spec)
         copy_s = _bench_copy(source, repeats)
-        ipc_s = asyncio.run(_bench_ipc(source, spec, bucket_bytes, repeats))
+        ipc_s, trace = asyncio.run(_bench_ipc(source, spec, bucket_bytes, repeats, args.trace))
         del source
         copy_gbps, ipc_gbps = nbytes / copy_s / GB, nbytes / ipc_s / GB
-        rows.append(
-            {
-                "size_gb": size_gb,
-                "bytes": nbytes,
-                "tensors": spec["count"],
-                "copy_gbps": round(copy_gbps, 3),
-                "ipc_gbps": round(ipc_gbps, 3),
-                "ratio": round(ipc_gbps / copy_gbps, 3),
-            }
-        )
+        row: dict[str, Any] = {
+            "size_gb": size_gb,
+            "bytes": nbytes,
+            "tensors": spec["count"],
+            "copy_gbps": round(copy_gbps, 3),
+            "ipc_gbps": round(ipc_gbps, 3),
+            "ratio": round(ipc_gbps / copy_gbps, 3),
+        }
+        if trace is not None:
+            row["timeline"] = _timeline(trace)
+            row["trace"] = trace
+        rows.append(row)
     machine.finish()
     _print_table(rows, bucket_bytes, machine)
+    for row in rows:
+        if "timeline" in row:
+            _print_timeline(row)
     if args.json:
         print(
             json.dumps(
@@ -210,3 +279,34 @@ def _print_table(rows: list[dict[str, Any]], bucket_bytes: int, machine: Machine
 
 if __name__ == "__main__":
     main()
+
+
+def _print_timeline(row: dict[str, Any]) -> None:
+    """The per-bucket timeline of one traced sync (see the module docs), ms."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        title=f"one traced sync of {row['bytes'] / GB:.3f} GB: ms since the first pack started",
+        caption="trainer: pack, sent, acked; worker 0: received, load, ack sent (time.monotonic)",
+    )
+    columns = ("bucket", "MiB", "pack", "sent", "recv", "load", "ack sent", "acked")
+    for column in (*columns, "pack k+1 ∥ load k"):
+        table.add_column(column, justify="right")
+
+    def fmt(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    for line in row["timeline"]:
+        table.add_row(
+            str(line["seq"]),
+            f"{line['mib']:g}",
+            f"{fmt(line['pack_start'])}–{fmt(line['pack_end'])}",
+            fmt(line["sent"]),
+            fmt(line["received"]),
+            f"{fmt(line['load_start'])}–{fmt(line['load_end'])}",
+            fmt(line["ack_sent"]),
+            fmt(line["acked"]),
+            fmt(line["overlap_ms"]),
+        )
+    Console().print(table)

@@ -43,6 +43,21 @@ Colocated lifecycle (always in this order; the last two also on failure)::
     policy.offload_after_refit()
     await generation.prepare_for_generation(tags=["kv_cache"])
 
+Each wake is one engine RPC round trip. An engine that knows, without asking
+its workers, what sleeps may say so with an optional attribute
+``asleep_tags`` (a collection of tag names, e.g. ``frozenset({"weights",
+"kv_cache"})`` after ``finish_generation()`` and ``frozenset()`` once awake);
+the synchronizer then skips the wake of a tag that is not in it. An engine
+without the attribute (or with ``asleep_tags = None``: unknown) is woken
+every time, as above.
+
+Tracing (off by default; ``trace=True`` or ``sync.trace = True``): every sync
+records per-bucket ``time.monotonic()`` timestamps, seconds, on both sides into
+:attr:`IPCWeightSynchronizer.last_trace` (see there). The workers' come back in
+their receive replies. Trainer and workers share one clock when they share a
+host: on Linux ``time.monotonic()`` is ``CLOCK_MONOTONIC``, one system-wide
+clock, so the timestamps of different processes compare directly.
+
 Requires an asyncio event loop (pyzmq's asyncio sockets).
 """
 
@@ -54,6 +69,7 @@ import os
 import secrets
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -146,6 +162,8 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         device_label: this rank's device identity for the pairing, matched
             against each worker's (the embedded engine's ``device_labels`` on
             CPU); default: the GPU UUID on CUDA, ``"cpu"`` on CPU.
+        trace: record per-bucket timestamps of every sync into
+            :attr:`last_trace` (see the module docs); off by default.
 
     Raises:
         ValueError: a non-positive size, fraction or timeout; group rank 0 of a
@@ -165,6 +183,7 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         event_backlog: int = DEFAULT_EVENT_BACKLOG,
         process_group: Any = None,
         device_label: str | None = None,
+        trace: bool = False,
     ) -> None:
         super().__init__(
             policy, generation, sync_timeout_s=sync_timeout_s, event_backlog=event_backlog
@@ -197,6 +216,19 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         self._session_token = ""
         self._syncs = 0
         self._sender: _BucketSender | None = None
+        #: Whether each sync records :attr:`last_trace` (off by default).
+        self.trace = trace
+        #: The timeline of the last sync made with :attr:`trace` on (None before
+        #: one): ``{"clock": "time.monotonic", "trainer": [row per bucket],
+        #: "workers": {global rank: [row per bucket]}}``, rows in send order,
+        #: timestamps in seconds of ``time.monotonic()``. A trainer row is
+        #: ``{"seq", "bucket", "bytes", "pack_start", "pack_end", "sent", "acked"}``
+        #: (``sent``: the data message handed to the socket; ``acked``: the last
+        #: worker's ack received; packing spans the source's read too); a worker
+        #: row ``{"seq", "received", "load_start", "load_end", "ack_sent"}``
+        #: (``ack_sent``: the ack handed to the socket). Workers of the driving
+        #: rank only (the receive replies).
+        self.last_trace: dict[str, Any] | None = None
         listen = getattr(generation, "add_weights_discarded_listener", None)
         if listen is not None:
             listen(self._invalidate_engine_weights)
@@ -310,7 +342,7 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         nbytes = 0
         try:
             self.policy.offload_before_refit()
-            if self._ranks.is_driver:
+            if self._ranks.is_driver and self._may_sleep("weights"):
                 await self.generation.prepare_for_generation(tags=["weights"])
             nbytes = await self._stream(sync_id, weights, kv)
         except BaseException as exc:
@@ -322,6 +354,20 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         if self._ranks.sharded:
             await self._agree(weights, failed)
         return nbytes
+
+    def _may_sleep(self, tag: str) -> bool:
+        """Whether ``tag`` (``"weights"``, ``"kv_cache"``) may be asleep on the engine.
+
+        True unless the engine reports ``asleep_tags`` (see the module docs)
+        and ``tag`` is not among them: an engine that does not say is woken.
+        """
+        tags = getattr(self.generation, "asleep_tags", None)
+        if tags is None:
+            return True
+        try:
+            return tag in tags
+        except TypeError:  # not a collection: say nothing, wake
+            return True
 
     async def _agree(self, weights: Iterator[Any], failed: BaseException | None) -> None:
         """Sharded trainers: commit on every rank or fail on every rank alike."""
@@ -345,7 +391,7 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         with anyio.CancelScope(shield=True):
             try:
                 self.policy.offload_after_refit()
-                if self._ranks.is_driver:
+                if self._ranks.is_driver and self._may_sleep("kv_cache"):
                     # After a failure the engine may be the reason (hung, dead): its
                     # wake must not hold the error back by a whole RPC timeout.
                     limit = min(self.rpc_timeout_s, _WAKE_AFTER_FAILURE_S) if failed else None
@@ -373,6 +419,11 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         }
         if self._endpoints is not None:
             session["endpoints"] = self._endpoints
+        trainer_rows: list[dict[str, Any]] | None = None
+        worker_rows: dict[int, list[dict[str, Any]]] = {}
+        if self.trace:
+            session["trace"] = True
+            trainer_rows = []
         sender = self._sender
         peers = self.peers
         result = 0
@@ -383,10 +434,12 @@ class IPCWeightSynchronizer(WeightSynchronizer):
             )
             for rank, reply in enumerate(replies):
                 _check_reply(reply, rank, "aiosync_ipc_receive")
+                if trainer_rows is not None:
+                    worker_rows[int(reply.get("rank", rank))] = list(reply.get("trace") or [])
 
         async def send() -> None:
             nonlocal result
-            result = await sender.send(sync_id, peers, weights, kv)
+            result = await sender.send(sync_id, peers, weights, kv, trainer_rows)
 
         try:
             async with anyio.create_task_group() as tg:
@@ -404,6 +457,12 @@ class IPCWeightSynchronizer(WeightSynchronizer):
             if sender.closed and isinstance(exc, Exception):
                 raise TransportError(_SHUT_DOWN_MID_SYNC) from exc
             raise
+        if trainer_rows is not None:
+            self.last_trace = {
+                "clock": "time.monotonic",
+                "trainer": trainer_rows,
+                "workers": worker_rows,
+            }
         return result
 
     async def shutdown(self) -> None:
@@ -488,9 +547,12 @@ class _BucketSender:
         ranks: Sequence[int],
         weights: Iterator[tuple[str, torch.Tensor]],
         kv: Sequence[tuple[str, float]] = (),
+        trace: list[dict[str, Any]] | None = None,
     ) -> int:
         """Stream every bucket, then the KV-cache scales ``kv`` (engine names, values),
-        to the workers of global ``ranks``; returns the bytes sent.
+        to the workers of global ``ranks``; returns the bytes sent. ``trace``: a
+        list that gets one row of ``time.monotonic()`` timestamps per bucket (see
+        :attr:`IPCWeightSynchronizer.last_trace`); None records nothing.
 
         With no ranks (a sharded trainer's rank whose device holds no worker) the
         source is still iterated to its end: its gathers are collectives.
@@ -506,7 +568,7 @@ class _BucketSender:
         with anyio.CancelScope() as scope:
             self._active = (scope, sync_id, ranks, ended)
             try:
-                return await self._send(sync_id, ranks, weights, kv)
+                return await self._send(sync_id, ranks, weights, kv, trace)
             finally:
                 self._active = None
                 ended.set()
@@ -518,6 +580,7 @@ class _BucketSender:
         ranks: Sequence[int],
         weights: Iterator[tuple[str, torch.Tensor]],
         kv: Sequence[tuple[str, float]],
+        trace: list[dict[str, Any]] | None,
     ) -> int:
         if not ranks:
             await anyio.to_thread.run_sync(drain, weights)
@@ -526,9 +589,17 @@ class _BucketSender:
         groups = group_by_bucket(weights, self.plan)
         holder: list[int | None] = [None] * len(self._buffers)  # seq each buffer holds
         acks: dict[int, set[int]] = {}
+        rows: dict[int, dict[str, Any]] = {}
         nbytes = 0
-        for seq in range(len(self.plan.buckets)):
-            bucket, group = await anyio.to_thread.run_sync(next, groups)
+        count = len(self.plan.buckets)
+        for seq, bucket in enumerate(self.plan.buckets):
+            # group_by_bucket yields the plan's buckets in order: ``bucket`` is known
+            # before the source is read, so its buffer can be chosen first.
+            row: dict[str, Any] | None = None
+            if trace is not None:
+                row = rows[seq] = {"seq": seq, "bucket": bucket.index, "bytes": bucket.nbytes}
+                trace.append(row)
+            last = seq == count - 1
             data = {
                 "t": "data",
                 "sync_id": sync_id,
@@ -539,10 +610,12 @@ class _BucketSender:
             if bucket.nbytes == 0:
                 # Only zero-size tensors (already checked against their slots by
                 # group_by_bucket): nothing to pack, and no 0-byte segment exists.
-                del group
+                await anyio.to_thread.run_sync(self._read_and_pack, groups, None, None, last, row)
+                _stamp(row, "sent")
                 await self._send_all(peers, encode({**data, "handle": dict(EMPTY_HANDLE)}))
                 continue
             transient: SharedBuffer | None = None
+            group: list[tuple[str, torch.Tensor]] | None = None
             if bucket.nbytes > self.plan.bucket_bytes or not self._buffers:
                 transient = await anyio.to_thread.run_sync(
                     SharedBuffer.create, bucket.nbytes, self.device
@@ -551,31 +624,42 @@ class _BucketSender:
             else:
                 slot = seq % len(self._buffers)
                 previous = holder[slot]
-                if previous is not None:
-                    await self._wait_acks(sync_id, peers, acks, previous)
+                if previous is not None and not _all_acked(acks, peers, previous):
+                    # Read the source while the workers still load the bucket that
+                    # holds this buffer; pack once they acknowledged it.
+                    group = await anyio.to_thread.run_sync(
+                        self._read_and_pack, groups, None, None, False, row
+                    )
+                    await self._wait_acks(sync_id, peers, acks, previous, rows)
                 buffer = self._buffers[slot]
                 holder[slot] = seq
             try:
-                await anyio.to_thread.run_sync(self._pack, bucket, group, buffer)
+                # One thread hop reads the source (unless read above), packs, and
+                # after the last bucket checks that the source ended.
+                await anyio.to_thread.run_sync(
+                    self._read_and_pack, groups, group, buffer, last, row, bucket
+                )
                 del group
                 handle = buffer.handle()
                 if transient is not None:
                     handle["transient"] = True
+                _stamp(row, "sent")
                 await self._send_all(peers, encode({**data, "handle": handle}))
                 nbytes += sum(s.nbytes for s in bucket.slots)
                 if transient is not None:
-                    await self._wait_acks(sync_id, peers, acks, seq)
+                    await self._wait_acks(sync_id, peers, acks, seq, rows)
             finally:
                 if transient is not None:
                     transient.close()
-        # The source must be exhausted exactly at the plan's end.
-        await anyio.to_thread.run_sync(_exhaust, groups)
-        for seq in range(len(self.plan.buckets)):
-            await self._wait_acks(sync_id, peers, acks, seq)
+        if count == 0:
+            # The source must be exhausted exactly at the plan's end.
+            await anyio.to_thread.run_sync(_exhaust, groups)
+        for seq in range(count):
+            await self._wait_acks(sync_id, peers, acks, seq, rows)
         end = {
             "t": "end",
             "sync_id": sync_id,
-            "buckets": len(self.plan.buckets),
+            "buckets": count,
             "kv_scales": [[name, value] for name, value in kv],
         }
         await self._send_all(peers, encode(end))
@@ -585,6 +669,31 @@ class _BucketSender:
             if msg.get("t") == "done":
                 done.add(rank)
         return nbytes
+
+    def _read_and_pack(
+        self,
+        groups: Iterator[tuple[Bucket, list[tuple[str, torch.Tensor]]]],
+        group: list[tuple[str, torch.Tensor]] | None,
+        buffer: SharedBuffer | None,
+        last: bool,
+        row: dict[str, Any] | None,
+        bucket: Bucket | None = None,
+    ) -> list[tuple[str, torch.Tensor]] | None:
+        """In a worker thread: read the next bucket's tensors from the source
+        unless ``group`` holds them, pack them into ``buffer`` (None: return them
+        unpacked), and after the ``last`` bucket check that the source ended.
+        ``row`` gets ``pack_start``/``pack_end`` (``time.monotonic()``)."""
+        if row is not None and "pack_start" not in row:
+            row["pack_start"] = time.monotonic()
+        if group is None:
+            _bucket, group = next(groups)
+        if buffer is not None:
+            assert bucket is not None
+            self._pack(bucket, group, buffer)
+        if last:
+            _exhaust(groups)
+        _stamp(row, "pack_end")
+        return group if buffer is None else None
 
     def _pack(
         self, bucket: Bucket, group: list[tuple[str, torch.Tensor]], buffer: SharedBuffer
@@ -614,8 +723,16 @@ class _BucketSender:
         return peers
 
     async def _wait_acks(
-        self, sync_id: str, peers: dict[int, bytes], acks: dict[int, set[int]], seq: int
+        self,
+        sync_id: str,
+        peers: dict[int, bytes],
+        acks: dict[int, set[int]],
+        seq: int,
+        rows: Mapping[int, dict[str, Any]] | None = None,
     ) -> None:
+        """Receive until every peer acknowledged bucket ``seq``; the acks of other
+        buckets that arrive meanwhile are recorded too (``rows``: trace rows by
+        seq, whose ``acked`` becomes the time the last peer's ack arrived)."""
         while len(acks.get(seq, ())) < len(peers):
             rank, msg = await self._recv(sync_id, f"acknowledgements of bucket {seq}")
             if msg.get("t") == "ack":
@@ -626,6 +743,8 @@ class _BucketSender:
                         f"engine worker {rank}: malformed ack {msg!r:.80}"
                     ) from exc
                 acks.setdefault(acked, set()).add(rank)
+                if rows is not None and acked in rows and _all_acked(acks, peers, acked):
+                    _stamp(rows[acked], "acked")
 
     async def _recv(self, sync_id: str, what: str) -> tuple[int, dict[str, Any]]:
         """The next message of this sync; worker errors are raised, other syncs' dropped."""
@@ -696,6 +815,17 @@ class _BucketSender:
         self._sock.close(linger=0)
         self._ctx.term()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _all_acked(acks: Mapping[int, set[int]], peers: Mapping[int, bytes], seq: int) -> bool:
+    """Whether every peer acknowledged bucket ``seq``."""
+    return len(acks.get(seq, ())) >= len(peers)
+
+
+def _stamp(row: dict[str, Any] | None, key: str) -> None:
+    """Record ``time.monotonic()`` (seconds) as ``row[key]`` when tracing."""
+    if row is not None:
+        row[key] = time.monotonic()
 
 
 def _exhaust(groups: Iterator[Any]) -> None:

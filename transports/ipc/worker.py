@@ -143,6 +143,10 @@ class IPCWorkerMixin(WorkerIdentityMixin):
             duplicate buckets; ``TransportError``: malformed message, trainer
             abort, the trainer went away (its process died: noticed at once);
             ``SyncTimeoutError``: nothing from the trainer in ``timeout_s`` seconds).
+            When the session has ``"trace": True`` the reply also carries
+            ``"trace"``: per bucket ``{"seq", "received", "load_start", "load_end",
+            "ack_sent"}``, ``time.monotonic()`` seconds (one clock system-wide on
+            Linux, so comparable with the trainer's on the same host).
         """
         state = self._aiosync_ipc_state()
         try:
@@ -151,6 +155,7 @@ class IPCWorkerMixin(WorkerIdentityMixin):
             digest = str(session["digest"])
             timeout_s = float(session["timeout_s"])
             owner = str(session.get("owner", ""))
+            trace: list[dict[str, Any]] | None = [] if session.get("trace") else None
             endpoints = session.get("endpoints")
             device = None
             if endpoints is not None:
@@ -180,7 +185,12 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                 error = SyncTimeoutError(f"a previous refit did not end within {timeout_s} s")
                 return {"ok": False, **error_fields(error)}
             try:
-                return self._aiosync_receive(state, endpoint, sync_id, digest, timeout_s, device)
+                reply = self._aiosync_receive(
+                    state, endpoint, sync_id, digest, timeout_s, device, trace
+                )
+                if trace is not None:
+                    reply["trace"] = trace
+                return reply
             finally:
                 state.lock.release()
         finally:
@@ -202,6 +212,7 @@ class IPCWorkerMixin(WorkerIdentityMixin):
         digest: str,
         timeout_s: float,
         device: str | None,
+        trace: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         rank = self.aiosync_worker_rank()
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
@@ -225,7 +236,7 @@ class IPCWorkerMixin(WorkerIdentityMixin):
             sock.send(encode({"t": "hello", "sync_id": sync_id, "rank": rank, "digest": digest}))
             senders: set[str] = set()
             tensors, nbytes = self._aiosync_load_buckets(
-                state, link, plan, mapped, sync_id, timeout_s, device, senders
+                state, link, plan, mapped, sync_id, timeout_s, device, senders, trace
             )
             sock.send(encode({"t": "done", "sync_id": sync_id, "rank": rank}))
             state.last = {
@@ -263,15 +274,18 @@ class IPCWorkerMixin(WorkerIdentityMixin):
         timeout_s: float,
         device: str | None,
         senders: set[str],
+        trace: list[dict[str, Any]] | None = None,
     ) -> tuple[int, int]:
         """Load every bucket until ``end``; ``senders`` collects the devices the
-        buffers came from. Returns ``(tensors, bytes)`` loaded."""
+        buffers came from, ``trace`` (when not None) one row of timestamps per
+        bucket. Returns ``(tensors, bytes)`` loaded."""
         load_weights = self.model_runner.model.load_weights  # type: ignore[attr-defined]
         discards = self.aiosync_discard_epoch
         arrived = [0] * len(plan.buckets)
         tensors = nbytes = 0
         while True:
             msg = link.recv(state, sync_id, timeout_s)
+            received = time.monotonic()
             kind = msg.get("t")
             if kind == "data":
                 seq, index, handle = _data_fields(msg, len(plan.buckets))
@@ -287,15 +301,27 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                 if buffer is None:
                     buffer = mapped[key] = open_handle(handle)
                 self.aiosync_weights_valid = False
+                load_start = time.monotonic()
                 with torch.no_grad():
                     loaded = load_weights(unpack(buffer.tensor, bucket))
                 if buffer.tensor.is_cuda:
                     torch.cuda.current_stream(buffer.tensor.device).synchronize()
+                load_end = time.monotonic()
                 if handle.get("transient"):
                     mapped.pop(key).close()
                 arrived[index] += 1
                 tensors += int(loaded) if isinstance(loaded, int) else len(bucket.slots)
                 nbytes += sum(slot.nbytes for slot in bucket.slots)
+                if trace is not None:
+                    trace.append(
+                        {
+                            "seq": seq,
+                            "received": received,
+                            "load_start": load_start,
+                            "load_end": load_end,
+                            "ack_sent": time.monotonic(),  # handed to the socket next
+                        }
+                    )
                 link.sock.send(encode({"t": "ack", "sync_id": sync_id, "seq": seq}))
             elif kind == "end":
                 _check_arrivals(plan, arrived)

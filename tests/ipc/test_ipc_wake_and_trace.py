@@ -1,0 +1,163 @@
+"""The wake RPCs a sync skips when the engine reports it is awake, and the sync trace."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from aiosync.engines.embedded.engine import EmbeddedEngine
+from aiosync.transports.ipc import IPCWeightSynchronizer
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+BOTH_WAKES = ["prepare_for_generation(weights)", "prepare_for_generation(kv_cache)"]
+
+
+class SleepTrackingEngine:
+    """An :class:`EmbeddedEngine` with ``asleep_tags`` kept locally, as the engine
+    change recommended for the wake skip does it: every tag asleep from
+    ``finish_generation()`` on, a tag awake once ``prepare_for_generation`` woke it.
+    ``track=False`` reports ``asleep_tags = None`` (unknown). Logs the wakes."""
+
+    def __init__(self, engine: EmbeddedEngine, *, track: bool = True) -> None:
+        self.engine = engine
+        self.track = track
+        self.log: list[str] = []
+        self._asleep: frozenset[str] = frozenset()
+
+    @property
+    def asleep_tags(self) -> frozenset[str] | None:
+        return self._asleep if self.track else None
+
+    async def prepare_for_generation(self, tags: Sequence[str] | None = None) -> None:
+        self.log.append(f"prepare_for_generation({','.join(tags) if tags else 'all'})")
+        await self.engine.prepare_for_generation(tags)
+        self._asleep -= set(tags) if tags is not None else self._asleep
+
+    async def finish_generation(self) -> None:
+        self._asleep = frozenset({"weights", "kv_cache"})
+        await self.engine.finish_generation()
+
+    async def collective_rpc(
+        self,
+        method: str,
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[Any]:
+        return await self.engine.collective_rpc(method, args, kwargs, timeout_s)
+
+    def __getattr__(self, name: str) -> Any:
+        # pause/resume, on_weights_committed, the discard listeners, generate, status.
+        return getattr(self.engine, name)
+
+
+async def test_an_engine_that_reports_itself_awake_is_not_woken_around_a_sync(
+    dense_engine: EmbeddedEngine, h: SimpleNamespace
+) -> None:
+    trainer = h.trainer_model(h.DENSE_TIED, seed=50)
+    engine = SleepTrackingEngine(dense_engine)
+    async with IPCWeightSynchronizer(
+        h.TrainerSource(trainer.model, []), engine, bucket_bytes=1 << 20
+    ) as sync:
+        await sync.init_communicator()
+        await sync.mark_stale()
+        await sync.sync_weights()
+        assert engine.log == []
+        assert sync.weight_version == 1
+        await h.assert_engine_equals(dense_engine, trainer)
+        assert [s["asleep"] for s in await dense_engine.status()] == [[]]
+
+
+async def test_an_engine_that_slept_at_level_2_is_woken_and_refit_by_the_sync(
+    dense_engine: EmbeddedEngine, h: SimpleNamespace
+) -> None:
+    trainer = h.trainer_model(h.DENSE_TIED, seed=51)
+    engine = SleepTrackingEngine(dense_engine)
+    async with IPCWeightSynchronizer(
+        h.TrainerSource(trainer.model, []), engine, bucket_bytes=1 << 20
+    ) as sync:
+        await sync.init_communicator()
+        await sync.mark_stale()
+        await sync.sync_weights()
+        dense_engine.sleep_level = 2
+        try:
+            await engine.finish_generation()
+        finally:
+            dense_engine.sleep_level = 1
+        assert engine.asleep_tags == frozenset({"weights", "kv_cache"})
+        assert [s["asleep"] for s in await dense_engine.status()] == [["kv_cache", "weights"]]
+        assert sync.is_stale
+        await sync.sync_weights()
+        assert engine.log == BOTH_WAKES
+        assert engine.asleep_tags == frozenset()
+        [status] = await dense_engine.status()
+        assert (status["asleep"], status["weights_valid"]) == ([], True)
+        assert (sync.weight_version, sync.is_stale) == (1, False)
+        await h.assert_engine_equals(dense_engine, trainer)
+        rollouts = await dense_engine.generate(h.PROMPTS, max_new_tokens=2)
+        assert [len(r) for r in rollouts] == [2] * len(h.PROMPTS)
+
+
+async def test_an_engine_whose_sleep_is_unknown_is_woken_around_every_sync(
+    dense_engine: EmbeddedEngine, h: SimpleNamespace
+) -> None:
+    trainer = h.trainer_model(h.DENSE_TIED, seed=52)
+    engine = SleepTrackingEngine(dense_engine, track=False)
+    async with IPCWeightSynchronizer(
+        h.TrainerSource(trainer.model, []), engine, bucket_bytes=1 << 20
+    ) as sync:
+        await sync.init_communicator()
+        for _ in range(2):
+            await sync.mark_stale()
+            await sync.sync_weights()
+        assert engine.log == BOTH_WAKES * 2
+        await h.assert_engine_equals(dense_engine, trainer)
+
+
+TRAINER_KEYS = {"seq", "bucket", "bytes", "pack_start", "pack_end", "sent", "acked"}
+WORKER_KEYS = {"seq", "received", "load_start", "load_end", "ack_sent"}
+
+
+async def test_a_traced_sync_records_every_bucket_on_both_sides_in_causal_order(
+    dense_engine: EmbeddedEngine, h: SimpleNamespace
+) -> None:
+    trainer = h.trainer_model(h.DENSE_TIED, seed=53)
+    # 12 KiB buckets: several through the two ping-pong buffers, the large
+    # tensors in buffers of their own.
+    async with IPCWeightSynchronizer(
+        h.TrainerSource(trainer.model, []), dense_engine, bucket_bytes=12288
+    ) as sync:
+        await sync.init_communicator()
+        assert sync.plan is not None
+        count = len(sync.plan.buckets)
+        await sync.mark_stale()
+        await sync.sync_weights()
+        assert sync.last_trace is None  # off by default
+        [last] = await dense_engine.collective_rpc("aiosync_ipc_last_receive")
+        assert "trace" not in last
+
+        sync.trace = True
+        await sync.mark_stale()
+        await sync.sync_weights()
+        await h.assert_engine_equals(dense_engine, trainer)
+        trace = sync.last_trace
+        assert trace is not None
+        assert trace["clock"] == "time.monotonic"
+        rows = trace["trainer"]
+        assert [row["seq"] for row in rows] == list(range(count))
+        assert [row["bucket"] for row in rows] == [b.index for b in sync.plan.buckets]
+        assert [row["bytes"] for row in rows] == [b.nbytes for b in sync.plan.buckets]
+        assert all(set(row) == TRAINER_KEYS for row in rows)
+        assert list(trace["workers"]) == [0]
+        loads = trace["workers"][0]
+        assert [row["seq"] for row in loads] == list(range(count))
+        assert all(set(row) == WORKER_KEYS for row in loads)
+        # One clock for both processes (CLOCK_MONOTONIC): causality holds across them.
+        for sent, load in zip(rows, loads, strict=True):
+            assert sent["pack_start"] <= sent["pack_end"] <= sent["sent"] <= load["received"]
+            assert load["received"] <= load["load_start"] <= load["load_end"]
+            assert load["load_end"] <= load["ack_sent"] <= sent["acked"]
