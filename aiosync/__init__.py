@@ -18,6 +18,7 @@ from ._config import (
 from .errors import OwnershipError, RefitMismatchError, SyncError, SyncTimeoutError, TransportError
 from .events import EventSubscription, VersionEventKind, WeightVersionEvent
 from .factory import KNOWN_BACKENDS, create_weight_synchronizer
+from .generation import Generation
 from .interfaces import (
     IN_FLIGHT_POLICIES,
     EngineWorkers,
@@ -57,6 +58,7 @@ __all__ = [
     "EngineFleet",
     "EngineWorkers",
     "EventSubscription",
+    "Generation",
     "GenerationBackend",
     "HTTPWeightSynchronizer",
     "IPCWeightSynchronizer",

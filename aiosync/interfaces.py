@@ -130,6 +130,24 @@ class GenerationBackend(Protocol):
     #
     # ``async def resume_generation(self) -> None``: admit requests again and let
     # frozen ones continue. Idempotent (called after failed syncs too).
+    #
+    # Generation, the same keywords on every engine (embedded, vLLM, SGLang, a fleet),
+    # so that one rollout loop drives any of them unchanged:
+    #
+    # ``async def generate_with_meta(self, prompts: Sequence[Sequence[int]], *,
+    # max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+    # seed: int | None = None, ignore_eos: bool = False, logprobs: bool = False)
+    # -> list[aiosync.Generation]``: one :class:`~aiosync.Generation` per prompt
+    # (token ids, each ``[len(prompt)]`` ints), in prompt order: the new token
+    # ids; with ``logprobs=True`` each sampled token's natural-log probability
+    # under the raw (pre-temperature) distribution, float32 precision (vLLM's
+    # default ``raw_logprobs``); the weight versions that computed them
+    # (``first_version``, ``last_version``, ``version_change_at``), ``aborted``
+    # and ``finish_reason``. Greedy when ``temperature == 0``; ``seed`` makes
+    # sampling reproducible on one engine (not across engines); ``ignore_eos``
+    # generates ``max_new_tokens`` tokens whatever is sampled. Raises
+    # ValueError for ``max_new_tokens < 1``, ``temperature < 0`` or ``top_p``
+    # outside ``(0, 1]``; SyncError while the engine's weights are not valid.
 
 
 @runtime_checkable

@@ -111,10 +111,16 @@ class EmbeddedWorker:
         temperature: float = 0.0,
         seed: int | None = None,
         ignore_eos: bool = False,
+        top_p: float = 1.0,
+        logprobs: bool = False,
     ) -> list[dict[str, Any]]:
         """Generate for ``prompts``, one token per step; per prompt ``{"token_ids",
-        "aborted", "versions"}`` (``versions``: the engine's weight version each
-        token was computed with, None before the first sync).
+        "aborted", "versions", "logprobs", "finish_reason"}`` (``versions``: the
+        engine's weight version each token was computed with, None before the
+        first sync; ``logprobs``: with ``logprobs``, each token's
+        ``log_softmax(logits)[token]`` before temperature and top-p, else None;
+        ``finish_reason``: ``"abort"``, ``"stop"`` (ended on an EOS token) or
+        ``"length"``).
 
         Each prompt is one request at the worker's :class:`GenerationGate`:
         admitted once no pause is in force, then stepped token by token. Before
@@ -154,9 +160,22 @@ class EmbeddedWorker:
                     ignore_eos=ignore_eos,
                     before_forward=before_forward,
                     gate=gate,
+                    top_p=top_p,
                 )
+            if out.aborted:
+                finish = "abort"
+            elif out.token_ids and not ignore_eos and out.token_ids[-1] in runner.eos_ids():
+                finish = "stop"
+            else:
+                finish = "length"
             results.append(
-                {"token_ids": out.token_ids, "aborted": out.aborted, "versions": versions}
+                {
+                    "token_ids": out.token_ids,
+                    "aborted": out.aborted,
+                    "versions": versions,
+                    "logprobs": list(out.logprobs) if logprobs else None,
+                    "finish_reason": finish,
+                }
             )
         return results
 

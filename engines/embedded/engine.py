@@ -37,7 +37,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from types import TracebackType
 from typing import Any, Self
@@ -49,6 +49,7 @@ import zmq.asyncio
 
 from aiosync._config import DEFAULT_RPC_TIMEOUT_S
 from aiosync.errors import SyncError, SyncTimeoutError, TransportError
+from aiosync.generation import Generation, version_span
 from aiosync.interfaces import IN_FLIGHT_POLICIES, InFlightPolicy
 from aiosync.lora import LoRAAdapter
 from aiosync.transports._leftovers import dir_prefix, sweep_leftovers
@@ -599,6 +600,7 @@ class EmbeddedEngine:
         *,
         max_new_tokens: int,
         temperature: float = 0.0,
+        top_p: float = 1.0,
         seed: int | None = None,
         ignore_eos: bool = False,
         timeout_s: float | None = None,
@@ -624,6 +626,7 @@ class EmbeddedEngine:
             prompts,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
+            top_p=top_p,
             seed=seed,
             ignore_eos=ignore_eos,
             timeout_s=timeout_s,
@@ -636,17 +639,50 @@ class EmbeddedEngine:
         *,
         max_new_tokens: int,
         temperature: float = 0.0,
+        top_p: float = 1.0,
         seed: int | None = None,
         ignore_eos: bool = False,
+        logprobs: bool = False,
         timeout_s: float | None = None,
     ) -> list[EmbeddedGeneration]:
         """:meth:`generate`, with each result's standing: one :class:`EmbeddedGeneration`
-        per prompt, in prompt order (whether it was aborted, which weight versions
-        computed its tokens).
+        (an :class:`aiosync.Generation`) per prompt, in prompt order.
+
+        The keywords are those of :class:`aiosync.GenerationBackend`'s
+        ``generate_with_meta`` (the same on vLLM and SGLang), plus ``timeout_s``.
+
+        Args:
+            prompts: one list of token ids per prompt (non-empty).
+            max_new_tokens: the most tokens per prompt, >= 1.
+            temperature: 0.0 is greedy; else sampling from
+                ``softmax(logits / temperature)``.
+            top_p: nucleus sampling: only the most probable tokens whose mass
+                reaches ``top_p``, in ``(0, 1]`` (1.0: all; ignored when greedy).
+            seed: seeds the sampler of each worker (the same seed on a worker
+                gives the same tokens); None: random.
+            ignore_eos: do not stop at an EOS token.
+            logprobs: fill ``Generation.logprobs``: each token's natural-log
+                probability under the raw distribution, ``log_softmax(logits)``
+                of the float32 logits before temperature and top-p (vLLM's
+                default ``raw_logprobs``).
+            timeout_s: limit for the call, seconds (None: ``rpc_timeout_s``).
+
+        Each result's versions are the engine's own: the synchronizer's
+        ``weight_version`` live on the worker when each token was computed
+        (:meth:`on_weights_committed`), None before the first sync;
+        ``finish_reason`` is ``"stop"`` (EOS), ``"length"`` or ``"abort"``.
 
         Raises:
+            ValueError: ``max_new_tokens < 1``, ``temperature < 0``, ``top_p``
+                outside ``(0, 1]``, or an empty prompt (raised by the worker).
             SyncError, TransportError, SyncTimeoutError: as :meth:`generate`.
         """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         if self._lora_refusal is not None:
             raise SyncError(
                 f"the embedded engine refuses to generate: {self._lora_refusal}; a sync must "
@@ -663,6 +699,8 @@ class EmbeddedEngine:
                     "temperature": temperature,
                     "seed": seed,
                     "ignore_eos": ignore_eos,
+                    "top_p": top_p,
+                    "logprobs": logprobs,
                 }
                 calls.append((rank, [part], kwargs))
         results = await self._call("embedded_generate_with_meta", calls, timeout_s)
@@ -688,47 +726,35 @@ class EmbeddedEngine:
 
 
 @dataclass(frozen=True, slots=True)
-class EmbeddedGeneration:
-    """One prompt's result from :meth:`EmbeddedEngine.generate_with_meta`.
+class EmbeddedGeneration(Generation):
+    """One prompt's result from :meth:`EmbeddedEngine.generate_with_meta`: an
+    :class:`aiosync.Generation` that also keeps every token's version.
 
     Attributes:
-        token_ids: the new token ids.
-        aborted: a pause in ``"abort"`` mode ended the request early;
-            ``token_ids`` are those it had by then.
         versions: per token, the engine's ``weight_version`` when the token was
             computed (None: before the first sync); ``len(versions) == len(token_ids)``.
+            ``first_version``, ``last_version`` and ``version_change_at`` are
+            derived from it.
     """
 
-    token_ids: list[int]
-    aborted: bool
-    versions: list[int | None]
-
-    @property
-    def first_version(self) -> int | None:
-        """The weight version of the first token (None: no token, or never synced)."""
-        return self.versions[0] if self.versions else None
-
-    @property
-    def last_version(self) -> int | None:
-        """The weight version of the last token (None: no token, or never synced)."""
-        return self.versions[-1] if self.versions else None
-
-    @property
-    def version_change_at(self) -> int | None:
-        """Index of the first token computed by other weights than token 0
-        (a refit landed while the request was kept in flight); None: one version."""
-        for index, version in enumerate(self.versions):
-            if version != self.versions[0]:
-                return index
-        return None
+    versions: list[int | None] = field(default_factory=list)
 
     @classmethod
     def from_reply(cls, reply: Mapping[str, Any]) -> EmbeddedGeneration:
-        """From a worker's ``{"token_ids", "aborted", "versions"}``."""
+        """From a worker's ``{"token_ids", "aborted", "versions", "logprobs",
+        "finish_reason"}`` (``embedded_generate_with_meta``)."""
+        versions = [None if v is None else int(v) for v in reply["versions"]]
+        first, last, change = version_span(versions)
+        logprobs = reply.get("logprobs")
         return cls(
-            [int(t) for t in reply["token_ids"]],
-            bool(reply["aborted"]),
-            [None if v is None else int(v) for v in reply["versions"]],
+            token_ids=[int(t) for t in reply["token_ids"]],
+            logprobs=None if logprobs is None else [float(x) for x in logprobs],
+            first_version=first,
+            last_version=last,
+            version_change_at=change,
+            aborted=bool(reply["aborted"]),
+            finish_reason=reply.get("finish_reason"),
+            versions=versions,
         )
 
 

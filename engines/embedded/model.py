@@ -29,7 +29,7 @@ import json
 import re
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -306,6 +306,7 @@ class HFModelRunner:
         ignore_eos: bool = False,
         before_forward: Callable[[], str | None] = lambda: None,
         gate: Callable[[int], bool] | None = None,
+        top_p: float = 1.0,
     ) -> DecodeResult:
         """Generate for one prompt, one token per forward pass, with a KV cache.
 
@@ -315,8 +316,14 @@ class HFModelRunner:
         earlier positions (transformers' ``DynamicCache``, ``use_cache=True``),
         exactly as ``model.generate`` does. The next token is the argmax of the
         last position's logits (float32, ``[vocab_size]``), or a sample of
-        ``softmax(logits / temperature)``. Decoding stops after an EOS token
+        ``softmax(logits / temperature)`` restricted to its top-``top_p``
+        nucleus (the most probable tokens whose mass reaches ``top_p``; 1.0:
+        all). Decoding stops after an EOS token
         (``generation_config.eos_token_id``) unless ``ignore_eos``.
+
+        Each token's log-probability (``DecodeResult.logprobs``) is
+        ``log_softmax(logits)[token]`` of those float32 logits, before
+        temperature and top-p (vLLM's default ``raw_logprobs``).
 
         Between steps, outside :attr:`lock`, ``gate(i)`` is called before step
         ``i``: it may block (an engine pausing in place), raise, or return False
@@ -331,20 +338,22 @@ class HFModelRunner:
         computed.
 
         Raises:
-            ValueError: an empty prompt, ``max_new_tokens < 1`` or ``temperature < 0``.
+            ValueError: an empty prompt, ``max_new_tokens < 1``, ``temperature < 0``
+                or ``top_p`` outside ``(0, 1]``.
             KeyError: ``before_forward()`` names an adapter that is not loaded.
             Whatever ``gate`` or ``before_forward`` raise.
         """
-        _check_sampling(max_new_tokens, temperature)
+        _check_sampling(max_new_tokens, temperature, top_p)
         if not prompt:
             raise ValueError("prompts must not be empty")
         eos = set() if ignore_eos else self.eos_ids()
         step_input = torch.tensor([list(prompt)], dtype=torch.long, device=self.device)
         cache: Any = None
         tokens: list[int] = []
+        logprobs: list[float] = []
         for i in range(max_new_tokens):
             if gate is not None and not gate(i):
-                return DecodeResult(tokens, aborted=True)
+                return DecodeResult(tokens, aborted=True, logprobs=logprobs)
             with self.lock:
                 adapter = before_forward()
                 with self._adapters.using(adapter), torch.no_grad():
@@ -353,15 +362,16 @@ class HFModelRunner:
                     cache = out[self._cache_arg]
                     logits = out.logits[0, -1, :].to(dtype=torch.float32)
             if temperature > 0:
-                probs = torch.softmax(logits / temperature, dim=-1)
+                probs = _nucleus(torch.softmax(logits / temperature, dim=-1), top_p)
                 token = int(torch.multinomial(probs, 1, generator=generator).item())
             else:
                 token = int(torch.argmax(logits).item())
             tokens.append(token)
+            logprobs.append(float(torch.log_softmax(logits, dim=-1)[token].item()))
             if token in eos:
                 break
             step_input = torch.tensor([[token]], dtype=torch.long, device=self.device)
-        return DecodeResult(tokens, aborted=False)
+        return DecodeResult(tokens, aborted=False, logprobs=logprobs)
 
     def eos_ids(self) -> set[int]:
         """The EOS token ids decoding stops at (``generation_config.eos_token_id``)."""
@@ -380,17 +390,36 @@ class DecodeResult:
         token_ids: the new token ids, in order.
         aborted: the request was ended early (its gate said so): ``token_ids``
             holds what it had by then.
+        logprobs: per token, ``log_softmax(logits)[token]`` of the float32
+            logits before temperature and top-p (natural log, ``<= 0``);
+            ``len(logprobs) == len(token_ids)``.
     """
 
     token_ids: list[int]
     aborted: bool
+    logprobs: list[float] = field(default_factory=list)
 
 
-def _check_sampling(max_new_tokens: int, temperature: float) -> None:
+def _check_sampling(max_new_tokens: int, temperature: float, top_p: float = 1.0) -> None:
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``probs`` (``[vocab_size]``, float32, summing to 1) with every token outside
+    the top-``top_p`` nucleus zeroed: the most probable tokens, in order, until
+    their mass reaches ``top_p`` (the first token always stays). Not renormalized
+    (``torch.multinomial`` takes weights). ``top_p >= 1``: ``probs`` itself."""
+    if top_p >= 1:
+        return probs
+    sorted_probs, order = torch.sort(probs, descending=True)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
 
 
 def _checkpoint_manifest(model: PreTrainedModel) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

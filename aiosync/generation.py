@@ -1,0 +1,108 @@
+"""What every engine's ``generate_with_meta`` answers: :class:`Generation`.
+
+One result type for the embedded engine, vLLM and SGLang, so that one rollout
+loop drives any of them unchanged (see :class:`~aiosync.GenerationBackend`).
+A result carries, besides the new token ids, the behaviour policy's
+log-probability of each sampled token (for importance correction of
+off-policy samples) and the weight version(s) that computed its tokens (for
+staleness accounting, :class:`~aiosync.VersionedReplayBuffer`).
+
+Log-probability convention (every engine): ``logprobs[i]`` is the natural
+log of the probability the model's *raw* next-token distribution gave token
+``token_ids[i]``: ``log_softmax(logits)[token_ids[i]]`` of the float32 logits,
+**before** temperature, top-p or any other processing. This is vLLM's default
+(``logprobs_mode="raw_logprobs"``) and what a trainer recomputes with its own
+forward pass (``torch.log_softmax(model(ids).logits, -1)``), so the two compare
+directly whatever the sampling temperature. Values are float32 precision,
+``<= 0``.
+
+No torch here: importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["Generation"]
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One prompt's result from an engine's ``generate_with_meta``.
+
+    Attributes:
+        token_ids: the new token ids, in order (the prompt excluded).
+        logprobs: with ``logprobs=True``: per token, the behaviour policy's
+            natural-log probability of the sampled token under the raw
+            (pre-temperature) distribution, float32 precision,
+            ``len(logprobs) == len(token_ids)`` (see the module docstring);
+            None when not asked for.
+        first_version: the synchronizer's ``weight_version`` of the weights that
+            computed the first token; None: no token, the engine's initial
+            weights (never synced), or an engine that reports no version.
+        last_version: the same for the last token; equals ``first_version``
+            unless a refit landed while the request was kept in flight
+            (``sync_weights(in_flight="keep")``).
+        version_change_at: index into ``token_ids`` of the first token computed
+            by other weights than token 0's; None when one version computed
+            them all, or when the engine does not say where (then compare
+            ``first_version`` and ``last_version``: :attr:`spans_versions`).
+        aborted: the engine ended the request early (a sync paused it with
+            ``in_flight="abort"``); ``token_ids`` are those it had by then.
+        finish_reason: why the request ended, as the engine says it:
+            ``"stop"`` (an EOS or stop token), ``"length"`` (``max_new_tokens``
+            reached), ``"abort"``; None when the engine does not say.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    first_version: int | None = None
+    last_version: int | None = None
+    version_change_at: int | None = None
+    aborted: bool = False
+    finish_reason: str | None = None
+
+    @property
+    def spans_versions(self) -> bool:
+        """True when more than one weight version computed the tokens (a "keep"
+        request that lived through a refit)."""
+        return self.version_change_at is not None or self.first_version != self.last_version
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest weight version that computed any token (None: unknown)."""
+        known = [v for v in (self.first_version, self.last_version) if v is not None]
+        return min(known) if known else None
+
+    @property
+    def newest_version(self) -> int | None:
+        """The newest weight version that computed any token (None: unknown)."""
+        known = [v for v in (self.first_version, self.last_version) if v is not None]
+        return max(known) if known else None
+
+
+def version_span(versions: Sequence[int | None]) -> tuple[int | None, int | None, int | None]:
+    """``(first_version, last_version, version_change_at)`` from per-token versions.
+
+    Args:
+        versions: the weight version each token was computed with, in token
+            order (None: the initial, never-synced weights).
+    """
+    if not versions:
+        return None, None, None
+    first = versions[0]
+    change = next((i for i, v in enumerate(versions) if v != first), None)
+    return first, versions[-1], change
+
+
+def parse_version(label: object) -> int | None:
+    """An engine's version label as an int: ``"3"`` -> 3; None, ``"default"``
+    (SGLang's label before any update) and other non-integer labels -> None."""
+    if isinstance(label, bool):
+        return None
+    if isinstance(label, int):
+        return label
+    if isinstance(label, str) and label.strip().lstrip("-").isdigit():
+        return int(label)
+    return None

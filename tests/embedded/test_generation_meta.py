@@ -1,0 +1,135 @@
+"""EmbeddedEngine.generate_with_meta: the core ``Generation`` (logprobs, versions, finish reason).
+
+Each logprob is checked against an independent computation: one full forward
+pass of the transformers model (no KV cache) over the prompt and the generated
+tokens, ``torch.log_softmax`` of the float32 logits at every generated position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+import pytest
+import pytest_asyncio
+import torch
+
+from aiosync import Generation
+from aiosync.engines.embedded.configs import TINY_QWEN3
+from aiosync.engines.embedded.engine import EmbeddedEngine, EmbeddedGeneration
+from aiosync.engines.embedded.model import HFModelRunner
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+SEED = 4
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7]]
+STEPS = 12
+#: float32: the KV-cached decode and one full forward add in another order.
+ATOL = 1e-5
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine() -> AsyncIterator[EmbeddedEngine]:
+    async with EmbeddedEngine(TINY_QWEN3, num_workers=1, seed=SEED, rpc_timeout_s=120) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def trainer() -> torch.nn.Module:
+    """The trainer's transformers model (the same seeded init as the engine's)."""
+    return HFModelRunner.from_config(TINY_QWEN3, seed=SEED).model.eval()
+
+
+def full_forward_logprobs(
+    model: torch.nn.Module, prompt: Sequence[int], tokens: Sequence[int]
+) -> tuple[list[float], list[int]]:
+    """``(logprob of each token, greedy argmax at each position)`` from one forward
+    pass over ``prompt + tokens``: ``log_softmax`` of the float32 logits."""
+    ids = torch.tensor([list(prompt) + list(tokens)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    positions = range(len(prompt) - 1, len(prompt) - 1 + len(tokens))
+    logp = torch.log_softmax(logits, dim=-1)
+    values = [float(logp[p, t]) for p, t in zip(positions, tokens, strict=True)]
+    argmax = [int(torch.argmax(logits[p])) for p in positions]
+    return values, argmax
+
+
+async def test_greedy_logprobs_equal_the_trainers_log_softmax(
+    engine: EmbeddedEngine, trainer: torch.nn.Module
+) -> None:
+    results = await engine.generate_with_meta(
+        PROMPTS, max_new_tokens=STEPS, ignore_eos=True, logprobs=True
+    )
+    assert [type(r) for r in results] == [EmbeddedGeneration] * len(PROMPTS)
+    assert all(isinstance(r, Generation) for r in results)
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        expected, argmax = full_forward_logprobs(trainer, prompt, result.token_ids)
+        assert result.token_ids == argmax  # greedy, token for token
+        assert result.logprobs is not None and len(result.logprobs) == STEPS
+        assert result.logprobs == pytest.approx(expected, abs=ATOL, rel=0)
+        assert all(x <= 0 for x in result.logprobs)
+        assert (result.aborted, result.finish_reason) == (False, "length")
+        # Never synced: the engine's initial weights carry no version.
+        assert (result.first_version, result.last_version, result.version_change_at) == (
+            None,
+            None,
+            None,
+        )
+        assert result.versions == [None] * STEPS
+        assert result.spans_versions is False
+
+
+async def test_logprobs_are_none_unless_asked(engine: EmbeddedEngine) -> None:
+    plain = await engine.generate_with_meta(PROMPTS, max_new_tokens=4, ignore_eos=True)
+    asked = await engine.generate_with_meta(
+        PROMPTS, max_new_tokens=4, ignore_eos=True, logprobs=True
+    )
+    assert [r.logprobs for r in plain] == [None, None]
+    assert [r.token_ids for r in plain] == [r.token_ids for r in asked]
+    assert [r.token_ids for r in plain] == await engine.generate(
+        PROMPTS, max_new_tokens=4, ignore_eos=True
+    )
+
+
+async def test_sampled_logprobs_are_the_raw_distributions_before_temperature(
+    engine: EmbeddedEngine, trainer: torch.nn.Module
+) -> None:
+    kwargs = {"max_new_tokens": STEPS, "temperature": 1.7, "seed": 5, "ignore_eos": True}
+    first = await engine.generate_with_meta(PROMPTS, logprobs=True, **kwargs)
+    again = await engine.generate_with_meta(PROMPTS, logprobs=True, **kwargs)
+    assert [r.token_ids for r in first] == [r.token_ids for r in again]  # seeded
+    for prompt, result in zip(PROMPTS, first, strict=True):
+        expected, _ = full_forward_logprobs(trainer, prompt, result.token_ids)
+        assert result.logprobs == pytest.approx(expected, abs=ATOL, rel=0)
+
+
+async def test_a_tiny_top_p_keeps_only_the_most_probable_token(engine: EmbeddedEngine) -> None:
+    greedy = await engine.generate(PROMPTS, max_new_tokens=STEPS, ignore_eos=True)
+    nucleus = await engine.generate_with_meta(
+        PROMPTS, max_new_tokens=STEPS, temperature=1.0, top_p=1e-6, seed=1, ignore_eos=True
+    )
+    assert [r.token_ids for r in nucleus] == greedy
+
+
+async def test_results_carry_the_committed_weight_version(engine: EmbeddedEngine) -> None:
+    await engine.on_weights_committed(7)
+    (result,) = await engine.generate_with_meta([PROMPTS[0]], max_new_tokens=5, ignore_eos=True)
+    assert result.versions == [7] * 5
+    assert (result.first_version, result.last_version, result.version_change_at) == (7, 7, None)
+    assert (result.oldest_version, result.newest_version, result.spans_versions) == (7, 7, False)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": 2, "temperature": -0.5}, "temperature"),
+        ({"max_new_tokens": 2, "top_p": 0.0}, "top_p"),
+        ({"max_new_tokens": 2, "top_p": 1.5}, "top_p"),
+    ],
+)
+async def test_bad_sampling_parameters_are_refused_before_any_worker_is_asked(
+    engine: EmbeddedEngine, kwargs: dict[str, float], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        await engine.generate_with_meta(PROMPTS, **kwargs)  # type: ignore[arg-type]
