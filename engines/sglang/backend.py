@@ -63,7 +63,7 @@ import shutil
 import tempfile
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -71,6 +71,7 @@ import httpx
 
 from aiosync._config import DEFAULT_RPC_TIMEOUT_S
 from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
+from aiosync.generation import Generation, parse_version, version_span
 from aiosync.interfaces import IN_FLIGHT_POLICIES, InFlightPolicy
 from aiosync.lora import LoRAAdapter
 from aiosync.transports._leftovers import SHM_DIR, dir_prefix
@@ -111,17 +112,27 @@ _DISCARDED = "they were released by the memory saver and not re-synced"
 
 
 @dataclass(frozen=True, slots=True)
-class SGLangGeneration:
-    """One ``/generate`` result: the new token ids and the server's ``meta_info``.
+class SGLangGeneration(Generation):
+    """One ``/generate`` result: an :class:`aiosync.Generation` plus the server's ``meta_info``.
+
+    The :class:`~aiosync.Generation` fields come from the answer: ``token_ids``
+    from ``output_ids``; ``logprobs`` from ``meta_info.output_token_logprobs``
+    (``[[logprob, token_id, text], ...]``, asked with ``return_logprob``);
+    ``finish_reason`` from ``meta_info.finish_reason.type`` (``"stop"``,
+    ``"length"``, ``"abort"``); the versions from ``meta_info.weight_version``
+    (see :meth:`SGLangHTTPBackend.generate_with_meta`).
 
     Attributes:
-        output_ids: the generated token ids.
         meta_info: SGLang's ``meta_info`` as the server answered it (``finish_reason``,
             ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ...).
     """
 
-    output_ids: list[int]
-    meta_info: dict[str, Any]
+    meta_info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def output_ids(self) -> list[int]:
+        """The generated token ids (SGLang's name for :attr:`token_ids`)."""
+        return self.token_ids
 
     @property
     def weight_version(self) -> str | None:
@@ -131,13 +142,76 @@ class SGLangGeneration:
         version = self.meta_info.get("weight_version")
         return None if version is None else str(version)
 
-    @property
-    def aborted(self) -> bool:
-        """The server ended the request early (``finish_reason.type == "abort"``: a
-        pause in ``"abort"`` mode, an ``abort_all_requests``); ``output_ids`` are
-        the tokens it had by then."""
-        reason = self.meta_info.get("finish_reason")
-        return isinstance(reason, dict) and reason.get("type") == "abort"
+    @classmethod
+    def from_answer(
+        cls, item: Any, *, logprobs: bool = False, submitted_version: int | None = None
+    ) -> SGLangGeneration:
+        """From one ``/generate`` answer ``{"output_ids", "meta_info"}``.
+
+        Args:
+            item: the answer (one element of a batch answer).
+            logprobs: read ``meta_info.output_token_logprobs`` (the request set
+                ``return_logprob``).
+            submitted_version: the weight version the backend knew live when it
+                sent the request (see :meth:`SGLangHTTPBackend.generate_with_meta`).
+
+        Raises:
+            TransportError: no ``output_ids``, or ``output_token_logprobs`` missing
+                or not one ``[logprob, token_id, ...]`` per output token.
+        """
+        ids = item.get("output_ids", item.get("token_ids")) if isinstance(item, dict) else None
+        if not isinstance(ids, list):
+            raise TransportError(f"/generate answer without output_ids: {str(item)[:200]}")
+        token_ids = [int(i) for i in ids]
+        meta = item.get("meta_info")
+        meta_info = dict(meta) if isinstance(meta, dict) else {}
+        reason = meta_info.get("finish_reason")
+        finish = reason.get("type") if isinstance(reason, dict) else reason
+        finish_reason = None if finish is None else str(finish)
+        values: list[float] | None = None
+        if logprobs:
+            values = _output_logprobs(meta_info.get("output_token_logprobs"), token_ids)
+        labels = meta_info.get("aiosync_token_versions")
+        if isinstance(labels, list) and len(labels) == len(token_ids):
+            # The test server labels every token; SGLang itself does not.
+            first, last, change = version_span([parse_version(v) for v in labels])
+        else:
+            last = parse_version(meta_info.get("weight_version"))
+            first, change = last, None
+            if token_ids and submitted_version is not None and last is not None:
+                # A refit landed between the request and the answer: its tokens may
+                # come from both versions (where they changed SGLang does not say).
+                first = min(submitted_version, last)
+            if not token_ids:
+                first = last = None
+        return cls(
+            token_ids=token_ids,
+            logprobs=values,
+            first_version=first,
+            last_version=last,
+            version_change_at=change,
+            aborted=finish_reason == "abort",
+            finish_reason=finish_reason,
+            meta_info=meta_info,
+        )
+
+
+def _output_logprobs(entries: Any, token_ids: list[int]) -> list[float]:
+    """``[logprob, ...]`` from SGLang's ``output_token_logprobs``
+    (``[[logprob, token_id, text_or_None], ...]``), checked against ``token_ids``."""
+    if not isinstance(entries, list) or len(entries) != len(token_ids):
+        raise TransportError(
+            f"/generate answered output_token_logprobs {str(entries)[:200]} for "
+            f"{len(token_ids)} output tokens (asked with return_logprob)"
+        )
+    values: list[float] = []
+    for entry, token in zip(entries, token_ids, strict=True):
+        if not (isinstance(entry, list | tuple) and len(entry) >= 2 and entry[1] == token):
+            raise TransportError(
+                f"/generate answered output_token_logprobs entry {entry!r} for token {token}"
+            )
+        values.append(float(entry[0]))
+    return values
 
 
 class SGLangHTTPBackend:
@@ -219,6 +293,8 @@ class SGLangHTTPBackend:
             transport=transport,
         )
         self._released: set[str] = set()
+        # The weight-version label this backend last set on the server (None: none yet).
+        self._version_label: str | None = None
         # False from the moment the server discarded its weights, or a refit began
         # loading into them, until a whole sync landed.
         self._weights_valid = True
@@ -342,6 +418,9 @@ class SGLangHTTPBackend:
         *,
         max_new_tokens: int,
         temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        ignore_eos: bool = False,
         sampling_params: Mapping[str, Any] | None = None,
     ) -> list[list[int]]:
         """Generate from token-id prompts via ``/generate``; returns the new token ids.
@@ -353,12 +432,14 @@ class SGLangHTTPBackend:
             prompts: one list of token ids per prompt.
             max_new_tokens: tokens to generate per prompt.
             temperature: 0 for greedy.
-            sampling_params: more SGLang ``sampling_params`` fields (``top_p``, ``stop``...).
+            top_p, seed, ignore_eos: as :meth:`generate_with_meta`.
+            sampling_params: more SGLang ``sampling_params`` fields (``stop``...).
 
         With a LoRA adapter loaded (:meth:`load_lora_adapter`) every prompt is
         generated with it (``lora_path``).
 
         Raises:
+            ValueError: as :meth:`generate_with_meta`.
             SyncError: the server's weights are released or discarded and not
                 re-synced (never generate on garbage weights; case C6), or a sync
                 posted part of a new version and then failed, timed out or was
@@ -370,6 +451,9 @@ class SGLangHTTPBackend:
             prompts,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            ignore_eos=ignore_eos,
             sampling_params=sampling_params,
         )
         return [r.output_ids for r in results]
@@ -380,18 +464,56 @@ class SGLangHTTPBackend:
         *,
         max_new_tokens: int,
         temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        logprobs: bool = False,
         sampling_params: Mapping[str, Any] | None = None,
     ) -> list[SGLangGeneration]:
-        """:meth:`generate`, with each result's ``meta_info``: one
-        :class:`SGLangGeneration` per prompt, in prompt order.
+        """:meth:`generate`, with each result's standing: one :class:`SGLangGeneration`
+        (an :class:`aiosync.Generation`) per prompt, in prompt order.
 
-        ``result.weight_version`` is the version the server reported for that
-        response (``meta_info.weight_version``); after a sync committed it is
-        ``str(sync.weight_version)``.
+        The keywords are those of :class:`aiosync.GenerationBackend`'s
+        ``generate_with_meta`` (the same on the embedded engine and vLLM), sent
+        as SGLang's: ``sampling_params`` ``max_new_tokens``, ``temperature``,
+        ``top_p``, ``sampling_seed`` (only when ``seed`` is given),
+        ``ignore_eos``; ``logprobs`` is the request's ``return_logprob`` (with
+        SGLang's default ``logprob_start_len``: no prompt position is scored),
+        read back from ``meta_info.output_token_logprobs``. SGLang computes them
+        from the raw logits for greedy requests; for sampled ones run the
+        server with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` to get the raw,
+        pre-temperature convention of :class:`aiosync.Generation` (else SGLang
+        reports the log of the processed distribution it sampled from).
+
+        Versions: ``meta_info.weight_version`` (the label the synchronizer set:
+        ``str(sync.weight_version)``; SGLang's ``"default"`` before any is
+        None) is the answer's ``last_version``. SGLang does not say which
+        version computed each token, so when the label this backend last set
+        (a versioned update or ``/update_weight_version``) was older when the
+        request was sent, ``first_version`` is that older one (a request kept
+        in flight across a refit, or one that waited through it: counted as
+        spanning both, the cautious side) and ``version_change_at`` is None.
+        Servers that label each token (the test server's
+        ``meta_info.aiosync_token_versions``) give exact versions and the index.
+
+        Args:
+            sampling_params: more SGLang ``sampling_params`` fields (``stop``...);
+                the keywords above win over them.
 
         Raises:
-            SyncError, TransportError, SyncTimeoutError: as :meth:`generate`.
+            ValueError: ``max_new_tokens < 1``, ``temperature < 0`` or ``top_p``
+                outside ``(0, 1]`` (before any request).
+            SyncError: as :meth:`generate`.
+            TransportError: as :meth:`generate`, or an answer whose
+                ``output_token_logprobs`` does not match its tokens.
+            SyncTimeoutError: as :meth:`generate`.
         """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         if "weights" in self._released or not self._weights_valid:
             reason = self._invalid_reason or _DISCARDED
             raise SyncError(
@@ -409,25 +531,25 @@ class SGLangHTTPBackend:
                 "a sync must succeed before generate()"
             )
         params = {**(sampling_params or {}), "max_new_tokens": max_new_tokens}
-        params["temperature"] = temperature
+        params.update(temperature=temperature, top_p=top_p, ignore_eos=ignore_eos)
+        if seed is not None:
+            params["sampling_seed"] = seed
         body: dict[str, Any] = {"input_ids": [list(p) for p in prompts], "sampling_params": params}
+        if logprobs:
+            body["return_logprob"] = True
         if self._lora_active is not None:
             body["lora_path"] = self._lora_active
+        submitted = parse_version(self._version_label)
         answer = await self._post("/generate", body, timeout_s=self.generate_timeout_s)
         items = answer if isinstance(answer, list) else [answer]
         if len(items) != len(prompts):
             raise TransportError(
                 f"/generate answered {len(items)} results for {len(prompts)} prompts"
             )
-        out: list[SGLangGeneration] = []
-        for item in items:
-            ids = item.get("output_ids", item.get("token_ids")) if isinstance(item, dict) else None
-            if not isinstance(ids, list):
-                raise TransportError(f"/generate answer without output_ids: {str(item)[:200]}")
-            meta = item.get("meta_info")
-            meta_info = dict(meta) if isinstance(meta, dict) else {}
-            out.append(SGLangGeneration([int(i) for i in ids], meta_info))
-        return out
+        return [
+            SGLangGeneration.from_answer(item, logprobs=logprobs, submitted_version=submitted)
+            for item in items
+        ]
 
     # -- the in-flight policy -------------------------------------------------------
 
@@ -613,6 +735,8 @@ class SGLangHTTPBackend:
         answer = await self._post("/update_weights_from_tensor", body)
         if isinstance(answer, dict) and answer.get("success") is False:
             raise TransportError(f"/update_weights_from_tensor failed: {answer.get('message')}")
+        if weight_version is not None:
+            self._version_label = weight_version
         return str(answer.get("message", "")) if isinstance(answer, dict) else ""
 
     async def flush_cache(self, timeout_s: float | None = None) -> int:
@@ -665,6 +789,7 @@ class SGLangHTTPBackend:
         answer = await self._post("/update_weight_version", body)
         if isinstance(answer, dict) and answer.get("success") is False:
             raise TransportError(f"/update_weight_version failed: {answer.get('message')}")
+        self._version_label = new_version
 
     async def get_weight_version(self) -> str | None:
         """``/get_weight_version``: the ``weight_version`` of the last completed update."""
@@ -766,8 +891,9 @@ class SGLangHTTPBackend:
             ValueError: ``/get_server_info`` says the server runs without
                 ``--enable-lora``, or ``max_rank`` exceeds its ``--max-lora-rank`` (the
                 engine's configuration, as vLLM's ``enable_lora``/``max_lora_rank``).
-            RefitMismatchError: a target module is outside its ``--lora-target-modules`` (SGLang's names:
-                ``q/k/v_proj`` count as ``qkv_proj``, ``gate/up_proj`` as ``gate_up_proj``).
+            RefitMismatchError: a target module is outside its ``--lora-target-modules``
+                (SGLang's names: ``q/k/v_proj`` count as ``qkv_proj``, ``gate/up_proj``
+                as ``gate_up_proj``).
             TransportError, SyncTimeoutError: ``/get_server_info`` failed.
         """
         info = await self.server_info()

@@ -244,7 +244,9 @@ class ServerState:
     #: Loaded LoRA adapters, ``{lora_name: (lora_id, lora_path)}``, in load order;
     #: each TP rank's model holds the adapter under ``lora_id``.
     lora_adapters: dict[str, tuple[str, str]] = field(default_factory=dict)
-    cache: dict[tuple[tuple[int, ...], int, str | None], list[int]] = field(default_factory=dict)
+    cache: dict[tuple[tuple[int, ...], int, str | None, bool], tuple[list[int], list[float]]] = (
+        field(default_factory=dict)
+    )
     log: list[dict[str, Any]] = field(default_factory=list)
     faults: dict[str, _Fault] = field(default_factory=dict)
     unhang: threading.Event = field(default_factory=threading.Event)
@@ -468,6 +470,9 @@ class _Handler(BaseHTTPRequestHandler):
         max_new = int(params.get("max_new_tokens", 128))
         temperature = float(params.get("temperature", 1.0))
         ignore_eos = bool(params.get("ignore_eos", False))
+        top_p = float(params.get("top_p", 1.0))
+        seed = params.get("sampling_seed")
+        return_logprob = bool(data.get("return_logprob", False))
         names = _lora_names(data.get("lora_path"), len(prompts))
         with state.lock:
             if state.released:
@@ -482,40 +487,46 @@ class _Handler(BaseHTTPRequestHandler):
             lora_ids = [None if n is None else state.lora_adapters[n][0] for n in names]
         results = []
         for prompt, lora_id in zip(prompts, lora_ids, strict=True):
-            key = (tuple(prompt), max_new, lora_id)
+            key = (tuple(prompt), max_new, lora_id, ignore_eos)
             with state.lock:
                 cached = state.cache.get(key) if temperature == 0 else None
             aborted = False
             versions: list[str | None] = []
             if cached is None:
-                out, aborted, versions = self._decode(
-                    prompt, max_new, temperature, ignore_eos, lora_id
+                out, logprobs, aborted, versions = self._decode(
+                    prompt, max_new, temperature, ignore_eos, lora_id, top_p, seed
                 )
                 if temperature == 0 and not aborted and len(set(versions)) == 1:
                     with state.lock:
-                        state.cache[key] = out
+                        state.cache[key] = (out, logprobs)
             else:
-                out = cached
+                out, logprobs = cached
             finish: dict[str, Any] = {"type": "length", "length": max_new}
             if aborted:
                 finish = {"type": "abort", "message": "Abort in waiting queue"}
-            results.append(
-                {
-                    "text": "",
-                    "output_ids": out,
-                    "meta_info": {
-                        "id": uuid.uuid4().hex,
-                        "finish_reason": finish,
-                        "prompt_tokens": len(prompt),
-                        "completion_tokens": len(out),
-                        "cached_tokens": len(prompt) if cached is not None else 0,
-                        "weight_version": state.weight_version,
-                        # Test-server only: the weight version label each token was
-                        # computed under (SGLang reports only the answer's).
-                        "aiosync_token_versions": versions,
-                    },
-                }
-            )
+            elif out and not ignore_eos and out[-1] in state.runner.eos_ids():
+                # SGLang's FINISH_MATCHED_TOKEN.
+                finish = {"type": "stop", "matched": out[-1]}
+            meta_info: dict[str, Any] = {
+                "id": uuid.uuid4().hex,
+                "finish_reason": finish,
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(out),
+                "cached_tokens": len(prompt) if cached is not None else 0,
+                "weight_version": state.weight_version,
+                # Test-server only: the weight version label each token was
+                # computed under (SGLang reports only the answer's).
+                "aiosync_token_versions": versions,
+            }
+            if return_logprob:
+                # SGLang's shape: one [logprob, token_id, text] per output token
+                # (text None unless return_text_in_logprobs); with the default
+                # logprob_start_len (-1) no prompt position is scored.
+                meta_info["output_token_logprobs"] = [
+                    [lp, tok, None] for lp, tok in zip(logprobs, out, strict=True)
+                ]
+                meta_info["input_token_logprobs"] = []
+            results.append({"text": "", "output_ids": out, "meta_info": meta_info})
         return results[0] if single else results
 
     def _decode(
@@ -525,12 +536,19 @@ class _Handler(BaseHTTPRequestHandler):
         temperature: float,
         ignore_eos: bool,
         lora_id: str | None,
-    ) -> tuple[list[int], bool, list[str | None]]:
-        """One request, token by token, at the scheduler: ``(ids, aborted, versions)``."""
+        top_p: float = 1.0,
+        seed: Any = None,
+    ) -> tuple[list[int], list[float], bool, list[str | None]]:
+        """One request, token by token, at the scheduler: ``(ids, logprobs, aborted,
+        versions)``; ``logprobs``: each token's ``log_softmax(logits)[token]``
+        before temperature and top-p (SGLang's ``SGLANG_RETURN_ORIGINAL_LOGPROB``
+        convention, and what SGLang reports for greedy requests)."""
         state = self.server.state
         ticket = state.scheduler.admit()
         out: list[int] = []
+        logprobs: list[float] = []
         versions: list[str | None] = []
+        generator = state.runner.make_generator(None if seed is None else int(seed))
 
         def before_forward() -> str | None:
             with state.lock:
@@ -549,16 +567,19 @@ class _Handler(BaseHTTPRequestHandler):
                     ignore_eos=ignore_eos,
                     before_forward=before_forward,
                     gate=gate,
+                    top_p=top_p,
+                    generator=generator,
                 )
                 out += result.token_ids
+                logprobs += result.logprobs
                 ended = bool(out) and not ignore_eos and out[-1] in state.runner.eos_ids()
                 if not result.aborted or ticket.aborted or ended or len(out) >= max_new:
-                    return out, ticket.aborted, versions
+                    return out, logprobs, ticket.aborted, versions
                 # Retracted: back in the queue, KV cache dropped; recomputed from the
                 # prompt and the tokens so far once generation continues.
                 state.scheduler.readmit(ticket)
                 if ticket.aborted:
-                    return out, True, versions
+                    return out, logprobs, True, versions
         finally:
             state.scheduler.finish(ticket)
 
