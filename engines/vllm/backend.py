@@ -57,6 +57,7 @@ import anyio.to_thread
 
 from aiosync._config import DEFAULT_RPC_TIMEOUT_S
 from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
+from aiosync.generation import Generation, parse_version
 from aiosync.lora import LoRAAdapter
 from aiosync.transports._leftovers import dir_prefix
 
@@ -330,6 +331,7 @@ class VLLMGenerationBackend:
         *,
         max_new_tokens: int = 16,
         temperature: float = 0.0,
+        top_p: float = 1.0,
         seed: int | None = None,
         ignore_eos: bool = True,
         timeout_s: float | None = None,
@@ -347,8 +349,11 @@ class VLLMGenerationBackend:
             prompts: one list of token ids per prompt.
             max_new_tokens: tokens to generate per prompt.
             temperature: 0.0 is greedy.
+            top_p: nucleus sampling, in ``(0, 1]`` (1.0: off).
+            seed: vLLM's per-request sampling seed (None: the engine's).
             ignore_eos: keep going past an end-of-sequence token, so every
-                output has ``max_new_tokens`` tokens.
+                output has ``max_new_tokens`` tokens. (The default here is True;
+                :meth:`generate_with_meta` defaults to False, as every engine.)
             timeout_s: how long to wait for a pause or an adapter load to end
                 before generating, seconds (None: ``rpc_timeout_s``). Generation
                 itself is not bounded.
@@ -361,6 +366,84 @@ class VLLMGenerationBackend:
                 every adapter; so does vLLM's LRU cache when other adapters
                 crowd it out). Refit (load an adapter) before generating.
         """
+        outputs = await self._completions(
+            prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            ignore_eos=ignore_eos,
+            logprobs=False,
+            timeout_s=timeout_s,
+        )
+        return [list(o.token_ids) for o in outputs]
+
+    async def generate_with_meta(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        logprobs: bool = False,
+        timeout_s: float | None = None,
+    ) -> list[Generation]:
+        """:meth:`generate`, with each result's standing: one :class:`aiosync.Generation`
+        per prompt, in prompt order.
+
+        The keywords are those of :class:`aiosync.GenerationBackend`'s
+        ``generate_with_meta`` (the same on the embedded engine and SGLang), plus
+        ``timeout_s`` (as :meth:`generate`). ``logprobs=True`` asks vLLM for
+        ``SamplingParams(logprobs=0)``: the sampled token's log-probability, in
+        the engine's ``logprobs_mode`` (vLLM's default ``"raw_logprobs"``:
+        ``log_softmax`` of the raw logits, before temperature and top-p, the
+        convention of :class:`aiosync.Generation`).
+
+        Versions come from the engine: vLLM labels the tokens it samples with
+        its weight version (``CompletionOutput.weight_versions``, spans of
+        output-token indexes; the label is the synchronizer's
+        ``str(weight_version)`` once :meth:`on_weights_committed` ran, vLLM's
+        ``"default"`` before: None). ``finish_reason`` is vLLM's (``"stop"``,
+        ``"length"``, ``"abort"``); ``aborted`` is ``finish_reason == "abort"``.
+
+        Raises:
+            ValueError: ``max_new_tokens < 1``, ``temperature < 0`` or ``top_p``
+                outside ``(0, 1]`` (before anything reaches vLLM).
+            SyncTimeoutError, SyncError: as :meth:`generate`.
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        outputs = await self._completions(
+            prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            ignore_eos=ignore_eos,
+            logprobs=logprobs,
+            timeout_s=timeout_s,
+        )
+        return [_generation(o, logprobs) for o in outputs]
+
+    async def _completions(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None,
+        ignore_eos: bool,
+        logprobs: bool,
+        timeout_s: float | None,
+    ) -> list[Any]:
+        """vLLM's ``CompletionOutput`` of each prompt, in prompt order."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -385,13 +468,15 @@ class VLLMGenerationBackend:
                 )
             params = SamplingParams(
                 temperature=temperature,
+                top_p=top_p,
                 max_tokens=max_new_tokens,
                 seed=seed,
                 ignore_eos=ignore_eos,
+                logprobs=0 if logprobs else None,
             )
             inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
             if self._is_async:
-                results: list[list[int]] = [[] for _ in inputs]
+                results: list[Any] = [None for _ in inputs]
                 async with anyio.create_task_group() as tg:
                     for i, prompt in enumerate(inputs):
                         tg.start_soon(self._generate_async, prompt, params, lora, results, i)
@@ -399,7 +484,7 @@ class VLLMGenerationBackend:
             outputs = await self._call(
                 "generate", inputs, params, use_tqdm=False, lora_request=lora
             )
-            return [list(o.outputs[0].token_ids) for o in outputs]
+            return [o.outputs[0] for o in outputs]
 
     # -- in-flight policy ----------------------------------------------------------
 
@@ -721,7 +806,7 @@ class VLLMGenerationBackend:
         return await anyio.to_thread.run_sync(locked, abandon_on_cancel=True)
 
     async def _generate_async(
-        self, prompt: Any, params: Any, lora: Any, results: list[list[int]], index: int
+        self, prompt: Any, params: Any, lora: Any, results: list[Any], index: int
     ) -> None:
         self._request_ids += 1
         final = None
@@ -737,7 +822,7 @@ class VLLMGenerationBackend:
                 self._gate.streaming -= 1
                 self._gate.notify()
         assert final is not None
-        results[index] = list(final.outputs[0].token_ids)
+        results[index] = final.outputs[0]
 
     def _warn_no_sleep(self) -> None:
         if not self._warned_no_sleep:
@@ -748,6 +833,49 @@ class VLLMGenerationBackend:
                 "finish_generation() releases no memory and prepare_for_generation() "
                 "only resets the prefix cache"
             )
+
+
+def _generation(output: Any, logprobs: bool) -> Generation:
+    """A :class:`~aiosync.Generation` from vLLM's ``CompletionOutput``.
+
+    ``output.logprobs`` (asked with ``SamplingParams(logprobs=0)``) holds, per
+    token, a mapping ``{token_id: Logprob}`` with at least the sampled token;
+    ``output.weight_versions`` spans ``[start, end)`` of output-token indexes,
+    each with the weight-version label that sampled them (None: no label).
+
+    Raises:
+        TransportError: asked for logprobs and vLLM answered none for a token.
+    """
+    token_ids = [int(t) for t in output.token_ids]
+    values: list[float] | None = None
+    if logprobs:
+        positions = output.logprobs
+        if positions is None or len(positions) != len(token_ids):
+            raise TransportError(
+                f"vLLM answered {0 if positions is None else len(positions)} logprob "
+                f"positions for {len(token_ids)} tokens"
+            )
+        values = []
+        for token, position in zip(token_ids, positions, strict=True):
+            entry = None if position is None else position.get(token)
+            if entry is None:
+                raise TransportError(f"vLLM answered no logprob for sampled token {token}")
+            values.append(float(entry.logprob))
+    spans = [s for s in (getattr(output, "weight_versions", None) or []) if s.end > s.start]
+    first = last = change = None
+    if spans and token_ids:
+        first, last = parse_version(spans[0].version), parse_version(spans[-1].version)
+        change = next((s.start for s in spans if parse_version(s.version) != first), None)
+    finish = output.finish_reason
+    return Generation(
+        token_ids=token_ids,
+        logprobs=values,
+        first_version=first,
+        last_version=last,
+        version_change_at=change,
+        aborted=finish == "abort",
+        finish_reason=None if finish is None else str(finish),
+    )
 
 
 def _vllm_config(engine: Any) -> Any:
