@@ -6,7 +6,13 @@ trainer already optimizes the next version, so a sample is *stale* by
 uses it. :class:`VersionedReplayBuffer` subscribes to a synchronizer's
 weight-version event stream (:mod:`aiosync.events`) to follow both versions,
 stamps every sample with the version it was generated under, and never hands
-out a sample staler than ``max_staleness``:
+out a sample staler than ``max_staleness``.
+
+A sample whose tokens came from two versions (a request kept in flight across a
+refit, ``sync_weights(in_flight="keep")``; see :class:`~aiosync.Generation`'s
+``first_version``/``last_version``) is stamped with the oldest of them by
+default (``stamp="oldest"``), so its staleness is never understated; with
+``stamp="newest"`` it counts from the newest. Either way:
 
 * when a newer version commits (a ``COMMITTED`` event), samples whose staleness
   exceeds ``max_staleness`` are dropped;
@@ -27,7 +33,7 @@ from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Generic, Self, TypeVar
+from typing import Generic, Literal, Self, TypeVar, get_args
 
 import anyio
 import anyio.abc
@@ -35,9 +41,17 @@ import anyio.abc
 from .events import EventSubscription, VersionEventKind, WeightVersionEvent
 from .interfaces import WeightSynchronizer
 
-__all__ = ["ReplaySample", "StalenessStats", "VersionedReplayBuffer"]
+__all__ = ["STAMPS", "ReplaySample", "StalenessStats", "Stamp", "VersionedReplayBuffer"]
 
 T = TypeVar("T")
+
+#: Which of the versions that produced a sample stamps it: ``"oldest"`` (its
+#: staleness counts from the oldest weights that computed any of its tokens)
+#: or ``"newest"``.
+Stamp = Literal["oldest", "newest"]
+
+#: The values of :data:`Stamp`.
+STAMPS: tuple[Stamp, ...] = get_args(Stamp)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,12 +65,22 @@ class ReplaySample(Generic[T]):
         policy_version: the trainer's version when the item was handed out.
         staleness: ``policy_version - target_weight_version``, in optimizer steps
             (``0 <= staleness <= max_staleness``).
+        other_weight_version: when more than one weight version produced the
+            item, the one at the other end from ``target_weight_version`` (the
+            newest under ``stamp="oldest"``, the oldest under ``"newest"``);
+            None when one version did.
     """
 
     item: T
     target_weight_version: int
     policy_version: int
     staleness: int
+    other_weight_version: int | None = None
+
+    @property
+    def spans_versions(self) -> bool:
+        """True when more than one weight version produced the item."""
+        return self.other_weight_version is not None
 
 
 @dataclass(slots=True)
@@ -71,6 +95,7 @@ class StalenessStats:
         missed_events: events lost to those overflows.
         commits: ``COMMITTED`` events seen.
         failures: ``FAILED`` events seen.
+        spanning: samples added whose tokens came from more than one weight version.
     """
 
     used: Counter[int] = field(default_factory=Counter)
@@ -80,12 +105,14 @@ class StalenessStats:
     missed_events: int = 0
     commits: int = 0
     failures: int = 0
+    spanning: int = 0
 
 
 @dataclass(slots=True)
 class _Entry(Generic[T]):
     item: T
     version: int
+    other: int | None = None
 
 
 class VersionedReplayBuffer(Generic[T]):
@@ -101,13 +128,18 @@ class VersionedReplayBuffer(Generic[T]):
             it is used, ``>= 0``.
         capacity: the most samples held; adding to a full buffer drops the
             oldest (counted in :attr:`stats`). ``None``: unbounded.
+        stamp: which of several versions that produced a sample (``versions=``
+            of :meth:`add`) stamps it, and so counts for its staleness:
+            ``"oldest"`` (the default: staleness is never understated) or
+            ``"newest"``.
 
     Run it while you use it, either ``async with buffer:`` (a background task)
     or ``tg.start_soon(buffer.run)`` in your own task group; it stops when the
     synchronizer shuts down (the stream ends) or when cancelled.
 
     Raises:
-        ValueError: ``max_staleness < 0`` or ``capacity < 1``.
+        ValueError: ``max_staleness < 0``, ``capacity < 1``, or ``stamp`` not one
+            of :data:`STAMPS`.
         TypeError: the first argument is neither a synchronizer nor a subscription.
     """
 
@@ -117,7 +149,10 @@ class VersionedReplayBuffer(Generic[T]):
         *,
         max_staleness: int,
         capacity: int | None = None,
+        stamp: Stamp = "oldest",
     ) -> None:
+        if stamp not in STAMPS or not isinstance(stamp, str):
+            raise ValueError(f"stamp must be one of {STAMPS}, got {stamp!r}")
         if isinstance(max_staleness, bool) or not isinstance(max_staleness, int):
             raise TypeError(f"max_staleness must be an int, got {type(max_staleness).__name__}")
         if max_staleness < 0:
@@ -137,6 +172,8 @@ class VersionedReplayBuffer(Generic[T]):
             )
         self.max_staleness = max_staleness
         self.capacity = capacity
+        #: Which of several producing versions stamps a sample (see :data:`Stamp`).
+        self.stamp: Stamp = stamp
         self.stats = StalenessStats()
         self._policy_version = self._subscription.policy_version
         self._weight_version = self._subscription.weight_version
@@ -172,7 +209,13 @@ class VersionedReplayBuffer(Generic[T]):
 
     # -- adding ----------------------------------------------------------------
 
-    def add(self, item: T, *, weight_version: int | None = None) -> None:
+    def add(
+        self,
+        item: T,
+        *,
+        weight_version: int | None = None,
+        versions: Iterable[int | None] | None = None,
+    ) -> None:
         """Add one sample.
 
         Args:
@@ -180,25 +223,55 @@ class VersionedReplayBuffer(Generic[T]):
             weight_version: the version live when ``item`` was generated; by
                 default :attr:`weight_version` now. Pass the version you read
                 *before* generating when generation overlaps a refit.
+            versions: instead of ``weight_version``, the weight versions the
+                engine says computed the item's tokens, e.g. each
+                :class:`~aiosync.Generation`'s ``first_version`` and
+                ``last_version`` (None entries: the engine's initial weights,
+                version 0). The item is stamped with the oldest of them, or the
+                newest (``stamp``); :attr:`stats` counts it in ``spanning``
+                when they differ.
 
         Raises:
-            ValueError: ``weight_version`` is not an int >= 0.
+            ValueError: ``weight_version`` (or an entry of ``versions``) is not
+                an int >= 0, ``versions`` is empty, or both are given.
         """
-        self.extend([item], weight_version=weight_version)
+        self.extend([item], weight_version=weight_version, versions=versions)
 
-    def extend(self, items: Iterable[T], *, weight_version: int | None = None) -> None:
-        """Add several samples generated under one ``weight_version`` (see :meth:`add`)."""
-        version = self.weight_version if weight_version is None else weight_version
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"weight_version must be an int >= 0, got {version!r}")
+    def extend(
+        self,
+        items: Iterable[T],
+        *,
+        weight_version: int | None = None,
+        versions: Iterable[int | None] | None = None,
+    ) -> None:
+        """Add several samples generated under one ``weight_version``, or together
+        by ``versions`` (a GRPO group: every rollout's versions; see :meth:`add`)."""
+        other: int | None = None
+        if versions is not None:
+            if weight_version is not None:
+                raise ValueError("pass weight_version or versions, not both")
+            known = [0 if v is None else v for v in versions]
+            if not known:
+                raise ValueError("versions must name at least one weight version")
+            for v in known:
+                _check_version(v)
+            oldest, newest = min(known), max(known)
+            version, other = (oldest, newest) if self.stamp == "oldest" else (newest, oldest)
+            if oldest == newest:
+                other = None
+        else:
+            version = self.weight_version if weight_version is None else weight_version
+            _check_version(version)
         # A version live on the engine was a policy version first: a buffer fed
         # only by events may not have read that STALE event yet.
-        self._policy_version = max(self._policy_version, version)
+        self._policy_version = max(self._policy_version, version, other or 0)
         for item in items:
             if self.capacity is not None and len(self._entries) >= self.capacity:
                 self._entries.popleft()
                 self.stats.evicted_for_capacity += 1
-            self._entries.append(_Entry(item, version))
+            self._entries.append(_Entry(item, version, other))
+            if other is not None:
+                self.stats.spanning += 1
         self._notify()
 
     # -- taking ----------------------------------------------------------------
@@ -379,7 +452,7 @@ class VersionedReplayBuffer(Generic[T]):
     def _use(self, entry: _Entry[T], policy: int) -> ReplaySample[T]:
         staleness = policy - entry.version
         self.stats.used[staleness] += 1
-        return ReplaySample(entry.item, entry.version, policy, staleness)
+        return ReplaySample(entry.item, entry.version, policy, staleness, entry.other)
 
     def _notify(self) -> None:
         self._changed.set()
@@ -389,3 +462,8 @@ class VersionedReplayBuffer(Generic[T]):
     def _check_n(n: int) -> None:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be an int >= 1, got {n!r}")
+
+
+def _check_version(version: object) -> None:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"weight_version must be an int >= 0, got {version!r}")
