@@ -277,10 +277,6 @@ def _print_table(rows: list[dict[str, Any]], bucket_bytes: int, machine: Machine
         print(warning)
 
 
-if __name__ == "__main__":
-    main()
-
-
 def _print_timeline(row: dict[str, Any]) -> None:
     """The per-bucket timeline of one traced sync (see the module docs), ms."""
     from rich.console import Console
@@ -292,7 +288,7 @@ def _print_timeline(row: dict[str, Any]) -> None:
     )
     columns = ("bucket", "MiB", "pack", "sent", "recv", "load", "ack sent", "acked")
     for column in (*columns, "pack k+1 ∥ load k"):
-        table.add_column(column, justify="right")
+        table.add_column(column, justify="right", no_wrap=True)
 
     def fmt(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}"
@@ -309,4 +305,8 @@ def _print_timeline(row: dict[str, Any]) -> None:
             fmt(line["acked"]),
             fmt(line["overlap_ms"]),
         )
-    Console().print(table)
+    Console(width=120).print(table)  # wider than a pipe's default 80 columns
+
+
+if __name__ == "__main__":
+    main()

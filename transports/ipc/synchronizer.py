@@ -115,6 +115,8 @@ _MIN_DEFAULT_BUCKET_BYTES = 16 * 1024**2
 #: Limit of the KV-cache wake after a failed sync, seconds: a healthy engine answers in
 #: milliseconds, and a hung one must not delay the sync's error by ``rpc_timeout_s``.
 _WAKE_AFTER_FAILURE_S = 2.0
+#: Limit of the workers' ``aiosync_ipc_release`` at shutdown, seconds (best effort).
+_RELEASE_TIMEOUT_S = 2.0
 #: What a sync in flight raises when ``shutdown()`` interrupts it.
 _SHUT_DOWN_MID_SYNC = "the IPC synchronizer was shut down during the sync"
 
@@ -466,14 +468,30 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         return result
 
     async def shutdown(self) -> None:
-        """Close the socket, remove its directory and unlink the buffers. Idempotent."""
+        """Close the socket, remove its directory and unlink the buffers; tell the
+        engine's workers to drop their mappings of the buffers (best effort, at
+        most :data:`_RELEASE_TIMEOUT_S` seconds). Idempotent."""
         if self._sender is not None:
             sender, self._sender = self._sender, None
             await sender.aclose()
+            if self._ranks.is_driver and self.generation is not None:
+                await self._release_mappings()
         forget = getattr(self.generation, "remove_weights_discarded_listener", None)
         if forget is not None:
             forget(self._invalidate_engine_weights)
         await super().shutdown()
+
+    async def _release_mappings(self) -> None:
+        """``aiosync_ipc_release`` on every worker; an error or a late answer is
+        ignored (the workers then drop the mappings at their next receive)."""
+        with (
+            anyio.CancelScope(shield=True),
+            anyio.move_on_after(_RELEASE_TIMEOUT_S),
+            contextlib.suppress(Exception),
+        ):
+            await self.generation.collective_rpc(
+                "aiosync_ipc_release", (self._session_token,), timeout_s=_RELEASE_TIMEOUT_S
+            )
 
     @property
     def socket_dir(self) -> str | None:

@@ -16,6 +16,13 @@ by name:
   ``self.model_runner.model.load_weights(views)``, and acknowledges the bucket
   only after the copies finished (the trainer reuses a buffer only after every
   worker's ack). On ``end`` it checks that every bucket arrived exactly once.
+  The worker keeps its mappings of the trainer's shared-memory (CPU) ping-pong
+  buffers from one successful receive to the next of the same synchronizer: a
+  fresh mapping pays a page fault per 4 KiB page on its first read, about as
+  much as the copy itself. Any other owner's receive, a failed receive, or
+  ``aiosync_ipc_release`` drops them.
+* ``aiosync_ipc_release(owner)`` once, when the synchronizer shuts down: drop
+  the mappings kept for it (an unlinked segment's memory lives while mapped).
 
 Both return ``{"ok": True, ...}`` or ``{"ok": False, "type", "message"}`` rather
 than raising, so the trainer gets the typed error back from any engine's RPC.
@@ -72,6 +79,8 @@ _LINGER_MS = 2000
 _POLL_SLICE_MS = 100
 #: Socket events that may mean the trainer is gone (see :meth:`_TrainerLink._trainer_gone`).
 _MONITOR_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+#: How long ``aiosync_ipc_release`` waits for a receive in progress to end, seconds.
+_RELEASE_WAIT_S = 1.0
 #: What a worker's receive reports when the trainer's end of the connection vanished.
 TRAINER_GONE = "the trainer went away during the refit"
 
@@ -186,7 +195,7 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                 return {"ok": False, **error_fields(error)}
             try:
                 reply = self._aiosync_receive(
-                    state, endpoint, sync_id, digest, timeout_s, device, trace
+                    state, endpoint, sync_id, digest, timeout_s, device, trace, owner
                 )
                 if trace is not None:
                     reply["trace"] = trace
@@ -195,6 +204,22 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                 state.lock.release()
         finally:
             state.release(sync_id)
+
+    def aiosync_ipc_release(self, owner: str) -> dict[str, Any]:
+        """Drop the buffer mappings kept for synchronizer ``owner`` (its token),
+        which is shutting down. Waits up to 1 s for a receive in progress (it
+        drops them itself when it fails). Returns ``{"ok": True, "rank",
+        "released"}`` (``released``: mappings closed)."""
+        state = self._aiosync_ipc_state()
+        released = 0
+        if state.lock.acquire(timeout=_RELEASE_WAIT_S):
+            try:
+                if state.mapped_owner == str(owner):
+                    released = state.drop_mappings()
+                    state.mapped_owner = None
+            finally:
+                state.lock.release()
+        return {"ok": True, "rank": self.aiosync_worker_rank(), "released": released}
 
     def aiosync_ipc_last_receive(self) -> dict[str, Any]:
         """Statistics of this worker's last successful receive: ``{"ok", "rank",
@@ -213,6 +238,7 @@ class IPCWorkerMixin(WorkerIdentityMixin):
         timeout_s: float,
         device: str | None,
         trace: list[dict[str, Any]] | None = None,
+        owner: str = "",
     ) -> dict[str, Any]:
         rank = self.aiosync_worker_rank()
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
@@ -223,7 +249,14 @@ class IPCWorkerMixin(WorkerIdentityMixin):
         # a dead trainer's end of the ipc:// connection, which the monitor reports.
         monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
         link = _TrainerLink(sock, monitor, endpoint)
-        mapped: dict[str, MappedBuffer] = {}
+        # Mappings kept from this owner's last receive (see the module docs);
+        # ``keep`` collects those this receive may pass on to the next one.
+        if state.mapped_owner != owner:
+            state.drop_mappings()
+            state.mapped_owner = owner
+        mapped = state.mapped
+        keep: set[str] = set()
+        succeeded = False
         try:
             sock.connect(endpoint)
             plan = state.plans.get(digest)
@@ -236,8 +269,9 @@ class IPCWorkerMixin(WorkerIdentityMixin):
             sock.send(encode({"t": "hello", "sync_id": sync_id, "rank": rank, "digest": digest}))
             senders: set[str] = set()
             tensors, nbytes = self._aiosync_load_buckets(
-                state, link, plan, mapped, sync_id, timeout_s, device, senders, trace
+                state, link, plan, mapped, sync_id, timeout_s, device, senders, trace, keep
             )
+            succeeded = True
             sock.send(encode({"t": "done", "sync_id": sync_id, "rank": rank}))
             state.last = {
                 "ok": True,
@@ -258,8 +292,7 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                 )
             return {"ok": False, **fields}
         finally:
-            for buffer in mapped.values():
-                buffer.close()
+            state.drop_mappings(keep if succeeded else set())
             sock.disable_monitor()
             monitor.close(linger=0)
             sock.close()
@@ -275,10 +308,12 @@ class IPCWorkerMixin(WorkerIdentityMixin):
         device: str | None,
         senders: set[str],
         trace: list[dict[str, Any]] | None = None,
+        keep: set[str] | None = None,
     ) -> tuple[int, int]:
         """Load every bucket until ``end``; ``senders`` collects the devices the
         buffers came from, ``trace`` (when not None) one row of timestamps per
-        bucket. Returns ``(tensors, bytes)`` loaded."""
+        bucket, ``keep`` the keys in ``mapped`` of the shared-memory ping-pong
+        buffers worth keeping for the next receive. Returns ``(tensors, bytes)`` loaded."""
         load_weights = self.model_runner.model.load_weights  # type: ignore[attr-defined]
         discards = self.aiosync_discard_epoch
         arrived = [0] * len(plan.buckets)
@@ -309,6 +344,8 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                 load_end = time.monotonic()
                 if handle.get("transient"):
                     mapped.pop(key).close()
+                elif keep is not None and handle.get("kind") == "shm":
+                    keep.add(key)
                 arrived[index] += 1
                 tensors += int(loaded) if isinstance(loaded, int) else len(bucket.slots)
                 nbytes += sum(slot.nbytes for slot in bucket.slots)
@@ -353,6 +390,16 @@ class _ReceiverState:
         self._claims = threading.Lock()
         #: The reply of the last successful receive, with the devices it came from.
         self.last: dict[str, Any] = {}
+        #: Buffer mappings by handle key, kept between receives of ``mapped_owner``.
+        self.mapped: dict[str, MappedBuffer] = {}
+        self.mapped_owner: str | None = None
+
+    def drop_mappings(self, keep: set[str] | frozenset[str] = frozenset()) -> int:
+        """Close every kept mapping whose key is not in ``keep``; returns how many."""
+        dropped = [key for key in self.mapped if key not in keep]
+        for key in dropped:
+            self.mapped.pop(key).close()
+        return len(dropped)
 
     def claim(self, owner: str, sync_id: str) -> bool:
         """Make ``sync_id`` the current refit unless another owner's is running."""
