@@ -23,6 +23,7 @@ import anyio
 
 from aiosync._fanout import each_named, named
 from aiosync.errors import SyncError, TransportError
+from aiosync.generation import Generation
 from aiosync.interfaces import IN_FLIGHT_POLICIES, InFlightPolicy
 from aiosync.lora import LoRAAdapter
 
@@ -287,11 +288,22 @@ class EngineFleet:
         return merged
 
     async def generate_with_meta(
-        self, prompts: Sequence[Sequence[int]], **options: Any
-    ) -> list[Any]:
-        """:meth:`generate` through every engine's ``generate_with_meta``: one result
-        per prompt, in prompt order, of the engine's own type (e.g.
-        :class:`~aiosync.engines.embedded.engine.EmbeddedGeneration`).
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        logprobs: bool = False,
+    ) -> list[Generation]:
+        """:meth:`generate` through every engine's ``generate_with_meta``: one
+        :class:`aiosync.Generation` per prompt, in prompt order (of the engine's
+        own subclass, e.g. :class:`~aiosync.engines.embedded.engine.EmbeddedGeneration`).
+
+        The keywords are :class:`aiosync.GenerationBackend`'s, passed to every
+        engine unchanged (so ``seed`` seeds each engine's share alike).
 
         Raises:
             TypeError: an engine has no ``generate_with_meta`` (before any generation).
@@ -309,17 +321,25 @@ class EngineFleet:
         n = len(self.engines)
         parts = [list(prompts[i::n]) for i in range(n)]
 
-        async def run(i: int, engine: Any) -> list[Any]:
+        async def run(i: int, engine: Any) -> list[Generation]:
             if not parts[i]:
                 return []
-            out: list[Any] = await engine.generate_with_meta(parts[i], **options)
+            out: list[Generation] = await engine.generate_with_meta(
+                parts[i],
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=seed,
+                ignore_eos=ignore_eos,
+                logprobs=logprobs,
+            )
             return out
 
         outs = await self._on_each(run)
-        merged: list[Any] = [None] * len(prompts)
+        merged: list[Generation | None] = [None] * len(prompts)
         for i, out in enumerate(outs):
             merged[i::n] = out
-        return merged
+        return [g for g in merged if g is not None]
 
     # -- tests and tools -------------------------------------------------------
 

@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from aiosync import Generation
+from aiosync import EngineFleet, Generation
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.engine import EmbeddedEngine, EmbeddedGeneration
 from aiosync.engines.embedded.model import HFModelRunner
@@ -117,6 +117,20 @@ async def test_results_carry_the_committed_weight_version(engine: EmbeddedEngine
     assert result.versions == [7] * 5
     assert (result.first_version, result.last_version, result.version_change_at) == (7, 7, None)
     assert (result.oldest_version, result.newest_version, result.spans_versions) == (7, 7, False)
+
+
+async def test_a_fleet_passes_the_generation_keywords_and_answers_generations(
+    engine: EmbeddedEngine,
+) -> None:
+    fleet = EngineFleet([engine])
+    through_fleet = await fleet.generate_with_meta(
+        PROMPTS, max_new_tokens=6, ignore_eos=True, logprobs=True
+    )
+    direct = await engine.generate_with_meta(
+        PROMPTS, max_new_tokens=6, ignore_eos=True, logprobs=True
+    )
+    assert through_fleet == direct
+    assert all(r.logprobs is not None and len(r.logprobs) == 6 for r in through_fleet)
 
 
 @pytest.mark.parametrize(

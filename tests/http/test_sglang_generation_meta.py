@@ -17,7 +17,13 @@ import pytest_asyncio
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from aiosync import EmbeddedEngine, Generation, SGLangHTTPBackend, VLLMGenerationBackend
+from aiosync import (
+    EmbeddedEngine,
+    EngineFleet,
+    Generation,
+    SGLangHTTPBackend,
+    VLLMGenerationBackend,
+)
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.sglang import SGLangGeneration
 from aiosync.engines.sglang.test_server import serve_in_subprocess
@@ -162,7 +168,7 @@ async def test_every_engine_takes_the_same_generation_keywords() -> None:
         "ignore_eos": False,
         "logprobs": False,
     }
-    for engine in (EmbeddedEngine, SGLangHTTPBackend, VLLMGenerationBackend):
+    for engine in (EmbeddedEngine, SGLangHTTPBackend, VLLMGenerationBackend, EngineFleet):
         params = inspect.signature(engine.generate_with_meta).parameters
         defaults = {
             name: (None if name == "prompts" else params[name].default) for name in expected
