@@ -18,6 +18,16 @@ group). The loop speaks only the handshake: each optimizer step inside
 ``VersionedReplayBuffer`` stamps every group with the weight version it was
 generated under and never hands out one staler than ``--max-staleness``.
 
+In-flight requests (``--in-flight {abort,wait,keep}``): a refitter task syncs
+as soon as the trainer stepped, with that policy (``sync_weights(in_flight=...)``),
+while rollouts are being generated: ``wait`` lets running requests finish on the
+old weights, ``abort`` ends them (groups with an aborted completion are dropped
+and counted), ``keep`` lets the new weights finish them. Rollouts come from
+``generate_with_meta``, whose results say which weight versions computed their
+tokens; a group is stamped with the oldest, and the summary counts the samples
+that spanned two versions. Without ``--in-flight`` the loop refits only between
+rollout batches (before generating), so no sample spans two versions.
+
 LoRA (``--lora-rank N``, N > 0): the trainer wraps the policy with PEFT
 (``LoraConfig(r=N, lora_alpha=2N)`` on ``q/k/v/o_proj`` and ``gate/up/down_proj``;
 only the adapter trains) and refits it either adapter-only (``--lora-refit
@@ -35,6 +45,7 @@ Run::
     python examples/async_grpo.py --backend vllm      # a real vLLM (where installed)
     python examples/async_grpo.py --lora-rank 8       # PEFT LoRA, adapter-only refits
     python examples/async_grpo.py --lora-rank 8 --lora-refit merged
+    python examples/async_grpo.py --in-flight keep    # refit while rollouts run
     python examples/async_grpo.py --quick --json-report report.json
 """
 
@@ -62,6 +73,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from aiosync import (
+    IN_FLIGHT_POLICIES,
+    Generation,
     TrainCluster,
     VersionEventKind,
     WeightSynchronizer,
@@ -287,6 +300,16 @@ class RunReport:
     verified: list[tuple[int, bool]] = field(default_factory=list)
     #: ``[target_weight_version, policy_version at use, staleness]`` per used group
     samples: list[tuple[int, int, int]] = field(default_factory=list)
+    #: ``--in-flight`` policy of the refits; None: refits only between rollout batches
+    in_flight: str | None = None
+    #: ``[oldest, newest]`` weight version that computed any token of each used
+    #: group (the engine's labels, ``Generation.first_version``/``last_version``),
+    #: in the order of ``samples``; ``target_weight_version`` is the oldest
+    sample_versions: list[tuple[int, int]] = field(default_factory=list)
+    #: used groups whose tokens came from two versions (oldest != newest)
+    spanning_samples: int = 0
+    #: completions a refit aborted (``--in-flight abort``); their groups were dropped
+    aborted_rollouts: int = 0
     staleness_histogram: dict[int, int] = field(default_factory=dict)
     dropped_stale: int = 0
     final_policy_version: int = 0
@@ -442,6 +465,7 @@ async def run(args: argparse.Namespace) -> RunReport:
             trainable_params=sum(
                 p.numel() for group in trainer.optimizer.param_groups for p in group["params"]
             ),
+            in_flight=args.in_flight,
         )
         if args.lora_rank:
             report.lora_rank = args.lora_rank
@@ -491,28 +515,44 @@ async def run(args: argparse.Namespace) -> RunReport:
                         report.refit_failures += 1
                         metrics.failure()
 
+            async def refitter() -> None:
+                # --in-flight: refit as soon as the trainer stepped, while rollouts run.
+                async for ev in sync.subscribe():
+                    if ev.kind is not VersionEventKind.STALE:
+                        continue
+                    async with weights_lock:
+                        if sync.is_stale:
+                            await sync.sync_weights(in_flight=args.in_flight)
+                            await engine.prepare_for_generation()
+                            await check_engine()
+
             async def rollouts() -> None:
                 rng = random.Random(args.seed)
                 for batch_index in range(sys.maxsize):
                     await buffer.wait_below(P)  # stay at most one batch ahead
-                    async with weights_lock:
-                        if await refit_if_stale(sync, engine):
-                            await check_engine()
-                        version = sync.weight_version
+                    if args.in_flight is None:
+                        async with weights_lock:
+                            if await refit_if_stale(sync, engine):
+                                await check_engine()
                     prompts = make_prompts(rng, P, L)
-                    outs = await engine.generate(
+                    outs: list[Generation] = await engine.generate_with_meta(
                         [p for p in prompts for _ in range(G)],
                         max_new_tokens=L,
                         temperature=1.0,
                         seed=args.seed * 100_003 + batch_index,
                         ignore_eos=True,
                     )
-                    groups = []
                     for i, prompt in enumerate(prompts):
-                        completions = outs[i * G : (i + 1) * G]
+                        gens = outs[i * G : (i + 1) * G]
+                        aborted = sum(g.aborted for g in gens)
+                        if aborted:  # fewer than L tokens: not a complete group
+                            report.aborted_rollouts += aborted
+                            continue
+                        completions = [g.token_ids for g in gens]
                         rewards = [reward(prompt, c) for c in completions]
-                        groups.append(Group(prompt, completions, rewards))
-                    buffer.extend(groups, weight_version=version)
+                        # Stamped with the oldest version that computed any token.
+                        versions = [v for g in gens for v in (g.first_version, g.last_version)]
+                        buffer.add(Group(prompt, completions, rewards), versions=versions)
 
             progress = Progress(
                 BarColumn(bar_width=20),
@@ -525,6 +565,8 @@ async def run(args: argparse.Namespace) -> RunReport:
             async with buffer, anyio.create_task_group() as tg:
                 tg.start_soon(follow_refits)
                 tg.start_soon(rollouts)
+                if args.in_flight is not None:
+                    tg.start_soon(refitter)
                 with progress:
                     task = progress.add_task("train", total=args.steps, info="")
                     for step in range(args.steps):
@@ -533,6 +575,11 @@ async def run(args: argparse.Namespace) -> RunReport:
                             report.samples.append(
                                 (s.target_weight_version, sync.policy_version, s.staleness)
                             )
+                            versions = (s.target_weight_version, s.target_weight_version)
+                            if s.other_weight_version is not None:
+                                versions = (s.target_weight_version, s.other_weight_version)
+                                report.spanning_samples += 1
+                            report.sample_versions.append(versions)
                             metrics.staleness(s.staleness)
                         groups = [s.item for s in batch]
                         step_reward = sum(r for g in groups for r in g.rewards) / (P * G)
@@ -604,6 +651,11 @@ def _print_summary(console: Console, report: RunReport, histogram_text: str) -> 
         f"every refit: {all(ok for _, ok in report.verified)}"
     )
     console.print(histogram_text, markup=False)
+    console.print(
+        f"in-flight policy: {report.in_flight or 'none (refits between rollout batches)'}; "
+        f"samples spanning two weight versions: {report.spanning_samples} of "
+        f"{len(report.samples)}; completions aborted by a refit: {report.aborted_rollouts}"
+    )
 
 
 class _Metrics:
@@ -686,6 +738,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kl-coef", type=float, default=0.0, help="KL to the initial policy")
     p.add_argument("--ppo-epochs", type=int, default=2, help="optimizer steps per batch")
     p.add_argument("--max-staleness", type=int, default=4, help="in optimizer steps")
+    p.add_argument(
+        "--in-flight",
+        choices=IN_FLIGHT_POLICIES,
+        default=None,
+        help="refit while rollouts run, with this policy for the requests in flight "
+        "(default: refit only between rollout batches)",
+    )
     p.add_argument("--eval-prompts", type=int, default=32)
     p.add_argument("--threads", type=int, default=1, help="trainer torch threads")
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True)

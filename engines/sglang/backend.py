@@ -498,7 +498,9 @@ class SGLangHTTPBackend:
 
         Args:
             sampling_params: more SGLang ``sampling_params`` fields (``stop``...);
-                the keywords above win over them.
+                ``max_new_tokens`` and ``temperature`` always come from the
+                keywords, ``top_p``, ``ignore_eos`` and ``sampling_seed`` from
+                them unless left at their defaults.
 
         Raises:
             ValueError: ``max_new_tokens < 1``, ``temperature < 0`` or ``top_p``
@@ -531,9 +533,17 @@ class SGLangHTTPBackend:
                 "a sync must succeed before generate()"
             )
         params = {**(sampling_params or {}), "max_new_tokens": max_new_tokens}
-        params.update(temperature=temperature, top_p=top_p, ignore_eos=ignore_eos)
-        if seed is not None:
-            params["sampling_seed"] = seed
+        params["temperature"] = temperature
+        # A keyword left at its default keeps what sampling_params says.
+        for key, value, default in (
+            ("top_p", top_p, 1.0),
+            ("ignore_eos", ignore_eos, False),
+            ("sampling_seed", seed, None),
+        ):
+            if value != default or key not in params:
+                params[key] = value
+        if params["sampling_seed"] is None:
+            del params["sampling_seed"]
         body: dict[str, Any] = {"input_ids": [list(p) for p in prompts], "sampling_params": params}
         if logprobs:
             body["return_logprob"] = True

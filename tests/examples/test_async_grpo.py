@@ -60,13 +60,37 @@ def assert_run_invariants(report: dict[str, Any]) -> None:
         assert staleness <= report["max_staleness"]
     used = {int(k): v for k, v in report["staleness_histogram"].items()}
     assert sum(used.values()) == len(report["samples"])
+    # Each used group's [oldest, newest] producing version; stamped with the oldest.
+    assert len(report["sample_versions"]) == len(report["samples"])
+    for (oldest, newest), (target, _, _) in zip(
+        report["sample_versions"], report["samples"], strict=True
+    ):
+        assert oldest == target <= newest <= report["final_weight_version"]
+    spanning = sum(oldest != newest for oldest, newest in report["sample_versions"])
+    assert report["spanning_samples"] == spanning
 
 
 def test_async_grpo_colocated_ipc_keeps_engine_equal_to_trainer(tmp_path: Path) -> None:
     report = run_example(tmp_path, "--colocated", "--steps", "4")
     assert report["synchronizer"] == "IPCWeightSynchronizer"
+    # Refits only between rollout batches: no sample spans two versions.
+    assert (report["in_flight"], report["spanning_samples"]) == (None, 0)
     assert report["final_policy_version"] == 4 * 2  # two optimizer steps per batch
     assert_run_invariants(report)
+
+
+def test_async_grpo_in_flight_keep_counts_the_samples_that_spanned_two_versions(
+    tmp_path: Path,
+) -> None:
+    # A refitter syncs with in_flight="keep" as soon as the trainer steps, while
+    # rollouts run: requests it catches finish on the new weights.
+    report = run_example(tmp_path, "--colocated", "--steps", "4", "--in-flight", "keep")
+    assert report["in_flight"] == "keep"
+    assert report["aborted_rollouts"] == 0  # keep never aborts
+    assert_run_invariants(report)
+    assert "spanning_samples" in report and report["spanning_samples"] == sum(
+        oldest != newest for oldest, newest in report["sample_versions"]
+    )
 
 
 def test_async_grpo_not_colocated_collective_with_tight_staleness(tmp_path: Path) -> None:
