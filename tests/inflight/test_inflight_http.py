@@ -122,7 +122,7 @@ async def test_abort_ends_the_request_with_a_prefix_of_old_output(
     )
     k = len(result.output_ids)
     assert result.aborted is True
-    assert result.meta_info["finish_reason"]["type"] == "abort"
+    assert result.meta_info["finish_reason"]["type"] == "abort" == result.finish_reason
     assert 30 <= k < h.LONG
     assert result.output_ids == old_tokens[:k]
     assert versions == [str(old)] * k
@@ -152,6 +152,9 @@ async def test_keep_retracts_the_request_and_continues_it_on_new_weights(
     assert 30 <= k < h.LONG
     assert result.aborted is False
     assert versions == [str(old)] * k + [str(new)] * (h.LONG - k)
+    # The aiosync.Generation fields say the same: two versions, changing at token k.
+    assert (result.first_version, result.last_version, result.version_change_at) == (old, new, k)
+    assert (result.spans_versions, result.finish_reason) == (True, "length")
     assert result.output_ids[:k] == old_tokens[:k]
     # Retracted (SGLang's mode for keep with clear_cache): the new weights recompute
     # the prompt and the k tokens kept, then continue greedily.
