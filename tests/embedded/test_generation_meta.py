@@ -147,3 +147,19 @@ async def test_bad_sampling_parameters_are_refused_before_any_worker_is_asked(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         await engine.generate_with_meta(PROMPTS, **kwargs)  # type: ignore[arg-type]
+
+
+async def test_a_request_that_samples_eos_finishes_with_stop() -> None:
+    # The engine's model as-is, with its third greedy token made the EOS token.
+    reference = HFModelRunner.from_config(TINY_QWEN3, seed=SEED)
+    (greedy,) = reference.generate([PROMPTS[0]], max_new_tokens=6, ignore_eos=True)
+    eos = greedy[2]
+    stop_at = greedy.index(eos) + 1
+    config = {**TINY_QWEN3, "eos_token_id": eos}
+    async with EmbeddedEngine(config, num_workers=1, seed=SEED, rpc_timeout_s=120) as engine:
+        (stopped,) = await engine.generate_with_meta([PROMPTS[0]], max_new_tokens=6)
+        (ignored,) = await engine.generate_with_meta(
+            [PROMPTS[0]], max_new_tokens=6, ignore_eos=True
+        )
+    assert (stopped.token_ids, stopped.finish_reason) == (greedy[:stop_at], "stop")
+    assert (ignored.token_ids, ignored.finish_reason) == (greedy, "length")
