@@ -40,7 +40,9 @@ class Generation:
             None when not asked for.
         first_version: the synchronizer's ``weight_version`` of the weights that
             computed the first token; None: no token, the engine's initial
-            weights (never synced), or an engine that reports no version.
+            weights (never synced), or an engine that reports no version
+            (:class:`~aiosync.VersionedReplayBuffer` counts None as version 0,
+            the initial weights).
         last_version: the same for the last token; equals ``first_version``
             unless a refit landed while the request was kept in flight
             (``sync_weights(in_flight="keep")``).
@@ -68,18 +70,6 @@ class Generation:
         """True when more than one weight version computed the tokens (a "keep"
         request that lived through a refit)."""
         return self.version_change_at is not None or self.first_version != self.last_version
-
-    @property
-    def oldest_version(self) -> int | None:
-        """The oldest weight version that computed any token (None: unknown)."""
-        known = [v for v in (self.first_version, self.last_version) if v is not None]
-        return min(known) if known else None
-
-    @property
-    def newest_version(self) -> int | None:
-        """The newest weight version that computed any token (None: unknown)."""
-        known = [v for v in (self.first_version, self.last_version) if v is not None]
-        return max(known) if known else None
 
 
 def version_span(versions: Sequence[int | None]) -> tuple[int | None, int | None, int | None]:

@@ -149,7 +149,7 @@ async def test_an_answer_labelled_newer_than_the_request_spans_both_versions() -
     }
     result = SGLangGeneration.from_answer(answer, submitted_version=3)
     assert (result.first_version, result.last_version, result.version_change_at) == (3, 4, None)
-    assert (result.spans_versions, result.oldest_version, result.newest_version) == (True, 3, 4)
+    assert result.spans_versions is True
     same = SGLangGeneration.from_answer(answer, submitted_version=4)
     assert (same.first_version, same.last_version, same.spans_versions) == (4, 4, False)
     initial = SGLangGeneration.from_answer(
