@@ -1,16 +1,23 @@
-"""The worker keeps its mappings of the trainer's shared buffers between syncs, and drops them."""
+"""The worker keeps its buffer mappings and its connection between syncs, and drops them."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import signal
+import sys
+import time
 from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.transports.ipc import IPCWeightSynchronizer
+from aiosync.transports.ipc.worker import TRAINER_GONE
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -79,3 +86,74 @@ async def test_a_release_of_another_owner_drops_nothing(
         await h.assert_engine_equals(dense_engine, trainer)
     released = [replies for method, replies in engine.replies if method == "aiosync_ipc_release"]
     assert released == [[{"ok": True, "rank": 0, "released": 2}]]
+
+
+# A trainer in a child process: one whole sync ("child-1"), then it is SIGKILLed
+# in the middle of the next ("child-2"), after printing the socket identities the
+# worker said hello from in both.
+_TWO_SYNC_CHILD = r"""
+import asyncio, json, os, signal, sys
+from aiosync.refit import DTensorRefitSource
+from aiosync.engines.embedded.model import HFModelRunner
+from aiosync.transports.ipc.synchronizer import _BucketSender
+from aiosync.transports.packing import plan_buckets
+config, seed, bucket_bytes, die_at = json.loads(sys.argv[1])
+trainer = HFModelRunner.from_config(config, seed=seed)
+source = DTensorRefitSource(trainer.model)
+plan = plan_buckets(source.prepare_refit_info(), bucket_bytes)
+sender = _BucketSender(plan, __import__("torch").device("cpu"), 60.0)
+idents = []
+def dying():
+    for i, item in enumerate(source.iter_weights()):
+        if i == die_at:
+            idents.append(sender._idents[1][0].decode())
+            print(json.dumps({"idents": idents}), flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        yield item
+async def main():
+    print(json.dumps({"endpoint": sender.endpoint, "digest": plan.digest}), flush=True)
+    await sender.send("child-1", [0], source.iter_weights())
+    idents.append(sender._idents[1][0].decode())
+    await sender.send("child-2", [0], dying())
+asyncio.run(main())
+"""
+
+
+async def test_a_kept_connection_still_notices_a_trainer_killed_in_a_later_sync(
+    dense_engine: EmbeddedEngine, h: SimpleNamespace
+) -> None:
+    bucket_bytes = 16384
+    trainer = h.trainer_model(h.DENSE_TIED, seed=62)
+    # Registers the plan of this bucket size on the worker (the child's has the same digest).
+    sync = IPCWeightSynchronizer(
+        h.TrainerSource(trainer.model, []), dense_engine, bucket_bytes=bucket_bytes
+    )
+    await sync.init_communicator()
+    arg = json.dumps([h.DENSE_TIED, 63, bucket_bytes, 8])
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _TWO_SYNC_CHILD, arg, stdout=asyncio.subprocess.PIPE
+    )
+    assert child.stdout is not None
+    info = json.loads(await asyncio.wait_for(child.stdout.readline(), 300))
+    session = {"endpoint": info["endpoint"], "digest": info["digest"], "owner": "child"}
+    [first] = await dense_engine.collective_rpc(
+        "aiosync_ipc_receive", ({**session, "sync_id": "child-1", "timeout_s": 60.0},)
+    )
+    assert first["ok"] is True
+    started = time.monotonic()
+    with anyio.fail_after(30):  # a failure detector: the worker would wait 120 s
+        [reply] = await dense_engine.collective_rpc(
+            "aiosync_ipc_receive",
+            ({**session, "sync_id": "child-2", "timeout_s": 120.0},),
+            timeout_s=150,
+        )
+    print(f"the worker noticed the dead trainer after {time.monotonic() - started:.2f} s")
+    # The second sync came over the connection the first one opened.
+    assert json.loads(await child.stdout.readline()) == {"idents": ["child-1/0", "child-1/0"]}
+    assert await child.wait() == -signal.SIGKILL
+    assert reply == {"ok": False, "type": "TransportError", "message": TRAINER_GONE}
+    # The worker stays usable: this process's synchronizer heals it.
+    await sync.mark_stale()
+    await sync.sync_weights()
+    await h.assert_engine_equals(dense_engine, trainer)
+    await sync.shutdown()

@@ -556,6 +556,10 @@ class _BucketSender:
         # (an asyncio socket's returns a future whose error nobody would read).
         self._sync_sock: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
         self._closed = False
+        # The socket identity of the last message received, and the identities of
+        # the current sync's workers (``(sync_id, {rank: identity})``, see _handshake).
+        self._last_ident = b""
+        self._idents: tuple[str, dict[int, bytes]] = ("", {})
         # The send in flight: its cancel scope, its sync, and an event set when it ends.
         self._active: tuple[anyio.CancelScope, str, Sequence[int], anyio.Event] | None = None
 
@@ -721,8 +725,15 @@ class _BucketSender:
             torch.cuda.current_stream(buffer.tensor.device).synchronize()
 
     async def _handshake(self, sync_id: str, ranks: Sequence[int]) -> dict[int, bytes]:
+        """Wait for every worker's ``hello``; returns each rank's socket identity.
+
+        A worker names its socket after the sync that opened it (``{sync_id}/{rank}``)
+        and keeps it for later syncs of this synchronizer, so the identity is
+        the hello's, not this sync's name.
+        """
         expected = set(ranks)
         peers: dict[int, bytes] = {}
+        self._idents = (sync_id, peers)
         while len(peers) < len(expected):
             rank, msg = await self._recv(sync_id, "the engine workers to connect")
             if msg.get("t") != "hello":
@@ -737,7 +748,7 @@ class _BucketSender:
                     f"engine worker {rank} holds bucket plan {str(msg.get('digest'))[:16]}, "
                     f"the trainer sends {self.plan.digest[:16]}"
                 )
-            peers[rank] = f"{sync_id}/{rank}".encode()
+            peers[rank] = self._last_ident
         return peers
 
     async def _wait_acks(
@@ -775,6 +786,7 @@ class _BucketSender:
             if len(frames) != 2:
                 raise TransportError(f"malformed message of {len(frames)} frames")
             msg = decode(frames[1])
+            self._last_ident = frames[0]
             if msg.get("sync_id") != sync_id:
                 continue  # a late message of an earlier, failed sync
             rank = msg.get("rank")
@@ -801,9 +813,13 @@ class _BucketSender:
         if self._closed:
             return
         payload = encode({"t": "abort", "sync_id": sync_id, "reason": reason[:500]})
+        # The identities the workers said hello from; a worker not heard from yet
+        # would connect as ``{sync_id}/{rank}`` (a new socket).
+        known = self._idents[1] if self._idents[0] == sync_id else {}
         for rank in ranks:
+            ident = known.get(rank, f"{sync_id}/{rank}".encode())
             with contextlib.suppress(zmq.ZMQError):  # not connected (yet, or any more)
-                self._sync_sock.send_multipart([f"{sync_id}/{rank}".encode(), payload], zmq.NOBLOCK)
+                self._sync_sock.send_multipart([ident, payload], zmq.NOBLOCK)
 
     @property
     def closed(self) -> bool:

@@ -19,10 +19,15 @@ by name:
   The worker keeps its mappings of the trainer's shared-memory (CPU) ping-pong
   buffers from one successful receive to the next of the same synchronizer: a
   fresh mapping pays a page fault per 4 KiB page on its first read, about as
-  much as the copy itself. Any other owner's receive, a failed receive, or
-  ``aiosync_ipc_release`` drops them.
+  much as the copy itself. Likewise it keeps its DEALER (and the socket's
+  monitor) connected to the same synchronizer's ROUTER, saving a socket set-up
+  and connect per sync; messages of earlier syncs still queued on it are
+  dropped by their ``sync_id``, and a monitor event of a closed connection seen
+  between syncs makes the next receive connect afresh. Any other owner's
+  receive, a failed receive, or ``aiosync_ipc_release`` drops both.
 * ``aiosync_ipc_release(owner)`` once, when the synchronizer shuts down: drop
-  the mappings kept for it (an unlinked segment's memory lives while mapped).
+  the mappings and the connection kept for it (an unlinked segment's memory
+  lives while mapped).
 
 Both return ``{"ok": True, ...}`` or ``{"ok": False, "type", "message"}`` rather
 than raising, so the trainer gets the typed error back from any engine's RPC.
@@ -217,6 +222,7 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                 if state.mapped_owner == str(owner):
                     released = state.drop_mappings()
                     state.mapped_owner = None
+                    state.drop_link()
             finally:
                 state.lock.release()
         return {"ok": True, "rank": self.aiosync_worker_rank(), "released": released}
@@ -241,24 +247,21 @@ class IPCWorkerMixin(WorkerIdentityMixin):
         owner: str = "",
     ) -> dict[str, Any]:
         rank = self.aiosync_worker_rank()
-        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"{sync_id}/{rank}".encode())
-        # Linger so a final error or done message still reaches the trainer after close.
-        sock.setsockopt(zmq.LINGER, _LINGER_MS)
-        # Before connect, so no event of this connection is missed: the kernel closes
-        # a dead trainer's end of the ipc:// connection, which the monitor reports.
-        monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
-        link = _TrainerLink(sock, monitor, endpoint)
-        # Mappings kept from this owner's last receive (see the module docs);
-        # ``keep`` collects those this receive may pass on to the next one.
+        # Mappings and the connection kept from this owner's last receive (see
+        # the module docs); ``keep`` collects the mappings this receive passes on.
         if state.mapped_owner != owner:
             state.drop_mappings()
+            state.drop_link()
             state.mapped_owner = owner
         mapped = state.mapped
         keep: set[str] = set()
         succeeded = False
+        link: _TrainerLink | None = None
         try:
-            sock.connect(endpoint)
+            link = state.reusable_link(endpoint)
+            if link is None:
+                link = _TrainerLink.connect(endpoint, f"{sync_id}/{rank}")
+            sock = link.sock
             plan = state.plans.get(digest)
             if plan is None:
                 known = [d[:16] for d in state.plans]
@@ -271,8 +274,8 @@ class IPCWorkerMixin(WorkerIdentityMixin):
             tensors, nbytes = self._aiosync_load_buckets(
                 state, link, plan, mapped, sync_id, timeout_s, device, senders, trace, keep
             )
-            succeeded = True
             sock.send(encode({"t": "done", "sync_id": sync_id, "rank": rank}))
+            succeeded = True
             state.last = {
                 "ok": True,
                 "rank": rank,
@@ -286,16 +289,21 @@ class IPCWorkerMixin(WorkerIdentityMixin):
             if not isinstance(exc, SyncError):
                 exc = TransportError(f"engine worker {rank}: {type(exc).__name__}: {exc}")
             fields = error_fields(exc)
-            with contextlib.suppress(zmq.ZMQError):
-                sock.send(
-                    encode({"t": "error", "sync_id": sync_id, "rank": rank, **fields}), zmq.NOBLOCK
-                )
+            if link is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    link.sock.send(
+                        encode({"t": "error", "sync_id": sync_id, "rank": rank, **fields}),
+                        zmq.NOBLOCK,
+                    )
             return {"ok": False, **fields}
         finally:
             state.drop_mappings(keep if succeeded else set())
-            sock.disable_monitor()
-            monitor.close(linger=0)
-            sock.close()
+            if link is not None and succeeded and owner:
+                state.keep_link(link, endpoint)
+            elif link is not None:
+                if state.link is link:
+                    state.link, state.link_endpoint = None, ""
+                link.close()
 
     def _aiosync_load_buckets(
         self,
@@ -394,6 +402,33 @@ class _ReceiverState:
         self.mapped: dict[str, MappedBuffer] = {}
         self.mapped_owner: str | None = None
 
+        #: The DEALER kept connected to ``mapped_owner``'s ROUTER, and its endpoint.
+        self.link: _TrainerLink | None = None
+        self.link_endpoint = ""
+
+    def keep_link(self, link: _TrainerLink, endpoint: str) -> None:
+        """Keep ``link`` (to ``endpoint``) for the next receive of the same owner."""
+        if self.link is not None and self.link is not link:
+            self.link.close()
+        self.link, self.link_endpoint = link, endpoint
+
+    def reusable_link(self, endpoint: str) -> _TrainerLink | None:
+        """The kept link if it goes to ``endpoint`` and its monitor reported no
+        closed connection since; otherwise close it (if any) and return None."""
+        link = self.link
+        if link is None:
+            return None
+        if self.link_endpoint == endpoint and not link.disconnected():
+            return link
+        self.drop_link()
+        return None
+
+    def drop_link(self) -> None:
+        """Close the kept link, if any."""
+        if self.link is not None:
+            self.link.close()
+        self.link, self.link_endpoint = None, ""
+
     def drop_mappings(self, keep: set[str] | frozenset[str] = frozenset()) -> int:
         """Close every kept mapping whose key is not in ``keep``; returns how many."""
         dropped = [key for key in self.mapped if key not in keep]
@@ -444,14 +479,52 @@ class _TrainerLink:
         self.poller.register(sock, zmq.POLLIN)
         self.poller.register(monitor, zmq.POLLIN)
 
+    @classmethod
+    def connect(cls, endpoint: str, identity: str) -> _TrainerLink:
+        """A new DEALER named ``identity``, monitored, connecting to ``endpoint``."""
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, identity.encode())
+        # Linger so a final error or done message still reaches the trainer after close.
+        sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        # Before connect, so no event of this connection is missed: the kernel closes
+        # a dead trainer's end of the ipc:// connection, which the monitor reports.
+        monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+        link = cls(sock, monitor, endpoint)
+        try:
+            sock.connect(endpoint)
+        except BaseException:
+            link.close()
+            raise
+        return link
+
+    def close(self) -> None:
+        """Close the socket (lingering, see ``_LINGER_MS``) and its monitor."""
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close()
+
+    def disconnected(self) -> bool:
+        """Drain the monitor; True if it reported the connection closed (or the
+        trainer's socket file gone) since it was last drained."""
+        gone = False
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            closed = event == zmq.EVENT_DISCONNECTED
+            missing = event == zmq.EVENT_CONNECT_RETRIED and not os.path.exists(self.path)
+            gone = gone or closed or missing
+        return gone
+
     def recv(self, state: _ReceiverState, sync_id: str, timeout_s: float) -> dict[str, Any]:
         """The next message of refit ``sync_id``.
 
         Raises:
-            TransportError: superseded by a newer refit, a message of another
-                refit, or the trainer went away (its connection closed, or its
-                socket file is gone).
+            TransportError: superseded by a newer refit, or the trainer went away
+                (its connection closed, or its socket file is gone).
             SyncTimeoutError: nothing arrived within ``timeout_s`` seconds.
+
+        A message of another refit (one still queued on a kept connection,
+        such as the abort of a sync that had already ended here) is dropped.
         """
         deadline = time.monotonic() + timeout_s
         while True:
@@ -465,9 +538,8 @@ class _TrainerLink:
             if self.sock in ready:
                 msg = decode(self.sock.recv())
                 if msg.get("sync_id") != sync_id:
-                    raise TransportError(
-                        f"message for refit {msg.get('sync_id')!r} during refit {sync_id!r}"
-                    )
+                    _log.debug("dropping a message of refit %r", msg.get("sync_id"))
+                    continue
                 return msg
             if self.monitor in ready and self._trainer_gone():
                 raise TransportError(TRAINER_GONE)
@@ -481,14 +553,8 @@ class _TrainerLink:
         trainer binds before it sends the session); one refused while the file
         exists may be a full listen backlog, so the timeout stays the judge.
         """
-        gone = False
-        while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)["event"]
-            closed = event == zmq.EVENT_DISCONNECTED
-            missing = event == zmq.EVENT_CONNECT_RETRIED and not os.path.exists(self.path)
-            gone = gone or closed or missing
         # A message the trainer sent before it died is still delivered first.
-        return gone and not self.sock.poll(0)
+        return self.disconnected() and not self.sock.poll(0)
 
 
 def _data_fields(msg: Mapping[str, Any], num_buckets: int) -> tuple[int, int, dict[str, Any]]:
