@@ -1,8 +1,11 @@
 """Fixed cost of one colocated sync: one 4 KiB tensor over IPC into the embedded engine.
 
 With so few bytes, the copy is nothing and what is left is the protocol: the
-time a sync costs whatever the model. Measured in the same run, interleaved
-(one of each per iteration, so a change of load hits all alike):
+time a sync costs whatever the model. Measured in the same run, each sync
+interleaved with one RPC (so a change of load hits both alike), the ``sync``
+samples first, then the ``sync_awake`` ones (a worker keeps its connection
+and buffer mappings for one synchronizer at a time: alternating two would
+reconnect every sync):
 
 * ``sync``: ``IPCWeightSynchronizer.sync_weights()`` of one bf16 tensor of
   4 KiB (2,048 elements) into a one-worker :class:`~aiosync.EmbeddedEngine`
@@ -128,7 +131,8 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 async def _measure(samples: int) -> tuple[list[float], list[float], list[float]]:
-    """``(sync seconds, sync_awake seconds, rpc seconds)``, ``samples`` of each, interleaved."""
+    """``(sync seconds, sync_awake seconds, rpc seconds)``: ``samples`` syncs of each
+    kind, one kind after the other, each sync interleaved with one RPC."""
     from aiosync.engines.embedded.engine import EmbeddedEngine
     from aiosync.transports.ipc import IPCWeightSynchronizer
 
@@ -149,18 +153,18 @@ async def _measure(samples: int) -> tuple[list[float], list[float], list[float]]
         source, AwakeReportingEngine(engine), bucket_bytes=BUCKET_BYTES
     )
     async with engine, sync, sync_awake:
-        await sync.init_communicator()
-        await sync_awake.init_communicator()
-        for _ in range(3):  # warm-up: maps the shared buffers, first connects, caches
-            for each in (sync, sync_awake):
+        # One synchronizer after the other, not alternating: a worker keeps its
+        # connection and buffer mappings for one synchronizer at a time.
+        for each, out in ((sync, syncs), (sync_awake, awake)):
+            await each.init_communicator()
+            for _ in range(3):  # warm-up: maps the shared buffers, connects, caches
                 await each.mark_stale()
                 await each.sync_weights()
-            await engine.collective_rpc("embedded_status")
-        for _ in range(samples):
-            start = time.perf_counter()
-            await engine.collective_rpc("embedded_status")
-            rpcs.append(time.perf_counter() - start)
-            for each, out in ((sync, syncs), (sync_awake, awake)):
+                await engine.collective_rpc("embedded_status")
+            for _ in range(samples):
+                start = time.perf_counter()
+                await engine.collective_rpc("embedded_status")
+                rpcs.append(time.perf_counter() - start)
                 await each.mark_stale()
                 start = time.perf_counter()
                 await each.sync_weights()
