@@ -146,6 +146,8 @@ async def test_starting_a_synchronizer_sweeps_real_segments_and_socket_dirs_of_d
         for kind in _DIRS:
             (tmp / names[kind]).mkdir(mode=0o700)
             made.append(tmp / names[kind])
+        (Path(SHM_DIR) / names["lora_dir"]).mkdir(mode=0o700)
+        made.append(Path(SHM_DIR) / names["lora_dir"])
     try:
         trainer = h.trainer_model(h.DENSE_TIED, seed=40)
         sync = IPCWeightSynchronizer(
