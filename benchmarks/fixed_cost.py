@@ -35,20 +35,18 @@ rank, one worker, one bucket, engine idle, one after the other:
    over the ZMQ DEALER it keeps connected to the trainer's ROUTER (it opened
    a fresh one with a socket monitor per sync before issue 16: about 0.14 ms
    more on this machine, measured in one process), exchanges ``hello`` (worker →
-   trainer), ``data`` → ``ack`` (one per bucket), ``end`` → ``done``. The
-   trainer sends ``end`` right after the last ``data`` (before issue 16 it
-   waited for the acks first, one more round trip), so ``ack`` and ``end``
-   cross off the critical path; the worker's ``done`` and its RPC reply travel
-   together (the trainer waits for both, in parallel): 4 serial messages
-   (request, ``hello``, ``data``, ``done``) plus the worker's load;
+   trainer), ``data`` → ``ack`` (one per bucket), ``end`` → ``done``; the
+   worker's ``done`` and its RPC reply travel together (the trainer waits for
+   both, in parallel): 6 serial messages. ``end`` commits, so it waits for every
+   worker's acks: sent earlier, one engine of a fleet committed while another
+   was dying mid-bucket (tests/fleet caught it);
 4. ``prepare_for_generation(tags=["kv_cache"])`` → ``embedded_wake``: 1 RPC,
    skipped as 2.;
 5. ``on_weights_committed(version)`` (base class) → ``embedded_set_weight_version``: 1 RPC;
 6. ``resume_generation()`` (base class) → ``embedded_resume_generation``: 1 RPC.
 
-That is 6 engine RPCs and 14 serial one-way messages (7 round trips), or,
-with ``asleep_tags``, 4 RPCs and 10 messages (5 round trips); before issue 16,
-6 RPCs and 16 messages (8 round trips) whatever the engine. Each engine RPC
+That is 6 engine RPCs and 16 serial one-way messages (8 round trips), or,
+with ``asleep_tags``, 4 RPCs and 12 messages (6 round trips). Each engine RPC
 also hops to a worker thread and back (the embedded worker's RPC pool); the
 trainer hops to a thread once per bucket to read the source and pack (it hopped
 three times before issue 16: read, pack, check the source ended). A ratio to
@@ -87,8 +85,8 @@ BUCKET_BYTES = 1 << 20
 RPCS_PER_SYNC = 6
 RPCS_PER_SYNC_AWAKE = 4
 #: Serial one-way messages between trainer and worker per sync (see the module docs).
-MESSAGES_PER_SYNC = 14
-MESSAGES_PER_SYNC_AWAKE = 10
+MESSAGES_PER_SYNC = 16
+MESSAGES_PER_SYNC_AWAKE = 12
 #: ... as round trips, the unit the RPC baseline measures.
 ROUND_TRIPS_PER_SYNC = MESSAGES_PER_SYNC / 2
 ROUND_TRIPS_PER_SYNC_AWAKE = MESSAGES_PER_SYNC_AWAKE / 2

@@ -214,6 +214,18 @@ class EngineFleet:
 
         await each_named(self.engines, resume, self._label, settle=True)
 
+    @property
+    def asleep_tags(self) -> frozenset[str] | None:
+        """What sleeps on any engine (the union of their ``asleep_tags``); None when
+        an engine does not say (a colocated synchronizer then wakes every time)."""
+        union: set[str] = set()
+        for engine in self.engines:
+            tags = getattr(engine, "asleep_tags", None)
+            if tags is None:
+                return None
+            union |= set(tags)
+        return frozenset(union)
+
     async def prepare_for_generation(self, tags: Sequence[str] | None = None) -> None:
         """Wake ``tags`` (None: all) on every engine, concurrently."""
         await self._on_each(lambda i, e: e.prepare_for_generation(tags=tags))

@@ -180,6 +180,11 @@ class EmbeddedEngine:
         #: The LoRA adapter every generation applies (:meth:`load_lora_adapter`);
         #: None: the base model.
         self.lora_adapter: str | None = None
+        #: What sleeps on the workers, known here without asking them (this object
+        #: alone sleeps and wakes them): a colocated synchronizer skips the wake of
+        #: anything not in it. Every tag from :meth:`finish_generation` until
+        #: :meth:`prepare_for_generation` wakes it.
+        self.asleep_tags: frozenset[str] = frozenset()
         # Why generate() refuses on account of an adapter load (in flight or
         # failed); None when it does not.
         self._lora_refusal: str | None = None
@@ -529,10 +534,13 @@ class EmbeddedEngine:
         if unknown:
             raise ValueError(f"unknown tags {sorted(unknown)}; known: weights, kv_cache")
         await self.collective_rpc("embedded_wake", (list(tags) if tags is not None else None,))
+        self.asleep_tags = self.asleep_tags - set(tags) if tags is not None else frozenset()
 
     async def finish_generation(self) -> None:
         """Sleep every worker at ``sleep_level`` (2 discards the weights and the
         LoRA adapter)."""
+        # Before the call: a sleep that fails half-way leaves workers asleep.
+        self.asleep_tags = frozenset({"weights", "kv_cache"})
         discarded = await self.collective_rpc("embedded_sleep", (self.sleep_level,))
         if any(discarded):
             self.lora_adapter = None

@@ -17,28 +17,25 @@ BOTH_WAKES = ["prepare_for_generation(weights)", "prepare_for_generation(kv_cach
 
 
 class SleepTrackingEngine:
-    """An :class:`EmbeddedEngine` with ``asleep_tags`` kept locally, as the engine
-    change recommended for the wake skip does it: every tag asleep from
-    ``finish_generation()`` on, a tag awake once ``prepare_for_generation`` woke it.
-    ``track=False`` reports ``asleep_tags = None`` (unknown). Logs the wakes."""
+    """A real :class:`EmbeddedEngine`, logging the wakes a sync asks for. Its
+    ``asleep_tags`` are the engine's own (every tag from ``finish_generation()``
+    on, a tag awake once ``prepare_for_generation`` woke it); ``track=False``
+    reports ``None`` (unknown), as an engine without the attribute."""
 
     def __init__(self, engine: EmbeddedEngine, *, track: bool = True) -> None:
         self.engine = engine
         self.track = track
         self.log: list[str] = []
-        self._asleep: frozenset[str] = frozenset()
 
     @property
     def asleep_tags(self) -> frozenset[str] | None:
-        return self._asleep if self.track else None
+        return self.engine.asleep_tags if self.track else None
 
     async def prepare_for_generation(self, tags: Sequence[str] | None = None) -> None:
         self.log.append(f"prepare_for_generation({','.join(tags) if tags else 'all'})")
         await self.engine.prepare_for_generation(tags)
-        self._asleep -= set(tags) if tags is not None else self._asleep
 
     async def finish_generation(self) -> None:
-        self._asleep = frozenset({"weights", "kv_cache"})
         await self.engine.finish_generation()
 
     async def collective_rpc(

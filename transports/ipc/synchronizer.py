@@ -22,11 +22,11 @@ concurrently):
    packed while the engine loads bucket ``k``; a buffer is reused only after
    every worker acknowledged the bucket it held. A bucket larger than the
    buffers (a lone oversized tensor) gets a buffer of its own, freed after its acks.
-3. trainer → ``end {sync_id, buckets, kv_scales}`` right after the last
-   ``data`` (not after its acks: a worker handles its messages in order);
-   each worker checks every manifest entry arrived exactly once, loads the
-   FP8 KV-cache scales (engine names, float32), sets its weights valid,
-   answers ``done``. The trainer then waits for every ack and every ``done``.
+3. trainer → ``end {sync_id, buckets, kv_scales}`` once every worker acknowledged
+   every bucket (``end`` commits: no worker may take it while another can still
+   fail); each worker checks every manifest entry arrived exactly once, loads
+   the FP8 KV-cache scales (engine names, float32), sets its weights valid,
+   answers ``done``.
 
 A sharded trainer (``process_group``) runs this on every rank: each rank binds
 its own socket and streams to the workers on its device only; the session sent
@@ -678,18 +678,15 @@ class _BucketSender:
         if count == 0:
             # The source must be exhausted exactly at the plan's end.
             await anyio.to_thread.run_sync(_exhaust, groups)
+        for seq in range(count):
+            await self._wait_acks(sync_id, peers, acks, seq, rows)
         end = {
             "t": "end",
             "sync_id": sync_id,
             "buckets": count,
             "kv_scales": [[name, value] for name, value in kv],
         }
-        # Sent right after the last bucket, not after its acks: a worker reads its
-        # messages in order, so it takes ``end`` once it loaded every bucket, and
-        # the ack → end round trip leaves the critical path.
         await self._send_all(peers, encode(end))
-        for seq in range(count):
-            await self._wait_acks(sync_id, peers, acks, seq, rows)
         done: set[int] = set()
         while len(done) < len(peers):
             rank, msg = await self._recv(sync_id, "the end of the refit")
