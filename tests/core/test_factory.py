@@ -27,10 +27,14 @@ def test_factory_picks_transport(source, engine, backend, colocated, class_name)
         from aiosync.engines.sglang.backend import SGLangHTTPBackend
 
         engine = SGLangHTTPBackend("http://127.0.0.1:9")  # constructing connects to nothing
-    sync = create_weight_synchronizer(source, engine, colocated=colocated, backend=backend, **extra)
+    sync = create_weight_synchronizer(
+        source, engine, colocated=colocated, backend=backend, in_flight="keep", **extra
+    )
     assert type(sync) is getattr(aiosync, class_name)
     assert isinstance(sync, aiosync.WeightSynchronizer)
     assert (sync.policy_version, sync.weight_version) == (0, 0)
+    # Every transport's constructor takes the in-flight policy to the base class.
+    assert sync.in_flight == "keep"
 
 
 def test_non_colocated_sglang_is_not_implemented(source, engine):
@@ -90,8 +94,11 @@ def test_factory_picks_the_adapter_transport_for_a_lora_adapter_source(backend, 
     source = _AdapterSource()
     assert isinstance(source, aiosync.LoRAAdapterSource)
     # Every backend and topology; no train_cluster or inference_world_size needed.
-    sync = create_weight_synchronizer(source, _LoRAEngine(), colocated=colocated, backend=backend)
+    sync = create_weight_synchronizer(
+        source, _LoRAEngine(), colocated=colocated, backend=backend, in_flight="abort"
+    )
     assert type(sync) is aiosync.LoRAAdapterSynchronizer
+    assert sync.in_flight == "abort"
     assert (sync.policy_version, sync.weight_version) == (0, 0)
 
 

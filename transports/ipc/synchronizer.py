@@ -154,6 +154,8 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         rpc_timeout_s: limit for every single wait (a hello, an ack, an RPC), seconds.
         sync_timeout_s: limit for a whole ``sync_weights``, seconds.
         event_backlog: see :class:`~aiosync.WeightSynchronizer`.
+        in_flight: what requests running on the engine do during a sync
+            (``"wait"``, ``"abort"``, ``"keep"``; see :class:`~aiosync.WeightSynchronizer`).
         process_group: a sharded trainer's ``torch.distributed`` group. Every rank
             runs a synchronizer and makes the same calls (the source's gathers are
             collectives); rank ``r`` packs on its own device and sends only to the
@@ -185,12 +187,17 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
         sync_timeout_s: float = DEFAULT_SYNC_TIMEOUT_S,
         event_backlog: int = DEFAULT_EVENT_BACKLOG,
+        in_flight: InFlightPolicy = "wait",
         process_group: Any = None,
         device_label: str | None = None,
         trace: bool = False,
     ) -> None:
         super().__init__(
-            policy, generation, sync_timeout_s=sync_timeout_s, event_backlog=event_backlog
+            policy,
+            generation,
+            sync_timeout_s=sync_timeout_s,
+            event_backlog=event_backlog,
+            in_flight=in_flight,
         )
         self._ranks = TrainerRanks(process_group)
         if self._ranks.is_driver and generation is None:
