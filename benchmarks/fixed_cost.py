@@ -9,13 +9,13 @@ reconnect every sync):
 
 * ``sync``: ``IPCWeightSynchronizer.sync_weights()`` of one bf16 tensor of
   4 KiB (2,048 elements) into a one-worker :class:`~aiosync.EmbeddedEngine`
-  (the weights-only ``FlatModel`` of ``benchmarks/ipc.py``), after a warm-up
-  sync; ``mark_stale()`` before each, outside the timing.
-* ``sync_awake``: the same through :class:`AwakeReportingEngine`, the engine
-  with the optional ``asleep_tags`` attribute (kept locally: what the engine
-  says it put to sleep); the synchronizer then skips the two wake RPCs of an
-  awake engine. It stands for the one-line engine change that gives every
-  embedded engine that attribute.
+  (the weights-only ``FlatModel`` of ``benchmarks/ipc.py``) that does not say
+  what sleeps (:class:`SilentSleepEngine`: woken around every sync, as an
+  engine without ``asleep_tags``), after a warm-up sync; ``mark_stale()``
+  before each, outside the timing.
+* ``sync_awake``: the same into the engine itself, which reports
+  ``asleep_tags`` (what it put to sleep, kept locally): the synchronizer skips
+  the two wake RPCs of an awake engine.
 * ``rpc`` (baseline): one ``engine.collective_rpc("embedded_status")`` round
   trip, the floor of any engine RPC (msgpack over the engine's ZMQ socket,
   one hop to a worker thread and back).
@@ -100,23 +100,15 @@ class PointModel(FlatModel):
         self.kv_scales: dict[str, float] = {}
 
 
-class AwakeReportingEngine:
-    """An :class:`~aiosync.EmbeddedEngine` with ``asleep_tags``, kept as the engine
-    would keep it: every tag asleep from ``finish_generation()`` on, a tag awake
-    once ``prepare_for_generation`` woke it. Everything else is the engine's."""
+class SilentSleepEngine:
+    """An :class:`~aiosync.EmbeddedEngine` that does not say what sleeps
+    (``asleep_tags = None``), as an engine without the attribute: the
+    synchronizer then wakes it around every sync. Everything else is the engine's."""
+
+    asleep_tags = None
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        #: The tags the engine put to sleep (``"weights"``, ``"kv_cache"``).
-        self.asleep_tags: frozenset[str] = frozenset()
-
-    async def prepare_for_generation(self, tags: Any = None) -> None:
-        await self.engine.prepare_for_generation(tags)
-        self.asleep_tags -= set(tags) if tags is not None else self.asleep_tags
-
-    async def finish_generation(self) -> None:
-        self.asleep_tags = frozenset({"weights", "kv_cache"})
-        await self.engine.finish_generation()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
@@ -146,10 +138,8 @@ async def _measure(samples: int) -> tuple[list[float], list[float], list[float]]
     awake: list[float] = []
     rpcs: list[float] = []
     # A small staging buffer: its size changes the memory taken at init, not a sync's cost.
-    sync = IPCWeightSynchronizer(source, engine, bucket_bytes=BUCKET_BYTES)
-    sync_awake = IPCWeightSynchronizer(
-        source, AwakeReportingEngine(engine), bucket_bytes=BUCKET_BYTES
-    )
+    sync = IPCWeightSynchronizer(source, SilentSleepEngine(engine), bucket_bytes=BUCKET_BYTES)
+    sync_awake = IPCWeightSynchronizer(source, engine, bucket_bytes=BUCKET_BYTES)
     async with engine, sync, sync_awake:
         # One synchronizer after the other, not alternating: a worker keeps its
         # connection and buffer mappings for one synchronizer at a time.
