@@ -99,10 +99,19 @@ class Adapters:
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_qwen3_dir: Path, trainer: Any) -> Adapters:
+def base_model(tiny_qwen3_dir: Path) -> Any:
+    """The engine's checkpoint as transformers loads it. Not the session's ``trainer``:
+    other test modules take optimizer steps on that one."""
+    from transformers import Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_qwen3_dir: Path, base_model: Any) -> Adapters:
     first = train_adapter(tiny_qwen3_dir, seed=1)
     second = train_adapter(tiny_qwen3_dir, seed=2)
-    return Adapters(greedy(trainer), first, second)
+    return Adapters(greedy(base_model), first, second)
 
 
 @pytest.fixture
@@ -297,13 +306,13 @@ def test_modules_outside_vllms_lora_target_modules_are_named() -> None:
 
 
 async def test_full_weight_refit_drops_the_adapter_and_generate_refuses(
-    lora_backend: VLLMGenerationBackend, adapters: Adapters, trainer: Any
+    lora_backend: VLLMGenerationBackend, adapters: Adapters, base_model: Any
 ) -> None:
     backend = lora_backend
     await backend.load_lora_adapter(adapters.first.at(1))
     # The engine's own weights, unchanged: vLLM still drops every adapter after a
     # weight reload (reset_lora_state), and the adapter's directory is gone.
-    sync = IPCWeightSynchronizer(DTensorRefitSource(trainer), backend, device="cpu")
+    sync = IPCWeightSynchronizer(DTensorRefitSource(base_model), backend, device="cpu")
     async with sync:
         await sync.init_communicator()
         await sync.mark_stale()
