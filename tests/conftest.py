@@ -3,8 +3,60 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
 
 # Tests never download: models are built from small configs.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+_REPO = Path(__file__).resolve().parents[1]
+
+
+#: What :func:`spawn_ranks` returns: ``run(script, world_size, extra)``.
+SpawnRanks = Callable[[Path, int, Callable[[int], Sequence[str]]], None]
+
+
+@pytest.fixture(scope="session")
+def spawn_ranks() -> SpawnRanks:
+    """Run ``python script RANK WORLD_SIZE PORT *extra(RANK)`` for every rank at once
+    (real processes of a torch.distributed group meeting at 127.0.0.1:PORT, a free
+    port) and wait; fail with the log of any rank that did not exit 0."""
+
+    def run(script: Path, world_size: int, extra: Callable[[int], Sequence[str]]) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")]),
+        }
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(script), str(r), str(world_size), str(port), *extra(r)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for r in range(world_size)
+        ]
+        logs: list[str] = []
+        try:
+            for p in procs:
+                logs.append(p.communicate(timeout=600)[0])
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        for r, p in enumerate(procs):
+            assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-4000:]}"
+
+    return run

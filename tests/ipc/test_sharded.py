@@ -8,10 +8,6 @@ device only; a failure on one rank fails the sync on every rank alike.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,51 +16,12 @@ import pytest
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).parent
-REPO = HERE.parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def ranks(tmp_path_factory: pytest.TempPathFactory, spawn_ranks: Any) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("sharded")
-    port = _free_port()
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(HERE / "_sharded_trainer.py"),
-                str(r),
-                "2",
-                str(port),
-                str(out / f"{r}.json"),
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=600)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-4000:]}"
+    spawn_ranks(HERE / "_sharded_trainer.py", 2, lambda r: [str(out / f"{r}.json")])
     return [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
 
 

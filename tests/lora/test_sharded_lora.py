@@ -8,10 +8,6 @@ a rank that fails to read the adapter keeps rank 0 from loading it at all.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,15 +18,8 @@ from lora_harness import CONFIG, ENGINE_SEED, load_http_conftest
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).parent
-REPO = HERE.parents[1]
 #: Bytes of the r=4 adapter on every linear layer of the tiny Qwen3 (see test_embedded_lora).
 ADAPTER_NBYTES = 2 * 4864 * 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -47,35 +36,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def ranks(server: Any, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def ranks(
+    server: Any, tmp_path_factory: pytest.TempPathFactory, spawn_ranks: Any
+) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("sharded-lora")
-    port = _free_port()
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    script = str(HERE / "_sharded_lora_trainer.py")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, script, str(r), "2", str(port), server.url, str(out / f"{r}.json")],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=600)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-4000:]}"
+    script = HERE / "_sharded_lora_trainer.py"
+    spawn_ranks(script, 2, lambda r: [server.url, str(out / f"{r}.json")])
     return [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
 
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -49,36 +48,10 @@ _harness = _refit_torch_harness()
 
 
 @pytest.fixture(scope="module")
-def streamed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def streamed(tmp_path_factory: pytest.TempPathFactory, spawn_ranks: Any) -> Path:
     """Run both ranks once; the directory of their outputs."""
     out = tmp_path_factory.mktemp("peft_dist")
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    port = _harness._free_port()
-    worker = str(HERE / "_peft_dist_worker.py")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, worker, str(r), str(WORLD_SIZE), str(port), str(out)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(WORLD_SIZE)
-    ]
-    logs: list[str] = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=600)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-4000:]}"
+    spawn_ranks(HERE / "_peft_dist_worker.py", WORLD_SIZE, lambda r: [str(out)])
     return out
 
 

@@ -8,12 +8,9 @@ with ``save_pretrained`` of the same model unsharded.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +19,6 @@ from safetensors.torch import load_file
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).parent
-REPO = HERE.parent.parent
 WORLD_SIZE = 2
 
 # case -> (model kind, manifest dtype or None); mirrors the cases in _dist_worker.py
@@ -36,49 +32,11 @@ CASES: dict[str, tuple[str, torch.dtype | None]] = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def streamed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def streamed(tmp_path_factory: pytest.TempPathFactory, spawn_ranks: Any) -> Path:
     """Run both ranks once; the directory of their outputs."""
     out = tmp_path_factory.mktemp("dist")
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    port = _free_port()
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(HERE / "_dist_worker.py"),
-                str(r),
-                str(WORLD_SIZE),
-                str(port),
-                str(out),
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(WORLD_SIZE)
-    ]
-    logs: list[str] = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=600)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-4000:]}"
+    spawn_ranks(HERE / "_dist_worker.py", WORLD_SIZE, lambda r: [str(out)])
     return out
 
 
