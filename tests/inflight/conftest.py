@@ -117,6 +117,26 @@ def load_into(target: torch.nn.Module, source: torch.nn.Module) -> None:
             t.copy_(s)
 
 
+async def sync_old(env: SimpleNamespace, old: PreTrainedModel) -> int:
+    """Bring the engine to OLD (nothing in flight); returns its version."""
+    env.source.fail_before = None
+    load_into(env.trainer, old)
+    version: int = await env.sync.mark_stale()
+    await env.sync.sync_weights()
+    assert env.sync.weight_version == version
+    return version
+
+
+async def stage(
+    env: SimpleNamespace, old: PreTrainedModel, new: PreTrainedModel
+) -> tuple[int, int]:
+    """The engine on OLD, then an optimizer step to NEW not yet synced:
+    ``(old version, new version)``."""
+    old_version = await sync_old(env, old)
+    load_into(env.trainer, new)
+    return old_version, await env.sync.mark_stale()
+
+
 @pytest.fixture(scope="session")
 def h() -> SimpleNamespace:
     """This directory's helpers (test modules cannot import conftest under importlib mode)."""
@@ -132,6 +152,8 @@ def h() -> SimpleNamespace:
         hf_greedy=hf_greedy,
         FaultySource=FaultySource,
         load_into=load_into,
+        sync_old=sync_old,
+        stage=stage,
     )
 
 

@@ -42,14 +42,6 @@ async def env(h: SimpleNamespace) -> AsyncIterator[SimpleNamespace]:
         )
 
 
-async def _sync_old(env: SimpleNamespace, h: SimpleNamespace, old: PreTrainedModel) -> int:
-    env.source.fail_before = None
-    h.load_into(env.trainer, old)
-    version = await env.sync.mark_stale()
-    await env.sync.sync_weights()
-    return version
-
-
 async def _mid_request(admin: httpx.AsyncClient, at_least: int = 30) -> None:
     with anyio.fail_after(120):
         while True:
@@ -88,9 +80,7 @@ async def test_wait_finishes_the_request_on_old_weights_before_the_refit(
     new_model: PreTrainedModel,
     old_tokens: list[int],
 ) -> None:
-    old = await _sync_old(env, h, old_model)
-    h.load_into(env.trainer, new_model)
-    new = await env.sync.mark_stale()
+    old, new = await h.stage(env, old_model, new_model)
     async with env.sync.subscribe() as events:
         result, versions, _ = await _run_during_request(
             env, h, lambda: env.sync.sync_weights(in_flight="wait")
@@ -114,9 +104,7 @@ async def test_abort_ends_the_request_with_a_prefix_of_old_output(
     new_model: PreTrainedModel,
     old_tokens: list[int],
 ) -> None:
-    old = await _sync_old(env, h, old_model)
-    h.load_into(env.trainer, new_model)
-    new = await env.sync.mark_stale()
+    old, new = await h.stage(env, old_model, new_model)
     result, versions, _ = await _run_during_request(
         env, h, lambda: env.sync.sync_weights(in_flight="abort")
     )
@@ -142,9 +130,7 @@ async def test_keep_retracts_the_request_and_continues_it_on_new_weights(
     new_model: PreTrainedModel,
     old_tokens: list[int],
 ) -> None:
-    old = await _sync_old(env, h, old_model)
-    h.load_into(env.trainer, new_model)
-    new = await env.sync.mark_stale()
+    old, new = await h.stage(env, old_model, new_model)
     result, versions, _ = await _run_during_request(
         env, h, lambda: env.sync.sync_weights(in_flight="keep")
     )
@@ -179,9 +165,7 @@ async def test_a_failed_refit_resumes_generation(
     new_model: PreTrainedModel,
     old_tokens: list[int],
 ) -> None:
-    old = await _sync_old(env, h, old_model)
-    h.load_into(env.trainer, new_model)
-    await env.sync.mark_stale()
+    old, _ = await h.stage(env, old_model, new_model)
     env.source.fail_before = RuntimeError("trainer offload failed")
 
     async def failing_sync() -> None:

@@ -34,16 +34,6 @@ async def env(h: SimpleNamespace) -> AsyncIterator[SimpleNamespace]:
             yield SimpleNamespace(engine=engine, sync=sync, trainer=trainer, source=source)
 
 
-async def _sync_old(env: SimpleNamespace, h: SimpleNamespace, old: PreTrainedModel) -> int:
-    """Bring the engine to OLD (nothing in flight); returns its version."""
-    env.source.fail_before = None
-    h.load_into(env.trainer, old)
-    version = await env.sync.mark_stale()
-    await env.sync.sync_weights()
-    assert env.sync.weight_version == version
-    return version
-
-
 async def _mid_request(engine: EmbeddedEngine, at_least: int = 30) -> None:
     """Wait until the one running request has started ``at_least`` decode steps."""
     with anyio.fail_after(120):
@@ -86,7 +76,7 @@ async def _events_until(events: Any, kind: VersionEventKind) -> list[WeightVersi
 async def test_decode_loop_is_transformers_greedy_token_for_token(
     env: SimpleNamespace, h: SimpleNamespace, old_model: PreTrainedModel, old_tokens: list[int]
 ) -> None:
-    version = await _sync_old(env, h, old_model)
+    version = await h.sync_old(env, old_model)
     (result,) = await env.engine.generate_with_meta(
         [h.PROMPT], max_new_tokens=h.LONG, ignore_eos=True
     )
@@ -102,9 +92,7 @@ async def test_wait_finishes_the_request_on_old_weights_before_the_sync_moves(
     new_model: PreTrainedModel,
     old_tokens: list[int],
 ) -> None:
-    old_version = await _sync_old(env, h, old_model)
-    h.load_into(env.trainer, new_model)
-    new_version = await env.sync.mark_stale()
+    old_version, new_version = await h.stage(env, old_model, new_model)
     async with env.sync.subscribe() as events:
         result, _ = await _run_during_request(
             env, h, lambda: env.sync.sync_weights(in_flight="wait")
@@ -134,9 +122,7 @@ async def test_abort_ends_the_request_with_a_prefix_of_old_output(
     new_model: PreTrainedModel,
     old_tokens: list[int],
 ) -> None:
-    old_version = await _sync_old(env, h, old_model)
-    h.load_into(env.trainer, new_model)
-    new_version = await env.sync.mark_stale()
+    old_version, new_version = await h.stage(env, old_model, new_model)
     result, _ = await _run_during_request(env, h, lambda: env.sync.sync_weights(in_flight="abort"))
     k = len(result.token_ids)
     assert result.aborted is True
@@ -160,9 +146,7 @@ async def test_keep_continues_the_request_on_new_weights_from_where_it_stopped(
     new_model: PreTrainedModel,
     old_tokens: list[int],
 ) -> None:
-    old_version = await _sync_old(env, h, old_model)
-    h.load_into(env.trainer, new_model)
-    new_version = await env.sync.mark_stale()
+    old_version, new_version = await h.stage(env, old_model, new_model)
     env.sync.in_flight = "keep"  # the synchronizer's default, this time
     try:
         result, _ = await _run_during_request(env, h, env.sync.sync_weights)
@@ -187,9 +171,7 @@ async def test_resume_after_a_failed_sync_lets_the_kept_request_finish_on_old_we
     new_model: PreTrainedModel,
     old_tokens: list[int],
 ) -> None:
-    old_version = await _sync_old(env, h, old_model)
-    h.load_into(env.trainer, new_model)
-    await env.sync.mark_stale()
+    old_version, _ = await h.stage(env, old_model, new_model)
     env.source.fail_before = RuntimeError("trainer offload failed")
 
     async def failing_sync() -> BaseException:
@@ -219,9 +201,7 @@ async def test_resume_after_a_cancelled_sync(
     new_model: PreTrainedModel,
     old_tokens: list[int],
 ) -> None:
-    old_version = await _sync_old(env, h, old_model)
-    h.load_into(env.trainer, new_model)
-    await env.sync.mark_stale()
+    old_version, _ = await h.stage(env, old_model, new_model)
 
     async def cancelled_sync() -> bool:
         # "wait" waits for the long request: cancelled while paused, before a byte moved.
@@ -250,9 +230,7 @@ async def test_an_unknown_policy_is_refused_before_anything_moves(
     old_model: PreTrainedModel,
     new_model: PreTrainedModel,
 ) -> None:
-    old_version = await _sync_old(env, h, old_model)
-    h.load_into(env.trainer, new_model)
-    await env.sync.mark_stale()
+    old_version, _ = await h.stage(env, old_model, new_model)
     async with env.sync.subscribe() as events:
         refused = r"in_flight must be one of \('abort', 'wait', 'keep'\), got 'drop'"
         with pytest.raises(ValueError, match=refused):
