@@ -484,17 +484,10 @@ class WeightSynchronizer(ABC):
                 raise resume_error
 
     def _drives_generation(self) -> bool:
-        """Whether this process pauses and resumes the engine around a sync.
-
-        True unless the transport says this trainer rank does not drive the
-        engine: a sharded trainer's ranks other than the driver (a transport's
-        ``_ranks.is_driver``, the collective transport's ``is_source``).
-        Transports may override it.
-        """
-        ranks = getattr(self, "_ranks", None)
-        if ranks is not None:
-            return bool(getattr(ranks, "is_driver", True))
-        return bool(getattr(self, "is_source", True))
+        """Whether this process pauses and resumes the engine around a sync: True
+        here; a transport of a sharded trainer overrides it so that only the rank
+        that drives the engine does."""
+        return True
 
     def _pause_method(self) -> Any:
         """The engine's ``pause_generation`` when this process should call it, else None."""

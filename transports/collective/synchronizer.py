@@ -444,6 +444,10 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             kv_scale_entries(kv_scales)
         await super().sync_weights(kv_scales, in_flight=in_flight)
 
+    def _drives_generation(self) -> bool:
+        # Only the source drives the engine; the other trainer ranks never call it.
+        return self.is_source
+
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
         kv = kv_scale_entries(kv_scales, await self._attention_layers(kv_scales))
         if self._needs_forming():

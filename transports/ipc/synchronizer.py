@@ -343,6 +343,10 @@ class IPCWeightSynchronizer(WeightSynchronizer):
             kv_scale_entries(kv_scales, layers)
         await super().sync_weights(kv_scales, in_flight=in_flight)
 
+    def _drives_generation(self) -> bool:
+        # Only the rank that holds the engine pauses and resumes it.
+        return self._ranks.is_driver
+
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
         assert self.plan is not None
         kv = kv_scale_entries(kv_scales, attention_layers(self.plan.manifest()))

@@ -227,6 +227,10 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
             raise NotImplementedError(_KV_SCALES)
         await super().sync_weights(None, in_flight=in_flight)
 
+    def _drives_generation(self) -> bool:
+        # Only the rank that holds the engine pauses and resumes it.
+        return self._ranks.is_driver
+
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
         if kv_scales is not None:
             raise NotImplementedError(_KV_SCALES)
