@@ -18,10 +18,16 @@ tensors; ``finalize_layerwise_reload(model, model_config)`` finishes layers
 that were not complete (attention scales, untouched layers). Layerwise reload
 keeps *references* to the tensors it is given until their layer is complete,
 while aiosync's receivers pass views of bucket buffers that they reuse or unmap
-once ``load_weights`` returns; inside the bracket each tensor is therefore
-cloned first (one extra copy per tensor, freed when its layer is processed). vLLM's own weight
-transfer engines bracket their receive the same way (``start_weight_update`` /
-``finish_weight_update``).
+once ``load_weights`` returns. So when a ``load_weights`` call (one bucket)
+returns, the tensors of that call that a still incomplete layer holds (its
+``LayerReloadingInfo.loaded_weights``) are replaced there by clones; every
+other tensor was already copied into its layer and is not copied again. With
+the trainer's checkpoint order that is at most the one layer a bucket boundary
+cuts (``q_proj`` arriving before ``v_proj`` of ``qkv_proj``), plus layers that
+wait for ``finalize_layerwise_reload`` (attention scales). The bytes cloned in
+the last bracket are in :meth:`VLLMWorkerMixin.aiosync_vllm_status`. vLLM's own
+weight transfer engines bracket their receive the same way
+(``start_weight_update`` / ``finish_weight_update``).
 
 :class:`VLLMWorkerMixin` brackets every aiosync receive that loads into the
 live model (``aiosync_ipc_receive``, ``aiosync_collective_receive``,
@@ -60,10 +66,15 @@ class VLLMWorkerMixin:
     Attributes:
         aiosync_reloads: completed reload brackets on this worker (a count).
         aiosync_last_reload_s: seconds the last bracket took (load + post-processing).
+        aiosync_cloned_bytes: bytes the last bracket cloned because an incomplete
+            layer still held them when their ``load_weights`` call returned.
+        aiosync_cloned_tensors: how many tensors those were.
     """
 
     aiosync_reloads: int = 0
     aiosync_last_reload_s: float = 0.0
+    aiosync_cloned_bytes: int = 0
+    aiosync_cloned_tensors: int = 0
     _aiosync_checkpoint: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
     _aiosync_lora_base: dict[str, tuple[int, ...]] | None = None
 
@@ -255,9 +266,11 @@ class VLLMWorkerMixin:
 
         Returns:
             ``{"rank": int, "device": str, "in_vllm": bool, "weights_valid": bool,
-            "sleep_mode": bool, "reloads": int, "last_reload_s": float}``.
+            "sleep_mode": bool, "reloads": int, "last_reload_s": float,
+            "cloned_bytes": int, "cloned_tensors": int}``.
             ``sleep_mode`` is False on platforms where vLLM's ``sleep``/``wake_up``
-            release nothing (its CPU worker).
+            release nothing (its CPU worker). ``cloned_*``: what the last reload
+            bracket cloned (see the module docs).
         """
         config = getattr(self, "vllm_config", None)
         return {
@@ -270,7 +283,63 @@ class VLLMWorkerMixin:
             ),
             "reloads": int(self.aiosync_reloads),
             "last_reload_s": float(self.aiosync_last_reload_s),
+            "cloned_bytes": int(self.aiosync_cloned_bytes),
+            "cloned_tensors": int(self.aiosync_cloned_tensors),
         }
+
+    def aiosync_vllm_read_weights(self, names: Sequence[str]) -> list[list[Any]]:
+        """This worker's live weights under their checkpoint names, read back
+        from what vLLM computes with (a diagnostic: compare them bit for bit
+        with the trainer's after a refit).
+
+        A name's module is looked up in the model under the checkpoint's path,
+        a packed module standing for its parts (``packed_modules_mapping``:
+        ``q_proj`` is rows ``output_sizes[0]`` of ``qkv_proj``). A linear
+        layer's weight is read through its kernel: vLLM's CPU worker packs it
+        for oneDNN and leaves ``weight`` empty, so the layer's
+        ``quant_method.apply`` is run on an identity matrix (each output
+        element is one weight times 1 plus zeros: exact), giving
+        ``weight.T``. Other tensors (embeddings, norms) are read as they are.
+        Tensor parallel: this worker's shard. Unquantized models whose module
+        paths follow the checkpoint (Qwen3, Llama) only.
+
+        Args:
+            names: checkpoint names (``model.layers.0.self_attn.q_proj.weight``).
+
+        Returns:
+            ``[[name, [dims...], dtype_name, raw bytes], ...]`` in ``names`` order.
+
+        Raises:
+            ValueError: a name has no module in the model.
+        """
+        from aiosync.transports.packing import dtype_name
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        packed = getattr(model, "packed_modules_mapping", None) or {}
+        parts = {part: (whole, i) for whole, ps in packed.items() for i, part in enumerate(ps)}
+        out: list[list[Any]] = []
+        for name in names:
+            path, _, leaf = name.rpartition(".")
+            parent, _, module_name = path.rpartition(".")
+            part = parts.get(module_name)
+            if part is not None:
+                path = f"{parent}.{part[0]}" if parent else part[0]
+            try:
+                module = model.get_submodule(path)
+            except AttributeError as exc:
+                raise ValueError(f"{name}: no module {path} in the vLLM model") from exc
+            if leaf == "weight" and hasattr(module, "input_size_per_partition"):
+                tensor = _linear_weight(module)
+            else:
+                tensor = getattr(module, leaf).detach()
+            if part is not None:
+                sizes = [int(n) for n in module.output_partition_sizes]
+                start = sum(sizes[: part[1]])
+                tensor = tensor[start : start + sizes[part[1]]]
+            tensor = tensor.contiguous().cpu()
+            raw = tensor.view(torch.uint8).numpy().tobytes()
+            out.append([name, list(tensor.shape), dtype_name(tensor.dtype), raw])
+        return out
 
     # -- helpers ---------------------------------------------------------------
 
@@ -315,19 +384,32 @@ class VLLMWorkerMixin:
             finalize_layerwise_reload,
             initialize_layerwise_reload,
         )
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         loader = self.model_runner.model  # type: ignore[attr-defined]
         original = loader.load_weights
+        self.aiosync_cloned_bytes = self.aiosync_cloned_tensors = 0
+        infos: list[Any] = []
 
         def load_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
             # Layerwise reload keeps the tensors it is given until their whole
             # layer has arrived; the receivers hand it views of buffers they
-            # reuse (or unmap) as soon as load_weights returns.
-            return original((name, tensor.clone()) for name, tensor in weights)
+            # reuse (or unmap) as soon as load_weights returns. Clone what an
+            # incomplete layer still holds then, on failure too (the receiver
+            # drops its mappings before finalize_layerwise_reload reads them).
+            storages: set[int] = set()
+            try:
+                return original(_noting_storages(weights, storages))
+            finally:
+                tensors, nbytes = _clone_held_views(infos, storages)
+                self.aiosync_cloned_tensors += tensors
+                self.aiosync_cloned_bytes += nbytes
 
         with set_current_vllm_config(config):
             initialize_layerwise_reload(model)
+            # Every layer's reload state; reset in place as layers complete.
+            infos.extend(i for m in model.modules() if (i := LAYERWISE_INFO.get(m)) is not None)
             loader.load_weights = load_weights
             try:
                 yield
@@ -339,6 +421,54 @@ class VLLMWorkerMixin:
             hook = getattr(self.model_runner, reset, None)  # type: ignore[attr-defined]
             if hook is not None:
                 hook()
+
+
+def _linear_weight(layer: Any) -> torch.Tensor:
+    """``layer.weight`` ``[out_features, in_features]`` of a vLLM linear layer,
+    recovered through its kernel as ``apply(identity).T`` (no bias: it is a
+    separate argument of ``apply``)."""
+    dtype = layer.params_dtype
+    device = next((p.device for p in layer.parameters()), torch.device("cpu"))
+    eye = torch.eye(int(layer.input_size_per_partition), dtype=dtype, device=device)
+    with torch.no_grad():
+        return layer.quant_method.apply(layer, eye).T
+
+
+def _noting_storages(
+    weights: Iterable[tuple[str, torch.Tensor]], storages: set[int]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` unchanged; adds the address of each tensor's storage to ``storages``."""
+    for name, tensor in weights:
+        storages.add(tensor.untyped_storage().data_ptr())
+        yield name, tensor
+
+
+def _clone_held_views(infos: Sequence[Any], storages: set[int]) -> tuple[int, int]:
+    """Replace, in the loader calls that incomplete layers buffer, every tensor
+    on one of ``storages`` by a clone; returns ``(tensors, bytes)`` cloned.
+
+    ``infos`` are vLLM's ``LayerReloadingInfo`` of the model's layers: a layer
+    still loading holds ``loaded_weights``, a list of ``(param_name,
+    inspect.BoundArguments)`` of its weight loader calls, replayed once all its
+    weights arrived (a complete layer's list is empty). A tensor the model's
+    ``load_weights`` derived by a copy (a cast) lives on another storage and is
+    left alone; views (a tensor-parallel ``narrow``) are cloned at their own size.
+    """
+    if not storages:
+        return 0, 0
+    tensors = nbytes = 0
+    for info in infos:
+        for _, bound in info.loaded_weights:
+            for key, value in bound.arguments.items():
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.device.type != "meta"
+                    and value.untyped_storage().data_ptr() in storages
+                ):
+                    bound.arguments[key] = value.clone()
+                    tensors += 1
+                    nbytes += value.nbytes
+    return tensors, nbytes
 
 
 def lora_target_problems(
