@@ -2,8 +2,9 @@
 
 The trainer (this process, torch) optimizes a small Qwen3 causal LM, built with
 transformers from a config (no download), with GRPO: group-relative advantages,
-a clipped policy-gradient loss and an optional KL penalty to the initial
-policy. The generation engine runs in its own process(es) — the embedded
+a clipped policy-gradient loss made off-policy-correct with the engine's
+behaviour log-probs (decoupled PPO, below) and an optional KL penalty to the
+initial policy. The generation engine runs in its own process(es) — the embedded
 transformers engine by default — and gets every new version through the
 synchronizer that ``aiosync.create_weight_synchronizer`` picks for
 ``--colocated/--no-colocated`` and ``--backend``. The loop never asks which.
@@ -27,6 +28,24 @@ and counted), ``keep`` lets the new weights finish them. Rollouts come from
 tokens; a group is stamped with the oldest, and the summary counts the samples
 that spanned two versions. Without ``--in-flight`` the loop refits only between
 rollout batches (before generating), so no sample spans two versions.
+
+Off-policy correction: a sample trained at policy version ``p`` was generated
+by older weights (staleness), by two versions (``keep``), or by an engine whose
+numerics differ from the trainer's. The engine returns each token's
+behaviour-policy log-prob (``generate_with_meta(logprobs=True)``, the raw
+``log_softmax``), and the loss is decoupled PPO (AReaL; verl's truncated
+importance sampling) per token::
+
+    ratio  = exp(logp - logp_prox)                  # PPO's trust region, clipped to 1 +- --clip-eps
+    weight = min(exp(logp_prox - logp_behav), --is-cap)   # behaviour -> proximal, no gradient
+    loss   = -mean(weight * min(ratio * A, clip(ratio) * A))
+
+``logp_prox`` is the trainer's log-prob at the start of the batch (its first
+pass), so on-policy samples get ``weight == 1`` and the plain GRPO loss. That
+first pass is also a check: on a sample generated under the version being
+trained, ``|logp_prox - logp_behav|`` must be ~0 (engine and trainer compute
+the same model); the summary reports it, the stale samples' gap and the
+fractions of clipped and truncated tokens.
 
 LoRA (``--lora-rank N``, N > 0): the trainer wraps the policy with PEFT
 (``LoraConfig(r=N, lora_alpha=2N)`` on ``q/k/v/o_proj`` and ``gate/up/down_proj``;
@@ -135,6 +154,9 @@ class Group:
     prompt: list[int]
     completions: list[list[int]]
     rewards: list[float]
+    #: per completion, per token: the behaviour policy's log-prob (the engine's,
+    #: from the weights that generated that token)
+    behaviour_logprobs: list[list[float]]
 
 
 # -- the trainer (GRPO) ------------------------------------------------------------
@@ -182,8 +204,56 @@ def base_checkpoint(peft_model: Any) -> dict[str, torch.Tensor]:
     }
 
 
+def decoupled_ppo_loss(
+    logp: torch.Tensor,
+    proximal: torch.Tensor,
+    behaviour: torch.Tensor,
+    adv: torch.Tensor,
+    *,
+    clip_eps: float,
+    is_cap: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The decoupled PPO policy loss (AReaL) with a truncated importance weight (verl's TIS).
+
+    Args:
+        logp: the current policy's log-probs of the completion tokens, ``[B, L]``
+            float32, with gradient.
+        proximal: the trainer's log-probs at the start of the batch, ``[B, L]``.
+        behaviour: the engine's log-probs of the same tokens, from the weights
+            that generated each one, ``[B, L]``.
+        adv: one advantage per completion, ``[B]``.
+        clip_eps: the ratio ``exp(logp - proximal)`` is clipped to ``[1 - eps, 1 + eps]``.
+        is_cap: the importance weight ``exp(proximal - behaviour)`` is truncated
+            at this value (``inf``: not truncated).
+
+    Returns:
+        The scalar loss (mean over tokens) and ``{"clip_frac", "is_truncated_frac",
+        "is_weight_mean"}``: the fractions of tokens whose ratio was clipped and
+        whose weight was truncated, and the mean truncated weight.
+    """
+    # PPO's clip bounds the step away from the proximal policy, which the trainer
+    # computed itself; measuring it from the behaviour policy instead would clip
+    # every token of a stale sample and learn nothing from it.
+    ratio = torch.exp(logp - proximal)
+    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps)
+    surrogate = torch.min(ratio * adv[:, None], clipped * adv[:, None])
+    # Behaviour -> proximal: importance sampling for the weights that sampled the
+    # tokens. A constant (no gradient), truncated so that one token the engine
+    # found unlikely cannot dominate the batch.
+    weight = torch.exp(proximal - behaviour)
+    truncated = weight.clamp(max=is_cap)
+    loss = -(truncated * surrogate).mean()
+    stats = {
+        "clip_frac": ((ratio - clipped).abs() > 0).float().mean().item(),
+        "is_truncated_frac": (weight > is_cap).float().mean().item(),
+        "is_weight_mean": truncated.mean().item(),
+    }
+    return loss, stats
+
+
 class GRPOTrainer:
-    """GRPO updates on groups: advantages ``(r - mean_g) / (std_g + eps)``, clipped ratio.
+    """GRPO updates on groups: advantages ``(r - mean_g) / (std_g + eps)``, the
+    :func:`decoupled_ppo_loss`.
 
     Args:
         model: the policy (trained in place: every parameter that requires a
@@ -191,10 +261,17 @@ class GRPOTrainer:
         lr: AdamW learning rate.
         clip_eps: PPO clip range, the ratio is clipped to ``[1 - eps, 1 + eps]``.
         kl_coef: weight of the k3 KL estimate to the initial policy; 0 disables it.
+        is_cap: truncation of the behaviour importance weight (``inf``: none).
     """
 
     def __init__(
-        self, model: torch.nn.Module, *, lr: float, clip_eps: float, kl_coef: float
+        self,
+        model: torch.nn.Module,
+        *,
+        lr: float,
+        clip_eps: float,
+        kl_coef: float,
+        is_cap: float = 2.0,
     ) -> None:
         self.model = model
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if kl_coef else None
@@ -203,14 +280,17 @@ class GRPOTrainer:
         self.optimizer = torch.optim.AdamW(trainable, lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
         self.clip_eps = clip_eps
         self.kl_coef = kl_coef
+        self.is_cap = is_cap
 
     @staticmethod
-    def tensors(groups: Sequence[Group]) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """``(sequences [B, P+L] int64, advantages [B] float32, prompt length P)``."""
+    def tensors(groups: Sequence[Group]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """``(sequences [B, P+L] int64, advantages [B] float32, behaviour log-probs
+        [B, L] float32, prompt length P)``."""
         seqs = [g.prompt + c for g in groups for c in g.completions]
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
         adv = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)
-        return torch.tensor(seqs), adv.reshape(-1), len(groups[0].prompt)
+        behaviour = torch.tensor([lp for g in groups for lp in g.behaviour_logprobs])
+        return torch.tensor(seqs), adv.reshape(-1), behaviour, len(groups[0].prompt)
 
     def _logprobs(self, model: torch.nn.Module, seqs: torch.Tensor, plen: int) -> torch.Tensor:
         logits = model(seqs).logits[:, plen - 1 : -1].float()
@@ -219,7 +299,8 @@ class GRPOTrainer:
     def old_logprobs(
         self, seqs: torch.Tensor, plen: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Completion log-probs ``[B, L]`` before this batch's updates, and the reference's."""
+        """Completion log-probs ``[B, L]`` before this batch's updates (the proximal
+        policy's), and the reference's."""
         with torch.no_grad():
             old = self._logprobs(self.model, seqs, plen)
             ref = None if self.reference is None else self._logprobs(self.reference, seqs, plen)
@@ -230,35 +311,35 @@ class GRPOTrainer:
         seqs: torch.Tensor,
         adv: torch.Tensor,
         plen: int,
-        old: torch.Tensor,
+        proximal: torch.Tensor,
+        behaviour: torch.Tensor,
         ref: torch.Tensor | None,
     ) -> dict[str, float]:
         """Compute the GRPO loss and its gradients (reads the weights, does not change them)."""
         # Grad mode is per thread, and this runs on a pooled worker thread.
         with torch.enable_grad():
-            return self._backward(seqs, adv, plen, old, ref)
+            return self._backward(seqs, adv, plen, proximal, behaviour, ref)
 
     def _backward(
         self,
         seqs: torch.Tensor,
         adv: torch.Tensor,
         plen: int,
-        old: torch.Tensor,
+        proximal: torch.Tensor,
+        behaviour: torch.Tensor,
         ref: torch.Tensor | None,
     ) -> dict[str, float]:
         logp = self._logprobs(self.model, seqs, plen)
-        ratio = torch.exp(logp - old)
-        clipped = ratio.clamp(1 - self.clip_eps, 1 + self.clip_eps)
-        pg = -torch.min(ratio * adv[:, None], clipped * adv[:, None]).mean()
-        loss = pg
+        loss, stats = decoupled_ppo_loss(
+            logp, proximal, behaviour, adv, clip_eps=self.clip_eps, is_cap=self.is_cap
+        )
         kl = torch.zeros(())
         if ref is not None:
             kl = (torch.exp(ref - logp) - (ref - logp) - 1).mean()
-            loss = pg + self.kl_coef * kl
+            loss = loss + self.kl_coef * kl
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        clip_frac = ((ratio - clipped).abs() > 0).float().mean()
-        return {"loss": loss.item(), "kl": kl.item(), "clip_frac": clip_frac.item()}
+        return {"loss": loss.item(), "kl": kl.item(), **stats}
 
     def step(self) -> None:
         """The optimizer step: the only place the weights change."""
@@ -310,6 +391,21 @@ class RunReport:
     spanning_samples: int = 0
     #: completions a refit aborted (``--in-flight abort``); their groups were dropped
     aborted_rollouts: int = 0
+    #: ``--is-cap``: truncation of the behaviour importance weight
+    is_cap: float = 0.0
+    #: ``|logp_train - logp_behaviour|`` on the trainer's first pass over the
+    #: tokens of samples generated under the version being trained (one version,
+    #: staleness 0): ~0 when the engine computes the trainer's model
+    onpolicy_tokens: int = 0
+    onpolicy_logprob_diff_mean: float = 0.0
+    onpolicy_logprob_diff_max: float = 0.0
+    #: the same over the tokens of the other (stale or spanning) samples
+    offpolicy_tokens: int = 0
+    offpolicy_logprob_diff_mean: float = 0.0
+    #: over every backward pass: tokens whose PPO ratio was clipped, and whose
+    #: importance weight was truncated at ``is_cap``
+    clip_frac: float = 0.0
+    is_truncated_frac: float = 0.0
     staleness_histogram: dict[int, int] = field(default_factory=dict)
     dropped_stale: int = 0
     final_policy_version: int = 0
@@ -441,7 +537,9 @@ async def run(args: argparse.Namespace) -> RunReport:
     model = build_policy(config, args.seed)
     if args.lora_rank:
         model = with_lora(model, args.lora_rank)
-    trainer = GRPOTrainer(model, lr=args.lr, clip_eps=args.clip_eps, kl_coef=args.kl_coef)
+    trainer = GRPOTrainer(
+        model, lr=args.lr, clip_eps=args.clip_eps, kl_coef=args.kl_coef, is_cap=args.is_cap
+    )
     source: Any
     if adapter_refits(args):  # the adapter's tensors alone, loaded by the engine's LoRA API
         source = LoRAAdapterRefitSource(model)
@@ -466,6 +564,7 @@ async def run(args: argparse.Namespace) -> RunReport:
                 p.numel() for group in trainer.optimizer.param_groups for p in group["params"]
             ),
             in_flight=args.in_flight,
+            is_cap=args.is_cap,
         )
         if args.lora_rank:
             report.lora_rank = args.lora_rank
@@ -493,6 +592,8 @@ async def run(args: argparse.Namespace) -> RunReport:
             )
             refit_events = sync.subscribe()
             weights_lock = anyio.Lock()  # steps vs. the engine==trainer check after a refit
+            gaps = _LogprobGaps()
+            loss_stats: list[dict[str, float]] = []
             last = {"gbps": 0.0, "seconds": 0.0}
             await check_engine()
             report.eval_start = await evaluate()
@@ -541,6 +642,7 @@ async def run(args: argparse.Namespace) -> RunReport:
                         temperature=1.0,
                         seed=args.seed * 100_003 + batch_index,
                         ignore_eos=True,
+                        logprobs=True,  # the behaviour policy, for the off-policy correction
                     )
                     for i, prompt in enumerate(prompts):
                         gens = outs[i * G : (i + 1) * G]
@@ -550,9 +652,11 @@ async def run(args: argparse.Namespace) -> RunReport:
                             continue
                         completions = [g.token_ids for g in gens]
                         rewards = [reward(prompt, c) for c in completions]
+                        behaviour = [behaviour_logprobs(g) for g in gens]
                         # Stamped with the oldest version that computed any token.
                         versions = [v for g in gens for v in (g.first_version, g.last_version)]
-                        buffer.add(Group(prompt, completions, rewards), versions=versions)
+                        group = Group(prompt, completions, rewards, behaviour)
+                        buffer.add(group, versions=versions)
 
             progress = Progress(
                 BarColumn(bar_width=20),
@@ -571,6 +675,10 @@ async def run(args: argparse.Namespace) -> RunReport:
                     task = progress.add_task("train", total=args.steps, info="")
                     for step in range(args.steps):
                         batch = await buffer.pop_batch(P)
+                        # On-policy: one version made every token, the one being trained.
+                        onpolicy = [
+                            s.staleness == 0 and s.other_weight_version is None for s in batch
+                        ]
                         for s in batch:
                             report.samples.append(
                                 (s.target_weight_version, sync.policy_version, s.staleness)
@@ -584,12 +692,16 @@ async def run(args: argparse.Namespace) -> RunReport:
                         groups = [s.item for s in batch]
                         step_reward = sum(r for g in groups for r in g.rewards) / (P * G)
                         report.rewards.append(step_reward)
-                        seqs, adv, plen = trainer.tensors(groups)
-                        old, ref = await anyio.to_thread.run_sync(trainer.old_logprobs, seqs, plen)
+                        seqs, adv, behaviour, plen = trainer.tensors(groups)
+                        proximal, ref = await anyio.to_thread.run_sync(
+                            trainer.old_logprobs, seqs, plen
+                        )
+                        gaps.add(proximal, behaviour, onpolicy, G)
                         for _ in range(args.ppo_epochs):
                             stats = await anyio.to_thread.run_sync(
-                                trainer.backward, seqs, adv, plen, old, ref
+                                trainer.backward, seqs, adv, plen, proximal, behaviour, ref
                             )
+                            loss_stats.append(stats)
                             # policy_update: no sync reads a half-stepped policy; it marks
                             # the new version stale on exit.
                             async with weights_lock, sync.policy_update():
@@ -618,6 +730,11 @@ async def run(args: argparse.Namespace) -> RunReport:
             report.final_policy_version = sync.policy_version
             report.final_weight_version = sync.weight_version
             histogram_text = buffer.format_histogram()
+            gaps.fill(report)
+            if loss_stats:
+                n = len(loss_stats)
+                report.clip_frac = sum(s["clip_frac"] for s in loss_stats) / n
+                report.is_truncated_frac = sum(s["is_truncated_frac"] for s in loss_stats) / n
 
     k = max(1, len(report.rewards) // 5)
     report.start_reward = sum(report.rewards[:k]) / k
@@ -656,6 +773,54 @@ def _print_summary(console: Console, report: RunReport, histogram_text: str) -> 
         f"samples spanning two weight versions: {report.spanning_samples} of "
         f"{len(report.samples)}; completions aborted by a refit: {report.aborted_rollouts}"
     )
+    console.print(
+        f"off-policy correction (decoupled PPO, IS cap {report.is_cap:g}): "
+        f"|logp_train - logp_engine| on-policy mean {report.onpolicy_logprob_diff_mean:.1e} "
+        f"max {report.onpolicy_logprob_diff_max:.1e} ({report.onpolicy_tokens} tokens), "
+        f"off-policy mean {report.offpolicy_logprob_diff_mean:.3f} "
+        f"({report.offpolicy_tokens} tokens); "
+        f"tokens clipped {report.clip_frac:.3f}, IS-truncated {report.is_truncated_frac:.3f}"
+    )
+
+
+def behaviour_logprobs(generation: Generation) -> list[float]:
+    """The engine's per-token log-probs of a completion asked with ``logprobs=True``."""
+    if generation.logprobs is None:
+        raise RuntimeError("the engine returned no logprobs although asked (logprobs=True)")
+    return generation.logprobs
+
+
+class _LogprobGaps:
+    """``|logp_train - logp_behaviour|`` per token on the trainer's first pass,
+    kept apart for on-policy samples (~0 expected) and the others."""
+
+    def __init__(self) -> None:
+        self._on: list[torch.Tensor] = []
+        self._off: list[torch.Tensor] = []
+
+    def add(
+        self,
+        proximal: torch.Tensor,
+        behaviour: torch.Tensor,
+        onpolicy: Sequence[bool],
+        group_size: int,
+    ) -> None:
+        """``proximal``, ``behaviour``: ``[B, L]``, ``B = len(onpolicy) * group_size``
+        (a sample is a group)."""
+        gap = (proximal - behaviour).abs()
+        rows = torch.tensor(onpolicy).repeat_interleave(group_size)
+        self._on.append(gap[rows].flatten())
+        self._off.append(gap[~rows].flatten())
+
+    def fill(self, report: RunReport) -> None:
+        on = torch.cat(self._on) if self._on else torch.zeros(0)
+        off = torch.cat(self._off) if self._off else torch.zeros(0)
+        report.onpolicy_tokens, report.offpolicy_tokens = on.numel(), off.numel()
+        if on.numel():
+            report.onpolicy_logprob_diff_mean = on.mean().item()
+            report.onpolicy_logprob_diff_max = on.max().item()
+        if off.numel():
+            report.offpolicy_logprob_diff_mean = off.mean().item()
 
 
 class _Metrics:
@@ -736,6 +901,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--clip-eps", type=float, default=0.2)
     p.add_argument("--kl-coef", type=float, default=0.0, help="KL to the initial policy")
+    p.add_argument(
+        "--is-cap",
+        type=float,
+        default=2.0,
+        help="truncate the behaviour importance weight at this value (inf: no truncation)",
+    )
     p.add_argument("--ppo-epochs", type=int, default=2, help="optimizer steps per batch")
     p.add_argument("--max-staleness", type=int, default=4, help="in optimizer steps")
     p.add_argument(
@@ -752,6 +923,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json-report", default=None, help="write the RunReport here")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
+    if not args.is_cap > 0:
+        p.error(f"--is-cap must be > 0, got {args.is_cap}")
     if args.lora_rank < 0:
         p.error(f"--lora-rank must be >= 0, got {args.lora_rank}")
     if adapter_refits(args) and args.backend not in ADAPTER_BACKENDS:

@@ -4,17 +4,24 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "async_grpo.py"
 
 pytestmark = pytest.mark.slow
+
+#: The engine computes each token's log-prob as the trainer does (``log_softmax`` of
+#: float32 logits of the same weights), one token at a time against a KV cache where
+#: the trainer runs the whole sequence at once: equal up to float32 rounding.
+ONPOLICY_LOGPROB_ATOL = 1e-5
 
 
 def load_example() -> Any:
@@ -68,6 +75,13 @@ def assert_run_invariants(report: dict[str, Any]) -> None:
         assert oldest == target <= newest <= report["final_weight_version"]
     spanning = sum(oldest != newest for oldest, newest in report["sample_versions"])
     assert report["spanning_samples"] == spanning
+    # The first batch is generated before any step: there are on-policy tokens, and
+    # on them the engine's behaviour log-probs are the trainer's (importance weight 1).
+    assert report["onpolicy_tokens"] > 0
+    assert report["onpolicy_logprob_diff_max"] < ONPOLICY_LOGPROB_ATOL
+    assert report["is_cap"] == 2.0
+    assert 0.0 <= report["clip_frac"] <= 1.0
+    assert 0.0 <= report["is_truncated_frac"] <= 1.0
 
 
 def test_async_grpo_colocated_ipc_keeps_engine_equal_to_trainer(tmp_path: Path) -> None:
@@ -233,3 +247,149 @@ def test_async_grpo_lora_adapter_refits_refuse_the_sglang_test_server() -> None:
         proc.stderr
     )
     assert "use --lora-refit merged with --backend sglang" in proc.stderr
+
+
+# -- off-policy correction ---------------------------------------------------------
+
+
+def test_decoupled_ppo_loss_weights_each_token_by_its_truncated_importance_ratio() -> None:
+    example = load_example()
+    # Two tokens of one completion, advantage 1. Token 0: the engine sampled it as
+    # the trainer would (p = 0.5 both), and the policy moved to ratio 1.5 (clipped
+    # to 1.2). Token 1: the engine found it 4x less likely than the trainer's
+    # proximal policy (0.05 vs 0.2): weight 4, truncated at 2.
+    proximal = torch.log(torch.tensor([[0.5, 0.2]]))
+    behaviour = torch.log(torch.tensor([[0.5, 0.05]]))
+    logp = proximal + torch.log(torch.tensor([[1.5, 1.0]]))
+    logp.requires_grad_(True)
+    adv = torch.tensor([1.0])
+
+    loss, stats = example.decoupled_ppo_loss(
+        logp, proximal, behaviour, adv, clip_eps=0.2, is_cap=2.0
+    )
+    assert loss.item() == pytest.approx(-(1 * 1.2 + 2 * 1.0) / 2)
+    assert stats == pytest.approx(
+        {"clip_frac": 0.5, "is_truncated_frac": 0.5, "is_weight_mean": 1.5}
+    )
+    loss.backward()
+    assert logp.grad is not None
+    # The clipped token gets no gradient; the other one weight * ratio / L = 2 * 1 / 2.
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -1.0]]))
+
+    # Without truncation the weight is the full ratio, 4.
+    loss, stats = example.decoupled_ppo_loss(
+        logp, proximal, behaviour, adv, clip_eps=0.2, is_cap=float("inf")
+    )
+    assert loss.item() == pytest.approx(-(1 * 1.2 + 4 * 1.0) / 2)
+    assert stats["is_truncated_frac"] == 0.0
+
+
+async def test_behaviour_logprobs_are_the_trainers_at_the_version_that_generated_them() -> None:
+    """Embedded engine, in-flight "wait": a completion the engine labels with
+    version v carries the trainer's log-probs at v (importance weight 1 when
+    trained at v); the same completion trained at v + 1 gets the weight
+    exp(logp_{v+1} - logp_v), exactly as the trainer's two versions give it."""
+    import copy
+
+    import anyio
+
+    from aiosync import create_weight_synchronizer
+    from aiosync.engines.embedded.engine import EmbeddedEngine
+    from aiosync.refit import DTensorRefitSource
+
+    example = load_example()
+    args = example.parse_args(["--quick"])
+    config = example.policy_config(args)
+    model = example.build_policy(config, args.seed)
+    trainer = example.GRPOTrainer(model, lr=1e-2, clip_eps=0.2, kl_coef=0.0)
+    snapshots = {0: copy.deepcopy(model).eval()}  # the trainer's weights per version
+    prompts = example.make_prompts(random.Random(0), 4, args.digits)
+    plen = len(prompts[0])
+
+    def trainer_logprobs(version: int, gens: list[Any]) -> torch.Tensor:
+        """The trainer's log-probs ``[len(prompts), L]`` at ``version`` of the
+        completions ``gens`` of ``prompts``."""
+        seqs = torch.tensor([p + g.token_ids for p, g in zip(prompts, gens, strict=True)])
+        with torch.no_grad():
+            return trainer._logprobs(snapshots[version], seqs, plen)
+
+    def behaviour(gens: list[Any]) -> torch.Tensor:
+        return torch.tensor([example.behaviour_logprobs(g) for g in gens])
+
+    async with EmbeddedEngine(
+        config, num_workers=1, seed=args.seed, threads_per_worker=1
+    ) as engine:
+        sync = create_weight_synchronizer(
+            DTensorRefitSource(model, optimizer=trainer.optimizer),
+            engine,
+            colocated=True,
+            backend="embedded",
+        )
+        async with sync:
+            await sync.init_communicator()
+            await engine.prepare_for_generation()
+
+            async def generate(max_new_tokens: int, seed: int) -> list[Any]:
+                gens: list[Any] = await engine.generate_with_meta(
+                    prompts,
+                    max_new_tokens=max_new_tokens,
+                    temperature=1.0,
+                    seed=seed,
+                    ignore_eos=True,
+                    logprobs=True,
+                )
+                return gens
+
+            at_v0 = await generate(args.digits, seed=1)
+            # One optimizer step on those completions (fixed non-zero advantages, so
+            # that the step surely moves the policy) makes version 1.
+            seqs = torch.tensor([p + g.token_ids for p, g in zip(prompts, at_v0, strict=True)])
+            proximal, _ = trainer.old_logprobs(seqs, plen)
+            adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+            trainer.backward(seqs, adv, plen, proximal, behaviour(at_v0), None)
+            async with sync.policy_update():
+                trainer.step()
+            snapshots[1] = copy.deepcopy(model).eval()
+
+            # A long request in flight while version 1 is synced with "wait": it
+            # finishes on the weights it started with, and says which.
+            results: dict[str, list[Any]] = {}
+
+            async def in_flight() -> None:
+                results["in_flight"] = await generate(40, seed=2)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(in_flight)
+                await anyio.sleep(0.05)
+                await sync.sync_weights(in_flight="wait")
+            assert sync.weight_version == 1
+            at_v1 = await generate(args.digits, seed=3)
+
+    # Engine labels: None is the initial weights, version 0. "wait" never mixes two
+    # versions in one completion (requests admitted during the sync ran on version 1).
+    def version(g: Any) -> int:
+        assert not g.spans_versions
+        return int(g.first_version or 0)
+
+    assert [version(g) for g in at_v0] == [0] * len(prompts)
+    assert [version(g) for g in at_v1] == [1] * len(prompts)
+    for name, gens in {"at_v0": at_v0, "in_flight": results["in_flight"], "at_v1": at_v1}.items():
+        # On-policy: the behaviour log-probs are the trainer's at the labelled version.
+        at_label = torch.stack([trainer_logprobs(version(g), gens)[i] for i, g in enumerate(gens)])
+        gap = (at_label - behaviour(gens)).abs().max().item()
+        assert gap < ONPOLICY_LOGPROB_ATOL, (name, [version(g) for g in gens], gap)
+
+    # Off-policy: the v0 completions trained at v1. The trainer's first pass at v1
+    # is the proximal policy; the importance weight is exactly the ratio of the
+    # trainer's two versions, and the step moved it away from 1.
+    proximal_v1 = trainer_logprobs(1, at_v0)
+    weight = torch.exp(proximal_v1 - behaviour(at_v0))
+    expected = torch.exp(proximal_v1 - trainer_logprobs(0, at_v0))
+    torch.testing.assert_close(weight, expected, rtol=1e-4, atol=1e-5)
+    assert (weight - 1).abs().max().item() > 1e-3
+    # The loss applies that weight (untruncated, first epoch: ratio 1, no clip).
+    _, stats = example.decoupled_ppo_loss(
+        proximal_v1, proximal_v1, behaviour(at_v0), adv, clip_eps=0.2, is_cap=float("inf")
+    )
+    assert stats["is_weight_mean"] == pytest.approx(expected.mean().item(), rel=1e-4)
+    assert stats["clip_frac"] == 0.0
