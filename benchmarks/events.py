@@ -1,11 +1,16 @@
 """Event fan-out latency: 1,000 subscribers reading the weight-version stream while syncs run.
 
 Latency is measured from the moment an event is published (its ``timestamp``)
-to the moment each subscriber task receives it. The baseline is the same
-fan-out over bare anyio memory object streams (one per subscriber), measured in
-the same process, so the ratio shows what the event hub adds. Each side runs
-``--repeats`` times (at least 3; 2 when ``--quick``) and the run with the lowest
-p99 is kept; the 1-minute load average at start and end is recorded (``_machine``).
+to the moment each subscriber task receives it. The baseline is the same run
+with the event hub replaced by bare anyio memory object streams: the same
+synchronizer and driver (so the same yields between events), the same
+consumer code, one stream per subscriber with the hub's buffer
+(``DEFAULT_EVENT_BACKLOG``), the same event object sent with ``send_nowait``.
+The ratio therefore shows what the hub adds. The two sides alternate
+(``--repeats`` runs each, at least 3; 2 when ``--quick``), each run in a fresh
+event loop after a full garbage collection, so load drift hits both alike; the
+run with the lowest p99 is kept per side. The 1-minute load average at start
+and end is recorded (``_machine``).
 
     python benchmarks/events.py [--quick] [--json] [--subscribers N] [--syncs N] [--repeats N]
 """
@@ -13,18 +18,22 @@ p99 is kept; the 1-minute load average at start and end is recorded (``_machine`
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterable, Callable, Iterator
 from typing import Any
 
 import anyio
 from _machine import Machine, repeats_for
+from anyio.streams.memory import MemoryObjectReceiveStream
 from rich.console import Console
 from rich.table import Table
 
 from aiosync import KVScales, RefitSource, VersionEventKind, WeightSynchronizer
+from aiosync._config import DEFAULT_EVENT_BACKLOG
+from aiosync.events import EventSubscription, WeightVersionEvent, _EventHub
 
 
 class _Source(RefitSource):
@@ -43,6 +52,10 @@ class _YieldingSync(WeightSynchronizer):
         return 1 << 20
 
 
+#: Issue 16's goal: the hub's p99 delivery latency at most this times the baseline's.
+GOAL_RATIO = 1.1
+
+
 def _percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -50,15 +63,74 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _aiosync_fanout(subscribers: int, syncs: int) -> dict[str, float]:
+class _BareFanout(_EventHub):
+    """The baseline: the hub replaced by what plain anyio code does.
+
+    One memory object stream per subscriber with the hub's buffer
+    (``DEFAULT_EVENT_BACKLOG``), one :class:`WeightVersionEvent` built per
+    publish, ``send_nowait`` to every stream. A full buffer drops the event
+    (counted in ``dropped``, reported as lost): the bare streams have no
+    overflow notice, which is what the hub adds.
+    """
+
+    def __init__(self, versions: Callable[[], tuple[int, int]], subscribers: int) -> None:
+        super().__init__(versions)
+        pairs = [
+            anyio.create_memory_object_stream[WeightVersionEvent](DEFAULT_EVENT_BACKLOG)
+            for _ in range(subscribers)
+        ]
+        self.sends = [send for send, _ in pairs]
+        self.receives = [receive for _, receive in pairs]
+        self.dropped = 0
+
+    def publish(
+        self,
+        kind: VersionEventKind,
+        version: int,
+        *,
+        nbytes: int = 0,
+        duration_s: float = 0.0,
+        error: str | None = None,
+        pause_s: float = 0.0,
+    ) -> WeightVersionEvent:
+        policy, weight = self._versions()
+        event = WeightVersionEvent(
+            kind, version, time.time(), policy, weight, nbytes, duration_s, error, pause_s=pause_s
+        )
+        for send in self.sends:
+            try:
+                send.send_nowait(event)
+            except anyio.WouldBlock:
+                self.dropped += 1
+        return event
+
+    def close(self) -> None:
+        for send in self.sends:
+            send.close()
+
+
+async def _fanout(subscribers: int, syncs: int, bare: bool) -> dict[str, float]:
+    """One run: ``syncs`` syncs (3 events each) read by ``subscribers`` tasks.
+
+    Both sides run this same driver (the same synchronizer, so the same yields
+    between events) and the same consumer; only the fan-out differs: the hub
+    (``bare=False``) or :class:`_BareFanout`.
+    """
     sync = _YieldingSync(_Source(), None)
     await sync.init_communicator()
+    streams: list[EventSubscription | MemoryObjectReceiveStream[WeightVersionEvent]]
+    if bare:
+        fanout = _BareFanout(lambda: (sync.policy_version, sync.weight_version), subscribers)
+        sync._events = fanout  # the only difference between the two sides
+        streams = list(fanout.receives)
+    else:
+        streams = [sync.subscribe() for _ in range(subscribers)]
     latencies: list[float] = []
     publish: list[float] = []
     received = 0
     overflows = 0
 
-    async def consume(events: Any) -> None:
+    async def consume(events: AsyncIterable[WeightVersionEvent]) -> None:
         nonlocal received, overflows
         async for ev in events:
             if ev.kind is VersionEventKind.OVERFLOW:
@@ -67,9 +139,8 @@ async def _aiosync_fanout(subscribers: int, syncs: int) -> dict[str, float]:
             latencies.append(time.time() - ev.timestamp)
             received += 1
 
-    subs = [sync.subscribe() for _ in range(subscribers)]
     async with anyio.create_task_group() as tg:
-        for s in subs:
+        for s in streams:
             tg.start_soon(consume, s)
         await anyio.sleep(0)
         start = time.perf_counter()
@@ -81,6 +152,8 @@ async def _aiosync_fanout(subscribers: int, syncs: int) -> dict[str, float]:
             await anyio.sleep(0)
         elapsed = time.perf_counter() - start
         await sync.shutdown()
+    for s in streams:
+        await s.aclose()
     expected = 3 * syncs * subscribers
     return {
         "p50_ms": 1e3 * _percentile(latencies, 0.50),
@@ -94,47 +167,22 @@ async def _aiosync_fanout(subscribers: int, syncs: int) -> dict[str, float]:
     }
 
 
-async def _baseline_fanout(subscribers: int, syncs: int) -> dict[str, float]:
-    latencies: list[float] = []
-    received = 0
-    pairs = [anyio.create_memory_object_stream[float](1024) for _ in range(subscribers)]
+def _best_runs(
+    subscribers: int, syncs: int, repeats: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """The hub's and the baseline's run with the lowest p99 of ``repeats`` each.
 
-    async def consume(receive: Any) -> None:
-        nonlocal received
-        async with receive:
-            async for stamp in receive:
-                latencies.append(time.time() - stamp)
-                received += 1
-
-    async with anyio.create_task_group() as tg:
-        for _, receive in pairs:
-            tg.start_soon(consume, receive)
-        await anyio.sleep(0)
-        start = time.perf_counter()
-        for _ in range(syncs):
-            for _ in range(3):
-                stamp = time.time()
-                for send, _ in pairs:
-                    send.send_nowait(stamp)
-                await anyio.sleep(0)
-        elapsed = time.perf_counter() - start
-        for send, _ in pairs:
-            send.close()
-    return {
-        "p50_ms": 1e3 * _percentile(latencies, 0.50),
-        "p99_ms": 1e3 * _percentile(latencies, 0.99),
-        "mean_ms": 1e3 * statistics.fmean(latencies),
-        "received": received,
-        "lost": 3 * syncs * subscribers - received,
-        "overflowed": 0,
-        "syncs_per_s": syncs / elapsed,
-    }
-
-
-def _best_run(fanout: Any, subscribers: int, syncs: int, repeats: int) -> dict[str, float]:
-    """The run with the lowest p99 of ``repeats`` full fan-out runs (each a fresh loop)."""
-    runs = [anyio.run(fanout, subscribers, syncs) for _ in range(repeats)]
-    return min(runs, key=lambda r: r["p99_ms"])
+    The sides alternate, each run in a fresh event loop after a full collection
+    (the previous run's garbage would otherwise be collected during the next
+    one), so that a change in the machine's load affects both sides alike.
+    """
+    runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    for _ in range(repeats):
+        for bare in (False, True):
+            gc.collect()
+            runs[bare].append(anyio.run(_fanout, subscribers, syncs, bare))
+    best = {bare: min(r, key=lambda r: r["p99_ms"]) for bare, r in runs.items()}
+    return best[False], best[True]
 
 
 def main() -> None:
@@ -148,22 +196,23 @@ def main() -> None:
     syncs = 20 if args.quick else args.syncs
     machine = Machine(repeats_for(args.quick, args.repeats))
 
-    ours = _best_run(_aiosync_fanout, args.subscribers, syncs, machine.repeats)
-    base = _best_run(_baseline_fanout, args.subscribers, syncs, machine.repeats)
+    ours, base = _best_runs(args.subscribers, syncs, machine.repeats)
     machine.finish()
 
     table = Table(
         title=f"event fan-out to {args.subscribers} subscribers, {syncs} syncs",
         caption=machine.caption("lowest p99"),
     )
-    for col in ("stream", "p50 ms", "p99 ms", "mean ms", "received", "lost", "syncs/s"):
+    columns = ("stream", "p50 ms", "p99 ms", "mean ms", "publish p99", "received", "lost")
+    for col in (*columns, "syncs/s"):
         table.add_column(col, justify="right")
-    for name, r in (("aiosync hub", ours), ("bare memory streams", base)):
+    for name, r in (("aiosync hub", ours), ("bare streams", base)):
         table.add_row(
             name,
             f"{r['p50_ms']:.3f}",
             f"{r['p99_ms']:.3f}",
             f"{r['mean_ms']:.3f}",
+            f"{r['publish_p99_ms']:.3f}",
             str(r["received"]),
             str(r["lost"]),
             f"{r['syncs_per_s']:.0f}",
@@ -171,14 +220,15 @@ def main() -> None:
     console = Console()
     console.print(table)
     ratio = ours["p99_ms"] / base["p99_ms"] if base["p99_ms"] > 0 else float("nan")
+    met = ratio <= GOAL_RATIO and ours["lost"] == 0
     console.print(
-        f"p99 ratio hub/baseline: {ratio:.2f}x   goal: p99 < 1 ms "
-        f"({'met' if ours['p99_ms'] < 1 else 'missed'}), none lost ({ours['lost']} lost)"
+        f"p99 ratio hub/baseline: {ratio:.2f}x   goal: <= {GOAL_RATIO}x, none lost "
+        f"({ours['lost']} lost): {'met' if met else 'missed'}"
     )
     console.print(
-        f"publishing one event to all {args.subscribers} subscribers (what a sync waits for): "
-        f"p99 {ours['publish_p99_ms']:.3f} ms; the delivery latency above is the event loop "
-        "waking every subscriber task, the same floor the baseline pays"
+        "publish p99: one event offered to every subscriber (what a sync waits for); the "
+        "delivery latency is mostly the event loop waking every subscriber task in turn, "
+        "which both sides pay"
     )
     if (warning := machine.warning()) is not None:
         console.print(warning, soft_wrap=True)  # one line, for grep

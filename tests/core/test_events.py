@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import anyio
 import pytest
 
 from aiosync import VersionEventKind as K
+from aiosync import WeightVersionEvent
 
 
 async def drain(events, n):
@@ -110,7 +113,75 @@ async def test_unsubscribed_stream_receives_nothing_more(sync):
     events = sync.subscribe()
     await events.aclose()
     await sync.mark_stale()
-    assert sync._events._subscriptions == []
+    assert not sync._events._subscriptions
+    with pytest.raises(StopAsyncIteration):
+        await events.__anext__()
+
+
+async def test_every_subscriber_reads_every_event_in_order_while_syncs_run(sync):
+    # Readers run concurrently with the syncs (most of them parked in receive()
+    # when an event is published), as in the fan-out benchmark.
+    subs = [sync.subscribe() for _ in range(50)]
+    seen: list[list[tuple[K, int]]] = [[] for _ in subs]
+
+    async def read(i, events):
+        async for ev in events:
+            seen[i].append((ev.kind, ev.version))
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            for i, events in enumerate(subs):
+                tg.start_soon(read, i, events)
+            for _ in range(20):
+                await sync.mark_stale()
+                await sync.sync_weights()
+                await anyio.sleep(0)
+            await sync.shutdown()
+    expected = [(k, v) for v in range(1, 21) for k in (K.STALE, K.SYNC_STARTED, K.COMMITTED)]
+    assert seen == [expected] * 50
+
+
+async def test_cancelled_reader_loses_no_event(sync):
+    async with sync.subscribe() as events:
+
+        async def read_once():
+            await events.__anext__()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read_once)
+            await anyio.sleep(0.01)  # parked in receive()
+            tg.cancel_scope.cancel()
+        await sync.mark_stale()
+        got = await drain(events, 1)
+    assert [(e.kind, e.version) for e in got] == [(K.STALE, 1)]
+
+
+async def test_events_are_typed_and_frozen(sync):
+    # One event object goes to every subscriber: it must not be mutable.
+    async with sync.subscribe() as a, sync.subscribe() as b:
+        await sync.mark_stale()
+        ev_a, ev_b = (await drain(a, 1))[0], (await drain(b, 1))[0]
+    assert isinstance(ev_a, WeightVersionEvent) and ev_a == ev_b
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ev_a.version = 7  # type: ignore[misc]
+
+
+async def test_overflow_notice_comes_before_the_end_of_a_shut_down_stream(make_sync):
+    s = make_sync()
+    await s.init_communicator()
+    events = s.subscribe(max_backlog=1)
+    await s.mark_stale()  # buffered
+    await s.mark_stale()  # missed
+    await s.shutdown()
+    got = [ev async for ev in events]
+    assert [(e.kind, e.version, e.missed) for e in got] == [(K.STALE, 1, 0), (K.OVERFLOW, 2, 1)]
+
+
+async def test_subscription_whose_receiving_end_closed_is_dropped(sync):
+    events = sync.subscribe()
+    events._receive.close()  # not aclose(): the hub still holds it
+    await sync.mark_stale()
+    assert not sync._events._subscriptions
 
 
 def test_max_backlog_must_be_positive(sync):
