@@ -20,7 +20,21 @@ Refit and memcpy times are the best of ``--repeats`` (at least 3; 2 when
 ``--quick``), after one warm-up; the 1-minute load average at start and end is
 recorded (``_machine``).
 
-Usage: ``python benchmarks/sglang_http.py [--quick] [--json] [--repeats N]``.
+``--trace``: after the timed runs, one more sync of the main refit with the
+transport's trace on (``HTTPWeightSynchronizer(trace=True)``; the timed runs
+never trace) and a timeline table: for each bucket, in ms since the sync
+started, the trainer's pack (reading the source included), request posted and
+answer received, and the server's stamps from its request log (``times``:
+headers read, payload decoded and mapped, ``load_weights`` done, answer
+written), then the sync's phases (weights woken, last bucket answered, cache
+flushed, version set). Both processes stamp ``time.monotonic()``
+(``CLOCK_MONOTONIC`` on Linux, one clock for the host), so the columns compare.
+The last column, ``pack k+1 ∥ load k``, is how long the trainer packed bucket
+``k+1`` while the server decoded and loaded bucket ``k``, ms (0: no
+pipelining). The JSON then carries the raw ``trace``.
+
+Usage: ``python benchmarks/sglang_http.py [--quick] [--json] [--repeats N]
+[--bucket-mb MB] [--trace]``.
 """
 
 from __future__ import annotations
@@ -44,6 +58,7 @@ from rich.console import Console
 from rich.table import Table
 
 from aiosync import SGLangHTTPBackend
+from aiosync._config import DEFAULT_BUCKET_BYTES
 from aiosync.interfaces import RefitManifest, RefitSource
 from aiosync.transports.http import HTTPWeightSynchronizer
 from aiosync.transports.http._wire import plan_flat_buckets
@@ -136,8 +151,10 @@ def _bucket_bytes_for(manifest: RefitManifest, buckets: int) -> int:
 
 
 async def _time_sync(
-    source: _Source, url: str, bucket_bytes: int, repeats: int
-) -> tuple[float, int]:
+    source: _Source, url: str, bucket_bytes: int, repeats: int, trace: bool = False
+) -> tuple[float, int, dict[str, Any] | None]:
+    """Best seconds of ``repeats`` syncs (after one warm-up), the bucket count, and
+    (``trace``) the trainer's and the server's stamps of one more sync, else None."""
     async with SGLangHTTPBackend(url) as backend:
         sync = HTTPWeightSynchronizer(source, backend, bucket_bytes=bucket_bytes)
         await sync.init_communicator()
@@ -147,7 +164,91 @@ async def _time_sync(
             start = time.perf_counter()
             await sync.sync_weights()
             times.append(time.perf_counter() - start)
-        return min(times[1:]), len(sync.plan)
+        traced = None
+        if trace:
+            sync.trace = True
+            async with httpx.AsyncClient(base_url=url, timeout=60) as admin:
+                (await admin.post("/_aiosync/reset")).raise_for_status()
+                await sync.mark_stale()
+                await sync.sync_weights()
+                log = (await admin.get("/_aiosync/log")).json()
+            traced = {"trainer": sync.last_trace, "server": log}
+        await sync.shutdown()
+        return min(times[1:]), len(sync.plan), traced
+
+
+def _timeline(trace: dict[str, Any]) -> dict[str, Any]:
+    """Per bucket, the trainer's and the server's stamps in ms since the sync started,
+    and ``overlap_ms``: how long packing bucket ``k+1`` ran while the server decoded
+    and loaded bucket ``k`` (None for the last bucket); then the sync's phases."""
+    trainer = trace["trainer"]
+    updates = [e for e in trace["server"] if e["path"] == "/update_weights_from_tensor"]
+    flushes = [e for e in trace["server"] if e["path"] == "/flush_cache"]
+    t0 = trainer["phases"]["start"]
+
+    def ms(value: float | None) -> float | None:
+        return None if value is None else round(1e3 * (value - t0), 2)
+
+    rows = []
+    buckets = trainer["buckets"]
+    for k, row in enumerate(buckets):
+        server = updates[k]["times"] if k < len(updates) else {}
+        overlap = None
+        if k + 1 < len(buckets) and server:
+            after = buckets[k + 1]
+            start = max(after["pack_start"], server["start"])
+            end = min(after["pack_end"], server["loaded"])
+            overlap = round(1e3 * max(0.0, end - start), 2)
+        rows.append(
+            {
+                "seq": row["seq"],
+                "mib": round(row["bytes"] / 2**20, 2),
+                "pack_start": ms(row["pack_start"]),
+                "packed": ms(row["packed"]),
+                "pack_end": ms(row["pack_end"]),
+                "posted": ms(row["posted"]),
+                "server_start": ms(server.get("start")),
+                "server_decoded": ms(server.get("decoded")),
+                "server_loaded": ms(server.get("loaded")),
+                "server_answered": ms(server.get("answered")),
+                "answered": ms(row["answered"]),
+                "overlap_ms": overlap,
+            }
+        )
+    phases = {name: ms(t) for name, t in trainer["phases"].items()}
+    if flushes:
+        phases["server_flush_start"] = ms(flushes[-1]["times"]["start"])
+    return {"buckets": rows, "phases": phases}
+
+
+def _print_timeline(timeline: dict[str, Any], nbytes: int) -> None:
+    table = Table(
+        title=f"one traced sync of {nbytes / GB:.3f} GB: ms since the sync started",
+        caption="trainer: pack (source read–copied), posted, answered; server: headers read, "
+        "decoded, loaded, answer written (time.monotonic)",
+    )
+    columns = ("bucket", "MiB", "pack", "posted", "srv start", "decoded", "loaded", "srv ans")
+    for column in (*columns, "answered", "pack k+1 ∥ load k"):
+        table.add_column(column, justify="right", no_wrap=True)
+
+    def fmt(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
+    for line in timeline["buckets"]:
+        table.add_row(
+            str(line["seq"]),
+            f"{line['mib']:g}",
+            f"{fmt(line['pack_start'])}–{fmt(line['pack_end'])}",
+            fmt(line["posted"]),
+            fmt(line["server_start"]),
+            fmt(line["server_decoded"]),
+            fmt(line["server_loaded"]),
+            fmt(line["server_answered"]),
+            fmt(line["answered"]),
+            fmt(line["overlap_ms"]),
+        )
+    Console(width=140).print(table)  # wider than a pipe's default 80 columns
+    print("phases (ms):", ", ".join(f"{k} {fmt(v)}" for k, v in timeline["phases"].items()))
 
 
 async def _round_trip_ms(url: str, repeats: int = 50) -> float:
@@ -180,6 +281,15 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="end with one JSON object")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs (best; >= 3)")
     parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=DEFAULT_BUCKET_BYTES / 2**20,
+        help="bucket size of the main refit, MiB (default: the synchronizer's)",
+    )
+    parser.add_argument(
+        "--trace", action="store_true", help="one more traced sync: a per-bucket timeline"
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -201,13 +311,14 @@ def main() -> None:
             source = _Source(manifest)
             nbytes = sum(t.numel() * t.element_size() for t in source.tensors.values())
             memcpy_s = _memcpy_s(source, args.repeats)
-            refit_s, refit_buckets = asyncio.run(
-                _time_sync(source, url, 512 * 1024 * 1024, args.repeats)
+            bucket_bytes = int(args.bucket_mb * 2**20)
+            refit_s, refit_buckets, trace = asyncio.run(
+                _time_sync(source, url, bucket_bytes, args.repeats, args.trace)
             )
             rtt_ms = asyncio.run(_round_trip_ms(url))
             per_count: dict[int, tuple[int, float]] = {}
             for n in (1, 10, 100):
-                t, actual = asyncio.run(
+                t, actual, _ = asyncio.run(
                     _time_sync(source, url, _bucket_bytes_for(manifest, n), args.repeats)
                 )
                 per_count[n] = (actual, t)
@@ -232,7 +343,7 @@ def main() -> None:
     table.add_column("ratio", justify="right")
     table.add_row("memcpy (baseline)", f"{memcpy_gbps:.2f} GB/s", "1.00")
     table.add_row(
-        f"HTTP refit ({refit_buckets} bucket(s) of <= 512 MiB)",
+        f"HTTP refit ({refit_buckets} bucket(s) of <= {args.bucket_mb:g} MiB)",
         f"{refit_gbps:.2f} GB/s",
         f"{refit_gbps / memcpy_gbps:.2f}",
     )
@@ -241,6 +352,9 @@ def main() -> None:
         extra = f"{overhead[n]:.2f} ms/extra request" if actual > base_n else "-"
         table.add_row(f"refit in {actual} buckets", f"{t * 1e3:.1f} ms", extra)
     Console().print(table)
+    timeline = None if trace is None else _timeline(trace)
+    if timeline is not None:
+        _print_timeline(timeline, nbytes)
     if (warning := machine.warning()) is not None:
         print(warning)
     result = {
@@ -250,6 +364,7 @@ def main() -> None:
         "http_refit_gbps": refit_gbps,
         "http_vs_memcpy": refit_gbps / memcpy_gbps,
         "http_refit_buckets": refit_buckets,
+        "bucket_bytes": bucket_bytes,
         "round_trip_ms": rtt_ms,
         "buckets": {
             str(n): {"actual": a, "seconds": t, "overhead_ms_per_extra_request": overhead[n]}
@@ -258,6 +373,9 @@ def main() -> None:
         "quick": args.quick,
         **machine.fields(),
     }
+    if trace is not None:
+        result["timeline"] = timeline
+        result["trace"] = trace
     if args.json:
         print(json.dumps(result))
 

@@ -39,7 +39,11 @@ Test-only endpoints (under ``/_aiosync/``, no API key needed):
 
 * ``GET /_aiosync/log``: the request log, ``[{"method", "path", "status", "tags",
   "weight_version", "new_version", "load_format", "flush_cache", "abort_all_requests",
-  "entries"}]``.
+  "entries", "times"}]``. ``times``: ``time.monotonic()`` stamps, seconds (``CLOCK_MONOTONIC``,
+  the clock a trainer on the same host reads): ``start`` (headers read),
+  ``body`` (body read and parsed), ``answered`` (answer written); for
+  ``/update_weights_from_tensor`` also ``decoded`` (every entry unpickled, its
+  segment mapped) and ``loaded`` (every rank's ``load_weights`` done, the views dropped).
 * ``GET /_aiosync/state_dict?rank=r``: TP rank ``r``'s weights (default 0) in
   checkpoint names, safetensors bytes.
 * ``GET /_aiosync/manifest``: ``[[hf_name, shape, dtype], ...]`` the model expects.
@@ -66,6 +70,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -299,6 +304,8 @@ def _error(message: str, status: int = 400) -> _HTTPError:
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
+    # This request's stamps (``times`` of its log entry).
+    _times: dict[str, float]
     protocol_version = "HTTP/1.1"  # keep-alive, as uvicorn
     # Headers and body go out in two writes: without this, Nagle's algorithm and
     # the client's delayed ACK add ~40 ms to every answer.
@@ -317,13 +324,16 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str) -> None:
         state = self.server.state
+        times = {"start": time.monotonic()}
         path = self.path.split("?", 1)[0]
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
         entry: dict[str, Any] = {"method": method, "path": path}
+        self._times = times
         status, body = 500, None
         try:
             data = json.loads(raw) if raw else None
+            times["body"] = time.monotonic()
             entry.update(_summary(data))
             if path.startswith("/_aiosync/"):
                 status, body = 200, self._admin(method, path, data)
@@ -359,8 +369,10 @@ class _Handler(BaseHTTPRequestHandler):
             status, body = 500, {"error": {"message": f"{type(exc).__name__}: {exc}"}}
         if not path.startswith("/_aiosync/"):
             entry["status"] = status
+            entry["times"] = times
             self._record(entry)
         self._send(status, body)
+        times["answered"] = time.monotonic()
 
     def _record(self, entry: dict[str, Any]) -> None:
         with self.server.state.lock:
@@ -619,6 +631,7 @@ class _Handler(BaseHTTPRequestHandler):
             per_rank = [decode_flattened_bucket(e) for e in entries]
         except TransportError as exc:
             raise _HTTPError(400, {"success": False, "message": str(exc)}) from exc
+        self._times["decoded"] = time.monotonic()
         try:
             with state.model_lock:
                 for rank, (runner, tensors) in enumerate(zip(state.ranks, per_rank, strict=True)):
@@ -630,6 +643,7 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             # Drop every view so the sender's shared segments can be released.
             del per_rank
+        self._times["loaded"] = time.monotonic()
         if data.get("flush_cache", True):
             with state.lock:
                 if state.running:

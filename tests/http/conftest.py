@@ -171,6 +171,17 @@ class Trainer(RefitSource):
         return runner.generate([list(p) for p in prompts], max_new_tokens=n)
 
 
+def _mapped_segments(pid: int) -> set[str]:
+    """The HTTP bucket segments (``/dev/shm/aiosync-http-*``) process ``pid`` maps now,
+    unlinked ones included (``/proc/<pid>/maps``)."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return {
+            line.split("/dev/shm/", 1)[1].split()[0]
+            for line in maps
+            if "/dev/shm/aiosync-http-" in line
+        }
+
+
 def assert_state_equal(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
     assert list(actual) == list(expected) or set(actual) == set(expected)
     for name, tensor in expected.items():
@@ -244,6 +255,13 @@ def make_trainer() -> type[Trainer]:
 def state_equal() -> Any:
     """``state_equal(actual, expected)``: bit-exact comparison of two state dicts."""
     return assert_state_equal
+
+
+@pytest.fixture
+def mapped_segments() -> Callable[[int], set[str]]:
+    """``mapped_segments(pid)``: the HTTP bucket segments process ``pid`` maps now
+    (``/proc/<pid>/maps``, unlinked ones included)."""
+    return _mapped_segments
 
 
 @pytest.fixture

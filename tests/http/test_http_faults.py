@@ -15,6 +15,7 @@ import torch
 
 from aiosync import SGLangHTTPBackend, SyncError, SyncTimeoutError, TransportError
 from aiosync.transports.http import HTTPWeightSynchronizer
+from aiosync.transports.http._segment import own_segments
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +57,9 @@ async def _fails_then_recovers(
     error: type[Exception],
     match: str,
 ) -> None:
+    before = set(own_segments())
     sync, backend = await _synced(server, trainer)
+    assert len(set(own_segments()) - before) == 2
     trainer.step(seed=31)
     await sync.mark_stale()
     server.fault(path, mode, count=1)
@@ -69,11 +72,16 @@ async def _fails_then_recovers(
     assert await backend.get_weight_version() == "1"
     # The colocated hooks ran in the finally.
     assert trainer.events[-1] == "offload_after"
+    # An unanswered post: the server may decode it later, so every segment is
+    # unlinked and never written again.
+    assert set(own_segments()) - before == set()
     server.reset()
     await sync.sync_weights()
     assert sync.weight_version == 2 and not sync.is_stale
     assert await backend.get_weight_version() == "2"
     state_equal(server.state_dict(), trainer.expected())
+    await sync.shutdown()
+    assert set(own_segments()) - before == set()
     await backend.aclose()
 
 
@@ -122,7 +130,9 @@ async def test_dropped_connection_is_a_transport_error(
 async def test_flush_that_never_succeeds_fails_the_sync_after_the_flush_budget(
     server: Any, make_trainer: Any, state_equal: Any
 ) -> None:
+    before = set(own_segments())
     sync, backend = await _synced(server, make_trainer(seed=34))
+    kept = set(own_segments()) - before
     server.reset()
     await sync.mark_stale()
     server.fault("/flush_cache", "busy", count=None)
@@ -131,9 +141,12 @@ async def test_flush_that_never_succeeds_fails_the_sync_after_the_flush_budget(
     assert sync.weight_version == 1 and sync.is_stale
     flushes = [e for e in server.log() if e["path"] == "/flush_cache"]
     assert len(flushes) >= 2 and all(e["status"] == 400 for e in flushes)
+    # Every bucket was answered before the flush failed: the segments stay.
+    assert len(kept) == 2 and set(own_segments()) - before == kept
     server.reset()
     await sync.sync_weights()
     assert sync.weight_version == 2
+    await sync.shutdown()
     await backend.aclose()
 
 

@@ -165,7 +165,10 @@ _ONE_SYNC = textwrap.dedent(
                 out.append(comm)
         return sorted(out)
 
-    async def main(url):
+    def segments():
+        return sorted(f for f in os.listdir("/dev/shm") if f"-{os.getpid()}-" in f)
+
+    async def main(url, ending):
         items = dict(TINY_QWEN3)
         config = AutoConfig.for_model(items.pop("model_type"), **items)
         source = DTensorRefitSource(AutoModelForCausalLM.from_config(config), dtype=torch.bfloat16)
@@ -174,25 +177,30 @@ _ONE_SYNC = textwrap.dedent(
             await sync.init_communicator()
             await sync.mark_stale()
             await sync.sync_weights()
+        print("pid", os.getpid())
         print("weight_version", sync.weight_version)
         print("sharing_strategy", torch.multiprocessing.get_sharing_strategy())
         print("children", children())
-        print("segments", [f for f in os.listdir("/dev/shm") if str(os.getpid()) in f])
+        print("kept", len(segments()))
+        if ending == "shutdown":
+            await sync.shutdown()
+            print("segments", segments())
         print("done", file=sys.stderr)
 
-    anyio.run(main, sys.argv[1])
+    anyio.run(main, *sys.argv[1:])
     """
 )
 
 
-def test_a_script_that_synced_exits_with_its_pipes_closed_and_no_helper_process(
-    server: Any,
+@pytest.mark.parametrize("ending", ["shutdown", "exit"])
+def test_a_script_that_synced_exits_with_its_pipes_closed_no_helper_and_no_segment(
+    server: Any, ending: str
 ) -> None:
     repo = Path(__file__).resolve().parents[2]
     # Both pipes are read to EOF: a helper process still holding either one would
     # keep communicate() waiting (the timeout is a failure detector only).
     proc = subprocess.run(
-        [sys.executable, "-c", _ONE_SYNC, server.url],
+        [sys.executable, "-c", _ONE_SYNC, server.url, ending],
         cwd=repo,
         env={**os.environ, "PYTHONPATH": str(repo)},
         capture_output=True,
@@ -200,10 +208,16 @@ def test_a_script_that_synced_exits_with_its_pipes_closed_and_no_helper_process(
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.splitlines() == [
+    lines = proc.stdout.splitlines()
+    pid = int(lines.pop(0).removeprefix("pid "))
+    # The synchronizer keeps its two bucket segments between syncs; shutdown()
+    # unlinks them, and so does the interpreter's exit when nobody called it.
+    assert lines == [
         "weight_version 1",
         "sharing_strategy file_descriptor",
         "children []",
-        "segments []",
+        "kept 2",
+        *(["segments []"] if ending == "shutdown" else []),
     ]
+    assert _segments(pid) == []
     assert proc.stderr.splitlines()[-1] == "done"

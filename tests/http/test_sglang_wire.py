@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from aiosync import RefitMismatchError, TransportError
-from aiosync.transports.http._segment import own_segments
+from aiosync.transports.http._segment import SegmentPool, own_segments
 from aiosync.transports.http._wire import (
     FlatBucket,
     FlatBuffer,
@@ -291,3 +291,55 @@ def test_a_forgotten_buffer_is_unlinked_when_collected() -> None:
     del flat
     gc.collect()
     assert not os.path.exists(path)
+
+
+def test_a_pool_reuses_answered_segments_and_clear_unlinks_every_one() -> None:
+    """Pooled segments carry bucket after bucket (a payload names a prefix of one);
+    a tensor larger than ``segment_bytes`` gets a segment of its size, kept too;
+    ``clear`` unlinks them all and a payload of a cleared segment maps nothing."""
+    before = set(own_segments())
+    pool = SegmentPool(4096)
+    plan = plan_flat_buckets(MIXED, bucket_bytes=4096)
+    tensors = dict(_tensors(MIXED))
+    first, second = pool.take(plan[0].numel, plan[0].dtype), pool.take(16, torch.float32)
+    assert first.path != second.path and {first.path, second.path} == set(pool.paths)
+    assert not first.owned and first.segment is not None and first.segment.nbytes == 4096
+    [(bucket, group)] = [g for g in group_flat(tensors.items(), plan, MIXED) if g[0] is plan[0]]
+    pack_flat(bucket, group, first.tensor)
+    decoded = dict(decode_flattened_bucket(serialize_flat(bucket, first)))
+    assert all(torch.equal(decoded[name], tensor) for name, tensor in group)
+
+    # Answered: the next bucket of another dtype and size lands in the same file.
+    path = first.path
+    pool.recycle(first)
+    assert first.released
+    again = pool.take(3, torch.int64)
+    assert again.path == path and set(own_segments()) - before == {
+        p.rsplit("/", 1)[1] for p in pool.paths
+    }
+    again.tensor.copy_(torch.tensor([7, 8, 9]))
+    manifest = {"layer.step": ((3,), torch.int64)}
+    [step_bucket] = plan_flat_buckets(manifest, bucket_bytes=4096)
+    [(name, value)] = decode_flattened_bucket(serialize_flat(step_bucket, again))
+    assert name == "layer.step" and value.tolist() == [7, 8, 9]
+
+    # Larger than segment_bytes: a segment of its own size, smallest fit first later.
+    big = pool.take(2048, torch.float32)
+    assert big.segment is not None and big.segment.nbytes == 8192 and len(pool.paths) == 3
+    pool.recycle(big)
+    pool.recycle(again)
+    small = pool.take(4, torch.float32)
+    assert small.path == path  # the 4096-byte one, not the 8192-byte one
+    empty = pool.take(0, torch.bfloat16)
+    assert empty.path is None and empty.numel == 0
+
+    # A post that was not answered: clear() unlinks every file, held views included.
+    payload = serialize_flat(step_bucket, pool.take(3, torch.int64))
+    pool.clear()
+    assert pool.paths == [] and set(own_segments()) - before == set()
+    with pytest.raises(TransportError, match="cannot map bucket segment"):
+        decode_flattened_bucket(payload)
+    pool.recycle(small)  # unlinked meanwhile: never handed out again
+    assert pool.take(4, torch.float32).path not in {path, None}
+    pool.clear()
+    assert set(own_segments()) - before == set()

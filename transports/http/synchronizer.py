@@ -12,12 +12,19 @@ The SGLang server stays its own process, reached by URL through an
    ``/update_weights_from_tensor`` with ``load_format="flattened_bucket"``,
    one serialized handle per tensor-parallel rank, ``flush_cache=False`` and
    no ``weight_version`` (SGLang would report it as soon as that bucket
-   loaded, before the flush). A bucket's memory is released only
-   after the server answered for it (case C11), and on every other path too
-   (a failed, timed-out or cancelled post, a bucket packed but never posted;
-   case C15): on CPU the handle names a ``/dev/shm`` file this process owns
-   and unlinks then (a server that mapped it keeps its mapping; nothing else,
-   no torch daemon, no process-wide setting, is involved). Before the
+   loaded, before the flush). Bucket ``k + 1`` is packed while the servers
+   load bucket ``k``. A bucket's memory is reused only after every server
+   answered for it (case C11): on CPU the handle names a ``/dev/shm`` file
+   this process owns, and the synchronizer keeps two such segments mapped
+   from bucket to bucket and sync to sync (a :class:`._segment.SegmentPool`;
+   fresh shared memory costs a page fault per 4 KiB page written, which made
+   packing ~14 times slower than the copy). On every other path (a failed,
+   timed-out or cancelled post, a bucket packed but never posted; case C15)
+   every segment is unlinked and never written again: a server that mapped
+   one keeps its mapping, one that had not opened it gets "no such file"; the
+   next sync creates new ones. :meth:`HTTPWeightSynchronizer.shutdown` unlinks
+   them too (nothing else, no torch daemon, no process-wide setting, is
+   involved). Before the
    first bucket is posted the backend's weights are marked invalid
    (``note_weights_loading``): SGLang loads in place, so a sync that fails, times
    out or is cancelled after that leaves a mix of two versions, and
@@ -54,6 +61,7 @@ before any byte moves.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -67,6 +75,7 @@ from aiosync.interfaces import InFlightPolicy, KVScales, RefitSource, WeightSync
 
 from .._kv_scales import attention_layers, kv_scale_entries
 from ..packing import compare_manifests
+from ._segment import SegmentPool
 from ._wire import (
     FLATTENED_BUCKET,
     FlatBucket,
@@ -108,6 +117,8 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         event_backlog: default backlog of :meth:`subscribe`, in events.
         in_flight: what requests running on the engine do during a sync
             (``"wait"``, ``"abort"``, ``"keep"``; see :class:`~aiosync.WeightSynchronizer`).
+        trace: record per-bucket timestamps of every sync into
+            :attr:`last_trace`; off by default.
 
     Raises:
         TypeError: ``generation`` (or one of its engines) does not satisfy
@@ -127,6 +138,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         sync_timeout_s: float = DEFAULT_SYNC_TIMEOUT_S,
         event_backlog: int = DEFAULT_EVENT_BACKLOG,
         in_flight: InFlightPolicy = "wait",
+        trace: bool = False,
     ) -> None:
         servers = _servers_of(generation)
         if bucket_bytes <= 0:
@@ -146,6 +158,22 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         self._manifest: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self._plan: tuple[FlatBucket, ...] = ()
         self._tp_sizes = [1] * len(servers)
+        # CPU bucket segments kept between buckets and syncs (see _segment.py); sized
+        # at init_communicator(), emptied whenever a post was not answered.
+        self._pool = SegmentPool(bucket_bytes)
+        #: Whether each sync records :attr:`last_trace` (off by default).
+        self.trace = trace
+        #: The timeline of the last sync made with :attr:`trace` on (None before):
+        #: ``{"buckets": [row, ...], "phases": {name: t}}``, every time a
+        #: ``time.monotonic()`` reading, seconds (``CLOCK_MONOTONIC`` on Linux: one
+        #: clock for every process of the host, so a server's stamps compare). A
+        #: row per bucket, in post order: ``seq`` (bucket index), ``bytes``,
+        #: ``pack_start`` (the source asked for the bucket's first tensor),
+        #: ``packed`` (its tensors read), ``pack_end`` (copied into the buffer),
+        #: ``posted`` (the requests start) and ``answered`` (every server
+        #: answered). ``phases``: ``start``, ``woken`` (weights resumed),
+        #: ``streamed`` (last bucket answered), ``flushed``, ``versioned``.
+        self.last_trace: dict[str, Any] | None = None
         for server in servers:
             server.add_invalidation_listener(self._invalidate_engine_weights)
         if not all(server.weights_valid for server in servers):
@@ -178,6 +206,14 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             for name, (shape, dtype) in self.policy.prepare_refit_info().items()
         }
         self._plan = plan_flat_buckets(self._manifest, self.bucket_bytes)
+        # Every ordinary bucket fits every pooled segment; a tensor larger than
+        # bucket_bytes gets a segment of its size, kept for it too.
+        segment_bytes = max(
+            (b.nbytes for b in self._plan if b.nbytes <= self.bucket_bytes), default=0
+        )
+        if self._pool is not None:
+            self._pool.clear()
+        self._pool = SegmentPool(max(segment_bytes, 1))
         self._tp_sizes = await self._each(self._check_server)
         await super().init_communicator()
 
@@ -230,20 +266,28 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
 
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
         kv = kv_scale_entries(kv_scales, attention_layers(self._manifest))
+        rows: list[dict[str, Any]] | None = [] if self.trace else None
+        phases: dict[str, float] = {"start": time.monotonic()}
         self.policy.offload_before_refit()
         failed = True
         try:
             await self._each(lambda server: server.prepare_for_generation(["weights"]))
-            nbytes = await self._send_buckets(kv)
+            phases["woken"] = time.monotonic()
+            nbytes = await self._send_buckets(kv, rows)
+            phases["streamed"] = time.monotonic()
             await self._each(lambda server: server.flush_cache())
+            phases["flushed"] = time.monotonic()
             # Only now: the whole version landed and no KV of the old one survives.
             label = str(version)
             await self._each(
                 lambda server: server.update_weight_version(label, abort_all_requests=False)
             )
+            phases["versioned"] = time.monotonic()
             for server in self.servers:
                 server.note_weights_loaded()
             failed = False
+            if rows is not None:
+                self.last_trace = {"buckets": rows, "phases": phases}
             return nbytes
         finally:
             # Runs on failure and cancellation too: shield it, but bound it.
@@ -257,74 +301,113 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                     # Do not mask the refit's own error with the wake's.
                     logger.exception("waking the memory left released after a failed refit")
 
-    async def _send_buckets(self, kv: Sequence[tuple[str, float]] = ()) -> int:
+    async def _send_buckets(
+        self,
+        kv: Sequence[tuple[str, float]] = (),
+        trace: list[dict[str, Any]] | None = None,
+    ) -> int:
         """Stream every bucket to the servers, then the KV-scale bucket (if ``kv``);
-        returns the payload bytes (of one server's copy).
+        returns the payload bytes (of one server's copy). ``trace``: a list that
+        gets one row per bucket (see :attr:`last_trace`); None records nothing.
 
         Two stages overlap: while the server loads bucket ``k`` the next one is
         gathered and packed. At most two buckets exist at a time (one in flight,
         one packed and waiting); each is released only after the server answered
-        for it (case C11), and every one still held is released when the stream
-        ends any other way (case C15).
+        for it (case C11): a CPU one back into the segment pool, whose segments
+        stay mapped for the next bucket and sync. When the stream ends any other
+        way every buffer still held is released and the pool emptied, its
+        segments unlinked (case C15): a server may still hold an unanswered
+        payload, so none of its memory is ever written again.
         """
-        send, receive = anyio.create_memory_object_stream[tuple[FlatBucket, FlatBuffer]](0)
+        send, receive = anyio.create_memory_object_stream[
+            tuple[FlatBucket, FlatBuffer, dict[str, Any] | None]
+        ](0)
         # Every buffer allocated and not yet released, whoever holds it now.
         live: set[FlatBuffer] = set()
+        pool = self._pool
+
+        def allocate(bucket: FlatBucket, device: torch.device) -> FlatBuffer:
+            try:
+                if device.type == "cpu":
+                    flat = pool.take(bucket.numel, bucket.dtype)
+                else:
+                    flat = allocate_flat(bucket, device)
+            except OSError as exc:
+                raise TransportError(
+                    f"bucket {bucket.index} ({bucket.nbytes} bytes): cannot create its "
+                    f"shared-memory file: {exc}"
+                ) from exc
+            live.add(flat)
+            return flat
 
         async def produce() -> None:
             device = self.device or torch.device("cpu")
             async with send:
                 weights = self.policy.iter_weights()
                 groups = group_flat(weights, self._plan, self._manifest)
-                # The source gathers and casts (FSDP collectives, copies): in a worker
-                # thread, so the event loop keeps serving (generation, events) meanwhile.
-                while (item := await anyio.to_thread.run_sync(next, groups, None)) is not None:
+                while True:
+                    started = time.monotonic()
+                    # The source gathers and casts (FSDP collectives, copies): in a worker
+                    # thread, so the event loop keeps serving (generation, events) meanwhile.
+                    item = await anyio.to_thread.run_sync(next, groups, None)
+                    if item is None:
+                        break
                     bucket, tensors = item
+                    row = None if trace is None else _row(bucket, started)
                     device = self.device or tensors[0][1].device
-                    flat = _allocate(bucket, device)
-                    live.add(flat)
-                    await anyio.to_thread.run_sync(_pack_and_wait, bucket, tensors, flat.tensor)
+                    flat = allocate(bucket, device)
+                    await anyio.to_thread.run_sync(
+                        _pack_and_wait, bucket, tensors, flat.tensor, row
+                    )
                     del tensors
                     try:
-                        await send.send((bucket, flat))
+                        await send.send((bucket, flat, row))
                     except anyio.BrokenResourceError:
                         return  # the poster failed; its error is the one raised
                     del flat
                 if kv:
                     bucket, tensors = _kv_bucket(len(self._plan), kv)
+                    row = None if trace is None else _row(bucket, time.monotonic())
                     # Where the weights went (a CUDA-IPC handle on GPU, as they do).
-                    flat = _allocate(bucket, device)
-                    live.add(flat)
-                    _pack_and_wait(bucket, tensors, flat.tensor)  # a few bytes: inline
+                    flat = allocate(bucket, device)
+                    _pack_and_wait(bucket, tensors, flat.tensor, row)  # a few bytes: inline
                     try:
-                        await send.send((bucket, flat))
+                        await send.send((bucket, flat, row))
                     except anyio.BrokenResourceError:
                         return
                     del flat
 
         nbytes = 0
+        answered = False
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(produce)
                 async with receive:
                     sent = 0
-                    async for bucket, flat in receive:
+                    async for bucket, flat, row in receive:
                         sent += 1
-                        try:
-                            await self._post_bucket(bucket, flat, sent)
-                        finally:
-                            # Answered, failed or abandoned: the server either
-                            # loaded from its own mapping or never will.
-                            flat.release()
-                            live.discard(flat)
+                        if row is not None:
+                            row["posted"] = time.monotonic()
+                        await self._post_bucket(bucket, flat, sent)
+                        # Every server answered: each loaded from its own mapping and
+                        # dropped it, so the memory may take the next bucket.
+                        live.discard(flat)
+                        pool.recycle(flat)
+                        if row is not None and trace is not None:
+                            row["answered"] = time.monotonic()
+                            trace.append(row)
                         nbytes += bucket.nbytes
+            answered = True
         except BaseExceptionGroup as group:
             raise _sole_error(group) from None
         finally:
-            # Packed (or being packed) but never posted: the poster failed first,
-            # the source raised, or the sync was cancelled or timed out.
-            for flat in live:
-                flat.release()
+            if not answered:
+                # A post failed, timed out or was cancelled, or the source raised: a
+                # server may still decode an unanswered payload later, so no segment
+                # it may name is written again (unlinked; the next sync maps afresh).
+                for flat in live:
+                    flat.release()
+                pool.clear()
         return nbytes
 
     async def _post_bucket(self, bucket: FlatBucket, flat: FlatBuffer, sent: int) -> None:
@@ -366,8 +449,10 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
 
     async def shutdown(self) -> None:
         """End the event stream. Idempotent. The backend stays open: whoever
-        built it closes it (``await backend.aclose()``), as the loop may still use it."""
+        built it closes it (``await backend.aclose()``), as the loop may still use it.
+        Unlinks the pooled bucket segments."""
         await super().shutdown()
+        self._pool.clear()
 
     def __repr__(self) -> str:
         urls = [server.base_url for server in self.servers]
@@ -419,16 +504,6 @@ async def _wake_the_rest(server: SGLangServer) -> None:
         await server.prepare_for_generation(rest)
 
 
-def _allocate(bucket: FlatBucket, device: torch.device) -> FlatBuffer:
-    try:
-        return allocate_flat(bucket, device)
-    except OSError as exc:
-        raise TransportError(
-            f"bucket {bucket.index} ({bucket.nbytes} bytes): cannot create its "
-            f"shared-memory file: {exc}"
-        ) from exc
-
-
 def _kv_bucket(
     index: int, kv: Sequence[tuple[str, float]]
 ) -> tuple[FlatBucket, list[tuple[str, torch.Tensor]]]:
@@ -439,12 +514,25 @@ def _kv_bucket(
 
 
 def _pack_and_wait(
-    bucket: FlatBucket, tensors: list[tuple[str, torch.Tensor]], flat: torch.Tensor
+    bucket: FlatBucket,
+    tensors: list[tuple[str, torch.Tensor]],
+    flat: torch.Tensor,
+    row: dict[str, Any] | None = None,
 ) -> None:
-    """Pack on this (worker) thread; on CUDA, wait until the copies are done."""
+    """Pack on this (worker) thread; on CUDA, wait until the copies are done. ``row``:
+    a trace row that gets ``packed`` (tensors read) and ``pack_end``."""
+    if row is not None:
+        row["packed"] = time.monotonic()
     pack_flat(bucket, tensors, flat)
     if flat.is_cuda:
         torch.cuda.current_stream(flat.device).synchronize()
+    if row is not None:
+        row["pack_end"] = time.monotonic()
+
+
+def _row(bucket: FlatBucket, started: float) -> dict[str, Any]:
+    """A trace row for ``bucket`` whose first tensor was asked for at ``started``."""
+    return {"seq": bucket.index, "bytes": bucket.nbytes, "pack_start": started}
 
 
 def _compare_unordered(
