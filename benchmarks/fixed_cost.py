@@ -28,7 +28,10 @@ Process round trips per sync, read from the code (``interfaces.py``'s
 ``transports/ipc/worker.py``, ``engines/embedded/engine.py``), one trainer
 rank, one worker, one bucket, engine idle, one after the other:
 
-1. ``pause_generation("wait")`` (base class) → ``embedded_pause_generation``: 1 RPC;
+1. ``pause_generation("wait")`` (base class): no RPC while none of the engine
+   object's generate calls runs (it alone sends the workers requests, so it
+   closes admission itself; with requests running it is the
+   ``embedded_pause_generation`` RPC);
 2. ``prepare_for_generation(tags=["weights"])`` → ``embedded_wake``: 1 RPC,
    skipped when the engine's ``asleep_tags`` says the weights are awake;
 3. ``aiosync_ipc_receive``: the RPC request (1 message), then the worker,
@@ -42,18 +45,20 @@ rank, one worker, one bucket, engine idle, one after the other:
    was dying mid-bucket (tests/fleet caught it);
 4. ``prepare_for_generation(tags=["kv_cache"])`` → ``embedded_wake``: 1 RPC,
    skipped as 2.;
-5. ``on_weights_committed(version)`` (base class) → ``embedded_set_weight_version``: 1 RPC;
-6. ``resume_generation()`` (base class) → ``embedded_resume_generation``: 1 RPC.
+5. ``on_weights_committed(version)`` (base class): no RPC while paused (the
+   version travels with the next request, or with the resume of frozen ones);
+6. ``resume_generation()`` (base class): no RPC unless the workers were paused.
 
-That is 6 engine RPCs and 16 serial one-way messages (8 round trips), or,
-with ``asleep_tags``, 4 RPCs and 12 messages (6 round trips). Each engine RPC
+That is 3 engine RPCs and 10 serial one-way messages (5 round trips), or,
+with ``asleep_tags``, 1 RPC and 6 messages (3 round trips). Each engine RPC
 also hops to a worker thread and back (the embedded worker's RPC pool); the
 trainer hops to a thread once per bucket to read the source and pack (it hopped
 three times before issue 16: read, pack, check the source ended). A ratio to
 rpc near the round trips means the protocol costs what its messages do and
-nothing else. (Before issue 16 this docstring counted 3 RPCs and 11 messages:
-it predated the base class's pause, resume and on_weights_committed, and
-counted ``done`` and the reply apart.)
+nothing else. (Until the embedded engine kept an idle pause to itself, the
+base class's pause, version label and resume were an RPC each: 6 RPCs and 16 messages, 4 and 12
+with ``asleep_tags``; before issue 16 the docstring counted 3 RPCs and 11
+messages, predating them.)
 
 Usage::
 
@@ -82,11 +87,11 @@ TENSOR_BYTES = SPEC["count"] * SPEC["numel"] * 2
 BUCKET_BYTES = 1 << 20
 #: Engine RPCs per sync (see the module docs): an engine without ``asleep_tags``,
 #: and one that reports it is awake.
-RPCS_PER_SYNC = 6
-RPCS_PER_SYNC_AWAKE = 4
+RPCS_PER_SYNC = 3
+RPCS_PER_SYNC_AWAKE = 1
 #: Serial one-way messages between trainer and worker per sync (see the module docs).
-MESSAGES_PER_SYNC = 16
-MESSAGES_PER_SYNC_AWAKE = 12
+MESSAGES_PER_SYNC = 10
+MESSAGES_PER_SYNC_AWAKE = 6
 #: ... as round trips, the unit the RPC baseline measures.
 ROUND_TRIPS_PER_SYNC = MESSAGES_PER_SYNC / 2
 ROUND_TRIPS_PER_SYNC_AWAKE = MESSAGES_PER_SYNC_AWAKE / 2

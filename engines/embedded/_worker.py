@@ -113,6 +113,7 @@ class EmbeddedWorker:
         ignore_eos: bool = False,
         top_p: float = 1.0,
         logprobs: bool = False,
+        weight_version: int | None = None,
     ) -> list[dict[str, Any]]:
         """Generate for ``prompts``, one token per step; per prompt ``{"token_ids",
         "aborted", "versions", "logprobs", "finish_reason"}`` (``versions``: the
@@ -129,11 +130,16 @@ class EmbeddedWorker:
         LoRA load in flight stops the request with :class:`SyncError` rather than
         mixing versions.
 
+        ``weight_version``: the engine's version when the call was sent
+        (:meth:`embedded_set_weight_version`; the engine sends it with each call
+        rather than an RPC of its own after each sync).
+
         Raises:
             SyncError: the weights are invalid (a refit failed half-way or is
                 loading, or the engine discarded them), asleep, or a LoRA adapter
                 load is in flight or failed (at admission or before a step).
         """
+        self.embedded_set_weight_version(weight_version)
         runner: HFModelRunner = self.model_runner.model
         generator = runner.make_generator(seed)
         results: list[dict[str, Any]] = []
@@ -202,14 +208,24 @@ class EmbeddedWorker:
         """
         return self.aiosync_gate.pause(mode)
 
-    def embedded_resume_generation(self) -> None:
-        """Admit requests again and let frozen ones continue. Idempotent."""
+    def embedded_resume_generation(self, weight_version: int | None = None) -> None:
+        """Admit requests again and let frozen ones continue, their next tokens
+        labelled ``weight_version`` (:meth:`embedded_set_weight_version`). Idempotent."""
+        self.embedded_set_weight_version(weight_version)
         self.aiosync_gate.resume()
 
-    def embedded_set_weight_version(self, version: int) -> None:
-        """Label the tokens computed from now on with weight ``version``."""
+    def embedded_set_weight_version(self, version: int | None) -> None:
+        """Label the tokens computed from now on with weight ``version``.
+
+        Versions only grow: a request sent before a sync but admitted after it
+        carries the older version, which must not relabel newer weights. None
+        (the engine had no version yet) changes nothing.
+        """
         with self._state_lock:
-            self.aiosync_weight_version = version
+            if version is not None and (
+                self.aiosync_weight_version is None or version > self.aiosync_weight_version
+            ):
+                self.aiosync_weight_version = version
 
     def embedded_sleep(self, level: int) -> bool:
         """Sleep; level 2 discards the weights (they are zeroed) and the LoRA adapter.
@@ -280,14 +296,16 @@ class EmbeddedWorker:
             self._asleep -= set(tags) if tags is not None else set(self._asleep)
             return sorted(self._asleep)
 
-    def embedded_status(self) -> dict[str, Any]:
+    def embedded_status(self, weight_version: int | None = None) -> dict[str, Any]:
         """``{"rank", "pid", "weights_valid", "asleep", "kv_scales", "lora_adapter",
         "lora_loaded", "lora_valid", "paused", "requests", "weight_version"}``:
         ``lora_adapter`` is the adapter generations apply (None: the base model),
         ``lora_loaded`` every adapter the model holds, ``lora_valid`` False while an
         adapter load is in flight or after one failed; ``paused`` the pause mode in
         force (None: running), ``requests`` the decode steps each running request
-        has started, ``weight_version`` the version its tokens are labelled with."""
+        has started, ``weight_version`` the version its tokens are labelled with
+        (after taking the engine's, as :meth:`embedded_generate_with_meta`)."""
+        self.embedded_set_weight_version(weight_version)
         return {
             "rank": self.rank,
             "pid": os.getpid(),

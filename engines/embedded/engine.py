@@ -36,7 +36,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from types import TracebackType
@@ -188,6 +188,16 @@ class EmbeddedEngine:
         # Why generate() refuses on account of an adapter load (in flight or
         # failed); None when it does not.
         self._lora_refusal: str | None = None
+        # The in-flight policy, kept here first: this object alone sends the
+        # workers requests, so while none of its generate calls runs a pause
+        # needs no worker RPC (admission closes here), and the weight version
+        # travels with the next request instead of an RPC of its own. Set while
+        # paused; generate calls wait on it.
+        self._resumed: asyncio.Event | None = None
+        # The workers' gates were paused too (requests were running): resume them.
+        self._workers_paused = False
+        # generate calls whose requests the workers may be running.
+        self._generating = 0
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -330,6 +340,8 @@ class EmbeddedEngine:
         if self._closed:
             return
         self._closed = True
+        if self._resumed is not None:
+            self._resumed.set()  # waiting generate calls fail fast: the engine is shut down
         loop = asyncio.get_running_loop()
         if self._sock is not None:
             for rank, proc in enumerate(self._procs):
@@ -483,11 +495,17 @@ class EmbeddedEngine:
         synchronizer once a sync landed on every worker); the workers label the
         tokens they compute from now on with it (:meth:`generate_with_meta`).
 
+        While a pause is in force (a sync's) no RPC is made: the label reaches the
+        workers with :meth:`resume_generation` if requests are frozen there, else
+        with the next request (:meth:`generate_with_meta`, :meth:`status`), before
+        any token is computed under it.
+
         Raises:
             TransportError, SyncTimeoutError: as :meth:`collective_rpc`.
         """
         self.weight_version = version
-        await self.collective_rpc("embedded_set_weight_version", (version,))
+        if self._resumed is None:
+            await self.collective_rpc("embedded_set_weight_version", (version,))
 
     async def pause_generation(self, mode: InFlightPolicy, clear_cache: bool = True) -> None:
         """Pause generation on every worker (the in-flight policy, decode-step granularity).
@@ -504,6 +522,10 @@ class EmbeddedEngine:
           attending to the KV cache the earlier weights computed (as vLLM's
           ``keep`` and SGLang's ``in_place``).
 
+        Only this object sends the workers requests, so with none of its
+        :meth:`generate` calls running the pause is kept here and costs no RPC
+        (a sync's fixed cost, ``benchmarks/fixed_cost.py``).
+
         ``clear_cache``: accepted for the contract; this engine keeps no KV cache
         between requests (no prefix cache), so there is nothing to clear.
 
@@ -514,15 +536,27 @@ class EmbeddedEngine:
                 cancel scope, as the synchronizer does).
         """
         _check_mode(mode)
-        await self.collective_rpc("embedded_pause_generation", (mode,), timeout_s=math.inf)
+        self._check_running()
+        if self._resumed is None:
+            self._resumed = asyncio.Event()
+        if self._generating or self._workers_paused:
+            # Set before the call: a pause that fails half-way is resumed all the same.
+            self._workers_paused = True
+            await self.collective_rpc("embedded_pause_generation", (mode,), timeout_s=math.inf)
 
     async def resume_generation(self) -> None:
         """Undo :meth:`pause_generation` on every worker. Idempotent.
 
         Raises:
-            TransportError, SyncTimeoutError: as :meth:`collective_rpc`.
+            TransportError, SyncTimeoutError: as :meth:`collective_rpc` (the
+                engine then stays paused; call it again).
         """
-        await self.collective_rpc("embedded_resume_generation")
+        if self._workers_paused:
+            await self.collective_rpc("embedded_resume_generation", (self.weight_version,))
+            self._workers_paused = False
+        resumed, self._resumed = self._resumed, None
+        if resumed is not None:
+            resumed.set()
 
     async def prepare_for_generation(self, tags: Sequence[str] | None = None) -> None:
         """Wake ``tags`` (``"weights"``, ``"kv_cache"``; None: all) on every worker.
@@ -696,6 +730,43 @@ class EmbeddedEngine:
                 f"the embedded engine refuses to generate: {self._lora_refusal}; a sync must "
                 "succeed first"
             )
+        timeout = self.rpc_timeout_s if timeout_s is None else timeout_s
+        async with self._admitted(timeout):
+            return await self._generate(
+                prompts, max_new_tokens, temperature, top_p, seed, ignore_eos, logprobs, timeout
+            )
+
+    @contextlib.asynccontextmanager
+    async def _admitted(self, timeout_s: float) -> AsyncIterator[None]:
+        """Admit one generate call: wait while paused (up to ``timeout_s`` seconds),
+        then count it as running until the block ends."""
+        try:
+            with anyio.fail_after(timeout_s):
+                while self._resumed is not None:
+                    await self._resumed.wait()
+        except TimeoutError as exc:
+            raise SyncTimeoutError(
+                f"generate waited {timeout_s} s for the engine to resume generation"
+            ) from exc
+        # No await between the check above and the count: a pause either sees
+        # this call running or admits nothing.
+        self._generating += 1
+        try:
+            yield
+        finally:
+            self._generating -= 1
+
+    async def _generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None,
+        ignore_eos: bool,
+        logprobs: bool,
+        timeout_s: float,
+    ) -> list[EmbeddedGeneration]:
         batch = [list(p) for p in prompts]
         chunk = -(-len(batch) // self.num_workers) if batch else 0
         calls = []
@@ -709,6 +780,7 @@ class EmbeddedEngine:
                     "ignore_eos": ignore_eos,
                     "top_p": top_p,
                     "logprobs": logprobs,
+                    "weight_version": self.weight_version,
                 }
                 calls.append((rank, [part], kwargs))
         results = await self._call("embedded_generate_with_meta", calls, timeout_s)
@@ -723,7 +795,7 @@ class EmbeddedEngine:
         for the base model; ``lora_loaded``: every adapter its model holds;
         ``paused``: the pause mode in force, None when running; ``requests``: the
         decode steps each running request has started)."""
-        return await self.collective_rpc("embedded_status")
+        return await self.collective_rpc("embedded_status", (self.weight_version,))
 
     async def hf_state_dicts(self) -> list[dict[str, torch.Tensor]]:
         """Every worker's weights in HF checkpoint names (copies; for tests)."""

@@ -7,6 +7,7 @@ tokens, ``torch.log_softmax`` of the float32 logits at every generated position.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
@@ -117,6 +118,29 @@ async def test_results_carry_the_committed_weight_version(engine: EmbeddedEngine
     assert result.versions == [7] * 5
     assert (result.first_version, result.last_version, result.version_change_at) == (7, 7, None)
     assert result.spans_versions is False
+
+
+async def test_an_idle_pause_is_kept_by_the_engine_and_the_version_travels_with_requests(
+    engine: EmbeddedEngine,
+) -> None:
+    await engine.on_weights_committed(8)
+    await engine.pause_generation("wait")
+    waiting = asyncio.create_task(
+        engine.generate_with_meta([PROMPTS[0]], max_new_tokens=5, ignore_eos=True)
+    )
+    try:
+        # Nothing ran when it paused: the workers were never told, the call waits here.
+        (status,) = await engine.status()
+        assert (status["paused"], status["requests"], waiting.done()) == (None, [], False)
+        await engine.on_weights_committed(9)  # as a sync does while paused
+    finally:
+        await engine.resume_generation()
+    (result,) = await waiting
+    assert result.versions == [9] * 5
+    # A request sent before a sync but arriving after it never relabels newer weights.
+    await engine.collective_rpc("embedded_set_weight_version", (3,))
+    (status,) = await engine.status()
+    assert status["weight_version"] == 9
 
 
 async def test_a_fleet_passes_the_generation_keywords_and_answers_generations(
