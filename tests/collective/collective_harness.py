@@ -72,6 +72,14 @@ def _worker_main(conn: Any, config: dict[str, Any], seed: int) -> None:
         def test_set_rank(self, rank: int) -> None:
             self.rank = rank
 
+        def test_set_env(self, name: str, value: str | None) -> None:
+            """Set (None: unset) an environment variable of this worker process, e.g.
+            ``GLOO_SOCKET_IFNAME``, which gloo reads when a group is formed."""
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
         def test_state_dict(self) -> dict[str, torch.Tensor]:
             return self.model_runner.model.hf_state_dict()
 

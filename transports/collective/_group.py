@@ -23,12 +23,21 @@ outcome with the source in a control-only group of the trainer ranks
 Every blocking call here has the group's timeout (seconds). Failures surface as
 :class:`~aiosync.errors.TransportError` (a peer died, the connection closed) or
 :class:`~aiosync.errors.SyncTimeoutError` and mark the group :attr:`SyncGroup.broken`.
+
+Forming a group is cancellable: a rank whose own part failed (a bad
+``GLOO_SOCKET_IFNAME``, a backend that raised, a bad argument) writes the reason
+under the session's ``formation-failed`` key (:func:`cancel_formation`), and
+every rank still waiting in the rendezvous gives up at once with a
+:class:`~aiosync.errors.TransportError` that quotes it, instead of sitting out
+the whole timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -46,6 +55,7 @@ __all__ = [
     "STATUS_OK",
     "STATUS_TIMEOUT",
     "SyncGroup",
+    "cancel_formation",
     "create_sync_group",
     "open_store",
 ]
@@ -57,6 +67,17 @@ STATUS_ERROR = 2
 STATUS_TIMEOUT = 3
 
 _DIGEST_BYTES = 32  # SHA-256 of the bucket plan
+
+#: The session's key (under ``aiosync/<session>/``) whose presence cancels its formation.
+_CANCEL_KEY = "formation-failed"
+#: Longest pause between two looks at the store while a rank waits in a rendezvous, seconds.
+_RENDEZVOUS_POLL_S = 0.05
+
+
+def _describe(rank: int, train_world_size: int) -> str:
+    if rank < train_world_size:
+        return f"trainer rank {rank}"
+    return f"inference rank {rank - train_world_size}"
 
 
 def _wrap(exc: BaseException, what: str) -> SyncError:
@@ -101,6 +122,9 @@ class SyncGroup:
     data: Any | None
     session: str
     broken: bool = False
+    #: The store the gloo groups met over; held because the groups hold its
+    #: C++ half, whose Python methods vanish with the Python object.
+    rendezvous: Any = None
     _votes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -111,9 +135,7 @@ class SyncGroup:
 
     def describe_rank(self, rank: int) -> str:
         """``"trainer rank 0"`` / ``"inference rank 2"`` for error messages."""
-        if rank < self.train_world_size:
-            return f"trainer rank {rank}"
-        return f"inference rank {rank - self.train_world_size}"
+        return _describe(rank, self.train_world_size)
 
     @contextmanager
     def _guard(self, what: str) -> Iterator[None]:
@@ -249,7 +271,92 @@ class SyncGroup:
         self.data = None
         self.ctrl = None
         self.store = None
+        self.rendezvous = None
         self.broken = True
+
+
+class _RendezvousStore(dist.Store):
+    """The store a gloo group forms over: every wait also watches the cancel key.
+
+    gloo's rendezvous blocks in ``Store.wait`` for each peer's address; over a
+    ``TCPStore`` that wait cannot be interrupted, so a rank whose peer had
+    already failed sat out the whole timeout. Here a wait looks for its keys and
+    for the session's cancel key with ``check`` (one loopback round trip, ~15 us;
+    every 1 ms at first, backing off to every 50 ms, and only while a group
+    forms) and raises the canceller's reason as soon as it appears.
+
+    Args:
+        root: the session's ``PrefixStore`` (``aiosync/<session>``).
+        what: prefix of the errors raised (``"forming the sync group (gloo, 3 ranks)"``).
+        timeout_s: limit of a wait that names none, seconds.
+    """
+
+    def __init__(self, root: dist.Store, what: str, timeout_s: float) -> None:
+        super().__init__()
+        self._root = root
+        self._what = what
+        self._timeout_s = timeout_s
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._root.set(key, value)  # type: ignore[arg-type]
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return self._root.get(key)
+
+    def add(self, key: str, value: int) -> int:
+        return self._root.add(key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._root.check(keys)
+
+    def compare_set(self, key: str, expected_value: str, desired_value: str) -> bytes:
+        return self._root.compare_set(key, expected_value, desired_value)
+
+    def delete_key(self, key: str) -> bool:
+        return self._root.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._root.num_keys()
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        """Wait until every key of ``keys`` is set.
+
+        Raises:
+            TransportError: another rank cancelled the formation (its reason quoted).
+            SyncTimeoutError: the keys were not all set within ``timeout``
+                (None or zero: the group's timeout).
+        """
+        limit = timeout.total_seconds() if timeout is not None else 0.0
+        limit = limit if limit > 0 else self._timeout_s
+        deadline = time.monotonic() + limit
+        pause = 0.001
+        while True:
+            if self._root.check([_CANCEL_KEY]):
+                reason = self._root.get(_CANCEL_KEY).decode(errors="replace")
+                raise TransportError(f"{self._what}: cancelled: {reason}")
+            if self._root.check(keys):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SyncTimeoutError(
+                    f"{self._what}: timed out after {limit:g} s waiting for the other ranks"
+                )
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, _RENDEZVOUS_POLL_S)
+
+
+def cancel_formation(store: dist.Store, session: str, reason: str) -> None:
+    """Make every rank still forming ``session``'s groups over ``store`` give up now.
+
+    Each of them raises :class:`~aiosync.errors.TransportError` quoting
+    ``reason`` within ~50 ms. The first reason written is kept (it names the
+    root cause; later ones are its echoes). A formation that already completed
+    is not affected. Never raises: a store that is gone has no one waiting on it.
+    """
+    # A store whose server is gone has nobody waiting on it.
+    with contextlib.suppress(Exception):
+        dist.PrefixStore(f"aiosync/{session}", store).compare_set(_CANCEL_KEY, "", reason)
 
 
 def _make_backend(
@@ -320,29 +427,46 @@ def create_sync_group(
     previous session's keys. ``with_data=False`` builds the control group only
     (the trainer ranks' own group, which agrees on outcomes and never broadcasts).
 
+    If this rank's part fails, it cancels the formation (:func:`cancel_formation`)
+    before raising, so the other ranks give up at once too; it gives up itself as
+    soon as another rank (or its driver) cancelled.
+
     Raises:
         SyncTimeoutError: a rank did not join within ``timeout_s`` seconds.
-        TransportError: the backend is unavailable or the rendezvous failed.
+        TransportError: the backend is unavailable, the rendezvous failed, or
+            another rank cancelled the formation (its reason quoted).
     """
     timeout = datetime.timedelta(seconds=timeout_s)
+    what = f"forming the sync group ({backend}, {world_size} ranks)"
     root = dist.PrefixStore(f"aiosync/{session}", store)
+    rendezvous = _RendezvousStore(root, what, timeout_s)
     ctrl = data = None
     try:
-        ctrl = dist.ProcessGroupGloo(dist.PrefixStore("ctrl", root), rank, world_size, timeout)
+        ctrl = dist.ProcessGroupGloo(
+            dist.PrefixStore("ctrl", rendezvous), rank, world_size, timeout
+        )
         in_data = with_data and (rank == 0 or rank >= train_world_size)
         if in_data:
             data_rank = 0 if rank == 0 else 1 + rank - train_world_size
             data_size = 1 + world_size - train_world_size
+            # NCCL meets lazily, at the first collective (bounded by the group's
+            # timeout, and a failed peer aborts it): only gloo waits here.
+            data_store = rendezvous if backend == "gloo" else root
             data = _make_backend(
-                backend, dist.PrefixStore("data", root), data_rank, data_size, timeout
+                backend, dist.PrefixStore("data", data_store), data_rank, data_size, timeout
             )
-    except SyncError:
-        raise
     except Exception as exc:
         for pg in (ctrl, data):
             if pg is not None:
-                pg.shutdown()
-        raise _wrap(exc, f"forming the sync group ({backend}, {world_size} ranks)") from exc
+                with contextlib.suppress(Exception):  # a half-formed group, peers gone
+                    pg.shutdown()
+        error = exc if isinstance(exc, SyncError) else _wrap(exc, what)
+        # Tell the ranks still waiting in the rendezvous (a no-op if one of them
+        # cancelled first: its reason is the one kept).
+        cancel_formation(store, session, f"{_describe(rank, train_world_size)} failed: {error}")
+        if error is exc:
+            raise
+        raise error from exc
     return SyncGroup(
         rank=rank,
         world_size=world_size,
@@ -354,4 +478,5 @@ def create_sync_group(
         ctrl=ctrl,
         data=data,
         session=session,
+        rendezvous=rendezvous,
     )

@@ -52,6 +52,7 @@ from ._group import (
     STATUS_OK,
     STATUS_TIMEOUT,
     SyncGroup,
+    cancel_formation,
     create_sync_group,
     open_store,
 )
@@ -241,6 +242,10 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             SyncTimeoutError: a rank did not join within ``collective_timeout_s``.
             TransportError: the rendezvous or a worker RPC failed; on rank 0, the
                 store's port is in use (raised before any worker is contacted).
+                When one side's set-up fails (rank 0's own gloo set-up, e.g. a
+                wrong ``GLOO_SOCKET_IFNAME``, or a worker's), the other side is
+                cancelled at once: every rank raises within moments, quoting it,
+                rather than after the formation limit.
             ValueError: ``inference_world_size`` is not the engine's worker count
                 (raised before the rendezvous).
         """
@@ -382,11 +387,36 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             "timeout_s": self.collective_timeout_s,
             "session": session,
         }
-        group, _ = await self._both(
-            lambda: self._in_thread(join, self._formation_limit()),
-            lambda: self._rpc("aiosync_collective_init", kwargs, self._formation_limit()),
-        )
+
+        # Whichever side fails first cancels the formation for the other at once:
+        # a worker waiting in the rendezvous for a source whose local set-up
+        # failed (or our own thread waiting for a worker that failed) gives up
+        # within ~50 ms instead of sitting out the whole formation limit.
+        async def local() -> SyncGroup:
+            try:
+                return await self._in_thread(join, self._formation_limit())
+            except BaseException as exc:
+                self._cancel_formation(session, f"trainer rank 0 failed: {_reason(exc)}")
+                raise
+
+        async def remote() -> list[Any]:
+            try:
+                return await self._rpc("aiosync_collective_init", kwargs, self._formation_limit())
+            except BaseException as exc:
+                self._cancel_formation(session, f"the engine's workers failed: {_reason(exc)}")
+                raise
+
+        group, _ = await self._both(local, remote)
         return group
+
+    def _cancel_formation(self, session: str, reason: str) -> None:
+        """Cancel ``session``'s formation on every rank (rank 0, which hosts the store).
+
+        Called on the event loop: one ``compare_set`` on the store this process
+        serves, a loopback round trip, so it also runs when the caller was cancelled.
+        """
+        if self._store is not None:
+            cancel_formation(self._store, session, reason)
 
     async def _agree_trainers(
         self, trainers: SyncGroup, failure: BaseException | None, digest: str = ""
@@ -709,6 +739,13 @@ def _vote_of(failure: BaseException | None) -> tuple[int, str]:
         return STATUS_MISMATCH, str(failure)
     status = STATUS_TIMEOUT if isinstance(failure, TimeoutError) else STATUS_ERROR
     return status, f"{type(failure).__name__}: {failure}"
+
+
+def _reason(failure: BaseException) -> str:
+    """``failure`` as the reason a formation was cancelled (a cancellation says so)."""
+    if not isinstance(failure, Exception):
+        return "init_communicator() was cancelled"
+    return f"{type(failure).__name__}: {failure}"
 
 
 def _as_vote(failure: BaseException | None) -> Exception | None:

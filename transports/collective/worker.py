@@ -28,7 +28,14 @@ from aiosync.errors import OwnershipError, RefitMismatchError, SyncTimeoutError,
 
 from .._identity import WorkerIdentityMixin
 from ..packing import Bucket, BucketPlan, compare_manifests, unpack
-from ._group import STATUS_MISMATCH, STATUS_OK, SyncGroup, create_sync_group, open_store
+from ._group import (
+    STATUS_MISMATCH,
+    STATUS_OK,
+    SyncGroup,
+    cancel_formation,
+    create_sync_group,
+    open_store,
+)
 from ._loops import RotatingBuffers, receive_buckets
 
 __all__ = ["CollectiveWorkerMixin"]
@@ -110,6 +117,9 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
 
         Blocks until every rank has joined and compared the bucket-plan digest
         (and, when the model has ``expected_manifest()``, the manifest itself).
+        If this worker fails before or while joining, it cancels the formation,
+        so the source and the other workers give up at once; if any of them
+        failed first, this call gives up at once too (within ~50 ms).
         A previous group of the same ``owner`` (or of an owner that is gone) is
         destroyed first; one of another live owner is left alone and the call
         refused.
@@ -128,23 +138,32 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
             OwnershipError: the worker is in a live group of another synchronizer.
             RefitMismatchError: some rank's manifest or plan differs (raised on every rank).
             SyncTimeoutError: a rank did not join within ``timeout_s``.
-            TransportError: the rendezvous failed.
+            TransportError: the rendezvous failed, or another rank (or the
+                trainer) failed to form the group: the error quotes its reason.
         """
-        self.aiosync_collective_destroy(owner=owner)
-        inference_world = world_size - train_world_size
-        rank = train_world_size + self._aiosync_coll_rank(inference_world)
+        store = open_store(master_addr, master_port, is_master=False, timeout_s=timeout_s)
         status, message, digest = STATUS_OK, "", ""
         parsed: BucketPlan | None = None
         try:
-            parsed = BucketPlan.from_json(plan)
-            digest = parsed.digest
-            expected = getattr(self.model_runner.model, "expected_manifest", None)  # type: ignore[attr-defined]
-            if expected is not None:
-                compare_manifests(parsed.manifest(), expected())
-        except RefitMismatchError as exc:
-            status, message = STATUS_MISMATCH, str(exc)
-        # Join even after a local mismatch, so that the vote tells every rank.
-        store = open_store(master_addr, master_port, is_master=False, timeout_s=timeout_s)
+            self.aiosync_collective_destroy(owner=owner)
+            inference_world = world_size - train_world_size
+            rank = train_world_size + self._aiosync_coll_rank(inference_world)
+            try:
+                parsed = BucketPlan.from_json(plan)
+                digest = parsed.digest
+                expected = getattr(self.model_runner.model, "expected_manifest", None)  # type: ignore[attr-defined]
+                if expected is not None:
+                    compare_manifests(parsed.manifest(), expected())
+            except RefitMismatchError as exc:
+                status, message = STATUS_MISMATCH, str(exc)
+        except Exception as exc:
+            # The source and the other workers may already wait in the rendezvous
+            # for this rank: release them now rather than after the whole timeout.
+            who = f"engine worker {self.aiosync_worker_rank()}"
+            cancel_formation(store, session, f"{who} failed: {type(exc).__name__}: {exc}")
+            raise
+        # Join even after a local mismatch, so that the vote tells every rank
+        # (create_sync_group cancels the formation itself if it fails here).
         group = create_sync_group(
             store=store,
             rank=rank,
