@@ -7,7 +7,10 @@ socket identities and the collective transport's group ranks. As vLLM's own
 NCCL weight-transfer engine does, the rank is
 ``data_parallel_index * world_size + rank`` (``world_size`` = TP × PP of one
 replica), plus an offset the fleet gives each engine (the worker counts of the
-engines before it).
+engines before it). An engine that stands for only some of vLLM's DP replicas
+(an external-LB rank, a hybrid-LB node: ``data_parallel_index`` from ``base``
+on) is numbered from its first replica, ``base``, which the fleet's offset
+replaces.
 
 **Device.** A sharded trainer pairs each of its ranks with the engine workers on
 the same device (CUDA IPC handles do not cross devices): a CUDA device is
@@ -47,34 +50,73 @@ class WorkerIdentityMixin:
     """
 
     _aiosync_rank_offset: int = 0
+    _aiosync_dp_base: int = 0
     #: Incremented by the engine whenever it discards this worker's weights (a
     #: level-2 sleep, a memory release): a refit that spans a discard must not
     #: mark the weights valid.
     aiosync_discard_epoch: int = 0
 
-    def aiosync_set_rank_offset(self, offset: int) -> int:
+    def aiosync_set_rank_offset(self, offset: int, dp_base: int = 0) -> int:
         """Called by :class:`~aiosync.EngineFleet`: this engine's workers start at
-        rank ``offset`` (>= 0). Returns the worker's rank with the offset applied.
+        rank ``offset`` (>= 0). ``dp_base`` (passed by the vLLM backend) is the
+        first vLLM data-parallel index the engine's client reaches: replicas
+        count from it. Returns the worker's rank with the offset applied.
 
         Raises:
-            ValueError: ``offset`` is negative or not an int.
+            ValueError: ``offset`` or ``dp_base`` is negative or not an int, or
+                this worker's data-parallel index is below ``dp_base``.
         """
-        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-            raise ValueError(f"rank offset must be an int >= 0, got {offset!r}")
+        for what, value in (("rank offset", offset), ("dp_base", dp_base)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{what} must be an int >= 0, got {value!r}")
+        index = self._aiosync_dp_index()
+        if index < dp_base:
+            raise ValueError(
+                f"this worker's data-parallel index {index} is below dp_base {dp_base}"
+            )
         self._aiosync_rank_offset = offset
+        self._aiosync_dp_base = dp_base
         return self.aiosync_worker_rank()
 
     def aiosync_worker_rank(self) -> int:
-        """``offset + data_parallel_index * world_size + rank`` (0-based)."""
+        """``offset + (data_parallel_index - dp_base) * world_size + rank`` (0-based)."""
+        index = self._aiosync_dp_index() - self._aiosync_dp_base
+        per_replica = self._aiosync_replica_world_size() if index else 1
+        return self._aiosync_rank_offset + index * per_replica + self._aiosync_replica_rank()
+
+    def aiosync_worker_identity(self) -> dict[str, int]:
+        """Who this worker is among vLLM's data-parallel replicas, msgpack-safe.
+
+        Returns:
+            ``{"rank": aiosync_worker_rank(), "dp_index": int, "replica_rank": int,
+            "replica_world_size": int}``: vLLM's ``data_parallel_index`` (0
+            outside vLLM), the worker's rank within its replica and the
+            replica's worker count (TP × PP). vLLM resets a dense model's
+            ``data_parallel_size`` to 1 on the worker (its DP ranks run
+            independently); ``data_parallel_index`` keeps the replica's rank.
+        """
+        return {
+            "rank": self.aiosync_worker_rank(),
+            "dp_index": self._aiosync_dp_index(),
+            "replica_rank": self._aiosync_replica_rank(),
+            "replica_world_size": self._aiosync_replica_world_size(),
+        }
+
+    def _aiosync_dp_index(self) -> int:
         config = getattr(self, "parallel_config", None)
         index = getattr(config, "data_parallel_index", None)
         if index is None:
             index = getattr(config, "data_parallel_rank", None) or 0  # older vLLM
-        rank = getattr(config, "rank", None)
+        return int(index)
+
+    def _aiosync_replica_rank(self) -> int:
+        rank = getattr(getattr(self, "parallel_config", None), "rank", None)
         if rank is None:
             rank = getattr(self, "rank", None) or 0
-        per_replica = int(getattr(config, "world_size", 1)) if index else 1
-        return self._aiosync_rank_offset + int(index) * per_replica + int(rank)
+        return int(rank)
+
+    def _aiosync_replica_world_size(self) -> int:
+        return int(getattr(getattr(self, "parallel_config", None), "world_size", 1))
 
     def aiosync_device_identity(self) -> str:
         """This worker's device: its ``device_label``, else the GPU UUID of the

@@ -29,6 +29,36 @@ was built with ``enable_sleep_mode=True``. vLLM's CPU worker rejects
 backend logs once that no memory is released and does nothing, rather than
 pretend (see ``docs/vllm.md``).
 
+Data parallelism (``data_parallel_size`` N > 1): aiosync must reach every
+worker of every replica, or a sync would update some replicas and report
+success. The first :meth:`VLLMGenerationBackend.collective_rpc` asks every
+worker it reaches who it is (``aiosync_worker_identity``: vLLM's
+``data_parallel_index``, rank in its replica) and compares the answers with the
+engine's N × (TP × PP) workers (see :class:`DataParallelScope`):
+
+* **One client over every replica** (vLLM's internal load balancer:
+  ``AsyncLLM`` / ``vllm serve --data-parallel-size N``). vLLM's own
+  ``collective_rpc`` runs the call on every engine but returns the first
+  engine's replies only (``DPLBAsyncMPClient.call_utility_async``); this
+  backend collects every engine's (``call_utility_all_async``), so the engine
+  is one fleet of N replicas: one sync updates all of them, worker ranks are
+  global (``data_parallel_index * world_size + rank``, as vLLM's NCCL weight
+  transfer numbers them) and a non-colocated sync passes
+  ``inference_world_size = N * TP * PP``.
+* **A client of some replicas only** (``--data-parallel-external-lb`` /
+  ``--data-parallel-rank d``: one ``AsyncLLM`` per DP rank, as vLLM 0.32 allows
+  for MoE models; ``--data-parallel-hybrid-lb``: one per node). Its RPCs reach
+  those replicas alone, so on its own it refuses the weight transports' set-up
+  and receive RPCs (``aiosync_ipc_init``, ``aiosync_collective_init``, ...) with
+  a :class:`~aiosync.errors.TransportError` naming the replicas, before any
+  byte moves. Put one backend per client in an :class:`aiosync.EngineFleet` (any
+  order): the fleet numbers their workers (each backend's replicas from its
+  first one) and one sync updates every replica. What aiosync cannot see from
+  one client is whether the fleet holds all N replicas; LoRA adapter loads
+  (``load_lora_adapter``, vLLM's ``add_lora``) are not checked either.
+* Anything else (a replica's workers missing, a client that reaches replicas
+  whose replies it drops) is a ``TransportError`` before any byte moves.
+
 Errors: a worker's exception reaches the client of a multiprocess vLLM engine
 as a plain ``Exception`` carrying only its message; the worker extension
 (:mod:`aiosync.engines.vllm.worker`) tags aiosync's own errors in that message and
@@ -50,6 +80,7 @@ import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -61,7 +92,7 @@ from aiosync.generation import Generation, parse_version
 from aiosync.lora import LoRAAdapter
 from aiosync.transports._leftovers import dir_prefix
 
-__all__ = ["IN_FLIGHT_MODES", "WORKER_EXTENSION", "VLLMGenerationBackend"]
+__all__ = ["IN_FLIGHT_MODES", "WORKER_EXTENSION", "DataParallelScope", "VLLMGenerationBackend"]
 
 _log = logging.getLogger(__name__)
 
@@ -79,6 +110,92 @@ _LLM_LOCKS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDict
 
 # ``[aiosync:TypeName] message``, written by aiosync.engines.vllm.worker.
 _TAGGED_ERROR = re.compile(r"\[aiosync:(\w+)\] (.*)", re.DOTALL)
+
+#: Worker RPCs of the weight transports that set up or write a refit: refused by
+#: a backend that reaches only some of vLLM's data-parallel replicas, unless it
+#: is part of an EngineFleet (releases and status calls pass).
+_WEIGHT_RPCS = frozenset(
+    {
+        "aiosync_ipc_init",
+        "aiosync_ipc_receive",
+        "aiosync_collective_init",
+        "aiosync_collective_receive",
+        "aiosync_collective_stage",
+        "aiosync_collective_commit",
+    }
+)
+
+
+@dataclass(frozen=True)
+class DataParallelScope:
+    """The vLLM data-parallel replicas a backend's ``collective_rpc`` reaches.
+
+    Attributes:
+        size: the engine's ``data_parallel_size`` (1: no data parallelism).
+        ranks: the ``data_parallel_index`` of every replica whose workers
+            answer, ascending and contiguous.
+        replica_world_size: workers per replica (TP × PP).
+        fan_out: replies are collected from each engine the client manages
+            (vLLM's internal load balancer returns only the first engine's).
+    """
+
+    size: int
+    ranks: tuple[int, ...]
+    replica_world_size: int
+    fan_out: bool = False
+
+    @property
+    def whole(self) -> bool:
+        """True when every replica answers (a sync reaches the whole engine)."""
+        return len(self.ranks) == self.size
+
+    @classmethod
+    def from_identities(
+        cls,
+        identities: Sequence[Mapping[str, Any]],
+        size: int,
+        replica_world_size: int,
+        managed: int,
+        fan_out: bool = False,
+    ) -> DataParallelScope:
+        """Check the workers' ``aiosync_worker_identity`` replies against the engine.
+
+        Args:
+            identities: one reply per answering worker.
+            size: the engine's ``data_parallel_size`` (from the client's config).
+            replica_world_size: workers per replica (TP × PP).
+            managed: engines the client sends an RPC to (its ``core_engines``).
+            fan_out: see the attribute.
+
+        Raises:
+            TransportError: a replica answered with fewer or more workers than
+                ``replica_world_size`` (or a worker twice), an index outside
+                ``0..size-1``, replicas not contiguous, or fewer replicas
+                answered than the client reaches (their replies are dropped:
+                vLLM's internal load balancer without ``call_utility_all_async``).
+        """
+        workers = [(int(i["dp_index"]), int(i["replica_rank"])) for i in identities]
+        ranks = tuple(sorted({d for d, _ in workers}))
+        complete = sorted(workers) == [(d, r) for d in ranks for r in range(replica_world_size)]
+        contiguous = bool(ranks) and list(ranks) == list(range(ranks[0], ranks[-1] + 1))
+        if not complete or not contiguous or ranks[-1] >= size:
+            raise TransportError(
+                f"vLLM engine with data_parallel_size={size} and {replica_world_size} "
+                f"worker(s) per replica answered collective_rpc from workers "
+                f"(dp_index, rank) {sorted(workers)}: not whole replicas; aiosync cannot "
+                "tell which workers a sync would reach"
+            )
+        if len(ranks) < managed:
+            raise TransportError(
+                f"this vLLM client sends RPCs to {managed} data-parallel engines but "
+                f"only replica(s) {list(ranks)} answered (vLLM's internal load balancer "
+                "returns the first engine's replies): a sync would reach replicas whose "
+                "failures go unseen. Use a vLLM whose AsyncMPClient has "
+                "call_utility_all_async, or one AsyncLLM per DP rank "
+                "(--data-parallel-external-lb) in an aiosync.EngineFleet"
+            )
+        return cls(size, ranks, replica_world_size, fan_out)
+
 
 #: Where :meth:`VLLMGenerationBackend.load_lora_adapter` writes the adapter's PEFT
 #: directory for vLLM to read (RAM-backed; the temp dir where it does not exist).
@@ -140,6 +257,10 @@ class VLLMGenerationBackend:
         self._lora_error: str | None = None
         self._lora_ids: set[int] = set()
         self._gate = _GenerationGate()
+        # The data-parallel replicas collective_rpc reaches (None: not asked yet),
+        # and whether an EngineFleet numbers this engine's workers.
+        self._dp: DataParallelScope | None = None
+        self._in_fleet = False
 
     @classmethod
     def from_model(
@@ -181,7 +302,9 @@ class VLLMGenerationBackend:
         """Call ``method(*args, **kwargs)`` on every vLLM worker; results in rank order.
 
         Args and results must be msgpack-safe (str, int, float, bool, None, bytes,
-        list, dict): vLLM serializes them between its processes.
+        list, dict): vLLM serializes them between its processes. With vLLM data
+        parallelism, every worker of every replica the client reaches answers,
+        replica by replica (see the module docs); the first call checks which.
 
         Raises:
             SyncTimeoutError: no answer within ``timeout_s`` (default
@@ -191,12 +314,77 @@ class VLLMGenerationBackend:
             RefitMismatchError, TransportError, SyncTimeoutError: re-raised from
                 a worker that raised one; any other worker error is a
                 ``TransportError`` with its message.
+            TransportError: the engine's data-parallel replicas cannot all be
+                reached (:meth:`DataParallelScope.from_identities`), or a weight
+                transport RPC through a backend of some replicas only, outside
+                an :class:`~aiosync.EngineFleet` (before it reaches any worker).
         """
         timeout = self.rpc_timeout_s if timeout_s is None else timeout_s
         call_kwargs = dict(kwargs or {})
+        scope = self._dp or await self._data_parallel_scope(timeout)
+        if method == "aiosync_set_rank_offset":
+            # Only EngineFleet numbers engines: this backend is one of several.
+            self._in_fleet = True
+            if scope.ranks[0]:
+                call_kwargs["dp_base"] = scope.ranks[0]
+        elif not scope.whole and not self._in_fleet and method in _WEIGHT_RPCS:
+            raise TransportError(
+                f"this vLLM engine reaches data-parallel replica(s) {list(scope.ranks)} of "
+                f"{scope.size} only (--data-parallel-external-lb / --data-parallel-hybrid-lb: "
+                "its client talks to those engines alone), so a sync through it would update "
+                f"{len(scope.ranks)} of {scope.size} replicas: wrap one VLLMGenerationBackend "
+                "per vLLM client in an aiosync.EngineFleet and pass the fleet as generation"
+            )
+        return await self._rpc(method, args, call_kwargs, timeout, scope.fan_out)
+
+    @property
+    def data_parallel(self) -> DataParallelScope | None:
+        """The vLLM data-parallel replicas this backend reaches; None before the
+        first :meth:`collective_rpc`."""
+        return self._dp
+
+    async def _data_parallel_scope(self, timeout: float) -> DataParallelScope:
+        """Ask the workers who they are when the engine is data parallel (once)."""
+        parallel = getattr(_vllm_config(self.engine), "parallel_config", None)
+        size = int(getattr(parallel, "data_parallel_size", 1) or 1)
+        per_replica = int(getattr(parallel, "world_size", 1) or 1)
+        if size <= 1:
+            self._dp = DataParallelScope(1, (0,), per_replica)
+            return self._dp
+        core = getattr(self.engine, "engine_core", None)
+        if core is None:  # vllm.LLM
+            core = getattr(getattr(self.engine, "llm_engine", None), "engine_core", None)
+        managed = len(getattr(core, "core_engines", None) or [None])
+        fan_out = (
+            self._is_async
+            and managed > 1
+            and callable(getattr(core, "call_utility_all_async", None))
+        )
+        identities = await self._rpc("aiosync_worker_identity", (), {}, timeout, fan_out)
+        self._dp = DataParallelScope.from_identities(
+            identities, size, per_replica, managed, fan_out
+        )
+        return self._dp
+
+    async def _rpc(
+        self,
+        method: str,
+        args: tuple[Any, ...],
+        call_kwargs: dict[str, Any],
+        timeout: float,
+        fan_out: bool,
+    ) -> list[Any]:
         try:
             with anyio.fail_after(timeout):
-                if self._is_async:
+                if fan_out:
+                    # vLLM's collective_rpc utility on each engine the client
+                    # manages, in data-parallel order (its own call returns the
+                    # first engine's replies only).
+                    per_engine = await self.engine.engine_core.call_utility_all_async(
+                        "collective_rpc", method, None, tuple(args), call_kwargs
+                    )
+                    result = [reply for replies in per_engine for reply in replies]
+                elif self._is_async:
                     result = await self.engine.collective_rpc(
                         method, timeout=None, args=tuple(args), kwargs=call_kwargs
                     )
