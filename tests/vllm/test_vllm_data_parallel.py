@@ -11,7 +11,7 @@ two minutes to start on two loaded cores.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: run .ci/vllm.sh (.venv-vllm)")
 
-from aiosync import EngineFleet
+from aiosync import EngineFleet, TrainCluster
 from aiosync.engines.vllm.backend import (
     WORKER_EXTENSION,
     DataParallelScope,
@@ -29,6 +29,7 @@ from aiosync.engines.vllm.backend import (
 )
 from aiosync.errors import TransportError
 from aiosync.refit import DTensorRefitSource
+from aiosync.transports.collective import CollectiveWeightSynchronizer
 from aiosync.transports.ipc import IPCWeightSynchronizer
 from aiosync.transports.packing import dtype_name
 
@@ -177,6 +178,32 @@ async def test_one_sync_updates_both_replicas_of_an_internal_lb_engine_bit_exact
         after = await backend.generate(PROMPTS * 2, max_new_tokens=NEW_TOKENS)
     await assert_bit_exact(backend, dict(policy.iter_weights()), workers=2)
     assert after == trainer_greedy(dp_trainer) * 2
+
+
+async def test_collective_sync_group_holds_every_replicas_workers_at_global_ranks(
+    dp_engine: Any, dp_trainer: Any, free_port: Callable[[], int]
+) -> None:
+    backend = VLLMGenerationBackend(dp_engine)
+    policy = DTensorRefitSource(dp_trainer)
+    sync = CollectiveWeightSynchronizer(
+        policy,
+        backend,
+        train_cluster=TrainCluster(master_port=free_port()),
+        inference_world_size=2,  # 2 replicas x 1 worker
+        backend="gloo",
+        bucket_bytes=64 * 1024,
+        collective_timeout_s=120,
+        rpc_timeout_s=120,
+    )
+    async with sync:
+        await sync.init_communicator()
+        perturb(dp_trainer, seed=23)
+        await sync.mark_stale()
+        await sync.sync_weights()
+        assert sync.weight_version == 1
+        total = sync.plan.total_bytes
+        assert [r["nbytes"] for r in sync.last_worker_results] == [total, total]
+    await assert_bit_exact(backend, dict(policy.iter_weights()), workers=2)
 
 
 async def test_a_backend_of_one_replica_refuses_to_sync_alone_and_syncs_in_a_fleet(
