@@ -12,6 +12,14 @@ measures:
   into one preallocated buffer), GB/s; the ratio refit/memcpy says what the
   HTTP path costs on top of the copies it cannot avoid (it makes two: pack on
   the trainer side, load on the server side);
+* **bounds**: what the machine allows any refit that copies each byte twice
+  (``bound: two copies at once``: the pack and the load copy run concurrently
+  in two threads; memcpy over that time is the ratio no such refit beats, 0.5
+  where concurrent copies share the memory bandwidth) and what the server's
+  side alone costs (``bound: load from a fresh mapping``: the load out of a
+  newly mapped read-only segment, unmap included, as SGLang maps every
+  request's payload anew: a page fault per 4 KiB page, at most 16 mapped per
+  fault, and the page tables torn down after);
 * **per-request overhead**: the same refit cut into ~1, 10 and 100 buckets;
   the extra time per extra request, ms, next to one ``/get_weight_version``
   round trip (mean of 50).
@@ -34,7 +42,7 @@ The last column, ``pack k+1 ∥ load k``, is how long the trainer packed bucket
 pipelining). The JSON then carries the raw ``trace``.
 
 Usage: ``python benchmarks/sglang_http.py [--quick] [--json] [--repeats N]
-[--bucket-mb MB] [--trace]``.
+[--bucket-mb MB] [--server-threads N] [--trace]``.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +70,7 @@ from aiosync import SGLangHTTPBackend
 from aiosync._config import DEFAULT_BUCKET_BYTES
 from aiosync.interfaces import RefitManifest, RefitSource
 from aiosync.transports.http import HTTPWeightSynchronizer
+from aiosync.transports.http._segment import Segment
 from aiosync.transports.http._wire import plan_flat_buckets
 
 REPO = Path(__file__).resolve().parent.parent
@@ -108,7 +118,9 @@ class _Source(RefitSource):
         yield from self.tensors.items()
 
 
-def _start_server(config: dict[str, Any], workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+def _start_server(
+    config: dict[str, Any], workdir: Path, *extra: str
+) -> tuple[subprocess.Popen[bytes], str]:
     (workdir / "config.json").write_text(json.dumps(config))
     port_file = workdir / "port"
     proc = subprocess.Popen(
@@ -124,6 +136,7 @@ def _start_server(config: dict[str, Any], workdir: Path) -> tuple[subprocess.Pop
             str(workdir / "config.json"),
             "--dtype",
             "bfloat16",
+            *extra,
         ],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
@@ -275,6 +288,50 @@ def _memcpy_s(source: _Source, repeats: int) -> float:
     return min(times[1:])
 
 
+def _bounds_s(source: _Source, repeats: int) -> tuple[float, float]:
+    """What bounds an HTTP refit on this machine, seconds (best of ``repeats`` after one
+    warm-up): ``(two, fresh)``.
+
+    ``two``: the pack and the load copy at once (two threads, each copying every
+    byte once, as the pipelined refit does in two processes): where concurrent
+    copies share the memory bandwidth it is twice the memcpy, and no refit that
+    copies each byte twice beats memcpy / ``two``. ``fresh``: the server's load
+    of every byte out of a fresh read-only mapping of one bucket segment, unmap
+    included, as SGLang maps each request's payload anew (page faults and
+    page-table teardown for every 4 KiB page): memcpy / ``fresh`` bounds the
+    refit even when the trainer's side were free.
+    """
+    flats = [t.reshape(-1).view(torch.uint8) for t in source.tensors.values()]
+    total = sum(f.numel() for f in flats)
+    outs = [torch.zeros(total, dtype=torch.uint8) for _ in range(2)]
+
+    def copy_all(out: torch.Tensor) -> None:
+        offset = 0
+        for raw in flats:
+            out[offset : offset + raw.numel()].copy_(raw)
+            offset += raw.numel()
+
+    two = float("inf")
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            list(pool.map(copy_all, outs))
+            two = min(two, time.perf_counter() - start)
+    segment = Segment.create(total)
+    try:
+        copy_all(segment.view(total, torch.uint8))
+        fresh = float("inf")
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            mapped = torch.from_file(segment.path, False, total, dtype=torch.uint8)
+            outs[0].copy_(mapped)
+            del mapped
+            fresh = min(fresh, time.perf_counter() - start)
+    finally:
+        segment.close()
+    return two, fresh
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="~31 MB manifest, < 1 minute")
@@ -290,6 +347,12 @@ def main() -> None:
         "--trace", action="store_true", help="one more traced sync: a per-bucket timeline"
     )
     parser.add_argument(
+        "--server-threads",
+        type=int,
+        default=1,
+        help="the test server's torch threads (its --threads; default 1)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -302,7 +365,7 @@ def main() -> None:
     args.repeats = machine.repeats
     config = QUICK if args.quick else FULL
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url = _start_server(config, Path(tmp))
+        proc, url = _start_server(config, Path(tmp), "--threads", str(args.server_threads))
         try:
             raw = httpx.get(f"{url}/_aiosync/manifest", timeout=60).json()
             manifest: RefitManifest = {
@@ -311,6 +374,7 @@ def main() -> None:
             source = _Source(manifest)
             nbytes = sum(t.numel() * t.element_size() for t in source.tensors.values())
             memcpy_s = _memcpy_s(source, args.repeats)
+            two_s, fresh_s = _bounds_s(source, args.repeats)
             bucket_bytes = int(args.bucket_mb * 2**20)
             refit_s, refit_buckets, trace = asyncio.run(
                 _time_sync(source, url, bucket_bytes, args.repeats, args.trace)
@@ -343,6 +407,16 @@ def main() -> None:
     table.add_column("ratio", justify="right")
     table.add_row("memcpy (baseline)", f"{memcpy_gbps:.2f} GB/s", "1.00")
     table.add_row(
+        "bound: two copies at once (pack ∥ load)",
+        f"{2 * nbytes / two_s / GB:.2f} GB/s",
+        f"{memcpy_s / two_s:.2f}",
+    )
+    table.add_row(
+        "bound: load from a fresh mapping",
+        f"{nbytes / fresh_s / GB:.2f} GB/s",
+        f"{memcpy_s / fresh_s:.2f}",
+    )
+    table.add_row(
         f"HTTP refit ({refit_buckets} bucket(s) of <= {args.bucket_mb:g} MiB)",
         f"{refit_gbps:.2f} GB/s",
         f"{refit_gbps / memcpy_gbps:.2f}",
@@ -361,9 +435,12 @@ def main() -> None:
         "bytes": nbytes,
         "tensors": len(manifest),
         "memcpy_gbps": memcpy_gbps,
+        "bound_two_copies": memcpy_s / two_s,
+        "bound_fresh_mapping": memcpy_s / fresh_s,
         "http_refit_gbps": refit_gbps,
         "http_vs_memcpy": refit_gbps / memcpy_gbps,
         "http_refit_buckets": refit_buckets,
+        "server_threads": args.server_threads,
         "bucket_bytes": bucket_bytes,
         "round_trip_ms": rtt_ms,
         "buckets": {

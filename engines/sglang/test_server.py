@@ -1006,6 +1006,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads for generation and load_weights (default 1: test machines are "
+        "shared, and more threads than free cores make OpenMP spin)",
+    )
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--enable-memory-saver", action="store_true")
     parser.add_argument("--enable-weights-cpu-backup", action="store_true")
@@ -1037,7 +1044,7 @@ def main(argv: list[str] | None = None) -> None:
     # Resolved before the model build so that a typo fails at once, with the presets listed.
     model_config = _model_config(parser, args.model_config)
     use_file_system_sharing()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     runner = HFModelRunner.from_config(model_config, seed=args.seed, dtype=args.dtype)
     model_path = str(args.model_config)
     config_dir = None
