@@ -16,7 +16,11 @@ Guarantees (the same precision as anyio's memory object streams):
 * A late subscriber reads the versions current when it joined from
   :attr:`EventSubscription.policy_version` / :attr:`EventSubscription.weight_version`.
 * Closing the hub (``shutdown()``) ends every subscription: iteration stops
-  after the buffered events are read.
+  after the buffered events, and the ``OVERFLOW`` event if one is due, are read.
+* Reading is a ``receive()`` of an anyio memory object stream: each read is a
+  checkpoint, and a reader cancelled while it waits loses no event (one
+  published after the cancellation goes to the next read).
+* One event object is shared by every subscriber; it is frozen.
 """
 
 from __future__ import annotations
