@@ -25,7 +25,19 @@ Each time is the best of ``--repeat`` runs (at least 3; 2 when ``--quick``),
 after one warm-up; the 1-minute load average at start and end is recorded
 (``_machine``).
 
-Usage: ``python benchmarks/collective.py [--quick] [--json]``.
+``(c)/(b)`` is the most ``(c)/(a)`` can be for any transport that is no faster
+than (b), a raw broadcast of the same bytes over the same group: when tensors
+are megabytes (the MoE slice's experts are 3 MiB each), per-tensor broadcasts
+run near wire speed and that bound is well under 3 on two CPU cores.
+
+``--trace`` adds one traced run of (a) and (c) per manifest: per-bucket
+timestamps on both sides (the loops' ``trace`` hook: source gathered, packed,
+posted, sent; receiver posted, received, loaded), summed into where the time
+goes (packing, the receiver waiting for bytes, loading), and, for (c), the
+receiver's time in broadcasts versus copies, by tensor size (count, bytes,
+microseconds per broadcast, GB/s); ``--json`` keeps every timestamp.
+
+Usage: ``python benchmarks/collective.py [--quick] [--trace] [--json]``.
 """
 
 from __future__ import annotations
@@ -78,6 +90,10 @@ def _per_shape(manifest: dict[str, _ShapeKey], random: bool) -> dict[_ShapeKey, 
                 raw.random_()
             tensors[key] = raw.view(dtype).view(shape)
     return tensors
+
+
+#: Tensor size classes of the per-tensor trace: (name, exclusive upper bound in bytes).
+_SIZE_CLASSES = (("<64KiB", 64 << 10), ("64KiB-8MiB", 8 << 20), (">=8MiB", 1 << 62))
 
 
 def _sync_point(group: SyncGroup) -> None:
@@ -141,6 +157,69 @@ class _Rank:
                 verify=False,
                 on_bucket=self._load,
             )
+
+    def traced(self) -> list[tuple[str, int, float]]:
+        """One aiosync sync with the loops' trace hook: ``[(event, bucket, perf_counter)]``.
+
+        ``perf_counter`` is ``CLOCK_MONOTONIC`` on Linux: one clock for both processes.
+        """
+        events: list[tuple[str, int, float]] = []
+
+        def mark(event: str, index: int) -> None:
+            events.append((event, index, time.perf_counter()))
+
+        self.version += 1
+        _sync_point(self.group)
+        mark("start", -1)
+        if self.group.is_source:
+            send_buckets(
+                self.group,
+                self.plan,
+                self.buffers,
+                self._source(),
+                version=self.version,
+                kv=[],
+                verify=False,
+                trace=mark,
+            )
+        else:
+            receive_buckets(
+                self.group,
+                self.plan,
+                self.buffers,
+                version=self.version,
+                n_kv=0,
+                verify=False,
+                on_bucket=self._load,
+                trace=mark,
+            )
+        mark("end", -1)
+        return events
+
+    def traced_per_tensor(self) -> dict[str, Any]:
+        """One per-tensor run: the receiver's seconds in broadcasts vs copies, and
+        ``{size class: [tensors, bytes, broadcast seconds]}`` (the source returns {})."""
+        _sync_point(self.group)
+        wire = copy = 0.0
+        classes: dict[str, list[float]] = {name: [0, 0, 0.0] for name, _ in _SIZE_CLASSES}
+        for key in self.manifest.values():
+            source = self.group.is_source
+            t = self.tensors[key] if source else torch.empty(key[0], dtype=key[1])
+            raw = t.reshape(-1).view(torch.uint8)
+            start = time.perf_counter()
+            self.group.wait(self.group.broadcast(raw, what="tensor"), what="tensor")
+            mid = time.perf_counter()
+            if not source:
+                self.tensors[key].copy_(t)
+            wire += mid - start
+            copy += time.perf_counter() - mid
+            cls = next(name for name, limit in _SIZE_CLASSES if raw.numel() < limit)
+            classes[cls][0] += 1
+            classes[cls][1] += raw.numel()
+            classes[cls][2] += mid - start
+        if self.group.is_source:
+            return {}
+        return {"broadcast_s": wire, "copy_s": copy, "by_size": classes}
 
     def floor(self) -> None:
         if self.flat:
@@ -250,6 +329,9 @@ def _run(rank: int, args: argparse.Namespace, conn: Any) -> dict[str, Any]:
             row[f"{key}_s"] = min(values)  # the run least disturbed by other tenants
         row["aiosync_over_floor"] = row["aiosync_s"] / row["floor_s"]
         row["per_tensor_over_aiosync"] = row["per_tensor_s"] / row["aiosync_s"]
+        # The most (c)/(a) can be for a transport no faster than (b), a raw broadcast
+        # of the same bytes over the same group.
+        row["per_tensor_over_floor"] = row["per_tensor_s"] / row["floor_s"]
         row["aiosync_GBps"] = side.total / row["aiosync_s"] / 1e9
         if label.startswith("qwen3-0.6b"):
             inplace = side.pause(staged=False)
@@ -261,10 +343,55 @@ def _run(rank: int, args: argparse.Namespace, conn: Any) -> dict[str, Any]:
                 row["inplace_pause_s"] = inplace[0]
                 row["staged_pause_s"] = staged[0]
                 row["staged_receive_s"] = staged[1]
+        if args.trace:
+            mine, per_tensor = side.traced(), side.traced_per_tensor()
+            if rank == 1:
+                conn.send((mine, per_tensor))
+            else:
+                theirs, per_tensor = conn.recv()
+                row["trace"] = {"source": mine, "receiver": theirs}
+                row["trace_summary"] = _summarize(mine, theirs, len(side.plan.buckets))
+                row["per_tensor_trace"] = per_tensor
         results["manifests"].append(row)
         del side
     group.destroy()
     return results
+
+
+def _summarize(
+    source: list[tuple[str, int, float]], receiver: list[tuple[str, int, float]], buckets: int
+) -> dict[str, float]:
+    """Where one traced sync's time went, seconds (both sides on one clock).
+
+    ``wall``: the source's start to the receiver's end. Source: ``pack`` (gathered
+    to packed, per bucket), ``wait_send`` (blocked on an earlier bucket's
+    broadcast before reusing its buffer, and on the last ones). Receiver:
+    ``wait_bytes`` (blocked until a bucket landed), ``load`` (``on_bucket``).
+    """
+    src = {(e, i): t for e, i, t in source}
+    dst = {(e, i): t for e, i, t in receiver}
+    pack = sum(src[("packed", k)] - src[("gathered", k)] for k in range(buckets))
+    load = sum(dst[("loaded", k)] - dst[("received", k)] for k in range(buckets))
+    wait_bytes = 0.0
+    prev = dst[("start", -1)]
+    for k in range(buckets):
+        # After the previous bucket's load (and posting this one's receive).
+        wait_bytes += dst[("received", k)] - max(prev, dst[("posted", k)])
+        prev = dst[("loaded", k)]
+    wait_send = 0.0
+    prev = src[("start", -1)]
+    order = sorted(source, key=lambda e: e[2])
+    for event, _, t in order:
+        if event == "sent":
+            wait_send += t - prev
+        prev = t
+    return {
+        "wall": dst[("end", -1)] - src[("start", -1)],
+        "source_pack": pack,
+        "source_wait_send": wait_send,
+        "receiver_wait_bytes": wait_bytes,
+        "receiver_load": load,
+    }
 
 
 def _receiver(args: argparse.Namespace, conn: Any) -> None:
@@ -275,7 +402,8 @@ def _fmt(row: dict[str, Any]) -> str:
     return (
         f"{row['manifest']:<34} {row['tensors']:>7} {row['bytes'] / 1e9:>7.2f} "
         f"{row['aiosync_s']:>9.3f} {row['floor_s']:>9.3f} {row['per_tensor_s']:>10.3f} "
-        f"{row['aiosync_over_floor']:>8.2f}x {row['per_tensor_over_aiosync']:>8.2f}x"
+        f"{row['aiosync_over_floor']:>8.2f}x {row['per_tensor_over_aiosync']:>8.2f}x "
+        f"{row['per_tensor_over_floor']:>8.2f}x"
     )
 
 
@@ -291,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--repeat", type=int, default=None, help="timed repeats (best; >= 3)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    parser.add_argument(
+        "--trace", action="store_true", help="one traced run of (a) and (c): where the time goes"
+    )
     parser.add_argument("--port", type=int, default=0, help="TCPStore port (0: a free one)")
     args = parser.parse_args(argv)
     args.repeat = repeats_for(args.quick, args.repeat)
@@ -326,8 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"{'manifest':<34} {'tensors':>7} {'GB':>7} {'(a) s':>9} {'(b) s':>9} {'(c) s':>10} "
-        f"{'(a)/(b)':>9} {'(c)/(a)':>9}"
+        f"{'(a)/(b)':>9} {'(c)/(a)':>9} {'(c)/(b)':>9}"
     )
+    print("(c)/(b) bounds (c)/(a) for any transport that is no faster than a raw broadcast")
     for row in results["manifests"]:
         print(_fmt(row))
     for row in results["manifests"]:
@@ -337,6 +469,23 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['staged_pause_s']:.3f} s staged (staged receive "
                 f"{row['staged_receive_s']:.3f} s, during which the engine keeps generating)"
             )
+    for row in results["manifests"]:
+        if "trace_summary" in row:
+            t, c = row["trace_summary"], row["per_tensor_trace"]
+            print(
+                f"{row['manifest']} trace (a): wall {t['wall']:.3f} s; source packs "
+                f"{t['source_pack']:.3f} s, waits for broadcasts {t['source_wait_send']:.3f} s; "
+                f"receiver waits for bytes {t['receiver_wait_bytes']:.3f} s, loads "
+                f"{t['receiver_load']:.3f} s. (c): receiver in broadcasts "
+                f"{c['broadcast_s']:.3f} s, copies {c['copy_s']:.3f} s"
+            )
+            for cls, (count, nbytes, seconds) in c["by_size"].items():
+                if count:
+                    print(
+                        f"  (c) tensors {cls:>10}: {int(count):>6}, {nbytes / 1e9:7.3f} GB, "
+                        f"{seconds:.3f} s in broadcasts ({seconds / count * 1e6:.0f} us each, "
+                        f"{nbytes / seconds / 1e9:.2f} GB/s)"
+                    )
     if (warning := machine.warning()) is not None:
         print(warning)
     if args.json:

@@ -28,7 +28,7 @@ from ._wire import (
     validate_header,
 )
 
-__all__ = ["RotatingBuffers", "SendResult", "receive_buckets", "send_buckets"]
+__all__ = ["RotatingBuffers", "SendResult", "Tracer", "receive_buckets", "send_buckets"]
 
 
 class RotatingBuffers:
@@ -72,6 +72,15 @@ def _zero_copy(
     return raw if raw.numel() == bucket.nbytes else None
 
 
+#: ``trace(event, bucket_index)``: a per-bucket timestamp hook of the loops
+#: (``benchmarks/collective.py --trace``); it reads the clock itself.
+Tracer = Callable[[str, int], None]
+
+
+def _no_trace(event: str, index: int) -> None:
+    """The default tracer: records nothing."""
+
+
 def _status_of(exc: BaseException) -> int:
     return STATUS_MISMATCH if isinstance(exc, RefitMismatchError) else STATUS_ERROR
 
@@ -101,8 +110,14 @@ def send_buckets(
     verify: bool,
     cancelled: Callable[[], bool] = lambda: False,
     before_vote: Callable[[BaseException | None], BaseException | None] | None = None,
+    trace: Tracer | None = None,
 ) -> SendResult:
     """Source side: header, packed buckets, trailer, vote (blocking).
+
+    ``trace(event, bucket_index)``, when given, is called as bucket ``k``'s
+    tensors are in hand (``"gathered"``), packed (``"packed"``), its broadcast
+    posted (``"posted"``) and seen complete (``"sent"``; observed when its
+    buffer is next needed, or at the end).
 
     ``before_vote(failure)`` runs right before the receivers' vote with the
     source's own failure (or None) and returns the failure to vote: the other
@@ -119,6 +134,7 @@ def send_buckets(
         RefitMismatchError: the weights differ from the plan (on every rank).
         TransportError, SyncTimeoutError: a collective failed (group broken).
     """
+    mark = trace or _no_trace
     header = header_tensor(version, plan, len(kv), verify).to(group.device)
     group.wait(group.broadcast(header, what="broadcast of the sync header"), what="header")
     stream = _cuda_stream(group.device)
@@ -130,7 +146,7 @@ def send_buckets(
     def on_side() -> Any:
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
-    pending: dict[int, tuple[Any, torch.Tensor]] = {}
+    pending: dict[int, tuple[Any, torch.Tensor, int]] = {}
     checksums: list[int] = []
     failure: BaseException | None = None
     groups: Iterator[tuple[Bucket, list[tuple[str, torch.Tensor]]]] = group_by_bucket(weights, plan)
@@ -142,10 +158,12 @@ def send_buckets(
         if slot in pending:
             with on_side():
                 group.wait(pending.pop(slot)[0], what=f"broadcast of bucket {bucket.index - 2}")
+            mark("sent", bucket.index - 2)
         buf: torch.Tensor | None = None
         if failure is None:
             try:
                 _, tensors = next(groups)  # gathers run on the caller's stream
+                mark("gathered", bucket.index)
                 with on_side():
                     if stream is not None and main is not None:
                         stream.wait_stream(main)
@@ -155,6 +173,7 @@ def send_buckets(
                     if buf is None:
                         buf = buffers(bucket)
                         pack(bucket, tensors, out=buf)
+                mark("packed", bucket.index)
             except SyncError as exc:
                 failure = exc
             except Exception as exc:
@@ -165,10 +184,12 @@ def send_buckets(
             if verify:
                 checksums.append(bucket_checksum(buf))
             work = group.broadcast(buf, what=f"broadcast of bucket {bucket.index}")
-        pending[slot] = (work, buf)  # keeps a zero-copy source alive until sent
+        mark("posted", bucket.index)
+        pending[slot] = (work, buf, bucket.index)  # keeps a zero-copy source alive until sent
     with on_side():
-        for slot in sorted(pending):
+        for slot in sorted(pending, key=lambda k: pending[k][2]):
             group.wait(pending[slot][0], what="last bucket broadcasts")
+            mark("sent", pending[slot][2])
     if stream is not None:
         stream.synchronize()  # the next sync reuses the buffers from another stream
     if failure is None and plan.buckets:
@@ -200,8 +221,13 @@ def receive_buckets(
     n_kv: int,
     verify: bool,
     on_bucket: Callable[[Bucket, torch.Tensor], None] | None,
+    trace: Tracer | None = None,
 ) -> tuple[torch.Tensor, list[int]]:
     """Receiver side: header, buckets, trailer, checks, vote (blocking).
+
+    ``trace(event, bucket_index)``, when given, is called as bucket ``k``'s
+    receive is posted (``"posted"``), has landed (``"received"``) and was
+    handed to ``on_bucket`` (``"loaded"``).
 
     ``on_bucket(bucket, buffer)`` (in-place mode: load the weights) runs while
     the next bucket is in flight; if it raises, the loop keeps receiving (so
@@ -222,26 +248,31 @@ def receive_buckets(
     except TransportError:
         group.broken = True  # the rest of the stream cannot be interpreted
         raise
+    mark = trace or _no_trace
     failure: BaseException | None = None
     local: list[int] = []
     pending: Any = None
     buffers = [buffer_for(b) for b in plan.buckets[:1]]
     if plan.buckets:
         pending = group.broadcast(buffers[0], what="receive of bucket 0")
+        mark("posted", 0)
     for bucket in plan.buckets:
         buf = buffers[-1]
         group.wait(pending, what=f"receive of bucket {bucket.index}")
+        mark("received", bucket.index)
         if verify:
             local.append(bucket_checksum(buf))
         if bucket.index + 1 < len(plan.buckets):
             nxt = buffer_for(plan.buckets[bucket.index + 1])
             buffers = [buf, nxt]
             pending = group.broadcast(nxt, what=f"receive of bucket {bucket.index + 1}")
+            mark("posted", bucket.index + 1)
         if on_bucket is not None and failure is None:
             try:
                 on_bucket(bucket, buf)
             except Exception as exc:
                 failure = exc
+            mark("loaded", bucket.index)
     kv = torch.empty(0, dtype=torch.float32)
     remote: list[int] = []
     size = trailer_nbytes(n_kv, len(plan.buckets), verify)
