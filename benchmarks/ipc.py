@@ -13,6 +13,9 @@ Throughput is manifest bytes / seconds (best of ``--repeats``, at least 3; 2
 when ``--quick``), GB = 1e9 bytes. The 1-minute load average at start and end
 is printed and recorded (``_machine``): take the figures on an idle machine.
 A size is skipped when the machine's available memory is below about 3.5x it.
+The staging buffer is the synchronizer's default for each manifest (a share of
+free memory, cut so that a refit spans at least 8 buckets: packing and loading
+overlap) unless ``--bucket-mb`` sets it; the table gives it per size.
 
 ``--trace``: after the timed runs, one more sync per size with the transport's
 trace on (``IPCWeightSynchronizer(trace=True)``, off by default; the timed runs
@@ -112,10 +115,15 @@ def _bench_copy(source: FlatSource, repeats: int) -> float:
 
 
 async def _bench_ipc(
-    source: FlatSource, spec: dict[str, int], bucket_bytes: int, repeats: int, trace: bool = False
-) -> tuple[float, dict[str, Any] | None]:
-    """Best seconds of ``repeats`` IPC syncs, and (``trace``) the timeline of one
-    more sync (``IPCWeightSynchronizer.last_trace``), else None."""
+    source: FlatSource,
+    spec: dict[str, int],
+    bucket_bytes: int | None,
+    repeats: int,
+    trace: bool = False,
+) -> tuple[float, int, dict[str, Any] | None]:
+    """Best seconds of ``repeats`` IPC syncs, the staging buffer's bytes (None:
+    the synchronizer's default for the manifest), and (``trace``) the timeline of
+    one more sync (``IPCWeightSynchronizer.last_trace``), else None."""
     from aiosync.engines.embedded.engine import EmbeddedEngine
     from aiosync.transports.ipc import IPCWeightSynchronizer
 
@@ -128,6 +136,8 @@ async def _bench_ipc(
     )
     async with engine, IPCWeightSynchronizer(source, engine, bucket_bytes=bucket_bytes) as sync:
         await sync.init_communicator()
+        assert sync.plan is not None
+        used_bucket_bytes = sync.plan.bucket_bytes
         await sync.mark_stale()
         await sync.sync_weights()  # warm-up: maps the shared buffers, faults their pages
         best = float("inf")
@@ -142,7 +152,7 @@ async def _bench_ipc(
             await sync.mark_stale()
             await sync.sync_weights()
             timeline = sync.last_trace
-    return best, timeline
+    return best, used_bucket_bytes, timeline
 
 
 def _timeline(trace: dict[str, Any]) -> list[dict[str, Any]]:
@@ -189,11 +199,14 @@ def _timeline(trace: dict[str, Any]) -> list[dict[str, Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes-gb", type=float, nargs="+", default=[0.25, 1.0, 4.0])
-    parser.add_argument(
-        "--quick", action="store_true", help="one 64 MB manifest, 4 MiB tensors, 16 MiB buckets"
-    )
+    parser.add_argument("--quick", action="store_true", help="one 64 MB manifest of 4 MiB tensors")
     parser.add_argument("--tensor-mb", type=float, default=16.0, help="size of each tensor")
-    parser.add_argument("--bucket-mb", type=float, default=128.0, help="staging buffer size")
+    parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=None,
+        help="staging buffer size (default: the synchronizer's default for each manifest)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs (best; at least 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument(
@@ -202,27 +215,30 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [0.064] if args.quick else args.sizes_gb
     if args.quick:
-        args.tensor_mb, args.bucket_mb = min(args.tensor_mb, 4.0), min(args.bucket_mb, 16.0)
+        args.tensor_mb = min(args.tensor_mb, 4.0)
     repeats = repeats_for(args.quick, args.repeats)
     machine = Machine(repeats)
-    bucket_bytes = int(args.bucket_mb * MiB)
+    bucket_bytes = None if args.bucket_mb is None else int(args.bucket_mb * MiB)
     rows: list[dict[str, Any]] = []
     for size_gb in sizes:
         total = int(size_gb * GB)
         spec = _spec(total, args.tensor_mb)
         nbytes = spec["count"] * spec["numel"] * 2
-        if _available_bytes() < 3.5 * nbytes + 2 * bucket_bytes:
+        if _available_bytes() < 3.5 * nbytes + 2 * (bucket_bytes or nbytes // 8):
             rows.append({"size_gb": size_gb, "skipped": "not enough available memory"})
             continue
         source = FlatSource(spec)
         copy_s = _bench_copy(source, repeats)
-        ipc_s, trace = asyncio.run(_bench_ipc(source, spec, bucket_bytes, repeats, args.trace))
+        ipc_s, used_bucket_bytes, trace = asyncio.run(
+            _bench_ipc(source, spec, bucket_bytes, repeats, args.trace)
+        )
         del source
         copy_gbps, ipc_gbps = nbytes / copy_s / GB, nbytes / ipc_s / GB
         row: dict[str, Any] = {
             "size_gb": size_gb,
             "bytes": nbytes,
             "tensors": spec["count"],
+            "bucket_bytes": used_bucket_bytes,
             "copy_gbps": round(copy_gbps, 3),
             "ipc_gbps": round(ipc_gbps, 3),
             "ratio": round(ipc_gbps / copy_gbps, 3),
@@ -232,7 +248,7 @@ def main() -> None:
             row["trace"] = trace
         rows.append(row)
     machine.finish()
-    _print_table(rows, bucket_bytes, machine)
+    _print_table(rows, machine)
     for row in rows:
         if "timeline" in row:
             _print_timeline(row)
@@ -241,7 +257,7 @@ def main() -> None:
             json.dumps(
                 {
                     "benchmark": "ipc",
-                    "bucket_bytes": bucket_bytes,
+                    "bucket_mb_option": args.bucket_mb,
                     "tensor_mb": args.tensor_mb,
                     "threads": torch.get_num_threads(),
                     **machine.fields(),
@@ -251,23 +267,24 @@ def main() -> None:
         )
 
 
-def _print_table(rows: list[dict[str, Any]], bucket_bytes: int, machine: Machine) -> None:
+def _print_table(rows: list[dict[str, Any]], machine: Machine) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(
-        title=f"IPC refit vs copy_ (bucket {bucket_bytes / MiB:.0f} MiB, GB = 1e9 B)",
+        title="IPC refit vs copy_ (GB = 1e9 B)",
         caption=machine.caption(),
     )
-    for column in ("manifest GB", "tensors", "copy_ GB/s", "IPC GB/s", "IPC / copy_"):
+    for column in ("manifest GB", "tensors", "bucket MiB", "copy_ GB/s", "IPC GB/s", "IPC / copy_"):
         table.add_column(column, justify="right")
     for row in rows:
         if "skipped" in row:
-            table.add_row(f"{row['size_gb']:g}", "-", "-", "-", row["skipped"])
+            table.add_row(f"{row['size_gb']:g}", "-", "-", "-", "-", row["skipped"])
             continue
         table.add_row(
             f"{row['bytes'] / GB:.3f}",
             str(row["tensors"]),
+            f"{row['bucket_bytes'] / MiB:g}",
             f"{row['copy_gbps']:.2f}",
             f"{row['ipc_gbps']:.2f}",
             f"{row['ratio']:.2f}x",

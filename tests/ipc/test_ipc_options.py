@@ -47,6 +47,20 @@ def test_default_bucket_is_a_fraction_of_free_memory_within_bounds() -> None:
     assert default_bucket_bytes(cpu, 1.0) <= 5 * 1024 * MiB
 
 
+def test_default_bucket_cuts_a_refit_into_pipelined_buckets() -> None:
+    cpu = torch.device("cpu")
+    # 64 MiB of bf16 in 16 tensors of 4 MiB: 8 buckets of 8 MiB.
+    manifest = {f"w{i}": ((2 * MiB,), torch.bfloat16) for i in range(16)}
+    assert default_bucket_bytes(cpu, 1.0, manifest) == 8 * MiB
+    # Never below 4 MiB, never below the largest tensor, never above the memory share.
+    assert default_bucket_bytes(cpu, 1.0, {"w": ((MiB,), torch.float32)}) == 4 * MiB
+    big = {"a": ((5 * MiB,), torch.float32), "b": ((MiB,), torch.float32)}
+    assert default_bucket_bytes(cpu, 1.0, big) == 20 * MiB
+    assert default_bucket_bytes(cpu, 1e-12, manifest) == 8 * MiB
+    huge = {"w": ((1 << 40,), torch.float32)}
+    assert default_bucket_bytes(cpu, 1e-12, huge) == 16 * MiB
+
+
 def test_factory_picks_ipc_for_colocated_embedded_and_vllm() -> None:
     for backend in ("embedded", "vllm"):
         sync = create_weight_synchronizer(

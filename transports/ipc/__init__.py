@@ -7,6 +7,7 @@
 
 from .synchronizer import (
     DEFAULT_BUFFER_MEMORY_FRACTION,
+    DEFAULT_PIPELINE_BUCKETS,
     IPCWeightSynchronizer,
     default_bucket_bytes,
 )
@@ -14,6 +15,7 @@ from .worker import IPCWorkerMixin
 
 __all__ = [
     "DEFAULT_BUFFER_MEMORY_FRACTION",
+    "DEFAULT_PIPELINE_BUCKETS",
     "IPCWeightSynchronizer",
     "IPCWorkerMixin",
     "default_bucket_bytes",

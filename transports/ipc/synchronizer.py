@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import secrets
 import shutil
@@ -98,7 +99,12 @@ from .._wire import decode, encode, error_fields, rebuild_error
 from ..packing import Bucket, BucketPlan, group_by_bucket, pack, plan_buckets
 from ._shm import EMPTY_HANDLE, SharedBuffer
 
-__all__ = ["DEFAULT_BUFFER_MEMORY_FRACTION", "IPCWeightSynchronizer", "default_bucket_bytes"]
+__all__ = [
+    "DEFAULT_BUFFER_MEMORY_FRACTION",
+    "DEFAULT_PIPELINE_BUCKETS",
+    "IPCWeightSynchronizer",
+    "default_bucket_bytes",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -114,6 +120,13 @@ DEFAULT_BUFFER_MEMORY_FRACTION: float = 0.02
 _MAX_DEFAULT_BUCKET_BYTES = 5 * 1024**3
 #: Smallest default staging buffer, bytes.
 _MIN_DEFAULT_BUCKET_BYTES = 16 * 1024**2
+#: By default a refit is cut into at least this many buckets: packing bucket k+1
+#: overlaps the engine loading bucket k, and with one bucket the two copies run
+#: one after the other (``benchmarks/ipc.py --trace``).
+DEFAULT_PIPELINE_BUCKETS = 8
+#: ... but no default bucket is smaller than this, bytes: each bucket costs a
+#: message round trip and a thread hop.
+_MIN_PIPELINED_BUCKET_BYTES = 4 * 1024**2
 #: Limit of the KV-cache wake after a failed sync, seconds: a healthy engine answers in
 #: milliseconds, and a hung one must not delay the sync's error by ``rpc_timeout_s``.
 _WAKE_AFTER_FAILURE_S = 2.0
@@ -124,18 +137,28 @@ _SHUT_DOWN_MID_SYNC = "the IPC synchronizer was shut down during the sync"
 
 
 def default_bucket_bytes(
-    device: torch.device, fraction: float = DEFAULT_BUFFER_MEMORY_FRACTION
+    device: torch.device,
+    fraction: float = DEFAULT_BUFFER_MEMORY_FRACTION,
+    manifest: RefitManifest | None = None,
 ) -> int:
-    """Staging-buffer size: ``fraction`` of ``device``'s free memory, in [16 MiB, 5 GiB].
+    """Staging-buffer size, bytes: ``fraction`` of ``device``'s free memory, in [16 MiB, 5 GiB].
 
     Free memory is ``torch.cuda.mem_get_info`` on CUDA and the available
-    physical memory (``sysconf``) on CPU.
+    physical memory (``sysconf``) on CPU. Given the refit's ``manifest``
+    (``{hf_name: (shape, dtype)}``), the size is cut to what splits it into
+    :data:`DEFAULT_PIPELINE_BUCKETS` buckets (so that packing and loading
+    overlap), but not below 4 MiB nor below its largest tensor.
     """
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
     else:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return int(min(_MAX_DEFAULT_BUCKET_BYTES, max(_MIN_DEFAULT_BUCKET_BYTES, free * fraction)))
+    size = int(min(_MAX_DEFAULT_BUCKET_BYTES, max(_MIN_DEFAULT_BUCKET_BYTES, free * fraction)))
+    if manifest:
+        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in manifest.values()]
+        pipelined = -(-sum(sizes) // DEFAULT_PIPELINE_BUCKETS)
+        size = min(size, max(pipelined, _MIN_PIPELINED_BUCKET_BYTES, max(sizes)))
+    return size
 
 
 class IPCWeightSynchronizer(WeightSynchronizer):
@@ -147,7 +170,8 @@ class IPCWeightSynchronizer(WeightSynchronizer):
             an :class:`~aiosync.EngineWorkers` (``collective_rpc``) whose workers
             include :class:`~aiosync.transports.ipc.worker.IPCWorkerMixin`.
         bucket_bytes: staging-buffer size, bytes; default: ``buffer_memory_fraction``
-            of the device's free memory (:func:`default_bucket_bytes`).
+            of the device's free memory, cut so that the refit spans at least
+            :data:`DEFAULT_PIPELINE_BUCKETS` buckets (:func:`default_bucket_bytes`).
         buffer_memory_fraction: see ``bucket_bytes``.
         device: where the staging buffers live; default ``cuda`` (current device)
             when available, else ``cpu``.
@@ -256,7 +280,9 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         """
         self._check_open()
         manifest = self.policy.prepare_refit_info()
-        size = self.bucket_bytes or default_bucket_bytes(self.device, self.buffer_memory_fraction)
+        size = self.bucket_bytes or default_bucket_bytes(
+            self.device, self.buffer_memory_fraction, manifest
+        )
         if not self._ranks.sharded:
             workers = await self._init_plan_and_workers(manifest, size)
             self.num_workers = len(workers)
