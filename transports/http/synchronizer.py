@@ -107,7 +107,9 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             :class:`aiosync.EngineFleet` of them (what
             ``create_weight_synchronizer`` makes of a list) or a list.
         bucket_bytes: limit per flattened bucket, bytes; a larger tensor travels
-            alone.
+            alone. On CPU two shared-memory segments of about this size (and one
+            or two the size of a larger tensor) stay in ``/dev/shm`` from the
+            first sync until :meth:`shutdown` or a failed post.
         device: where buckets are packed: ``"cpu"`` (named shared memory) or a
             CUDA device (CUDA-IPC handles); None: per bucket, the device of its
             first tensor.
@@ -211,8 +213,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         segment_bytes = max(
             (b.nbytes for b in self._plan if b.nbytes <= self.bucket_bytes), default=0
         )
-        if self._pool is not None:
-            self._pool.clear()
+        self._pool.clear()
         self._pool = SegmentPool(max(segment_bytes, 1))
         self._tp_sizes = await self._each(self._check_server)
         await super().init_communicator()
