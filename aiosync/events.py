@@ -122,8 +122,7 @@ class EventSubscription:
         # is due once the subscriber has read every buffered event. After a
         # shutdown the notice still comes, before the end of the stream.
         if self._missed and not self._receive.statistics().current_buffer_used:
-            missed, self._missed = self._missed, 0
-            return self._hub._overflow_event(missed)
+            return self._hub._overflow_event(self)
         try:
             return await self._receive.receive()
         except (anyio.EndOfStream, anyio.ClosedResourceError):
@@ -151,18 +150,29 @@ class EventSubscription:
 class _EventHub:
     """Fans events out to subscriptions without ever waiting.
 
-    :meth:`publish` runs once per event for every subscriber, on the sync's path:
-    per subscriber it does one ``send_nowait`` and nothing else (no call into
-    the subscription, no allocation; the event is built once and shared, it is
-    frozen).
+    :meth:`publish` runs once per event for every subscriber, on the sync's path,
+    so per subscriber in good standing it does one ``send_nowait`` and nothing
+    else: it walks the send streams themselves (no call into, or attribute read
+    of, the subscription), the event is built once and shared (it is frozen),
+    and a subscriber that fell behind is moved aside until it has read its
+    overflow notice, so no per-subscriber check is left on the common path.
     """
 
     def __init__(self, versions: Callable[[], tuple[int, int]]) -> None:
         self._versions = versions
-        # A dict, not a list: unsubscribing is O(1) (a thousand subscribers
-        # leaving one by one would be quadratic), and it iterates in join order.
-        self._subscriptions: dict[EventSubscription, None] = {}
+        # Subscriptions in good standing, keyed by their send stream. Dicts, not
+        # lists: unsubscribing is O(1) (a thousand subscribers leaving one by
+        # one would be quadratic), and they iterate in join order.
+        self._live: dict[MemoryObjectSendStream[WeightVersionEvent], EventSubscription] = {}
+        # Subscriptions that missed an event and have not read the notice yet:
+        # they count events instead of receiving them.
+        self._behind: dict[EventSubscription, None] = {}
         self._closed = False
+
+    @property
+    def _subscriptions(self) -> list[EventSubscription]:
+        """Every subscription receiving or counting events."""
+        return [*self._live.values(), *self._behind]
 
     def subscribe(self, max_backlog: int = DEFAULT_EVENT_BACKLOG) -> EventSubscription:
         if max_backlog < 1:
@@ -172,7 +182,7 @@ class _EventHub:
         if self._closed:
             sub._send.close()
         else:
-            self._subscriptions[sub] = None
+            self._live[sub._send] = sub
         return sub
 
     def publish(
@@ -189,38 +199,56 @@ class _EventHub:
         event = WeightVersionEvent(
             kind, version, time.time(), policy, weight, nbytes, duration_s, error, 0, pause_s
         )
-        closed: list[EventSubscription] | None = None
-        for sub in self._subscriptions:
-            if sub._missed:
-                sub._missed += 1
-                continue
+        for sub in self._behind:
+            sub._missed += 1
+        full: list[MemoryObjectSendStream[WeightVersionEvent]] | None = None
+        closed: list[MemoryObjectSendStream[WeightVersionEvent]] | None = None
+        for send in self._live:
             # try costs nothing when nothing is raised (Python >= 3.11).
             try:
-                sub._send.send_nowait(event)
+                send.send_nowait(event)
             except anyio.WouldBlock:
-                sub._missed = 1
+                if full is None:
+                    full = []
+                full.append(send)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 # An end of this stream was closed other than by aclose():
                 # nobody can read it any more, so stop offering to it.
                 if closed is None:
                     closed = []
-                closed.append(sub)
+                closed.append(send)
+        # The dict is not changed while it is walked; moves happen after.
+        if full is not None:
+            for send in full:
+                sub = self._live.pop(send)
+                sub._missed = 1
+                self._behind[sub] = None
         if closed is not None:
-            for sub in closed:
-                self._remove(sub)
+            for send in closed:
+                del self._live[send]
         return event
 
-    def _overflow_event(self, missed: int) -> WeightVersionEvent:
+    def _overflow_event(self, sub: EventSubscription) -> WeightVersionEvent:
+        """The notice ``sub`` reads once its buffer is empty; ``sub`` is back in good standing."""
+        missed, sub._missed = sub._missed, 0
+        if sub in self._behind:  # not when the hub was closed meanwhile
+            del self._behind[sub]
+            self._live[sub._send] = sub
         policy, weight = self._versions()
         return WeightVersionEvent(
             VersionEventKind.OVERFLOW, policy, time.time(), policy, weight, missed=missed
         )
 
     def _remove(self, sub: EventSubscription) -> None:
-        self._subscriptions.pop(sub, None)
+        self._live.pop(sub._send, None)
+        self._behind.pop(sub, None)
 
     def close(self) -> None:
         self._closed = True
-        for sub in self._subscriptions:
+        for send in self._live:
+            send.close()
+        for sub in self._behind:
             sub._send.close()
-        self._subscriptions.clear()
+        self._live.clear()
+        # Subscriptions behind keep their count: each reads its notice before the end.
+        self._behind.clear()

@@ -67,6 +67,20 @@ async def test_slow_subscriber_gets_overflow_event_then_new_events(sync):
     assert [(e.kind, e.version) for e in after] == [(K.SYNC_STARTED, 5), (K.COMMITTED, 5)]
 
 
+async def test_one_subscriber_overflowing_leaves_the_others_whole(sync):
+    async with sync.subscribe(max_backlog=1) as slow, sync.subscribe(max_backlog=8) as fast:
+        for _ in range(4):
+            await sync.mark_stale()  # slow: 1 buffered, 2..4 missed
+        assert [e.version for e in await drain(fast, 4)] == [1, 2, 3, 4]
+        assert [(e.kind, e.missed) for e in await drain(slow, 2)] == [
+            (K.STALE, 0),
+            (K.OVERFLOW, 3),
+        ]
+        await sync.mark_stale()  # slow reads again: both get it
+        got = (await drain(slow, 1))[0], (await drain(fast, 1))[0]
+    assert [(e.kind, e.version) for e in got] == [(K.STALE, 5), (K.STALE, 5)]
+
+
 async def test_events_after_a_gap_wait_for_the_overflow_notice(sync):
     async with sync.subscribe(max_backlog=1) as events:
         await sync.mark_stale()  # buffered
