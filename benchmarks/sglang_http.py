@@ -19,7 +19,8 @@ measures:
   side alone costs (``bound: load from a fresh mapping``: the load out of a
   newly mapped read-only segment, unmap included, as SGLang maps every
   request's payload anew: a page fault per 4 KiB page, at most 16 mapped per
-  fault, and the page tables torn down after);
+  fault, and the page tables torn down after), and both at once (``bound: pack
+  ∥ load from a fresh mapping``: a pipelined refit without any request);
 * **per-request overhead**: the same refit cut into ~1, 10 and 100 buckets;
   the extra time per extra request, ms, next to one ``/get_weight_version``
   round trip (mean of 50).
@@ -55,7 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -288,9 +289,9 @@ def _memcpy_s(source: _Source, repeats: int) -> float:
     return min(times[1:])
 
 
-def _bounds_s(source: _Source, repeats: int) -> tuple[float, float]:
+def _bounds_s(source: _Source, repeats: int) -> tuple[float, float, float]:
     """What bounds an HTTP refit on this machine, seconds (best of ``repeats`` after one
-    warm-up): ``(two, fresh)``.
+    warm-up): ``(two, fresh, both)``.
 
     ``two``: the pack and the load copy at once (two threads, each copying every
     byte once, as the pipelined refit does in two processes): where concurrent
@@ -299,7 +300,8 @@ def _bounds_s(source: _Source, repeats: int) -> tuple[float, float]:
     of every byte out of a fresh read-only mapping of one bucket segment, unmap
     included, as SGLang maps each request's payload anew (page faults and
     page-table teardown for every 4 KiB page): memcpy / ``fresh`` bounds the
-    refit even when the trainer's side were free.
+    refit even when the trainer's side were free. ``both``: the pack copy and
+    that load at once, what a pipelined refit does without any request.
     """
     flats = [t.reshape(-1).view(torch.uint8) for t in source.tensors.values()]
     total = sum(f.numel() for f in flats)
@@ -311,25 +313,31 @@ def _bounds_s(source: _Source, repeats: int) -> tuple[float, float]:
             out[offset : offset + raw.numel()].copy_(raw)
             offset += raw.numel()
 
-    two = float("inf")
-    with ThreadPoolExecutor(2) as pool:
+    def best(pool: ThreadPoolExecutor, *jobs: Callable[[], None]) -> float:
+        seconds = float("inf")
         for _ in range(repeats + 1):
             start = time.perf_counter()
-            list(pool.map(copy_all, outs))
-            two = min(two, time.perf_counter() - start)
+            for future in [pool.submit(job) for job in jobs]:
+                future.result()
+            seconds = min(seconds, time.perf_counter() - start)
+        return seconds
+
     segment = Segment.create(total)
     try:
-        copy_all(segment.view(total, torch.uint8))
-        fresh = float("inf")
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
+        packed = segment.view(total, torch.uint8)
+        copy_all(packed)
+
+        def load_fresh() -> None:
             mapped = torch.from_file(segment.path, False, total, dtype=torch.uint8)
-            outs[0].copy_(mapped)
-            del mapped
-            fresh = min(fresh, time.perf_counter() - start)
+            outs[1].copy_(mapped)
+
+        with ThreadPoolExecutor(2) as pool:
+            two = best(pool, lambda: copy_all(outs[0]), lambda: copy_all(outs[1]))
+            fresh = best(pool, load_fresh)
+            both = best(pool, lambda: copy_all(outs[0]), load_fresh)
     finally:
         segment.close()
-    return two, fresh
+    return two, fresh, both
 
 
 def main() -> None:
@@ -374,7 +382,7 @@ def main() -> None:
             source = _Source(manifest)
             nbytes = sum(t.numel() * t.element_size() for t in source.tensors.values())
             memcpy_s = _memcpy_s(source, args.repeats)
-            two_s, fresh_s = _bounds_s(source, args.repeats)
+            two_s, fresh_s, both_s = _bounds_s(source, args.repeats)
             bucket_bytes = int(args.bucket_mb * 2**20)
             refit_s, refit_buckets, trace = asyncio.run(
                 _time_sync(source, url, bucket_bytes, args.repeats, args.trace)
@@ -417,6 +425,11 @@ def main() -> None:
         f"{memcpy_s / fresh_s:.2f}",
     )
     table.add_row(
+        "bound: pack ∥ load from a fresh mapping",
+        f"{nbytes / both_s / GB:.2f} GB/s",
+        f"{memcpy_s / both_s:.2f}",
+    )
+    table.add_row(
         f"HTTP refit ({refit_buckets} bucket(s) of <= {args.bucket_mb:g} MiB)",
         f"{refit_gbps:.2f} GB/s",
         f"{refit_gbps / memcpy_gbps:.2f}",
@@ -437,6 +450,7 @@ def main() -> None:
         "memcpy_gbps": memcpy_gbps,
         "bound_two_copies": memcpy_s / two_s,
         "bound_fresh_mapping": memcpy_s / fresh_s,
+        "bound_pack_and_fresh_load": memcpy_s / both_s,
         "http_refit_gbps": refit_gbps,
         "http_vs_memcpy": refit_gbps / memcpy_gbps,
         "http_refit_buckets": refit_buckets,
