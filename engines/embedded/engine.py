@@ -36,6 +36,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
@@ -198,6 +199,10 @@ class EmbeddedEngine:
         self._workers_paused = False
         # generate calls whose requests the workers may be running.
         self._generating = 0
+        # A generate call was given up (cancelled, timed out) after its request
+        # was sent: the workers may still run it, so pauses ask them until a
+        # "wait" or "abort" pause has ended every request there.
+        self._abandoned = False
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -340,8 +345,9 @@ class EmbeddedEngine:
         if self._closed:
             return
         self._closed = True
-        if self._resumed is not None:
-            self._resumed.set()  # waiting generate calls fail fast: the engine is shut down
+        resumed, self._resumed = self._resumed, None
+        if resumed is not None:
+            resumed.set()  # waiting generate calls fail fast: the engine is shut down
         loop = asyncio.get_running_loop()
         if self._sock is not None:
             for rank, proc in enumerate(self._procs):
@@ -539,10 +545,12 @@ class EmbeddedEngine:
         self._check_running()
         if self._resumed is None:
             self._resumed = asyncio.Event()
-        if self._generating or self._workers_paused:
+        if self._generating or self._workers_paused or self._abandoned:
             # Set before the call: a pause that fails half-way is resumed all the same.
             self._workers_paused = True
             await self.collective_rpc("embedded_pause_generation", (mode,), timeout_s=math.inf)
+            if mode != "keep":
+                self._abandoned = False  # every request there has ended
 
     async def resume_generation(self) -> None:
         """Undo :meth:`pause_generation` on every worker. Idempotent.
@@ -731,28 +739,33 @@ class EmbeddedEngine:
                 "succeed first"
             )
         timeout = self.rpc_timeout_s if timeout_s is None else timeout_s
-        async with self._admitted(timeout):
+        async with self._admitted(timeout) as remaining_s:
             return await self._generate(
-                prompts, max_new_tokens, temperature, top_p, seed, ignore_eos, logprobs, timeout
+                prompts, max_new_tokens, temperature, top_p, seed, ignore_eos, logprobs, remaining_s
             )
 
     @contextlib.asynccontextmanager
-    async def _admitted(self, timeout_s: float) -> AsyncIterator[None]:
-        """Admit one generate call: wait while paused (up to ``timeout_s`` seconds),
-        then count it as running until the block ends."""
+    async def _admitted(self, timeout_s: float) -> AsyncIterator[float]:
+        """Admit one generate call: wait while paused, then count it as running
+        until the block ends. Yields what is left of ``timeout_s``, seconds."""
+        start = time.monotonic()
         try:
             with anyio.fail_after(timeout_s):
-                while self._resumed is not None:
-                    await self._resumed.wait()
+                while (resumed := self._resumed) is not None:
+                    await resumed.wait()
         except TimeoutError as exc:
             raise SyncTimeoutError(
                 f"generate waited {timeout_s} s for the engine to resume generation"
             ) from exc
+        self._check_running()
         # No await between the check above and the count: a pause either sees
         # this call running or admits nothing.
         self._generating += 1
         try:
-            yield
+            yield max(0.0, timeout_s - (time.monotonic() - start))
+        except BaseException:
+            self._abandoned = True
+            raise
         finally:
             self._generating -= 1
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 
+import anyio
 import pytest
 import pytest_asyncio
 import torch
@@ -18,6 +19,7 @@ from aiosync import EngineFleet, Generation
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.engine import EmbeddedEngine, EmbeddedGeneration
 from aiosync.engines.embedded.model import HFModelRunner
+from aiosync.errors import SyncTimeoutError, TransportError
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -141,6 +143,59 @@ async def test_an_idle_pause_is_kept_by_the_engine_and_the_version_travels_with_
     await engine.collective_rpc("embedded_set_weight_version", (3,))
     (status,) = await engine.status()
     assert status["weight_version"] == 9
+
+
+async def test_a_pause_after_an_abandoned_generate_reaches_the_request_still_running(
+    engine: EmbeddedEngine,
+) -> None:
+    running = asyncio.create_task(
+        engine.generate_with_meta([PROMPTS[0]], max_new_tokens=2000, ignore_eos=True)
+    )
+    with anyio.fail_after(60):
+        while not (await engine.status())[0]["requests"]:
+            await anyio.sleep(0.01)
+    running.cancel()  # given up here; the worker still decodes it
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    await engine.pause_generation("abort")
+    try:
+        (status,) = await engine.status()
+        assert (status["paused"], status["requests"]) == ("abort", [])
+    finally:
+        await engine.resume_generation()
+    (status,) = await engine.status()
+    assert status["paused"] is None
+
+
+async def test_shutdown_fails_a_generate_waiting_on_a_pause_at_once() -> None:
+    engine = await EmbeddedEngine.start_engine(TINY_QWEN3, num_workers=1, rpc_timeout_s=60)
+    try:
+        await engine.pause_generation("wait")
+        waiting = asyncio.create_task(engine.generate([PROMPTS[0]], max_new_tokens=2))
+        await anyio.sleep(0.05)
+        assert not waiting.done()
+    finally:
+        await engine.shutdown()
+    with anyio.fail_after(5), pytest.raises(TransportError, match="shut down"):
+        await waiting
+
+
+async def test_a_generate_waiting_on_a_pause_keeps_one_time_limit(
+    engine: EmbeddedEngine,
+) -> None:
+    await engine.pause_generation("wait")
+    try:
+        call = asyncio.create_task(
+            engine.generate([PROMPTS[0]], max_new_tokens=2000, ignore_eos=True, timeout_s=1.0)
+        )
+        await anyio.sleep(0.9)
+    finally:
+        await engine.resume_generation()
+    # 0.1 s left of its limit: not enough for 2000 tokens; it fails, not runs another 1 s.
+    with pytest.raises(SyncTimeoutError):
+        await call
+    await engine.pause_generation("abort")  # ends the request it gave up
+    await engine.resume_generation()
 
 
 async def test_a_fleet_passes_the_generation_keywords_and_answers_generations(
