@@ -927,6 +927,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--is-cap must be > 0, got {args.is_cap}")
     if args.lora_rank < 0:
         p.error(f"--lora-rank must be >= 0, got {args.lora_rank}")
+    if args.max_staleness < 0:
+        p.error(f"--max-staleness must be >= 0, got {args.max_staleness}")
     if adapter_refits(args) and args.backend not in ADAPTER_BACKENDS:
         p.error(
             f"--lora-refit adapter: {ADAPTER_BACKENDS_WHY}; use --lora-refit merged with "
