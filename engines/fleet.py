@@ -57,6 +57,13 @@ class EngineFleet:
         self._assigning = anyio.Lock()
         # Why generate() refuses on account of a LoRA adapter load across the fleet.
         self._lora_refusal: str | None = None
+        # A member engine that replaces a worker (its own ``respawn_dead_workers``)
+        # reports the discarded weights: the new worker lacks its rank offset, so
+        # the ranks are assigned again on the next collective_rpc.
+        for engine in engines:
+            add = getattr(engine, "add_weights_discarded_listener", None)
+            if add is not None:
+                add(self._forget_ranks)
 
     def __len__(self) -> int:
         return len(self.engines)
@@ -136,6 +143,9 @@ class EngineFleet:
             self._offsets = offsets
             self._num_workers = len(ranks)
 
+    def _forget_ranks(self) -> None:
+        self._offsets = None
+
     def locate(self, rank: int) -> tuple[int, int]:
         """``(engine index, worker rank within that engine)`` of a global worker rank.
 
@@ -150,17 +160,30 @@ class EngineFleet:
             return index, rank - self._offsets[index]
         raise ValueError(f"no worker has rank {rank} (the fleet has {self._num_workers})")
 
+    def describe_worker(self, rank: int) -> str:
+        """``"engine i of n (Type): engine worker rank"`` for global worker ``rank``
+        (just ``"engine worker rank"`` when no engine holds it): the prefix of an
+        error that a worker reports itself."""
+        try:
+            index, _local = self.locate(rank)
+        except ValueError:
+            return f"engine worker {rank}"
+        return f"{self._label(index)}: engine worker {rank}"
+
     async def respawn_dead_workers(self) -> list[int]:
         """Replace dead workers of every engine that can (the embedded engine);
-        returns their global ranks. New workers learn their rank offset again."""
+        returns their global ranks. New workers learn their rank offset again
+        on the next :meth:`collective_rpc` (as when a member engine respawns its
+        own workers)."""
         respawned: list[int] = []
+        offsets = self._offsets  # the engines' respawns reset it (see __init__)
         for i, engine in enumerate(self.engines):
             respawn = getattr(engine, "respawn_dead_workers", None)
             if respawn is None:
                 continue
             local = await respawn()
             if local:
-                base = self._offsets[i] if self._offsets is not None else 0
+                base = offsets[i] if offsets is not None else 0
                 respawned.extend(base + r for r in local)
         if respawned:
             self._offsets = None

@@ -8,9 +8,11 @@ engine refusing to generate until a sync lands.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
+import time
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -32,6 +34,7 @@ from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.interfaces import RefitManifest
 from aiosync.refit import DTensorRefitSource
+from aiosync.transports.ipc import IPCWeightSynchronizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 
@@ -192,6 +195,70 @@ async def test_an_engine_killed_mid_sync_fails_it_for_all_and_both_refuse_until_
         assert (engine_a.weight_version, engine_b.weight_version) == (2, 2)
         await _assert_all_equal(fleet, trainer)
         assert await fleet.collective_rpc("aiosync_worker_rank") == [0, 1, 2]
+
+
+async def _kill_idle_worker(engine: EmbeddedEngine) -> None:
+    """SIGKILL ``engine``'s only worker and wait until the engine noticed."""
+    os.kill(engine.pids[0], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            await engine.status()
+        except TransportError:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the engine did not notice its worker's death")
+
+
+RPC_TIMEOUT_S = 10.0
+
+
+@pytest.mark.parametrize("respawn_by", ["fleet", "member engine"])
+@pytest.mark.parametrize("failed_sync_first", [False, True], ids=["idle", "after a failed sync"])
+async def test_a_worker_killed_while_idle_heals_on_the_first_sync_after_respawn_and_init(
+    engine_a: EmbeddedEngine, engine_b: EmbeddedEngine, respawn_by: str, failed_sync_first: bool
+) -> None:
+    """Respawning through the fleet or through the member engine itself gives the new
+    worker its global rank (no two workers claim one), and a sync that failed on
+    the dead worker leaves no receive running on the others: the first sync after
+    ``init_communicator()`` lands, bit-exact, in far less than the RPC timeout."""
+    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=45)
+    fleet = EngineFleet([engine_a, engine_b])
+    sync = IPCWeightSynchronizer(
+        DTensorRefitSource(trainer.model),
+        fleet,
+        rpc_timeout_s=RPC_TIMEOUT_S,
+        sync_timeout_s=2 * RPC_TIMEOUT_S,
+    )
+    async with sync:
+        await sync.init_communicator()
+        await sync.mark_stale()
+        await sync.sync_weights()
+        assert sync.weight_version == 1
+
+        await _kill_idle_worker(engine_b)
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.add_(0.5)
+        await sync.mark_stale()
+        if failed_sync_first:
+            with pytest.raises(TransportError, match=r"engine 1 of 2 \(EmbeddedEngine\): .*dead"):
+                await sync.sync_weights()
+            assert (sync.weight_version, sync.is_stale) == (1, True)
+
+        if respawn_by == "fleet":
+            assert await fleet.respawn_dead_workers() == [2]
+        else:
+            assert await engine_b.respawn_dead_workers() == [0]
+        assert sync.is_stale  # the new worker holds the initial weights
+        started = time.monotonic()
+        await sync.init_communicator()
+        await sync.sync_weights()
+        assert time.monotonic() - started < RPC_TIMEOUT_S / 2
+        assert (sync.weight_version, sync.is_stale) == (2, False)
+        assert (engine_a.weight_version, engine_b.weight_version) == (2, 2)
+        assert await fleet.collective_rpc("aiosync_worker_rank") == [0, 1, 2]
+        await _assert_all_equal(fleet, trainer)
 
 
 async def test_a_fleet_refuses_no_engine_and_duplicates() -> None:

@@ -73,7 +73,7 @@ import secrets
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -287,7 +287,10 @@ class IPCWeightSynchronizer(WeightSynchronizer):
             workers = await self._init_plan_and_workers(manifest, size)
             self.num_workers = len(workers)
             self.peers = [rank for rank, _device in workers]
-            self._session_token = secrets.token_hex(6)
+            # One token for the synchronizer's life: a sync after a re-init then
+            # supersedes a receive a failed sync left running on a worker, where a
+            # new token would be refused as another synchronizer's (OwnershipError).
+            self._session_token = self._session_token or secrets.token_hex(6)
         else:
             await self._init_sharded(manifest, size)
         await super().init_communicator()
@@ -300,6 +303,9 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         if self.plan is None:
             self.plan = plan_buckets(manifest, bucket_bytes)
             self._sender = _BucketSender(self.plan, self.device, self.rpc_timeout_s, self.device_id)
+            describe = getattr(self.generation, "describe_worker", None)
+            if describe is not None:
+                self._sender.describe_worker = describe
         elif plan_buckets(manifest, self.plan.bucket_bytes).digest != self.plan.digest:
             raise RefitMismatchError("the policy's manifest changed since init_communicator()")
         if not self._ranks.is_driver:
@@ -328,7 +334,7 @@ class IPCWeightSynchronizer(WeightSynchronizer):
             workers = await self._init_plan_and_workers(manifest, min(s for _d, s in proposed))
         except Exception as exc:
             error = error_fields(exc)
-        token = secrets.token_hex(6)
+        token = self._session_token or secrets.token_hex(6)
         endpoint = None if self._sender is None else self._sender.endpoint
         gathered = await self._ranks.all_gather((endpoint, error, workers, token))
         for rank, (_endpoint, err, _workers, _token) in enumerate(gathered):
@@ -599,6 +605,11 @@ class _BucketSender:
         # the current sync's workers (``(sync_id, {rank: identity})``, see _handshake).
         self._last_ident = b""
         self._idents: tuple[str, dict[int, bytes]] = ("", {})
+        # Each worker's identity as last heard: a worker keeps its socket from one
+        # sync to the next, so an abort must reach that identity too.
+        self._known_idents: dict[int, bytes] = {}
+        #: Names a worker in an error it sent (a fleet names its engine too).
+        self.describe_worker: Callable[[int], str] = lambda rank: f"engine worker {rank}"
         # The send in flight: its cancel scope, its sync, and an event set when it ends.
         self._active: tuple[anyio.CancelScope, str, Sequence[int], anyio.Event] | None = None
 
@@ -787,7 +798,7 @@ class _BucketSender:
                     f"engine worker {rank} holds bucket plan {str(msg.get('digest'))[:16]}, "
                     f"the trainer sends {self.plan.digest[:16]}"
                 )
-            peers[rank] = self._last_ident
+            peers[rank] = self._known_idents[rank] = self._last_ident
         return peers
 
     async def _wait_acks(
@@ -837,7 +848,7 @@ class _BucketSender:
             except (TypeError, ValueError) as exc:
                 raise TransportError(f"message from an unknown peer: {msg!r:.80}") from exc
             if msg.get("t") == "error":
-                raise rebuild_error(msg, f"engine worker {rank}")
+                raise rebuild_error(msg, self.describe_worker(rank))
             return rank, msg
 
     async def _send_all(self, peers: dict[int, bytes], payload: bytes) -> None:
@@ -853,12 +864,17 @@ class _BucketSender:
             return
         payload = encode({"t": "abort", "sync_id": sync_id, "reason": reason[:500]})
         # The identities the workers said hello from; a worker not heard from yet
-        # would connect as ``{sync_id}/{rank}`` (a new socket).
+        # would connect as ``{sync_id}/{rank}`` (a new socket) or reuse the one it
+        # kept from an earlier sync: both are told, or its receive would wait the
+        # whole timeout (holding the worker from the next sync).
         known = self._idents[1] if self._idents[0] == sync_id else {}
         for rank in ranks:
-            ident = known.get(rank, f"{sync_id}/{rank}".encode())
-            with contextlib.suppress(zmq.ZMQError):  # not connected (yet, or any more)
-                self._sync_sock.send_multipart([ident, payload], zmq.NOBLOCK)
+            idents = {known.get(rank, f"{sync_id}/{rank}".encode())}
+            if rank in self._known_idents:
+                idents.add(self._known_idents[rank])
+            for ident in idents:
+                with contextlib.suppress(zmq.ZMQError):  # not connected (yet, or any more)
+                    self._sync_sock.send_multipart([ident, payload], zmq.NOBLOCK)
 
     @property
     def closed(self) -> bool:
