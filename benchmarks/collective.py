@@ -135,7 +135,8 @@ class _Rank:
         for name, view in unpack(buf, bucket):
             self.tensors[self.manifest[name]].copy_(view)
 
-    def aiosync(self) -> None:
+    def aiosync(self, trace: Callable[[str, int], None] | None = None) -> None:
+        """One aiosync sync; ``trace``: the loops' per-bucket hook."""
         self.version += 1
         if self.group.is_source:
             send_buckets(
@@ -146,6 +147,7 @@ class _Rank:
                 version=self.version,
                 kv=[],
                 verify=False,
+                trace=trace,
             )
         else:
             receive_buckets(
@@ -156,6 +158,7 @@ class _Rank:
                 n_kv=0,
                 verify=False,
                 on_bucket=self._load,
+                trace=trace,
             )
 
     def traced(self) -> list[tuple[str, int, float]]:
@@ -168,31 +171,9 @@ class _Rank:
         def mark(event: str, index: int) -> None:
             events.append((event, index, time.perf_counter()))
 
-        self.version += 1
         _sync_point(self.group)
         mark("start", -1)
-        if self.group.is_source:
-            send_buckets(
-                self.group,
-                self.plan,
-                self.buffers,
-                self._source(),
-                version=self.version,
-                kv=[],
-                verify=False,
-                trace=mark,
-            )
-        else:
-            receive_buckets(
-                self.group,
-                self.plan,
-                self.buffers,
-                version=self.version,
-                n_kv=0,
-                verify=False,
-                on_bucket=self._load,
-                trace=mark,
-            )
+        self.aiosync(trace=mark)
         mark("end", -1)
         return events
 
