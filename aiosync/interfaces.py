@@ -60,6 +60,11 @@ IN_FLIGHT_POLICIES: tuple[InFlightPolicy, ...] = get_args(InFlightPolicy)
 #: Limit for the engine's ``resume_generation`` after a sync, seconds (it also
 #: runs after a failed or cancelled sync, shielded, so it must be bounded).
 DEFAULT_RESUME_TIMEOUT_S: float = 30.0
+#: The same limit after a failed or cancelled sync, seconds: a healthy engine resumes
+#: in milliseconds, and a hung one must not delay the sync's own error by
+#: :data:`DEFAULT_RESUME_TIMEOUT_S` (the fault matrix saw 5 + 30 s for an SGLang
+#: server stopped mid-sync).
+RESUME_AFTER_FAILURE_TIMEOUT_S: float = 2.0
 
 _log = logging.getLogger(__name__)
 
@@ -392,8 +397,9 @@ class WeightSynchronizer(ABC):
         When the engine has ``pause_generation``, the sync pauses it with the
         in-flight policy before the first byte reaches it and resumes it after
         the version committed, and after a failure or cancellation too (shielded,
-        bounded by :data:`DEFAULT_RESUME_TIMEOUT_S`; a resume error is logged and
-        never hides the sync's own). The pause window, seconds, is the
+        bounded by :data:`DEFAULT_RESUME_TIMEOUT_S`, after a failure by
+        :data:`RESUME_AFTER_FAILURE_TIMEOUT_S`; a resume error is logged and never
+        hides the sync's own). The pause window, seconds, is the
         ``pause_s`` of the ``COMMITTED``/``FAILED`` event.
 
         Args:
@@ -499,7 +505,8 @@ class WeightSynchronizer(ABC):
     async def _resume_after(self, paused_at: float | None, *, failed: bool) -> float:
         """Resume the engine if this sync paused it; returns the pause window, seconds.
 
-        Shielded from cancellation and bounded by :data:`DEFAULT_RESUME_TIMEOUT_S`.
+        Shielded from cancellation and bounded by :data:`DEFAULT_RESUME_TIMEOUT_S`
+        (:data:`RESUME_AFTER_FAILURE_TIMEOUT_S` when ``failed``).
         After a failed sync (``failed``) an error of the resume is logged, not
         raised, so that the sync's own error is the one the caller sees.
         """
@@ -507,7 +514,8 @@ class WeightSynchronizer(ABC):
             return 0.0
         resume = getattr(self.generation, "resume_generation", None)
         try:
-            with anyio.CancelScope(shield=True), anyio.fail_after(DEFAULT_RESUME_TIMEOUT_S):
+            limit = RESUME_AFTER_FAILURE_TIMEOUT_S if failed else DEFAULT_RESUME_TIMEOUT_S
+            with anyio.CancelScope(shield=True), anyio.fail_after(limit):
                 if callable(resume):
                     await resume()
         except Exception as exc:

@@ -141,8 +141,10 @@ async def test_flush_that_never_succeeds_fails_the_sync_after_the_flush_budget(
     assert sync.weight_version == 1 and sync.is_stale
     flushes = [e for e in server.log() if e["path"] == "/flush_cache"]
     assert len(flushes) >= 2 and all(e["status"] == 400 for e in flushes)
-    # Every bucket was answered before the flush failed: the segments stay.
-    assert len(kept) in (1, 2) and set(own_segments()) - before == kept
+    # Every bucket was answered before the flush failed: the segments stay (a
+    # second one may have joined the first, if this sync's packing overlapped a post).
+    after = set(own_segments()) - before
+    assert len(kept) in (1, 2) and kept <= after and len(after) <= 2
     server.reset()
     await sync.sync_weights()
     assert sync.weight_version == 2

@@ -295,7 +295,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             with anyio.CancelScope(shield=True):
                 self.policy.offload_after_refit()
                 try:
-                    await self._each(_wake_the_rest)
+                    await self._each(lambda server: _wake_the_rest(server, failed=failed))
                 except Exception:
                     if not failed:
                         raise
@@ -498,10 +498,20 @@ def _lacks(obj: Any) -> str:
     return f", which lacks {', '.join(missing)}" if missing else ""
 
 
-async def _wake_the_rest(server: SGLangServer) -> None:
-    """Resume what the refit left released (the KV cache), bounded by the request timeout."""
+#: Limit of the KV-cache wake after a failed refit, seconds: a healthy server answers
+#: in milliseconds, and a hung one must not delay the refit's error by its request
+#: timeout (the fault matrix saw 5 + 30 s for a server stopped mid-sync).
+_WAKE_AFTER_FAILURE_S = 2.0
+
+
+async def _wake_the_rest(server: SGLangServer, *, failed: bool) -> None:
+    """Resume what the refit left released (the KV cache), bounded by the request
+    timeout, or by :data:`_WAKE_AFTER_FAILURE_S` after a failed refit."""
     rest = [tag for tag in server.released_tags if tag != "weights"]
-    with anyio.fail_after(server.request_timeout_s):
+    limit = server.request_timeout_s
+    if failed:
+        limit = min(limit, _WAKE_AFTER_FAILURE_S)
+    with anyio.fail_after(limit):
         await server.prepare_for_generation(rest)
 
 
