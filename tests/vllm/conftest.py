@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,9 @@ import pytest
 import torch
 
 from aiosync.engines.embedded.configs import TINY_QWEN3 as _TINY
+
+# The directory's helpers (vllm_helpers): pytest's importlib mode keeps it off sys.path.
+sys.path.insert(0, str(Path(__file__).parent))
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: plenty for 128 tokens
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -13,6 +13,8 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: run .ci/vllm.sh (.venv-vllm)")
 
+from vllm_helpers import NEW_TOKENS, PROMPTS, trainer_greedy
+
 from aiosync import TrainCluster
 from aiosync.engines.vllm.backend import VLLMGenerationBackend
 from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
@@ -21,27 +23,6 @@ from aiosync.transports.collective import CollectiveWeightSynchronizer
 from aiosync.transports.ipc import IPCWeightSynchronizer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
-
-PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11]]
-NEW_TOKENS = 8
-
-
-def trainer_greedy(model: Any) -> list[list[int]]:
-    """Greedy continuation of every prompt by the trainer's transformers model."""
-    outputs = []
-    for prompt in PROMPTS:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = model.generate(
-                ids,
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
 
 
 def perturb(model: Any, seed: int) -> None:

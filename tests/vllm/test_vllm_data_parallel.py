@@ -21,6 +21,8 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: run .ci/vllm.sh (.venv-vllm)")
 
+from vllm_helpers import NEW_TOKENS, PROMPTS, trainer_greedy
+
 from aiosync import EngineFleet, TrainCluster
 from aiosync.engines.vllm.backend import (
     WORKER_EXTENSION,
@@ -35,9 +37,6 @@ from aiosync.transports.packing import dtype_name
 
 # One event loop for the module: the AsyncLLM's output handler lives on it.
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900), pytest.mark.asyncio(loop_scope="session")]
-
-PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11]]
-NEW_TOKENS = 8
 
 
 class OneReplicaClient:
@@ -76,23 +75,6 @@ def perturb(model: Any, seed: int) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.5)
-
-
-def trainer_greedy(model: Any) -> list[list[int]]:
-    """Greedy continuation of every prompt by the trainer's transformers model."""
-    outputs = []
-    for prompt in PROMPTS:
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
 
 
 async def assert_bit_exact(backend: Any, weights: dict[str, torch.Tensor], workers: int) -> None:

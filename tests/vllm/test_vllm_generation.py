@@ -17,6 +17,8 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: run .ci/vllm.sh (.venv-vllm)")
 
+from vllm_helpers import NEW_TOKENS, PROMPTS
+
 from aiosync import Generation
 from aiosync.engines.vllm.backend import VLLMGenerationBackend
 from aiosync.refit import DTensorRefitSource
@@ -24,8 +26,6 @@ from aiosync.transports.ipc import IPCWeightSynchronizer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11]]
-NEW_TOKENS = 8
 #: vLLM's CPU kernels add in another order than transformers' (float32).
 ATOL = 1e-4
 
