@@ -23,6 +23,9 @@ import pytest
 import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: run .ci/vllm.sh (.venv-vllm)")
+
+from vllm_helpers import NEW_TOKENS, PROMPTS, trainer_greedy
+
 pytest.importorskip("peft", reason="peft is not installed here: run .ci/vllm.sh (.venv-vllm)")
 
 from anyio.lowlevel import checkpoint
@@ -36,27 +39,8 @@ from aiosync.transports.ipc import IPCWeightSynchronizer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11]]
-NEW_TOKENS = 8
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CORRUPT = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
-
-
-def greedy(model: Any, new_tokens: int = NEW_TOKENS) -> list[list[int]]:
-    """Greedy continuation of every prompt by a transformers model."""
-    outputs = []
-    for prompt in PROMPTS:
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
 
 
 @dataclass(frozen=True)
@@ -88,7 +72,7 @@ def train_adapter(model_dir: Path, *, seed: int, r: int = 8) -> Trained:
         adapter_config = json.loads(Path(folder, "adapter_config.json").read_text())
     merged = peft_model.merge_and_unload().eval()
     adapter = LoRAAdapter(lora_adapter_name(1), 1, tensors, adapter_config)
-    return Trained(adapter, greedy(merged))
+    return Trained(adapter, trainer_greedy(merged))
 
 
 @dataclass(frozen=True)
@@ -111,7 +95,7 @@ def base_model(tiny_qwen3_dir: Path) -> Any:
 def adapters(tiny_qwen3_dir: Path, base_model: Any) -> Adapters:
     first = train_adapter(tiny_qwen3_dir, seed=1)
     second = train_adapter(tiny_qwen3_dir, seed=2)
-    return Adapters(greedy(base_model), first, second)
+    return Adapters(trainer_greedy(base_model), first, second)
 
 
 @pytest.fixture
@@ -383,7 +367,7 @@ async def test_lora_adapter_synchronizer_refits_vllm_as_the_trainers_merged_mode
     from transformers import Qwen3ForCausalLM
 
     def merged_greedy(model: Any) -> list[list[int]]:
-        return greedy(copy.deepcopy(model).merge_and_unload().eval())
+        return trainer_greedy(copy.deepcopy(model).merge_and_unload().eval())
 
     backend = lora_backend
     base = Qwen3ForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32)

@@ -10,16 +10,16 @@ PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11]]
 NEW_TOKENS = 8
 
 
-def trainer_greedy(model: Any) -> list[list[int]]:
-    """Greedy continuation (``NEW_TOKENS`` ids, EOS ignored) of every prompt of
-    ``PROMPTS`` by the trainer's transformers model."""
+def trainer_greedy(model: Any, new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    """Greedy continuation (``new_tokens`` ids, EOS ignored) of every prompt of
+    ``PROMPTS`` by a transformers model (the trainer's, or a merged PEFT one)."""
     outputs = []
     for prompt in PROMPTS:
         with torch.no_grad():
             out = model.generate(
                 torch.tensor([prompt]),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
                 do_sample=False,
                 eos_token_id=None,
                 pad_token_id=0,
