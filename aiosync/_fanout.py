@@ -9,7 +9,7 @@ import anyio
 
 from . import errors
 
-__all__ = ["each_named", "named"]
+__all__ = ["each_named", "most_telling", "named"]
 
 _P = TypeVar("_P")
 _R = TypeVar("_R")
@@ -64,3 +64,42 @@ async def each_named(
         index, exc = failures[0]
         raise named(exc, label(index))
     return results
+
+
+def most_telling(group: BaseException) -> BaseException:
+    """The one error to raise for a failed task group (the one reducer every transport uses).
+
+    Walks nested groups; a cancellation counts only if nothing else failed; a
+    typed aiosync error wins over the rest, in the order
+    ``RefitMismatchError`` (the cause is the data), ``SyncTimeoutError``,
+    ``OwnershipError``, ``SyncError`` (``TransportError`` among them), any
+    ``Exception``. The others are attached to it as notes (``meanwhile: ...``).
+    Not a group: returned as is.
+    """
+    if not isinstance(group, BaseExceptionGroup):
+        return group
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                walk(inner)
+        else:
+            leaves.append(exc)
+
+    walk(group)
+    cancelled = anyio.get_cancelled_exc_class()
+    real = [exc for exc in leaves if not isinstance(exc, cancelled)] or leaves
+    order = (
+        errors.RefitMismatchError,
+        errors.SyncTimeoutError,
+        errors.OwnershipError,
+        errors.SyncError,
+        Exception,
+        BaseException,
+    )
+    chosen = next(exc for kind in order for exc in real if isinstance(exc, kind))
+    for other in real:
+        if other is not chosen:
+            chosen.add_note(f"meanwhile: {other!r}")
+    return chosen

@@ -21,10 +21,90 @@ No torch here: importing this module is cheap.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
-__all__ = ["Generation"]
+__all__ = ["Generation", "SamplingParams", "sampling_params"]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How an engine samples, the same on every engine (vLLM's name, a subset of its fields).
+
+    Attributes:
+        max_tokens: the most new tokens per prompt, >= 1 (vLLM's name; the
+            keyword form ``generate_with_meta(..., max_new_tokens=N)`` is accepted too).
+        temperature: 0.0 is greedy; else sampling from ``softmax(logits / temperature)``.
+        top_p: nucleus sampling, in ``(0, 1]`` (1.0: every token; ignored when greedy).
+        seed: seeds each worker's sampler (the same seed on one engine gives the same
+            tokens; not across engines); None: random.
+        ignore_eos: generate ``max_tokens`` tokens whatever is sampled.
+        logprobs: fill :attr:`Generation.logprobs` (see the module docstring).
+
+    Raises:
+        ValueError: ``max_tokens < 1``, ``temperature`` negative or not finite, or
+            ``top_p`` outside ``(0, 1]``.
+        TypeError: ``max_tokens`` or ``seed`` not an int.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise TypeError(f"max_new_tokens must be an int, got {type(self.max_tokens).__name__}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_tokens}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        seed = self.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the most probable token is always taken (``temperature == 0``)."""
+        return self.temperature == 0
+
+
+_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+
+
+def sampling_params(
+    params: SamplingParams | None = None, keywords: Mapping[str, Any] | None = None
+) -> SamplingParams:
+    """The one adapter from ``generate_with_meta``'s two call forms to :class:`SamplingParams`.
+
+    ``params`` as given, or built from keywords (``max_new_tokens`` is ``max_tokens``);
+    keywords given beside ``params`` override its fields.
+
+    Raises:
+        TypeError: an unknown keyword, or neither ``params`` nor a token limit.
+        ValueError: see :class:`SamplingParams`.
+    """
+    given = dict(keywords or {})
+    if "max_new_tokens" in given:
+        if "max_tokens" in given:
+            raise TypeError("give max_new_tokens or max_tokens, not both")
+        given["max_tokens"] = given.pop("max_new_tokens")
+    unknown = sorted(set(given) - _FIELDS)
+    if unknown:
+        raise TypeError(f"unknown sampling keyword(s) {unknown}; known: {sorted(_FIELDS)}")
+    if params is None:
+        if "max_tokens" not in given:
+            raise TypeError("generate needs params=SamplingParams(...) or max_new_tokens=")
+        return SamplingParams(**given)
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be an aiosync.SamplingParams, got {type(params).__name__}")
+    return replace(params, **given) if given else params
 
 
 @dataclass(frozen=True, slots=True)

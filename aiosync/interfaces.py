@@ -1,10 +1,13 @@
-"""The abstract interfaces: the synchronizer, the trainer's refit source, the engine.
+"""The abstract interfaces: the synchronizer, the trainer's refit source, the cluster.
 
 :class:`WeightSynchronizer` plays the role of httpx's ``AsyncBaseTransport``:
-each transport (``transports/collective.py``, ``ipc.py``, ``http.py``)
-implements one method, :meth:`WeightSynchronizer._transfer`, and the training
-loop never asks which one it holds. Version bookkeeping, events, coalescing
-and timeouts live here, once.
+each transport (``aiosync.transports.ipc``, ``.collective``, ``.http``, ...)
+implements :meth:`WeightSynchronizer._transfer` and its own set-up, and the
+training loop never asks which one it holds. What every transport shares lives
+here, once: argument checks before anything moves, versions, events, the
+in-flight pause, the engine's discard listener and version label, the colocated
+wake bracket, timeouts. The engine's optional capabilities are the Protocols of
+:mod:`aiosync.capabilities`. See ``docs/lifecycle.md``.
 """
 
 from __future__ import annotations
@@ -18,11 +21,29 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, Protocol, Self, get_args, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, runtime_checkable
 
 import anyio
+import anyio.to_thread
 
-from ._config import DEFAULT_EVENT_BACKLOG, DEFAULT_SYNC_TIMEOUT_S
+from ._config import (
+    AFTER_FAILURE_TIMEOUT_S,
+    DEFAULT_EVENT_BACKLOG,
+    DEFAULT_RESUME_TIMEOUT_S,
+    Timeouts,
+)
+from ._fanout import each_named
+from ._kv_scales import attention_layers, kv_scale_entries
+from .capabilities import (
+    IN_FLIGHT_POLICIES,
+    DiscardNotifier,
+    Engine,
+    EngineWorkers,
+    InFlightPolicy,
+    PausableEngine,
+    SleepReporting,
+    VersionedEngine,
+)
 from .errors import SyncError, SyncTimeoutError
 from .events import EventSubscription, VersionEventKind, _EventHub
 
@@ -30,7 +51,9 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "DEFAULT_RESUME_TIMEOUT_S",
     "IN_FLIGHT_POLICIES",
+    "RESUME_AFTER_FAILURE_TIMEOUT_S",
     "EngineWorkers",
     "GenerationBackend",
     "InFlightPolicy",
@@ -48,23 +71,12 @@ RefitManifest = dict[str, tuple[tuple[int, ...], "torch.dtype"]]
 #: FP8 KV-cache scales: ``{layer_index_or_name: scale}`` (a float per layer).
 KVScales = Mapping[str | int, float]
 
-#: What a sync does with the requests the engine is generating when it starts
-#: (see :class:`GenerationBackend`'s ``pause_generation``): ``"abort"`` ends them
-#: now, ``"wait"`` lets them finish first, ``"keep"`` freezes them and lets the
-#: new weights compute their remaining tokens.
-InFlightPolicy = Literal["abort", "wait", "keep"]
+#: Kept for older imports: :data:`aiosync.Timeouts` holds these limits now.
+RESUME_AFTER_FAILURE_TIMEOUT_S: float = AFTER_FAILURE_TIMEOUT_S
 
-#: The values of :data:`InFlightPolicy`, in that order.
-IN_FLIGHT_POLICIES: tuple[InFlightPolicy, ...] = get_args(InFlightPolicy)
-
-#: Limit for the engine's ``resume_generation`` after a sync, seconds (it also
-#: runs after a failed or cancelled sync, shielded, so it must be bounded).
-DEFAULT_RESUME_TIMEOUT_S: float = 30.0
-#: The same limit after a failed or cancelled sync, seconds: a healthy engine resumes
-#: in milliseconds, and a hung one must not delay the sync's own error by
-#: :data:`DEFAULT_RESUME_TIMEOUT_S` (the fault matrix saw 5 + 30 s for an SGLang
-#: server stopped mid-sync).
-RESUME_AFTER_FAILURE_TIMEOUT_S: float = 2.0
+#: The engine as the training loop sees it (the older name of
+#: :class:`~aiosync.capabilities.Engine`).
+GenerationBackend = Engine
 
 _log = logging.getLogger(__name__)
 
@@ -99,75 +111,6 @@ class RefitSource(Protocol):
     def offload_after_refit(self) -> None:
         """Colocated only: undo :meth:`offload_before_refit` after the refit, even on failure."""
         return None
-
-
-@runtime_checkable
-class GenerationBackend(Protocol):
-    """The inference engine as the training loop sees it (vLLM, SGLang, embedded)."""
-
-    async def prepare_for_generation(self, tags: Sequence[str] | None = None) -> None:
-        """Wake the engine: ``tags`` selects ``"weights"`` and/or ``"kv_cache"`` (None: all)."""
-        ...
-
-    async def finish_generation(self) -> None:
-        """Let the engine release device memory while the trainer runs (sleep)."""
-        ...
-
-    # Optional: ``async def on_weights_committed(self, version: int) -> None``, called
-    # by the synchronizer once ``version`` landed on every worker, so that the engine
-    # reports (and labels its outputs with) the synchronizer's ``weight_version``.
-    #
-    # Optional, the in-flight policy (vLLM's pause_generation/resume_generation,
-    # SGLang's /pause_generation and /continue_generation); the synchronizer calls
-    # them around every sync when the engine has them:
-    #
-    # ``async def pause_generation(self, mode: InFlightPolicy, clear_cache: bool = True)
-    # -> None``: stop admitting new requests (they wait until resumed), then, for the
-    # requests already running:
-    #   * ``"abort"``: end them now with the tokens they have, marked aborted;
-    #     return once they ended;
-    #   * ``"wait"``: let them run to their end; return once they finished;
-    #   * ``"keep"``: freeze them in place (between two tokens); return once no
-    #     forward pass runs. After ``resume_generation`` they continue, their
-    #     remaining tokens computed by the weights live then.
-    # ``clear_cache``: also drop the engine's prefix/KV cache of finished requests
-    # (computed by the old weights). Raises ValueError for an unknown mode.
-    #
-    # ``async def resume_generation(self) -> None``: admit requests again and let
-    # frozen ones continue. Idempotent (called after failed syncs too).
-    #
-    # Generation, the same keywords on every engine (embedded, vLLM, SGLang, a fleet),
-    # so that one rollout loop drives any of them unchanged:
-    #
-    # ``async def generate_with_meta(self, prompts: Sequence[Sequence[int]], *,
-    # max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-    # seed: int | None = None, ignore_eos: bool = False, logprobs: bool = False)
-    # -> list[aiosync.Generation]``: one :class:`~aiosync.Generation` per prompt
-    # (token ids, each ``[len(prompt)]`` ints), in prompt order: the new token
-    # ids; with ``logprobs=True`` each sampled token's natural-log probability
-    # under the raw (pre-temperature) distribution, float32 precision (vLLM's
-    # default ``raw_logprobs``); the weight versions that computed them
-    # (``first_version``, ``last_version``, ``version_change_at``), ``aborted``
-    # and ``finish_reason``. Greedy when ``temperature == 0``; ``seed`` makes
-    # sampling reproducible on one engine (not across engines); ``ignore_eos``
-    # generates ``max_new_tokens`` tokens whatever is sampled. Raises
-    # ValueError for ``max_new_tokens < 1``, ``temperature < 0`` or ``top_p``
-    # outside ``(0, 1]``; SyncError while the engine's weights are not valid.
-
-
-@runtime_checkable
-class EngineWorkers(Protocol):
-    """An engine whose workers can be driven by name, like vLLM's ``collective_rpc``."""
-
-    async def collective_rpc(
-        self,
-        method: str,
-        args: tuple[Any, ...] = (),
-        kwargs: Mapping[str, Any] | None = None,
-        timeout_s: float | None = None,
-    ) -> list[Any]:
-        """Call ``method(*args, **kwargs)`` on every worker; one result per worker, rank order."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,48 +179,65 @@ class WeightSynchronizer(ABC):
     The loop's handshake: after each optimizer step ``await mark_stale()``;
     before generating, if :attr:`is_stale`, ``await sync_weights()`` then
     ``await generation.prepare_for_generation()`` (see :func:`refit_if_stale`).
+    ``async with sync:`` initializes the transport (:meth:`init_communicator`)
+    and shuts it down at the end of the block.
 
     Versions: :attr:`policy_version` is the trainer's latest (starts 0),
     :attr:`weight_version` the version live on **all** workers (starts 0). Both
     only go up. A failed or cancelled sync leaves :attr:`weight_version`
     unchanged and :attr:`is_stale` true.
 
-    Subclasses implement :meth:`_transfer` and may extend :meth:`init_communicator`
-    and :meth:`shutdown` (calling ``super()``).
+    A transport implements :meth:`_transfer` and its own set-up
+    (:meth:`init_communicator`, :meth:`shutdown`, each calling ``super()``),
+    and declares what it cannot do (:attr:`supports_kv_scales`); everything
+    else is done here.
 
-    In-flight requests (case C13): when the engine has ``pause_generation`` (see
-    :class:`GenerationBackend`), every sync pauses it with ``in_flight`` before
-    the first byte reaches it, and resumes it once the version committed, or
-    failed, or was cancelled. A request the engine is generating meanwhile is
-    never computed by a mix of two weight sets without saying so: ``"wait"``
-    (the default) finishes it on the old weights first, ``"abort"`` ends it
-    (marked aborted), ``"keep"`` continues it on the new ones afterwards.
+    In-flight requests: when the engine is a
+    :class:`~aiosync.capabilities.PausableEngine`, every sync pauses it with
+    ``in_flight`` before the first byte reaches it, and resumes it once the
+    version committed, or failed, or was cancelled. A request the engine is
+    generating meanwhile is never computed by a mix of two weight sets without
+    saying so: ``"wait"`` (the default) finishes it on the old weights first,
+    ``"abort"`` ends it (marked aborted), ``"keep"`` continues it on the new ones.
 
     Args:
         policy: the trainer's :class:`RefitSource`.
-        generation: the engine (a :class:`GenerationBackend`).
-        sync_timeout_s: limit for a whole ``sync_weights`` call, seconds (the
-            pause, a ``"wait"`` for running requests included).
+        generation: the engine (an :class:`~aiosync.capabilities.Engine`), or a
+            fleet of them.
+        timeouts: every limit (:class:`~aiosync.Timeouts`); default ``Timeouts()``.
+        sync_timeout_s: overrides ``timeouts.sync_s``: the limit for a whole
+            ``sync_weights`` call, seconds (the pause, a ``"wait"`` included).
         event_backlog: default ``max_backlog`` of :meth:`subscribe`, in events.
         in_flight: the default :data:`InFlightPolicy` of :meth:`sync_weights`.
 
     Raises:
-        ValueError: ``sync_timeout_s`` not finite and > 0, ``event_backlog < 1``,
-            or ``in_flight`` not one of :data:`IN_FLIGHT_POLICIES`.
+        ValueError: a limit not finite and > 0, ``event_backlog < 1``, or
+            ``in_flight`` not one of :data:`IN_FLIGHT_POLICIES`.
         TypeError: ``event_backlog`` is not an int.
     """
+
+    #: Whether the transport moves FP8 KV-cache scales; a ``sync_weights(kv_scales=...)``
+    #: on one that does not raises NotImplementedError(:attr:`kv_scales_refusal`)
+    #: before anything moves.
+    supports_kv_scales: ClassVar[bool] = True
+    kv_scales_refusal: ClassVar[str] = "this transport does not move FP8 KV-cache scales"
 
     def __init__(
         self,
         policy: RefitSource,
         generation: Any,
         *,
-        sync_timeout_s: float = DEFAULT_SYNC_TIMEOUT_S,
+        timeouts: Timeouts | None = None,
+        sync_timeout_s: float | None = None,
         event_backlog: int = DEFAULT_EVENT_BACKLOG,
         in_flight: InFlightPolicy = "wait",
     ) -> None:
         _check_in_flight(in_flight)
-        if not (isinstance(sync_timeout_s, int | float) and 0 < sync_timeout_s < math.inf):
+        if timeouts is not None and not isinstance(timeouts, Timeouts):
+            raise TypeError(f"timeouts must be an aiosync.Timeouts, got {type(timeouts).__name__}")
+        if sync_timeout_s is not None and not (
+            isinstance(sync_timeout_s, int | float) and 0 < sync_timeout_s < math.inf
+        ):
             raise ValueError(f"sync_timeout_s must be a finite number > 0, got {sync_timeout_s!r}")
         if isinstance(event_backlog, bool) or not isinstance(event_backlog, int):
             raise TypeError(f"event_backlog must be an int, got {type(event_backlog).__name__}")
@@ -285,9 +245,12 @@ class WeightSynchronizer(ABC):
             raise ValueError(f"event_backlog must be >= 1, got {event_backlog}")
         self.policy = policy
         self.generation = generation
-        self.sync_timeout_s = sync_timeout_s
+        #: Every limit this synchronizer applies (:class:`~aiosync.Timeouts`).
+        self.timeouts = (timeouts or Timeouts()).with_keywords(sync_timeout_s=sync_timeout_s)
         #: What :meth:`sync_weights` does with requests in flight (its default).
         self.in_flight: InFlightPolicy = in_flight
+        #: The trainer's manifest, read by :meth:`_read_manifest` at init (None before).
+        self._manifest: RefitManifest | None = None
         self._event_backlog = event_backlog
         self._policy_version = 0
         self._weight_version = 0
@@ -304,6 +267,17 @@ class WeightSynchronizer(ABC):
         # (policy_update): a version is one consistent set of weights.
         self._source_lock = anyio.Lock()
         self._events = _EventHub(lambda: (self._policy_version, self._weight_version))
+        # One listener per synchronizer, on the engine (a fleet forwards to its
+        # members) or on each engine of a plain list; removed by shutdown().
+        members = generation if isinstance(generation, list | tuple) else (generation,)
+        self._notifiers = [e for e in members if isinstance(e, DiscardNotifier)]
+        for notifier in self._notifiers:
+            notifier.add_weights_discarded_listener(self._invalidate_engine_weights)
+
+    @property
+    def sync_timeout_s(self) -> float:
+        """The limit for a whole :meth:`sync_weights` call, seconds (``timeouts.sync_s``)."""
+        return self.timeouts.sync_s
 
     # -- versions -------------------------------------------------------------
 
@@ -369,8 +343,8 @@ class WeightSynchronizer(ABC):
             await self.mark_stale()
 
     def _invalidate_engine_weights(self) -> None:
-        """For transports: the engine no longer holds ``weight_version`` (e.g. woken
-        after discarding its weights); a sync is required before it generates.
+        """The engine no longer holds ``weight_version`` (e.g. woken after
+        discarding its weights); a sync is required before it generates.
         A sync in flight when this happens fails instead of committing."""
         self._engine_dirty = True
         self._discards += 1
@@ -378,13 +352,35 @@ class WeightSynchronizer(ABC):
     # -- lifecycle ------------------------------------------------------------
 
     async def init_communicator(self) -> None:
-        """Set up the transport, once, after the engine's workers exist.
+        """Set up the transport, after the engine's workers exist. May be called
+        again (re-init after a respawn); ``async with sync:`` calls it once.
 
-        Subclasses override it (prepare the manifest, open sockets, form the
-        group) and call ``await super().init_communicator()`` last.
+        Subclasses override it (read the manifest with :meth:`_read_manifest`,
+        open sockets, form the group) and call ``await super().init_communicator()`` last.
         """
         self._check_open()
         self._initialized = True
+
+    async def _read_manifest(self) -> RefitManifest:
+        """The source's manifest, built in a worker thread (it may walk a large
+        model or gather); kept for the argument checks of :meth:`sync_weights`."""
+        self._manifest = await anyio.to_thread.run_sync(self.policy.prepare_refit_info)
+        return self._manifest
+
+    def _check_sync_args(self, kv_scales: KVScales | None, in_flight: object) -> InFlightPolicy:
+        """Every check of :meth:`sync_weights`' arguments, before any event or byte.
+
+        Returns the in-flight policy to use. KV-scale layers are checked against
+        the manifest once :meth:`_read_manifest` ran.
+        """
+        policy = _check_in_flight(self.in_flight if in_flight is None else in_flight)
+        _check_kv_scales(kv_scales)
+        if kv_scales is not None and not self.supports_kv_scales:
+            raise NotImplementedError(self.kv_scales_refusal)
+        if kv_scales:
+            layers = attention_layers(self._manifest) if self._manifest else None
+            kv_scale_entries(kv_scales, layers)
+        return policy
 
     async def sync_weights(
         self, kv_scales: KVScales | None = None, *, in_flight: InFlightPolicy | None = None
@@ -394,24 +390,29 @@ class WeightSynchronizer(ABC):
         A call made while another sync runs waits for it, then syncs again only
         if still stale. Not stale: returns at once (the engine is not paused).
 
-        When the engine has ``pause_generation``, the sync pauses it with the
-        in-flight policy before the first byte reaches it and resumes it after
-        the version committed, and after a failure or cancellation too (shielded,
-        bounded by :data:`DEFAULT_RESUME_TIMEOUT_S`, after a failure by
-        :data:`RESUME_AFTER_FAILURE_TIMEOUT_S`; a resume error is logged and never
-        hides the sync's own). The pause window, seconds, is the
-        ``pause_s`` of the ``COMMITTED``/``FAILED`` event.
+        When the engine is pausable, the sync pauses it with the in-flight policy
+        before the first byte reaches it and resumes it after the version
+        committed, and after a failure or cancellation too (shielded, bounded by
+        ``timeouts.resume_s``, after a failure by ``timeouts.after_failure_s``;
+        a resume error is logged and never hides the sync's own). The pause
+        window, seconds, is the ``pause_s`` of the ``COMMITTED``/``FAILED`` event.
 
         Args:
-            kv_scales: FP8 KV-cache scales ``{layer_index_or_name: float}``,
-                loaded as the engine's ``model.layers.{i}.self_attn.{k,v}_scale``.
+            kv_scales: FP8 KV-cache scales, ``{layer_index: scale}`` (both
+                ``k_scale`` and ``v_scale`` of that layer) or
+                ``{"model.layers.{i}.self_attn.{k|v}_scale": scale}``; each
+                worker loads them after the weights, as 0-d float32 tensors,
+                before its weights count as valid.
             in_flight: this call's :data:`InFlightPolicy`; None: :attr:`in_flight`.
 
         Raises:
-            TypeError, ValueError: malformed ``kv_scales``, or an ``in_flight``
-                that is not one of :data:`IN_FLIGHT_POLICIES` (before anything moves).
+            TypeError, ValueError: malformed ``kv_scales`` or a layer without
+                attention in the manifest, or an unknown ``in_flight``
+                (before any event is published or anything moves).
+            NotImplementedError: ``kv_scales`` on a transport that cannot move
+                them (:attr:`supports_kv_scales`), likewise before anything.
             SyncTimeoutError: the sync (the pause included) ran past
-                ``sync_timeout_s`` seconds.
+                ``timeouts.sync_s`` seconds.
             RefitMismatchError, TransportError: from the transport, or from the
                 engine's ``pause_generation`` (the sync then fails, and the engine
                 is resumed).
@@ -421,8 +422,7 @@ class WeightSynchronizer(ABC):
                 committed (``weight_version`` has advanced; the engine may still
                 be paused: call its ``resume_generation``).
         """
-        policy = _check_in_flight(self.in_flight if in_flight is None else in_flight)
-        _check_kv_scales(kv_scales)
+        policy = self._check_sync_args(kv_scales, in_flight)
         self._check_open()
         if not self._initialized:
             raise SyncError("await init_communicator() before sync_weights()")
@@ -438,24 +438,20 @@ class WeightSynchronizer(ABC):
             start = time.perf_counter()
             paused_at: float | None = None
             try:
-                with anyio.fail_after(self.sync_timeout_s):
-                    pause = self._pause_method()
-                    if pause is not None:
+                with anyio.fail_after(self.timeouts.sync_s):
+                    pausable = self._pausable()
+                    if pausable is not None:
                         # Set before the call: a pause that fails half-way (some
                         # engines of a fleet paused) is resumed all the same.
                         paused_at = time.perf_counter()
-                        await pause(policy, clear_cache=True)
+                        await pausable.pause_generation(policy, clear_cache=True)
                     nbytes = await self._transfer(version, kv_scales)
                 if self._discards != discards:
                     raise SyncError(
                         f"the engine discarded its weights while version {version} was being "
                         "synced: some workers may hold neither version; sync again"
                     )
-                # The engine labels what it generates from now on with this version.
-                committed = getattr(self.generation, "on_weights_committed", None)
-                if committed is not None:
-                    with anyio.CancelScope(shield=True):
-                        await committed(version)
+                await self._label_engine(version)
             except BaseException as exc:
                 self._engine_dirty = True
                 pause_s = await self._resume_after(paused_at, failed=True)
@@ -468,7 +464,7 @@ class WeightSynchronizer(ABC):
                 )
                 if isinstance(exc, TimeoutError) and not isinstance(exc, SyncTimeoutError):
                     raise SyncTimeoutError(
-                        f"sync of version {version} exceeded {self.sync_timeout_s} s"
+                        f"sync of version {version} exceeded {self.timeouts.sync_s} s"
                     ) from exc
                 raise
             self._weight_version = max(self._weight_version, version)
@@ -490,50 +486,95 @@ class WeightSynchronizer(ABC):
                 raise resume_error
 
     def _drives_generation(self) -> bool:
-        """Whether this process pauses and resumes the engine around a sync: True
-        here; a transport of a sharded trainer overrides it so that only the rank
-        that drives the engine does."""
+        """Whether this process pauses, wakes and labels the engine around a sync:
+        True here; a transport of a sharded trainer overrides it so that only the
+        rank that drives the engine does."""
         return True
 
-    def _pause_method(self) -> Any:
-        """The engine's ``pause_generation`` when this process should call it, else None."""
-        if self.generation is None or not self._drives_generation():
-            return None
-        pause = getattr(self.generation, "pause_generation", None)
-        return pause if callable(pause) else None
+    def _pausable(self) -> PausableEngine | None:
+        """The engine when this process should pause it, else None."""
+        if self._drives_generation() and isinstance(self.generation, PausableEngine):
+            return self.generation
+        return None
+
+    async def _label_engine(self, version: int) -> None:
+        """The one place where the engine learns its version: once ``version``
+        landed on every worker, it labels what it generates with it. Shielded: a
+        cancellation must not leave it labelling the new weights with the old version."""
+        if self._drives_generation() and isinstance(self.generation, VersionedEngine):
+            with anyio.CancelScope(shield=True):
+                await self.generation.on_weights_committed(version)
 
     async def _resume_after(self, paused_at: float | None, *, failed: bool) -> float:
         """Resume the engine if this sync paused it; returns the pause window, seconds.
 
-        Shielded from cancellation and bounded by :data:`DEFAULT_RESUME_TIMEOUT_S`
-        (:data:`RESUME_AFTER_FAILURE_TIMEOUT_S` when ``failed``).
-        After a failed sync (``failed``) an error of the resume is logged, not
-        raised, so that the sync's own error is the one the caller sees.
+        Shielded from cancellation and bounded by ``timeouts.resume_s``
+        (``timeouts.after_failure_s`` when ``failed``). After a failed sync an
+        error of the resume is logged, not raised, so that the sync's own error
+        is the one the caller sees.
         """
         if paused_at is None:
             return 0.0
-        resume = getattr(self.generation, "resume_generation", None)
+        limit = self.timeouts.after_failure_s if failed else self.timeouts.resume_s
         try:
-            limit = RESUME_AFTER_FAILURE_TIMEOUT_S if failed else DEFAULT_RESUME_TIMEOUT_S
             with anyio.CancelScope(shield=True), anyio.fail_after(limit):
-                if callable(resume):
-                    await resume()
+                if isinstance(self.generation, PausableEngine):
+                    await self.generation.resume_generation()
         except Exception as exc:
             if not failed:
                 if isinstance(exc, TimeoutError):
                     raise SyncTimeoutError(
-                        f"the engine did not resume generation within "
-                        f"{DEFAULT_RESUME_TIMEOUT_S} s after the sync"
+                        f"the engine did not resume generation within {limit} s after the sync"
                     ) from exc
                 raise
             _log.exception("resuming generation after a failed sync")
         return time.perf_counter() - paused_at
+
+    @contextlib.asynccontextmanager
+    async def _colocated_refit(self, engines: Sequence[Any] | None = None) -> AsyncIterator[None]:
+        """The colocated bracket around a transfer, for every colocated transport.
+
+        Offloads the trainer (``policy.offload_before_refit``, in a worker
+        thread), wakes each engine's weights, runs the block, then, also after a
+        failure or cancellation (shielded): ``offload_after_refit`` and each
+        engine's KV-cache wake, bounded by ``timeouts.rpc_s``, after a failure by
+        ``timeouts.after_failure_s`` (the engine may be why it failed). An error
+        of the clean-up after a failure is logged, never raised over the block's.
+        Only a tag the engine may have released is woken
+        (:class:`~aiosync.capabilities.SleepReporting`; one that does not say is
+        woken). Engines are woken only where :meth:`_drives_generation`.
+
+        Args:
+            engines: the engines to wake; default ``(self.generation,)``.
+        """
+        targets = tuple(engines) if engines is not None else (self.generation,)
+        if not self._drives_generation():
+            targets = ()
+        label = _engine_label(len(targets))
+        failed = True
+        try:
+            await anyio.to_thread.run_sync(self.policy.offload_before_refit)
+            await each_named(targets, lambda _i, e: _wake(e, "weights"), label)
+            yield
+            failed = False
+        finally:
+            with anyio.CancelScope(shield=True):
+                limit = self.timeouts.after_failure_s if failed else self.timeouts.rpc_s
+                try:
+                    await anyio.to_thread.run_sync(self.policy.offload_after_refit)
+                    with anyio.fail_after(limit):
+                        await each_named(targets, lambda _i, e: _wake(e, "kv_cache"), label)
+                except Exception:
+                    if not failed:
+                        raise
+                    _log.exception("colocated refit: the clean-up after a failed sync also failed")
 
     @abstractmethod
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
         """Move the weights of ``version`` to every worker; return the bytes moved.
 
         Raise on any failure; the base class keeps the versions consistent.
+        ``kv_scales`` was checked by :meth:`_check_sync_args`.
         """
 
     async def shutdown(self) -> None:
@@ -542,6 +583,9 @@ class WeightSynchronizer(ABC):
         Subclasses release their own resources, then ``await super().shutdown()``.
         """
         self._closed = True
+        for notifier in self._notifiers:
+            notifier.remove_weights_discarded_listener(self._invalidate_engine_weights)
+        self._notifiers = []
         self._events.close()
 
     def subscribe(self, max_backlog: int | None = None) -> EventSubscription:
@@ -558,6 +602,15 @@ class WeightSynchronizer(ABC):
             raise SyncError(f"{type(self).__name__} was shut down")
 
     async def __aenter__(self) -> Self:
+        """Initialize (:meth:`init_communicator`, unless already done); a set-up
+        error shuts the synchronizer down and propagates from the ``async with``."""
+        if not self._initialized:
+            try:
+                await self.init_communicator()
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await self.shutdown()
+                raise
         return self
 
     async def __aexit__(
@@ -567,6 +620,21 @@ class WeightSynchronizer(ABC):
         tb: TracebackType | None,
     ) -> None:
         await self.shutdown()
+
+
+def _engine_label(count: int) -> Any:
+    return lambda index: f"engine {index} of {count}"
+
+
+def _may_sleep(engine: object, tag: str) -> bool:
+    """Whether ``tag`` may be released on ``engine``: an engine that does not say is woken."""
+    tags = engine.asleep_tags if isinstance(engine, SleepReporting) else None
+    return tags is None or tag in tags
+
+
+async def _wake(engine: Engine, tag: str) -> None:
+    if _may_sleep(engine, tag):
+        await engine.prepare_for_generation([tag])
 
 
 async def refit_if_stale(
@@ -589,7 +657,7 @@ async def refit_if_stale(
     """
     if generation is None:
         generation = sync.generation
-    if not callable(getattr(generation, "prepare_for_generation", None)):
+    if not isinstance(generation, Engine):
         raise TypeError(
             f"generation must be an engine with prepare_for_generation, got "
             f"{type(generation).__name__}; for a fleet pass sync.generation (or omit it)"

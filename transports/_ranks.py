@@ -16,6 +16,8 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from ._wire import error_fields, rebuild_error
+
 __all__ = ["TrainerRanks", "drain"]
 
 
@@ -57,3 +59,33 @@ class TrainerRanks:
             return out
 
         return await anyio.to_thread.run_sync(gather)
+
+    async def agree(self, weights: Iterator[Any], failed: BaseException | None) -> None:
+        """Commit on every rank or fail on every rank alike: the one rank agreement.
+
+        Each rank contributes its outcome (None, or its error as
+        :func:`~aiosync.transports._wire.error_fields`); a rank that failed first
+        drains ``weights`` (the other ranks still gather). Shielded: a cancelled
+        rank still votes, so that no other rank waits for it.
+
+        Raises:
+            This rank's own error if it failed; else the first failed rank's,
+            rebuilt with its type and named (``trainer rank r: ...``); else, if
+            this rank was cancelled while every rank succeeded, the cancellation.
+        """
+        if not self.sharded:
+            if failed is not None:
+                raise failed
+            return
+        with anyio.CancelScope(shield=True):
+            if failed is not None:
+                await anyio.to_thread.run_sync(drain, weights)
+            outcome = None if failed is None else error_fields(failed)
+            outcomes = await self.all_gather(outcome)
+        for rank, fields in enumerate(outcomes):
+            if fields is not None:
+                if rank == self.rank and isinstance(failed, Exception):
+                    raise failed
+                raise rebuild_error(fields, f"trainer rank {rank}") from failed
+        if failed is not None:  # cancelled here, while every rank succeeded
+            raise failed

@@ -288,8 +288,8 @@ async def test_bad_kv_scales_rejected_before_any_transfer(sync, kv_scales, error
 
 async def test_kv_scales_reach_the_transport(sync):
     await sync.mark_stale()
-    await sync.sync_weights({0: 0.5, "model.layers.1.self_attn": 0.25})
-    assert sync.kv_scales_seen == [{0: 0.5, "model.layers.1.self_attn": 0.25}]
+    await sync.sync_weights({0: 0.5, "model.layers.1.self_attn.k_scale": 0.25})
+    assert sync.kv_scales_seen == [{0: 0.5, "model.layers.1.self_attn.k_scale": 0.25}]
 
 
 async def test_shutdown_is_idempotent_and_final(make_sync):

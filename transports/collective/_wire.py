@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from aiosync._kv_scales import attention_layers, kv_scale_entries
 from aiosync.errors import TransportError
 
-from .._kv_scales import attention_layers, kv_scale_entries
 from ..packing import BucketPlan
 
 __all__ = [

@@ -70,10 +70,10 @@ import torch
 
 from aiosync._config import DEFAULT_BUCKET_BYTES, DEFAULT_EVENT_BACKLOG, DEFAULT_SYNC_TIMEOUT_S
 from aiosync._fanout import each_named
+from aiosync._kv_scales import attention_layers, kv_scale_entries
 from aiosync.errors import SyncError, TransportError
 from aiosync.interfaces import InFlightPolicy, KVScales, RefitSource, WeightSynchronizer
 
-from .._kv_scales import attention_layers, kv_scale_entries
 from ..packing import compare_manifests
 from ._segment import SegmentPool
 from ._wire import (

@@ -82,6 +82,7 @@ import zmq
 import zmq.asyncio
 
 from aiosync._config import DEFAULT_EVENT_BACKLOG, DEFAULT_RPC_TIMEOUT_S, DEFAULT_SYNC_TIMEOUT_S
+from aiosync._kv_scales import attention_layers, kv_scale_entries
 from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
 from aiosync.interfaces import (
     InFlightPolicy,
@@ -92,7 +93,6 @@ from aiosync.interfaces import (
 )
 
 from .._identity import CPU_LABEL, device_identity
-from .._kv_scales import attention_layers, kv_scale_entries
 from .._leftovers import dir_prefix, sweep_leftovers
 from .._ranks import TrainerRanks, drain
 from .._wire import decode, encode, error_fields, rebuild_error

@@ -1,0 +1,185 @@
+"""What an engine can do, as small typed Protocols.
+
+The core and the transports ask ``isinstance(engine, PausableEngine)``, never
+``getattr(engine, "pause_generation", None)``: a capability is a name here, with
+its signature, and mypy checks every engine class against the Protocols it claims
+(each engine module ends with a static assertion). Every Protocol is
+``runtime_checkable``, so ``isinstance`` tests that the methods exist (not their
+signatures: mypy does that).
+
+An engine is an :class:`Engine` (wake and sleep); everything else is optional:
+:class:`PausableEngine` (the in-flight policy of every sync),
+:class:`VersionedEngine` (the version label, after every committed sync),
+:class:`DiscardNotifier` (every synchronizer listens), :class:`SleepReporting`
+(the colocated bracket wakes only what slept), :class:`EngineWorkers` (IPC and
+collective drive the workers), :class:`Generating` (the rollout loop) and
+:class:`EngineSet` (a fleet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args, runtime_checkable
+
+if TYPE_CHECKING:
+    from .generation import Generation, SamplingParams
+
+__all__ = [
+    "IN_FLIGHT_POLICIES",
+    "DiscardNotifier",
+    "Engine",
+    "EngineSet",
+    "EngineWorkers",
+    "Generating",
+    "InFlightPolicy",
+    "PausableEngine",
+    "SleepReporting",
+    "VersionedEngine",
+    "WorkerDescribing",
+    "engines_of",
+]
+
+#: What a sync does with the requests the engine is generating when it starts
+#: (see :class:`PausableEngine`): ``"abort"`` ends them now, ``"wait"`` lets them
+#: finish first, ``"keep"`` freezes them and lets the new weights compute their
+#: remaining tokens.
+InFlightPolicy = Literal["abort", "wait", "keep"]
+
+#: The values of :data:`InFlightPolicy`, in that order.
+IN_FLIGHT_POLICIES: tuple[InFlightPolicy, ...] = get_args(InFlightPolicy)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """The inference engine as the training loop sees it (vLLM, SGLang, embedded, a fleet)."""
+
+    async def prepare_for_generation(self, tags: Sequence[str] | None = None) -> None:
+        """Wake the engine: ``tags`` selects ``"weights"`` and/or ``"kv_cache"`` (None: all)."""
+        ...
+
+    async def finish_generation(self) -> None:
+        """Let the engine release device memory while the trainer runs (sleep)."""
+        ...
+
+
+@runtime_checkable
+class PausableEngine(Protocol):
+    """An engine that can hold its requests while a sync runs (vLLM's
+    ``pause_generation``/``resume_generation``, SGLang's ``/pause_generation``)."""
+
+    async def pause_generation(self, mode: InFlightPolicy, clear_cache: bool = True) -> None:
+        """Stop admitting new requests (they wait until resumed); then, for running ones:
+        ``"abort"`` ends them now (marked aborted), ``"wait"`` lets them finish,
+        ``"keep"`` freezes them between two tokens; returns once no forward pass
+        runs. ``clear_cache`` also drops the prefix/KV cache of finished requests
+        (computed by the old weights).
+
+        Raises:
+            ValueError: an unknown ``mode``.
+        """
+        ...
+
+    async def resume_generation(self) -> None:
+        """Admit requests again and let frozen ones continue. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class VersionedEngine(Protocol):
+    """An engine that labels what it generates with the synchronizer's version."""
+
+    async def on_weights_committed(self, version: int) -> None:
+        """``version`` landed on every worker: report it (``weight_version``) from now on."""
+        ...
+
+
+@runtime_checkable
+class DiscardNotifier(Protocol):
+    """An engine that says when it dropped its weights (woken from a level-2 sleep,
+    a worker respawned): the synchronizer then requires a sync before generating."""
+
+    def add_weights_discarded_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` (on the event loop's thread) whenever the weights are dropped."""
+        ...
+
+    def remove_weights_discarded_listener(self, listener: Callable[[], None]) -> None:
+        """Undo :meth:`add_weights_discarded_listener` (no error if absent)."""
+        ...
+
+
+@runtime_checkable
+class SleepReporting(Protocol):
+    """An engine that knows what it released: the colocated bracket wakes only that."""
+
+    @property
+    def asleep_tags(self) -> frozenset[str] | None:
+        """The released tags (``"weights"``, ``"kv_cache"``); None: unknown (wake all)."""
+        ...
+
+
+@runtime_checkable
+class EngineWorkers(Protocol):
+    """An engine whose workers can be driven by name, like vLLM's ``collective_rpc``."""
+
+    async def collective_rpc(
+        self,
+        method: str,
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[Any]:
+        """Call ``method(*args, **kwargs)`` on every worker; one result per worker, rank order."""
+        ...
+
+
+@runtime_checkable
+class WorkerDescribing(Protocol):
+    """An engine (a fleet) that can name a worker by its global rank, for error messages."""
+
+    def describe_worker(self, rank: int) -> str:
+        """E.g. ``"engine 1 of 3, worker 0"``."""
+        ...
+
+
+@runtime_checkable
+class Generating(Protocol):
+    """An engine that generates and says which weights did it (every aiosync engine)."""
+
+    async def generate_with_meta(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | None = None,
+        **keywords: Any,
+    ) -> list[Generation]:
+        """One :class:`~aiosync.Generation` per prompt, in prompt order; ``params``
+        (or the same fields as keywords) as :class:`~aiosync.SamplingParams`."""
+        ...
+
+
+@runtime_checkable
+class EngineSet(Protocol):
+    """Several engines driven as one (an :class:`~aiosync.EngineFleet`)."""
+
+    @property
+    def engines(self) -> Sequence[Any]:
+        """The member engines, in order."""
+        ...
+
+
+def engines_of(generation: object, *, what: str = "engine") -> tuple[Any, ...]:
+    """The engines behind ``generation``: a fleet's members, a list's items, or itself.
+
+    Raises:
+        ValueError: no engine, or the same engine twice.
+    """
+    if isinstance(generation, EngineSet):
+        engines = tuple(generation.engines)
+    elif isinstance(generation, list | tuple):
+        engines = tuple(generation)
+    else:
+        engines = (generation,)
+    if not engines:
+        raise ValueError(f"at least one {what} is needed")
+    if len({id(engine) for engine in engines}) != len(engines):
+        raise ValueError(f"the same {what} appears twice")
+    return engines
