@@ -13,7 +13,8 @@ An engine is an :class:`Engine` (wake and sleep); everything else is optional:
 :class:`DiscardNotifier` (every synchronizer listens), :class:`SleepReporting`
 (the colocated bracket wakes only what slept), :class:`EngineWorkers` (IPC and
 collective drive the workers), :class:`Generating` (the rollout loop) and
-:class:`EngineSet` (a fleet).
+:class:`ValidityReporting` and :class:`ManifestReporting` (checks before a
+sync) and :class:`EngineSet` (a fleet).
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ __all__ = [
     "EngineWorkers",
     "Generating",
     "InFlightPolicy",
+    "ManifestReporting",
     "PausableEngine",
     "SleepReporting",
+    "ValidityReporting",
     "VersionedEngine",
     "WorkerDescribing",
     "engines_of",
@@ -153,6 +156,27 @@ class Generating(Protocol):
     ) -> list[Generation]:
         """One :class:`~aiosync.Generation` per prompt, in prompt order; ``params``
         (or the same fields as keywords) as :class:`~aiosync.SamplingParams`."""
+        ...
+
+
+@runtime_checkable
+class ValidityReporting(Protocol):
+    """An engine that knows whether its weights can be trusted (False after a
+    failed or partial load, until a sync lands)."""
+
+    @property
+    def weights_valid(self) -> bool:
+        """False while some worker may hold a mix of two versions or none."""
+        ...
+
+
+@runtime_checkable
+class ManifestReporting(Protocol):
+    """An engine that can say which checkpoint it loads, so that a transport
+    compares the trainer's manifest with it before any byte moves."""
+
+    async def expected_manifest(self) -> Mapping[str, tuple[tuple[int, ...], Any]] | None:
+        """``{hf_name: (shape, torch.dtype)}`` the engine's loader takes; None: unknown."""
         ...
 
 
