@@ -128,6 +128,16 @@ class EventSubscription:
         except (anyio.EndOfStream, anyio.ClosedResourceError):
             raise StopAsyncIteration from None
 
+    def receive_nowait(self) -> WeightVersionEvent | None:
+        """The next buffered event without waiting; None when none is buffered
+        (or the stream ended). An overflow notice comes as in iteration."""
+        if self._missed and not self._receive.statistics().current_buffer_used:
+            return self._hub._overflow_event(self)
+        try:
+            return self._receive.receive_nowait()
+        except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+            return None
+
     async def aclose(self) -> None:
         """Unsubscribe; buffered events (and an overflow notice not yet read) are discarded."""
         self._hub._remove(self)
