@@ -1,4 +1,7 @@
-"""Named defaults. Every timeout and size aiosync uses without being told lives here."""
+"""Named defaults: the limits every synchronizer applies (:class:`Timeouts`) and sizes.
+
+Engine-side limits (an engine's start-up, SGLang's cache flush) live with their engine.
+"""
 
 from __future__ import annotations
 

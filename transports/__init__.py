@@ -12,9 +12,11 @@
 - :mod:`aiosync.transports.lora` — adapter-only refits of a LoRA trainer through
   the engine's own ``load_lora_adapter``; ``LoRAAdapterSynchronizer``.
 
-Shared by all of them, and nothing else: :mod:`aiosync.transports.packing` (the
-bucket layout and manifest checks) and ``_wire`` (the msgpack frames and the
-errors re-built from a worker). Transports know the engine *contract*
-(``collective_rpc``, the worker mixins, SGLang's HTTP API), never an adapter
-class from :mod:`aiosync.engines`.
+What every transport shares lives in the core (:class:`aiosync.WeightSynchronizer`,
+:mod:`aiosync.capabilities`); what several share on the wire lives here:
+:mod:`aiosync.transports.packing` (bucket layout, manifest checks), ``_wire`` (msgpack
+frames, errors re-built from a worker), ``_ranks`` (a sharded trainer's ranks and their
+agreement), ``_identity`` and ``_cuda_ipc`` (device pairing), ``_leftovers`` (what dead
+processes left). Transports know the engine *contract* (the capability Protocols, the
+worker mixins, SGLang's HTTP API), never an adapter class from :mod:`aiosync.engines`.
 """
