@@ -182,8 +182,9 @@ class WeightSynchronizer(ABC):
     ``async with sync:`` initializes the transport (:meth:`init_communicator`)
     and shuts it down at the end of the block.
 
-    Versions: :attr:`policy_version` is the trainer's latest (starts 0),
-    :attr:`weight_version` the version live on **all** workers (starts 0). Both
+    Versions: :attr:`policy_version` is the trainer's latest,
+    :attr:`weight_version` the version live on **all** workers (both start at
+    ``initial_version``, 0 by default). Both
     only go up. A failed or cancelled sync leaves :attr:`weight_version`
     unchanged and :attr:`is_stale` true.
 
@@ -209,11 +210,15 @@ class WeightSynchronizer(ABC):
             ``sync_weights`` call, seconds (the pause, a ``"wait"`` included).
         event_backlog: default ``max_backlog`` of :meth:`subscribe`, in events.
         in_flight: the default :data:`InFlightPolicy` of :meth:`sync_weights`.
+        initial_version: where both versions start (a trainer resumed from its
+            checkpoint at step N passes N, so that versions continue); as with 0,
+            starting equal assumes the engine loaded that checkpoint (else
+            ``mark_stale()`` once).
 
     Raises:
-        ValueError: a limit not finite and > 0, ``event_backlog < 1``, or
-            ``in_flight`` not one of :data:`IN_FLIGHT_POLICIES`.
-        TypeError: ``event_backlog`` is not an int.
+        ValueError: a limit not finite and > 0, ``event_backlog < 1``,
+            ``initial_version < 0``, or ``in_flight`` not one of :data:`IN_FLIGHT_POLICIES`.
+        TypeError: ``event_backlog`` or ``initial_version`` is not an int.
     """
 
     #: Whether the transport moves FP8 KV-cache scales; a ``sync_weights(kv_scales=...)``
@@ -231,8 +236,13 @@ class WeightSynchronizer(ABC):
         sync_timeout_s: float | None = None,
         event_backlog: int = DEFAULT_EVENT_BACKLOG,
         in_flight: InFlightPolicy = "wait",
+        initial_version: int = 0,
     ) -> None:
         _check_in_flight(in_flight)
+        if isinstance(initial_version, bool) or not isinstance(initial_version, int):
+            raise TypeError(f"initial_version must be an int, got {type(initial_version).__name__}")
+        if initial_version < 0:
+            raise ValueError(f"initial_version must be >= 0, got {initial_version}")
         if timeouts is not None and not isinstance(timeouts, Timeouts):
             raise TypeError(f"timeouts must be an aiosync.Timeouts, got {type(timeouts).__name__}")
         if sync_timeout_s is not None and not (
@@ -252,8 +262,8 @@ class WeightSynchronizer(ABC):
         #: The trainer's manifest, read by :meth:`_read_manifest` at init (None before).
         self._manifest: RefitManifest | None = None
         self._event_backlog = event_backlog
-        self._policy_version = 0
-        self._weight_version = 0
+        self._policy_version = initial_version
+        self._weight_version = initial_version
         # True when the engine may hold weights that are not ``weight_version``
         # (a sync failed half-way, or the engine discarded its weights).
         self._engine_dirty = False
@@ -283,12 +293,12 @@ class WeightSynchronizer(ABC):
 
     @property
     def policy_version(self) -> int:
-        """The trainer's latest weight version (starts 0)."""
+        """The trainer's latest weight version (starts at ``initial_version``)."""
         return self._policy_version
 
     @property
     def weight_version(self) -> int:
-        """The version live on all generation workers (starts 0)."""
+        """The version live on all generation workers (starts at ``initial_version``)."""
         return self._weight_version
 
     @property
@@ -647,6 +657,10 @@ async def refit_if_stale(
     Errors of ``sync_weights`` propagate and ``prepare_for_generation`` is
     then not called, so the engine never generates with half-updated weights.
 
+    On a sharded trainer's ranks that do not hold the engine (``generation`` and
+    ``sync.generation`` both None) it syncs if stale and wakes nothing: the same
+    call is right on every rank.
+
     Args:
         generation: the engine to wake; default ``sync.generation`` (the engine,
             or the :class:`~aiosync.EngineFleet` a list of engines became).
@@ -657,6 +671,11 @@ async def refit_if_stale(
     """
     if generation is None:
         generation = sync.generation
+    if generation is None and not sync._drives_generation():
+        if not sync.is_stale:
+            return False
+        await sync.sync_weights()
+        return True
     if not isinstance(generation, Engine):
         raise TypeError(
             f"generation must be an engine with prepare_for_generation, got "

@@ -384,3 +384,40 @@ def test_the_core_runs_on_trio() -> None:
     # the transports that use pyzmq's asyncio sockets need asyncio.
     pytest.importorskip("trio")
     assert anyio.run(_trio_round_trip, backend="trio") == (1, True)
+
+
+async def test_a_resumed_trainer_continues_its_versions(
+    source: ArraySource, engine: RecordingEngine
+) -> None:
+    async with CopySynchronizer(source, engine, initial_version=40) as sync:
+        assert (sync.policy_version, sync.weight_version, sync.is_stale) == (40, 40, False)
+        assert await sync.mark_stale() == 41
+        await sync.sync_weights()
+        assert (sync.weight_version, sync.transfers) == (41, [41])
+    with pytest.raises(ValueError, match="initial_version must be >= 0"):
+        CopySynchronizer(source, engine, initial_version=-1)
+
+
+class NonDriverRank(CopySynchronizer):
+    """A sharded trainer's rank that does not hold the engine (its generation is None)."""
+
+    def _drives_generation(self) -> bool:
+        return False
+
+    async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
+        self.transfers.append(version)
+        return 0
+
+
+async def test_refit_if_stale_is_the_same_call_on_a_rank_without_the_engine(
+    source: ArraySource,
+) -> None:
+    async with NonDriverRank(source, None) as sync:  # type: ignore[arg-type]
+        assert await aiosync.refit_if_stale(sync) is False
+        await sync.mark_stale()
+        assert await aiosync.refit_if_stale(sync) is True
+        assert (sync.transfers, sync.weight_version) == ([1], 1)
+    async with CopySynchronizer(source, None) as driver:  # type: ignore[arg-type]
+        await driver.mark_stale()
+        with pytest.raises(TypeError, match="must be an engine"):
+            await aiosync.refit_if_stale(driver)
