@@ -16,7 +16,9 @@ import contextlib
 import logging
 import math
 import numbers
+import secrets
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,8 +45,9 @@ from .capabilities import (
     PausableEngine,
     SleepReporting,
     VersionedEngine,
+    engines_of,
 )
-from .errors import SyncError, SyncTimeoutError
+from .errors import OwnershipError, SyncError, SyncTimeoutError
 from .events import EventSubscription, VersionEventKind, _EventHub
 
 if TYPE_CHECKING:
@@ -79,6 +82,13 @@ RESUME_AFTER_FAILURE_TIMEOUT_S: float = AFTER_FAILURE_TIMEOUT_S
 GenerationBackend = Engine
 
 _log = logging.getLogger(__name__)
+
+#: Which synchronizer's weights each engine (object) of this process serves: its
+#: owner token and the synchronizer, weakly. An engine has one owner at a time;
+#: the owner is whoever committed last (see ``WeightSynchronizer.owner``).
+_ENGINE_OWNERS: weakref.WeakKeyDictionary[Any, tuple[str, weakref.ref[WeightSynchronizer]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 @runtime_checkable
@@ -277,6 +287,11 @@ class WeightSynchronizer(ABC):
         # (policy_update): a version is one consistent set of weights.
         self._source_lock = anyio.Lock()
         self._events = _EventHub(lambda: (self._policy_version, self._weight_version))
+        #: This synchronizer's owner token: its worker-side sessions and its claim on
+        #: the engine are keyed by it (see :class:`~aiosync.OwnershipError`).
+        self.owner = secrets.token_hex(8)
+        # Why another synchronizer's commit took the engine from this one (None: not).
+        self._superseded: str | None = None
         # One listener per synchronizer, on the engine (a fleet forwards to its
         # members) or on each engine of a plain list; removed by shutdown().
         members = generation if isinstance(generation, list | tuple) else (generation,)
@@ -306,7 +321,8 @@ class WeightSynchronizer(ABC):
         """True when the engine must be refit before it generates.
 
         ``policy_version > weight_version``, or the engine's weights are not
-        trustworthy (a sync failed half-way, or the engine discarded them).
+        trustworthy (a sync failed half-way, the engine discarded them, or
+        another synchronizer committed its own into the engine).
         """
         return self._policy_version > self._weight_version or self._engine_dirty
 
@@ -370,6 +386,41 @@ class WeightSynchronizer(ABC):
         """
         self._check_open()
         self._initialized = True
+        # Initializing is the explicit take-over: a superseded synchronizer syncs again.
+        self._superseded = None
+        for engine in self._engines():
+            claim = _ENGINE_OWNERS.get(engine)
+            if claim is not None and claim[0] != self.owner:
+                # The engine serves another synchronizer's weights, not this one's
+                # weight_version (a restarted trainer's 0 included): sync first.
+                self._engine_dirty = True
+
+    def _engines(self) -> tuple[Any, ...]:
+        """The engine objects this process drives (a fleet's members); none on a
+        sharded trainer's other ranks."""
+        if self.generation is None or not self._drives_generation():
+            return ()
+        try:
+            return engines_of(self.generation)
+        except ValueError:
+            return ()
+
+    def _claim_engines(self, version: int) -> None:
+        """After a commit: this synchronizer owns its engines; a previous live owner
+        becomes stale and learns why on its next sync."""
+        for engine in self._engines():
+            claim = _ENGINE_OWNERS.get(engine)
+            previous = None if claim is None or claim[0] == self.owner else claim[1]()
+            if previous is not None and not previous._closed:
+                previous._engine_dirty = True
+                previous._superseded = (
+                    f"{type(self).__name__} (owner {self.owner}) committed its version "
+                    f"{version} into {type(engine).__name__} at {id(engine):#x}, which now "
+                    "serves its weights"
+                )
+            # An engine object that takes no weak reference is not tracked.
+            with contextlib.suppress(TypeError):
+                _ENGINE_OWNERS[engine] = (self.owner, weakref.ref(self))
 
     async def _read_manifest(self) -> RefitManifest:
         """The source's manifest, built in a worker thread (it may walk a large
@@ -428,6 +479,9 @@ class WeightSynchronizer(ABC):
                 is resumed).
             SyncError: not initialized, or shut down, or the engine discarded its
                 weights while the sync ran (sync again).
+            OwnershipError: another synchronizer committed into the engine since
+                this one last initialized (the message names it); ``init_communicator()``
+                takes the engine over again.
             Whatever the engine's ``resume_generation`` raised after the version
                 committed (``weight_version`` has advanced; the engine may still
                 be paused: call its ``resume_generation``).
@@ -436,6 +490,11 @@ class WeightSynchronizer(ABC):
         self._check_open()
         if not self._initialized:
             raise SyncError("await init_communicator() before sync_weights()")
+        if self._superseded is not None:
+            raise OwnershipError(
+                f"{type(self).__name__} no longer owns its engine: {self._superseded}; "
+                "await init_communicator() to take it over again"
+            )
         # The version is read under the source lock: a policy_update in progress
         # finishes first, and the sync then moves (and names) the updated weights.
         async with self._lock, self._source_lock:
@@ -479,6 +538,7 @@ class WeightSynchronizer(ABC):
                 raise
             self._weight_version = max(self._weight_version, version)
             self._engine_dirty = False
+            self._claim_engines(version)
             resume_error: BaseException | None = None
             try:
                 pause_s = await self._resume_after(paused_at, failed=False)

@@ -421,3 +421,45 @@ async def test_refit_if_stale_is_the_same_call_on_a_rank_without_the_engine(
         await driver.mark_stale()
         with pytest.raises(TypeError, match="must be an engine"):
             await aiosync.refit_if_stale(driver)
+
+
+async def test_an_engine_has_one_owner_and_a_superseded_one_is_told_why(
+    engine: RecordingEngine,
+) -> None:
+    a_source, b_source = ArraySource(), ArraySource()
+    b_source.step()
+    async with CopySynchronizer(a_source, engine) as a, CopySynchronizer(b_source, engine) as b:
+        await a.mark_stale()
+        await a.sync_weights()
+        await b.mark_stale()
+        await b.sync_weights()  # the engine now serves B's weights
+        assert np.array_equal(engine.weights["a"], b_source.weights["a"])
+        assert (a.is_stale, a.weight_version, b.is_stale) == (True, 1, False)
+        assert await a.mark_stale() == 2
+        with pytest.raises(
+            aiosync.OwnershipError, match=f"owner {b.owner}\\) committed its version 1"
+        ):
+            await aiosync.refit_if_stale(a)
+        assert a.transfers == [1]  # refused before anything moved
+        await a.init_communicator()  # the explicit take-over
+        await a.sync_weights()
+        assert np.array_equal(engine.weights["a"], a_source.weights["a"])
+        assert (a.is_stale, b.is_stale, a.weight_version) == (False, True, 2)
+
+
+async def test_a_restarted_trainer_on_a_served_engine_starts_stale(
+    source: ArraySource, engine: RecordingEngine
+) -> None:
+    async with CopySynchronizer(source, engine) as first:
+        for _ in range(4):
+            await first.mark_stale()
+            await first.sync_weights()
+    # A new synchronizer (versions from 0) finds the engine serving another's weights.
+    async with CopySynchronizer(ArraySource(), engine) as restarted:
+        assert (restarted.policy_version, restarted.is_stale) == (0, True)
+        await restarted.sync_weights()
+        assert (restarted.weight_version, restarted.is_stale, restarted.transfers) == (
+            0,
+            False,
+            [0],
+        )
