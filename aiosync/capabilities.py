@@ -153,7 +153,7 @@ class Generating(Protocol):
         prompts: Sequence[Sequence[int]],
         params: SamplingParams | None = None,
         **keywords: Any,
-    ) -> list[Generation]:
+    ) -> Sequence[Generation]:
         """One :class:`~aiosync.Generation` per prompt, in prompt order; ``params``
         (or the same fields as keywords) as :class:`~aiosync.SamplingParams`."""
         ...

@@ -11,28 +11,75 @@ Worker ranks are global: engine ``i``'s workers follow those of engines
 An error of one engine is raised with the engine named (``engine 1 of 2: ...``)
 and fails the whole sync; every engine that may hold part of the failed
 version then refuses to generate until a sync succeeds.
+
+Capabilities (:mod:`aiosync.capabilities`) when some members lack one: what a
+member can skip without lying the fleet forwards to the members that have it
+(:class:`~aiosync.capabilities.PausableEngine`, ``VersionedEngine``,
+``DiscardNotifier``, :class:`RespawningEngine`: a member without them has no
+requests to hold, no label, nothing it discards, no workers it replaces);
+``SleepReporting`` answers None (unknown: wake everything) unless every member
+reports; ``EngineWorkers``, ``Generating`` and ``load_lora_adapter`` need every
+member (an error naming the member that lacks it, before any member is called).
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import anyio
 
 from aiosync._fanout import each_named, named
+from aiosync.capabilities import (
+    IN_FLIGHT_POLICIES,
+    DiscardNotifier,
+    EngineWorkers,
+    Generating,
+    InFlightPolicy,
+    PausableEngine,
+    SleepReporting,
+    VersionedEngine,
+    engines_of,
+)
 from aiosync.errors import SyncError, TransportError
-from aiosync.generation import Generation
-from aiosync.interfaces import IN_FLIGHT_POLICIES, InFlightPolicy
+from aiosync.generation import Generation, SamplingParams, sampling_params
 from aiosync.lora import LoRAAdapter
 
-__all__ = ["EngineFleet"]
+from ._generate import GenerateFromMeta
+
+if TYPE_CHECKING:
+    from aiosync.capabilities import Engine, EngineSet, WorkerDescribing
+
+__all__ = ["EngineFleet", "LoRAEngine", "RespawningEngine"]
 
 _T = TypeVar("_T")
 
+#: The keywords of generate_with_meta that are sampling parameters (the rest
+#: are an engine's own, e.g. the embedded engine's ``timeout_s``).
+_SAMPLING_KEYWORDS = frozenset(f.name for f in fields(SamplingParams)) | {"max_new_tokens"}
 
-class EngineFleet:
+
+@runtime_checkable
+class RespawningEngine(Protocol):
+    """An engine that can replace its dead worker processes (the embedded engine)."""
+
+    async def respawn_dead_workers(self) -> list[int]:
+        """Start a fresh worker for every dead one; returns their ranks (ascending)."""
+        ...
+
+
+@runtime_checkable
+class LoRAEngine(Protocol):
+    """An engine that loads LoRA adapters (every aiosync engine)."""
+
+    async def load_lora_adapter(self, adapter: LoRAAdapter) -> None:
+        """Make ``adapter`` the one every later generation applies."""
+        ...
+
+
+class EngineFleet(GenerateFromMeta):
     """Several engines (vLLM replicas, embedded engines) updated by one synchronizer.
 
     Args:
@@ -45,12 +92,8 @@ class EngineFleet:
     """
 
     def __init__(self, engines: Sequence[Any]) -> None:
-        engines = list(engines)
-        if not engines:
-            raise ValueError("an engine fleet needs at least one engine")
-        if len({id(e) for e in engines}) != len(engines):
-            raise ValueError("an engine appears twice in the fleet")
-        self.engines: list[Any] = engines
+        # A plain list: engines_of would take a fleet given here for its members.
+        self.engines: list[Any] = list(engines_of(list(engines)))
         #: Each engine's first global worker rank, once assigned.
         self._offsets: list[int] | None = None
         self._num_workers = 0
@@ -61,9 +104,8 @@ class EngineFleet:
         # reports the discarded weights: the new worker lacks its rank offset, so
         # the ranks are assigned again on the next collective_rpc.
         for engine in engines:
-            add = getattr(engine, "add_weights_discarded_listener", None)
-            if add is not None:
-                add(self._forget_ranks)
+            if isinstance(engine, DiscardNotifier):
+                engine.add_weights_discarded_listener(self._forget_ranks)
 
     def __len__(self) -> int:
         return len(self.engines)
@@ -120,7 +162,7 @@ class EngineFleet:
             if self._offsets is not None:
                 return
             for i, engine in enumerate(self.engines):
-                if not hasattr(engine, "collective_rpc"):
+                if not isinstance(engine, EngineWorkers):
                     raise TransportError(
                         f"engine {i} ({type(engine).__name__}) has no collective_rpc"
                     )
@@ -178,10 +220,9 @@ class EngineFleet:
         respawned: list[int] = []
         offsets = self._offsets  # the engines' respawns reset it (see __init__)
         for i, engine in enumerate(self.engines):
-            respawn = getattr(engine, "respawn_dead_workers", None)
-            if respawn is None:
+            if not isinstance(engine, RespawningEngine):
                 continue
-            local = await respawn()
+            local = await engine.respawn_dead_workers()
             if local:
                 base = offsets[i] if offsets is not None else 0
                 respawned.extend(base + r for r in local)
@@ -195,9 +236,8 @@ class EngineFleet:
         """Tell every engine that reports weight versions that ``version`` landed."""
 
         async def report(i: int, engine: Any) -> None:
-            committed = getattr(engine, "on_weights_committed", None)
-            if committed is not None:
-                await committed(version)
+            if isinstance(engine, VersionedEngine):
+                await engine.on_weights_committed(version)
 
         await self._on_each(report)
 
@@ -217,9 +257,8 @@ class EngineFleet:
             raise ValueError(f"mode must be one of {IN_FLIGHT_POLICIES}, got {mode!r}")
 
         async def pause(i: int, engine: Any) -> None:
-            method = getattr(engine, "pause_generation", None)
-            if method is not None:
-                await method(mode, clear_cache=clear_cache)
+            if isinstance(engine, PausableEngine):
+                await engine.pause_generation(mode, clear_cache=clear_cache)
 
         await self._on_each(pause)
 
@@ -231,9 +270,8 @@ class EngineFleet:
         """
 
         async def resume(i: int, engine: Any) -> None:
-            method = getattr(engine, "resume_generation", None)
-            if method is not None:
-                await method()
+            if isinstance(engine, PausableEngine):
+                await engine.resume_generation()
 
         await each_named(self.engines, resume, self._label, settle=True)
 
@@ -243,7 +281,7 @@ class EngineFleet:
         an engine does not say (a colocated synchronizer then wakes every time)."""
         union: set[str] = set()
         for engine in self.engines:
-            tags = getattr(engine, "asleep_tags", None)
+            tags = engine.asleep_tags if isinstance(engine, SleepReporting) else None
             if tags is None:
                 return None
             union |= set(tags)
@@ -260,16 +298,14 @@ class EngineFleet:
     def add_weights_discarded_listener(self, listener: Callable[[], None]) -> None:
         """Register ``listener`` with every engine that reports discarded weights."""
         for engine in self.engines:
-            add = getattr(engine, "add_weights_discarded_listener", None)
-            if add is not None:
-                add(listener)
+            if isinstance(engine, DiscardNotifier):
+                engine.add_weights_discarded_listener(listener)
 
     def remove_weights_discarded_listener(self, listener: Callable[[], None]) -> None:
         """Undo :meth:`add_weights_discarded_listener`."""
         for engine in self.engines:
-            remove = getattr(engine, "remove_weights_discarded_listener", None)
-            if remove is not None:
-                remove(listener)
+            if isinstance(engine, DiscardNotifier):
+                engine.remove_weights_discarded_listener(listener)
 
     async def load_lora_adapter(self, adapter: LoRAAdapter) -> None:
         """Load ``adapter`` into every engine concurrently (each ``load_lora_adapter``).
@@ -284,70 +320,46 @@ class EngineFleet:
             Whatever an engine's ``load_lora_adapter`` raises, naming the engine.
         """
         for i, engine in enumerate(self.engines):
-            if not callable(getattr(engine, "load_lora_adapter", None)):
+            if not isinstance(engine, LoRAEngine):
                 raise TypeError(f"{self._label(i)} has no load_lora_adapter(adapter)")
         self._lora_refusal = f"loading LoRA adapter {adapter.name!r} did not complete everywhere"
         await self._on_each(lambda i, e: e.load_lora_adapter(adapter))
         self._lora_refusal = None
 
-    async def generate(self, prompts: Sequence[Sequence[int]], **options: Any) -> list[list[int]]:
-        """Split ``prompts`` over the engines (data parallel); results in prompt order.
-
-        Engine ``i`` of ``n`` gets prompts ``i, i + n, ...``; ``options`` (sampling
-        parameters) go to every engine's ``generate``.
-
-        Raises:
-            SyncError: a fleet-wide LoRA adapter load (:meth:`load_lora_adapter`)
-                is in flight or failed.
-            Whatever an engine's ``generate`` raises (e.g. :class:`~aiosync.SyncError`
-            while its weights are not valid), naming the engine.
-        """
-        if self._lora_refusal is not None:
-            raise SyncError(
-                f"the engine fleet refuses to generate: {self._lora_refusal}; a sync must "
-                "succeed first"
-            )
-        n = len(self.engines)
-        parts = [list(prompts[i::n]) for i in range(n)]
-
-        async def run(i: int, engine: Any) -> list[list[int]]:
-            if not parts[i]:
-                return []
-            out: list[list[int]] = await engine.generate(parts[i], **options)
-            return out
-
-        outs = await self._on_each(run)
-        merged: list[list[int]] = [[] for _ in prompts]
-        for i, out in enumerate(outs):
-            merged[i::n] = out
-        return merged
-
     async def generate_with_meta(
         self,
         prompts: Sequence[Sequence[int]],
-        *,
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        ignore_eos: bool = False,
-        logprobs: bool = False,
+        params: SamplingParams | None = None,
+        **keywords: Any,
     ) -> list[Generation]:
-        """:meth:`generate` through every engine's ``generate_with_meta``: one
+        """Split ``prompts`` over the engines (data parallel): one
         :class:`aiosync.Generation` per prompt, in prompt order (of the engine's
         own subclass, e.g. :class:`~aiosync.engines.embedded.engine.EmbeddedGeneration`).
+        :meth:`generate` returns their ``token_ids``.
 
-        The keywords are :class:`aiosync.GenerationBackend`'s, passed to every
-        engine unchanged (so ``seed`` seeds each engine's share alike).
+        Engine ``i`` of ``n`` gets prompts ``i, i + n, ...``. ``params`` and the
+        sampling keywords (:func:`aiosync.generation.sampling_params`) are resolved
+        here, once, and passed to every engine as one
+        :class:`~aiosync.SamplingParams` (so ``seed`` seeds each engine's share
+        alike); other keywords (an engine's own, e.g. ``timeout_s``) go to every
+        engine unchanged.
 
         Raises:
-            TypeError: an engine has no ``generate_with_meta`` (before any generation).
-            SyncError: as :meth:`generate`.
-            Whatever an engine's ``generate_with_meta`` raises, naming the engine.
+            TypeError: an engine has no ``generate_with_meta``; an unknown
+                sampling keyword or no token limit (before any generation).
+            ValueError: bad sampling parameters (before any generation).
+            SyncError: a fleet-wide LoRA adapter load (:meth:`load_lora_adapter`)
+                is in flight or failed.
+            Whatever an engine's ``generate_with_meta`` raises (e.g.
+            :class:`~aiosync.SyncError` while its weights are not valid), naming the engine.
         """
         for i, engine in enumerate(self.engines):
-            if not callable(getattr(engine, "generate_with_meta", None)):
+            if not isinstance(engine, Generating):
                 raise TypeError(f"{self._label(i)} has no generate_with_meta")
+        sampling = sampling_params(
+            params, {k: v for k, v in keywords.items() if k in _SAMPLING_KEYWORDS}
+        )
+        extras = {k: v for k, v in keywords.items() if k not in _SAMPLING_KEYWORDS}
         if self._lora_refusal is not None:
             raise SyncError(
                 f"the engine fleet refuses to generate: {self._lora_refusal}; a sync must "
@@ -359,15 +371,7 @@ class EngineFleet:
         async def run(i: int, engine: Any) -> list[Generation]:
             if not parts[i]:
                 return []
-            out: list[Generation] = await engine.generate_with_meta(
-                parts[i],
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                seed=seed,
-                ignore_eos=ignore_eos,
-                logprobs=logprobs,
-            )
+            out: list[Generation] = await engine.generate_with_meta(parts[i], sampling, **extras)
             return out
 
         outs = await self._on_each(run)
@@ -387,3 +391,23 @@ class EngineFleet:
         """Every worker's status, global rank order (engines that offer it)."""
         outs = await self._on_each(lambda i, e: e.status())
         return [s for out in outs for s in out]
+
+
+if TYPE_CHECKING:
+    # mypy checks the capabilities the fleet claims (aiosync.capabilities).
+    def _claims(
+        f: EngineFleet,
+    ) -> tuple[
+        Engine,
+        PausableEngine,
+        VersionedEngine,
+        DiscardNotifier,
+        SleepReporting,
+        EngineWorkers,
+        WorkerDescribing,
+        Generating,
+        EngineSet,
+        RespawningEngine,
+        LoRAEngine,
+    ]:
+        return (f, f, f, f, f, f, f, f, f, f, f)

@@ -51,6 +51,9 @@ class WorkerIdentityMixin:
 
     _aiosync_rank_offset: int = 0
     _aiosync_dp_base: int = 0
+    #: The label of a CPU worker's device (the embedded engine sets it); None
+    #: elsewhere: the device is found (a GPU's UUID, or ``"cpu"``).
+    device_label: str | None = None
     #: Incremented by the engine whenever it discards this worker's weights (a
     #: level-2 sleep, a memory release): a refit that spans a discard must not
     #: mark the weights valid.
@@ -103,6 +106,7 @@ class WorkerIdentityMixin:
         }
 
     def _aiosync_dp_index(self) -> int:
+        # parallel_config: a vLLM worker's only (the embedded worker has none).
         config = getattr(self, "parallel_config", None)
         index = getattr(config, "data_parallel_index", None)
         if index is None:
@@ -121,7 +125,7 @@ class WorkerIdentityMixin:
     def aiosync_device_identity(self) -> str:
         """This worker's device: its ``device_label``, else the GPU UUID of the
         current CUDA device, else ``"cpu"``."""
-        label = getattr(self, "device_label", None)
+        label = self.device_label
         if label is None and torch.cuda.is_available():
             return device_identity(torch.device("cuda"))
         return device_identity(torch.device("cpu"), label)

@@ -7,5 +7,6 @@ scheduler, no paged KV cache, no CUDA graphs.
 
 - :mod:`aiosync.engines.embedded.model` — :class:`HFModelRunner` (checkpoint-named
   ``load_weights``).
-- :mod:`aiosync.engines.embedded.engine` — :class:`EmbeddedEngine` (worker processes, RPC).
+- :mod:`aiosync.engines.embedded.engine` — :class:`EmbeddedEngine` (the facade); its
+  worker processes and their RPC are ``_pool.WorkerPool``'s.
 """

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import torch
 import zmq
 import zmq.asyncio
@@ -32,7 +33,7 @@ from aiosync.errors import SyncError
 from aiosync.transports._wire import decode, encode, error_fields
 from aiosync.transports.packing import dtype_from_name, dtype_name
 
-from ._gate import GenerationGate, RequestTicket
+from .._gate import GenerationGate, RequestTicket
 
 if TYPE_CHECKING:
     from .model import HFModelRunner
@@ -443,24 +444,24 @@ async def _main(sock: zmq.asyncio.Socket, rank: int, build: Callable[[], Embedde
         return
     await sock.send(encode({"t": "ready", "pid": os.getpid()}))
     parent = multiprocessing.parent_process()
-    tasks: set[asyncio.Task[None]] = set()
     with ThreadPoolExecutor(_RPC_THREADS, thread_name_prefix=f"rpc{rank}") as pool:
-        while True:
-            if not await sock.poll(_PARENT_POLL_MS):
-                if parent is not None and not parent.is_alive():
-                    return
-                continue
-            try:
-                msg = decode(await sock.recv())
-            except Exception:
-                _log.exception("worker %d: dropping a malformed request", rank)
-                continue
-            if msg.get("t") == "shutdown":
-                await sock.send(encode({"t": "bye"}))
-                return
-            task = asyncio.create_task(_handle(worker, sock, msg, pool))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+        async with anyio.create_task_group() as requests:
+            while True:
+                if not await sock.poll(_PARENT_POLL_MS):
+                    if parent is not None and not parent.is_alive():
+                        break
+                    continue
+                try:
+                    msg = decode(await sock.recv())
+                except Exception:
+                    _log.exception("worker %d: dropping a malformed request", rank)
+                    continue
+                if msg.get("t") == "shutdown":
+                    await sock.send(encode({"t": "bye"}))
+                    break
+                requests.start_soon(_handle, worker, sock, msg, pool)
+            # Leaving: the requests still running are not answered.
+            requests.cancel_scope.cancel()
 
 
 async def _handle(

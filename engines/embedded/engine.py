@@ -6,13 +6,8 @@ pause gate between steps: :meth:`EmbeddedEngine.pause_generation`). It gives eve
 transport a real engine to talk to: separate processes (``spawn``), a worker
 object per process with ``model_runner.model.load_weights`` and the worker
 extension mixins, ``collective_rpc`` by method name, sleep/wake, and
-data-parallel generation.
-
-RPCs travel over a ZMQ ``ipc://`` socket in a private (0700) directory
-(``aiosync-engine-<pid>-*`` in the temp dir; :meth:`EmbeddedEngine.start` first
-removes what dead aiosync processes left, :mod:`aiosync.transports._leftovers`) as
-msgpack maps. Every call has a timeout; a worker that dies fails its pending
-calls at once with :class:`~aiosync.errors.TransportError`.
+data-parallel generation. The processes and their RPC are
+:class:`~aiosync.engines.embedded._pool.WorkerPool`'s; this module is the facade.
 
 Requires an asyncio event loop (pyzmq's asyncio sockets).
 
@@ -25,64 +20,58 @@ Example::
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib.util
-import itertools
-import logging
 import math
-import multiprocessing
 import os
-import shutil
-import sys
-import tempfile
-import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
-import anyio
 import torch
-import zmq
-import zmq.asyncio
 
 from aiosync._config import DEFAULT_RPC_TIMEOUT_S
-from aiosync.errors import SyncError, SyncTimeoutError, TransportError
-from aiosync.generation import Generation, version_span
-from aiosync.interfaces import IN_FLIGHT_POLICIES, InFlightPolicy
+from aiosync.capabilities import IN_FLIGHT_POLICIES, InFlightPolicy
+from aiosync.errors import SyncError
+from aiosync.generation import Generation, SamplingParams, sampling_params, version_span
 from aiosync.lora import LoRAAdapter
-from aiosync.transports._leftovers import dir_prefix, sweep_leftovers
-from aiosync.transports._wire import decode, encode, rebuild_error
 from aiosync.transports.packing import dtype_from_name
 
+from .._gate import AdmissionGate
+from .._generate import GenerateFromMeta
+from ._pool import WorkerPool
 from ._worker import run_worker, tensor_from_wire, tensor_to_wire
+
+if TYPE_CHECKING:
+    from aiosync.capabilities import (
+        DiscardNotifier,
+        Engine,
+        EngineWorkers,
+        Generating,
+        ManifestReporting,
+        PausableEngine,
+        SleepReporting,
+        VersionedEngine,
+    )
 
 __all__ = ["DEFAULT_WORKER_EXTENSION", "EmbeddedEngine", "EmbeddedGeneration"]
 
-_log = logging.getLogger(__name__)
-
 #: The worker extension mixed into every worker unless told otherwise.
 DEFAULT_WORKER_EXTENSION = "aiosync.engines.vllm.worker_extension.AiosyncWorkerExtension"
-
-_WORKER_NAME = "aiosync-embedded-"
-# A worker whose bootstrap re-ran a script that starts an engine exits with this code.
-_EXIT_UNGUARDED_MAIN = 87
-_UNGUARDED_MAIN = (
-    "the worker re-ran the main script (multiprocessing's spawn imports it again in every "
-    "worker) and the script started an engine there: put the code that starts the engine under "
-    "'if __name__ == \"__main__\":'"
-)
 
 #: Time allowed for the workers to import torch and build their models, seconds.
 DEFAULT_START_TIMEOUT_S: float = 600.0
 
 
-class EmbeddedEngine:
+class EmbeddedEngine(GenerateFromMeta):
     """N worker processes, each holding the same transformers model.
 
-    Implements :class:`aiosync.GenerationBackend` and :class:`aiosync.EngineWorkers`.
+    An :class:`~aiosync.capabilities.Engine` that is also a
+    :class:`~aiosync.capabilities.PausableEngine`, ``VersionedEngine``,
+    ``DiscardNotifier``, ``SleepReporting``, ``EngineWorkers``, ``Generating``
+    and ``ManifestReporting`` (checked by mypy at the end of this module).
 
     Args:
         model: an HF config (a transformers ``PretrainedConfig`` such as
@@ -158,23 +147,11 @@ class EmbeddedEngine:
         self.dtype = dtype
         self.worker_extension_cls = worker_extension_cls
         self.sleep_level = sleep_level
-        self.rpc_timeout_s = rpc_timeout_s
         self.start_timeout_s = start_timeout_s
         self.threads_per_worker = threads_per_worker
         self.runner_factory = runner_factory
-        self._procs: list[BaseProcess] = []
-        self._dead: dict[int, str] = {}
-        self._pending: dict[int, tuple[int, asyncio.Future[dict[str, Any]]]] = {}
-        self._ids = itertools.count()
-        self._ready: list[asyncio.Future[dict[str, Any]]] = []
-        self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
-        self._reader: asyncio.Task[None] | None = None
-        self._dir: str | None = None
-        self._endpoint = ""
+        self._pool = WorkerPool(num_workers, run_worker, self._worker_args, rpc_timeout_s)
         self._discard_listeners: list[Callable[[], None]] = []
-        self._started = False
-        self._closed = False
         #: The synchronizer's ``weight_version`` of the weights every worker holds;
         #: None before the first sync (the engine's own initial weights).
         self.weight_version: int | None = None
@@ -192,17 +169,39 @@ class EmbeddedEngine:
         # The in-flight policy, kept here first: this object alone sends the
         # workers requests, so while none of its generate calls runs a pause
         # needs no worker RPC (admission closes here), and the weight version
-        # travels with the next request instead of an RPC of its own. Set while
-        # paused; generate calls wait on it.
-        self._resumed: asyncio.Event | None = None
+        # travels with the next request instead of an RPC of its own.
+        self._gate = AdmissionGate("the embedded engine")
         # The workers' gates were paused too (requests were running): resume them.
         self._workers_paused = False
-        # generate calls whose requests the workers may be running.
-        self._generating = 0
         # A generate call was given up (cancelled, timed out) after its request
         # was sent: the workers may still run it, so pauses ask them until a
         # "wait" or "abort" pause has ended every request there.
         self._abandoned = False
+
+    @property
+    def rpc_timeout_s(self) -> float:
+        """Default limit of one :meth:`collective_rpc` (and of ``generate``'s wait), seconds."""
+        return self._pool.rpc_timeout_s
+
+    @rpc_timeout_s.setter
+    def rpc_timeout_s(self, value: float) -> None:
+        self._pool.rpc_timeout_s = value
+
+    def _worker_args(self, rank: int, weights_valid: bool) -> tuple[Any, ...]:
+        """``run_worker``'s arguments for worker ``rank``."""
+        return (
+            rank,
+            self.num_workers,
+            self._pool.endpoint,
+            self._model,
+            self.seed,
+            self.dtype,
+            self.worker_extension_cls,
+            self.threads_per_worker,
+            self.runner_factory,
+            weights_valid,
+            None if self.device_labels is None else self.device_labels[rank],
+        )
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -220,74 +219,14 @@ class EmbeddedEngine:
             TransportError: a worker failed to build its model or exited.
             SyncTimeoutError: the workers were not ready within ``start_timeout_s``.
         """
-        if self._started:
+        if self._pool.started:
             return self
-        if multiprocessing.current_process().name.startswith(_WORKER_NAME):
-            # spawn re-runs the parent's main script in each worker before the worker
-            # starts; a script without a __main__ guard gets here. Exit with a code
-            # the parent turns into the fix, instead of multiprocessing's bootstrap error.
-            sys.stderr.write(f"aiosync: {_UNGUARDED_MAIN}\n")
-            raise SystemExit(_EXIT_UNGUARDED_MAIN)
-        self._started = True
-        loop = asyncio.get_running_loop()
-        # Remove what dead aiosync processes (SIGKILLed trainers, engines) left behind.
-        sweep_leftovers()
-        self._dir = tempfile.mkdtemp(prefix=dir_prefix("engine"))
-        os.chmod(self._dir, 0o700)
-        self._endpoint = f"ipc://{self._dir}/rpc.sock"
-        self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(self._endpoint)
-        self._ready = [loop.create_future() for _ in range(self.num_workers)]
-        self._reader = asyncio.create_task(self._read_replies())
         try:
-            for rank in range(self.num_workers):
-                self._spawn(rank)
-            await self._wait_ready(range(self.num_workers))
+            await self._pool.start(self.start_timeout_s)
         except BaseException:
             await self.shutdown()
             raise
         return self
-
-    def _spawn(self, rank: int, weights_valid: bool = True) -> None:
-        proc = multiprocessing.get_context("spawn").Process(
-            target=run_worker,
-            args=(
-                rank,
-                self.num_workers,
-                self._endpoint,
-                self._model,
-                self.seed,
-                self.dtype,
-                self.worker_extension_cls,
-                self.threads_per_worker,
-                self.runner_factory,
-                weights_valid,
-                None if self.device_labels is None else self.device_labels[rank],
-            ),
-            name=f"{_WORKER_NAME}{rank}",
-            daemon=True,
-        )
-        proc.start()
-        if rank < len(self._procs):
-            self._procs[rank] = proc
-        else:
-            self._procs.append(proc)
-        asyncio.get_running_loop().add_reader(proc.sentinel, self._on_worker_exit, rank)
-
-    async def _wait_ready(self, ranks: Iterable[int]) -> None:
-        try:
-            with anyio.fail_after(self.start_timeout_s):
-                for rank in ranks:
-                    msg = await self._ready[rank]
-                    if msg.get("t") != "ready":
-                        raise rebuild_error(msg, f"engine worker {rank} (starting)")
-        except TimeoutError as exc:
-            raise SyncTimeoutError(
-                f"engine workers not ready within {self.start_timeout_s} s"
-            ) from exc
 
     async def respawn_dead_workers(self) -> list[int]:
         """Start a fresh process for every worker that died; returns their ranks.
@@ -302,19 +241,12 @@ class EmbeddedEngine:
         Raises:
             TransportError, SyncTimeoutError: a new worker failed to start.
         """
-        self._check_running()
-        ranks = sorted(self._dead)
-        if not ranks:
-            return ranks
+        self._pool.check_running()
+        if not self._pool.dead:
+            return []
         # The dead workers' weights are gone whatever happens next.
         self._notify_weights_discarded()
-        loop = asyncio.get_running_loop()
-        for rank in ranks:
-            self._ready[rank] = loop.create_future()
-            del self._dead[rank]
-            self._spawn(rank, weights_valid=False)
-        await self._wait_ready(ranks)
-        return ranks
+        return await self._pool.respawn_dead(self.start_timeout_s)
 
     async def __aenter__(self) -> Self:
         return await self.start()
@@ -330,53 +262,28 @@ class EmbeddedEngine:
     @property
     def socket_dir(self) -> str | None:
         """The private (0700) directory of the RPC socket; None before start."""
-        return self._dir
+        return self._pool.dir
 
     @property
     def pids(self) -> list[int]:
         """Worker process ids, rank order."""
-        return [p.pid or 0 for p in self._procs]
+        return [p.pid or 0 for p in self._pool.procs]
+
+    @property
+    def processes(self) -> list[BaseProcess]:
+        """The worker processes, rank order (for tests and tools)."""
+        return list(self._pool.procs)
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the workers (killing any that do not exit in ``timeout_s``), remove sockets.
 
         Idempotent.
         """
-        if self._closed:
+        if self._pool.closed:
             return
-        self._closed = True
-        resumed, self._resumed = self._resumed, None
-        if resumed is not None:
-            resumed.set()  # waiting generate calls fail fast: the engine is shut down
-        loop = asyncio.get_running_loop()
-        if self._sock is not None:
-            for rank, proc in enumerate(self._procs):
-                if proc.is_alive() and rank not in self._dead:
-                    with contextlib.suppress(zmq.ZMQError):
-                        await self._sock.send_multipart(
-                            [f"w{rank}".encode(), encode({"t": "shutdown"})]
-                        )
-        for proc in self._procs:
-            await anyio.to_thread.run_sync(proc.join, timeout_s)
-            if proc.is_alive():
-                proc.kill()
-                await anyio.to_thread.run_sync(proc.join, timeout_s)
-            with contextlib.suppress(ValueError, OSError):
-                loop.remove_reader(proc.sentinel)
-        self._fail_pending(None, TransportError("the embedded engine was shut down"))
-        for ready in self._ready:
-            if ready.done() and not ready.cancelled():
-                ready.exception()  # retrieved: a start failure was already reported
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
-        if self._sock is not None:
-            self._sock.close(linger=0)
-        if self._ctx is not None:
-            self._ctx.term()
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
+        # Waiting generate calls fail fast: the engine is shut down.
+        self._gate.resume()
+        await self._pool.close(timeout_s)
 
     # -- RPC ------------------------------------------------------------------
 
@@ -401,98 +308,7 @@ class EmbeddedEngine:
             AttributeError, NotImplementedError: re-raised from a worker.
         """
         calls = [(rank, list(args), dict(kwargs or {})) for rank in range(self.num_workers)]
-        return await self._call(method, calls, timeout_s)
-
-    async def _call(
-        self,
-        method: str,
-        calls: Sequence[tuple[int, list[Any], dict[str, Any]]],
-        timeout_s: float | None,
-    ) -> list[Any]:
-        self._check_running()
-        assert self._sock is not None
-        timeout = self.rpc_timeout_s if timeout_s is None else timeout_s
-        loop = asyncio.get_running_loop()
-        futures: list[tuple[int, int, asyncio.Future[dict[str, Any]]]] = []
-        try:
-            for rank, args, kwargs in calls:
-                if rank in self._dead:
-                    raise TransportError(f"engine worker {rank} is dead: {self._dead[rank]}")
-                call_id = next(self._ids)
-                fut: asyncio.Future[dict[str, Any]] = loop.create_future()
-                self._pending[call_id] = (rank, fut)
-                futures.append((rank, call_id, fut))
-                msg = {"id": call_id, "method": method, "args": args, "kwargs": kwargs}
-                try:
-                    await self._sock.send_multipart([f"w{rank}".encode(), encode(msg)])
-                except zmq.ZMQError as exc:
-                    raise TransportError(f"engine worker {rank} unreachable: {exc}") from exc
-            try:
-                with anyio.fail_after(timeout):
-                    replies = [await fut for _, _, fut in futures]
-            except TimeoutError as exc:
-                # The cancelled wait cancels the future it was awaiting, too.
-                late = [rank for rank, _, f in futures if f.cancelled() or not f.done()]
-                raise SyncTimeoutError(
-                    f"{method} did not return within {timeout} s on engine worker(s) {late}"
-                ) from exc
-        finally:
-            for _, call_id, _ in futures:
-                self._pending.pop(call_id, None)
-        results = []
-        for (rank, _, _), reply in zip(futures, replies, strict=True):
-            if not reply.get("ok"):
-                raise rebuild_error(reply, f"engine worker {rank} ({method})")
-            results.append(reply.get("result"))
-        return results
-
-    async def _read_replies(self) -> None:
-        assert self._sock is not None
-        while True:
-            frames = await self._sock.recv_multipart()
-            if len(frames) != 2 or not frames[0].startswith(b"w"):
-                _log.warning("embedded engine: dropping a reply of %d frames", len(frames))
-                continue
-            try:
-                rank = int(frames[0][1:])
-                msg = decode(frames[1])
-            except (ValueError, TransportError) as exc:
-                _log.warning("embedded engine: dropping a malformed reply: %s", exc)
-                continue
-            if msg.get("t") in ("ready", "failed"):
-                if 0 <= rank < len(self._ready) and not self._ready[rank].done():
-                    self._ready[rank].set_result(msg)
-                continue
-            entry = self._pending.get(msg.get("id", -1))
-            if entry is not None and entry[0] == rank and not entry[1].done():
-                entry[1].set_result(msg)
-
-    def _on_worker_exit(self, rank: int) -> None:
-        proc = self._procs[rank]
-        loop = asyncio.get_event_loop()
-        loop.remove_reader(proc.sentinel)
-        proc.join(1)  # already exited (its sentinel fired): reaps it
-        reason = f"process {proc.pid} exited with code {proc.exitcode}"
-        if proc.exitcode == _EXIT_UNGUARDED_MAIN:
-            reason += f": {_UNGUARDED_MAIN}"
-        self._dead[rank] = reason
-        if not self._closed:
-            _log.warning("embedded engine worker %d: %s", rank, reason)
-        error = TransportError(f"engine worker {rank} died: {reason}")
-        if rank < len(self._ready) and not self._ready[rank].done():
-            self._ready[rank].set_exception(error)
-        self._fail_pending(rank, error)
-
-    def _fail_pending(self, rank: int | None, error: Exception) -> None:
-        for worker, fut in list(self._pending.values()):
-            if (rank is None or worker == rank) and not fut.done():
-                fut.set_exception(error)
-
-    def _check_running(self) -> None:
-        if self._closed:
-            raise TransportError("the embedded engine was shut down")
-        if not self._started or self._sock is None:
-            raise SyncError("await EmbeddedEngine.start() first")
+        return await self._pool.call(method, calls, timeout_s)
 
     # -- GenerationBackend ----------------------------------------------------
 
@@ -510,7 +326,7 @@ class EmbeddedEngine:
             TransportError, SyncTimeoutError: as :meth:`collective_rpc`.
         """
         self.weight_version = version
-        if self._resumed is None:
+        if not self._gate.paused:
             await self.collective_rpc("embedded_set_weight_version", (version,))
 
     async def pause_generation(self, mode: InFlightPolicy, clear_cache: bool = True) -> None:
@@ -542,10 +358,9 @@ class EmbeddedEngine:
                 cancel scope, as the synchronizer does).
         """
         _check_mode(mode)
-        self._check_running()
-        if self._resumed is None:
-            self._resumed = asyncio.Event()
-        if self._generating or self._workers_paused or self._abandoned:
+        self._pool.check_running()
+        self._gate.pause()
+        if self._gate.running or self._workers_paused or self._abandoned:
             # Set before the call: a pause that fails half-way is resumed all the same.
             self._workers_paused = True
             await self.collective_rpc("embedded_pause_generation", (mode,), timeout_s=math.inf)
@@ -562,9 +377,7 @@ class EmbeddedEngine:
         if self._workers_paused:
             await self.collective_rpc("embedded_resume_generation", (self.weight_version,))
             self._workers_paused = False
-        resumed, self._resumed = self._resumed, None
-        if resumed is not None:
-            resumed.set()
+        self._gate.resume()
 
     async def prepare_for_generation(self, tags: Sequence[str] | None = None) -> None:
         """Wake ``tags`` (``"weights"``, ``"kv_cache"``; None: all) on every worker.
@@ -623,7 +436,7 @@ class EmbeddedEngine:
         Raises:
             TransportError, SyncTimeoutError: as :meth:`collective_rpc`.
         """
-        (reply,) = await self._call("embedded_expected_manifest", [(0, [], {})], None)
+        (reply,) = await self._pool.call("embedded_expected_manifest", [(0, [], {})], None)
         return {name: (tuple(shape), dtype_from_name(dtype)) for name, shape, dtype in reply}
 
     def _notify_weights_discarded(self) -> None:
@@ -644,77 +457,32 @@ class EmbeddedEngine:
         if listener in self._discard_listeners:
             self._discard_listeners.remove(listener)
 
-    async def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        *,
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        ignore_eos: bool = False,
-        timeout_s: float | None = None,
-    ) -> list[list[int]]:
-        """Generate for each prompt (token ids), split over the workers; only new ids returned.
-
-        Greedy when ``temperature == 0``. Prompts are split into contiguous
-        chunks, one per worker (data parallel); results come back in order.
-        Each prompt advances one token per step; while the engine is paused
-        (:meth:`pause_generation`) a call waits for :meth:`resume_generation`.
-        A request aborted by a pause returns the tokens it had
-        (:meth:`generate_with_meta` says which were aborted).
-
-        With a LoRA adapter loaded (:meth:`load_lora_adapter`) every prompt is
-        generated with it.
-
-        Raises:
-            SyncError: a worker's weights are invalid (after a failed refit or a
-                level-2 sleep) or asleep, or a LoRA adapter load is in flight or failed.
-            TransportError, SyncTimeoutError: as :meth:`collective_rpc`.
-        """
-        results = await self.generate_with_meta(
-            prompts,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            ignore_eos=ignore_eos,
-            timeout_s=timeout_s,
-        )
-        return [r.token_ids for r in results]
-
     async def generate_with_meta(
         self,
         prompts: Sequence[Sequence[int]],
+        params: SamplingParams | None = None,
         *,
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        ignore_eos: bool = False,
-        logprobs: bool = False,
         timeout_s: float | None = None,
-    ) -> list[EmbeddedGeneration]:
-        """:meth:`generate`, with each result's standing: one :class:`EmbeddedGeneration`
-        (an :class:`aiosync.Generation`) per prompt, in prompt order.
+        **keywords: Any,
+    ) -> list[Generation]:
+        """Generate for each prompt (token ids), split over the workers: one
+        :class:`EmbeddedGeneration` (an :class:`aiosync.Generation`) per prompt, in
+        prompt order, holding only the new ids. :meth:`generate` returns their
+        ``token_ids``.
 
-        The keywords are those of :class:`aiosync.GenerationBackend`'s
-        ``generate_with_meta`` (the same on vLLM and SGLang), plus ``timeout_s``.
+        Prompts are split into contiguous chunks, one per worker (data parallel).
+        Each prompt advances one token per step; while the engine is paused
+        (:meth:`pause_generation`) a call waits for :meth:`resume_generation`. A
+        request aborted by a pause returns the tokens it had (``aborted``). With a
+        LoRA adapter loaded (:meth:`load_lora_adapter`) every prompt is generated
+        with it.
 
         Args:
             prompts: one list of token ids per prompt (non-empty).
-            max_new_tokens: the most tokens per prompt, >= 1.
-            temperature: 0.0 is greedy; else sampling from
-                ``softmax(logits / temperature)``.
-            top_p: nucleus sampling: only the most probable tokens whose mass
-                reaches ``top_p``, in ``(0, 1]`` (1.0: all; ignored when greedy).
-            seed: seeds the sampler of each worker (the same seed on a worker
-                gives the same tokens); None: random.
-            ignore_eos: do not stop at an EOS token.
-            logprobs: fill ``Generation.logprobs``: each token's natural-log
-                probability under the raw distribution, ``log_softmax(logits)``
-                of the float32 logits before temperature and top-p (vLLM's
-                default ``raw_logprobs``).
+            params: how to sample (:class:`aiosync.SamplingParams`), or its fields
+                as keywords (``max_new_tokens=``, ``temperature=``, ``top_p=``,
+                ``seed=`` seeding each worker's sampler, ``ignore_eos=``,
+                ``logprobs=``); see :func:`aiosync.generation.sampling_params`.
             timeout_s: limit for the call, seconds (None: ``rpc_timeout_s``).
 
         Each result's versions are the engine's own: the synchronizer's
@@ -723,16 +491,14 @@ class EmbeddedEngine:
         ``finish_reason`` is ``"stop"`` (EOS), ``"length"`` or ``"abort"``.
 
         Raises:
-            ValueError: ``max_new_tokens < 1``, ``temperature < 0``, ``top_p``
-                outside ``(0, 1]``, or an empty prompt (raised by the worker).
-            SyncError, TransportError, SyncTimeoutError: as :meth:`generate`.
+            ValueError: bad sampling parameters (:class:`~aiosync.SamplingParams`),
+                or an empty prompt (raised by the worker).
+            TypeError: an unknown keyword, or no token limit.
+            SyncError: a worker's weights are invalid (after a failed refit or a
+                level-2 sleep) or asleep, or a LoRA adapter load is in flight or failed.
+            TransportError, SyncTimeoutError: as :meth:`collective_rpc`.
         """
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        sampling = sampling_params(params, keywords)
         if self._lora_refusal is not None:
             raise SyncError(
                 f"the embedded engine refuses to generate: {self._lora_refusal}; a sync must "
@@ -740,63 +506,40 @@ class EmbeddedEngine:
             )
         timeout = self.rpc_timeout_s if timeout_s is None else timeout_s
         async with self._admitted(timeout) as remaining_s:
-            return await self._generate(
-                prompts, max_new_tokens, temperature, top_p, seed, ignore_eos, logprobs, remaining_s
-            )
+            return await self._generate(prompts, sampling, remaining_s)
 
     @contextlib.asynccontextmanager
     async def _admitted(self, timeout_s: float) -> AsyncIterator[float]:
         """Admit one generate call: wait while paused, then count it as running
         until the block ends. Yields what is left of ``timeout_s``, seconds."""
-        start = time.monotonic()
-        try:
-            with anyio.fail_after(timeout_s):
-                while (resumed := self._resumed) is not None:
-                    await resumed.wait()
-        except TimeoutError as exc:
-            raise SyncTimeoutError(
-                f"generate waited {timeout_s} s for the engine to resume generation"
-            ) from exc
-        self._check_running()
-        # No await between the check above and the count: a pause either sees
-        # this call running or admits nothing.
-        self._generating += 1
-        try:
-            yield max(0.0, timeout_s - (time.monotonic() - start))
-        except BaseException:
-            self._abandoned = True
-            raise
-        finally:
-            self._generating -= 1
+        async with self._gate.shared(timeout_s) as remaining_s:
+            self._pool.check_running()
+            try:
+                yield remaining_s
+            except BaseException:
+                self._abandoned = True
+                raise
 
     async def _generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        max_new_tokens: int,
-        temperature: float,
-        top_p: float,
-        seed: int | None,
-        ignore_eos: bool,
-        logprobs: bool,
-        timeout_s: float,
-    ) -> list[EmbeddedGeneration]:
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, timeout_s: float
+    ) -> list[Generation]:
         batch = [list(p) for p in prompts]
         chunk = -(-len(batch) // self.num_workers) if batch else 0
+        kwargs = {
+            "max_new_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "seed": sampling.seed,
+            "ignore_eos": sampling.ignore_eos,
+            "top_p": sampling.top_p,
+            "logprobs": sampling.logprobs,
+            "weight_version": self.weight_version,
+        }
         calls = []
         for rank in range(self.num_workers):
             part = batch[rank * chunk : (rank + 1) * chunk]
             if part:
-                kwargs = {
-                    "max_new_tokens": max_new_tokens,
-                    "temperature": temperature,
-                    "seed": seed,
-                    "ignore_eos": ignore_eos,
-                    "top_p": top_p,
-                    "logprobs": logprobs,
-                    "weight_version": self.weight_version,
-                }
-                calls.append((rank, [part], kwargs))
-        results = await self._call("embedded_generate_with_meta", calls, timeout_s)
+                calls.append((rank, [part], dict(kwargs)))
+        results = await self._pool.call("embedded_generate_with_meta", calls, timeout_s)
         return [EmbeddedGeneration.from_reply(out) for part in results for out in part]
 
     # -- tests and tools ------------------------------------------------------
@@ -886,3 +629,20 @@ def _model_spec(model: object) -> dict[str, Any] | str:
         "model must be an HF config (a transformers PretrainedConfig or its dict with "
         f"'model_type'), a config.json path or a model folder, got {type(model).__name__}"
     )
+
+
+if TYPE_CHECKING:
+    # mypy checks the capabilities this engine claims (aiosync.capabilities).
+    def _claims(
+        e: EmbeddedEngine,
+    ) -> tuple[
+        Engine,
+        PausableEngine,
+        VersionedEngine,
+        DiscardNotifier,
+        SleepReporting,
+        EngineWorkers,
+        Generating,
+        ManifestReporting,
+    ]:
+        return (e, e, e, e, e, e, e, e)

@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from .backend import LORA_PAIR_NAME
+from ._lora import LORA_PAIR_NAME
 
 __all__ = ["VLLMWorkerMixin", "lora_target_problems"]
 

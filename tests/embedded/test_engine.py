@@ -188,7 +188,7 @@ async def test_shutdown_stops_workers_and_removes_the_socket_dir() -> None:
     await engine.start()
     directory = engine.socket_dir
     assert directory is not None and Path(directory).exists()
-    [proc] = engine._procs
+    [proc] = engine.processes
     await engine.shutdown()
     assert not proc.is_alive()
     assert not Path(directory).exists()

@@ -1,0 +1,358 @@
+"""The embedded engine's worker processes and their RPC: :class:`WorkerPool`.
+
+Workers are ``spawn``ed processes (:func:`~aiosync.engines.embedded._worker.run_worker`)
+that connect to one ZMQ ROUTER socket, ``ipc://`` in a private (0700) directory
+(``aiosync-engine-<pid>-*`` in the temp dir; :meth:`WorkerPool.open` first removes
+what dead aiosync processes left, :mod:`aiosync.transports._leftovers`), and
+answer msgpack maps. No reader task runs in the background: whoever waits for a
+reply reads the socket (:meth:`WorkerPool._settle`) and hands every reply to its
+caller's future, so concurrent calls share the reading. A worker that dies
+fails its pending calls at once (its process sentinel is watched on the loop).
+
+Requires an asyncio event loop (pyzmq's asyncio sockets).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from multiprocessing.process import BaseProcess
+from typing import Any, cast
+
+import anyio
+import anyio.to_thread
+import zmq
+import zmq.asyncio
+
+from aiosync.errors import SyncError, SyncTimeoutError, TransportError
+from aiosync.transports._leftovers import dir_prefix, sweep_leftovers
+from aiosync.transports._wire import decode, encode, rebuild_error
+
+__all__ = ["WorkerPool"]
+
+_log = logging.getLogger(__name__)
+
+_WORKER_NAME = "aiosync-embedded-"
+# A worker whose bootstrap re-ran a script that starts an engine exits with this code.
+_EXIT_UNGUARDED_MAIN = 87
+_UNGUARDED_MAIN = (
+    "the worker re-ran the main script (multiprocessing's spawn imports it again in every "
+    "worker) and the script started an engine there: put the code that starts the engine under "
+    "'if __name__ == \"__main__\":'"
+)
+
+#: One ``run_worker`` call per rank: ``(rank, weights_valid) -> args``.
+WorkerArgs = Callable[[int, bool], tuple[Any, ...]]
+
+
+class WorkerPool:
+    """``num_workers`` worker processes and the RPC socket they answer on.
+
+    Args:
+        num_workers: processes, ranks ``0..num_workers-1``.
+        target: the process entry point (``run_worker``).
+        worker_args: ``(rank, weights_valid) -> args`` of ``target``.
+        rpc_timeout_s: default limit of one :meth:`call`, seconds.
+    """
+
+    def __init__(
+        self,
+        num_workers: int,
+        target: Callable[..., None],
+        worker_args: WorkerArgs,
+        rpc_timeout_s: float,
+    ) -> None:
+        self.num_workers = num_workers
+        self.rpc_timeout_s = rpc_timeout_s
+        self._target = target
+        self._worker_args = worker_args
+        #: The worker processes, rank order.
+        self.procs: list[BaseProcess] = []
+        self._dead: dict[int, str] = {}
+        self._pending: dict[int, tuple[int, asyncio.Future[dict[str, Any]]]] = {}
+        self._ids = itertools.count()
+        self._ready: list[asyncio.Future[dict[str, Any]]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self.dir: str | None = None
+        self.endpoint = ""
+        self.started = False
+        self.closed = False
+
+    @property
+    def dead(self) -> list[int]:
+        """Ranks of the workers that died and were not respawned, ascending."""
+        return sorted(self._dead)
+
+    # -- processes ------------------------------------------------------------
+
+    async def start(self, timeout_s: float) -> None:
+        """Bind the socket, spawn every worker and wait until each is ready.
+
+        Raises:
+            TransportError: a worker failed to build its model or exited.
+            SyncTimeoutError: the workers were not ready within ``timeout_s``.
+        """
+        if multiprocessing.current_process().name.startswith(_WORKER_NAME):
+            # spawn re-runs the parent's main script in each worker before the worker
+            # starts; a script without a __main__ guard gets here. Exit with a code
+            # the parent turns into the fix, instead of multiprocessing's bootstrap error.
+            sys.stderr.write(f"aiosync: {_UNGUARDED_MAIN}\n")
+            raise SystemExit(_EXIT_UNGUARDED_MAIN)
+        self.started = True
+        self._loop = asyncio.get_running_loop()
+        self.dir = await anyio.to_thread.run_sync(_private_dir)
+        self.endpoint = f"ipc://{self.dir}/rpc.sock"
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(self.endpoint)
+        self._ready = [self._loop.create_future() for _ in range(self.num_workers)]
+        await self._spawn(range(self.num_workers), weights_valid=True)
+        await self._wait_ready(range(self.num_workers), timeout_s)
+
+    async def respawn_dead(self, timeout_s: float) -> list[int]:
+        """Start a fresh process (weights marked invalid) for every dead worker;
+        returns their ranks.
+
+        Raises:
+            TransportError, SyncTimeoutError: a new worker failed to start.
+        """
+        ranks = self.dead
+        if not ranks:
+            return ranks
+        assert self._loop is not None
+        for rank in ranks:
+            self._ready[rank] = self._loop.create_future()
+            del self._dead[rank]
+        await self._spawn(ranks, weights_valid=False)
+        await self._wait_ready(ranks, timeout_s)
+        return ranks
+
+    async def _spawn(self, ranks: Sequence[int], weights_valid: bool) -> None:
+        context = multiprocessing.get_context("spawn")
+        procs = {
+            rank: context.Process(
+                target=self._target,
+                args=self._worker_args(rank, weights_valid),
+                name=f"{_WORKER_NAME}{rank}",
+                daemon=True,
+            )
+            for rank in ranks
+        }
+
+        def start_all() -> None:
+            # One after the other in one thread: multiprocessing's bookkeeping
+            # of children is not meant for concurrent starts.
+            for proc in procs.values():
+                proc.start()
+
+        # Starting a spawned process blocks (fork-exec, pickling its arguments).
+        await anyio.to_thread.run_sync(start_all)
+        assert self._loop is not None
+        for rank, proc in procs.items():
+            if rank < len(self.procs):
+                self.procs[rank] = proc
+            else:
+                self.procs.append(proc)
+            self._loop.add_reader(proc.sentinel, self._on_worker_exit, rank)
+
+    async def _wait_ready(self, ranks: Iterable[int], timeout_s: float) -> None:
+        ranks = list(ranks)
+        try:
+            with anyio.fail_after(timeout_s):
+                await self._settle([self._ready[rank] for rank in ranks])
+        except TimeoutError as exc:
+            raise SyncTimeoutError(f"engine workers not ready within {timeout_s} s") from exc
+        for rank in ranks:
+            msg = self._ready[rank].result()
+            if msg.get("t") != "ready":
+                raise rebuild_error(msg, f"engine worker {rank} (starting)")
+
+    def _on_worker_exit(self, rank: int) -> None:
+        proc = self.procs[rank]
+        assert self._loop is not None
+        self._loop.remove_reader(proc.sentinel)
+        proc.join(1)  # already exited (its sentinel fired): reaps it
+        reason = f"process {proc.pid} exited with code {proc.exitcode}"
+        if proc.exitcode == _EXIT_UNGUARDED_MAIN:
+            reason += f": {_UNGUARDED_MAIN}"
+        self._dead[rank] = reason
+        if not self.closed:
+            _log.warning("embedded engine worker %d: %s", rank, reason)
+        error = TransportError(f"engine worker {rank} died: {reason}")
+        if rank < len(self._ready) and not self._ready[rank].done():
+            self._ready[rank].set_exception(error)
+        self._fail_pending(rank, error)
+
+    async def close(self, timeout_s: float) -> None:
+        """Stop the workers (killing any that do not exit in ``timeout_s``), remove
+        the socket directory. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._sock is not None:
+            for rank, proc in enumerate(self.procs):
+                if proc.is_alive() and rank not in self._dead:
+                    with contextlib.suppress(zmq.ZMQError):
+                        await self._sock.send_multipart(
+                            [f"w{rank}".encode(), encode({"t": "shutdown"})]
+                        )
+        for proc in self.procs:
+            await anyio.to_thread.run_sync(proc.join, timeout_s)
+            if proc.is_alive():
+                proc.kill()
+                await anyio.to_thread.run_sync(proc.join, timeout_s)
+            if self._loop is not None:
+                with contextlib.suppress(ValueError, OSError):
+                    self._loop.remove_reader(proc.sentinel)
+        closed = TransportError("the embedded engine was shut down")
+        self._fail_pending(None, closed)
+        for ready in self._ready:
+            if not ready.done():
+                ready.set_exception(closed)
+            if not ready.cancelled():
+                ready.exception()  # retrieved: a start failure was already reported
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+        if self.dir is not None:
+            await anyio.to_thread.run_sync(
+                functools.partial(shutil.rmtree, self.dir, ignore_errors=True)
+            )
+
+    # -- RPC ------------------------------------------------------------------
+
+    def check_running(self) -> None:
+        """Raises:
+        TransportError: the pool was closed.
+        SyncError: before :meth:`start`."""
+        if self.closed:
+            raise TransportError("the embedded engine was shut down")
+        if not self.started or self._sock is None:
+            raise SyncError("await EmbeddedEngine.start() first")
+
+    async def call(
+        self,
+        method: str,
+        calls: Sequence[tuple[int, list[Any], dict[str, Any]]],
+        timeout_s: float | None,
+    ) -> list[Any]:
+        """``method(*args, **kwargs)`` on each ``(rank, args, kwargs)``; results in that order.
+
+        Raises:
+            SyncTimeoutError: not every worker answered within ``timeout_s``
+                (None: ``rpc_timeout_s``) seconds.
+            TransportError: a worker is dead or died during the call, or raised
+                an exception of a type aiosync does not re-raise as itself.
+            SyncError (and subclasses), ValueError, TypeError, KeyError,
+            AttributeError, NotImplementedError: re-raised from a worker.
+        """
+        self.check_running()
+        assert self._sock is not None and self._loop is not None
+        timeout = self.rpc_timeout_s if timeout_s is None else timeout_s
+        futures: list[tuple[int, int, asyncio.Future[dict[str, Any]]]] = []
+        try:
+            for rank, args, kwargs in calls:
+                if rank in self._dead:
+                    raise TransportError(f"engine worker {rank} is dead: {self._dead[rank]}")
+                call_id = next(self._ids)
+                fut: asyncio.Future[dict[str, Any]] = self._loop.create_future()
+                self._pending[call_id] = (rank, fut)
+                futures.append((rank, call_id, fut))
+                msg = {"id": call_id, "method": method, "args": args, "kwargs": kwargs}
+                try:
+                    await self._sock.send_multipart([f"w{rank}".encode(), encode(msg)])
+                except zmq.ZMQError as exc:
+                    raise TransportError(f"engine worker {rank} unreachable: {exc}") from exc
+            try:
+                with anyio.fail_after(timeout):
+                    await self._settle([fut for _, _, fut in futures])
+            except TimeoutError as exc:
+                late = [rank for rank, _, f in futures if not f.done()]
+                raise SyncTimeoutError(
+                    f"{method} did not return within {timeout} s on engine worker(s) {late}"
+                ) from exc
+            replies = [fut.result() for _, _, fut in futures]
+        finally:
+            for _, call_id, _ in futures:
+                self._pending.pop(call_id, None)
+        results = []
+        for (rank, _, _), reply in zip(futures, replies, strict=True):
+            if not reply.get("ok"):
+                raise rebuild_error(reply, f"engine worker {rank} ({method})")
+            results.append(reply.get("result"))
+        return results
+
+    async def _settle(self, futures: Sequence[asyncio.Future[dict[str, Any]]]) -> None:
+        """Read replies until every one of ``futures`` is done (by a reply read
+        here or by another waiter, or failed by a worker's death)."""
+        assert self._sock is not None
+        while not self._sock.closed:  # close() failed every pending future
+            self._drain()
+            pending = [f for f in futures if not f.done()]
+            if not pending:
+                return
+            # Waiting for the socket consumes nothing: another waiter may read
+            # the reply first, and a cancelled wait loses none.
+            readable: asyncio.Future[Any] = asyncio.ensure_future(self._sock.poll())  # POLLIN
+            try:
+                await asyncio.wait([readable, *pending], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                readable.cancel()
+
+    def _drain(self) -> None:
+        """Hand every reply the socket holds now to its future (no wait)."""
+        assert self._sock is not None
+        while True:
+            try:
+                # DONTWAIT: pyzmq answers with a future already done.
+                done = cast("asyncio.Future[list[bytes]]", self._sock.recv_multipart(zmq.DONTWAIT))
+                frames = done.result()
+            except zmq.Again:
+                return
+            self._route(frames)
+
+    def _route(self, frames: list[bytes]) -> None:
+        if len(frames) != 2 or not frames[0].startswith(b"w"):
+            _log.warning("embedded engine: dropping a reply of %d frames", len(frames))
+            return
+        try:
+            rank = int(frames[0][1:])
+            msg = decode(frames[1])
+        except (ValueError, TransportError) as exc:
+            _log.warning("embedded engine: dropping a malformed reply: %s", exc)
+            return
+        if msg.get("t") in ("ready", "failed"):
+            if 0 <= rank < len(self._ready) and not self._ready[rank].done():
+                self._ready[rank].set_result(msg)
+            return
+        entry = self._pending.get(msg.get("id", -1))
+        if entry is not None and entry[0] == rank and not entry[1].done():
+            entry[1].set_result(msg)
+
+    def _fail_pending(self, rank: int | None, error: Exception) -> None:
+        for worker, fut in list(self._pending.values()):
+            if (rank is None or worker == rank) and not fut.done():
+                fut.set_exception(error)
+
+
+def _private_dir() -> str:
+    """Remove what dead aiosync processes (SIGKILLed trainers, engines) left
+    behind, then make this engine's 0700 socket directory."""
+    sweep_leftovers()
+    directory = tempfile.mkdtemp(prefix=dir_prefix("engine"))
+    os.chmod(directory, 0o700)
+    return directory
