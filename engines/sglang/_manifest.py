@@ -22,15 +22,27 @@ import copy
 import json
 import os
 import threading
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import anyio.to_thread
 
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
-__all__ = ["UnknownManifest", "checkpoint_manifest", "engine_dtype", "load_hf_config"]
+__all__ = [
+    "ServerManifests",
+    "UnknownManifest",
+    "checkpoint_manifest",
+    "engine_dtype",
+    "load_hf_config",
+]
+
+#: ``{hf_name: (shape, dtype)}`` in checkpoint order.
+Manifest = dict[str, tuple[tuple[int, ...], "torch.dtype"]]
 
 #: SGLang's dtype names (``server_args.dtype``) and the torch dtype each means.
 _DTYPE_NAMES = {
@@ -178,3 +190,92 @@ def checkpoint_manifest(
         raise UnknownManifest(
             f"cannot build {type(config).__name__} as a causal LM: {type(exc).__name__}: {exc}"
         ) from exc
+
+
+class ServerManifests:
+    """One server's manifest, derived from ``/get_server_info`` and cached per configuration.
+
+    Args:
+        hf_config: the served model's HF config as given to the backend (a
+            ``PretrainedConfig``, a dict, a path or a cached Hub id); None: the
+            server's ``model_path``.
+        base_url: the server, for the warning.
+    """
+
+    def __init__(
+        self,
+        hf_config: PretrainedConfig | Mapping[str, Any] | str | os.PathLike[str] | None,
+        base_url: str,
+    ) -> None:
+        self.hf_config = hf_config
+        self._base_url = base_url
+        self._cache: tuple[Any, Manifest] | None = None
+        self._warned = False
+
+    async def derive(self, info: Mapping[str, Any]) -> Manifest | None:
+        """The manifest the server of ``info`` loads, or None when it cannot be built here.
+
+        Built in a worker thread (it imports transformers and builds on ``meta``),
+        with the server's ``json_model_override_args`` applied, in the dtype it runs.
+        None: a ``RuntimeWarning`` says why, once.
+
+        Raises:
+            SyncError: the ``hf_config`` given cannot be loaded or built.
+        """
+        from aiosync.errors import SyncError
+
+        source = self.hf_config if self.hf_config is not None else info.get("model_path")
+        revision = info.get("revision")
+        overrides = _overrides(info.get("json_model_override_args"))
+        dtype = info.get("dtype")
+        key = (
+            id(source) if not isinstance(source, str | os.PathLike) else os.fspath(source),
+            revision,
+            json.dumps(overrides, sort_keys=True, default=str),
+            dtype,
+        )
+        if self._cache is not None and self._cache[0] == key:
+            return dict(self._cache[1])
+        try:
+            if source is None or isinstance(overrides, str):
+                raise UnknownManifest(
+                    "the server reports no model_path"
+                    if source is None
+                    else f"unreadable json_model_override_args: {overrides}"
+                )
+            manifest = await anyio.to_thread.run_sync(_derive, source, revision, overrides, dtype)
+        except UnknownManifest as exc:
+            if self.hf_config is not None:
+                raise SyncError(f"hf_config: {exc}") from exc
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"cannot check the refit manifest against {self._base_url} before the first "
+                    f"bucket ({exc}); pass SGLangHTTPBackend(hf_config=...) to check it",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return None
+        self._cache = (key, manifest)
+        return dict(manifest)
+
+
+def _overrides(raw: Any) -> dict[str, Any] | str:
+    """SGLang's ``json_model_override_args`` (a JSON object as a string); the text if unreadable."""
+    if raw is None or raw == "":
+        return {}
+    if isinstance(raw, Mapping):
+        return dict(raw)
+    try:
+        value = json.loads(str(raw))
+    except ValueError:
+        return str(raw)
+    return dict(value) if isinstance(value, dict) else str(raw)
+
+
+def _derive(source: Any, revision: Any, overrides: Mapping[str, Any], dtype: Any) -> Manifest:
+    """Config → dtype → meta model → checkpoint manifest (worker thread: it imports and builds)."""
+    config = load_hf_config(
+        source, revision=None if revision is None else str(revision), overrides=overrides
+    )
+    return checkpoint_manifest(config, engine_dtype(config, None if dtype is None else str(dtype)))

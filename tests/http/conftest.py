@@ -40,7 +40,7 @@ API_KEY = "test-key-123"
 
 
 class TestServer:
-    """A ``python -m aiosync.engines.sglang.test_server`` process and an admin client."""
+    """A ``python -m aiosync.testing.sglang_server`` process and an admin client."""
 
     __test__ = False
 
@@ -49,7 +49,7 @@ class TestServer:
         cmd = [
             sys.executable,
             "-m",
-            "aiosync.engines.sglang.test_server",
+            "aiosync.testing.sglang_server",
             "--port",
             "0",
             "--port-file",

@@ -5,6 +5,7 @@ The server runs with ``--api-key``, so every test also proves the key is sent.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -244,7 +245,7 @@ async def _interrupted_after_first_bucket(
             await sync.sync_weights()
         assert scope.cancelled_caught
     else:
-        sync.sync_timeout_s = INTERRUPT_SYNC_TIMEOUT_S
+        sync.timeouts = dataclasses.replace(sync.timeouts, sync_s=INTERRUPT_SYNC_TIMEOUT_S)
         with pytest.raises(SyncTimeoutError, match=rf"exceeded {INTERRUPT_SYNC_TIMEOUT_S} s"):
             await sync.sync_weights()
     trainer.on_tensor = None

@@ -50,11 +50,11 @@ async def test_release_after_generation_then_weights_refit_kv_cache_in_order(
         server.reset()
 
         await backend.finish_generation()  # the trainer's turn
-        assert backend.released_tags == {"weights", "kv_cache"}
+        assert backend.asleep_tags == {"weights", "kv_cache"}
         trainer.step(seed=22)
         await sync.mark_stale()
         assert await refit_if_stale(sync, backend)
-        assert backend.released_tags == frozenset()
+        assert backend.asleep_tags == frozenset()
         assert await backend.generate(prompts, max_new_tokens=4) == trainer.reference_generate(
             prompts, 4
         )

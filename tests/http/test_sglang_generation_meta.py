@@ -26,8 +26,8 @@ from aiosync import (
 )
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.sglang import SGLangGeneration
-from aiosync.engines.sglang.test_server import serve_in_subprocess
 from aiosync.refit import DTensorRefitSource
+from aiosync.testing.sglang_server import serve_in_subprocess
 from aiosync.transports.http import HTTPWeightSynchronizer
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -56,7 +56,6 @@ async def env() -> AsyncIterator[SimpleNamespace]:
         SGLangHTTPBackend(url) as backend,
         HTTPWeightSynchronizer(DTensorRefitSource(model), backend) as sync,
     ):
-        await sync.init_communicator()
         await sync.mark_stale()
         await sync.sync_weights()
         assert sync.weight_version == 1
@@ -158,19 +157,11 @@ async def test_an_answer_labelled_newer_than_the_request_spans_both_versions() -
     assert (initial.first_version, initial.last_version) == (None, None)
 
 
-async def test_every_engine_takes_the_same_generation_keywords() -> None:
-    expected = {
-        "prompts": None,
-        "max_new_tokens": inspect.Parameter.empty,
-        "temperature": 0.0,
-        "top_p": 1.0,
-        "seed": None,
-        "ignore_eos": False,
-        "logprobs": False,
-    }
+async def test_every_engine_takes_one_generation_signature() -> None:
+    # generate_with_meta(prompts, params=None, **keywords) on every engine: one
+    # SamplingParams, or its fields as keywords, resolved by one adapter.
     for engine in (EmbeddedEngine, SGLangHTTPBackend, VLLMGenerationBackend, EngineFleet):
-        params = inspect.signature(engine.generate_with_meta).parameters
-        defaults = {
-            name: (None if name == "prompts" else params[name].default) for name in expected
-        }
-        assert defaults == expected, engine.__name__
+        params = list(inspect.signature(engine.generate_with_meta).parameters.values())
+        assert [p.name for p in params[:3]] == ["self", "prompts", "params"], engine.__name__
+        assert params[2].default is None, engine.__name__
+        assert params[-1].kind is inspect.Parameter.VAR_KEYWORD, engine.__name__

@@ -22,7 +22,7 @@ _PARENT = r"""
 import json, os
 import anyio
 from aiosync.engines.embedded.configs import TINY_QWEN3
-from aiosync.engines.sglang.test_server import serve_in_subprocess
+from aiosync.testing.sglang_server import serve_in_subprocess
 
 async def main():
     async with serve_in_subprocess(TINY_QWEN3) as url:
@@ -45,7 +45,7 @@ async def test_server_exits_when_its_parent_is_sigkilled() -> None:
     info = json.loads(await asyncio.wait_for(parent.stdout.readline(), 300))
     [server] = info["children"]
     cmdline = Path(f"/proc/{server}/cmdline").read_bytes().split(b"\0")
-    assert b"aiosync.engines.sglang.test_server" in cmdline
+    assert b"aiosync.testing.sglang_server" in cmdline
     # A pidfd turns readable when the process exits, even one that is not our child.
     pidfd = os.pidfd_open(server)
     try:

@@ -1,32 +1,11 @@
 """The memory behind one posted bucket, owned by the transport and released on every path.
 
-On CPU a bucket lives in a named file in ``/dev/shm`` (POSIX shared memory)
-that this process creates (a :class:`Segment`), maps with ``torch.from_file``
-(``MAP_SHARED``) and unlinks in :meth:`Segment.close`. The server maps the same
-file read-only by name (``torch.from_file(path, False, numel, dtype=...)``), so
-no byte is copied, and nothing else is involved: no ``torch_shm_manager``
-daemon, no process-wide sharing strategy, no reference count that only the
-receiver can drop. That last point is what makes a failed or cancelled post
-safe: torch's ``file_system`` strategy adds a reference per pickled handle and
-only a receiver that decodes it removes it, so an undecoded payload pinned its
-segment for the life of the process (case C15). Here the sender unlinks the
-file as soon as the post was abandoned; a server that mapped it keeps its
-mapping (the memory is freed when both sides unmapped), a server that had not
-opened it yet gets "no such file" and loads nothing.
-
-A :class:`SegmentPool` keeps the segments of *answered* posts, still mapped on
-this side, for the next bucket and the next sync, as the IPC transport keeps
-its ping-pong buffers: the first write to a fresh shared-memory page costs a
-page fault and the kernel zeroing the page, which made packing into fresh
-segments ~14 times slower than the copy itself (386 ms against 27 ms for
-512 MiB on a 2-core CPU host). Reuse is safe because the server answers only
-after ``load_weights`` copied out of its mapping. Any post that was not answered
-(failed, timed out, cancelled, never sent) empties the pool: every segment is
-unlinked and never written again, so a server that decodes a late payload
-reads what was packed or nothing, never a later bucket.
-
-On CUDA the buffer is an ordinary device tensor, shared by CUDA-IPC handle
-(torch's reductions); :meth:`FlatBuffer.release` drops this side's reference.
+On CPU a bucket is a named ``/dev/shm`` file this process creates, maps and
+unlinks (:class:`Segment`); the server maps it read-only by name. A
+:class:`SegmentPool` keeps the segments of answered posts for the next bucket
+and sync; any post not answered empties it, every segment unlinked and never
+written again. On CUDA the buffer is a device tensor shared by CUDA-IPC handle.
+Why, and what a server that decodes a late payload sees: ``docs/sglang.md``.
 """
 
 from __future__ import annotations

@@ -1,44 +1,11 @@
 """SGLang's ``update_weights_from_tensor`` wire format, both ends.
 
-What SGLang's HTTP server accepts (``io_struct.UpdateWeightsFromTensorReqInput``,
-``weight_sync/tensor_bucket.py``, ``tp_worker.deserialize_own_rank``):
-
-* ``serialized_named_tensors``: one base64 string per tensor-parallel rank,
-  each ``MultiprocessingSerializer.serialize(obj)``, i.e. a
-  ``multiprocessing.reduction.ForkingPickler`` pickle. Rank ``r`` loads entry
-  ``r`` with SGLang's ``SafeUnpickler`` (it admits globals under ``torch.``,
-  ``functools.``, ``types.``, ...). The pickle carries tensor *handles*, not
-  bytes: a CUDA-IPC handle for device tensors; for CPU tensors, the name of a
-  ``/dev/shm`` file the transport owns (:mod:`._segment`), rebuilt as
-  ``functools.partial(torch.from_file, dtype=d)(path, False, numel)``, a
-  read-only zero-copy mapping. Not torch's ``file_system`` reductions: those
-  start a ``torch_shm_manager`` daemon that outlives the process (holding its
-  stderr), need the process-wide sharing strategy switched, and pin a segment
-  for every payload the server never decodes (cases C15, C18 of the issue log).
-* with ``load_format="flattened_bucket"`` the object is
-  ``{"flattened_tensor": Tensor[numel], "metadata": [m, ...]}`` where each ``m``
-  has ``name``, ``shape``, ``dtype``, ``start_idx``, ``end_idx``, ``numel``;
-  SGLang rebuilds tensor ``m`` as
-  ``flattened_tensor[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)``
-  (older versions: ``.reshape(m.shape)`` and a cast if the dtype differs).
-
-We send buckets that hold **one dtype** each, flattened in that dtype, with
-element offsets: the same bytes rebuild bit-exactly under both the old
-(single-dtype) and the new (uint8, ``supports_multi_dtypes``) SGLang readers.
-The metadata entries are ``types.SimpleNamespace`` objects: SGLang only reads
-their attributes, its ``SafeUnpickler`` admits ``types.SimpleNamespace``, and
-the trainer needs no SGLang install to produce them.
-
-CUDA handles name the device by UUID, as SGLang's
-``monkey_patch_torch_reductions`` expects (its servers patch the receiving side
-before they load), so a trainer and a server with different
-``CUDA_VISIBLE_DEVICES`` agree on the device.
-
-The receiving end (:func:`decode_flattened_bucket`) is for the test server: a
-restricted unpickler that admits only our segment mapping (a ``/dev/shm`` file
-named as the transport names them, read-only), torch's tensor and storage
-rebuild functions (what SGLang's own ``FlattenedTensorBucket`` senders use) and
-the plain data types of the metadata.
+Buckets of one dtype each, flattened, sent as SGLang's ``flattened_bucket``
+load format: one base64 ``ForkingPickler`` pickle per tensor-parallel rank,
+carrying a handle (a CUDA-IPC handle, or on CPU the name of a ``/dev/shm``
+segment this process owns, :mod:`._segment`) and SimpleNamespace metadata.
+:func:`decode_flattened_bucket` is the receiving end, a restricted unpickler
+for the test server. The format in detail: ``docs/sglang.md``.
 """
 
 from __future__ import annotations
@@ -123,7 +90,7 @@ def plan_flat_buckets(
 
     Tensors are taken in manifest order; each dtype has one open bucket, closed
     when the next tensor of that dtype would overflow it. A tensor larger than
-    ``bucket_bytes`` travels alone in a bucket sized to it (case C1). Buckets
+    ``bucket_bytes`` travels alone in a bucket sized to it. Buckets
     are numbered in the order they close (the order a streaming source fills
     them). Cost is linear in the number of tensors.
 

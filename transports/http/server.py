@@ -1,18 +1,10 @@
 """The SGLang server as the HTTP transport drives it: a protocol, not an adapter class.
 
-:class:`SGLangServer` names exactly the calls a refit makes (SGLang's
-``/get_server_info``, ``/update_weights_from_tensor``, ``/flush_cache``,
-``/update_weight_version`` and the memory-saver ``/resume_memory_occupation``)
-plus the validity bookkeeping that keeps ``generate()`` refused while the
-server holds a mix of two versions.
-:class:`aiosync.SGLangHTTPBackend` satisfies it; so can any client a user
-already has for their SGLang fleet.
-
-:class:`SGLangManifestSource` is optional: a server object that also offers
-``expected_manifest()`` has the trainer's manifest checked against it at
-``init_communicator()``, before the first bucket (SGLang loads a bucket's
-tensors one by one and refuses an unknown name only after the earlier ones
-were overwritten).
+:class:`SGLangServer` names exactly the calls a refit makes, plus the validity
+bookkeeping that keeps generation refused while the server holds a mix of two
+versions; :class:`aiosync.SGLangHTTPBackend` satisfies it, and so can any
+client a user already has. :class:`SGLangManifestSource` is optional (the
+manifest checked at ``init_communicator()``). See ``docs/sglang.md``.
 """
 
 from __future__ import annotations
@@ -36,17 +28,17 @@ class SGLangServer(Protocol):
         tp_size: payloads per ``update_weights_from_tensor`` call (one per
             tensor-parallel rank); None until known (the synchronizer then reads
             ``tp_size`` from :meth:`server_info` and sets it).
-        request_timeout_s: limit for one request other than ``/generate``, seconds.
     """
 
     base_url: str
     enable_memory_saver: bool
     tp_size: int | None
-    request_timeout_s: float
 
     @property
-    def released_tags(self) -> frozenset[str]:
-        """Memory regions (``"weights"``, ``"kv_cache"``, ...) released and not yet resumed."""
+    def asleep_tags(self) -> frozenset[str] | None:
+        """Memory regions (``"weights"``, ``"kv_cache"``, ...) released and not yet
+        resumed (:class:`~aiosync.capabilities.SleepReporting`): the refit wakes only
+        those (SGLang refuses to resume what is not released)."""
         ...
 
     @property
@@ -54,13 +46,18 @@ class SGLangServer(Protocol):
         """False while the server holds discarded or partly loaded weights."""
         ...
 
-    def add_invalidation_listener(self, callback: Callable[[], None]) -> None:
-        """Call ``callback()`` whenever the server discards its weights."""
+    def add_weights_discarded_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` whenever the server discards its weights
+        (:class:`~aiosync.capabilities.DiscardNotifier`; the synchronizer registers one)."""
+        ...
+
+    def remove_weights_discarded_listener(self, listener: Callable[[], None]) -> None:
+        """Undo :meth:`add_weights_discarded_listener` (no error if absent)."""
         ...
 
     def note_weights_loading(self) -> None:
         """The first bucket of a new version is about to be posted: refuse to generate
-        (without calling the invalidation listeners: the caller is the syncing one)."""
+        (without calling the discard listeners: the caller is the syncing one)."""
         ...
 
     def note_weights_loaded(self) -> None:

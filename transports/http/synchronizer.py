@@ -1,66 +1,13 @@
-"""``HTTPWeightSynchronizer``: colocated SGLang, refit through its HTTP API.
+"""``HTTPWeightSynchronizer``: colocated SGLang servers refit through their HTTP API.
 
-The SGLang server stays its own process, reached by URL through an
-:class:`~aiosync.transports.http.SGLangServer` (e.g. an
-:class:`aiosync.SGLangHTTPBackend`). One refit:
-
-1. ``policy.offload_before_refit()`` (free the trainer's optimizer memory);
-2. with the memory saver, wake the server's weights only
-   (``/resume_memory_occupation`` ``tags=["weights"]``; case C5);
-3. stream the source into single-dtype flattened buckets (each tensor checked
-   against the manifest before it is packed); per bucket, one
-   ``/update_weights_from_tensor`` with ``load_format="flattened_bucket"``,
-   one serialized handle per tensor-parallel rank, ``flush_cache=False`` and
-   no ``weight_version`` (SGLang would report it as soon as that bucket
-   loaded, before the flush). Bucket ``k + 1`` is packed while the servers
-   load bucket ``k``. A bucket's memory is reused only after every server
-   answered for it (case C11): on CPU the handle names a ``/dev/shm`` file
-   this process owns, and the synchronizer keeps two such segments mapped
-   from bucket to bucket and sync to sync (a :class:`._segment.SegmentPool`;
-   fresh shared memory costs a page fault per 4 KiB page written, which made
-   packing ~14 times slower than the copy). On every other path (a failed,
-   timed-out or cancelled post, a bucket packed but never posted; case C15)
-   every segment is unlinked and never written again: a server that mapped
-   one keeps its mapping, one that had not opened it gets "no such file"; the
-   next sync creates new ones. :meth:`HTTPWeightSynchronizer.shutdown` unlinks
-   them too (nothing else, no torch daemon, no process-wide setting, is
-   involved). Before the
-   first bucket is posted the backend's weights are marked invalid
-   (``note_weights_loading``): SGLang loads in place, so a sync that fails, times
-   out or is cancelled after that leaves a mix of two versions, and
-   ``generate()`` refuses until a sync completes (``note_weights_loaded``);
-4. ``/flush_cache``, retried while the server is busy (bounded; see
-   ``SGLangServer.flush_cache``), so no KV computed with old weights
-   survives (case C7); then ``/update_weight_version`` with
-   ``new_version=str(version)``, ``abort_all_requests=False``: the server
-   reports the version (``/get_weight_version``, ``meta_info.weight_version``)
-   only once all of it landed and the cache is flushed, so after a failed,
-   timed-out or cancelled sync it still reports the last committed one;
-5. in a ``finally``: ``policy.offload_after_refit()`` and the wake of the
-   remaining memory (KV cache), even when the refit failed.
-
-Several servers (an :class:`aiosync.EngineFleet` of SGLang backends, or a
-list of them) are refit as one: every step above runs on every server
-concurrently, each bucket is posted to every server before the next one, and
-``weight_version`` advances only once every server flushed and took the
-version. A server that fails fails the sync, its error naming it
-(``SGLang server 1 of 2 (http://...): ...``); every server then refuses to
-generate until a sync lands. Should a server refuse ``/update_weight_version``
-after the others took it, those others report a version the synchronizer did
-not commit; they hold all of it, flushed, and still refuse to generate.
-
-FP8 KV-cache scales (``sync_weights(kv_scales=...)``) travel after the
-weights, in one last small float32 bucket, as the engine's
-``model.layers.{i}.self_attn.{k,v}_scale`` 0-d tensors (names from
-:func:`aiosync.transports._kv_scales.kv_scale_entries`, as the IPC and
-collective transports send them); SGLang's loaders take those names in
-``load_weights``. They are checked against the manifest's attention layers
-before any byte moves.
+The trainer streams its weights as single-dtype flattened buckets, one
+``/update_weights_from_tensor`` per bucket and server, then flushes the cache and
+sets the version label (``/update_weight_version``) only once all of it landed.
+The steps, the memory lifetimes and the failure rules: ``docs/sglang.md``.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -68,11 +15,18 @@ from typing import Any, TypeVar
 import anyio
 import torch
 
-from aiosync._config import DEFAULT_BUCKET_BYTES, DEFAULT_EVENT_BACKLOG, DEFAULT_SYNC_TIMEOUT_S
-from aiosync._fanout import each_named
+from aiosync._config import DEFAULT_BUCKET_BYTES, DEFAULT_EVENT_BACKLOG, Timeouts
+from aiosync._fanout import each_named, most_telling
 from aiosync._kv_scales import attention_layers, kv_scale_entries
+from aiosync.capabilities import engines_of
 from aiosync.errors import SyncError, TransportError
-from aiosync.interfaces import InFlightPolicy, KVScales, RefitSource, WeightSynchronizer
+from aiosync.interfaces import (
+    InFlightPolicy,
+    KVScales,
+    RefitManifest,
+    RefitSource,
+    WeightSynchronizer,
+)
 
 from ..packing import compare_manifests
 from ._segment import SegmentPool
@@ -90,8 +44,6 @@ from ._wire import (
 from .server import SGLangManifestSource, SGLangServer
 
 __all__ = ["HTTPWeightSynchronizer"]
-
-logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
@@ -115,7 +67,11 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             first tensor.
         abort_all_requests: ask SGLang to abort running requests before the
             first bucket loads.
-        sync_timeout_s: limit for a whole ``sync_weights`` call, seconds.
+        timeouts: every limit (:class:`~aiosync.Timeouts`): ``sync_s`` for a whole
+            sync, ``rpc_s`` for the KV-cache wake after it, ``after_failure_s`` for
+            each clean-up step after a failure. Each request's own limit is the
+            server object's (``SGLangHTTPBackend(request_timeout_s=...)``).
+        sync_timeout_s: overrides ``timeouts.sync_s``, seconds.
         event_backlog: default backlog of :meth:`subscribe`, in events.
         in_flight: what requests running on the engine do during a sync
             (``"wait"``, ``"abort"``, ``"keep"``; see :class:`~aiosync.WeightSynchronizer`).
@@ -137,7 +93,8 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         device: str | torch.device | None = None,
         abort_all_requests: bool = False,
-        sync_timeout_s: float = DEFAULT_SYNC_TIMEOUT_S,
+        timeouts: Timeouts | None = None,
+        sync_timeout_s: float | None = None,
         event_backlog: int = DEFAULT_EVENT_BACKLOG,
         in_flight: InFlightPolicy = "wait",
         trace: bool = False,
@@ -148,6 +105,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         super().__init__(
             policy,
             generation,
+            timeouts=timeouts,
             sync_timeout_s=sync_timeout_s,
             event_backlog=event_backlog,
             in_flight=in_flight,
@@ -157,7 +115,6 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         self.bucket_bytes = bucket_bytes
         self.device = None if device is None else torch.device(device)
         self.abort_all_requests = abort_all_requests
-        self._manifest: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self._plan: tuple[FlatBucket, ...] = ()
         self._tp_sizes = [1] * len(servers)
         # CPU bucket segments kept between buckets and syncs (see _segment.py); sized
@@ -176,8 +133,8 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         #: answered). ``phases``: ``start``, ``woken`` (weights resumed),
         #: ``streamed`` (last bucket answered), ``flushed``, ``versioned``.
         self.last_trace: dict[str, Any] | None = None
-        for server in servers:
-            server.add_invalidation_listener(self._invalidate_engine_weights)
+        # The base class listens for discards from now on; weights discarded before
+        # this synchronizer existed count too.
         if not all(server.weights_valid for server in servers):
             self._invalidate_engine_weights()
 
@@ -203,9 +160,11 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             With several servers the message names the server.
         """
         self._check_open()
+        manifest = await self._read_manifest()
+        # Shapes as plain int tuples (a source may give torch.Size or numpy ints):
+        # the bucket plan and the server's manifest compare them exactly.
         self._manifest = {
-            name: (tuple(int(d) for d in shape), dtype)
-            for name, (shape, dtype) in self.policy.prepare_refit_info().items()
+            name: (tuple(int(d) for d in shape), dtype) for name, (shape, dtype) in manifest.items()
         }
         self._plan = plan_flat_buckets(self._manifest, self.bucket_bytes)
         # Every ordinary bucket fits every pooled segment; a tensor larger than
@@ -233,46 +192,21 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         if isinstance(server, SGLangManifestSource):
             engine = await server.expected_manifest(info)
             if engine is not None:
-                _compare_unordered(self._manifest, engine)
+                _compare_unordered(self._trainer_manifest, engine)
         return server.tp_size
 
-    async def sync_weights(
-        self, kv_scales: KVScales | None = None, *, in_flight: InFlightPolicy | None = None
-    ) -> None:
-        """Move the current ``policy_version`` to the server (see the base class).
-
-        Args:
-            kv_scales: FP8 KV-cache scales, ``{layer_index: scale}`` (both
-                ``k_scale`` and ``v_scale`` of that layer) or
-                ``{"model.layers.{i}.self_attn.{k|v}_scale": scale}``; posted
-                after the last weight bucket, in one float32 bucket of 0-d
-                tensors (4 bytes per scale), before the cache flush.
-            in_flight: what happens to requests in flight (see the base class);
-                None: ``self.in_flight``.
-
-        Raises:
-            TypeError, ValueError: malformed ``kv_scales``, or a layer index
-                without attention in the manifest (before any request is sent).
-            RefitMismatchError: a full KV-scale name whose layer has no attention
-                in the manifest (before any request is sent), or a source that
-                differs from its manifest.
-            TransportError, SyncTimeoutError: the server failed, refused or did
-                not answer in time.
-            SyncError: not initialized, shut down, or the server discarded its
-                weights during the sync.
-        """
-        if isinstance(kv_scales, Mapping) and kv_scales and self._manifest:
-            kv_scale_entries(kv_scales, attention_layers(self._manifest))
-        await super().sync_weights(kv_scales, in_flight=in_flight)
+    @property
+    def _trainer_manifest(self) -> RefitManifest:
+        """The source's manifest read at :meth:`init_communicator` (empty before)."""
+        return self._manifest or {}
 
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
-        kv = kv_scale_entries(kv_scales, attention_layers(self._manifest))
+        kv = kv_scale_entries(kv_scales, attention_layers(self._trainer_manifest))
         rows: list[dict[str, Any]] | None = [] if self.trace else None
         phases: dict[str, float] = {"start": time.monotonic()}
-        self.policy.offload_before_refit()
-        failed = True
-        try:
-            await self._each(lambda server: server.prepare_for_generation(["weights"]))
+        # Offload the trainer, wake the servers' weights; after the block (also on
+        # failure or cancellation) the KV cache: SGLang's two-phase wake.
+        async with self._colocated_refit(self.servers):
             phases["woken"] = time.monotonic()
             nbytes = await self._send_buckets(kv, rows)
             phases["streamed"] = time.monotonic()
@@ -286,21 +220,9 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             phases["versioned"] = time.monotonic()
             for server in self.servers:
                 server.note_weights_loaded()
-            failed = False
-            if rows is not None:
-                self.last_trace = {"buckets": rows, "phases": phases}
-            return nbytes
-        finally:
-            # Runs on failure and cancellation too: shield it, but bound it.
-            with anyio.CancelScope(shield=True):
-                self.policy.offload_after_refit()
-                try:
-                    await self._each(lambda server: _wake_the_rest(server, failed=failed))
-                except Exception:
-                    if not failed:
-                        raise
-                    # Do not mask the refit's own error with the wake's.
-                    logger.exception("waking the memory left released after a failed refit")
+        if rows is not None:
+            self.last_trace = {"buckets": rows, "phases": phases}
+        return nbytes
 
     async def _send_buckets(
         self,
@@ -314,10 +236,10 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         Two stages overlap: while the server loads bucket ``k`` the next one is
         gathered and packed. At most two buckets exist at a time (one in flight,
         one packed and waiting); each is released only after the server answered
-        for it (case C11): a CPU one back into the segment pool, whose segments
+        for it: a CPU one back into the segment pool, whose segments
         stay mapped for the next bucket and sync. When the stream ends any other
         way every buffer still held is released and the pool emptied, its
-        segments unlinked (case C15): a server may still hold an unanswered
+        segments unlinked: a server may still hold an unanswered
         payload, so none of its memory is ever written again.
         """
         send, receive = anyio.create_memory_object_stream[
@@ -345,7 +267,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             device = self.device or torch.device("cpu")
             async with send:
                 weights = self.policy.iter_weights()
-                groups = group_flat(weights, self._plan, self._manifest)
+                groups = group_flat(weights, self._plan, self._trainer_manifest)
                 while True:
                     started = time.monotonic()
                     # The source gathers and casts (FSDP collectives, copies): in a worker
@@ -400,7 +322,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                         nbytes += bucket.nbytes
             answered = True
         except BaseExceptionGroup as group:
-            raise _sole_error(group) from None
+            raise most_telling(group) from None
         finally:
             if not answered:
                 # A post failed, timed out or was cancelled, or the source raised: a
@@ -466,29 +388,25 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
 
 
 def _servers_of(generation: Any) -> tuple[SGLangServer, ...]:
-    """The servers behind ``generation``: itself, an ``EngineFleet``'s engines, or a list."""
-    if isinstance(generation, SGLangServer):
-        return (generation,)
-    engines = getattr(generation, "engines", None)  # an aiosync.EngineFleet
-    if engines is None and isinstance(generation, list | tuple):
-        engines = generation
-    if engines is None:
+    """The servers behind ``generation`` (itself, a fleet's engines, or a list's items).
+
+    Raises:
+        TypeError: one is not an :class:`SGLangServer` (the message names what it lacks).
+        ValueError: no server, or the same one twice.
+    """
+    servers = engines_of(generation, what="SGLang server")
+    if len(servers) == 1 and servers[0] is generation and not isinstance(generation, SGLangServer):
         raise TypeError(
             "HTTPWeightSynchronizer drives an SGLang server: pass an SGLangHTTPBackend "
             "(or another SGLangServer), or several in an EngineFleet; "
             f"got {type(generation).__name__}{_lacks(generation)}"
         )
-    servers = tuple(engines)
-    if not servers:
-        raise ValueError("HTTPWeightSynchronizer needs at least one SGLang server")
     for i, server in enumerate(servers):
         if not isinstance(server, SGLangServer):
             raise TypeError(
                 f"engine {i} of {len(servers)} is not an SGLang server (SGLangServer): "
                 f"{type(server).__name__}{_lacks(server)}"
             )
-    if len({id(server) for server in servers}) != len(servers):
-        raise ValueError("the same SGLang server appears twice")
     return servers
 
 
@@ -496,23 +414,6 @@ def _lacks(obj: Any) -> str:
     members = {*SGLangServer.__annotations__, *vars(SGLangServer)}
     missing = sorted(m for m in members if not m.startswith("_") and not hasattr(obj, m))
     return f", which lacks {', '.join(missing)}" if missing else ""
-
-
-#: Limit of the KV-cache wake after a failed refit, seconds: a healthy server answers
-#: in milliseconds, and a hung one must not delay the refit's error by its request
-#: timeout (the fault matrix saw 5 + 30 s for a server stopped mid-sync).
-_WAKE_AFTER_FAILURE_S = 2.0
-
-
-async def _wake_the_rest(server: SGLangServer, *, failed: bool) -> None:
-    """Resume what the refit left released (the KV cache), bounded by the request
-    timeout, or by :data:`_WAKE_AFTER_FAILURE_S` after a failed refit."""
-    rest = [tag for tag in server.released_tags if tag != "weights"]
-    limit = server.request_timeout_s
-    if failed:
-        limit = min(limit, _WAKE_AFTER_FAILURE_S)
-    with anyio.fail_after(limit):
-        await server.prepare_for_generation(rest)
 
 
 def _kv_bucket(
@@ -555,12 +456,3 @@ def _compare_unordered(
     reordered = {name: engine[name] for name in trainer if name in engine}
     reordered.update((name, spec) for name, spec in engine.items() if name not in trainer)
     compare_manifests(trainer, reordered)
-
-
-def _sole_error(group: BaseExceptionGroup) -> BaseException:
-    """The one real error of a task group (the other task was only cancelled)."""
-    errors = [e for e in group.exceptions if not isinstance(e, anyio.get_cancelled_exc_class())]
-    if len(errors) == 1:
-        inner = errors[0]
-        return _sole_error(inner) if isinstance(inner, BaseExceptionGroup) else inner
-    return group

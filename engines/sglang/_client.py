@@ -1,0 +1,279 @@
+"""SGLang's native HTTP API as typed calls: one ``httpx`` client, SGLang's errors as aiosync's.
+
+The endpoints a refit makes (``/get_server_info``, ``/update_weights_from_tensor``,
+``/flush_cache``, ``/update_weight_version``, ``/get_weight_version``) live here;
+the engine's behaviour (memory saver, validity, generation) lives in
+:mod:`.backend`. Endpoint bodies and answers: ``docs/sglang.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import httpx
+
+from aiosync.errors import SyncTimeoutError, TransportError
+
+__all__ = [
+    "DEFAULT_FLUSH_TIMEOUT_S",
+    "FLUSH_BACKOFF_INITIAL_S",
+    "FLUSH_BACKOFF_MAX_S",
+    "SGLangClient",
+]
+
+#: Total time ``flush_cache`` keeps retrying a busy server, seconds.
+DEFAULT_FLUSH_TIMEOUT_S: float = 60.0
+#: First wait between ``/flush_cache`` attempts, seconds; doubles each retry.
+FLUSH_BACKOFF_INITIAL_S: float = 0.05
+#: Longest wait between ``/flush_cache`` attempts, seconds.
+FLUSH_BACKOFF_MAX_S: float = 2.0
+# Connecting to a local server never legitimately takes long.
+_CONNECT_TIMEOUT_S = 10.0
+
+
+class SGLangClient:
+    """The HTTP side of an SGLang server: requests, their limits and error translation.
+
+    Every request error is translated here, once: no answer within the limit is
+    a :class:`~aiosync.SyncTimeoutError`; a connection error, a non-2xx answer
+    (the server's own message quoted) or a 401 (the API key named) is a
+    :class:`~aiosync.TransportError`.
+
+    Args:
+        base_url: the server, e.g. ``"http://127.0.0.1:30000"``.
+        api_key: the server's ``--api-key``; sent as ``Authorization: Bearer``.
+        tp_size: entries per ``update_weights_from_tensor`` call; None: unknown.
+        request_timeout_s: limit for one request other than ``/generate``, seconds.
+        flush_timeout_s: how long :meth:`flush_cache` retries a busy server, seconds.
+        transport: an ``httpx.AsyncBaseTransport`` to use (tests, proxies).
+
+    Raises:
+        ValueError: a timeout not > 0, or ``tp_size < 1``.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None,
+        tp_size: int | None,
+        request_timeout_s: float,
+        flush_timeout_s: float,
+        transport: httpx.AsyncBaseTransport | None,
+    ) -> None:
+        for label, value in (
+            ("request_timeout_s", request_timeout_s),
+            ("flush_timeout_s", flush_timeout_s),
+        ):
+            if value <= 0:
+                raise ValueError(f"{label} must be > 0, got {value}")
+        if tp_size is not None and tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+        self.base_url = base_url.rstrip("/")
+        self.tp_size = tp_size
+        self.request_timeout_s = request_timeout_s
+        self.flush_timeout_s = flush_timeout_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(request_timeout_s, connect=_CONNECT_TIMEOUT_S),
+            transport=transport,
+        )
+        # The weight-version label this client last set on the server (None: none yet).
+        self._version_label: str | None = None
+
+    # -- the calls a refit makes ----------------------------------------------------
+
+    async def server_info(self) -> dict[str, Any]:
+        """``/get_server_info``: the server's arguments and state.
+
+        Raises:
+            TransportError: the request failed, or the answer is not an object.
+            SyncTimeoutError: no answer within ``request_timeout_s``.
+        """
+        info = await self._request("GET", "/get_server_info")
+        if not isinstance(info, dict):
+            raise TransportError(f"/get_server_info answered {str(info)[:200]}")
+        return info
+
+    async def resolve_tp_size(self) -> int:
+        """``tp_size`` as given, or as the server reports it (cached).
+
+        Raises:
+            TransportError: the server reports no valid ``tp_size``, or the request failed.
+        """
+        if self.tp_size is None:
+            info = await self.server_info()
+            tp = info.get("tp_size", 1)
+            if not isinstance(tp, int) or tp < 1:
+                raise TransportError(f"/get_server_info reports tp_size={tp!r}")
+            self.tp_size = tp
+        return self.tp_size
+
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[str],
+        *,
+        load_format: str | None,
+        flush_cache: bool = False,
+        abort_all_requests: bool = False,
+        weight_version: str | None = None,
+    ) -> str:
+        """POST ``/update_weights_from_tensor`` (not retried: not idempotent); returns the message.
+
+        ``flush_cache=True`` makes SGLang *assert* the flush inside the update
+        and crash its scheduler when requests are running, so the synchronizer
+        always sends False and flushes with :meth:`flush_cache` afterwards.
+
+        Raises:
+            TransportError: non-2xx, ``success: false``, or a connection error.
+            SyncTimeoutError: no answer within ``request_timeout_s``.
+        """
+        body: dict[str, Any] = {
+            "serialized_named_tensors": list(serialized_named_tensors),
+            "load_format": load_format,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        answer = await self._post("/update_weights_from_tensor", body)
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise TransportError(f"/update_weights_from_tensor failed: {answer.get('message')}")
+        if weight_version is not None:
+            self._version_label = weight_version
+        return str(answer.get("message", "")) if isinstance(answer, dict) else ""
+
+    async def flush_cache(self, timeout_s: float | None = None) -> int:
+        """POST ``/flush_cache`` until it answers 200; returns the attempts made.
+
+        Retry policy: SGLang answers 400 while requests are running or waiting,
+        so a non-2xx answer, a connection error or a per-request timeout is
+        retried (flushing is idempotent) after 0.05 s, doubling to at most 2 s
+        (:data:`FLUSH_BACKOFF_INITIAL_S`, :data:`FLUSH_BACKOFF_MAX_S`), for at
+        most ``timeout_s`` (default ``flush_timeout_s``) seconds in total.
+
+        Raises:
+            TransportError: still failing after ``timeout_s``; names the last answer.
+        """
+        budget = self.flush_timeout_s if timeout_s is None else timeout_s
+        delay = FLUSH_BACKOFF_INITIAL_S
+        attempts = 0
+        last = "no attempt"
+        per_try = min(budget, self.request_timeout_s)
+        with anyio.move_on_after(budget):
+            while True:
+                attempts += 1
+                try:
+                    await self._post("/flush_cache", None, timeout_s=per_try)
+                    return attempts
+                except (TransportError, SyncTimeoutError) as exc:
+                    last = str(exc)
+                await anyio.sleep(delay)
+                delay = min(delay * 2, FLUSH_BACKOFF_MAX_S)
+        raise TransportError(
+            f"/flush_cache did not succeed within {budget} s ({attempts} attempts); last: {last}"
+        )
+
+    async def update_weight_version(
+        self, new_version: str, *, abort_all_requests: bool = False
+    ) -> None:
+        """POST ``/update_weight_version``: the server reports ``new_version`` from now on
+        (``/get_weight_version``, ``meta_info.weight_version``); the weights are untouched.
+
+        Args:
+            new_version: the label, e.g. ``str(sync.weight_version)``.
+            abort_all_requests: abort running requests first (SGLang's default is
+                True; the synchronizer sends False: it flushed an idle cache already).
+
+        Raises:
+            TransportError: non-2xx, ``success: false``, or a connection error.
+            SyncTimeoutError: no answer within ``request_timeout_s``.
+        """
+        body = {"new_version": new_version, "abort_all_requests": abort_all_requests}
+        answer = await self._post("/update_weight_version", body)
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise TransportError(f"/update_weight_version failed: {answer.get('message')}")
+        self._version_label = new_version
+
+    async def get_weight_version(self) -> str | None:
+        """``/get_weight_version``: the ``weight_version`` of the last completed update.
+
+        Raises:
+            TransportError: the request failed, or the answer has no ``weight_version``.
+            SyncTimeoutError: no answer within ``request_timeout_s``.
+        """
+        answer = await self._request("GET", "/get_weight_version")
+        if not isinstance(answer, dict) or "weight_version" not in answer:
+            raise TransportError(f"/get_weight_version answered {str(answer)[:200]}")
+        version = answer["weight_version"]
+        return None if version is None else str(version)
+
+    async def aclose(self) -> None:
+        """Close the HTTP connection pool. Idempotent."""
+        await self._client.aclose()
+
+    # -- plumbing ---------------------------------------------------------------
+
+    async def _post(self, path: str, body: Any, *, timeout_s: float | None = None) -> Any:
+        return await self._request("POST", path, body, timeout_s=timeout_s)
+
+    async def _request(
+        self, method: str, path: str, body: Any = None, *, timeout_s: float | None = None
+    ) -> Any:
+        """One request; the answer's JSON (its text if not JSON, None if empty).
+
+        Raises:
+            SyncTimeoutError: no answer within ``timeout_s`` (default ``request_timeout_s``).
+            TransportError: a connection error, a 401 or another non-2xx answer.
+        """
+        limit = self.request_timeout_s if timeout_s is None else timeout_s
+        timeout = httpx.Timeout(limit, connect=min(limit, _CONNECT_TIMEOUT_S))
+        where = f"{method} {self.base_url}{path}"
+        try:
+            if body is None:
+                response = await self._client.request(method, path, timeout=timeout)
+            else:
+                response = await self._client.request(method, path, json=body, timeout=timeout)
+        except httpx.TimeoutException as exc:
+            raise SyncTimeoutError(f"{where}: no answer within {limit} s ({exc!r})") from exc
+        except httpx.HTTPError as exc:
+            raise TransportError(f"{where}: {type(exc).__name__}: {exc}") from exc
+        if response.status_code == 401:
+            raise TransportError(
+                f"{where}: 401 Unauthorized: the server rejected the API key "
+                f"({'none sent' if 'Authorization' not in self._client.headers else 'wrong key'})"
+            )
+        if not response.is_success:
+            raise TransportError(
+                f"{where}: HTTP {response.status_code}: {_server_message(response)}"
+            )
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            return response.text
+
+
+def _server_message(response: httpx.Response) -> str:
+    """The server's own words: ``error.message``, ``message``, ``error_message``
+    (``LoRAUpdateOutput``), ``error``, or the text."""
+    try:
+        data = response.json()
+    except ValueError:
+        return response.text.strip()[:500] or response.reason_phrase
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if "message" in data:
+            return str(data["message"])
+        if data.get("error_message"):
+            return str(data["error_message"])
+        if error is not None:
+            return str(error)
+    return str(data)[:500]

@@ -1,0 +1,162 @@
+"""``/generate`` both ways: a :class:`~aiosync.SamplingParams` as SGLang's request body,
+SGLang's answer as an :class:`~aiosync.Generation` (:class:`SGLangGeneration`).
+
+The field mapping and the version rules: ``docs/sglang.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiosync.errors import TransportError
+from aiosync.generation import Generation, SamplingParams, parse_version, version_span
+
+__all__ = ["SGLangGeneration", "generate_body"]
+
+
+def generate_body(
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    extra: Mapping[str, Any] | None = None,
+    *,
+    lora_name: str | None = None,
+) -> dict[str, Any]:
+    """The ``/generate`` body (SGLang's ``GenerateReqInput``) for token-id prompts.
+
+    ``sampling_params`` gets ``max_new_tokens`` (= ``params.max_tokens``) and
+    ``temperature`` always; ``top_p``, ``ignore_eos`` and ``sampling_seed``
+    (only with a seed) unless ``extra`` sets them and ``params`` leaves them at
+    their defaults. ``params.logprobs`` is ``return_logprob`` (SGLang's default
+    ``logprob_start_len``: no prompt position is scored); ``lora_name`` is
+    ``lora_path`` (SGLang's field names the adapter, not a path).
+
+    Args:
+        extra: more SGLang ``sampling_params`` fields (``stop``, ...).
+    """
+    sampling = {**(extra or {}), "max_new_tokens": params.max_tokens}
+    sampling["temperature"] = params.temperature
+    for key, value, default in (
+        ("top_p", params.top_p, 1.0),
+        ("ignore_eos", params.ignore_eos, False),
+        ("sampling_seed", params.seed, None),
+    ):
+        if value != default or key not in sampling:
+            sampling[key] = value
+    if sampling["sampling_seed"] is None:
+        del sampling["sampling_seed"]
+    body: dict[str, Any] = {"input_ids": [list(p) for p in prompts], "sampling_params": sampling}
+    if params.logprobs:
+        body["return_logprob"] = True
+    if lora_name is not None:
+        body["lora_path"] = lora_name
+    return body
+
+
+@dataclass(frozen=True, slots=True)
+class SGLangGeneration(Generation):
+    """One ``/generate`` result: an :class:`aiosync.Generation` plus the server's ``meta_info``.
+
+    The :class:`~aiosync.Generation` fields come from the answer: ``token_ids``
+    from ``output_ids``; ``logprobs`` from ``meta_info.output_token_logprobs``
+    (``[[logprob, token_id, text], ...]``, asked with ``return_logprob``);
+    ``finish_reason`` from ``meta_info.finish_reason.type`` (``"stop"``,
+    ``"length"``, ``"abort"``); the versions from ``meta_info.weight_version``
+    (see :meth:`SGLangGeneration.from_answer`).
+
+    Attributes:
+        meta_info: SGLang's ``meta_info`` as the server answered it (``finish_reason``,
+            ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ...).
+    """
+
+    meta_info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def output_ids(self) -> list[int]:
+        """The generated token ids (SGLang's name for :attr:`token_ids`)."""
+        return self.token_ids
+
+    @property
+    def weight_version(self) -> str | None:
+        """``meta_info["weight_version"]``: the version the server reported when it
+        answered (what the last completed ``/update_weight_version`` or versioned
+        update set), None if it reports none."""
+        version = self.meta_info.get("weight_version")
+        return None if version is None else str(version)
+
+    @classmethod
+    def from_answer(
+        cls, item: Any, *, logprobs: bool = False, submitted_version: int | None = None
+    ) -> SGLangGeneration:
+        """From one ``/generate`` answer ``{"output_ids", "meta_info"}``.
+
+        Versions: ``meta_info.weight_version`` (SGLang's ``"default"`` before any
+        update is None) is ``last_version``. SGLang does not say which version
+        computed each token, so when ``submitted_version`` is older (a refit
+        landed between request and answer) ``first_version`` is that older one
+        (counted as spanning both, the cautious side) and ``version_change_at``
+        None. A server that labels every token
+        (``meta_info.aiosync_token_versions``, the test server) gives exact ones.
+
+        Args:
+            item: the answer (one element of a batch answer).
+            logprobs: read ``meta_info.output_token_logprobs`` (the request set
+                ``return_logprob``).
+            submitted_version: the weight version the backend knew live when it
+                sent the request.
+
+        Raises:
+            TransportError: no ``output_ids``, or ``output_token_logprobs`` missing
+                or not one ``[logprob, token_id, ...]`` per output token.
+        """
+        ids = item.get("output_ids", item.get("token_ids")) if isinstance(item, dict) else None
+        if not isinstance(ids, list):
+            raise TransportError(f"/generate answer without output_ids: {str(item)[:200]}")
+        token_ids = [int(i) for i in ids]
+        meta = item.get("meta_info")
+        meta_info = dict(meta) if isinstance(meta, dict) else {}
+        reason = meta_info.get("finish_reason")
+        finish = reason.get("type") if isinstance(reason, dict) else reason
+        finish_reason = None if finish is None else str(finish)
+        values: list[float] | None = None
+        if logprobs:
+            values = _output_logprobs(meta_info.get("output_token_logprobs"), token_ids)
+        labels = meta_info.get("aiosync_token_versions")
+        if isinstance(labels, list) and len(labels) == len(token_ids):
+            first, last, change = version_span([parse_version(v) for v in labels])
+        else:
+            last = parse_version(meta_info.get("weight_version"))
+            first, change = last, None
+            if token_ids and submitted_version is not None and last is not None:
+                first = min(submitted_version, last)
+            if not token_ids:
+                first = last = None
+        return cls(
+            token_ids=token_ids,
+            logprobs=values,
+            first_version=first,
+            last_version=last,
+            version_change_at=change,
+            aborted=finish_reason == "abort",
+            finish_reason=finish_reason,
+            meta_info=meta_info,
+        )
+
+
+def _output_logprobs(entries: Any, token_ids: list[int]) -> list[float]:
+    """``[logprob, ...]`` from SGLang's ``output_token_logprobs``
+    (``[[logprob, token_id, text_or_None], ...]``), checked against ``token_ids``."""
+    if not isinstance(entries, list) or len(entries) != len(token_ids):
+        raise TransportError(
+            f"/generate answered output_token_logprobs {str(entries)[:200]} for "
+            f"{len(token_ids)} output tokens (asked with return_logprob)"
+        )
+    values: list[float] = []
+    for entry, token in zip(entries, token_ids, strict=True):
+        if not (isinstance(entry, list | tuple) and len(entry) >= 2 and entry[1] == token):
+            raise TransportError(
+                f"/generate answered output_token_logprobs entry {entry!r} for token {token}"
+            )
+        values.append(float(entry[0]))
+    return values
