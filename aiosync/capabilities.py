@@ -13,8 +13,8 @@ An engine is an :class:`Engine` (wake and sleep); everything else is optional:
 :class:`DiscardNotifier` (every synchronizer listens), :class:`SleepReporting`
 (the colocated bracket wakes only what slept), :class:`EngineWorkers` (IPC and
 collective drive the workers), :class:`Generating` (the rollout loop) and
-:class:`ValidityReporting` and :class:`ManifestReporting` (checks before a
-sync) and :class:`EngineSet` (a fleet).
+:class:`ValidityReporting`, :class:`ManifestReporting` and
+:class:`ConfigReporting` (checks before a sync) and :class:`EngineSet` (a fleet).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "IN_FLIGHT_POLICIES",
+    "ConfigReporting",
     "DiscardNotifier",
     "Engine",
     "EngineSet",
@@ -177,6 +178,17 @@ class ManifestReporting(Protocol):
 
     async def expected_manifest(self) -> Mapping[str, tuple[tuple[int, ...], Any]] | None:
         """``{hf_name: (shape, torch.dtype)}`` the engine's loader takes; None: unknown."""
+        ...
+
+
+@runtime_checkable
+class ConfigReporting(Protocol):
+    """An engine that can say which model config it computes with, so that a drift
+    that keeps the shapes (another ``rope_theta``) is caught before any byte moves."""
+
+    async def expected_config(self) -> Any | None:
+        """The engine's HF config (a ``PretrainedConfig`` or its ``config.json``
+        dict); None: unknown."""
         ...
 
 

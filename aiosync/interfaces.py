@@ -35,9 +35,11 @@ from ._config import (
     Timeouts,
 )
 from ._fanout import each_named
+from ._hf_config import compare_hf_configs
 from ._kv_scales import attention_layers, kv_scale_entries
 from .capabilities import (
     IN_FLIGHT_POLICIES,
+    ConfigReporting,
     DiscardNotifier,
     Engine,
     EngineWorkers,
@@ -57,6 +59,7 @@ __all__ = [
     "DEFAULT_RESUME_TIMEOUT_S",
     "IN_FLIGHT_POLICIES",
     "RESUME_AFTER_FAILURE_TIMEOUT_S",
+    "ConfigSource",
     "EngineWorkers",
     "GenerationBackend",
     "InFlightPolicy",
@@ -121,6 +124,16 @@ class RefitSource(Protocol):
     def offload_after_refit(self) -> None:
         """Colocated only: undo :meth:`offload_before_refit` after the refit, even on failure."""
         return None
+
+
+@runtime_checkable
+class ConfigSource(Protocol):
+    """A refit source that knows its model's HF config (``DTensorRefitSource`` does):
+    the transports compare it with each engine's at init."""
+
+    def hf_config(self) -> Any | None:
+        """The trainer's HF config (a ``PretrainedConfig`` or its dict); None: unknown."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -427,6 +440,35 @@ class WeightSynchronizer(ABC):
         model or gather); kept for the argument checks of :meth:`sync_weights`."""
         self._manifest = await anyio.to_thread.run_sync(self.policy.prepare_refit_info)
         return self._manifest
+
+    async def _check_model_configs(self) -> None:
+        """Compare the trainer's HF config with each engine's, where both know it
+        (:class:`ConfigSource`, :class:`~aiosync.capabilities.ConfigReporting`).
+
+        Transports call it at init where they compare manifests (before any byte
+        moves; on a sharded trainer inside the region whose errors the ranks share).
+
+        Raises:
+            RefitMismatchError: a field that changes the computation differs
+                (named with both values, and the engine when there are several).
+        """
+        if not isinstance(self.policy, ConfigSource):
+            return
+        trainer = await anyio.to_thread.run_sync(self.policy.hf_config)
+        if trainer is None:
+            return
+        engines = self._engines()
+        count = len(engines)
+
+        async def check(index: int, engine: object) -> None:
+            if not isinstance(engine, ConfigReporting):
+                return
+            config = await engine.expected_config()
+            if config is not None:
+                # each_named puts "engine i of n: " in front when there are several.
+                compare_hf_configs(trainer, config)
+
+        await each_named(engines, check, _engine_label(count))
 
     def _check_sync_args(self, kv_scales: KVScales | None, in_flight: object) -> InFlightPolicy:
         """Every check of :meth:`sync_weights`' arguments, before any event or byte.

@@ -463,3 +463,41 @@ async def test_a_restarted_trainer_on_a_served_engine_starts_stale(
             False,
             [0],
         )
+
+
+class ConfiguredSource(ArraySource):
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        self.config = config
+
+    def hf_config(self) -> dict[str, Any]:
+        return self.config
+
+
+class ConfiguredEngine(RecordingEngine):
+    def __init__(self, config: dict[str, Any] | None) -> None:
+        super().__init__()
+        self.config = config
+
+    async def expected_config(self) -> dict[str, Any] | None:
+        return self.config
+
+
+class ConfigCheckingSync(CopySynchronizer):
+    async def init_communicator(self) -> None:
+        await self._check_model_configs()
+        await super().init_communicator()
+
+
+async def test_config_drift_is_refused_at_init_naming_the_engine_and_fields() -> None:
+    trainer = {"model_type": "qwen3", "rope_theta": 1e6, "rms_norm_eps": 1e-6, "eos_token_id": 1}
+    same = ConfiguredEngine({**trainer, "eos_token_id": 2})
+    drifted = ConfiguredEngine({**trainer, "rope_theta": 1e4})
+    silent = ConfiguredEngine(None)
+    async with ConfigCheckingSync(ConfiguredSource(trainer), same) as sync:
+        assert sync.weight_version == 0
+    with pytest.raises(RefitMismatchError) as info:
+        async with ConfigCheckingSync(ConfiguredSource(trainer), [same, silent, drifted]):  # type: ignore[arg-type]
+            pytest.fail("init must refuse the drifted engine")
+    assert str(info.value).startswith("engine 2 of 3: the model config of the engine differs")
+    assert "rope_parameters.rope_theta: trainer 1000000.0, engine 10000.0" in str(info.value)
