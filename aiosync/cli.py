@@ -26,14 +26,13 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._model_shapes import MODEL_CONFIGS
 
 if TYPE_CHECKING:
-    import torch
     from matplotlib.figure import Figure
     from rich.table import Table
 
@@ -215,37 +214,11 @@ def _checkpoint_manifest(config: dict[str, Any]) -> dict[str, tuple[tuple[int, .
     return {k: (tuple(v.shape), v.dtype) for k, v in revert_weight_conversion(model, state).items()}
 
 
-class _RandomSource:
-    """A trainer whose weights are random tensors of a manifest (a ``RefitSource``)."""
-
-    def __init__(self, manifest: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
-        import torch
-
-        gen = torch.Generator().manual_seed(0)
-        self.manifest = manifest
-        self.weights = {
-            name: torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
-            for name, (shape, dtype) in manifest.items()
-        }
-
-    def prepare_refit_info(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return dict(self.manifest)
-
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self.weights.items()
-
-    def offload_before_refit(self) -> None:
-        return None
-
-    def offload_after_refit(self) -> None:
-        return None
-
-
 @contextlib.asynccontextmanager
-async def _sglang_test_server(config: dict[str, Any]) -> AsyncIterator[Any]:
+async def _sglang_server(config: dict[str, Any]) -> AsyncIterator[Any]:
     """aiosync's SGLang test server in its own process, as an ``SGLangHTTPBackend``."""
     from aiosync.engines.sglang.backend import SGLangHTTPBackend
-    from aiosync.engines.sglang.test_server import serve_in_subprocess
+    from aiosync.testing.sglang_server import serve_in_subprocess
 
     model_config = {k: v for k, v in config.items() if k != "dtype"}
     async with (
@@ -260,7 +233,7 @@ async def _sglang_test_server(config: dict[str, Any]) -> AsyncIterator[Any]:
 @contextlib.asynccontextmanager
 async def _engine(transport: str, config: dict[str, Any]) -> AsyncIterator[Any]:
     if transport == "http":
-        async with _sglang_test_server(config) as server:
+        async with _sglang_server(config) as server:
             yield server
         return
     from aiosync.engines.embedded.engine import EmbeddedEngine
@@ -287,12 +260,13 @@ def _memcpy_seconds(nbytes: int, repeats: int) -> float:
 
 async def _bench_one(transport: str, model: str, layers: int, args: argparse.Namespace) -> BenchRow:
     from aiosync import TrainCluster, create_weight_synchronizer
+    from aiosync.testing import StateDictSource
 
     backend, colocated = _TRANSPORTS[transport]
     config = _model_config(model, layers, args.dtype)
     manifest = _checkpoint_manifest(config)
-    source = _RandomSource(manifest)
-    nbytes = sum(t.numel() * t.element_size() for t in source.weights.values())
+    source = StateDictSource.random(manifest)
+    nbytes = sum(t.numel() * t.element_size() for t in source.state_dict.values())
     options: dict[str, Any] = {}
     if args.bucket_mb is not None:
         options["bucket_bytes"] = args.bucket_mb * 1024 * 1024
@@ -303,8 +277,7 @@ async def _bench_one(transport: str, model: str, layers: int, args: argparse.Nam
         sync = create_weight_synchronizer(
             source, engine, colocated=colocated, backend=backend, **options
         )
-        async with sync:
-            await sync.init_communicator()
+        async with sync:  # initializes the communicator
             times = []
             for _ in range(args.repeats + 1):  # the first refit warms up
                 await sync.mark_stale()

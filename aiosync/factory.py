@@ -16,7 +16,9 @@ adapter-only refit: the adapter travels through the engine's own LoRA API
 (``load_lora_adapter``) on every backend and topology, so ``train_cluster`` and
 ``inference_world_size`` are not needed (and ignored). ``"embedded"`` (the CPU
 reference engine) behaves as ``"vllm"``: it speaks the same worker-extension
-protocol. A list of engines is one fleet
+protocol. ``backend`` is the engine kind; the collective's own
+torch.distributed backend is ``dist_backend`` (``"nccl"`` or ``"gloo"``). A list
+of engines is one fleet
 (:class:`~aiosync.EngineFleet`): one sync updates them all. Transports are
 imported here, lazily, so that ``import aiosync`` stays free of torch, zmq and
 httpx.
@@ -25,14 +27,23 @@ httpx.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+import inspect
+from typing import TYPE_CHECKING, Any, Literal
 
+from ._config import Timeouts
+from .capabilities import InFlightPolicy
 from .interfaces import RefitSource, WeightSynchronizer
 
-__all__ = ["KNOWN_BACKENDS", "create_weight_synchronizer"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DIST_BACKENDS", "KNOWN_BACKENDS", "create_weight_synchronizer"]
 
 #: Backends the factory accepts.
 KNOWN_BACKENDS: tuple[str, ...] = ("vllm", "sglang", "embedded")
+
+#: torch.distributed backends of the non-colocated collective transport (``dist_backend=``).
+DIST_BACKENDS: tuple[str, ...] = ("nccl", "gloo")
 
 _TRANSPORTS: dict[tuple[str, bool], tuple[str, str]] = {
     ("vllm", False): ("aiosync.transports.collective", "CollectiveWeightSynchronizer"),
@@ -53,9 +64,28 @@ def create_weight_synchronizer(
     backend: str,
     train_cluster: Any = None,
     inference_world_size: int | None = None,
-    **options: Any,
+    timeouts: Timeouts | None = None,
+    sync_timeout_s: float | None = None,
+    rpc_timeout_s: float | None = None,
+    event_backlog: int | None = None,
+    in_flight: InFlightPolicy | None = None,
+    bucket_bytes: int | None = None,
+    device: str | torch.device | None = None,
+    process_group: Any = None,
+    trace: bool | None = None,
+    dist_backend: Literal["nccl", "gloo"] | None = None,
+    verify: bool | None = None,
+    overlap: Literal["inplace", "staged"] | None = None,
+    collective_timeout_s: float | None = None,
+    buffer_memory_fraction: float | None = None,
+    device_label: str | None = None,
+    abort_all_requests: bool | None = None,
 ) -> WeightSynchronizer:
     """Build the synchronizer for a topology and an inference backend.
+
+    Every keyword after ``inference_world_size`` is passed to the chosen
+    transport when given (not None), and left to its default otherwise; one the
+    chosen transport does not take is a TypeError naming both.
 
     Args:
         policy: the trainer's refit source (HF names and shapes), or a
@@ -64,17 +94,36 @@ def create_weight_synchronizer(
         generation: the engine's generation backend, or a list of them (wrapped
             in an :class:`~aiosync.EngineFleet`).
         colocated: True when trainer and engine share devices.
-        backend: ``"vllm"``, ``"sglang"`` or ``"embedded"``.
+        backend: the engine kind, ``"vllm"``, ``"sglang"`` or ``"embedded"``.
         train_cluster: non-colocated only: a :class:`~aiosync.TrainCluster`
             saying where the trainer ranks are and where the sync group meets.
         inference_world_size: non-colocated only: number of inference ranks.
-        **options: passed to the transport (``bucket_bytes``, timeouts, ...).
+        timeouts: every limit (:class:`~aiosync.Timeouts`); every transport.
+        sync_timeout_s: overrides ``timeouts.sync_s``, seconds; every transport.
+        rpc_timeout_s: overrides ``timeouts.rpc_s``, seconds; IPC, collective.
+        event_backlog: default ``max_backlog`` of ``subscribe``, events; every transport.
+        in_flight: the default in-flight policy of ``sync_weights``; every transport.
+        bucket_bytes: bucket size, bytes; IPC, HTTP, collective.
+        device: where the trainer's tensors are packed; IPC, HTTP.
+        process_group: a sharded trainer's ``torch.distributed`` group; IPC, LoRA.
+        trace: record ``last_trace`` per sync; IPC, HTTP.
+        dist_backend: non-colocated only: the collective's data group,
+            ``"nccl"`` or ``"gloo"`` (default: nccl when CUDA is available).
+        verify: per-bucket checksums; collective.
+        overlap: ``"inplace"`` or ``"staged"``; collective.
+        collective_timeout_s: the rendezvous's and every collective's limit,
+            seconds; collective.
+        buffer_memory_fraction: share of device memory the buffers may take; IPC.
+        device_label: the trainer device's label for the engine; IPC.
+        abort_all_requests: abort in-flight requests around a refit; HTTP.
 
     Raises:
-        TypeError: ``colocated`` is not a bool.
-        ValueError: unknown backend (the message lists the known ones), a
-            non-colocated setup without ``train_cluster``/``inference_world_size``,
-            or an empty list of engines.
+        TypeError: ``colocated`` is not a bool, or a keyword the chosen
+            transport does not take.
+        ValueError: unknown backend or ``dist_backend`` (the message lists the
+            known ones), a non-colocated setup without
+            ``train_cluster``/``inference_world_size``, or an empty list of engines;
+            all before anything is built.
         NotImplementedError: non-colocated SGLang (full-model refits).
     """
     if not isinstance(colocated, bool):
@@ -83,13 +132,36 @@ def create_weight_synchronizer(
         raise ValueError(
             f"unknown backend {backend!r}; known backends: {', '.join(KNOWN_BACKENDS)}"
         )
+    if dist_backend is not None and dist_backend not in DIST_BACKENDS:
+        raise ValueError(
+            f"unknown dist_backend {dist_backend!r}; known: {', '.join(DIST_BACKENDS)} "
+            "(backend= is the engine kind)"
+        )
+    given = {
+        name: value
+        for name, value in (
+            ("timeouts", timeouts),
+            ("sync_timeout_s", sync_timeout_s),
+            ("rpc_timeout_s", rpc_timeout_s),
+            ("event_backlog", event_backlog),
+            ("in_flight", in_flight),
+            ("bucket_bytes", bucket_bytes),
+            ("device", device),
+            ("process_group", process_group),
+            ("trace", trace),
+            ("dist_backend", dist_backend),
+            ("verify", verify),
+            ("overlap", overlap),
+            ("collective_timeout_s", collective_timeout_s),
+            ("buffer_memory_fraction", buffer_memory_fraction),
+            ("device_label", device_label),
+            ("abort_all_requests", abort_all_requests),
+        )
+        if value is not None
+    }
     # Duck-typed (LoRAAdapterSource's own method), so that the factory stays free of torch.
     if callable(getattr(policy, "lora_adapter_config", None)):
-        generation = _fleet_of(generation)
-        module_name, class_name = _LORA_TRANSPORT
-        cls = getattr(importlib.import_module(module_name), class_name)
-        lora_sync: WeightSynchronizer = cls(policy, generation, **options)
-        return lora_sync
+        return _build(_LORA_TRANSPORT, policy, _fleet_of(generation), given)
     if backend == "sglang" and not colocated:
         raise NotImplementedError(
             "non-colocated SGLang is not supported yet; use colocated=True (HTTP transport) "
@@ -106,15 +178,24 @@ def create_weight_synchronizer(
         ]
         if missing:
             raise ValueError(f"non-colocated synchronization needs {' and '.join(missing)}")
-        options = {
-            **options,
-            "train_cluster": train_cluster,
-            "inference_world_size": inference_world_size,
-        }
-    generation = _fleet_of(generation)
-    module_name, class_name = _TRANSPORTS[(backend, colocated)]
+        given |= {"train_cluster": train_cluster, "inference_world_size": inference_world_size}
+    return _build(_TRANSPORTS[(backend, colocated)], policy, _fleet_of(generation), given)
+
+
+def _build(
+    where: tuple[str, str], policy: RefitSource, generation: Any, keywords: dict[str, Any]
+) -> WeightSynchronizer:
+    """Import the transport lazily and build it with ``keywords``; one it does not
+    declare is a TypeError before it is called."""
+    module_name, class_name = where
     cls = getattr(importlib.import_module(module_name), class_name)
-    sync: WeightSynchronizer = cls(policy, generation, **options)
+    takes = inspect.signature(cls).parameters
+    foreign = sorted(name for name in keywords if name not in takes)
+    if foreign:
+        raise TypeError(
+            f"{class_name} (chosen for this backend and topology) takes no {', '.join(foreign)}"
+        )
+    sync: WeightSynchronizer = cls(policy, generation, **keywords)
     return sync
 
 

@@ -8,7 +8,8 @@ Two ways serve a PEFT (LoRA) trainer:
 * **Adapter-only refit** (verl, prime-rl): only the adapter's tensors travel
   (megabytes instead of gigabytes) and the engine loads them as a LoRA adapter
   named after the weight version. A :class:`LoRAAdapterSource` is the trainer's
-  side; engines implement ``load_lora_adapter`` (see :class:`LoRAAdapter`).
+  side; an engine that serves it is a :class:`LoRAEngine` (see :class:`LoRAAdapter`),
+  and may also be a :class:`LoRAChecking` engine.
 
 This module is part of the core: it imports neither torch nor a transport at
 import time.
@@ -17,7 +18,7 @@ import time.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -27,7 +28,13 @@ from .interfaces import RefitSource
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["LoRAAdapter", "LoRAAdapterSource", "lora_adapter_name"]
+__all__ = [
+    "LoRAAdapter",
+    "LoRAAdapterSource",
+    "LoRAChecking",
+    "LoRAEngine",
+    "lora_adapter_name",
+]
 
 #: File names of a PEFT adapter directory (what ``save_pretrained`` writes and
 #: what vLLM's ``LoRARequest(lora_path=...)`` and SGLang's ``/load_lora_adapter`` read).
@@ -100,3 +107,29 @@ class LoRAAdapter:
         save_file(dict(self.tensors), str(path / ADAPTER_WEIGHTS_FILE))
         (path / ADAPTER_CONFIG_FILE).write_text(json.dumps(dict(self.config), indent=2))
         return path
+
+
+@runtime_checkable
+class LoRAEngine(Protocol):
+    """An engine that serves adapter-only refits (the embedded, SGLang and vLLM
+    backends, an :class:`~aiosync.EngineFleet` of them)."""
+
+    async def load_lora_adapter(self, adapter: LoRAAdapter) -> None:
+        """Load ``adapter`` and make it the one every later generation applies
+        (see :class:`LoRAAdapter` for what a failed load leaves)."""
+        ...
+
+
+@runtime_checkable
+class LoRAChecking(Protocol):
+    """An engine that can say, before any byte moves, whether it is configured
+    for an adapter of this shape (vLLM's ``enable_lora``/``max_lora_rank``,
+    SGLang's ``--enable-lora``/``--max-lora-rank``/``--lora-target-modules``)."""
+
+    async def check_lora_adapter(
+        self, config: Mapping[str, Any], target_modules: Sequence[str], max_rank: int
+    ) -> None:
+        """Raise ValueError when the engine cannot load an adapter with ``config``
+        (``adapter_config.json``) on ``target_modules`` (e.g. ``["q_proj"]``) of
+        rank up to ``max_rank``."""
+        ...

@@ -32,7 +32,7 @@ run near wire speed and that bound is well under 3 on two CPU cores.
 
 ``--trace`` adds one traced run of (a) and (c) per manifest: per-bucket
 timestamps on both sides (the loops' ``trace`` hook: source gathered, packed,
-posted, sent; receiver posted, received, loaded), summed into where the time
+broadcasting, sent; receiver posted, received, loaded), summed into where the time
 goes (packing, the receiver waiting for bytes, loading), and, for (c), the
 receiver's time in broadcasts versus copies, by tensor size (count, bytes,
 microseconds per broadcast, GB/s); ``--json`` keeps every timestamp.

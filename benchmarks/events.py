@@ -22,8 +22,7 @@ import gc
 import json
 import statistics
 import time
-from collections.abc import AsyncIterable, Callable, Iterator
-from typing import Any
+from collections.abc import AsyncIterable, Callable
 
 import anyio
 from _machine import Machine, repeats_for
@@ -31,17 +30,10 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from rich.console import Console
 from rich.table import Table
 
-from aiosync import KVScales, RefitSource, VersionEventKind, WeightSynchronizer
+from aiosync import KVScales, VersionEventKind, WeightSynchronizer
 from aiosync._config import DEFAULT_EVENT_BACKLOG
 from aiosync.events import EventSubscription, WeightVersionEvent, _EventHub
-
-
-class _Source(RefitSource):
-    def prepare_refit_info(self) -> dict[str, Any]:
-        return {}
-
-    def iter_weights(self) -> Iterator[tuple[str, Any]]:
-        return iter(())
+from aiosync.testing import StateDictSource
 
 
 class _YieldingSync(WeightSynchronizer):
@@ -116,7 +108,7 @@ async def _fanout(subscribers: int, syncs: int, bare: bool) -> dict[str, float]:
     between events) and the same consumer; only the fan-out differs: the hub
     (``bare=False``) or :class:`_BareFanout`.
     """
-    sync = _YieldingSync(_Source(), None)
+    sync = _YieldingSync(StateDictSource({}), None)
     await sync.init_communicator()
     streams: list[EventSubscription | MemoryObjectReceiveStream[WeightVersionEvent]]
     if bare:

@@ -2,7 +2,7 @@
 
 Each cell runs one fault against real processes — an ``EmbeddedEngine``
 worker process for IPC and the collective (gloo), the SGLang-contract test server
-(``python -m aiosync.engines.sglang.test_server``) for HTTP — on a tiny Qwen3,
+(``python -m aiosync.testing.sglang_server``) for HTTP — on a tiny Qwen3,
 after one healthy sync (version 1), during the sync of version 2:
 
 * ``mismatch``: the trainer's manifest renames one tensor (at ``init_communicator``);
@@ -250,7 +250,7 @@ class HTTPServer(EngineUnderTest):
             [
                 sys.executable,
                 "-m",
-                "aiosync.engines.sglang.test_server",
+                "aiosync.testing.sglang_server",
                 "--port",
                 "0",
                 "--port-file",

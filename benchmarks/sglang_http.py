@@ -1,6 +1,6 @@
 """HTTP refit throughput and per-request overhead against the SGLang test server.
 
-One process drives a real ``aiosync.engines.sglang.test_server`` process on
+One process drives a real ``aiosync.testing.sglang_server`` process on
 127.0.0.1 (the embedded transformers engine behind SGLang's HTTP API) and
 measures:
 
@@ -56,7 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -69,7 +69,8 @@ from rich.table import Table
 
 from aiosync import SGLangHTTPBackend
 from aiosync._config import DEFAULT_BUCKET_BYTES
-from aiosync.interfaces import RefitManifest, RefitSource
+from aiosync.interfaces import RefitManifest
+from aiosync.testing import StateDictSource
 from aiosync.transports.http import HTTPWeightSynchronizer
 from aiosync.transports.http._segment import Segment
 from aiosync.transports.http._wire import plan_flat_buckets
@@ -101,24 +102,6 @@ QUICK = {
 }
 
 
-class _Source(RefitSource):
-    """Fixed tensors in the server's manifest (content is irrelevant to throughput)."""
-
-    def __init__(self, manifest: RefitManifest) -> None:
-        self.manifest = manifest
-        gen = torch.Generator().manual_seed(0)
-        self.tensors = {
-            name: torch.rand(shape, generator=gen).to(dtype)
-            for name, (shape, dtype) in manifest.items()
-        }
-
-    def prepare_refit_info(self) -> RefitManifest:
-        return dict(self.manifest)
-
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self.tensors.items()
-
-
 def _start_server(
     config: dict[str, Any], workdir: Path, *extra: str
 ) -> tuple[subprocess.Popen[bytes], str]:
@@ -128,7 +111,7 @@ def _start_server(
         [
             sys.executable,
             "-m",
-            "aiosync.engines.sglang.test_server",
+            "aiosync.testing.sglang_server",
             "--port",
             "0",
             "--port-file",
@@ -165,7 +148,7 @@ def _bucket_bytes_for(manifest: RefitManifest, buckets: int) -> int:
 
 
 async def _time_sync(
-    source: _Source, url: str, bucket_bytes: int, repeats: int, trace: bool = False
+    source: StateDictSource, url: str, bucket_bytes: int, repeats: int, trace: bool = False
 ) -> tuple[float, int, dict[str, Any] | None]:
     """Best seconds of ``repeats`` syncs (after one warm-up), the bucket count, and
     (``trace``) the trainer's and the server's stamps of one more sync, else None."""
@@ -274,14 +257,14 @@ async def _round_trip_ms(url: str, repeats: int = 50) -> float:
         return (time.perf_counter() - start) / repeats * 1e3
 
 
-def _memcpy_s(source: _Source, repeats: int) -> float:
-    total = sum(t.numel() * t.element_size() for t in source.tensors.values())
+def _memcpy_s(source: StateDictSource, repeats: int) -> float:
+    total = sum(t.numel() * t.element_size() for t in source.state_dict.values())
     out = torch.empty(total, dtype=torch.uint8)
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
         offset = 0
-        for tensor in source.tensors.values():
+        for tensor in source.state_dict.values():
             raw = tensor.reshape(-1).view(torch.uint8)
             out[offset : offset + raw.numel()].copy_(raw)
             offset += raw.numel()
@@ -289,7 +272,7 @@ def _memcpy_s(source: _Source, repeats: int) -> float:
     return min(times[1:])
 
 
-def _bounds_s(source: _Source, repeats: int) -> tuple[float, float, float]:
+def _bounds_s(source: StateDictSource, repeats: int) -> tuple[float, float, float]:
     """What bounds an HTTP refit on this machine, seconds (best of ``repeats`` after one
     warm-up): ``(two, fresh, both)``.
 
@@ -303,7 +286,7 @@ def _bounds_s(source: _Source, repeats: int) -> tuple[float, float, float]:
     refit even when the trainer's side were free. ``both``: the pack copy and
     that load at once, what a pipelined refit does without any request.
     """
-    flats = [t.reshape(-1).view(torch.uint8) for t in source.tensors.values()]
+    flats = [t.reshape(-1).view(torch.uint8) for t in source.state_dict.values()]
     total = sum(f.numel() for f in flats)
     outs = [torch.zeros(total, dtype=torch.uint8) for _ in range(2)]
 
@@ -379,8 +362,9 @@ def main() -> None:
             manifest: RefitManifest = {
                 name: (tuple(shape), getattr(torch, dtype)) for name, shape, dtype in raw
             }
-            source = _Source(manifest)
-            nbytes = sum(t.numel() * t.element_size() for t in source.tensors.values())
+            # Content is irrelevant to throughput: random tensors of the server's manifest.
+            source = StateDictSource.random(manifest)
+            nbytes = sum(t.numel() * t.element_size() for t in source.state_dict.values())
             memcpy_s = _memcpy_s(source, args.repeats)
             two_s, fresh_s, both_s = _bounds_s(source, args.repeats)
             bucket_bytes = int(args.bucket_mb * 2**20)

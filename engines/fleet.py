@@ -45,7 +45,7 @@ from aiosync.capabilities import (
 )
 from aiosync.errors import SyncError, TransportError
 from aiosync.generation import Generation, SamplingParams, sampling_params
-from aiosync.lora import LoRAAdapter
+from aiosync.lora import LoRAAdapter, LoRAEngine
 
 from ._generate import GenerateFromMeta
 
@@ -67,15 +67,6 @@ class RespawningEngine(Protocol):
 
     async def respawn_dead_workers(self) -> list[int]:
         """Start a fresh worker for every dead one; returns their ranks (ascending)."""
-        ...
-
-
-@runtime_checkable
-class LoRAEngine(Protocol):
-    """An engine that loads LoRA adapters (every aiosync engine)."""
-
-    async def load_lora_adapter(self, adapter: LoRAAdapter) -> None:
-        """Make ``adapter`` the one every later generation applies."""
         ...
 
 

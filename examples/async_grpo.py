@@ -584,8 +584,7 @@ async def run(args: argparse.Namespace) -> RunReport:
             outs = await engine.generate(eval_prompts, max_new_tokens=L, ignore_eos=True)
             return sum(map(reward, eval_prompts, outs)) / len(outs)
 
-        async with sync:
-            await sync.init_communicator()
+        async with sync:  # initializes the communicator
             await engine.prepare_for_generation()
             buffer: VersionedReplayBuffer[Group] = VersionedReplayBuffer(
                 sync, max_staleness=args.max_staleness

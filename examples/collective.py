@@ -49,8 +49,7 @@ async def main(steps: int) -> None:
             train_cluster=TrainCluster(world_size=1, rank=0, master_port=free_port()),
             inference_world_size=WORKERS,
         )
-        async with sync:
-            await sync.init_communicator()
+        async with sync:  # initializes the communicator
             for _ in range(steps):
                 # One optimizer step on a toy objective, then the handshake.
                 batch = torch.randint(0, 128, (4, 8))

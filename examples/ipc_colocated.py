@@ -34,8 +34,7 @@ async def main(steps: int) -> None:
     source = DTensorRefitSource(model, optimizer=optimizer)
     async with EmbeddedEngine(CONFIG, seed=0) as engine:
         sync = create_weight_synchronizer(source, engine, colocated=True, backend="embedded")
-        async with sync:
-            await sync.init_communicator()
+        async with sync:  # initializes the communicator
             for _ in range(steps):
                 # One optimizer step on a toy objective, then the handshake.
                 batch = torch.randint(0, 128, (4, 8))

@@ -185,9 +185,8 @@ async def main(steps: int) -> None:
         aiosync.EmbeddedEngine(config, dtype="float32") as engine,
         aiosync.create_weight_synchronizer(
             source, engine, colocated=True, backend="embedded"
-        ) as sync,
+        ) as sync,  # initializes the communicator
     ):
-        await sync.init_communicator()
         # The engine booted with its own random weights; each step below marks stale
         # before it generates, so the first refit also serves as the initial sync.
         for _ in range(steps):

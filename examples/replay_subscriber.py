@@ -48,8 +48,7 @@ async def main(steps: int) -> None:
     source = DTensorRefitSource(model, optimizer=optimizer)
     async with EmbeddedEngine(CONFIG, seed=0) as engine:
         sync = create_weight_synchronizer(source, engine, colocated=True, backend="embedded")
-        async with sync:
-            await sync.init_communicator()
+        async with sync:  # initializes the communicator
             buffer: VersionedReplayBuffer[list[int]] = VersionedReplayBuffer(sync, max_staleness=1)
             async with buffer, anyio.create_task_group() as tg:
                 tg.start_soon(print_events, sync.subscribe())

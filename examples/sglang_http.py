@@ -28,8 +28,8 @@ from aiosync import create_weight_synchronizer, refit_if_stale
 from aiosync.engines.embedded.configs import TINY_QWEN3 as CONFIG
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.engines.sglang.backend import SGLangHTTPBackend
-from aiosync.engines.sglang.test_server import serve_in_subprocess
 from aiosync.refit import DTensorRefitSource
+from aiosync.testing.sglang_server import serve_in_subprocess
 
 PROMPT = [1, 2, 3, 4]
 
@@ -69,7 +69,7 @@ class TestServerBackend(SGLangHTTPBackend):
 async def launch_test_server(
     config: Mapping[str, Any], *, seed: int = 0, start_timeout_s: float = 300.0
 ) -> AsyncIterator[TestServerBackend]:
-    """Start ``python -m aiosync.engines.sglang.test_server`` on 127.0.0.1; yield its backend."""
+    """Start ``python -m aiosync.testing.sglang_server`` on 127.0.0.1; yield its backend."""
     async with serve_in_subprocess(config, seed=seed, start_timeout_s=start_timeout_s) as url:
         backend = TestServerBackend(url)
         try:
@@ -95,8 +95,7 @@ async def main(steps: int, url: str | None) -> None:
     source = DTensorRefitSource(model, optimizer=optimizer)
     async with open_server(url) as server:
         sync = create_weight_synchronizer(source, server, colocated=True, backend="sglang")
-        async with sync:
-            await sync.init_communicator()
+        async with sync:  # initializes the communicator
             for _ in range(steps):
                 batch = torch.randint(0, 128, (4, 8))
                 model(batch, labels=batch).loss.backward()

@@ -1,59 +1,8 @@
 """A contract-true stand-in for SGLang's HTTP server, on the embedded transformers engine.
 
-Run it as ``python -m aiosync.engines.sglang.test_server --port 0 --port-file F
---model-config config.json`` (or a preset name such as ``qwen3-tiny``). It binds
-127.0.0.1 only and serves, with SGLang's request bodies (``io_struct``), answers and status codes
-(``entrypoints/http_server.py``):
-
-``/health``, ``/get_model_info``, ``/get_server_info``, ``/get_weight_version``,
-``/generate`` (token by token, so a pause lands between two tokens),
-``/pause_generation`` (``{"mode": "abort"|"in_place"|"retract"}``, SGLang's
-``PauseGenerationReqInput``) and ``/continue_generation``, ``/get_load``
-(``[{"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}]``),
-``/update_weights_from_tensor`` (``load_format="flattened_bucket"``,
-one entry per ``--tp-size`` rank: rank ``r`` decodes and loads entry ``r`` into its
-own copy of the model), ``/update_weight_version`` (the label only),
-``/flush_cache`` (400 while a ``/generate`` runs),
-``/release_memory_occupation`` and ``/resume_memory_occupation`` (tags
-``weights``, ``kv_cache``, ``cuda_graph``; resuming weights that were released
-discards them, as the memory saver does: they read NaN until a sync),
-``/load_lora_adapter`` and ``/unload_lora_adapter`` (with ``--enable-lora``: a
-PEFT adapter folder is read during the request and applied with PEFT, unmerged,
-to every TP rank's model under a fresh ``lora_id``; answers ``LoRAUpdateOutput``
-``{"success", "error_message", "loaded_adapters"}``, 400 on failure with
-SGLang's messages: LoRA not enabled, a name already loaded, an unknown name, a
-rank above ``--max-lora-rank`` or a module outside ``--lora-target-modules``),
-and ``/generate``'s ``lora_path`` (an adapter *name* per prompt, or one for all;
-an unknown one is a 400, as SGLang's "The following requested LoRA adapters
-are not loaded").
-
-It emulates the radix prefix cache: a greedy ``/generate`` whose prompt and
-length were answered before is served from the cache, computed with whatever
-weights were live then, until ``/flush_cache`` (case C7 is observable). As in
-SGLang, each LoRA adapter (by ``lora_id``) has its own cache namespace.
-
-Tensor payloads are decoded by a restricted unpickler admitting only torch's
-tensor/storage rebuild functions and plain data types; anything else is a 400.
-
-Test-only endpoints (under ``/_aiosync/``, no API key needed):
-
-* ``GET /_aiosync/log``: the request log, ``[{"method", "path", "status", "tags",
-  "weight_version", "new_version", "load_format", "flush_cache", "abort_all_requests",
-  "entries", "times"}]``. ``times``: ``time.monotonic()`` stamps, seconds (``CLOCK_MONOTONIC``,
-  the clock a trainer on the same host reads): ``start`` (headers read),
-  ``body`` (body read and parsed), ``answered`` (answer written); for
-  ``/update_weights_from_tensor`` also ``decoded`` (every entry unpickled, its
-  segment mapped) and ``loaded`` (every rank's ``load_weights`` done, the views dropped).
-* ``GET /_aiosync/state_dict?rank=r``: TP rank ``r``'s weights (default 0) in
-  checkpoint names, safetensors bytes.
-* ``GET /_aiosync/manifest``: ``[[hf_name, shape, dtype], ...]`` the model expects.
-* ``GET /_aiosync/kv_scales``: the FP8 KV-cache scales loaded (``load_weights`` of
-  ``model.layers.{i}.self_attn.{k,v}_scale``), one ``{name: float}`` per TP rank.
-* ``GET /_aiosync/lora_adapters``: the loaded LoRA adapters, ``{lora_name: lora_path}``.
-* ``POST /_aiosync/faults`` ``{"path": "/flush_cache", "mode": "error"|"hang"|"drop"|"busy",
-  "count": n | null}``: the next ``n`` (null: all) requests to ``path`` answer 500,
-  never answer, have their connection dropped, or answer 400 as a busy server does.
-* ``POST /_aiosync/reset``: clear faults and the log, release hung requests.
+Run it as ``python -m aiosync.testing.sglang_server --port 0 --port-file F --model-config
+config.json`` (or a preset name such as ``qwen3-tiny``); it binds 127.0.0.1 only. Endpoints,
+test-only routes (``/_aiosync/...``) and fault injection: ``docs/sglang-test-server.md``.
 """
 
 from __future__ import annotations
@@ -84,6 +33,8 @@ import torch
 from safetensors.torch import load_file as safetensors_load_file
 from safetensors.torch import save as safetensors_save
 
+from aiosync._model_shapes import MODEL_CONFIGS
+from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.errors import SyncError, TransportError
 from aiosync.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from aiosync.transports._leftovers import dir_prefix, sweep_leftovers
@@ -92,9 +43,6 @@ from aiosync.transports.http import (
     decode_flattened_bucket,
     use_file_system_sharing,
 )
-
-from ..._model_shapes import MODEL_CONFIGS
-from ..embedded.model import HFModelRunner
 
 __all__ = ["ServerState", "main", "make_server", "serve_in_subprocess"]
 
@@ -950,7 +898,7 @@ async def serve_in_subprocess(
         parent_r, parent_w = os.pipe()
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "aiosync.engines.sglang.test_server", "--port", "0",
+                [sys.executable, "-m", "aiosync.testing.sglang_server", "--port", "0",
                  "--port-file", str(port_file), "--model-config", str(config_path),
                  "--seed", str(seed), "--dtype", dtype, "--parent-fd", str(parent_r), *args],
                 stdout=subprocess.DEVNULL,
@@ -993,7 +941,9 @@ def _model_config(parser: argparse.ArgumentParser, value: str) -> str | dict[str
 
 def main(argv: list[str] | None = None) -> None:
     """Command line: build the model, bind, write the port, serve until killed."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m aiosync.testing.sglang_server", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--port", type=int, default=0, help="0: a free port (default)")
     parser.add_argument("--port-file", type=Path, help="write the bound port here when ready")
     parser.add_argument(

@@ -2,7 +2,7 @@
 
 - :mod:`.backend` — :class:`SGLangHTTPBackend`, the server by URL (satisfies
   :class:`aiosync.transports.http.SGLangServer`).
-- :mod:`.test_server` — ``python -m aiosync.engines.sglang.test_server``: SGLang's
+- :mod:`.test_server` — ``python -m aiosync.testing.sglang_server``: SGLang's
   HTTP contract on the embedded engine, for CPU tests.
 """
 

@@ -12,6 +12,7 @@ from anyio import create_task_group as anyio_task_group
 from collective_harness import QWEN3, QWEN3_MOE, RecordingWorkers, WorkerPool, Workers
 
 from aiosync import (
+    EventSubscription,
     RefitMismatchError,
     SyncTimeoutError,
     TrainCluster,
@@ -77,7 +78,6 @@ async def test_sync_one_worker_bit_exact_with_kv_scales_and_same_greedy_output(
     name = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(before[name], _checkpoint(trainer)[name])  # the sync must change it
     async with _sync(trainer, workers, free_port) as sync:
-        await sync.init_communicator()
         await sync.mark_stale()
         await sync.sync_weights(kv_scales={0: 0.5, 1: 0.25})
         assert (sync.policy_version, sync.weight_version, sync.is_stale) == (1, 1, False)
@@ -104,7 +104,6 @@ async def test_sync_three_workers_bit_exact_with_verify_and_oversized_tensor(
     # 16 KiB buckets: many buckets in flight, and the 32 KiB embedding and
     # lm_head each travel alone in a larger buffer (case C1).
     async with _sync(trainer, workers, free_port, verify=True, bucket_bytes=16 * 1024) as sync:
-        await sync.init_communicator()
         assert len(sync.plan.buckets) > 10
         assert sync.plan.max_bucket_nbytes > 16 * 1024
         events = sync.subscribe()
@@ -129,7 +128,6 @@ async def test_staged_overlap_gives_the_same_weights_and_generation_runs_meanwhi
     trainer = _trainer(QWEN3, seed=102)
     workers = await pool.view([0, 1, 2])
     async with _sync(trainer, workers, free_port, overlap="staged", verify=True) as sync:
-        await sync.init_communicator()
         await sync.mark_stale()
         # Generation keeps running on the live weights while buckets land.
         await pool.call(0, "test_generate", prompts=PROMPTS, max_new_tokens=2)
@@ -148,7 +146,6 @@ async def test_sync_qwen3_moe_per_expert_names_bit_exact(pool: WorkerPool, free_
     trainer = _trainer(QWEN3_MOE, seed=103)
     workers = await pool.view([4])
     async with _sync(trainer, workers, free_port, bucket_bytes=64 * 1024) as sync:
-        await sync.init_communicator()
         assert "model.layers.0.mlp.experts.3.down_proj.weight" in sync.plan.manifest()
         await sync.mark_stale()
         await sync.sync_weights()
@@ -195,7 +192,6 @@ async def test_default_process_groups_still_work_after_the_sync_group_is_destroy
     )
     try:
         async with _sync(trainer, workers, free_port) as sync:
-            await sync.init_communicator()
             await sync.mark_stale()
             await sync.sync_weights()
         await _assert_bit_exact(pool, [0, 1, 2], _checkpoint(trainer))
@@ -264,7 +260,6 @@ async def test_verify_catches_a_communicator_that_silently_moves_nothing(
     trainer = _trainer(QWEN3, seed=107)
     workers = await pool.view([0])
     async with _sync(trainer, workers, free_port, bucket_bytes=64 * 1024) as sync:
-        await sync.init_communicator()
         await pool.call(0, "test_drop_bucket_data")
         # Without verification the broken communicator goes unnoticed...
         await sync.mark_stale()
@@ -313,6 +308,14 @@ async def test_two_trainer_ranks_only_rank_zero_sends(pool: WorkerPool, free_por
             await sync.shutdown()
 
 
+def _pending(events: EventSubscription) -> list[tuple[VersionEventKind, int]]:
+    """The events published so far and not yet read, as ``(kind, version)``."""
+    out = []
+    while (event := events.receive_nowait()) is not None:
+        out.append((event.kind, event.version))
+    return out
+
+
 _BAD_KV_SCALES: list[tuple[dict[int | str, float], type[Exception], str]] = [
     ({-3: 1.0}, ValueError, "layer index must be >= 0, got -3"),
     ({999: 1.0}, ValueError, "layer index 999 is not an attention layer"),
@@ -327,7 +330,6 @@ async def test_kv_scale_keys_unknown_to_the_manifest_raise_before_any_byte_moves
     trainer = _trainer(QWEN3, seed=109)
     workers = RecordingWorkers(await pool.view([0]))
     async with _sync(trainer, workers, free_port) as sync:
-        await sync.init_communicator()
         await sync.mark_stale()
         await sync.sync_weights()
         old = _checkpoint(trainer)
@@ -335,6 +337,7 @@ async def test_kv_scale_keys_unknown_to_the_manifest_raise_before_any_byte_moves
         old_runner.load_weights(iter(old.items()))
         expected = old_runner.generate(PROMPTS, max_new_tokens=4, ignore_eos=True)
         _perturb(trainer, seed=9)
+        events = sync.subscribe()
         await sync.mark_stale()
         for kv_scales, error, match in _BAD_KV_SCALES:
             workers.methods.clear()
@@ -346,8 +349,14 @@ async def test_kv_scale_keys_unknown_to_the_manifest_raise_before_any_byte_moves
             await _assert_bit_exact(pool, [0], old)
             got = await pool.call(0, "test_generate", prompts=PROMPTS, max_new_tokens=4)
             assert got == expected
+        # Only the trainer's step was published while the bad scales were refused.
+        assert _pending(events) == [(VersionEventKind.STALE, 2)]
         await sync.sync_weights(kv_scales={1: 0.75})
         assert (sync.weight_version, sync.is_stale) == (2, False)
+        assert _pending(events) == [
+            (VersionEventKind.SYNC_STARTED, 2),
+            (VersionEventKind.COMMITTED, 2),
+        ]
     await _assert_bit_exact(pool, [0], _checkpoint(trainer))
     scales = await pool.call(0, "test_kv_scales")
     assert scales["model.layers.1.self_attn.k_scale"] == 0.75

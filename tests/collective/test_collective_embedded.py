@@ -47,7 +47,6 @@ async def test_embedded_engine_refits_bit_exact_and_generates_like_the_trainer()
             )
             assert isinstance(sync, CollectiveWeightSynchronizer)
             async with sync:
-                await sync.init_communicator()
                 await sync.mark_stale()
                 await sync.sync_weights(kv_scales={0: 0.5 + step, 1: 0.25})
                 await engine.prepare_for_generation()
@@ -80,10 +79,9 @@ async def test_a_wrong_inference_world_size_is_named_before_the_rendezvous(claim
             inference_world_size=claimed,
             collective_timeout_s=600.0,  # a rendezvous would hang this long: it must not start
         )
-        async with sync:
-            with anyio.fail_after(120):
-                with pytest.raises(ValueError) as raised:
-                    await sync.init_communicator()
+        with anyio.fail_after(120), pytest.raises(ValueError) as raised:
+            async with sync:  # initializes: the engine has 2 workers
+                pass
     assert str(raised.value) == (
         f"inference_world_size={claimed}, but the engine has 2 worker(s): "
         "pass inference_world_size=2"
@@ -123,7 +121,6 @@ async def test_weights_discarded_mid_broadcast_fail_the_sync_and_the_engine_refu
             collective_timeout_s=60.0,
         )
         async with sync:
-            await sync.init_communicator()
             await sync.mark_stale()
             with pytest.raises(SyncError, match=r"discarded (this worker's|its) weights"):
                 await sync.sync_weights()

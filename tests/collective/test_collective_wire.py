@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aiosync import TrainCluster, TransportError
+from aiosync import Timeouts, TrainCluster, TransportError
 from aiosync.transports.collective import CollectiveWeightSynchronizer, kv_scale_entries
 from aiosync.transports.collective._wire import (
     decode_trailer,
@@ -70,7 +70,7 @@ def test_trailer_round_trips_scales_and_checksums() -> None:
     ("options", "error"),
     [
         ({"inference_world_size": 0}, ValueError),
-        ({"backend": "mpi"}, ValueError),
+        ({"dist_backend": "mpi"}, ValueError),
         ({"overlap": "eventually"}, ValueError),
         ({"bucket_bytes": 0}, ValueError),
         ({"collective_timeout_s": 0}, ValueError),
@@ -93,4 +93,59 @@ def test_default_backend_and_bucket_size_on_cpu() -> None:
         train_cluster=TrainCluster(),
         inference_world_size=1,
     )
-    assert (sync.backend, sync.bucket_bytes, sync.world_size) == ("gloo", 512 * 1024**2, 2)
+    assert (sync.dist_backend, sync.bucket_bytes, sync.world_size) == ("gloo", 512 * 1024**2, 2)
+
+
+def test_backend_is_the_deprecated_name_of_dist_backend() -> None:
+    with pytest.warns(DeprecationWarning, match="now dist_backend"):
+        sync = CollectiveWeightSynchronizer(
+            None,  # type: ignore[arg-type]
+            None,
+            train_cluster=TrainCluster(),
+            inference_world_size=1,
+            backend="gloo",
+        )
+    assert (sync.dist_backend, sync.backend) == ("gloo", "gloo")
+
+
+def test_limits_come_from_timeouts_and_the_older_keywords_override_them() -> None:
+    def build(**limits: object) -> CollectiveWeightSynchronizer:
+        return CollectiveWeightSynchronizer(
+            None,  # type: ignore[arg-type]
+            None,
+            train_cluster=TrainCluster(),
+            inference_world_size=1,
+            **limits,  # type: ignore[arg-type]
+        )
+
+    sync = build(timeouts=Timeouts(sync_s=50.0, rpc_s=7.0))
+    # The collective's own limit defaults to the per-step one.
+    assert (sync.sync_timeout_s, sync.rpc_timeout_s, sync.collective_timeout_s) == (50, 7, 7)
+    sync = build(
+        timeouts=Timeouts(rpc_s=7.0),
+        rpc_timeout_s=3.0,
+        collective_timeout_s=9.0,
+        sync_timeout_s=20.0,
+    )
+    assert (sync.sync_timeout_s, sync.rpc_timeout_s, sync.collective_timeout_s) == (20, 3, 9)
+    assert sync.timeouts == Timeouts(sync_s=20.0, rpc_s=3.0)
+    with pytest.raises(ValueError, match="rpc_s"):
+        build(rpc_timeout_s=0.0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+async def test_an_nccl_synchronizer_builds_without_a_gpu_and_its_init_says_why_it_cannot_form() -> (
+    None
+):
+    sync = CollectiveWeightSynchronizer(
+        None,  # type: ignore[arg-type]
+        None,
+        train_cluster=TrainCluster(),
+        inference_world_size=2,
+        dist_backend="nccl",
+    )
+    assert (sync.dist_backend, sync.device.type, sync.world_size) == ("nccl", "cuda", 3)
+    with pytest.raises(TransportError, match="dist_backend='nccl' needs a CUDA build"):
+        await sync.init_communicator()
+    assert sync.master_port is None  # refused before the store was bound
+    await sync.shutdown()

@@ -85,7 +85,6 @@ async def test_a_trainer_side_setup_failure_releases_the_workers_at_once(
     trainer = HFModelRunner.from_config(dict(QWEN3), seed=401)
     workers = await formation_pool.view([0, 1])
     async with _sync(trainer, workers) as sync:
-        await sync.init_communicator()
         await sync.mark_stale()
         await sync.sync_weights()
         assert sync.weight_version == 1
@@ -129,7 +128,6 @@ async def test_a_worker_side_setup_failure_releases_the_trainer_and_other_worker
     trainer = HFModelRunner.from_config(dict(QWEN3), seed=402)
     workers = await formation_pool.view([0, 1])
     async with _sync(trainer, workers) as sync:
-        await sync.init_communicator()
         await sync.mark_stale()
         await sync.sync_weights()
         assert sync.weight_version == 1

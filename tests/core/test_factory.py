@@ -155,3 +155,65 @@ def test_public_api_is_exported():
     for name in aiosync.__all__:
         if name not in aiosync._LAZY:
             assert hasattr(aiosync, name), name
+
+
+@pytest.mark.parametrize("dist_backend", ["gloo", "nccl"])
+def test_factory_builds_a_collective_on_the_chosen_dist_backend(source, engine, dist_backend):
+    # Building an NCCL collective needs no GPU: only forming its group does.
+    sync = create_weight_synchronizer(
+        source,
+        engine,
+        colocated=False,
+        backend="embedded",
+        train_cluster=TrainCluster(),
+        inference_world_size=2,
+        dist_backend=dist_backend,
+    )
+    assert type(sync) is aiosync.CollectiveWeightSynchronizer
+    assert sync.dist_backend == dist_backend
+    assert sync.device.type == ("cuda" if dist_backend == "nccl" else "cpu")
+
+
+def test_factory_rejects_an_unknown_dist_backend_before_building_anything(source, engine):
+    with pytest.raises(ValueError, match=r"unknown dist_backend 'mpi'; known: nccl, gloo"):
+        create_weight_synchronizer(
+            source,
+            engine,
+            colocated=False,
+            backend="vllm",
+            train_cluster=TrainCluster(),
+            inference_world_size=1,
+            dist_backend="mpi",  # type: ignore[arg-type]
+        )
+    # backend= is the engine kind: "gloo" there is an unknown engine, and says which are known.
+    with pytest.raises(ValueError, match="known backends: vllm, sglang, embedded"):
+        create_weight_synchronizer(source, engine, colocated=False, backend="gloo")
+
+
+def test_factory_passes_timeouts_and_the_older_keywords_to_the_transport(source, engine):
+    sync = create_weight_synchronizer(
+        source,
+        engine,
+        colocated=False,
+        backend="vllm",
+        train_cluster=TrainCluster(),
+        inference_world_size=1,
+        dist_backend="gloo",
+        timeouts=aiosync.Timeouts(sync_s=40.0, rpc_s=5.0),
+        rpc_timeout_s=3.0,
+        collective_timeout_s=9.0,
+        verify=True,
+        overlap="staged",
+        bucket_bytes=4096,
+    )
+    assert sync.timeouts == aiosync.Timeouts(sync_s=40.0, rpc_s=3.0)
+    assert (sync.sync_timeout_s, sync.rpc_timeout_s, sync.collective_timeout_s) == (40, 3, 9)
+    assert (sync.verify, sync.overlap, sync.bucket_bytes) == (True, "staged", 4096)
+
+
+def test_factory_refuses_a_keyword_the_chosen_transport_does_not_take(source, engine):
+    # dist_backend belongs to the non-colocated collective, not to the colocated IPC transport.
+    with pytest.raises(TypeError, match=r"IPCWeightSynchronizer .* takes no dist_backend"):
+        create_weight_synchronizer(
+            source, engine, colocated=True, backend="vllm", dist_backend="gloo"
+        )

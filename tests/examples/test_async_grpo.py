@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests._support.modules import load_module
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "async_grpo.py"
 
@@ -26,14 +28,7 @@ ONPOLICY_LOGPROB_ATOL = 1e-5
 
 def load_example() -> Any:
     """The example as a module (not run)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("async_grpo_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    example = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = example  # dataclasses look their module up
-    spec.loader.exec_module(example)
-    return example
+    return load_module(EXAMPLE, "async_grpo_example")
 
 
 def run_example(tmp_path: Path, *args: str) -> dict[str, Any]:
@@ -325,8 +320,7 @@ async def test_behaviour_logprobs_are_the_trainers_at_the_version_that_generated
             colocated=True,
             backend="embedded",
         )
-        async with sync:
-            await sync.init_communicator()
+        async with sync:  # initializes the communicator
             await engine.prepare_for_generation()
 
             async def generate(max_new_tokens: int, seed: int) -> list[Any]:

@@ -95,8 +95,7 @@ async def test_one_ipc_sync_updates_every_engine_and_ranks_are_global(
     )
     fleet = sync.generation
     assert isinstance(fleet, EngineFleet) and fleet.engines == [engine_a, engine_b]
-    async with sync:
-        await sync.init_communicator()
+    async with sync:  # initializes the communicator
         assert [fleet.locate(r) for r in range(3)] == [(0, 0), (0, 1), (1, 0)]
         assert await fleet.collective_rpc("aiosync_worker_rank") == [0, 1, 2]
         await sync.mark_stale()
@@ -122,8 +121,7 @@ async def test_one_collective_sync_updates_every_engine(
         inference_world_size=3,
         collective_timeout_s=60.0,
     )
-    async with sync:
-        await sync.init_communicator()
+    async with sync:  # initializes the communicator
         await sync.mark_stale()
         await sync.sync_weights()
         await sync.generation.prepare_for_generation()
@@ -141,10 +139,10 @@ async def test_a_mismatched_engine_fails_init_naming_it_before_any_byte_moves(
         sync = create_weight_synchronizer(
             DTensorRefitSource(trainer.model), [engine_a, tied], colocated=True, backend="embedded"
         )
-        async with sync:
-            with pytest.raises(RefitMismatchError, match=r"engine 1 of 2 \(EmbeddedEngine\)"):
-                await sync.init_communicator()
-            assert (sync.weight_version, sync.policy_version) == (0, 0)
+        with pytest.raises(RefitMismatchError, match=r"engine 1 of 2 \(EmbeddedEngine\)"):
+            async with sync:
+                pytest.fail("the block must not run")
+        assert (sync.weight_version, sync.policy_version) == (0, 0)
     after = await engine_a.hf_state_dicts()
     for old, new in zip(before, after, strict=True):
         assert all(torch.equal(old[n], new[n]) for n in old)
@@ -159,8 +157,7 @@ async def test_an_engine_killed_mid_sync_fails_it_for_all_and_both_refuse_until_
         source, [engine_a, engine_b], colocated=True, backend="embedded"
     )
     fleet = sync.generation
-    async with sync:
-        await sync.init_communicator()
+    async with sync:  # initializes the communicator
         await sync.mark_stale()
         await refit_if_stale(sync, fleet)
         assert sync.weight_version == 1
@@ -230,8 +227,7 @@ async def test_a_worker_killed_while_idle_heals_on_the_first_sync_after_respawn_
         rpc_timeout_s=RPC_TIMEOUT_S,
         sync_timeout_s=2 * RPC_TIMEOUT_S,
     )
-    async with sync:
-        await sync.init_communicator()
+    async with sync:  # initializes the communicator
         await sync.mark_stale()
         await sync.sync_weights()
         assert sync.weight_version == 1

@@ -440,7 +440,7 @@ def collective_refit(
 ) -> dict[str, Any]:
     """Trainer (this process) → one engine worker process with the real collective transport.
 
-    ``backend="nccl"``: trainer on ``cuda:0``, worker on ``cuda:1`` (two GPUs: NCCL
+    ``dist_backend="nccl"``: trainer on ``cuda:0``, worker on ``cuda:1`` (two GPUs: NCCL
     cannot put two ranks of one communicator on one device). ``"gloo"``: both
     on CPU (the harness's own check).
 
@@ -472,7 +472,7 @@ def collective_refit(
             engine,
             train_cluster=TrainCluster(master_port=port),
             inference_world_size=1,
-            backend=backend,
+            dist_backend=backend,
             bucket_bytes=bucket_bytes,
             verify=True,
             collective_timeout_s=120,

@@ -9,7 +9,7 @@ tokens and the per-token version labels against transformers.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -19,27 +19,44 @@ import pytest_asyncio
 from transformers import PreTrainedModel
 
 from aiosync.engines.sglang import SGLangGeneration, SGLangHTTPBackend
-from aiosync.engines.sglang.test_server import serve_in_subprocess
 from aiosync.events import VersionEventKind
+from aiosync.testing.sglang_server import serve_in_subprocess
 from aiosync.transports.http import HTTPWeightSynchronizer
+from tests._support.inflight import (
+    CONFIG,
+    ENGINE_SEED,
+    LONG,
+    OLD_SEED,
+    PROMPT,
+    FaultySource,
+    InflightEnv,
+    build_model,
+    hf_greedy,
+    stage,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
+@dataclass
+class HTTPEnv(InflightEnv):
+    """The test server's backend (``/generate``) and an admin client (``/get_load``)."""
+
+    backend: SGLangHTTPBackend
+    admin: httpx.AsyncClient
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def env(h: SimpleNamespace) -> AsyncIterator[SimpleNamespace]:
-    trainer = h.build_model(h.OLD_SEED)
-    source = h.FaultySource(trainer)
+async def env() -> AsyncIterator[HTTPEnv]:
+    trainer = build_model(OLD_SEED)
+    source = FaultySource(trainer)
     async with (
-        serve_in_subprocess(h.CONFIG, seed=h.ENGINE_SEED) as url,
+        serve_in_subprocess(CONFIG, seed=ENGINE_SEED) as url,
         SGLangHTTPBackend(url) as backend,
         HTTPWeightSynchronizer(source, backend) as sync,
         httpx.AsyncClient(base_url=url) as admin,
     ):
-        await sync.init_communicator()
-        yield SimpleNamespace(
-            backend=backend, sync=sync, trainer=trainer, source=source, admin=admin
-        )
+        yield HTTPEnv(sync, trainer, source, backend=backend, admin=admin)
 
 
 async def _mid_request(admin: httpx.AsyncClient, at_least: int = 30) -> None:
@@ -51,9 +68,7 @@ async def _mid_request(admin: httpx.AsyncClient, at_least: int = 30) -> None:
             await anyio.sleep(0.005)
 
 
-async def _run_during_request(
-    env: SimpleNamespace, h: SimpleNamespace, call: Any
-) -> tuple[SGLangGeneration, list[str], Any]:
+async def _run_during_request(env: HTTPEnv, call: Any) -> tuple[SGLangGeneration, list[str], Any]:
     """A LONG ``/generate`` with ``call()`` once it is mid-way: the result, its
     per-token version labels, and ``call()``'s."""
     results: list[SGLangGeneration] = []
@@ -61,7 +76,7 @@ async def _run_during_request(
     async def request() -> None:
         results.extend(
             await env.backend.generate_with_meta(
-                [h.PROMPT], max_new_tokens=h.LONG, sampling_params={"ignore_eos": True}
+                [PROMPT], max_new_tokens=LONG, sampling_params={"ignore_eos": True}
             )
         )
 
@@ -74,16 +89,15 @@ async def _run_during_request(
 
 
 async def test_wait_finishes_the_request_on_old_weights_before_the_refit(
-    env: SimpleNamespace,
-    h: SimpleNamespace,
+    env: HTTPEnv,
     old_model: PreTrainedModel,
     new_model: PreTrainedModel,
     old_tokens: list[int],
 ) -> None:
-    old, new = await h.stage(env, old_model, new_model)
+    old, new = await stage(env, old_model, new_model)
     async with env.sync.subscribe() as events:
         result, versions, _ = await _run_during_request(
-            env, h, lambda: env.sync.sync_weights(in_flight="wait")
+            env, lambda: env.sync.sync_weights(in_flight="wait")
         )
         with anyio.fail_after(10):
             started, committed = [await anext(events) for _ in range(2)]
@@ -91,60 +105,58 @@ async def test_wait_finishes_the_request_on_old_weights_before_the_refit(
     assert (committed.kind, committed.version) == (VersionEventKind.COMMITTED, new)
     assert 0.0 < committed.pause_s <= committed.duration_s
     assert result.output_ids == old_tokens
-    assert (result.aborted, versions) == (False, [str(old)] * h.LONG)
-    assert await env.backend.generate([h.PROMPT], max_new_tokens=12) == [
-        h.hf_greedy(new_model, h.PROMPT, 12)
+    assert (result.aborted, versions) == (False, [str(old)] * LONG)
+    assert await env.backend.generate([PROMPT], max_new_tokens=12) == [
+        hf_greedy(new_model, PROMPT, 12)
     ]
 
 
 async def test_abort_ends_the_request_with_a_prefix_of_old_output(
-    env: SimpleNamespace,
-    h: SimpleNamespace,
+    env: HTTPEnv,
     old_model: PreTrainedModel,
     new_model: PreTrainedModel,
     old_tokens: list[int],
 ) -> None:
-    old, new = await h.stage(env, old_model, new_model)
+    old, new = await stage(env, old_model, new_model)
     result, versions, _ = await _run_during_request(
-        env, h, lambda: env.sync.sync_weights(in_flight="abort")
+        env, lambda: env.sync.sync_weights(in_flight="abort")
     )
     k = len(result.output_ids)
     assert result.aborted is True
     assert result.meta_info["finish_reason"]["type"] == "abort" == result.finish_reason
-    assert 30 <= k < h.LONG
+    assert 30 <= k < LONG
     assert result.output_ids == old_tokens[:k]
     assert versions == [str(old)] * k
     assert env.sync.weight_version == new
-    (after,) = await env.backend.generate_with_meta([h.PROMPT], max_new_tokens=12)
+    (after,) = await env.backend.generate_with_meta([PROMPT], max_new_tokens=12)
     assert (after.output_ids, after.aborted, after.weight_version) == (
-        h.hf_greedy(new_model, h.PROMPT, 12),
+        hf_greedy(new_model, PROMPT, 12),
         False,
         str(new),
     )
 
 
 async def test_keep_retracts_the_request_and_continues_it_on_new_weights(
-    env: SimpleNamespace,
-    h: SimpleNamespace,
+    env: HTTPEnv,
     old_model: PreTrainedModel,
     new_model: PreTrainedModel,
     old_tokens: list[int],
 ) -> None:
-    old, new = await h.stage(env, old_model, new_model)
+    old, new = await stage(env, old_model, new_model)
     result, versions, _ = await _run_during_request(
-        env, h, lambda: env.sync.sync_weights(in_flight="keep")
+        env, lambda: env.sync.sync_weights(in_flight="keep")
     )
     k = versions.index(str(new))
-    assert 30 <= k < h.LONG
+    assert 30 <= k < LONG
     assert result.aborted is False
-    assert versions == [str(old)] * k + [str(new)] * (h.LONG - k)
+    assert versions == [str(old)] * k + [str(new)] * (LONG - k)
     # The aiosync.Generation fields say the same: two versions, changing at token k.
     assert (result.first_version, result.last_version, result.version_change_at) == (old, new, k)
     assert (result.spans_versions, result.finish_reason) == (True, "length")
     assert result.output_ids[:k] == old_tokens[:k]
     # Retracted (SGLang's mode for keep with clear_cache): the new weights recompute
     # the prompt and the k tokens kept, then continue greedily.
-    rest = h.hf_greedy(new_model, h.PROMPT + old_tokens[:k], h.LONG - k)
+    rest = hf_greedy(new_model, PROMPT + old_tokens[:k], LONG - k)
     assert result.output_ids[k:] == rest
     assert rest != old_tokens[k:]
     paths = [e["path"] for e in (await env.admin.get("/_aiosync/log")).json()]
@@ -159,13 +171,12 @@ async def test_keep_retracts_the_request_and_continues_it_on_new_weights(
 
 
 async def test_a_failed_refit_resumes_generation(
-    env: SimpleNamespace,
-    h: SimpleNamespace,
+    env: HTTPEnv,
     old_model: PreTrainedModel,
     new_model: PreTrainedModel,
     old_tokens: list[int],
 ) -> None:
-    old, _ = await h.stage(env, old_model, new_model)
+    old, _ = await stage(env, old_model, new_model)
     env.source.fail_before = RuntimeError("trainer offload failed")
 
     async def failing_sync() -> None:
@@ -173,15 +184,15 @@ async def test_a_failed_refit_resumes_generation(
             await env.sync.sync_weights(in_flight="wait")
 
     async with env.sync.subscribe() as events:
-        result, versions, _ = await _run_during_request(env, h, failing_sync)
+        result, versions, _ = await _run_during_request(env, failing_sync)
         with anyio.fail_after(10):
             failed = [await anext(events) for _ in range(2)][-1]
     assert result.output_ids == old_tokens
-    assert (result.aborted, versions) == (False, [str(old)] * h.LONG)
+    assert (result.aborted, versions) == (False, [str(old)] * LONG)
     assert failed.kind == VersionEventKind.FAILED and failed.pause_s > 0.0
     assert (env.sync.weight_version, env.sync.is_stale) == (old, True)
     paths = [e["path"] for e in (await env.admin.get("/_aiosync/log")).json()]
     assert paths[-1] == "/continue_generation"
     # Resumed: a new request is admitted and answered by OLD (nothing moved).
     with anyio.fail_after(60):
-        assert await env.backend.generate([h.PROMPT], max_new_tokens=9) == [old_tokens[:9]]
+        assert await env.backend.generate([PROMPT], max_new_tokens=9) == [old_tokens[:9]]

@@ -8,7 +8,7 @@ exact tokens and version labels against transformers' own computation.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -19,19 +19,39 @@ from transformers import PreTrainedModel
 from aiosync.engines.embedded.engine import EmbeddedEngine, EmbeddedGeneration
 from aiosync.events import VersionEventKind, WeightVersionEvent
 from aiosync.transports.ipc import IPCWeightSynchronizer
+from tests._support.inflight import (
+    CONFIG,
+    ENGINE_SEED,
+    LONG,
+    OLD_SEED,
+    PROMPT,
+    FaultySource,
+    InflightEnv,
+    build_model,
+    greedy_switch,
+    hf_greedy,
+    stage,
+    sync_old,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
+@dataclass
+class IPCEnv(InflightEnv):
+    """The embedded engine the request runs on."""
+
+    engine: EmbeddedEngine
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def env(h: SimpleNamespace) -> AsyncIterator[SimpleNamespace]:
-    trainer = h.build_model(h.OLD_SEED)
-    source = h.FaultySource(trainer)
-    async with EmbeddedEngine(h.CONFIG, num_workers=1, seed=h.ENGINE_SEED) as engine:
+async def env() -> AsyncIterator[IPCEnv]:
+    trainer = build_model(OLD_SEED)
+    source = FaultySource(trainer)
+    async with EmbeddedEngine(CONFIG, num_workers=1, seed=ENGINE_SEED) as engine:
         sync = IPCWeightSynchronizer(source, engine, rpc_timeout_s=60)
         async with sync:
-            await sync.init_communicator()
-            yield SimpleNamespace(engine=engine, sync=sync, trainer=trainer, source=source)
+            yield IPCEnv(sync, trainer, source, engine=engine)
 
 
 async def _mid_request(engine: EmbeddedEngine, at_least: int = 30) -> None:
@@ -44,15 +64,13 @@ async def _mid_request(engine: EmbeddedEngine, at_least: int = 30) -> None:
             await anyio.sleep(0.005)
 
 
-async def _run_during_request(
-    env: SimpleNamespace, h: SimpleNamespace, call: Any
-) -> tuple[EmbeddedGeneration, Any]:
+async def _run_during_request(env: IPCEnv, call: Any) -> tuple[EmbeddedGeneration, Any]:
     """Start a LONG request, run ``call()`` once it is mid-way; both results."""
     results: list[EmbeddedGeneration] = []
 
     async def request() -> None:
         results.extend(
-            await env.engine.generate_with_meta([h.PROMPT], max_new_tokens=h.LONG, ignore_eos=True)
+            await env.engine.generate_with_meta([PROMPT], max_new_tokens=LONG, ignore_eos=True)
         )
 
     async with anyio.create_task_group() as tg:
@@ -74,32 +92,27 @@ async def _events_until(events: Any, kind: VersionEventKind) -> list[WeightVersi
 
 
 async def test_decode_loop_is_transformers_greedy_token_for_token(
-    env: SimpleNamespace, h: SimpleNamespace, old_model: PreTrainedModel, old_tokens: list[int]
+    env: IPCEnv, old_model: PreTrainedModel, old_tokens: list[int]
 ) -> None:
-    version = await h.sync_old(env, old_model)
-    (result,) = await env.engine.generate_with_meta(
-        [h.PROMPT], max_new_tokens=h.LONG, ignore_eos=True
-    )
+    version = await sync_old(env, old_model)
+    (result,) = await env.engine.generate_with_meta([PROMPT], max_new_tokens=LONG, ignore_eos=True)
     assert result.token_ids == old_tokens
-    assert (result.aborted, result.versions) == (False, [version] * h.LONG)
-    assert await env.engine.generate([h.PROMPT], max_new_tokens=7) == [old_tokens[:7]]
+    assert (result.aborted, result.versions) == (False, [version] * LONG)
+    assert await env.engine.generate([PROMPT], max_new_tokens=7) == [old_tokens[:7]]
 
 
 async def test_wait_finishes_the_request_on_old_weights_before_the_sync_moves(
-    env: SimpleNamespace,
-    h: SimpleNamespace,
+    env: IPCEnv,
     old_model: PreTrainedModel,
     new_model: PreTrainedModel,
     old_tokens: list[int],
 ) -> None:
-    old_version, new_version = await h.stage(env, old_model, new_model)
+    old_version, new_version = await stage(env, old_model, new_model)
     async with env.sync.subscribe() as events:
-        result, _ = await _run_during_request(
-            env, h, lambda: env.sync.sync_weights(in_flight="wait")
-        )
+        result, _ = await _run_during_request(env, lambda: env.sync.sync_weights(in_flight="wait"))
         seen = await _events_until(events, VersionEventKind.COMMITTED)
     assert result.token_ids == old_tokens
-    assert (result.aborted, result.versions) == (False, [old_version] * h.LONG)
+    assert (result.aborted, result.versions) == (False, [old_version] * LONG)
     assert result.version_change_at is None
     committed = seen[-1]
     assert (committed.version, env.sync.weight_version) == (new_version, new_version)
@@ -111,27 +124,26 @@ async def test_wait_finishes_the_request_on_old_weights_before_the_sync_moves(
         [],
         new_version,
     )
-    new_tokens = h.hf_greedy(new_model, h.PROMPT, 12)
-    assert await env.engine.generate([h.PROMPT], max_new_tokens=12) == [new_tokens]
+    new_tokens = hf_greedy(new_model, PROMPT, 12)
+    assert await env.engine.generate([PROMPT], max_new_tokens=12) == [new_tokens]
 
 
 async def test_abort_ends_the_request_with_a_prefix_of_old_output(
-    env: SimpleNamespace,
-    h: SimpleNamespace,
+    env: IPCEnv,
     old_model: PreTrainedModel,
     new_model: PreTrainedModel,
     old_tokens: list[int],
 ) -> None:
-    old_version, new_version = await h.stage(env, old_model, new_model)
-    result, _ = await _run_during_request(env, h, lambda: env.sync.sync_weights(in_flight="abort"))
+    old_version, new_version = await stage(env, old_model, new_model)
+    result, _ = await _run_during_request(env, lambda: env.sync.sync_weights(in_flight="abort"))
     k = len(result.token_ids)
     assert result.aborted is True
-    assert 30 <= k < h.LONG
+    assert 30 <= k < LONG
     assert result.token_ids == old_tokens[:k]
     assert result.versions == [old_version] * k
     assert env.sync.weight_version == new_version
-    new_tokens = h.hf_greedy(new_model, h.PROMPT, 12)
-    (after,) = await env.engine.generate_with_meta([h.PROMPT], max_new_tokens=12)
+    new_tokens = hf_greedy(new_model, PROMPT, 12)
+    (after,) = await env.engine.generate_with_meta([PROMPT], max_new_tokens=12)
     assert (after.token_ids, after.aborted, after.versions) == (
         new_tokens,
         False,
@@ -140,38 +152,36 @@ async def test_abort_ends_the_request_with_a_prefix_of_old_output(
 
 
 async def test_keep_continues_the_request_on_new_weights_from_where_it_stopped(
-    env: SimpleNamespace,
-    h: SimpleNamespace,
+    env: IPCEnv,
     old_model: PreTrainedModel,
     new_model: PreTrainedModel,
     old_tokens: list[int],
 ) -> None:
-    old_version, new_version = await h.stage(env, old_model, new_model)
+    old_version, new_version = await stage(env, old_model, new_model)
     env.sync.in_flight = "keep"  # the synchronizer's default, this time
     try:
-        result, _ = await _run_during_request(env, h, env.sync.sync_weights)
+        result, _ = await _run_during_request(env, env.sync.sync_weights)
     finally:
         env.sync.in_flight = "wait"
     k = result.version_change_at
-    assert k is not None and 30 <= k < h.LONG
+    assert k is not None and 30 <= k < LONG
     assert result.aborted is False
-    assert result.versions == [old_version] * k + [new_version] * (h.LONG - k)
+    assert result.versions == [old_version] * k + [new_version] * (LONG - k)
     assert (result.first_version, result.last_version) == (old_version, new_version)
     assert result.token_ids[:k] == old_tokens[:k]
     # The rest: NEW's greedy continuation, attending to OLD's KV cache of the prefix.
-    expected = h.greedy_switch(old_model, new_model, h.PROMPT, k, h.LONG)
+    expected = greedy_switch(old_model, new_model, PROMPT, k, LONG)
     assert result.token_ids == expected
     assert expected[k:] != old_tokens[k:]
 
 
 async def test_resume_after_a_failed_sync_lets_the_kept_request_finish_on_old_weights(
-    env: SimpleNamespace,
-    h: SimpleNamespace,
+    env: IPCEnv,
     old_model: PreTrainedModel,
     new_model: PreTrainedModel,
     old_tokens: list[int],
 ) -> None:
-    old_version, _ = await h.stage(env, old_model, new_model)
+    old_version, _ = await stage(env, old_model, new_model)
     env.source.fail_before = RuntimeError("trainer offload failed")
 
     async def failing_sync() -> BaseException:
@@ -180,11 +190,11 @@ async def test_resume_after_a_failed_sync_lets_the_kept_request_finish_on_old_we
         return info.value
 
     async with env.sync.subscribe() as events:
-        result, _ = await _run_during_request(env, h, failing_sync)
+        result, _ = await _run_during_request(env, failing_sync)
         failed = (await _events_until(events, VersionEventKind.FAILED))[-1]
     # Nothing moved: resumed, the kept request ends on the weights it started with.
     assert result.token_ids == old_tokens
-    assert (result.aborted, result.versions) == (False, [old_version] * h.LONG)
+    assert (result.aborted, result.versions) == (False, [old_version] * LONG)
     assert failed.pause_s > 0.0 and "trainer offload failed" in (failed.error or "")
     (status,) = await env.engine.status()
     assert (status["paused"], env.sync.weight_version, env.sync.is_stale) == (
@@ -195,13 +205,12 @@ async def test_resume_after_a_failed_sync_lets_the_kept_request_finish_on_old_we
 
 
 async def test_resume_after_a_cancelled_sync(
-    env: SimpleNamespace,
-    h: SimpleNamespace,
+    env: IPCEnv,
     old_model: PreTrainedModel,
     new_model: PreTrainedModel,
     old_tokens: list[int],
 ) -> None:
-    old_version, _ = await h.stage(env, old_model, new_model)
+    old_version, _ = await stage(env, old_model, new_model)
 
     async def cancelled_sync() -> bool:
         # "wait" waits for the long request: cancelled while paused, before a byte moved.
@@ -210,27 +219,26 @@ async def test_resume_after_a_cancelled_sync(
         return scope.cancelled_caught
 
     async with env.sync.subscribe() as events:
-        result, cancelled = await _run_during_request(env, h, cancelled_sync)
+        result, cancelled = await _run_during_request(env, cancelled_sync)
         failed = (await _events_until(events, VersionEventKind.FAILED))[-1]
     assert cancelled is True
     assert result.token_ids == old_tokens
-    assert (result.aborted, result.versions) == (False, [old_version] * h.LONG)
+    assert (result.aborted, result.versions) == (False, [old_version] * LONG)
     assert failed.pause_s > 0.0 and "Cancelled" in (failed.error or "")
     (status,) = await env.engine.status()
     assert status["paused"] is None
     # New requests are admitted again, and the sync succeeds next time.
-    assert await env.engine.generate([h.PROMPT], max_new_tokens=5) == [old_tokens[:5]]
+    assert await env.engine.generate([PROMPT], max_new_tokens=5) == [old_tokens[:5]]
     await env.sync.sync_weights()
     assert env.sync.is_stale is False
 
 
 async def test_an_unknown_policy_is_refused_before_anything_moves(
-    env: SimpleNamespace,
-    h: SimpleNamespace,
+    env: IPCEnv,
     old_model: PreTrainedModel,
     new_model: PreTrainedModel,
 ) -> None:
-    old_version, _ = await h.stage(env, old_model, new_model)
+    old_version, _ = await stage(env, old_model, new_model)
     async with env.sync.subscribe() as events:
         refused = r"in_flight must be one of \('abort', 'wait', 'keep'\), got 'drop'"
         with pytest.raises(ValueError, match=refused):

@@ -16,7 +16,7 @@ import pytest_asyncio
 import torch
 from torch import nn
 
-from aiosync import RefitMismatchError
+from aiosync import RefitMismatchError, SyncError
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.events import VersionEventKind
@@ -112,10 +112,15 @@ async def test_a_broken_tie_is_refused_by_a_tied_engine_before_any_byte_moves(
     model.lm_head.weight = nn.Parameter(model.model.embed_tokens.weight.detach() + 0.25)
     (before,) = await dense_engine.hf_state_dicts()
     log: list[str] = []
-    async with IPCWeightSynchronizer(h.TrainerSource(model, log), dense_engine) as sync:
-        with pytest.raises(RefitMismatchError) as info:
-            await sync.init_communicator()
-        assert (sync.weight_version, sync.is_stale) == (0, False)
+    sync = IPCWeightSynchronizer(h.TrainerSource(model, log), dense_engine)
+    # async with initializes: the refusal comes from the async-with line, and
+    # the synchronizer is shut down on the way out.
+    with pytest.raises(RefitMismatchError) as info:
+        async with sync:
+            pytest.fail("the broken tie was accepted")
+    assert (sync.weight_version, sync.is_stale) == (0, False)
+    with pytest.raises(SyncError, match="was shut down"):
+        await sync.mark_stale()
     message = str(info.value)
     assert "1 name(s) unknown to the engine, first: ['lm_head.weight']" in message
     assert "the tie is broken" in message

@@ -8,6 +8,7 @@ the bad input the case describes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import json
 import os
@@ -306,9 +307,9 @@ async def test_init_names_the_first_differing_parameters(
     renamed = h.TrainerSource(
         trainer.model, [], rename={"model.norm.weight": "model.final_norm.weight"}
     )
-    async with IPCWeightSynchronizer(renamed, dense_engine, bucket_bytes=BUCKET_BYTES) as bad:
-        with pytest.raises(RefitMismatchError) as info:
-            await bad.init_communicator()
+    with pytest.raises(RefitMismatchError) as info:
+        async with IPCWeightSynchronizer(renamed, dense_engine, bucket_bytes=BUCKET_BYTES):
+            pytest.fail("the renamed manifest was accepted")
     assert "model.final_norm.weight" in str(info.value)
     assert "model.norm.weight" in str(info.value)
     await h.assert_engine_equals(dense_engine, sync.trainer)  # type: ignore[attr-defined]
@@ -320,7 +321,8 @@ async def test_engine_that_stops_answering_times_out_and_next_sync_succeeds(
 ) -> None:
     # C2: the worker freezes mid-refit (SIGSTOP); the per-message timeout fires.
     sync = await _synced(dense_engine, h, seed=25)
-    sync.rpc_timeout_s = 3.0
+    sync.timeouts = dataclasses.replace(sync.timeouts, rpc_s=3.0)
+    assert sync.rpc_timeout_s == 3.0
     assert sync._sender is not None
     sync._sender.timeout_s = 3.0
     pid = dense_engine.pids[0]
@@ -358,7 +360,6 @@ config, seed, bucket_bytes, die_at, *how = json.loads(sys.argv[1])
 trainer = HFModelRunner.from_config(config, seed=seed)
 source = DTensorRefitSource(trainer.model)
 plan = plan_buckets(source.prepare_refit_info(), bucket_bytes)
-sender = _BucketSender(plan, __import__("torch").device("cpu"), 60.0)
 def weights():
     for i, item in enumerate(source.iter_weights()):
         if i == die_at and how == ["sigkill"]:
@@ -366,8 +367,11 @@ def weights():
         if i == die_at:
             os._exit(17)  # the trainer dies mid-refit, without any cleanup
         yield item
-print(json.dumps({"endpoint": sender.endpoint, "digest": plan.digest}), flush=True)
-asyncio.run(sender.send("child-1", [0], weights()))
+async def main():
+    sender = await _BucketSender.open(plan, __import__("torch").device("cpu"), 60.0)
+    print(json.dumps({"endpoint": sender.endpoint, "digest": plan.digest}), flush=True)
+    await sender.send("child-1", [0], weights())
+asyncio.run(main())
 """
 
 
@@ -517,7 +521,7 @@ async def test_abort_to_unreachable_workers_leaves_no_unretrieved_error() -> Non
     # ROUTER_MANDATORY makes a send to an unknown peer fail (Host unreachable);
     # that error must be consumed, not left in a future nobody awaits.
     plan = plan_buckets({"w": ((4,), torch.float32)}, BUCKET_BYTES)
-    sender = _BucketSender(plan, torch.device("cpu"), 5.0)
+    sender = await _BucketSender.open(plan, torch.device("cpu"), 5.0)
     loop = asyncio.get_running_loop()
     unhandled: list[dict[str, Any]] = []
     previous = loop.get_exception_handler()

@@ -101,7 +101,7 @@ config, seed, bucket_bytes, die_at = json.loads(sys.argv[1])
 trainer = HFModelRunner.from_config(config, seed=seed)
 source = DTensorRefitSource(trainer.model)
 plan = plan_buckets(source.prepare_refit_info(), bucket_bytes)
-sender = _BucketSender(plan, __import__("torch").device("cpu"), 60.0)
+sender = None
 idents = []
 def dying():
     for i, item in enumerate(source.iter_weights()):
@@ -111,6 +111,8 @@ def dying():
             os.kill(os.getpid(), signal.SIGKILL)
         yield item
 async def main():
+    global sender
+    sender = await _BucketSender.open(plan, __import__("torch").device("cpu"), 60.0)
     print(json.dumps({"endpoint": sender.endpoint, "digest": plan.digest}), flush=True)
     await sender.send("child-1", [0], source.iter_weights())
     idents.append(sender._idents[1][0].decode())

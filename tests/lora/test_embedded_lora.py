@@ -229,22 +229,26 @@ async def test_init_refuses_what_is_not_an_adapter_or_does_not_fit_the_engine(
     with pytest.raises(TypeError, match="has no load_lora_adapter"):
         LoRAAdapterSynchronizer(trainer.source, object())
 
-    async with LoRAAdapterSynchronizer(_FullModelAsAdapter(trainer, full), engine) as sync:
-        not_lora = r"'model\.embed_tokens\.weight' is not a LoRA tensor"
-        with pytest.raises(RefitMismatchError, match=not_lora):
-            await sync.init_communicator()
+    not_lora = r"'model\.embed_tokens\.weight' is not a LoRA tensor"
+    with pytest.raises(RefitMismatchError, match=not_lora):
+        async with LoRAAdapterSynchronizer(_FullModelAsAdapter(trainer, full), engine):
+            pytest.fail("a full checkpoint was accepted as an adapter")
 
     # An adapter trained on a model whose MLP is 96 wide, for an engine whose MLP is 128.
     narrow = LoRATrainer(config={**CONFIG, "intermediate_size": 96})
-    async with LoRAAdapterSynchronizer(narrow.source, engine) as sync:
+    sync = LoRAAdapterSynchronizer(narrow.source, engine)
+    try:
         with pytest.raises(
             RefitMismatchError,
             match=r"model\.layers\.0\.mlp\.gate_proj\.weight: the engine's model has shape "
             r"\(128, 64\), the adapter's .* imply \[96, 64\]",
         ):
             await sync.init_communicator()
+        await sync.mark_stale()
         with pytest.raises(SyncError, match="init_communicator"):
             await sync.sync_weights()
+    finally:
+        await sync.shutdown()
 
 
 async def test_level_2_sleep_discards_the_adapter_and_the_sync_says_the_base_is_gone(

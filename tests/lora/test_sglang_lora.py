@@ -254,29 +254,23 @@ async def test_init_checks_the_servers_lora_settings_and_shapes_before_any_load(
     fresh: Any, tmp_path_factory: pytest.TempPathFactory, model_config: Path
 ) -> None:
     too_wide = LoRATrainer(r=2 * MAX_LORA_RANK)
-    async with (
-        SGLangHTTPBackend(fresh.url) as backend,
-        LoRAAdapterSynchronizer(too_wide.source, backend) as sync,
-    ):
-        too_high = r"rank 16 exceeds the SGLang server's --max-lora-rank 8"
+    too_high = r"rank 16 exceeds the SGLang server's --max-lora-rank 8"
+    async with SGLangHTTPBackend(fresh.url) as backend:
         with pytest.raises(ValueError, match=too_high):
-            await sync.init_communicator()
+            async with LoRAAdapterSynchronizer(too_wide.source, backend):
+                pytest.fail("an adapter above --max-lora-rank was accepted")
     narrow = LoRATrainer(config={**CONFIG, "intermediate_size": 96})
-    async with (
-        SGLangHTTPBackend(fresh.url) as backend,
-        LoRAAdapterSynchronizer(narrow.source, backend) as sync,
-    ):
+    async with SGLangHTTPBackend(fresh.url) as backend:
         with pytest.raises(RefitMismatchError, match=r"mlp\.gate_proj\.weight: the engine's model"):
-            await sync.init_communicator()
+            async with LoRAAdapterSynchronizer(narrow.source, backend):
+                pytest.fail("an adapter for another model was accepted")
     assert _lora_calls(fresh) == []
 
     for plain in _serve(tmp_path_factory, model_config):  # no --enable-lora
-        async with (
-            SGLangHTTPBackend(plain.url) as backend,
-            LoRAAdapterSynchronizer(LoRATrainer().source, backend) as sync,
-        ):
+        async with SGLangHTTPBackend(plain.url) as backend:
             with pytest.raises(ValueError, match="runs without --enable-lora"):
-                await sync.init_communicator()
+                async with LoRAAdapterSynchronizer(LoRATrainer().source, backend):
+                    pytest.fail("a server without --enable-lora was accepted")
         answer = plain.admin.post(
             "/load_lora_adapter", json={"lora_name": "a", "lora_path": "/nonexistent"}
         )

@@ -97,8 +97,7 @@ async def main():
             train_cluster=TrainCluster(master_addr=sys.argv[1], master_port=29650),
             inference_world_size=1, collective_timeout_s=60.0,
         )
-        async with sync:
-            await sync.init_communicator()
+        async with sync:  # initializes the communicator
             before = tx_bytes(os.environ["GLOO_SOCKET_IFNAME"])
             await sync.mark_stale()
             await sync.sync_weights()

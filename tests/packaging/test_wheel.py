@@ -67,6 +67,13 @@ def test_wheel_carries_every_module_of_the_linked_folders(wheel: Path) -> None:
             assert relative not in in_wheel, relative
 
 
+def test_wheel_carries_aiosync_testing_and_no_test_modules(wheel: Path) -> None:
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {"aiosync/testing/__init__.py", "aiosync/testing/sglang_server.py"} <= set(names)
+    # Test doubles users need live in aiosync.testing; pytest's test modules never ship.
+    assert [n for n in names if Path(n).name.startswith("test_")] == []
+
+
 def test_installed_wheel_imports_as_aiosync_only(wheel: Path, tmp_path: Path) -> None:
     target = tmp_path / "site"
     subprocess.run(

@@ -2,34 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests._support.modules import load_module
+
 HERE = Path(__file__).parent
 
 
-def _load_models_module() -> ModuleType:
-    # By path: pytest's importlib mode does not put this directory on sys.path,
-    # and the spawned worker script imports the same file, so both build the same models.
-    name = "_refit_torch_models"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-_models = _load_models_module()
+# By path and under the name the spawned worker script imports (``_dist_worker.py`` puts
+# this directory on its sys.path), so both build the same models.
+_models = load_module(HERE / "_refit_torch_models.py")
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
-import numpy as np
 import pytest
+import torch
 
 from aiosync import SyncError
 from aiosync.replay import ReplaySample, VersionedReplayBuffer
@@ -33,7 +33,7 @@ async def test_sample_is_stamped_with_weight_version_live_when_generated(sync: A
         await train_step(sync)
         buffer.add("still-v0-weights")  # the trainer stepped, the engine still serves v0
         await sync.sync_weights()
-        assert np.array_equal(sync.generation.state["w"], np.ones(8, np.float32))
+        assert torch.equal(sync.generation.state["w"], torch.ones(8))
         buffer.add("gen-under-v1")
         assert buffer.versions() == [0, 0, 1]
         batch = buffer.pop_batch_nowait(3)

@@ -65,7 +65,7 @@ async def test_collective_gloo_sync_changes_vllm_output_exactly_as_the_trainers(
         backend,
         train_cluster=TrainCluster(master_port=free_port()),
         inference_world_size=1,
-        backend="gloo",
+        dist_backend="gloo",
         bucket_bytes=64 * 1024,  # several buckets: the reload spans many load_weights calls
         verify=True,
         collective_timeout_s=120,
@@ -122,7 +122,7 @@ async def test_failed_sync_into_vllm_keeps_version_and_blocks_generation_until_a
         backend,
         train_cluster=TrainCluster(master_port=port),
         inference_world_size=1,
-        backend="gloo",
+        dist_backend="gloo",
         collective_timeout_s=120,
         rpc_timeout_s=120,
     )
@@ -161,7 +161,7 @@ async def test_checkpoint_manifest_check_rejects_an_unknown_name_before_any_byte
             backend,
             train_cluster=TrainCluster(master_port=free_port()),
             inference_world_size=1,
-            backend="gloo",
+            dist_backend="gloo",
             collective_timeout_s=120,
             rpc_timeout_s=120,
         )
@@ -191,7 +191,7 @@ async def test_rpc_to_a_stuck_vllm_worker_times_out_and_the_engine_recovers(
         backend,
         train_cluster=TrainCluster(master_port=free_port()),
         inference_world_size=1,
-        backend="gloo",
+        dist_backend="gloo",
         collective_timeout_s=5,  # how long the stuck worker waits before giving up
         rpc_timeout_s=120,
     )

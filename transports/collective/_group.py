@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -216,6 +217,33 @@ class SyncGroup:
                     )
                 result.append((code, bytes(out[1:].tolist()).hex(), text))
         return result
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (JSON-encodable), in session-rank order (blocking).
+
+        Each rank writes its ``obj`` to the store, the control all-gather is the
+        barrier, then each reads the others': the trainer ranks' agreement
+        (:class:`~aiosync.transports._ranks.TrainerRanks`) runs over it.
+
+        Raises:
+            TransportError, SyncTimeoutError: a rank died or timed out (group broken).
+        """
+        with self._lock:
+            self._votes += 1
+            key = f"objects/{self._votes}/"
+        token = torch.zeros(1, dtype=torch.uint8)
+        outs = [torch.empty_like(token) for _ in range(self.world_size)]
+        with self._guard("control all-gather"):
+            if self.store is None or self.ctrl is None:
+                raise TransportError("the sync group was destroyed")
+            self.store.set(key + str(self.rank), json.dumps(obj))
+            opts = AllgatherOptions()
+            opts.timeout = datetime.timedelta(seconds=self.timeout_s)
+            self.ctrl.allgather([outs], [token], opts).wait()
+            return [
+                obj if rank == self.rank else json.loads(self.store.get(key + str(rank)))
+                for rank in range(self.world_size)
+            ]
 
     def agree(self, status: int, message: str = "", digest: str = "") -> None:
         """:meth:`exchange`, then raise the same error on every rank if anyone failed.

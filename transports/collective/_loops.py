@@ -4,7 +4,9 @@ Both follow the wire format of :mod:`aiosync.transports.collective._wire` and ke
 least two buckets in flight: the source packs bucket ``k+1`` while bucket ``k``
 is on the wire, and a receiver posts the receive of bucket ``k+1`` before it
 loads bucket ``k``. Each loop ends with the vote (:meth:`SyncGroup.agree`), so
-all ranks raise together or none does.
+all ranks raise together or none does; the source's is :func:`vote_send`, apart
+from :func:`stream_buckets`, so that the synchronizer can fold the other trainer
+ranks' outcome in between.
 """
 
 from __future__ import annotations
@@ -28,7 +30,15 @@ from ._wire import (
     validate_header,
 )
 
-__all__ = ["RotatingBuffers", "SendResult", "Tracer", "receive_buckets", "send_buckets"]
+__all__ = [
+    "RotatingBuffers",
+    "SendResult",
+    "Tracer",
+    "receive_buckets",
+    "send_buckets",
+    "stream_buckets",
+    "vote_send",
+]
 
 
 class RotatingBuffers:
@@ -109,29 +119,72 @@ def send_buckets(
     kv: list[tuple[str, float]],
     verify: bool,
     cancelled: Callable[[], bool] = lambda: False,
-    before_vote: Callable[[BaseException | None], BaseException | None] | None = None,
     trace: Tracer | None = None,
 ) -> SendResult:
-    """Source side: header, packed buckets, trailer, vote (blocking).
+    """Source side: :func:`stream_buckets` then :func:`vote_send` (blocking).
+
+    Raises:
+        RefitMismatchError: the weights differ from the plan (on every rank).
+        TransportError, SyncTimeoutError: a collective failed (group broken).
+    """
+    sent, failure = stream_buckets(
+        group,
+        plan,
+        buffers,
+        weights,
+        version=version,
+        kv=kv,
+        verify=verify,
+        cancelled=cancelled,
+        trace=trace,
+    )
+    vote_send(group, failure)
+    return sent
+
+
+def vote_send(group: SyncGroup, failure: BaseException | None) -> None:
+    """The source's vote with the receivers after :func:`stream_buckets` (blocking).
+
+    Raises:
+        The agreed error of :meth:`SyncGroup.agree` when any rank failed
+        (``failure`` itself if the vote was lost).
+    """
+    if failure is not None:
+        group.agree(_status_of(failure), f"source failed: {failure}")
+        raise failure  # agree() raised already unless the vote was lost
+    group.agree(STATUS_OK)
+
+
+def stream_buckets(
+    group: SyncGroup,
+    plan: BucketPlan,
+    buffers: RotatingBuffers,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    version: int,
+    kv: list[tuple[str, float]],
+    verify: bool,
+    cancelled: Callable[[], bool] = lambda: False,
+    trace: Tracer | None = None,
+) -> tuple[SendResult, BaseException | None]:
+    """Source side up to the vote: header, packed buckets, trailer (blocking).
 
     ``trace(event, bucket_index)``, when given, is called as bucket ``k``'s
-    tensors are in hand (``"gathered"``), packed (``"packed"``), its broadcast
-    posted (``"posted"``) and seen complete (``"sent"``; observed when its
-    buffer is next needed, or at the end).
-
-    ``before_vote(failure)`` runs right before the receivers' vote with the
-    source's own failure (or None) and returns the failure to vote: the other
-    trainer ranks' outcome folds in there, so a rank whose read failed makes the
-    receivers refuse the weights as well.
+    tensors are in hand (``"gathered"``), packed (``"packed"``), right before
+    its broadcast is posted (``"broadcasting"``: no receiver can have it
+    earlier) and seen complete (``"sent"``; observed when its buffer is next
+    needed, or at the end).
 
     ``weights`` is consumed lazily, so producing (gathering) bucket ``k+1``
     overlaps the broadcast of bucket ``k``. On CUDA packing runs on a side
     stream that the broadcast waits for. If the source fails half-way (the
     stream differs from the plan) it still sends the remaining buckets, so no
-    receiver is left blocked, and votes the failure: every rank then raises.
+    receiver is left blocked, and returns that failure for the vote.
+
+    Returns:
+        ``(what was sent, the source's read failure or None)``.
 
     Raises:
-        RefitMismatchError: the weights differ from the plan (on every rank).
         TransportError, SyncTimeoutError: a collective failed (group broken).
     """
     mark = trace or _no_trace
@@ -183,8 +236,8 @@ def send_buckets(
                 buf = buffers(bucket)  # after a failure: keep the receivers' loop going
             if verify:
                 checksums.append(bucket_checksum(buf))
+            mark("broadcasting", bucket.index)
             work = group.broadcast(buf, what=f"broadcast of bucket {bucket.index}")
-        mark("posted", bucket.index)
         pending[slot] = (work, buf, bucket.index)  # keeps a zero-copy source alive until sent
     with on_side():
         for slot in sorted(pending, key=lambda k: pending[k][2]):
@@ -203,13 +256,7 @@ def send_buckets(
     if trailer_nbytes(len(kv), len(plan.buckets), verify):
         trailer = encode_trailer([v for _, v in kv], checksums).to(group.device)
         group.wait(group.broadcast(trailer, what="broadcast of the trailer"), what="trailer")
-    if before_vote is not None:
-        failure = before_vote(failure)
-    if failure is not None:
-        group.agree(_status_of(failure), f"source failed: {failure}")
-        raise failure  # agree() raised already unless the vote was lost
-    group.agree(STATUS_OK)
-    return SendResult(plan.total_bytes + 4 * len(kv), checksums)
+    return SendResult(plan.total_bytes + 4 * len(kv), checksums), failure
 
 
 def receive_buckets(

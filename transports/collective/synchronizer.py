@@ -20,22 +20,21 @@ the final copy into the live weights (``aiosync_collective_commit``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import secrets
 import threading
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+import warnings
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Literal, TypeVar
 
 import anyio
 import anyio.to_thread
 import torch
 
-from aiosync._config import (
-    DEFAULT_BUCKET_BYTES,
-    DEFAULT_RPC_TIMEOUT_S,
-    DEFAULT_SYNC_TIMEOUT_S,
-)
-from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
+from aiosync._config import DEFAULT_BUCKET_BYTES, DEFAULT_EVENT_BACKLOG, Timeouts
+from aiosync._fanout import most_telling
+from aiosync.errors import SyncError, SyncTimeoutError, TransportError
 from aiosync.interfaces import (
     EngineWorkers,
     InFlightPolicy,
@@ -46,20 +45,22 @@ from aiosync.interfaces import (
 )
 
 from ..packing import BucketPlan, group_by_bucket, plan_buckets
-from ._group import (
-    STATUS_ERROR,
-    STATUS_MISMATCH,
-    STATUS_OK,
-    STATUS_TIMEOUT,
-    SyncGroup,
-    cancel_formation,
-    create_sync_group,
-    open_store,
-)
-from ._loops import RotatingBuffers, SendResult, send_buckets
-from ._wire import attention_layers, kv_scale_entries
+from ._group import STATUS_OK, SyncGroup, cancel_formation, create_sync_group, open_store
+from ._loops import RotatingBuffers, SendResult, stream_buckets, vote_send
+from ._votes import SyncVotes, agree_formation
+from ._wire import kv_scale_entries
 
-__all__ = ["CollectiveWeightSynchronizer", "default_bucket_bytes", "kv_scale_entries"]
+__all__ = [
+    "DIST_BACKENDS",
+    "CollectiveWeightSynchronizer",
+    "DistBackend",
+    "default_bucket_bytes",
+    "kv_scale_entries",
+]
+
+#: The torch.distributed backends of the data group (``dist_backend=``).
+DistBackend = Literal["nccl", "gloo"]
+DIST_BACKENDS: tuple[DistBackend, ...] = ("nccl", "gloo")
 
 _T = TypeVar("_T")
 
@@ -70,12 +71,22 @@ _MAX_GPU_BUCKET_BYTES = 5 * 1024**3
 
 
 def default_bucket_bytes(device: torch.device) -> int:
-    """The default bucket size, bytes: ``min(2 % of device memory, 5 GiB)`` on CUDA,
-    :data:`aiosync.DEFAULT_BUCKET_BYTES` (512 MiB) on CPU."""
-    if device.type == "cuda":
+    """The default bucket size, bytes: ``min(2 % of device memory, 5 GiB)`` on a
+    visible CUDA device, :data:`aiosync.DEFAULT_BUCKET_BYTES` (512 MiB) otherwise."""
+    if device.type == "cuda" and torch.cuda.is_available():
         total = torch.cuda.get_device_properties(device).total_memory
         return min(total // 50, _MAX_GPU_BUCKET_BYTES)
     return DEFAULT_BUCKET_BYTES
+
+
+def _data_device(dist_backend: DistBackend) -> torch.device:
+    """Where the bucket buffers live: the current CUDA device for nccl (``cuda``
+    unindexed when none is visible: the group cannot form then), else the CPU."""
+    if dist_backend != "nccl":
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cuda")
 
 
 class CollectiveWeightSynchronizer(WeightSynchronizer):
@@ -103,7 +114,10 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         generation: the engine; an :class:`aiosync.EngineWorkers` (used on rank 0 only).
         train_cluster: trainer ranks and the sync group's meeting point.
         inference_world_size: number of engine workers ``W`` (>= 1).
-        backend: ``"nccl"``, ``"gloo"``, or None: nccl when CUDA is available, else gloo.
+        dist_backend: the data group's torch.distributed backend, ``"nccl"`` or
+            ``"gloo"``; None: nccl when CUDA is available, else gloo. An NCCL
+            synchronizer can be built without a GPU; its ``init_communicator()``
+            then raises TransportError.
         bucket_bytes: bucket size, bytes; default :func:`default_bucket_bytes`.
             Two buffers of this size are allocated on each side.
         verify: the source sends per-bucket checksums and every receiver
@@ -111,13 +125,20 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         overlap: ``"inplace"`` (load each bucket as it lands) or ``"staged"``
             (receive everything into a staging copy while generating, then pause
             only for the final copy; costs one extra copy of the weights on each worker).
-        rpc_timeout_s: limit of each control RPC to the workers, seconds.
+        timeouts: every limit (:class:`~aiosync.Timeouts`); ``rpc_s`` bounds each
+            control RPC to the workers.
+        rpc_timeout_s: overrides ``timeouts.rpc_s``, seconds.
         collective_timeout_s: limit of the rendezvous and of every collective,
-            seconds (torch's process-group timeout; a dead rank surfaces within it).
-        sync_timeout_s: limit of a whole ``sync_weights`` call, seconds.
+            seconds (torch's process-group timeout; a dead rank surfaces within
+            it); default ``timeouts.rpc_s``.
+        sync_timeout_s: overrides ``timeouts.sync_s``: a whole ``sync_weights`` call, seconds.
+        event_backlog: default ``max_backlog`` of :meth:`subscribe`, in events.
+        in_flight: the default in-flight policy of ``sync_weights``.
+        backend: deprecated name of ``dist_backend`` (DeprecationWarning).
 
     Raises:
-        ValueError: an option is out of range.
+        ValueError: an option is out of range, or ``dist_backend`` is not
+            ``"nccl"``, ``"gloo"`` or None.
         TypeError: ``train_cluster`` is not a :class:`~aiosync.TrainCluster`.
     """
 
@@ -128,16 +149,38 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         *,
         train_cluster: TrainCluster,
         inference_world_size: int,
-        backend: str | None = None,
+        dist_backend: DistBackend | None = None,
         bucket_bytes: int | None = None,
         verify: bool = False,
         overlap: Literal["inplace", "staged"] = "inplace",
-        rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
-        collective_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
-        sync_timeout_s: float = DEFAULT_SYNC_TIMEOUT_S,
-        **options: Any,
+        timeouts: Timeouts | None = None,
+        rpc_timeout_s: float | None = None,
+        collective_timeout_s: float | None = None,
+        sync_timeout_s: float | None = None,
+        event_backlog: int = DEFAULT_EVENT_BACKLOG,
+        in_flight: InFlightPolicy = "wait",
+        backend: DistBackend | None = None,
     ) -> None:
-        super().__init__(policy, generation, sync_timeout_s=sync_timeout_s, **options)
+        if backend is not None:
+            warnings.warn(
+                "CollectiveWeightSynchronizer(backend=...) is now dist_backend=...",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if dist_backend is None:
+                dist_backend = backend
+        if dist_backend is not None and dist_backend not in DIST_BACKENDS:
+            raise ValueError(f"dist_backend must be 'nccl', 'gloo' or None, got {dist_backend!r}")
+        if timeouts is not None and not isinstance(timeouts, Timeouts):
+            raise TypeError(f"timeouts must be an aiosync.Timeouts, got {type(timeouts).__name__}")
+        super().__init__(
+            policy,
+            generation,
+            timeouts=(timeouts or Timeouts()).with_keywords(rpc_timeout_s=rpc_timeout_s),
+            sync_timeout_s=sync_timeout_s,
+            event_backlog=event_backlog,
+            in_flight=in_flight,
+        )
         if not isinstance(train_cluster, TrainCluster):
             raise TypeError(
                 f"train_cluster must be an aiosync.TrainCluster, got {type(train_cluster).__name__}"
@@ -148,35 +191,30 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             )
         if inference_world_size < 1:
             raise ValueError(f"inference_world_size must be >= 1, got {inference_world_size}")
-        if backend is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend not in ("nccl", "gloo"):
-            raise ValueError(f"backend must be 'nccl', 'gloo' or None, got {backend!r}")
+        if dist_backend is None:
+            dist_backend = "nccl" if torch.cuda.is_available() else "gloo"
         if bucket_bytes is not None and bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
         if overlap not in ("inplace", "staged"):
             raise ValueError(f"overlap must be 'inplace' or 'staged', got {overlap!r}")
-        for name, value in (
-            ("rpc_timeout_s", rpc_timeout_s),
-            ("collective_timeout_s", collective_timeout_s),
-        ):
-            if value <= 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
+        if collective_timeout_s is not None and not 0 < collective_timeout_s < float("inf"):
+            raise ValueError(
+                f"collective_timeout_s must be a finite number > 0, got {collective_timeout_s}"
+            )
         self.train_cluster = train_cluster
         self.inference_world_size = inference_world_size
-        self.backend = backend
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if backend == "nccl"
-            else torch.device("cpu")
-        )
+        #: The data group's backend, ``"nccl"`` or ``"gloo"``.
+        self.dist_backend: DistBackend = dist_backend
+        self.device = _data_device(dist_backend)
         self.bucket_bytes = (
             bucket_bytes if bucket_bytes is not None else default_bucket_bytes(self.device)
         )
         self.verify = verify
         self.overlap = overlap
-        self.rpc_timeout_s = rpc_timeout_s
-        self.collective_timeout_s = collective_timeout_s
+        #: Limit of the rendezvous and of every collective, seconds.
+        self.collective_timeout_s = (
+            collective_timeout_s if collective_timeout_s is not None else self.timeouts.rpc_s
+        )
         self._plan: BucketPlan | None = None
         self._group: SyncGroup | None = None
         # The trainer ranks' control-only group (several ranks): agrees on outcomes.
@@ -194,15 +232,20 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         self._abandoned = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
-        # The engine tells us when its workers lose their weights (a level-2
-        # sleep, a respawned worker): a sync is then needed (as in ipc.py).
-        listen = getattr(generation, "add_weights_discarded_listener", None)
-        if listen is not None:
-            listen(self._invalidate_engine_weights)
         #: Per-worker results of the last successful sync (``pause_s``, ``nbytes``...).
         self.last_worker_results: list[dict[str, Any]] = []
 
     # -- properties ------------------------------------------------------------
+
+    @property
+    def rpc_timeout_s(self) -> float:
+        """Limit of each control RPC to the workers, seconds (``timeouts.rpc_s``)."""
+        return self.timeouts.rpc_s
+
+    @property
+    def backend(self) -> DistBackend:
+        """Deprecated name of :attr:`dist_backend`."""
+        return self.dist_backend
 
     @property
     def plan(self) -> BucketPlan:
@@ -262,14 +305,16 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         if not self._closed:
             await self._teardown(notify_workers=True)
             self._store = None
-        forget = getattr(self.generation, "remove_weights_discarded_listener", None)
-        if forget is not None:
-            forget(self._invalidate_engine_weights)
         await super().shutdown()
 
     async def _form_group(self) -> None:
+        if self.dist_backend == "nccl" and not torch.cuda.is_available():
+            raise TransportError(
+                "dist_backend='nccl' needs a CUDA build of torch and a visible GPU; "
+                "use dist_backend='gloo' on CPU"
+            )
         await self._teardown(notify_workers=False)
-        manifest = await anyio.to_thread.run_sync(self.policy.prepare_refit_info)
+        manifest = await self._read_manifest()
         plan = plan_buckets(manifest, self.bucket_bytes)
         self._sessions += 1
         # Identical on every trainer rank: it names the group's keys in the store.
@@ -327,7 +372,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
                 rank=0,
                 world_size=self.world_size,
                 train_world_size=1,
-                backend=self.backend,
+                backend=self.dist_backend,
                 device=self.device,
                 timeout_s=self.collective_timeout_s,
                 session=session,
@@ -352,7 +397,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         if trainers is not None:
             # Every trainer rank learns the source's verdict and compares plan digests.
             try:
-                await self._agree_trainers(trainers, failure, plan.digest)
+                await agree_formation(trainers, failure, plan.digest)
             except BaseException:
                 for g in (group, trainers):
                     if g is not None:
@@ -382,7 +427,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             "master_port": self.master_port,
             "world_size": self.world_size,
             "train_world_size": 1,
-            "backend": self.backend,
+            "backend": self.dist_backend,
             "plan": plan.to_json(),
             "timeout_s": self.collective_timeout_s,
             "session": session,
@@ -418,21 +463,6 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         if self._store is not None:
             cancel_formation(self._store, session, reason)
 
-    async def _agree_trainers(
-        self, trainers: SyncGroup, failure: BaseException | None, digest: str = ""
-    ) -> None:
-        """The trainer ranks' vote: raise the same error on every rank if any failed.
-
-        Shielded and bounded (by the trainer group's own timeout), so a rank
-        that failed or was cancelled still tells the others instead of leaving
-        them waiting.
-        """
-        status, message = _vote_of(failure)
-        with anyio.CancelScope(shield=True):
-            await self._in_thread(
-                lambda: trainers.agree(status, message, digest), self._trainer_timeout() + 1.0
-            )
-
     async def _teardown(self, *, notify_workers: bool) -> None:
         group, self._group = self._group, None
         trainers, self._trainers = self._trainers, None
@@ -449,90 +479,48 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
 
     # -- one sync --------------------------------------------------------------
 
-    async def sync_weights(
-        self, kv_scales: KVScales | None = None, *, in_flight: InFlightPolicy | None = None
-    ) -> None:
-        """Broadcast the current ``policy_version`` to every worker (see the base class).
-
-        Args:
-            kv_scales: FP8 KV-cache scales, ``{layer_index: scale}`` (both
-                ``k_scale`` and ``v_scale`` of that layer) or
-                ``{"model.layers.{i}.self_attn.{k|v}_scale": scale}``; they are
-                loaded after the weights as 0-d float32 tensors.
-            in_flight: what happens to requests in flight (see the base class);
-                None: ``self.in_flight``.
-
-        Raises:
-            TypeError, ValueError: malformed ``kv_scales`` (before anything moves).
-            RefitMismatchError: the source's tensors differ from the manifest, or
-                a worker rejected one (every rank raises).
-            TransportError: a rank died or failed; the group is re-formed by the
-                next sync.
-            SyncTimeoutError: a collective or the whole sync ran past its timeout.
-        """
-        if isinstance(kv_scales, Mapping):
-            kv_scale_entries(kv_scales)
-        await super().sync_weights(kv_scales, in_flight=in_flight)
-
     def _drives_generation(self) -> bool:
         # Only the source drives the engine; the other trainer ranks never call it.
         return self.is_source
 
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
-        kv = kv_scale_entries(kv_scales, await self._attention_layers(kv_scales))
+        # The base class checked the scales against the manifest before anything moved.
+        kv = kv_scale_entries(kv_scales)
         if self._needs_forming():
             await self._form_group()
         group, trainers, plan = self._group, self._trainers, self._plan
         assert plan is not None
         nbytes = plan.total_bytes + 4 * len(kv)
-        # Every trainer rank votes twice per sync: on its read of the source (before
-        # the workers vote, so they refuse weights a rank failed to read), then on
-        # the sync's final outcome.
-        read_vote = _ReadVote(trainers)
+        weights = self.policy.iter_weights()
+        votes = SyncVotes(trainers, weights)
         failure: BaseException | None = None
         try:
             if self.is_source:
                 assert group is not None
-                nbytes = await self._send(group, plan, version, kv, read_vote)
+                nbytes = await self._send(group, plan, version, kv, votes)
             else:
-
-                def follow() -> None:
-                    # The other trainer ranks take part in the gathers only.
-                    own: Exception | None = None
-                    try:
-                        _consume(self.policy.iter_weights(), plan)
-                    except Exception as exc:
-                        own = exc
-                    agreed = read_vote(own)
-                    if agreed is not None:
-                        raise agreed
-
-                await self._in_thread(follow, self.sync_timeout_s)
+                # The other trainer ranks take part in the gathers only.
+                own: BaseException | None = None
+                try:
+                    await self._in_thread(
+                        functools.partial(_consume, weights, plan), self.sync_timeout_s
+                    )
+                except BaseException as exc:
+                    own = exc
+                await votes.read(own)
         except BaseException as exc:
             failure = exc
-        if trainers is not None and not read_vote.done:
-            # The source failed before its workers' vote: still pair the read vote.
-            with anyio.CancelScope(shield=True):
-                await self._in_thread(
-                    lambda: read_vote(_as_vote(failure)), self._trainer_timeout() + 1.0
-                )
         if failure is not None:
             # Whatever failed, the next sync re-forms the groups: a worker may still
             # sit in a receive, or hold a half-staged copy. Aborting the engine's
             # group now also makes every peer's pending collective fail at once.
             self._drop_engine_group()
-        if trainers is not None:
-            try:
-                await self._agree_trainers(trainers, _as_vote(failure))
-            except Exception as agreed:
-                self._drop_trainer_group()
-                if failure is not None and not isinstance(failure, Exception):
-                    raise  # a cancellation stays one
-                # The same error on every trainer rank, naming the rank that failed.
-                raise agreed from failure
-        if failure is not None:
+        try:
+            # The same outcome on every trainer rank, naming the rank that failed.
+            await votes.outcome(failure)
+        except BaseException:
             self._drop_trainer_group()
-            raise failure
+            raise
         return nbytes
 
     def _needs_forming(self) -> bool:
@@ -552,34 +540,49 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         plan: BucketPlan,
         version: int,
         kv: list[tuple[str, float]],
-        read_vote: Callable[[BaseException | None], BaseException | None],
+        votes: SyncVotes,
     ) -> int:
-        """The source: broadcast every bucket to the workers; returns the bytes sent."""
+        """The source: broadcast every bucket to the workers; returns the bytes sent.
+
+        The trainer ranks' read vote sits between the last bucket and the
+        workers' vote, so the workers refuse weights another rank failed to read.
+        """
         buffers = self._buffers
         assert buffers is not None
+        stream = functools.partial(
+            stream_buckets,
+            group,
+            plan,
+            buffers,
+            votes.weights,
+            version=version,
+            kv=kv,
+            verify=self.verify,
+            cancelled=self._abandoned.is_set,
+        )
 
-        def send() -> SendResult:
-            return send_buckets(
-                group,
-                plan,
-                buffers,
-                self.policy.iter_weights(),
-                version=version,
-                kv=kv,
-                verify=self.verify,
-                cancelled=self._abandoned.is_set,
-                before_vote=read_vote,
-            )
+        async def local() -> SendResult:
+            try:
+                sent, failure = await self._in_thread(stream, self.sync_timeout_s)
+            except BaseException as exc:
+                await votes.read(exc)  # raises: the source failed
+                raise
+            try:
+                await votes.read(failure)
+            except Exception as exc:
+                failure = exc
+            await self._in_thread(functools.partial(vote_send, group, failure), self.sync_timeout_s)
+            return sent
 
         kwargs = {"version": version, "kv_names": [n for n, _ in kv], "verify": self.verify}
         if self.overlap == "inplace":
             sent, results = await self._both(
-                lambda: self._in_thread(send, self.sync_timeout_s),
+                local,
                 lambda: self._rpc("aiosync_collective_receive", kwargs, self.sync_timeout_s),
             )
         else:
             await self._rpc("aiosync_collective_stage", kwargs, self.rpc_timeout_s)
-            sent = await self._in_thread(send, self.sync_timeout_s)
+            sent = await local()
             results = await self._rpc(
                 "aiosync_collective_commit", {"version": version}, self.rpc_timeout_s
             )
@@ -602,19 +605,6 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         if self._idle.is_set():
             group.destroy()
         # else: the abandoned thread destroys it when it returns.
-
-    async def _attention_layers(self, kv_scales: KVScales | None) -> frozenset[int] | None:
-        """Layers of the refit manifest that have attention (None: no scales to check).
-
-        Checked before anything is sent: a bad key found only after the
-        buckets landed would leave the engine with half-accepted weights.
-        """
-        if not kv_scales:
-            return None
-        if self._plan is not None:
-            return attention_layers(self._plan.manifest())
-        manifest = await anyio.to_thread.run_sync(self.policy.prepare_refit_info)
-        return attention_layers(manifest)
 
     def _check_results(self, sent: SendResult, results: list[Any]) -> None:
         if len(results) != self.inference_world_size:
@@ -697,9 +687,14 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         self, local: Callable[[], Awaitable[_T]], remote: Callable[[], Awaitable[list[Any]]]
     ) -> tuple[_T, list[Any]]:
         """Run this rank's side and the workers' RPC together; neither cancels the other
-        (each is bounded by its own timeout), so every rank reaches its vote."""
+        (each is bounded by its own timeout), so every rank reaches its vote.
+
+        Raises:
+            The more telling of the two errors (:func:`~aiosync._fanout.most_telling`;
+            this rank's side first among equals), the other attached as a note.
+        """
         results: dict[str, Any] = {}
-        errors: dict[str, BaseException] = {}
+        errors: dict[str, Exception] = {}
 
         async def run(key: str, fn: Callable[[], Awaitable[Any]]) -> None:
             try:
@@ -711,16 +706,8 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             tg.start_soon(run, "local", local)
             tg.start_soon(run, "remote", remote)
         if errors:
-            ranked = sorted(
-                errors.items(),
-                key=lambda kv: (
-                    not isinstance(kv[1], RefitMismatchError),
-                    kv[0] != "local",
-                ),
-            )
-            for key, other in ranked[1:]:
-                ranked[0][1].add_note(f"meanwhile, on the {key} side: {other!r}")
-            raise ranked[0][1]
+            both = [errors[key] for key in ("local", "remote") if key in errors]
+            raise most_telling(ExceptionGroup("the source and the workers failed", both))
         return results["local"], results["remote"]
 
 
@@ -731,50 +718,8 @@ def _consume(weights: Iterable[tuple[str, torch.Tensor]], plan: BucketPlan) -> N
         pass
 
 
-def _vote_of(failure: BaseException | None) -> tuple[int, str]:
-    """A trainer rank's vote: its status code and what it says."""
-    if failure is None:
-        return STATUS_OK, ""
-    if isinstance(failure, RefitMismatchError):
-        return STATUS_MISMATCH, str(failure)
-    status = STATUS_TIMEOUT if isinstance(failure, TimeoutError) else STATUS_ERROR
-    return status, f"{type(failure).__name__}: {failure}"
-
-
 def _reason(failure: BaseException) -> str:
     """``failure`` as the reason a formation was cancelled (a cancellation says so)."""
     if not isinstance(failure, Exception):
         return "init_communicator() was cancelled"
     return f"{type(failure).__name__}: {failure}"
-
-
-def _as_vote(failure: BaseException | None) -> Exception | None:
-    """What a rank votes for ``failure``: a cancellation is voted as an error."""
-    if failure is None or isinstance(failure, Exception):
-        return failure
-    return TransportError("sync cancelled on a trainer rank")
-
-
-class _ReadVote:
-    """One sync's first trainer vote (every rank's read of the source), taken once.
-
-    Called with this rank's own failure (or None); returns the failure this rank
-    must act on: its own, else the agreed error of a rank that failed. With a
-    single trainer rank it returns the own failure untouched.
-    """
-
-    def __init__(self, trainers: SyncGroup | None) -> None:
-        self.trainers = trainers
-        self.done = trainers is None
-        self._agreed: BaseException | None = None
-        self._lock = threading.Lock()
-
-    def __call__(self, own: BaseException | None) -> BaseException | None:
-        with self._lock:
-            if not self.done and self.trainers is not None:
-                self.done = True
-                try:
-                    self.trainers.agree(*_vote_of(own))
-                except SyncError as exc:
-                    self._agreed = exc
-        return own if own is not None else self._agreed

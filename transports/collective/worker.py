@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -37,6 +37,17 @@ from ._group import (
     open_store,
 )
 from ._loops import RotatingBuffers, receive_buckets
+
+
+@runtime_checkable
+class ManifestModel(Protocol):
+    """A worker's model that knows what it loads: ``{hf_name: (shape, dtype)}``,
+    compared with the trainer's plan before the group forms."""
+
+    def expected_manifest(self) -> Mapping[str, tuple[tuple[int, ...], Any]]:
+        """The HF names, shapes and dtypes the model's loader takes."""
+        ...
+
 
 __all__ = ["CollectiveWorkerMixin"]
 
@@ -151,9 +162,9 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
             try:
                 parsed = BucketPlan.from_json(plan)
                 digest = parsed.digest
-                expected = getattr(self.model_runner.model, "expected_manifest", None)  # type: ignore[attr-defined]
-                if expected is not None:
-                    compare_manifests(parsed.manifest(), expected())
+                model = self.model_runner.model  # type: ignore[attr-defined]
+                if isinstance(model, ManifestModel):
+                    compare_manifests(parsed.manifest(), model.expected_manifest())
             except RefitMismatchError as exc:
                 status, message = STATUS_MISMATCH, str(exc)
         except Exception as exc:

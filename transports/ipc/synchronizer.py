@@ -37,21 +37,9 @@ Any failure: the trainer sends ``abort`` (best effort), the base class keeps
 ``weight_version`` and marks the engine stale; the workers keep their weights
 marked invalid, so the engine refuses to generate until a sync succeeds.
 
-Colocated lifecycle (always in this order; the last two also on failure)::
-
-    policy.offload_before_refit()
-    await generation.prepare_for_generation(tags=["weights"])
-    ... stream ...
-    policy.offload_after_refit()
-    await generation.prepare_for_generation(tags=["kv_cache"])
-
-Each wake is one engine RPC round trip. An engine that knows, without asking
-its workers, what sleeps may say so with an optional attribute
-``asleep_tags`` (a collection of tag names, e.g. ``frozenset({"weights",
-"kv_cache"})`` after ``finish_generation()`` and ``frozenset()`` once awake);
-the synchronizer then skips the wake of a tag that is not in it. An engine
-without the attribute (or with ``asleep_tags = None``: unknown) is woken
-every time, as above.
+The stream runs inside the base class's colocated bracket (offload the trainer,
+wake the engine's weights, stream, offload back, wake its KV cache; see
+``docs/lifecycle.md``).
 
 Tracing (off by default; ``trace=True`` or ``sync.trace = True``): every sync
 records per-bucket ``time.monotonic()`` timestamps, seconds, on both sides into
@@ -66,7 +54,6 @@ Requires an asyncio event loop (pyzmq's asyncio sockets).
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import os
 import secrets
@@ -81,9 +68,11 @@ import torch
 import zmq
 import zmq.asyncio
 
-from aiosync._config import DEFAULT_EVENT_BACKLOG, DEFAULT_RPC_TIMEOUT_S, DEFAULT_SYNC_TIMEOUT_S
+from aiosync._config import DEFAULT_EVENT_BACKLOG, Timeouts
+from aiosync._fanout import most_telling
 from aiosync._kv_scales import attention_layers, kv_scale_entries
-from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
+from aiosync.capabilities import WorkerDescribing
+from aiosync.errors import RefitMismatchError, SyncTimeoutError, TransportError
 from aiosync.interfaces import (
     InFlightPolicy,
     KVScales,
@@ -106,8 +95,6 @@ __all__ = [
     "default_bucket_bytes",
 ]
 
-_log = logging.getLogger(__name__)
-
 #: Share of the device's free memory one staging buffer takes when no
 #: ``bucket_bytes`` is given (two buffers are used). For comparison, NeMo-RL's IPC
 #: refit takes 30 % of free memory split over its two buffers
@@ -127,9 +114,6 @@ DEFAULT_PIPELINE_BUCKETS = 8
 #: ... but no default bucket is smaller than this, bytes: each bucket costs a
 #: message round trip and a thread hop.
 _MIN_PIPELINED_BUCKET_BYTES = 4 * 1024**2
-#: Limit of the KV-cache wake after a failed sync, seconds: a healthy engine answers in
-#: milliseconds, and a hung one must not delay the sync's error by ``rpc_timeout_s``.
-_WAKE_AFTER_FAILURE_S = 2.0
 #: Limit of the workers' ``aiosync_ipc_release`` at shutdown, seconds (best effort).
 _RELEASE_TIMEOUT_S = 2.0
 #: What a sync in flight raises when ``shutdown()`` interrupts it.
@@ -164,6 +148,11 @@ def default_bucket_bytes(
 class IPCWeightSynchronizer(WeightSynchronizer):
     """Colocated refits into an engine's workers through shared buffers (see module docs).
 
+    Moves FP8 KV-cache scales: ``sync_weights(kv_scales=...)`` sends them with
+    the ``end`` message; each worker loads them after the last bucket, as 0-d
+    float32 tensors, before its weights count as valid. Their layers are checked
+    against the manifest read at init, before any event.
+
     Args:
         policy: the trainer's :class:`~aiosync.RefitSource` (HF checkpoint names).
         generation: the engine: a :class:`~aiosync.GenerationBackend` that is also
@@ -175,8 +164,11 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         buffer_memory_fraction: see ``bucket_bytes``.
         device: where the staging buffers live; default ``cuda`` (current device)
             when available, else ``cpu``.
-        rpc_timeout_s: limit for every single wait (a hello, an ack, an RPC), seconds.
-        sync_timeout_s: limit for a whole ``sync_weights``, seconds.
+        rpc_timeout_s: overrides ``timeouts.rpc_s``: the limit for every single
+            wait (a hello, an ack, an RPC, the colocated wakes), seconds.
+        sync_timeout_s: overrides ``timeouts.sync_s``: the limit for a whole
+            ``sync_weights``, seconds.
+        timeouts: every limit (:class:`~aiosync.Timeouts`); default ``Timeouts()``.
         event_backlog: see :class:`~aiosync.WeightSynchronizer`.
         in_flight: what requests running on the engine do during a sync
             (``"wait"``, ``"abort"``, ``"keep"``; see :class:`~aiosync.WeightSynchronizer`).
@@ -198,6 +190,7 @@ class IPCWeightSynchronizer(WeightSynchronizer):
     Raises:
         ValueError: a non-positive size, fraction or timeout; group rank 0 of a
             sharded trainer without ``generation``.
+        TypeError: ``timeouts`` is not an :class:`~aiosync.Timeouts`.
     """
 
     def __init__(
@@ -208,23 +201,19 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         bucket_bytes: int | None = None,
         buffer_memory_fraction: float = DEFAULT_BUFFER_MEMORY_FRACTION,
         device: torch.device | str | None = None,
-        rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
-        sync_timeout_s: float = DEFAULT_SYNC_TIMEOUT_S,
+        rpc_timeout_s: float | None = None,
+        sync_timeout_s: float | None = None,
+        timeouts: Timeouts | None = None,
         event_backlog: int = DEFAULT_EVENT_BACKLOG,
         in_flight: InFlightPolicy = "wait",
         process_group: Any = None,
         device_label: str | None = None,
         trace: bool = False,
     ) -> None:
-        super().__init__(
-            policy,
-            generation,
-            sync_timeout_s=sync_timeout_s,
-            event_backlog=event_backlog,
-            in_flight=in_flight,
-        )
-        self._ranks = TrainerRanks(process_group)
-        if self._ranks.is_driver and generation is None:
+        # Every check before the base class's __init__, which registers the
+        # discard listener on the engine: a refused synchronizer leaves none behind.
+        ranks = TrainerRanks(process_group)
+        if ranks.is_driver and generation is None:
             raise ValueError("generation is None on the trainer rank that drives the engine")
         if bucket_bytes is not None and bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
@@ -232,8 +221,21 @@ class IPCWeightSynchronizer(WeightSynchronizer):
             raise ValueError(
                 f"buffer_memory_fraction must be in (0, 1], got {buffer_memory_fraction}"
             )
-        if rpc_timeout_s <= 0:
-            raise ValueError(f"rpc_timeout_s must be > 0, got {rpc_timeout_s}")
+        if rpc_timeout_s is not None and not 0 < rpc_timeout_s < math.inf:
+            raise ValueError(f"rpc_timeout_s must be a finite number > 0, got {rpc_timeout_s!r}")
+        if isinstance(timeouts, Timeouts):
+            timeouts = timeouts.with_keywords(rpc_timeout_s=rpc_timeout_s)
+        elif timeouts is None and rpc_timeout_s is not None:
+            timeouts = Timeouts(rpc_s=rpc_timeout_s)
+        super().__init__(
+            policy,
+            generation,
+            timeouts=timeouts,
+            sync_timeout_s=sync_timeout_s,
+            event_backlog=event_backlog,
+            in_flight=in_flight,
+        )
+        self._ranks = ranks
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -241,7 +243,6 @@ class IPCWeightSynchronizer(WeightSynchronizer):
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.bucket_bytes = bucket_bytes
         self.buffer_memory_fraction = buffer_memory_fraction
-        self.rpc_timeout_s = rpc_timeout_s
         self.device_id = device_identity(self.device, device_label)
         self.plan: BucketPlan | None = None
         self.num_workers = 0
@@ -264,9 +265,11 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         #: (``ack_sent``: the ack handed to the socket). Workers of the driving
         #: rank only (the receive replies).
         self.last_trace: dict[str, Any] | None = None
-        listen = getattr(generation, "add_weights_discarded_listener", None)
-        if listen is not None:
-            listen(self._invalidate_engine_weights)
+
+    @property
+    def rpc_timeout_s(self) -> float:
+        """The limit for every single wait, seconds (``timeouts.rpc_s``)."""
+        return self.timeouts.rpc_s
 
     async def init_communicator(self) -> None:
         """Build the bucket plan, open the socket and buffers, register the plan on every worker.
@@ -279,7 +282,7 @@ class IPCWeightSynchronizer(WeightSynchronizer):
             TransportError, SyncTimeoutError: a worker is unreachable.
         """
         self._check_open()
-        manifest = self.policy.prepare_refit_info()
+        manifest = await self._read_manifest()
         size = self.bucket_bytes or default_bucket_bytes(
             self.device, self.buffer_memory_fraction, manifest
         )
@@ -301,11 +304,13 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         """Plan, socket and buffers (once); the engine's workers learn the plan.
         Returns each worker's ``(global rank, device identity)`` (driver only)."""
         if self.plan is None:
-            self.plan = plan_buckets(manifest, bucket_bytes)
-            self._sender = _BucketSender(self.plan, self.device, self.rpc_timeout_s, self.device_id)
-            describe = getattr(self.generation, "describe_worker", None)
-            if describe is not None:
-                self._sender.describe_worker = describe
+            plan = plan_buckets(manifest, bucket_bytes)
+            self._sender = await _BucketSender.open(
+                plan, self.device, self.rpc_timeout_s, self.device_id
+            )
+            self.plan = plan
+            if isinstance(self.generation, WorkerDescribing):
+                self._sender.describe_worker = self.generation.describe_worker
         elif plan_buckets(manifest, self.plan.bucket_bytes).digest != self.plan.digest:
             raise RefitMismatchError("the policy's manifest changed since init_communicator()")
         if not self._ranks.is_driver:
@@ -351,30 +356,6 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         self.num_workers = len(workers)
         self.peers = [rank for rank, device in workers if device == self.device_id]
 
-    async def sync_weights(
-        self, kv_scales: KVScales | None = None, *, in_flight: InFlightPolicy | None = None
-    ) -> None:
-        """Move the current ``policy_version`` to every worker (see the base class).
-
-        Args:
-            kv_scales: FP8 KV-cache scales, ``{layer_index: scale}`` (both
-                ``k_scale`` and ``v_scale`` of that layer) or
-                ``{"model.layers.{i}.self_attn.{k|v}_scale": scale}``; each worker
-                loads them after the last bucket, as 0-d float32 tensors, before
-                its weights count as valid.
-            in_flight: what happens to requests in flight (see the base class);
-                None: ``self.in_flight``.
-
-        Raises:
-            TypeError, ValueError: malformed ``kv_scales``, or a layer without
-                attention in the manifest (before anything moves).
-            RefitMismatchError, TransportError, SyncTimeoutError: see the module docs.
-        """
-        if isinstance(kv_scales, Mapping) and kv_scales:
-            layers = None if self.plan is None else attention_layers(self.plan.manifest())
-            kv_scale_entries(kv_scales, layers)
-        await super().sync_weights(kv_scales, in_flight=in_flight)
-
     def _drives_generation(self) -> bool:
         # Only the rank that holds the engine pauses and resumes it.
         return self._ranks.is_driver
@@ -388,66 +369,14 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         failed: BaseException | None = None
         nbytes = 0
         try:
-            self.policy.offload_before_refit()
-            if self._ranks.is_driver and self._may_sleep("weights"):
-                await self.generation.prepare_for_generation(tags=["weights"])
-            nbytes = await self._stream(sync_id, weights, kv)
+            async with self._colocated_refit():
+                nbytes = await self._stream(sync_id, weights, kv)
         except BaseException as exc:
-            failed = exc
             if not self._ranks.sharded:
                 raise
-        finally:
-            await self._after_refit(failed is not None)
-        if self._ranks.sharded:
-            await self._agree(weights, failed)
+            failed = exc
+        await self._ranks.agree(weights, failed)
         return nbytes
-
-    def _may_sleep(self, tag: str) -> bool:
-        """Whether ``tag`` (``"weights"``, ``"kv_cache"``) may be asleep on the engine.
-
-        True unless the engine reports ``asleep_tags`` (see the module docs)
-        and ``tag`` is not among them: an engine that does not say is woken.
-        """
-        tags = getattr(self.generation, "asleep_tags", None)
-        if tags is None:
-            return True
-        try:
-            return tag in tags
-        except TypeError:  # not a collection: say nothing, wake
-            return True
-
-    async def _agree(self, weights: Iterator[Any], failed: BaseException | None) -> None:
-        """Sharded trainers: commit on every rank or fail on every rank alike."""
-        with anyio.CancelScope(shield=True):
-            if failed is not None:
-                # The other ranks still gather: take part until the source is exhausted.
-                await anyio.to_thread.run_sync(drain, weights)
-            outcome = None if failed is None else error_fields(failed)
-            outcomes = await self._ranks.all_gather(outcome)
-        for rank, fields in enumerate(outcomes):
-            if fields is not None:
-                if rank == self._ranks.rank and isinstance(failed, Exception):
-                    raise failed
-                raise rebuild_error(fields, f"trainer rank {rank}") from failed
-        if failed is not None:  # cancelled here, while every rank succeeded
-            raise failed
-
-    async def _after_refit(self, failed: bool) -> None:
-        # Runs even when the sync was cancelled or timed out, hence the shield;
-        # an error here must not hide the one that failed the sync.
-        with anyio.CancelScope(shield=True):
-            try:
-                self.policy.offload_after_refit()
-                if self._ranks.is_driver and self._may_sleep("kv_cache"):
-                    # After a failure the engine may be the reason (hung, dead): its
-                    # wake must not hold the error back by a whole RPC timeout.
-                    limit = min(self.rpc_timeout_s, _WAKE_AFTER_FAILURE_S) if failed else None
-                    with anyio.fail_after(limit if limit is not None else self.rpc_timeout_s):
-                        await self.generation.prepare_for_generation(tags=["kv_cache"])
-            except Exception:
-                if not failed:
-                    raise
-                _log.exception("colocated refit: cleanup after a failed sync also failed")
 
     async def _stream(
         self,
@@ -497,8 +426,8 @@ class IPCWeightSynchronizer(WeightSynchronizer):
             sender.abort(sync_id, peers, repr(group.exceptions[0]))
             if sender.closed:
                 # The workers' replies merely echo the abort that shutdown sent.
-                raise TransportError(_SHUT_DOWN_MID_SYNC) from _most_telling(group)
-            raise _most_telling(group) from None
+                raise TransportError(_SHUT_DOWN_MID_SYNC) from most_telling(group)
+            raise most_telling(group) from None
         except BaseException as exc:
             sender.abort(sync_id, peers, repr(exc))
             if sender.closed and isinstance(exc, Exception):
@@ -521,9 +450,6 @@ class IPCWeightSynchronizer(WeightSynchronizer):
             await sender.aclose()
             if self._ranks.is_driver and self.generation is not None:
                 await self._release_mappings()
-        forget = getattr(self.generation, "remove_weights_discarded_listener", None)
-        if forget is not None:
-            forget(self._invalidate_engine_weights)
         await super().shutdown()
 
     async def _release_mappings(self) -> None:
@@ -551,52 +477,33 @@ def _check_reply(reply: Any, rank: int, method: str) -> None:
         raise rebuild_error(reply, f"engine worker {rank} ({method})")
 
 
-def _most_telling(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    """The error to raise for a failed sync: a typed aiosync error over the rest."""
-    leaves: list[BaseException] = []
-
-    def walk(exc: BaseException) -> None:
-        if isinstance(exc, BaseExceptionGroup):
-            for inner in exc.exceptions:
-                walk(inner)
-        else:
-            leaves.append(exc)
-
-    walk(group)
-    for kind in (RefitMismatchError, SyncTimeoutError, SyncError, Exception):
-        for exc in leaves:
-            if isinstance(exc, kind):
-                return exc
-    return leaves[0]
-
-
 class _BucketSender:
-    """The trainer's socket and staging buffers; streams one plan's buckets per call."""
+    """The trainer's socket and staging buffers; streams one plan's buckets per call.
+
+    Made by :meth:`open`, which takes ownership of ``directory`` and ``buffers``.
+    """
 
     def __init__(
-        self, plan: BucketPlan, device: torch.device, timeout_s: float, device_id: str = CPU_LABEL
+        self,
+        plan: BucketPlan,
+        device: torch.device,
+        timeout_s: float,
+        device_id: str,
+        directory: str,
+        buffers: list[SharedBuffer],
     ) -> None:
         self.plan = plan
         self.device = device
         self.device_id = device_id
         self.timeout_s = timeout_s
-        # A trainer killed earlier (SIGKILL runs no cleanup) left its segments and
-        # socket directory behind; they carry its pid, so the dead ones go now.
-        sweep_leftovers()
-        self.directory = tempfile.mkdtemp(prefix=dir_prefix("ipc"))
-        os.chmod(self.directory, 0o700)
+        self.directory = directory
+        self._buffers = buffers
         self.endpoint = f"ipc://{self.directory}/refit.sock"
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(self.endpoint)
-        # Ping-pong buffers sized to the largest bucket that respects the limit;
-        # an oversized (single-tensor) bucket gets its own buffer when it comes.
-        regular = [b.nbytes for b in plan.buckets if b.nbytes <= plan.bucket_bytes]
-        size = max(regular, default=0)
-        count = min(2, len(regular))
-        self._buffers = [SharedBuffer.create(size, device) for _ in range(count)] if size else []
         # A synchronous twin of the socket: a NOBLOCK send on it raises at once
         # (an asyncio socket's returns a future whose error nobody would read).
         self._sync_sock: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
@@ -612,6 +519,25 @@ class _BucketSender:
         self.describe_worker: Callable[[int], str] = lambda rank: f"engine worker {rank}"
         # The send in flight: its cancel scope, its sync, and an event set when it ends.
         self._active: tuple[anyio.CancelScope, str, Sequence[int], anyio.Event] | None = None
+
+    @classmethod
+    async def open(
+        cls, plan: BucketPlan, device: torch.device, timeout_s: float, device_id: str = CPU_LABEL
+    ) -> _BucketSender:
+        """Sweep the leftovers of dead processes, make the socket's private
+        directory and the staging buffers (in a worker thread: the sweep walks
+        directories, a buffer may be gigabytes), then bind the socket.
+
+        Raises:
+            TransportError: a buffer cannot be shared (see ``transports/_shm.py``).
+            OSError: the directory or a segment cannot be created.
+        """
+        directory, buffers = await anyio.to_thread.run_sync(_stage, plan, device)
+        try:
+            return cls(plan, device, timeout_s, device_id, directory, buffers)
+        except BaseException:
+            _release(directory, buffers)
+            raise
 
     async def send(
         self,
@@ -898,12 +824,38 @@ class _BucketSender:
         if self._closed:
             return
         self._closed = True
-        for buffer in self._buffers:
-            buffer.close()
-        self._buffers = []
+        buffers, self._buffers = self._buffers, []
         self._sock.close(linger=0)
         self._ctx.term()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        _release(self.directory, buffers)
+
+
+def _stage(plan: BucketPlan, device: torch.device) -> tuple[str, list[SharedBuffer]]:
+    """The sender's private (0700) socket directory and its ping-pong buffers."""
+    # A trainer killed earlier (SIGKILL runs no cleanup) left its segments and
+    # socket directory behind; they carry its pid, so the dead ones go now.
+    sweep_leftovers()
+    directory = tempfile.mkdtemp(prefix=dir_prefix("ipc"))
+    buffers: list[SharedBuffer] = []
+    try:
+        os.chmod(directory, 0o700)
+        # Two buffers sized to the largest bucket that respects the limit; an
+        # oversized (single-tensor) bucket gets its own buffer when it comes.
+        regular = [b.nbytes for b in plan.buckets if b.nbytes <= plan.bucket_bytes]
+        size = max(regular, default=0)
+        for _ in range(min(2, len(regular)) if size else 0):
+            buffers.append(SharedBuffer.create(size, device))
+    except BaseException:
+        _release(directory, buffers)
+        raise
+    return directory, buffers
+
+
+def _release(directory: str, buffers: Sequence[SharedBuffer]) -> None:
+    """Unlink ``buffers`` and remove ``directory`` (and the socket file in it)."""
+    for buffer in buffers:
+        buffer.close()
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def _all_acked(acks: Mapping[int, set[int]], peers: Mapping[int, bytes], seq: int) -> bool:

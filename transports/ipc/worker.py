@@ -53,7 +53,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import zmq
@@ -90,6 +90,16 @@ _RELEASE_WAIT_S = 1.0
 TRAINER_GONE = "the trainer went away during the refit"
 
 
+@runtime_checkable
+class _ManifestModel(Protocol):
+    """A worker's model that says which checkpoint its ``load_weights`` takes
+    (the embedded engine's; vLLM's models do not)."""
+
+    def expected_manifest(self) -> Mapping[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{hf_name: (shape, dtype)}``."""
+        ...
+
+
 class IPCWorkerMixin(WorkerIdentityMixin):
     """Receives refits from ``IPCWeightSynchronizer`` into ``model_runner.model.load_weights``.
 
@@ -99,11 +109,12 @@ class IPCWorkerMixin(WorkerIdentityMixin):
     """
 
     aiosync_weights_valid: bool = True
+    _aiosync_ipc: _ReceiverState | None = None
 
     # -- state (created lazily: mixins get no __init__ call in vLLM) ----------
 
     def _aiosync_ipc_state(self) -> _ReceiverState:
-        state: _ReceiverState | None = getattr(self, "_aiosync_ipc", None)
+        state = self._aiosync_ipc
         if state is None:
             state = _ReceiverState()
             self._aiosync_ipc = state
@@ -124,9 +135,8 @@ class IPCWorkerMixin(WorkerIdentityMixin):
         try:
             bucket_plan = BucketPlan.from_json(plan)
             model = self.model_runner.model  # type: ignore[attr-defined]
-            expected = getattr(model, "expected_manifest", None)
-            if expected is not None:
-                _compare_unordered(bucket_plan.manifest(), expected())
+            if isinstance(model, _ManifestModel):
+                _compare_unordered(bucket_plan.manifest(), model.expected_manifest())
             self._aiosync_ipc_state().remember(bucket_plan)
         except Exception as exc:
             return {"ok": False, **error_fields(exc)}

@@ -26,10 +26,10 @@ LoRA adapter in PEFT's saved layout (``aiosync/transports/lora/_layout.py``)
 whose config agrees with it, and that every adapted layer exists in each
 engine's base model with matching shapes (``lora_A`` ``[r, in_features]``,
 ``lora_B`` ``[out_features, r]`` against the base ``[out_features, in_features]``,
-from the engine's ``expected_manifest()``; an engine without one is warned
-about and checked by its own load). An engine that also offers
-``check_lora_adapter(config, target_modules, max_rank)`` (the SGLang backend:
-``--enable-lora``, ``--max-lora-rank``, ``--lora-target-modules``) is asked too.
+from the engine's ``expected_manifest()``, a
+:class:`~aiosync.capabilities.ManifestReporting` engine; another is warned about
+and checked by its own load). A :class:`~aiosync.lora.LoRAChecking` engine (vLLM,
+SGLang) is asked too.
 
 An adapter-only refit cannot restore discarded base weights: a level-2 sleep,
 or SGLang's memory saver without a CPU backup, make the next sync fail with
@@ -39,46 +39,50 @@ or SGLang's memory saver without a CPU backup, make the next sync fail with
 from __future__ import annotations
 
 import json
-import logging
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from typing import Any, ClassVar
 
 import anyio
 import torch
 
-from aiosync._config import DEFAULT_EVENT_BACKLOG, DEFAULT_SYNC_TIMEOUT_S
+from aiosync._config import DEFAULT_EVENT_BACKLOG, Timeouts
 from aiosync._fanout import each_named
+from aiosync.capabilities import ManifestReporting, ValidityReporting, engines_of
 from aiosync.errors import RefitMismatchError, SyncError
 from aiosync.interfaces import InFlightPolicy, KVScales, RefitManifest, WeightSynchronizer
-from aiosync.lora import LoRAAdapter, LoRAAdapterSource, lora_adapter_name
+from aiosync.lora import (
+    LoRAAdapter,
+    LoRAAdapterSource,
+    LoRAChecking,
+    LoRAEngine,
+    lora_adapter_name,
+)
 
-from .._ranks import TrainerRanks, drain
-from .._wire import error_fields, rebuild_error
+from .._ranks import TrainerRanks
 from ._layout import AdaptedModule, adapted_modules, check_adapter_config, check_against_base
 
 __all__ = ["LoRAAdapterSynchronizer"]
-
-_log = logging.getLogger(__name__)
-
-_KV_SCALES = (
-    "an adapter-only refit leaves the base model, and with it the FP8 KV-cache scales, "
-    "alone: sync_weights(kv_scales=...) needs a full refit"
-)
 
 
 class LoRAAdapterSynchronizer(WeightSynchronizer):
     """Refits a LoRA trainer's adapter into engines that serve LoRA adapters.
 
+    Moves no FP8 KV-cache scales: an adapter-only refit leaves the base model,
+    and with them its scales, alone, so ``sync_weights(kv_scales=...)`` raises
+    NotImplementedError before any event.
+
     Args:
         policy: the trainer's :class:`~aiosync.LoRAAdapterSource` (e.g.
             ``aiosync.refit.LoRAAdapterRefitSource``): the adapter's tensors under
             PEFT's saved names, and ``lora_adapter_config()``.
-        generation: an engine with ``async load_lora_adapter(adapter)`` (the
-            embedded engine, ``SGLangHTTPBackend``, vLLM's backend), an
-            :class:`~aiosync.EngineFleet` of them, or a list (loaded concurrently).
-            None on the trainer ranks other than 0 of a sharded trainer.
-        sync_timeout_s: limit for a whole ``sync_weights`` call, seconds.
+        generation: a :class:`~aiosync.lora.LoRAEngine` (the embedded engine,
+            ``SGLangHTTPBackend``, vLLM's backend), an :class:`~aiosync.EngineFleet`
+            of them, or a list (loaded concurrently). None on the trainer ranks
+            other than 0 of a sharded trainer.
+        sync_timeout_s: overrides ``timeouts.sync_s``: the limit for a whole
+            ``sync_weights`` call, seconds.
+        timeouts: every limit (:class:`~aiosync.Timeouts`); default ``Timeouts()``.
         event_backlog: default backlog of :meth:`subscribe`, in events.
         in_flight: what requests running on the engine do during a sync
             (``"wait"``, ``"abort"``, ``"keep"``; see :class:`~aiosync.WeightSynchronizer`).
@@ -94,15 +98,23 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
     Raises:
         TypeError: ``policy`` has no ``lora_adapter_config()``, or an engine has
             no ``load_lora_adapter`` (the message names it).
-        ValueError: no engine on group rank 0, or the same engine twice.
+        ValueError: no engine on group rank 0, the same engine twice, or a
+            timeout not finite and > 0.
     """
+
+    supports_kv_scales: ClassVar[bool] = False
+    kv_scales_refusal: ClassVar[str] = (
+        "an adapter-only refit leaves the base model, and with it the FP8 KV-cache scales, "
+        "alone: sync_weights(kv_scales=...) needs a full refit"
+    )
 
     def __init__(
         self,
         policy: LoRAAdapterSource,
         generation: Any,
         *,
-        sync_timeout_s: float = DEFAULT_SYNC_TIMEOUT_S,
+        sync_timeout_s: float | None = None,
+        timeouts: Timeouts | None = None,
         event_backlog: int = DEFAULT_EVENT_BACKLOG,
         in_flight: InFlightPolicy = "wait",
         process_group: Any = None,
@@ -118,10 +130,11 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
         if ranks.is_driver:
             if generation is None:
                 raise ValueError("generation is None on the trainer rank that drives the engine")
-            engines = _engines_of(generation)
+            engines = _lora_engines(generation)
         super().__init__(
             policy,
             generation,
+            timeouts=timeouts,
             sync_timeout_s=sync_timeout_s,
             event_backlog=event_backlog,
             in_flight=in_flight,
@@ -130,21 +143,14 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
         #: The engines loaded, in fleet order (empty on the non-driving ranks).
         self.engines: tuple[Any, ...] = engines
         self._ranks = ranks
-        self._manifest: RefitManifest = {}
+        # The adapter's manifest with int dimensions, after init_communicator.
+        self._adapter: RefitManifest = {}
         self._config: dict[str, Any] = {}
         #: The layers the adapter adapts, ``{module: AdaptedModule}`` (after
         #: :meth:`init_communicator`).
         self.modules: dict[str, AdaptedModule] = {}
-        self._listening: list[tuple[Any, str]] = []
-        for engine in engines:
-            for method in ("add_weights_discarded_listener", "add_invalidation_listener"):
-                listen = getattr(engine, method, None)
-                if callable(listen):
-                    listen(self._invalidate_engine_weights)
-                    self._listening.append((engine, method))
-                    break
-            if getattr(engine, "weights_valid", True) is False:
-                self._invalidate_engine_weights()
+        if any(_invalid(engine) for engine in engines):
+            self._invalidate_engine_weights()
 
     async def init_communicator(self) -> None:
         """Check the adapter against its config and every engine's base model.
@@ -166,7 +172,7 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
         try:
             manifest: RefitManifest = {
                 name: (tuple(int(d) for d in shape), dtype)
-                for name, (shape, dtype) in self.policy.prepare_refit_info().items()
+                for name, (shape, dtype) in (await self._read_manifest()).items()
             }
             config = _json_config(self.policy.lora_adapter_config())
             modules = adapted_modules(manifest)
@@ -177,17 +183,15 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
             if not self._ranks.sharded:
                 raise
             error = exc
-        if self._ranks.sharded:
-            outcomes = await self._ranks.all_gather(None if error is None else error_fields(error))
-            _raise_first(outcomes, self._ranks.rank, error)
-        self._manifest, self._config, self.modules = manifest, config, modules
+        # Every rank raises the same error, or none does.
+        await self._ranks.agree(iter(()), error)
+        self._adapter, self._config, self.modules = manifest, config, modules
         await super().init_communicator()
 
     async def _check_engine(
         self, index: int, engine: Any, config: Mapping[str, Any], modules: Mapping[str, Any]
     ) -> None:
-        expected = getattr(engine, "expected_manifest", None)
-        base = await expected() if callable(expected) else None
+        base = await engine.expected_manifest() if isinstance(engine, ManifestReporting) else None
         if base is None:
             warnings.warn(
                 f"cannot check the LoRA adapter's target layers against {self._label(index)} "
@@ -198,109 +202,57 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
             )
         else:
             check_against_base(modules, base)
-        check = getattr(engine, "check_lora_adapter", None)
-        if callable(check):
+        if isinstance(engine, LoRAChecking):
             targets = sorted({m.target for m in modules.values()})
-            await check(config, targets, max(m.rank for m in modules.values()))
-
-    async def sync_weights(
-        self, kv_scales: KVScales | None = None, *, in_flight: InFlightPolicy | None = None
-    ) -> None:
-        """Load the adapter of the current ``policy_version`` into every engine (see the base).
-
-        Args:
-            kv_scales: must be None: an adapter-only refit leaves the base model
-                and its FP8 KV-cache scales alone.
-            in_flight: what happens to requests in flight (see the base class);
-                None: ``self.in_flight``.
-
-        Raises:
-            NotImplementedError: ``kv_scales`` given (before anything moves, no event).
-            RefitMismatchError: the source yielded other names, shapes or dtypes
-                than its manifest, or the engine refused the adapter.
-            SyncError: not initialized, shut down, an engine's base weights were
-                discarded (an adapter cannot restore them), or the engine
-                discarded its weights during the sync.
-            TransportError, SyncTimeoutError: from the engine.
-        """
-        if kv_scales is not None:
-            raise NotImplementedError(_KV_SCALES)
-        await super().sync_weights(None, in_flight=in_flight)
+            await engine.check_lora_adapter(config, targets, max(m.rank for m in modules.values()))
 
     def _drives_generation(self) -> bool:
         # Only the rank that holds the engine pauses and resumes it.
         return self._ranks.is_driver
 
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
-        if kv_scales is not None:
-            raise NotImplementedError(_KV_SCALES)
-        if not self._ranks.sharded:
-            adapter = await anyio.to_thread.run_sync(
-                _collect, self.policy.iter_weights(), self._manifest, True
-            )
-            return await self._load(version, adapter)
-        # Sharded: every rank iterates (the gathers are collectives); the ranks agree
-        # that every one of them read the whole adapter before rank 0 loads it (so an
+        # Every rank iterates (a sharded source's gathers are collectives); the
+        # ranks agree that each read the whole adapter before rank 0 loads it (an
         # adapter some rank failed to produce is never served), then on the load.
+        # One process: each agreement raises this process's own error, if any.
         weights = self.policy.iter_weights()
         failed: BaseException | None = None
         tensors: dict[str, torch.Tensor] = {}
         try:
             keep = self._ranks.is_driver
-            tensors = await anyio.to_thread.run_sync(_collect, weights, self._manifest, keep)
+            tensors = await anyio.to_thread.run_sync(_collect, weights, self._adapter, keep)
         except BaseException as exc:
             failed = exc
-        await self._agree(weights, failed)
+        await self._ranks.agree(weights, failed)
         # The same count as the driver's adapter.nbytes on every rank: the events agree.
-        nbytes = _manifest_nbytes(self._manifest)
+        nbytes = _manifest_nbytes(self._adapter)
         try:
             if self._ranks.is_driver:
                 nbytes = await self._load(version, tensors)
         except BaseException as exc:
             failed = exc
-        await self._agree(weights, failed)
+        await self._ranks.agree(weights, failed)
         return nbytes
 
     async def _load(self, version: int, tensors: dict[str, torch.Tensor]) -> int:
         for i, engine in enumerate(self.engines):
-            if getattr(engine, "weights_valid", True) is False:
+            if _invalid(engine):
                 raise SyncError(
                     f"{self._label(i)} holds no valid base weights (discarded, e.g. by the "
                     "memory saver without a CPU backup): an adapter-only refit cannot restore them"
                 )
         adapter = LoRAAdapter(lora_adapter_name(version), version, tensors, dict(self._config))
-        load = getattr(self.generation, "load_lora_adapter", None)
-        if callable(load):  # one engine, or an EngineFleet (which fans out itself)
-            await load(adapter)
+        if isinstance(self.generation, LoRAEngine):  # one engine, or a fleet (it fans out)
+            await self.generation.load_lora_adapter(adapter)
         else:
             await self._each(lambda i, engine: engine.load_lora_adapter(adapter))
         return adapter.nbytes
 
-    async def _agree(self, weights: Iterator[Any], failed: BaseException | None) -> None:
-        """Sharded trainers: commit on every rank or fail on every rank alike."""
-        with anyio.CancelScope(shield=True):
-            if failed is not None:
-                # The other ranks still gather: take part until the source is exhausted.
-                await anyio.to_thread.run_sync(drain, weights)
-            outcome = None if failed is None else error_fields(failed)
-            outcomes = await self._ranks.all_gather(outcome)
-        _raise_first(outcomes, self._ranks.rank, failed)
-
-    async def _each(self, call: Any) -> list[Any]:
+    async def _each(self, call: Callable[[int, Any], Awaitable[Any]]) -> list[Any]:
         return await each_named(self.engines, call, self._label)
 
     def _label(self, index: int) -> str:
         return f"engine {index} of {len(self.engines)} ({type(self.engines[index]).__name__})"
-
-    async def shutdown(self) -> None:
-        """Stop listening to the engines and end the event stream. Idempotent.
-        The engines stay up: whoever started them stops them."""
-        for engine, method in self._listening:
-            forget = getattr(engine, method.replace("add_", "remove_"), None)
-            if callable(forget):
-                forget(self._invalidate_engine_weights)
-        self._listening = []
-        await super().shutdown()
 
     def __repr__(self) -> str:
         info = {
@@ -311,24 +263,28 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
         return f"LoRAAdapterSynchronizer({info})"
 
 
-def _engines_of(generation: Any) -> tuple[Any, ...]:
-    """The engines behind ``generation``: itself, an ``EngineFleet``'s engines, or a list."""
-    engines = getattr(generation, "engines", None)  # an aiosync.EngineFleet
-    if engines is None:
-        engines = list(generation) if isinstance(generation, list | tuple) else [generation]
-    engines = tuple(engines)
-    if not engines:
-        raise ValueError("LoRAAdapterSynchronizer needs at least one engine")
-    if len({id(e) for e in engines}) != len(engines):
-        raise ValueError("the same engine appears twice")
+def _lora_engines(generation: Any) -> tuple[Any, ...]:
+    """The engines behind ``generation`` (:func:`~aiosync.capabilities.engines_of`),
+    each a :class:`~aiosync.lora.LoRAEngine`.
+
+    Raises:
+        ValueError: no engine, or the same engine twice.
+        TypeError: an engine cannot load LoRA adapters (the message names it).
+    """
+    engines = engines_of(generation, what="engine")
     for i, engine in enumerate(engines):
-        if not callable(getattr(engine, "load_lora_adapter", None)):
+        if not isinstance(engine, LoRAEngine):
             where = f"engine {i} of {len(engines)}" if len(engines) > 1 else "the engine"
             raise TypeError(
                 f"{where} ({type(engine).__name__}) has no load_lora_adapter(adapter): it cannot "
                 "serve adapter-only refits (aiosync's embedded, SGLang and vLLM backends can)"
             )
     return engines
+
+
+def _invalid(engine: object) -> bool:
+    """Whether ``engine`` says its base weights cannot be trusted (one that does not say can)."""
+    return isinstance(engine, ValidityReporting) and not engine.weights_valid
 
 
 def _json_config(config: Any) -> dict[str, Any]:
@@ -383,16 +339,3 @@ def _manifest_nbytes(manifest: RefitManifest) -> int:
             numel *= int(d)
         total += numel * torch.empty((), dtype=dtype).element_size()
     return total
-
-
-def _raise_first(
-    outcomes: Sequence[dict[str, str] | None], rank: int, own: BaseException | None
-) -> None:
-    """Raise the first rank's error (this rank's own exception if it is that one)."""
-    for other, fields in enumerate(outcomes):
-        if fields is not None:
-            if other == rank and isinstance(own, Exception):
-                raise own
-            raise rebuild_error(fields, f"trainer rank {other}") from own
-    if own is not None:  # cancelled here while every rank succeeded
-        raise own

@@ -6,6 +6,8 @@ lives here, in :mod:`.synchronizer`. See ``docs/vllm.md``.
 
 from .synchronizer import (
     LLMWeightSyncClient,
+    ReleasingClient,
+    VersionRecordingClient,
     VLLMWeightTransferSynchronizer,
     refit_weight_source,
     vllm_weight_transfer_available,
@@ -13,7 +15,9 @@ from .synchronizer import (
 
 __all__ = [
     "LLMWeightSyncClient",
+    "ReleasingClient",
     "VLLMWeightTransferSynchronizer",
+    "VersionRecordingClient",
     "refit_weight_source",
     "vllm_weight_transfer_available",
 ]

@@ -36,21 +36,52 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import anyio
 import anyio.to_thread
 
-from aiosync._config import DEFAULT_RPC_TIMEOUT_S, DEFAULT_SYNC_TIMEOUT_S
+from aiosync._config import DEFAULT_EVENT_BACKLOG, DEFAULT_RPC_TIMEOUT_S, Timeouts
+from aiosync.capabilities import InFlightPolicy
 from aiosync.errors import SyncError, TransportError
-from aiosync.interfaces import KVScales, RefitSource, WeightSynchronizer
+from aiosync.interfaces import KVScales, RefitManifest, RefitSource, WeightSynchronizer
 
 __all__ = [
     "LLMWeightSyncClient",
+    "ReleasingClient",
     "VLLMWeightTransferSynchronizer",
+    "VersionRecordingClient",
     "refit_weight_source",
     "vllm_weight_transfer_available",
 ]
+
+
+# A client is vLLM's object (HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient)
+# or LLMWeightSyncClient: its optional methods are typed here, checked with isinstance.
+@runtime_checkable
+class ReleasingClient(Protocol):
+    """A client that can release the trainer connection on every worker."""
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        """Leave vLLM's transfer group; the engine keeps serving."""
+        ...
+
+
+@runtime_checkable
+class VersionRecordingClient(Protocol):
+    """A client that records aiosync's version in the engine (``GET /get_weight_version``)
+    without running phase 4 again."""
+
+    def set_weight_version(self, version: str) -> None:
+        """Label the engine's weights with ``version`` (its string form)."""
+        ...
+
+
+@runtime_checkable
+class _SenderReporting(Protocol):
+    """vLLM's trainer engine saying whether this trainer rank sends (others only gather)."""
+
+    is_sender: bool
 
 
 def vllm_weight_transfer_available() -> bool:
@@ -65,11 +96,12 @@ def vllm_weight_transfer_available() -> bool:
     return True
 
 
-def refit_weight_source(policy: RefitSource) -> Any:
+def refit_weight_source(policy: RefitSource, manifest: RefitManifest | None = None) -> Any:
     """vLLM's ``WeightSource`` over an aiosync :class:`~aiosync.RefitSource`.
 
     ``metadata()`` is ``prepare_refit_info()`` (HF checkpoint names, shapes,
-    dtypes, in order); iteration is ``iter_weights()``, a fresh pass each time.
+    dtypes, in order), or ``manifest`` when given (already read); iteration is
+    ``iter_weights()``, a fresh pass each time.
 
     Raises:
         ImportError: vLLM (with ``vllm.distributed.weight_transfer``) is not installed.
@@ -83,9 +115,10 @@ def refit_weight_source(policy: RefitSource) -> Any:
 
         def metadata(self) -> list[Any]:
             if self._meta is None:
+                info = manifest if manifest is not None else self._source.prepare_refit_info()
                 self._meta = [
                     ParamMeta(name, dtype, tuple(int(d) for d in shape))
-                    for name, (shape, dtype) in self._source.prepare_refit_info().items()
+                    for name, (shape, dtype) in info.items()
                 ]
             return self._meta
 
@@ -133,7 +166,11 @@ class LLMWeightSyncClient:
         """Phase 4 on every worker, then record ``weight_version`` in the engine."""
         self._rpc("finish_weight_update")
         if weight_version is not None:
-            self.llm.llm_engine.set_weight_version(weight_version)
+            self.set_weight_version(weight_version)
+
+    def set_weight_version(self, version: str) -> None:
+        """Record ``version`` in the engine (what ``GET /get_weight_version`` answers)."""
+        self.llm.llm_engine.set_weight_version(version)
 
     def shutdown_weight_transfer_engine(self) -> None:
         """Release the trainer connection on every worker (inference continues)."""
@@ -152,14 +189,29 @@ class VLLMWeightTransferSynchronizer(WeightSynchronizer):
             ``NCCLTrainerInitInfo(master_address=..., master_port=...,
             world_size=1 + num_workers, rank=trainer_rank)``.
         client: a ``VLLMWeightSyncClient`` (``HTTPVLLMWeightSyncClient``,
-            ``RayVLLMWeightSyncClient``, :class:`LLMWeightSyncClient`).
-        sync_timeout_s: limit of one ``sync_weights``, seconds. vLLM's
+            ``RayVLLMWeightSyncClient``, :class:`LLMWeightSyncClient`); when it
+            is a :class:`VersionRecordingClient` the engine learns aiosync's
+            version too, when a :class:`ReleasingClient` shutdown releases it.
+        timeouts: every limit (:class:`~aiosync.Timeouts`); ``sync_s`` bounds
+            one ``sync_weights`` and the handshake of ``init_communicator``.
+        sync_timeout_s: overrides ``timeouts.sync_s``, seconds. vLLM's
             ``send_weights`` blocks in a thread; on timeout it is abandoned and
             the transfer group must be re-formed (``init_communicator()``).
+        event_backlog: default ``max_backlog`` of :meth:`subscribe`, in events.
+        in_flight: the default in-flight policy of ``sync_weights``.
+
+    ``sync_weights(kv_scales=...)`` raises NotImplementedError before anything
+    moves: vLLM's API carries no FP8 KV-cache scales.
 
     Raises:
         ImportError: the installed vLLM has no ``vllm.distributed.weight_transfer``.
     """
+
+    supports_kv_scales = False
+    kv_scales_refusal = (
+        "vLLM's weight-transfer API carries no FP8 KV-cache scales; "
+        "use aiosync.transports.collective for kv_scales"
+    )
 
     def __init__(
         self,
@@ -168,8 +220,10 @@ class VLLMWeightTransferSynchronizer(WeightSynchronizer):
         *,
         init_info: Any,
         client: Any,
-        sync_timeout_s: float = DEFAULT_SYNC_TIMEOUT_S,
-        **options: Any,
+        timeouts: Timeouts | None = None,
+        sync_timeout_s: float | None = None,
+        event_backlog: int = DEFAULT_EVENT_BACKLOG,
+        in_flight: InFlightPolicy = "wait",
     ) -> None:
         if not vllm_weight_transfer_available():
             raise ImportError(
@@ -177,7 +231,14 @@ class VLLMWeightTransferSynchronizer(WeightSynchronizer):
                 "(vLLM >= 0.32 provides it); use aiosync.transports.collective / "
                 "aiosync.transports.ipc"
             )
-        super().__init__(policy, generation, sync_timeout_s=sync_timeout_s, **options)
+        super().__init__(
+            policy,
+            generation,
+            timeouts=timeouts,
+            sync_timeout_s=sync_timeout_s,
+            event_backlog=event_backlog,
+            in_flight=in_flight,
+        )
         self.init_info = init_info
         self.client = client
         self._engine: Any = None
@@ -193,9 +254,9 @@ class VLLMWeightTransferSynchronizer(WeightSynchronizer):
         self._check_open()
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
-        self._source = refit_weight_source(self.policy)
-        meta = await anyio.to_thread.run_sync(self._source.metadata)
-        self._nbytes = sum(m.dtype.itemsize * _numel(m.shape) for m in meta)
+        manifest = await self._read_manifest()
+        self._source = refit_weight_source(self.policy, manifest)
+        self._nbytes = sum(dtype.itemsize * _numel(shape) for shape, dtype in manifest.values())
         init = functools.partial(
             WeightTransferTrainerFactory.trainer_init,
             self.init_info,
@@ -212,22 +273,16 @@ class VLLMWeightTransferSynchronizer(WeightSynchronizer):
         await super().init_communicator()
 
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
-        if kv_scales:
-            raise ValueError(
-                "vLLM's weight-transfer API carries no FP8 KV-cache scales; "
-                "use aiosync.transports.collective for kv_scales"
-            )
+        # kv_scales is None here: supports_kv_scales is False (checked by the base).
         engine = self._engine
         if engine is None:
             raise SyncError("await init_communicator() before sync_weights()")
+        sender = engine.is_sender if isinstance(engine, _SenderReporting) else True
         try:
             await anyio.to_thread.run_sync(engine.send_weights, abandon_on_cancel=True)
-            finish = getattr(self.client, "finish_weight_update", None)
-            if finish is not None and getattr(engine, "is_sender", True):
+            if sender and isinstance(self.client, VersionRecordingClient):
                 # Record aiosync's version in vLLM too (GET /get_weight_version).
-                await anyio.to_thread.run_sync(
-                    functools.partial(_set_engine_version, self.client, version)
-                )
+                await anyio.to_thread.run_sync(self.client.set_weight_version, str(version))
         except SyncError:
             raise
         except Exception as exc:
@@ -239,10 +294,9 @@ class VLLMWeightTransferSynchronizer(WeightSynchronizer):
         engine, self._engine = self._engine, None
         if engine is not None:
             await anyio.to_thread.run_sync(engine.shutdown)
-            release = getattr(self.client, "shutdown_weight_transfer_engine", None)
-            if release is not None:
+            if isinstance(self.client, ReleasingClient):
                 with contextlib.suppress(Exception):  # the engine may be gone already
-                    await anyio.to_thread.run_sync(release)
+                    await anyio.to_thread.run_sync(self.client.shutdown_weight_transfer_engine)
         await super().shutdown()
 
 
@@ -251,11 +305,3 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def _set_engine_version(client: Any, version: int) -> None:
-    # The clients expose the version only through finish_weight_update's
-    # argument, which would run phase 4 twice; LLMWeightSyncClient sets it directly.
-    llm = getattr(client, "llm", None)
-    if llm is not None:
-        llm.llm_engine.set_weight_version(str(version))
