@@ -87,24 +87,6 @@ class EmbeddedWorker:
         #: The synchronizer's weight version of the weights held (None: never synced).
         self.aiosync_weight_version: int | None = None
 
-    def embedded_generate(
-        self,
-        prompts: list[list[int]],
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        seed: int | None = None,
-        ignore_eos: bool = False,
-    ) -> list[list[int]]:
-        """Generate for ``prompts`` (token ids); only the new ids are returned.
-
-        Raises:
-            SyncError: as :meth:`embedded_generate_with_meta`.
-        """
-        results = self.embedded_generate_with_meta(
-            prompts, max_new_tokens, temperature, seed, ignore_eos
-        )
-        return [r["token_ids"] for r in results]
-
     def embedded_generate_with_meta(
         self,
         prompts: list[list[int]],
