@@ -33,6 +33,7 @@ from ._peft import (
     require_peft_model,
 )
 from ._torch_names import _strip_wrapper_prefixes, _unwrap
+from .torch_source import _hf_config_of
 
 __all__ = ["LoRAAdapterRefitSource"]
 
@@ -188,6 +189,13 @@ class LoRAAdapterRefitSource(LoRAAdapterSource):
         jsonable = {str(k): _jsonable(v, str(k)) for k, v in sorted(out.items())}
         json.dumps(jsonable)  # fail here, naming nothing silently, rather than in the engine
         return jsonable
+
+    def hf_config(self) -> Any | None:
+        """The base model's HF config (a transformers ``PretrainedConfig``): the
+        adapter is applied to the engine's base model, so the transports compare
+        the two at init (:class:`aiosync.interfaces.ConfigSource`). None: the base
+        model holds no HF config."""
+        return _hf_config_of(self._peft.get_base_model())
 
     def _target_modules(self) -> list[str]:
         """The targeted modules as ``target_modules`` suffixes, checked to target just them."""

@@ -55,6 +55,21 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
     return hasattr(tensor, "full_tensor") and hasattr(tensor, "placements")
 
 
+def _hf_config_of(model: nn.Module) -> Any | None:
+    """``model.config`` when it is a transformers ``PretrainedConfig``, else None.
+
+    Duck-typed (``model_type`` and ``to_dict()``), so that no transformers import
+    is needed and a module's own ``config`` attribute of another kind is not
+    mistaken for an HF config.
+    """
+    config = getattr(model, "config", None)
+    if isinstance(getattr(config, "model_type", None), str) and callable(
+        getattr(config, "to_dict", None)
+    ):
+        return config
+    return None
+
+
 class DTensorRefitSource(RefitSource):
     """The refit source of a torch trainer: HF checkpoint names, one tensor at a time.
 
@@ -143,6 +158,9 @@ class DTensorRefitSource(RefitSource):
         if peft_model is not None:
             self._peft = MergedPeft(peft_model, _tied_aliases(peft_model.get_base_model()))
             inner = self._peft.base_model
+        # The model whose checkpoint is sent (the base model of a PEFT one): its
+        # config is the trainer's side of the config check (hf_config()).
+        self._base_model = inner
         self._hf_model = inner if state_dict_adapter is None else None
         self._reverter: Reverter | None = (
             _adapter_reverter(state_dict_adapter)
@@ -290,6 +308,16 @@ class DTensorRefitSource(RefitSource):
                 model's conversion cannot be reversed one tensor at a time.
         """
         return {name: (shape, dtype) for e in self._entries() for name, shape, dtype in e.outputs}
+
+    def hf_config(self) -> Any | None:
+        """The model's HF config (a transformers ``PretrainedConfig``), which the
+        transports compare with each engine's at init (:class:`aiosync.interfaces.ConfigSource`).
+
+        Of a PEFT model: its base model's config (the merged refit sends the base
+        model's checkpoint). None for a module that holds no HF config (a plain
+        ``nn.Module``, a torchtitan model): nothing is compared then.
+        """
+        return _hf_config_of(self._base_model)
 
     # -- streaming --------------------------------------------------------------
 

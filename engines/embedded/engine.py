@@ -22,14 +22,17 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import math
 import os
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
+import anyio.to_thread
 import torch
 
 from aiosync._config import DEFAULT_RPC_TIMEOUT_S
@@ -45,7 +48,10 @@ from ._pool import WorkerPool
 from ._worker import run_worker, tensor_from_wire, tensor_to_wire
 
 if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
     from aiosync.capabilities import (
+        ConfigReporting,
         DiscardNotifier,
         Engine,
         EngineWorkers,
@@ -71,7 +77,7 @@ class EmbeddedEngine(GenerateFromMeta):
     An :class:`~aiosync.capabilities.Engine` that is also a
     :class:`~aiosync.capabilities.PausableEngine`, ``VersionedEngine``,
     ``DiscardNotifier``, ``SleepReporting``, ``EngineWorkers``, ``Generating``
-    and ``ManifestReporting`` (checked by mypy at the end of this module).
+    ``ManifestReporting`` and ``ConfigReporting`` (checked by mypy at the end of this module).
 
     Args:
         model: an HF config (a transformers ``PretrainedConfig`` such as
@@ -151,6 +157,8 @@ class EmbeddedEngine(GenerateFromMeta):
         self.threads_per_worker = threads_per_worker
         self.runner_factory = runner_factory
         self._pool = WorkerPool(num_workers, run_worker, self._worker_args, rpc_timeout_s)
+        # The workers' model config, built on the first expected_config().
+        self._config: PretrainedConfig | None = None
         self._discard_listeners: list[Callable[[], None]] = []
         #: The synchronizer's ``weight_version`` of the weights every worker holds;
         #: None before the first sync (the engine's own initial weights).
@@ -439,6 +447,26 @@ class EmbeddedEngine(GenerateFromMeta):
         (reply,) = await self._pool.call("embedded_expected_manifest", [(0, [], {})], None)
         return {name: (tuple(shape), dtype_from_name(dtype)) for name, shape, dtype in reply}
 
+    async def expected_config(self) -> PretrainedConfig | None:
+        """The HF config the workers built their model from (a transformers
+        ``PretrainedConfig``), for the transports' config check at init.
+
+        Built here as :meth:`HFModelRunner.from_config` builds it (a dict through
+        ``AutoConfig.for_model``, a folder through ``AutoConfig.from_pretrained``),
+        so transformers' defaults are filled in as on the workers; in a worker
+        thread (it imports transformers), once. None with a ``runner_factory``:
+        such a runner need not compute what the config says.
+
+        Raises:
+            ValueError: the config has no ``model_type``.
+            OSError: the config path cannot be read.
+        """
+        if self.runner_factory is not None:
+            return None
+        if self._config is None:
+            self._config = await anyio.to_thread.run_sync(_build_config, self._model)
+        return self._config
+
     def _notify_weights_discarded(self) -> None:
         for listener in list(self._discard_listeners):
             listener()
@@ -631,6 +659,29 @@ def _model_spec(model: object) -> dict[str, Any] | str:
     )
 
 
+def _build_config(spec: dict[str, Any] | str) -> PretrainedConfig:
+    """The config :meth:`HFModelRunner.from_config` builds from ``spec`` (worker thread)."""
+    from transformers import AutoConfig
+
+    if isinstance(spec, str):
+        path = Path(spec)
+        if path.is_dir() and any(path.glob("*.safetensors")):
+            # from_pretrained reads the folder's config the same way.
+            config: PretrainedConfig = AutoConfig.from_pretrained(path)
+            return config
+        items = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    else:
+        items = dict(spec)
+    model_type = items.pop("model_type", None)
+    if not model_type:
+        raise ValueError("the config has no 'model_type'")
+    # What from_config drops too: bookkeeping, and the dtype the engine's own argument sets.
+    for key in ("architectures", "transformers_version", "dtype", "torch_dtype"):
+        items.pop(key, None)
+    built: PretrainedConfig = AutoConfig.for_model(model_type, **items)
+    return built
+
+
 if TYPE_CHECKING:
     # mypy checks the capabilities this engine claims (aiosync.capabilities).
     def _claims(
@@ -644,5 +695,6 @@ if TYPE_CHECKING:
         EngineWorkers,
         Generating,
         ManifestReporting,
+        ConfigReporting,
     ]:
-        return (e, e, e, e, e, e, e, e)
+        return (e, e, e, e, e, e, e, e, e)

@@ -14,11 +14,14 @@ resolved the way SGLang resolves them (``ModelConfig``: ``dtype="auto"`` takes
 the config's dtype, except float32, which runs as float16, or bfloat16 for the
 Gemma family). ``model_path`` may be a local folder, a ``config.json`` or a Hub
 id already in the local HF cache; nothing is downloaded and no remote code runs.
+The same config, cached, is what ``SGLangHTTPBackend.expected_config`` reports
+for the model-config check (``aiosync._hf_config``).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import threading
@@ -193,7 +196,8 @@ def checkpoint_manifest(
 
 
 class ServerManifests:
-    """One server's manifest, derived from ``/get_server_info`` and cached per configuration.
+    """One server's HF config and manifest, derived from ``/get_server_info`` and cached
+    per configuration.
 
     Args:
         hf_config: the served model's HF config as given to the backend (a
@@ -209,8 +213,81 @@ class ServerManifests:
     ) -> None:
         self.hf_config = hf_config
         self._base_url = base_url
+        # (configuration key, config); the manifest's key adds the dtype.
+        self._config: tuple[Any, PretrainedConfig] | None = None
         self._cache: tuple[Any, Manifest] | None = None
         self._warned = False
+
+    def _key(self, info: Mapping[str, Any]) -> tuple[Any, Any, Any, str]:
+        """``(source, revision, overrides, key)``: what the config is loaded from, and
+        a key that changes whenever the loaded config would."""
+        source = self.hf_config if self.hf_config is not None else info.get("model_path")
+        revision = info.get("revision")
+        overrides = _overrides(info.get("json_model_override_args"))
+        key = json.dumps(
+            [
+                id(source) if not isinstance(source, str | os.PathLike) else os.fspath(source),
+                revision,
+                overrides,
+            ],
+            sort_keys=True,
+            default=str,
+        )
+        return source, revision, overrides, key
+
+    async def _load(self, info: Mapping[str, Any]) -> PretrainedConfig:
+        """The served model's config (worker thread: it imports transformers), cached.
+
+        Raises:
+            UnknownManifest: no ``model_path``, unreadable overrides, or a config
+                that cannot be loaded here.
+        """
+        source, revision, overrides, key = self._key(info)
+        if self._config is not None and self._config[0] == key:
+            return self._config[1]
+        if source is None:
+            raise UnknownManifest("the server reports no model_path")
+        if isinstance(overrides, str):
+            raise UnknownManifest(f"unreadable json_model_override_args: {overrides}")
+        config = await anyio.to_thread.run_sync(
+            functools.partial(
+                load_hf_config,
+                source,
+                revision=None if revision is None else str(revision),
+                overrides=overrides,
+            )
+        )
+        self._config = (key, config)
+        return config
+
+    def _unknown(self, exc: UnknownManifest, what: str) -> None:
+        """Raise for a given ``hf_config`` that fails; warn once for the server's own."""
+        from aiosync.errors import SyncError
+
+        if self.hf_config is not None:
+            raise SyncError(f"hf_config: {exc}") from exc
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"cannot check the refit {what} against {self._base_url} before the first "
+                f"bucket ({exc}); pass SGLangHTTPBackend(hf_config=...) to check it",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    async def config(self, info: Mapping[str, Any]) -> PretrainedConfig | None:
+        """The HF config the server of ``info`` computes with (its
+        ``json_model_override_args`` applied), or None when it cannot be loaded
+        here (a ``RuntimeWarning`` says why, once). Callers must not modify it.
+
+        Raises:
+            SyncError: the ``hf_config`` given cannot be loaded.
+        """
+        try:
+            return await self._load(info)
+        except UnknownManifest as exc:
+            self._unknown(exc, "model config")
+            return None
 
     async def derive(self, info: Mapping[str, Any]) -> Manifest | None:
         """The manifest the server of ``info`` loads, or None when it cannot be built here.
@@ -222,39 +299,17 @@ class ServerManifests:
         Raises:
             SyncError: the ``hf_config`` given cannot be loaded or built.
         """
-        from aiosync.errors import SyncError
-
-        source = self.hf_config if self.hf_config is not None else info.get("model_path")
-        revision = info.get("revision")
-        overrides = _overrides(info.get("json_model_override_args"))
         dtype = info.get("dtype")
-        key = (
-            id(source) if not isinstance(source, str | os.PathLike) else os.fspath(source),
-            revision,
-            json.dumps(overrides, sort_keys=True, default=str),
-            dtype,
-        )
+        key = (self._key(info)[3], dtype)
         if self._cache is not None and self._cache[0] == key:
             return dict(self._cache[1])
         try:
-            if source is None or isinstance(overrides, str):
-                raise UnknownManifest(
-                    "the server reports no model_path"
-                    if source is None
-                    else f"unreadable json_model_override_args: {overrides}"
-                )
-            manifest = await anyio.to_thread.run_sync(_derive, source, revision, overrides, dtype)
+            config = await self._load(info)
+            manifest = await anyio.to_thread.run_sync(
+                _derive, config, None if dtype is None else str(dtype)
+            )
         except UnknownManifest as exc:
-            if self.hf_config is not None:
-                raise SyncError(f"hf_config: {exc}") from exc
-            if not self._warned:
-                self._warned = True
-                warnings.warn(
-                    f"cannot check the refit manifest against {self._base_url} before the first "
-                    f"bucket ({exc}); pass SGLangHTTPBackend(hf_config=...) to check it",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+            self._unknown(exc, "manifest")
             return None
         self._cache = (key, manifest)
         return dict(manifest)
@@ -273,9 +328,6 @@ def _overrides(raw: Any) -> dict[str, Any] | str:
     return dict(value) if isinstance(value, dict) else str(raw)
 
 
-def _derive(source: Any, revision: Any, overrides: Mapping[str, Any], dtype: Any) -> Manifest:
-    """Config → dtype → meta model → checkpoint manifest (worker thread: it imports and builds)."""
-    config = load_hf_config(
-        source, revision=None if revision is None else str(revision), overrides=overrides
-    )
-    return checkpoint_manifest(config, engine_dtype(config, None if dtype is None else str(dtype)))
+def _derive(config: PretrainedConfig, dtype: str | None) -> Manifest:
+    """dtype → meta model → checkpoint manifest (worker thread: it builds a model)."""
+    return checkpoint_manifest(config, engine_dtype(config, dtype))

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from aiosync.capabilities import (
+        ConfigReporting,
         DiscardNotifier,
         Engine,
         Generating,
@@ -81,8 +82,9 @@ class SGLangHTTPBackend(GenerateFromMeta, SGLangClient):
     :class:`~aiosync.capabilities.DiscardNotifier`,
     :class:`~aiosync.capabilities.SleepReporting`,
     :class:`~aiosync.capabilities.Generating`,
-    :class:`~aiosync.capabilities.ValidityReporting` and
-    :class:`~aiosync.capabilities.ManifestReporting` (checked statically at
+    :class:`~aiosync.capabilities.ValidityReporting`,
+    :class:`~aiosync.capabilities.ManifestReporting` and
+    :class:`~aiosync.capabilities.ConfigReporting` (checked statically at
     the end of this module). ``generate()`` is :meth:`generate_with_meta`'s token ids.
 
     Args:
@@ -103,7 +105,8 @@ class SGLangHTTPBackend(GenerateFromMeta, SGLangClient):
         transport: an ``httpx.AsyncBaseTransport`` to use (tests, proxies).
         hf_config: the served model's HF config (a ``PretrainedConfig``, a
             config dict, a ``config.json`` or model folder, or a cached Hub id)
-            for :meth:`expected_manifest`; None: the server's ``model_path``.
+            for :meth:`expected_manifest` and :meth:`expected_config`; None: the
+            server's ``model_path``.
 
     Raises:
         ValueError: a non-positive timeout or ``tp_size``, or an unknown tag.
@@ -438,6 +441,32 @@ class SGLangHTTPBackend(GenerateFromMeta, SGLangClient):
         info = dict(server_info) if server_info is not None else await self.server_info()
         return await self._manifests.derive(info)
 
+    async def expected_config(
+        self, server_info: Mapping[str, Any] | None = None
+    ) -> PretrainedConfig | None:
+        """The HF config the server computes with, or None if it cannot be loaded here.
+
+        The config :meth:`expected_manifest` builds the manifest from: ``hf_config``
+        if given, else ``/get_server_info``'s ``model_path`` (nothing downloaded,
+        no remote code), with the server's ``json_model_override_args`` applied.
+        Cached per configuration; callers must not modify it. The transports
+        compare it with the trainer's at init (``aiosync._hf_config``).
+
+        Args:
+            server_info: ``/get_server_info``'s answer if the caller has it
+                (saves a request).
+
+        Returns:
+            A transformers ``PretrainedConfig``; None when it cannot be loaded here
+            (a ``RuntimeWarning`` says so once, shared with :meth:`expected_manifest`).
+
+        Raises:
+            SyncError: the ``hf_config`` given to the backend cannot be loaded.
+            TransportError, SyncTimeoutError: ``/get_server_info`` failed.
+        """
+        info = dict(server_info) if server_info is not None else await self.server_info()
+        return await self._manifests.config(info)
+
     async def check_lora_adapter(
         self, config: Mapping[str, Any], target_modules: Sequence[str], max_rank: int
     ) -> None:
@@ -505,5 +534,6 @@ if TYPE_CHECKING:
         Generating,
         ValidityReporting,
         ManifestReporting,
+        ConfigReporting,
     ]:
-        return (b, b, b, b, b, b, b)
+        return (b, b, b, b, b, b, b, b)

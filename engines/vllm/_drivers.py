@@ -53,6 +53,11 @@ class Driver(ABC):
             config = getattr(getattr(self.engine, "llm_engine", None), "vllm_config", None)
         return config
 
+    @property
+    def hf_config(self) -> Any:
+        """The engine's ``model_config.hf_config`` (a ``PretrainedConfig``; None: not found)."""
+        return getattr(getattr(self.vllm_config, "model_config", None), "hf_config", None)
+
     @abstractmethod
     def engine_core(self) -> Any:
         """vLLM's engine-core client (None: not found)."""

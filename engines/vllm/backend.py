@@ -100,6 +100,7 @@ from ._lora import (
 
 if TYPE_CHECKING:
     from aiosync.capabilities import (
+        ConfigReporting,
         DiscardNotifier,
         Engine,
         EngineWorkers,
@@ -144,8 +145,9 @@ class VLLMGenerationBackend(GenerateFromMeta):
         rpc_timeout_s: default limit of one :meth:`collective_rpc`, seconds.
 
     An :class:`~aiosync.capabilities.Engine` that is also a ``PausableEngine``,
-    ``VersionedEngine``, ``DiscardNotifier``, ``EngineWorkers``, ``Generating``
-    and ``ManifestReporting`` (checked by mypy at the end of this module).
+    ``VersionedEngine``, ``DiscardNotifier``, ``EngineWorkers``, ``Generating``,
+    ``ManifestReporting`` and ``ConfigReporting`` (checked by mypy at the end of
+    this module).
 
     Raises:
         ValueError: ``sleep_level`` is not 1 or 2.
@@ -609,6 +611,15 @@ class VLLMGenerationBackend(GenerateFromMeta):
             for name, shape, dtype in reply["manifest"]
         }
 
+    async def expected_config(self) -> Any | None:
+        """vLLM's ``model_config.hf_config``: the HF config the engine computes with
+        (its ``hf_overrides`` applied), for the transports' config check at init.
+
+        Read from the engine object in this process (no RPC); None when this
+        vLLM does not expose it.
+        """
+        return self._driver.hf_config
+
     async def check_lora_adapter(
         self, config: Mapping[str, Any], target_modules: Sequence[str], max_rank: int
     ) -> None:
@@ -769,5 +780,6 @@ if TYPE_CHECKING:
         EngineWorkers,
         Generating,
         ManifestReporting,
+        ConfigReporting,
     ]:
-        return (b, b, b, b, b, b, b)
+        return (b, b, b, b, b, b, b, b)

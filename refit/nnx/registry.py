@@ -34,6 +34,8 @@ def model_map_for(config: Any) -> ModelMap:
             (prefer the original file: transformers 5.24 renames some keys
             when it re-serialises).
 
+    The map records ``config`` as its :attr:`~ModelMap.hf_config`.
+
     Raises:
         ValueError: ``model_type`` is missing or not one of
             :data:`SUPPORTED_MODEL_TYPES` (the message lists them).
@@ -45,4 +47,7 @@ def model_map_for(config: Any) -> ModelMap:
             f"no JAX refit map for model_type {model_type!r}; supported: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    return builder(config)
+    model_map = builder(config)
+    # The config the shapes came from is also the trainer's side of the config check.
+    model_map.hf_config = config
+    return model_map

@@ -58,6 +58,12 @@ class NNXRefitSource(RefitSource):
         self.contiguous = contiguous
         self._source = state_or_model
 
+    def hf_config(self) -> Any | None:
+        """The HF config the model map was built from (``model_map_for(config)``
+        records it), which the transports compare with each engine's at init
+        (:class:`aiosync.interfaces.ConfigSource`); None: the map has none."""
+        return self.model_map.hf_config
+
     def update_state(self, state: Any) -> None:
         """Refit from ``state`` (an ``nnx.State`` or nested dict) from now on."""
         self._source = state

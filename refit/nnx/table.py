@@ -264,6 +264,10 @@ class ModelMap:
             the same order.
         ignore_prefixes: HF names the loader skips without error (``mtp.`` for
             Qwen3-Next, the vision/audio towers of a multimodal Gemma 4).
+        hf_config: the HF config (a ``PretrainedConfig`` or ``config.json`` dict)
+            the table was derived from; :func:`~aiosync.refit.nnx.model_map_for`
+            records it. :class:`~aiosync.refit.nnx.NNXRefitSource` reports it, so
+            that the transports compare it with the engine's config.
 
     Raises:
         ValueError: two rules share an HF name or an NNX path.
@@ -276,8 +280,11 @@ class ModelMap:
         *,
         order: Literal["table", "natural"] = "table",
         ignore_prefixes: Sequence[str] = (),
+        hf_config: Any = None,
     ) -> None:
         self.model_type = model_type
+        #: The HF config the table was derived from (None: not recorded).
+        self.hf_config: Any = hf_config
         if order == "natural":
             rules = sorted(rules, key=lambda r: checkpoint_sort_key(r.sort_as or r.hf[0]))
         elif order != "table":

@@ -63,7 +63,7 @@ async def test_async_llm_refits_by_both_transports_match_the_trainers_greedy_out
             backend,
             train_cluster=TrainCluster(master_port=free_port()),
             inference_world_size=1,
-            backend="gloo",
+            dist_backend="gloo",
             bucket_bytes=64 * 1024,
             verify=True,
             collective_timeout_s=120,

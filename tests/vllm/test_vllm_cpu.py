@@ -165,13 +165,13 @@ async def test_checkpoint_manifest_check_rejects_an_unknown_name_before_any_byte
             collective_timeout_s=120,
             rpc_timeout_s=120,
         )
-        async with collective:
-            with pytest.raises(RefitMismatchError, match=r"model\.final_norm\.weight"):
-                await collective.init_communicator()
+        with pytest.raises(RefitMismatchError, match=r"model\.final_norm\.weight"):
+            async with collective:  # initializes: the workers refuse the manifest
+                pytest.fail("init must refuse the renamed tensor")
         ipc = IPCWeightSynchronizer(RenamedSource(trainer), backend, device="cpu")
-        async with ipc:
-            with pytest.raises(RefitMismatchError, match=r"model\.final_norm\.weight"):
-                await ipc.init_communicator()
+        with pytest.raises(RefitMismatchError, match=r"model\.final_norm\.weight"):
+            async with ipc:
+                pytest.fail("init must refuse the renamed tensor")
         after = (await backend.collective_rpc("aiosync_vllm_status"))[0]
         assert after["reloads"] == before["reloads"]  # nothing was loaded
         assert after["weights_valid"] is True

@@ -172,7 +172,7 @@ async def test_collective_sync_group_holds_every_replicas_workers_at_global_rank
         backend,
         train_cluster=TrainCluster(master_port=free_port()),
         inference_world_size=2,  # 2 replicas x 1 worker
-        backend="gloo",
+        dist_backend="gloo",
         bucket_bytes=64 * 1024,
         collective_timeout_s=120,
         rpc_timeout_s=120,
@@ -196,9 +196,9 @@ async def test_a_backend_of_one_replica_refuses_to_sync_alone_and_syncs_in_a_fle
     before = await whole.collective_rpc("aiosync_vllm_status")
     lone = VLLMGenerationBackend(OneReplicaClient(dp_engine, 1))
     alone = IPCWeightSynchronizer(policy, lone, device="cpu")
-    async with alone:
-        with pytest.raises(TransportError, match=r"replica\(s\) \[1\] of 2 .*EngineFleet"):
-            await alone.init_communicator()
+    with pytest.raises(TransportError, match=r"replica\(s\) \[1\] of 2 .*EngineFleet"):
+        async with alone:  # initializes: a lone replica's backend refuses
+            pytest.fail("init must refuse a backend of one replica")
     scope = lone.data_parallel
     assert scope is not None
     assert (scope.ranks, scope.whole, scope.fan_out) == ((1,), False, False)

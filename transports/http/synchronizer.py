@@ -144,7 +144,8 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         return self._plan
 
     async def init_communicator(self) -> None:
-        """Plan the buckets; learn each server's TP size, check its settings and manifest.
+        """Plan the buckets; learn each server's TP size, check its settings, manifest and
+        model config.
 
         When a server object offers ``expected_manifest()``
         (:class:`SGLangManifestSource`, e.g. ``SGLangHTTPBackend``), the
@@ -156,7 +157,10 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             TransportError, SyncTimeoutError: a server is unreachable or refuses.
             SyncError: ``enable_memory_saver`` differs from the server's.
             RefitMismatchError: the trainer's manifest differs from the server's
-                (names the first differing entries on both sides).
+                (names the first differing entries on both sides), or its HF
+                config does in a field that changes the computation (when the
+                source knows its config and the server object reports one:
+                ``SGLangHTTPBackend.expected_config``).
             With several servers the message names the server.
         """
         self._check_open()
@@ -175,6 +179,8 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         self._pool.clear()
         self._pool = SegmentPool(max(segment_bytes, 1))
         self._tp_sizes = await self._each(self._check_server)
+        # Same shapes, other computation (another rope_theta): refused before any bucket too.
+        await self._check_model_configs()
         await super().init_communicator()
 
     async def _check_server(self, server: SGLangServer) -> int:
