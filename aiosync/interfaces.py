@@ -468,7 +468,9 @@ class WeightSynchronizer(ABC):
                 # each_named puts "engine i of n: " in front when there are several.
                 compare_hf_configs(trainer, config)
 
-        await each_named(engines, check, _engine_label(count))
+        await each_named(
+            engines, check, lambda i: f"engine {i} of {count} ({type(engines[i]).__name__})"
+        )
 
     def _check_sync_args(self, kv_scales: KVScales | None, in_flight: object) -> InFlightPolicy:
         """Every check of :meth:`sync_weights`' arguments, before any event or byte.

@@ -499,5 +499,7 @@ async def test_config_drift_is_refused_at_init_naming_the_engine_and_fields() ->
     with pytest.raises(RefitMismatchError) as info:
         async with ConfigCheckingSync(ConfiguredSource(trainer), [same, silent, drifted]):  # type: ignore[arg-type]
             pytest.fail("init must refuse the drifted engine")
-    assert str(info.value).startswith("engine 2 of 3: the model config of the engine differs")
+    assert str(info.value).startswith(
+        "engine 2 of 3 (ConfiguredEngine): the model config of the engine differs"
+    )
     assert "rope_parameters.rope_theta: trainer 1000000.0, engine 10000.0" in str(info.value)

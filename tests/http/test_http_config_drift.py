@@ -124,7 +124,8 @@ async def test_a_fleet_names_the_drifted_server_and_updates_neither(
         )
         with pytest.raises(
             RefitMismatchError,
-            match=r"^engine 1 of 2: .*rope_parameters\.rope_theta: trainer 10000\.0, "
+            match=r"^engine 1 of 2 \(SGLangHTTPBackend\): .*"
+            r"rope_parameters\.rope_theta: trainer 10000\.0, "
             r"engine 500000\.0",
         ):
             await sync.init_communicator()

@@ -179,6 +179,7 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
             check_adapter_config(config, modules)
             if self.engines:
                 await self._each(lambda i, engine: self._check_engine(i, engine, config, modules))
+            await self._check_model_configs()
         except Exception as exc:
             if not self._ranks.sharded:
                 raise

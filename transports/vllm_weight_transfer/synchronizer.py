@@ -255,6 +255,7 @@ class VLLMWeightTransferSynchronizer(WeightSynchronizer):
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
         manifest = await self._read_manifest()
+        await self._check_model_configs()
         self._source = refit_weight_source(self.policy, manifest)
         self._nbytes = sum(dtype.itemsize * _numel(shape) for shape, dtype in manifest.values())
         init = functools.partial(
