@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import math
 import os
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -223,10 +222,21 @@ class EmbeddedEngine(GenerateFromMeta):
     async def start(self) -> Self:
         """Spawn the workers and wait until every model is built.
 
+        Idempotent while running; an engine that was shut down does not start again.
+
         Raises:
+            SyncError: the engine was shut down (:meth:`shutdown`, or the exit of
+                ``async with``): build a new one.
             TransportError: a worker failed to build its model or exited.
             SyncTimeoutError: the workers were not ready within ``start_timeout_s``.
         """
+        if self._pool.closed:
+            # A closed pool's socket directory is gone and its workers reaped:
+            # returning self here would hand out an engine whose every call fails.
+            raise SyncError(
+                "EmbeddedEngine.start() after shutdown(): a shut-down engine does not "
+                "start again; build a new EmbeddedEngine"
+            )
         if self._pool.started:
             return self
         try:
@@ -663,23 +673,14 @@ def _build_config(spec: dict[str, Any] | str) -> PretrainedConfig:
     """The config :meth:`HFModelRunner.from_config` builds from ``spec`` (worker thread)."""
     from transformers import AutoConfig
 
-    if isinstance(spec, str):
-        path = Path(spec)
-        if path.is_dir() and any(path.glob("*.safetensors")):
-            # from_pretrained reads the folder's config the same way.
-            config: PretrainedConfig = AutoConfig.from_pretrained(path)
-            return config
-        items = json.loads((path / "config.json" if path.is_dir() else path).read_text())
-    else:
-        items = dict(spec)
-    model_type = items.pop("model_type", None)
-    if not model_type:
-        raise ValueError("the config has no 'model_type'")
-    # What from_config drops too: bookkeeping, and the dtype the engine's own argument sets.
-    for key in ("architectures", "transformers_version", "dtype", "torch_dtype"):
-        items.pop(key, None)
-    built: PretrainedConfig = AutoConfig.for_model(model_type, **items)
-    return built
+    # The runner's module imports transformers: only here, in the worker thread.
+    from .model import resolve_hf_config
+
+    resolved = resolve_hf_config(spec)
+    if isinstance(resolved, Path):
+        config: PretrainedConfig = AutoConfig.from_pretrained(resolved)
+        return config
+    return resolved
 
 
 if TYPE_CHECKING:

@@ -121,22 +121,9 @@ class HFModelRunner:
             ValueError: the config has no ``model_type``.
         """
         torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        if isinstance(config, PretrainedConfig):
-            config = config.to_dict()
-        if isinstance(config, Mapping):
-            items = dict(config)
-        else:
-            path = Path(config)
-            if path.is_dir() and any(path.glob("*.safetensors")):
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
-                return cls(model)
-            items = json.loads((path / "config.json" if path.is_dir() else path).read_text())
-        model_type = items.pop("model_type", None)
-        if not model_type:
-            raise ValueError("the config has no 'model_type'")
-        for key in ("architectures", "transformers_version", "dtype", "torch_dtype"):
-            items.pop(key, None)
-        hf_config = AutoConfig.for_model(model_type, **items)
+        hf_config = resolve_hf_config(config)
+        if isinstance(hf_config, Path):
+            return cls(AutoModelForCausalLM.from_pretrained(hf_config, dtype=torch_dtype))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype)
@@ -474,3 +461,34 @@ def _expert_view(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor
         return None
     im = fused.shape[1] // 2
     return fused[e, :im] if proj == "gate" else fused[e, im:]
+
+
+def resolve_hf_config(
+    config: PretrainedConfig | Mapping[str, Any] | str | Path,
+) -> PretrainedConfig | Path:
+    """The config :meth:`HFModelRunner.from_config` builds a model from, or the
+    checkpoint folder it loads (a folder holding ``*.safetensors``).
+
+    A dict (or config.json) loses its bookkeeping and dtype keys, as the runner's
+    own ``dtype`` argument sets the dtype; the rest goes to ``AutoConfig.for_model``,
+    which fills in transformers' defaults.
+
+    Raises:
+        ValueError: the config has no ``model_type``.
+    """
+    if isinstance(config, PretrainedConfig):
+        config = config.to_dict()
+    if isinstance(config, Mapping):
+        items = dict(config)
+    else:
+        path = Path(config)
+        if path.is_dir() and any(path.glob("*.safetensors")):
+            return path
+        items = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    model_type = items.pop("model_type", None)
+    if not model_type:
+        raise ValueError("the config has no 'model_type'")
+    for key in ("architectures", "transformers_version", "dtype", "torch_dtype"):
+        items.pop(key, None)
+    built: PretrainedConfig = AutoConfig.for_model(model_type, **items)
+    return built
