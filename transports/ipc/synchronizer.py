@@ -54,6 +54,7 @@ Requires an asyncio event loop (pyzmq's asyncio sockets).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import secrets
@@ -72,7 +73,7 @@ from aiosync._config import DEFAULT_EVENT_BACKLOG, Timeouts
 from aiosync._fanout import most_telling
 from aiosync._kv_scales import attention_layers, kv_scale_entries
 from aiosync.capabilities import WorkerDescribing
-from aiosync.errors import RefitMismatchError, SyncTimeoutError, TransportError
+from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
 from aiosync.interfaces import (
     InFlightPolicy,
     KVScales,
@@ -87,6 +88,7 @@ from .._ranks import TrainerRanks, drain
 from .._wire import decode, encode, error_fields, rebuild_error
 from ..packing import Bucket, BucketPlan, group_by_bucket, pack, plan_buckets
 from ._shm import EMPTY_HANDLE, SharedBuffer
+from ._votes import RankVotes, collective_error, own_process
 
 __all__ = [
     "DEFAULT_BUFFER_MEMORY_FRACTION",
@@ -116,6 +118,8 @@ DEFAULT_PIPELINE_BUCKETS = 8
 _MIN_PIPELINED_BUCKET_BYTES = 4 * 1024**2
 #: Limit of the workers' ``aiosync_ipc_release`` at shutdown, seconds (best effort).
 _RELEASE_TIMEOUT_S = 2.0
+_log = logging.getLogger(__name__)
+
 #: What a sync in flight raises when ``shutdown()`` interrupts it.
 _SHUT_DOWN_MID_SYNC = "the IPC synchronizer was shut down during the sync"
 
@@ -249,6 +253,10 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         #: Global ranks of the engine workers this trainer rank sends to.
         self.peers: list[int] = []
         self._endpoints: dict[str, str] | None = None
+        # Every rank's (hostname, pid), gathered at init: names a dead rank.
+        self._rank_processes: list[tuple[str, int]] = []
+        # Whether the driver started the workers' receive of the current sync.
+        self._receiving = False
         self._session_token = ""
         self._syncs = 0
         self._sender: _BucketSender | None = None
@@ -288,6 +296,8 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         )
         if not self._ranks.sharded:
             workers = await self._init_plan_and_workers(manifest, size)
+            # After the workers' manifest check, whose message names the engine's type.
+            await self._check_model_configs()
             self.num_workers = len(workers)
             self.peers = [rank for rank, _device in workers]
             # One token for the synchronizer's life: a sync after a re-init then
@@ -328,15 +338,17 @@ class IPCWeightSynchronizer(WeightSynchronizer):
     async def _init_sharded(self, manifest: RefitManifest, bucket_bytes: int) -> None:
         # Every rank reaches the same verdict from the same gathered data, so an
         # error here is raised on all of them alike.
-        proposed = await self._ranks.all_gather((self.device_id, bucket_bytes))
-        devices = [device for device, _size in proposed]
+        proposed = await self._ranks.all_gather((self.device_id, bucket_bytes, own_process()))
+        devices = [device for device, _size, _process in proposed]
+        self._rank_processes = [process for _device, _size, process in proposed]
         if len(set(devices)) != len(devices):
             raise TransportError(f"two trainer ranks on one device: {devices}")
         error: dict[str, str] | None = None
         workers: list[tuple[int, str]] = []
         try:
             # One plan on every rank (the smallest buffer proposed): workers know one digest.
-            workers = await self._init_plan_and_workers(manifest, min(s for _d, s in proposed))
+            workers = await self._init_plan_and_workers(manifest, min(s for _d, s, _p in proposed))
+            await self._check_model_configs()  # the driver's engines; shared like the rest
         except Exception as exc:
             error = error_fields(exc)
         token = self._session_token or secrets.token_hex(6)
@@ -365,18 +377,70 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         kv = kv_scale_entries(kv_scales, attention_layers(self.plan.manifest()))
         self._syncs += 1
         sync_id = f"{version}-{self._session_token}-{self._syncs}"
-        weights = self.policy.iter_weights()
+        weights: Iterator[tuple[str, torch.Tensor]] = self.policy.iter_weights()
+        votes: RankVotes | None = None
+        if self._ranks.sharded:
+            # One vote per tensor: a rank whose source fails leaves the gathers
+            # together with the others (see _votes.py) instead of mismatching them.
+            votes = RankVotes(weights, self._ranks.group, self._ranks.rank, self._rank_processes)
+            weights = votes
+        self._receiving = False
         failed: BaseException | None = None
         nbytes = 0
         try:
             async with self._colocated_refit():
                 nbytes = await self._stream(sync_id, weights, kv)
         except BaseException as exc:
-            if not self._ranks.sharded:
-                raise
             failed = exc
-        await self._ranks.agree(weights, failed)
+        try:
+            if not self._ranks.sharded:
+                if failed is not None:
+                    raise failed
+            else:
+                try:
+                    await self._ranks.agree(weights, failed)
+                except (SyncError, anyio.get_cancelled_exc_class()):
+                    raise
+                except Exception as exc:
+                    if exc is failed:  # this rank's own error, agreed on
+                        raise
+                    # gloo's own error (RuntimeError, DistNetworkError): a rank is gone.
+                    raise collective_error(
+                        exc, self._rank_processes, self._ranks.rank, "the trainer ranks' agreement"
+                    ) from exc
+        except BaseException as exc:
+            if self._receiving:
+                await self._invalidate_workers(sync_id)
+            if votes is not None and votes.verdict is not None and exc is not votes.verdict:
+                # Every rank raises the vote's verdict, the same error on every rank.
+                raise votes.verdict from None
+            raise
         return nbytes
+
+    async def _invalidate_workers(self, sync_id: str) -> None:
+        """After a failed sync whose receive ran: if any worker loaded a byte of
+        ``sync_id``, make every worker refuse to generate until a sync lands.
+
+        A worker commits its version on its own ``end``; with a sharded trainer one
+        rank may have committed its workers while another rank failed, and a
+        failure after the stream (the colocated bracket's clean-up, the ranks'
+        agreement) comes after every commit. Weights of two versions, or of the
+        new one under the old label, must not serve. Shielded, bounded by
+        ``timeouts.after_failure_s``; an error is logged (a dead worker comes back
+        with its weights invalid anyway). Driver only.
+        """
+        with anyio.CancelScope(shield=True), anyio.move_on_after(self.timeouts.after_failure_s):
+            try:
+                limit = self.timeouts.after_failure_s
+                touched = await self.generation.collective_rpc(
+                    "aiosync_ipc_invalidate", (sync_id, False), timeout_s=limit
+                )
+                if any(isinstance(r, dict) and r.get("touched") for r in touched):
+                    await self.generation.collective_rpc(
+                        "aiosync_ipc_invalidate", (sync_id, True), timeout_s=limit
+                    )
+            except Exception:
+                _log.exception("IPC: invalidating the workers after a failed sync failed")
 
     async def _stream(
         self,
@@ -405,6 +469,8 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         result = 0
 
         async def drive_receivers() -> None:
+            # From here on a worker may load a byte of this sync (_invalidate_workers).
+            self._receiving = True
             replies = await self.generation.collective_rpc(
                 "aiosync_ipc_receive", (session,), timeout_s=self.sync_timeout_s
             )

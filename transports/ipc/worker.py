@@ -237,6 +237,26 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                 state.lock.release()
         return {"ok": True, "rank": self.aiosync_worker_rank(), "released": released}
 
+    def aiosync_ipc_invalidate(self, sync_id: str, force: bool = False) -> dict[str, Any]:
+        """After refit ``sync_id`` failed on the trainer (on any of its ranks).
+
+        Marks the weights invalid (generation refuses until a sync succeeds) when
+        ``force`` or when this worker loaded any bucket of ``sync_id``; waits up
+        to 1 s for a receive still running here to end, so that its commit cannot
+        come after. Returns ``{"ok": True, "rank", "touched"}`` (``touched``: this
+        worker loaded a bucket of ``sync_id``).
+        """
+        state = self._aiosync_ipc_state()
+        locked = state.lock.acquire(timeout=_RELEASE_WAIT_S)
+        try:
+            touched = state.touched == str(sync_id)
+            if force or touched:
+                self.aiosync_weights_valid = False
+        finally:
+            if locked:
+                state.lock.release()
+        return {"ok": True, "rank": self.aiosync_worker_rank(), "touched": touched}
+
     def aiosync_ipc_last_receive(self) -> dict[str, Any]:
         """Statistics of this worker's last successful receive: ``{"ok", "rank",
         "tensors", "bytes", "sync_id", "senders"}`` (``senders``: the device
@@ -354,6 +374,7 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                 if buffer is None:
                     buffer = mapped[key] = open_handle(handle)
                 self.aiosync_weights_valid = False
+                state.touched = sync_id
                 load_start = time.monotonic()
                 with torch.no_grad():
                     loaded = load_weights(unpack(buffer.tensor, bucket))
@@ -411,6 +432,8 @@ class _ReceiverState:
         #: Buffer mappings by handle key, kept between receives of ``mapped_owner``.
         self.mapped: dict[str, MappedBuffer] = {}
         self.mapped_owner: str | None = None
+        #: The last refit of which this worker loaded a bucket (its weights changed).
+        self.touched: str | None = None
 
         #: The DEALER kept connected to ``mapped_owner``'s ROUTER, and its endpoint.
         self.link: _TrainerLink | None = None
