@@ -86,6 +86,19 @@ class EmbeddedWorker:
         self.aiosync_gate = GenerationGate()
         #: The synchronizer's weight version of the weights held (None: never synced).
         self.aiosync_weight_version: int | None = None
+        # What a sleep took away and a wake of "weights" gives back, as vLLM does:
+        # level 1 offloads the weights (a copy here), level 2 keeps only the
+        # buffers the checkpoint does not carry (rotary caches), since a refit
+        # restores the rest.
+        self._offloaded: dict[str, torch.Tensor] | None = None
+        self._saved_buffers: dict[str, torch.Tensor] | None = None
+        # Sleeps, wakes and weight loads in order (embedded_lifecycle); every
+        # load goes through the runner's load_weights, wrapped to record it.
+        self._lifecycle: list[str] = []
+        # Its own lock: a load may run under _state_lock (embedded_load_state_dict).
+        self._lifecycle_lock = threading.Lock()
+        self._load_weights = runner.load_weights
+        runner.load_weights = self._logged_load  # type: ignore[method-assign]
 
     def embedded_generate_with_meta(
         self,
@@ -210,16 +223,40 @@ class EmbeddedWorker:
             ):
                 self.aiosync_weight_version = version
 
+    def _logged_load(self, weights: Any) -> int:
+        """The runner's ``load_weights``, recorded in :meth:`embedded_lifecycle`."""
+        with self._lifecycle_lock:
+            if not self._lifecycle or self._lifecycle[-1] != "load":
+                self._lifecycle.append("load")
+        return int(self._load_weights(weights))
+
+    def embedded_lifecycle(self) -> list[str]:
+        """This worker's sleeps, wakes and weight loads, in order: ``"sleep(1)"``,
+        ``"sleep(2)"``, ``"wake(weights)"``, ``"wake(kv_cache)"``, ``"load"`` (one per
+        run of consecutive ``load_weights`` calls, e.g. one refit's buckets)."""
+        with self._lifecycle_lock:
+            return list(self._lifecycle)
+
     def embedded_sleep(self, level: int) -> bool:
-        """Sleep; level 2 discards the weights (they are zeroed) and the LoRA adapter.
-        Returns whether they were discarded."""
+        """Sleep, as vLLM does: level 1 offloads the weights (restored by the wake of
+        ``"weights"``, over anything loaded meanwhile); level 2 discards the weights
+        (they are zeroed) and the LoRA adapter, keeping only the model's buffers that
+        the checkpoint does not carry (restored on wake). Returns whether the
+        weights were discarded."""
         runner: HFModelRunner = self.model_runner.model
         # The model's lock first, as every other path takes them (no lock-order
         # inversion); a weights-only runner (runner_factory) may have none.
         model_lock = getattr(runner, "lock", None) or contextlib.nullcontext()
         with model_lock, self._state_lock:
+            with self._lifecycle_lock:
+                self._lifecycle.append(f"sleep({level})")
+            first = "weights" not in self._asleep
             self._asleep = {"weights", "kv_cache"}
+            if level < 2 and first and hasattr(runner, "hf_state_dict"):
+                self._offloaded = runner.hf_state_dict()
             if level >= 2:
+                self._offloaded = None
+                self._saved_buffers = _uncarried_buffers(runner)
                 runner.fill_(0.0)
                 discard_adapters = getattr(runner, "unload_all_lora_adapters", None)
                 if discard_adapters is not None:
@@ -275,8 +312,23 @@ class EmbeddedWorker:
 
     def embedded_wake(self, tags: list[str] | None) -> list[str]:
         """Wake ``tags`` (``"weights"``, ``"kv_cache"``; None: all); returns what still sleeps."""
-        with self._state_lock:
-            self._asleep -= set(tags) if tags is not None else set(self._asleep)
+        runner = self.model_runner.model
+        model_lock = getattr(runner, "lock", None) or contextlib.nullcontext()
+        with model_lock, self._state_lock:
+            waking = set(tags) if tags is not None else set(self._asleep)
+            with self._lifecycle_lock:
+                self._lifecycle.extend(f"wake({tag})" for tag in sorted(waking & self._asleep))
+            if "weights" in waking & self._asleep:
+                offloaded, self._offloaded = self._offloaded, None
+                if offloaded is not None:
+                    self._load_weights(list(offloaded.items()))
+                saved, self._saved_buffers = self._saved_buffers, None
+                if saved:
+                    buffers = dict(runner.model.named_buffers())
+                    with torch.no_grad():
+                        for name, value in saved.items():
+                            buffers[name].copy_(value)
+            self._asleep -= waking
             return sorted(self._asleep)
 
     def embedded_status(self, weight_version: int | None = None) -> dict[str, Any]:
@@ -319,6 +371,21 @@ class EmbeddedWorker:
             loaded = int(self.model_runner.model.load_weights(weights))
             self.aiosync_weights_valid = True
         return loaded
+
+
+def _uncarried_buffers(runner: Any) -> dict[str, torch.Tensor] | None:
+    """Copies of the model's buffers that its checkpoint does not carry (non-persistent
+    ones: rotary ``inv_freq``...), which no refit restores; None for a runner
+    without an ``nn.Module`` model (runner_factory)."""
+    model = getattr(runner, "model", None)
+    if not isinstance(model, torch.nn.Module) or not hasattr(runner, "expected_manifest"):
+        return None
+    carried = set(runner.expected_manifest())
+    return {
+        name: buffer.detach().clone()
+        for name, buffer in model.named_buffers()
+        if name not in carried
+    }
 
 
 def tensor_to_wire(tensor: torch.Tensor) -> list[Any]:

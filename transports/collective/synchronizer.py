@@ -5,7 +5,8 @@ or machines. :class:`CollectiveWeightSynchronizer` forms a dedicated
 torch.distributed group (:mod:`aiosync.transports.collective._group`: NCCL on CUDA,
 gloo on CPU) and,
 per sync, broadcasts the manifest's packed buckets (:mod:`aiosync.transports.packing`)
-from trainer rank 0. It is a pure data mover: no sleep/wake of the engine.
+from trainer rank 0. Of the engine's sleep it wakes the weights only, before the
+first byte is loaded into them (the KV cache is ``prepare_for_generation()``'s).
 
 Timeline of one sync (in-place)::
 
@@ -24,6 +25,7 @@ import functools
 import logging
 import secrets
 import threading
+import time
 import warnings
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Literal, TypeVar
@@ -34,6 +36,7 @@ import torch
 
 from aiosync._config import DEFAULT_BUCKET_BYTES, DEFAULT_EVENT_BACKLOG, Timeouts
 from aiosync._fanout import most_telling
+from aiosync.capabilities import Engine, SleepReporting
 from aiosync.errors import SyncError, SyncTimeoutError, TransportError
 from aiosync.interfaces import (
     EngineWorkers,
@@ -47,7 +50,7 @@ from aiosync.interfaces import (
 from ..packing import BucketPlan, group_by_bucket, plan_buckets
 from ._group import STATUS_OK, SyncGroup, cancel_formation, create_sync_group, open_store
 from ._loops import RotatingBuffers, SendResult, stream_buckets, vote_send
-from ._votes import SyncVotes, agree_formation
+from ._votes import Heartbeat, SyncRounds, SyncVotes, agree_formation
 from ._wire import kv_scale_entries
 
 __all__ = [
@@ -101,9 +104,12 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
     The engine's session holds the source (trainer rank 0, session rank 0) and
     the inference workers (session ranks ``1..W``), as vLLM's weight-transfer API
     does; with several trainer ranks the others take part in the gathers only
-    and agree on every outcome with the source in a control-only gloo group of
-    the trainer ranks, so that versions, ``is_stale`` and events are identical on
-    every rank and a failure anywhere is the same error everywhere. The store
+    and agree on every outcome with the source (a formation's in a control-only
+    gloo group of the trainer ranks, a sync's over the store, so that a rank that
+    failed or died mid-gather is named within ``sync_timeout_s``: see
+    :mod:`~aiosync.transports.collective._votes`), so that versions, ``is_stale``
+    and events are identical on every rank and a failure anywhere is the same
+    error everywhere. The store
     lives on trainer rank 0 at ``train_cluster.master_addr:master_port`` (port 0:
     one the OS picks, logged and readable as :attr:`master_port`). Rank 0 binds
     it before it asks the workers to join, so a port in use is a
@@ -225,6 +231,12 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         self._bound_port: int | None = None
         self._buffers: RotatingBuffers | None = None
         self._sessions = 0
+        # The current group session's name and its syncs so far (the trainer ranks'
+        # votes of sync n live under aiosync/<session>/trainers/sync/<n> in the store).
+        self._session = ""
+        self._syncs = 0
+        # Several trainer ranks: this rank's liveness in the store (see _votes).
+        self._heartbeat: Heartbeat | None = None
         # Keys this synchronizer's group on the engine's workers (see OwnershipError).
         self._owner = secrets.token_hex(8)
         # Set when a thread running collectives is abandoned (timeout/cancel):
@@ -304,6 +316,9 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         """
         if not self._closed:
             await self._teardown(notify_workers=True)
+            if self._heartbeat is not None:
+                self._heartbeat.stop()
+                self._heartbeat = None
             self._store = None
         await super().shutdown()
 
@@ -404,6 +419,9 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
                         await anyio.to_thread.run_sync(g.destroy)
                 raise
         self._group, self._trainers, self._plan = group, trainers, plan
+        self._session, self._syncs = session, 0
+        if trainers is not None and self._heartbeat is None:
+            self._heartbeat = Heartbeat(self._store, tc.rank)
         self._buffers = RotatingBuffers(plan, self.device) if self.is_source else None
 
     async def _join_engine(
@@ -471,11 +489,18 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             # Unreachable workers destroy a broken group themselves.
             with contextlib.suppress(SyncError):
                 await self._rpc("aiosync_collective_destroy", {}, self.rpc_timeout_s)
-        # A thread abandoned by a timeout may still hold the group: let it finish.
-        await anyio.to_thread.run_sync(self._idle.wait, self.collective_timeout_s)
+        # A thread abandoned by a timeout or cancellation may still be in a collective
+        # of these groups (each ends within the group's timeout): it destroys them
+        # itself when it returns; a short wait spares that in the common case.
+        await anyio.to_thread.run_sync(self._idle.wait, self.timeouts.after_failure_s)
         for g in (group, trainers):
-            if g is not None:
+            if g is None:
+                continue
+            if self._idle.is_set():
                 await anyio.to_thread.run_sync(g.destroy)
+            else:
+                g.broken = True
+                self._abandoned.set()  # the running thread destroys it when it returns
 
     # -- one sync --------------------------------------------------------------
 
@@ -491,8 +516,19 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         group, trainers, plan = self._group, self._trainers, self._plan
         assert plan is not None
         nbytes = plan.total_bytes + 4 * len(kv)
-        weights = self.policy.iter_weights()
-        votes = SyncVotes(trainers, weights)
+        rounds = None
+        if trainers is not None:
+            # The trainer ranks vote over the store, not over a group a failed rank
+            # must take part in (see _votes); every rank counts its syncs alike.
+            self._syncs += 1
+            rounds = SyncRounds(
+                self._store,
+                f"aiosync/{self._session}/trainers/sync/{self._syncs}",
+                trainers.rank,
+                trainers.world_size,
+                time.monotonic() + self.sync_timeout_s,
+            )
+        votes = SyncVotes(rounds, self.policy.iter_weights())
         failure: BaseException | None = None
         try:
             if self.is_source:
@@ -502,9 +538,10 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
                 # The other trainer ranks take part in the gathers only.
                 own: BaseException | None = None
                 try:
-                    await self._in_thread(
-                        functools.partial(_consume, weights, plan), self.sync_timeout_s
-                    )
+                    async with votes.watching():
+                        await self._in_thread(
+                            functools.partial(_consume, votes.weights, plan), self.sync_timeout_s
+                        )
                 except BaseException as exc:
                     own = exc
                 await votes.read(own)
@@ -563,7 +600,8 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
 
         async def local() -> SendResult:
             try:
-                sent, failure = await self._in_thread(stream, self.sync_timeout_s)
+                async with votes.watching():
+                    sent, failure = await self._in_thread(stream, self.sync_timeout_s)
             except BaseException as exc:
                 await votes.read(exc)  # raises: the source failed
                 raise
@@ -576,6 +614,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
 
         kwargs = {"version": version, "kv_names": [n for n, _ in kv], "verify": self.verify}
         if self.overlap == "inplace":
+            await self._wake_weights()
             sent, results = await self._both(
                 local,
                 lambda: self._rpc("aiosync_collective_receive", kwargs, self.sync_timeout_s),
@@ -583,12 +622,31 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         else:
             await self._rpc("aiosync_collective_stage", kwargs, self.rpc_timeout_s)
             sent = await local()
+            await self._wake_weights()
             results = await self._rpc(
                 "aiosync_collective_commit", {"version": version}, self.rpc_timeout_s
             )
         self._check_results(sent, results)
         self.last_worker_results = results
         return sent.nbytes
+
+    async def _wake_weights(self) -> None:
+        """Wake the engine's weights before any byte is loaded into them.
+
+        An engine asleep at level 1 (vLLM: weights offloaded to CPU, restored on
+        wake) would otherwise restore the old weights over the new ones when it
+        is woken after the sync. Only an :class:`~aiosync.capabilities.Engine`
+        is woken, and only when it may have released its weights
+        (:class:`~aiosync.capabilities.SleepReporting`; one that does not say is
+        woken). The KV cache is left to ``prepare_for_generation()`` after the sync.
+        """
+        engine = self.generation
+        if not isinstance(engine, Engine):
+            return
+        tags = engine.asleep_tags if isinstance(engine, SleepReporting) else None
+        if tags is None or "weights" in tags:
+            with anyio.fail_after(self.rpc_timeout_s):
+                await engine.prepare_for_generation(["weights"])
 
     def _drop_engine_group(self) -> None:
         group, self._group = self._group, None
@@ -657,7 +715,12 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         if not self._idle.is_set():
             await anyio.to_thread.run_sync(self._idle.wait, self.collective_timeout_s)
             if not self._idle.is_set():
-                raise TransportError("a previous, timed-out sync is still unwinding")
+                raise TransportError(
+                    f"trainer rank {self.train_cluster.rank}: a thread of an earlier, "
+                    "abandoned sync step is still inside a collective after "
+                    f"collective_timeout_s={self.collective_timeout_s:g} s; shut this "
+                    "synchronizer down and create another"
+                )
         self._idle.clear()
         self._abandoned.clear()
         groups = (self._group, self._trainers)
