@@ -705,8 +705,11 @@ async def run(args: argparse.Namespace) -> RunReport:
                             # the new version stale on exit.
                             async with weights_lock, sync.policy_update():
                                 await anyio.to_thread.run_sync(trainer.step)
+                        # The policy version counts optimizer steps, ppo_epochs per batch
+                        # (step): after 60 steps of 2, v120.
                         info = (
-                            f"reward {step_reward:.3f}  policy v{sync.policy_version}  "
+                            f"reward {step_reward:.3f}  policy v{sync.policy_version} "
+                            f"({args.ppo_epochs} optimizer steps/batch)  "
                             f"weights v{sync.weight_version}  refit {last['gbps']:.3f} GB/s "
                             f"{last['seconds']:.3f} s  clip {stats['clip_frac']:.2f}"
                         )

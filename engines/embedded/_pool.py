@@ -24,7 +24,8 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from multiprocessing.process import BaseProcess
 from typing import Any, cast
 
@@ -155,8 +156,9 @@ class WorkerPool:
         def start_all() -> None:
             # One after the other in one thread: multiprocessing's bookkeeping
             # of children is not meant for concurrent starts.
-            for proc in procs.values():
-                proc.start()
+            with _main_without_missing_file():
+                for proc in procs.values():
+                    proc.start()
 
         # Starting a spawned process blocks (fork-exec, pickling its arguments).
         await anyio.to_thread.run_sync(start_all)
@@ -347,6 +349,42 @@ class WorkerPool:
         for worker, fut in list(self._pending.values()):
             if (rank is None or worker == rank) and not fut.done():
                 fut.set_exception(error)
+
+
+# Held while __main__.__file__ may be hidden: two engines starting in two threads
+# must not restore each other's view of it.
+_MAIN_FILE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _main_without_missing_file() -> Iterator[None]:
+    """Hide ``__main__.__file__`` while processes start if it names no file
+    (``python - < script.py`` sets it to ``'<stdin>'``).
+
+    spawn re-imports the parent's main module in every child from that path, and a
+    path that is no file kills the child (``FileNotFoundError: '<cwd>/<stdin>'``)
+    before the worker runs. The workers need nothing from ``__main__`` (their entry
+    point and arguments are aiosync's), so they start as under ``python -c``, where
+    spawn leaves ``__main__`` alone. A main run as a module (``python -m``) or from a
+    real file is untouched.
+    """
+    with _MAIN_FILE_LOCK:
+        main = sys.modules.get("__main__")
+        path = getattr(main, "__file__", None)
+        spec_name = getattr(getattr(main, "__spec__", None), "name", None)
+        hidden_in = None
+        if main is not None and spec_name is None and isinstance(path, str):
+            # Resolved as spawn resolves it in the child.
+            origin = multiprocessing.process.ORIGINAL_DIR  # type: ignore[attr-defined]
+            full = path if os.path.isabs(path) or origin is None else os.path.join(origin, path)
+            if not os.path.isfile(full):
+                hidden_in = main
+                del main.__file__
+        try:
+            yield
+        finally:
+            if hidden_in is not None:
+                hidden_in.__file__ = path
 
 
 def _private_dir() -> str:
