@@ -661,14 +661,10 @@ class WeightSynchronizer(ABC):
         Args:
             engines: the engines to wake; default ``(self.generation,)``.
         """
-        targets = tuple(engines) if engines is not None else (self.generation,)
-        if not self._drives_generation():
-            targets = ()
-        label = _engine_label(len(targets))
         failed = True
         try:
             await anyio.to_thread.run_sync(self.policy.offload_before_refit)
-            await each_named(targets, lambda _i, e: _wake(e, "weights"), label)
+            await self._wake_engines("weights", engines)
             yield
             failed = False
         finally:
@@ -677,11 +673,31 @@ class WeightSynchronizer(ABC):
                 try:
                     await anyio.to_thread.run_sync(self.policy.offload_after_refit)
                     with anyio.fail_after(limit):
-                        await each_named(targets, lambda _i, e: _wake(e, "kv_cache"), label)
+                        await self._wake_engines("kv_cache", engines)
                 except Exception:
                     if not failed:
                         raise
                     _log.exception("colocated refit: the clean-up after a failed sync also failed")
+
+    async def _wake_engines(self, tag: str, engines: Sequence[Any] | None = None) -> None:
+        """Wake ``tag`` (``"weights"``, ``"kv_cache"``) on each engine that may have released it.
+
+        Only an :class:`~aiosync.capabilities.Engine` is woken, and only when
+        it may be asleep (:class:`~aiosync.capabilities.SleepReporting`; one
+        that does not say is woken), and only where :meth:`_drives_generation`.
+        The engines are woken side by side; a failure names the engine.
+
+        Args:
+            engines: default ``(self.generation,)``.
+        """
+        if not self._drives_generation():
+            return
+        targets = tuple(
+            e
+            for e in (engines if engines is not None else (self.generation,))
+            if isinstance(e, Engine)
+        )
+        await each_named(targets, lambda _i, e: _wake(e, tag), _engine_label(len(targets)))
 
     @abstractmethod
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:

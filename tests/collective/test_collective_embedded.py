@@ -10,7 +10,7 @@ import pytest
 import torch
 from collective_harness import QWEN3
 
-from aiosync import TrainCluster, create_weight_synchronizer, refit_if_stale
+from aiosync import RefitMismatchError, TrainCluster, create_weight_synchronizer, refit_if_stale
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.refit.torch_source import DTensorRefitSource
@@ -134,3 +134,28 @@ async def test_weights_discarded_mid_broadcast_fail_the_sync_and_the_engine_refu
             [state] = await engine.hf_state_dicts()
             expected = trainer.hf_state_dict()
             assert all(torch.equal(state[n], t) for n, t in expected.items())
+
+
+async def test_a_drifted_engine_config_is_refused_before_any_worker_joins() -> None:
+    # Issue 25 item 5 on the collective: same shapes, another rms_norm_eps.
+    trainer = HFModelRunner.from_config(dict(QWEN3), seed=203)
+    drifted = {**QWEN3, "rms_norm_eps": 1e-3}
+    async with EmbeddedEngine(drifted, num_workers=1, seed=7) as engine:
+        [before] = await engine.hf_state_dicts()
+        sync = create_weight_synchronizer(
+            DTensorRefitSource(trainer.model),
+            engine,
+            colocated=False,
+            backend="embedded",
+            train_cluster=TrainCluster(master_port=_port()),
+            inference_world_size=1,
+            collective_timeout_s=600.0,  # a worker waiting in a rendezvous would hang this long
+        )
+        with pytest.raises(RefitMismatchError) as info:
+            async with sync:
+                pytest.fail("init must refuse the drifted engine")
+        trainer_eps = trainer.model.config.rms_norm_eps
+        assert f"rms_norm_eps: trainer {trainer_eps}, engine 0.001" in str(info.value)
+        assert sync.weight_version == 0
+        [after] = await engine.hf_state_dicts()
+        assert all(torch.equal(before[n], after[n]) for n in before)

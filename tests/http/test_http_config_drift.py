@@ -71,42 +71,49 @@ async def test_a_server_with_another_rope_theta_is_refused_before_any_weight_upd
     assert all((after[name] == tensor).all() for name, tensor in before.items())
 
 
-async def test_the_same_config_passes_and_syncs(
-    drifted_server: TestServer, make_trainer: Any, state_equal: Any
+@pytest.mark.parametrize(
+    ("server_name", "config", "engine_field", "engine_value"),
+    [
+        # The server's config is read from its model_path, as the trainer's from its model.
+        pytest.param("drifted_server", DRIFTED, "rope_theta", 500000.0, id="same-config"),
+        # Same computation: the KV-cache switch and the position limit are no drift.
+        pytest.param(
+            "dense_server",
+            {**TINY_QWEN3, "use_cache": False, "max_position_embeddings": 64},
+            "use_cache",
+            True,
+            id="fields-that-may-differ",
+        ),
+    ],
+)
+async def test_configs_that_agree_pass_and_sync(
+    request: pytest.FixtureRequest,
+    make_trainer: Any,
+    state_equal: Any,
+    server_name: str,
+    config: dict[str, Any],
+    engine_field: str,
+    engine_value: object,
 ) -> None:
-    drifted_server.reset()
-    trainer = make_trainer(seed=62, config=DRIFTED)
-    async with SGLangHTTPBackend(drifted_server.url) as backend:
-        # The server's config is read from its model_path, as the trainer's comes from its model.
+    server: TestServer = request.getfixturevalue(server_name)
+    server.reset()
+    trainer = make_trainer(seed=62, config=config)
+    async with SGLangHTTPBackend(server.url) as backend:
         engine = await backend.expected_config()
-        assert engine is not None and engine.rope_parameters["rope_theta"] == 500000.0
+        assert engine is not None
+        value = (
+            engine.rope_parameters["rope_theta"]
+            if engine_field == "rope_theta"
+            else getattr(engine, engine_field)
+        )
+        assert value == engine_value
         async with HTTPWeightSynchronizer(
             trainer.inner, backend, bucket_bytes=BUCKET_BYTES
         ) as sync:
             await sync.mark_stale()
             await sync.sync_weights()
             assert sync.weight_version == 1
-    state_equal(drifted_server.state_dict(), trainer.expected())
-
-
-async def test_fields_that_may_differ_pass(
-    dense_server: TestServer, make_trainer: Any, state_equal: Any
-) -> None:
-    dense_server.reset()
-    # Same computation: the KV-cache switch and the position limit are no drift.
-    trainer = make_trainer(
-        seed=63, config={**TINY_QWEN3, "use_cache": False, "max_position_embeddings": 64}
-    )
-    async with SGLangHTTPBackend(dense_server.url) as backend:
-        engine = await backend.expected_config()
-        assert engine is not None and engine.use_cache is True
-        async with HTTPWeightSynchronizer(
-            trainer.inner, backend, bucket_bytes=BUCKET_BYTES
-        ) as sync:
-            await sync.mark_stale()
-            await sync.sync_weights()
-            assert sync.weight_version == 1
-    state_equal(dense_server.state_dict(), trainer.expected())
+    state_equal(server.state_dict(), trainer.expected())
 
 
 async def test_a_fleet_names_the_drifted_server_and_updates_neither(

@@ -36,7 +36,6 @@ import torch
 
 from aiosync._config import DEFAULT_BUCKET_BYTES, DEFAULT_EVENT_BACKLOG, Timeouts
 from aiosync._fanout import most_telling
-from aiosync.capabilities import Engine, SleepReporting
 from aiosync.errors import SyncError, SyncTimeoutError, TransportError
 from aiosync.interfaces import (
     EngineWorkers,
@@ -404,6 +403,9 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         failure: Exception | None = None
         try:
             if self.is_source:
+                # Before any worker is asked to join: a drifted engine config is
+                # refused with nothing formed, and the trainer ranks share the verdict.
+                await self._check_model_configs()
                 group = await self._join_engine(join_engine, plan, session)
         except Exception as exc:
             if trainers is None:
@@ -640,13 +642,8 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         (:class:`~aiosync.capabilities.SleepReporting`; one that does not say is
         woken). The KV cache is left to ``prepare_for_generation()`` after the sync.
         """
-        engine = self.generation
-        if not isinstance(engine, Engine):
-            return
-        tags = engine.asleep_tags if isinstance(engine, SleepReporting) else None
-        if tags is None or "weights" in tags:
-            with anyio.fail_after(self.rpc_timeout_s):
-                await engine.prepare_for_generation(["weights"])
+        with anyio.fail_after(self.rpc_timeout_s):
+            await self._wake_engines("weights")
 
     def _drop_engine_group(self) -> None:
         group, self._group = self._group, None
