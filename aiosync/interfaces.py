@@ -407,6 +407,24 @@ class WeightSynchronizer(ABC):
                 # The engine serves another synchronizer's weights, not this one's
                 # weight_version (a restarted trainer's 0 included): sync first.
                 self._engine_dirty = True
+        dirty = await self._gather_ranks(self._engine_dirty)
+        if dirty is not None:
+            # Only the driver sees the engine; is_stale must be the same on every
+            # rank, or the ranks that think they are current skip the gathers the
+            # driver's sync waits for.
+            self._engine_dirty = any(dirty)
+
+    def _sharded(self) -> bool:
+        """Whether this synchronizer is one of a sharded trainer's ranks (which must
+        agree on every outcome); transports with trainer ranks override it."""
+        return False
+
+    async def _gather_ranks(self, obj: Any) -> list[Any] | None:
+        """Every trainer rank's ``obj`` (small, picklable), in rank order; None where
+        there is no group of trainer ranks to gather over (a single-process trainer).
+        A collective: every rank calls it at the same point. Transports with
+        trainer ranks override it."""
+        return None
 
     def _engines(self) -> tuple[Any, ...]:
         """The engine objects this process drives (a fleet's members); none on a
@@ -425,7 +443,10 @@ class WeightSynchronizer(ABC):
             claim = _ENGINE_OWNERS.get(engine)
             previous = None if claim is None or claim[0] == self.owner else claim[1]()
             if previous is not None and not previous._closed:
-                previous._engine_dirty = True
+                if not previous._sharded():
+                    # A sharded trainer's driver turning stale alone would leave its
+                    # ranks disagreeing on is_stale; it learns at its next sync.
+                    previous._engine_dirty = True
                 previous._superseded = (
                     f"{type(self).__name__} (owner {self.owner}) committed its version "
                     f"{version} into {type(engine).__name__} at {id(engine):#x}, which now "
@@ -471,6 +492,17 @@ class WeightSynchronizer(ABC):
         await each_named(
             engines, check, lambda i: f"engine {i} of {count} ({type(engines[i]).__name__})"
         )
+
+    def _ownership_error(self, reason: str, rank: int | None = None) -> OwnershipError:
+        where = "" if rank is None or rank == self._rank() else f"trainer rank {rank}: "
+        return OwnershipError(
+            f"{where}{type(self).__name__} no longer owns its engine: {reason}; "
+            "await init_communicator() to take it over again"
+        )
+
+    def _rank(self) -> int:
+        """This process's trainer rank (0 unless :meth:`_sharded`)."""
+        return 0
 
     def _check_sync_args(self, kv_scales: KVScales | None, in_flight: object) -> InFlightPolicy:
         """Every check of :meth:`sync_weights`' arguments, before any event or byte.
@@ -534,15 +566,20 @@ class WeightSynchronizer(ABC):
         self._check_open()
         if not self._initialized:
             raise SyncError("await init_communicator() before sync_weights()")
-        if self._superseded is not None:
-            raise OwnershipError(
-                f"{type(self).__name__} no longer owns its engine: {self._superseded}; "
-                "await init_communicator() to take it over again"
-            )
+        if self._superseded is not None and not self._sharded():
+            raise self._ownership_error(self._superseded)
         # The version is read under the source lock: a policy_update in progress
         # finishes first, and the sync then moves (and names) the updated weights.
         async with self._lock, self._source_lock:
             self._check_open()
+            if self._sharded():
+                # Only the driver knows another synchronizer took its engine: every
+                # rank learns it here, before any of them starts the source's gathers.
+                refusals = await self._gather_ranks(self._superseded)
+                for rank, refusal in enumerate(refusals or [self._superseded]):
+                    if refusal is not None:
+                        self._engine_dirty = True
+                        raise self._ownership_error(refusal, rank)
             if not self.is_stale:
                 return
             version = self._policy_version

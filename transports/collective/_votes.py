@@ -41,6 +41,7 @@ from ._group import SyncGroup
 
 __all__ = [
     "DEAD_AFTER_S",
+    "GroupRanks",
     "Heartbeat",
     "PeerFailed",
     "SourceReader",
@@ -401,7 +402,7 @@ async def agree_formation(trainers: SyncGroup, failure: BaseException | None, di
         The agreed error (:meth:`TrainerRanks.agree`); RefitMismatchError on
         every rank when a rank's bucket plan differs from the source's.
     """
-    ranks = _GroupRanks(trainers)
+    ranks = GroupRanks(trainers)
     await ranks.agree(iter(()), failure)
     with anyio.CancelScope(shield=True):
         digests = await ranks.all_gather(digest)
@@ -413,7 +414,7 @@ async def agree_formation(trainers: SyncGroup, failure: BaseException | None, di
         )
 
 
-class _GroupRanks(TrainerRanks):
+class GroupRanks(TrainerRanks):
     """The trainer ranks as :class:`~aiosync.transports._ranks.TrainerRanks`, over the
     collective's control-only gloo group of the trainer ranks."""
 

@@ -49,7 +49,7 @@ from aiosync.interfaces import (
 from ..packing import BucketPlan, group_by_bucket, plan_buckets
 from ._group import STATUS_OK, SyncGroup, cancel_formation, create_sync_group, open_store
 from ._loops import RotatingBuffers, SendResult, stream_buckets, vote_send
-from ._votes import Heartbeat, SyncRounds, SyncVotes, agree_formation
+from ._votes import GroupRanks, Heartbeat, SyncRounds, SyncVotes, agree_formation
 from ._wire import kv_scale_entries
 
 __all__ = [
@@ -139,6 +139,8 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         sync_timeout_s: overrides ``timeouts.sync_s``: a whole ``sync_weights`` call, seconds.
         event_backlog: default ``max_backlog`` of :meth:`subscribe`, in events.
         in_flight: the default in-flight policy of ``sync_weights``.
+        initial_version: where both versions start (a trainer resumed from its
+            step-N checkpoint passes N); see :class:`~aiosync.WeightSynchronizer`.
         backend: deprecated name of ``dist_backend`` (DeprecationWarning).
 
     Raises:
@@ -164,6 +166,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         sync_timeout_s: float | None = None,
         event_backlog: int = DEFAULT_EVENT_BACKLOG,
         in_flight: InFlightPolicy = "wait",
+        initial_version: int = 0,
         backend: DistBackend | None = None,
     ) -> None:
         if backend is not None:
@@ -185,6 +188,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             sync_timeout_s=sync_timeout_s,
             event_backlog=event_backlog,
             in_flight=in_flight,
+            initial_version=initial_version,
         )
         if not isinstance(train_cluster, TrainCluster):
             raise TypeError(
@@ -509,6 +513,22 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
     def _drives_generation(self) -> bool:
         # Only the source drives the engine; the other trainer ranks never call it.
         return self.is_source
+
+    def _sharded(self) -> bool:
+        return self.train_cluster.world_size > 1
+
+    def _rank(self) -> int:
+        return self.train_cluster.rank
+
+    async def _gather_ranks(self, obj: Any) -> list[Any] | None:
+        # Over the trainer ranks' control group; none while it is being re-formed
+        # (after a failure), when each rank answers for itself.
+        if self._trainers is None or self._trainers.broken:
+            return None
+        ranks = GroupRanks(self._trainers)
+        with anyio.CancelScope(shield=True):  # a cancelled rank still answers
+            gathered = await ranks.all_gather(obj)
+        return gathered
 
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
         # The base class checked the scales against the manifest before anything moved.

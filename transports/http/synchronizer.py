@@ -75,6 +75,8 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         event_backlog: default backlog of :meth:`subscribe`, in events.
         in_flight: what requests running on the engine do during a sync
             (``"wait"``, ``"abort"``, ``"keep"``; see :class:`~aiosync.WeightSynchronizer`).
+        initial_version: where both versions start (a trainer resumed from its
+            step-N checkpoint passes N); see :class:`~aiosync.WeightSynchronizer`.
         trace: record per-bucket timestamps of every sync into
             :attr:`last_trace`; off by default.
 
@@ -97,6 +99,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         sync_timeout_s: float | None = None,
         event_backlog: int = DEFAULT_EVENT_BACKLOG,
         in_flight: InFlightPolicy = "wait",
+        initial_version: int = 0,
         trace: bool = False,
     ) -> None:
         servers = _servers_of(generation)
@@ -109,6 +112,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             sync_timeout_s=sync_timeout_s,
             event_backlog=event_backlog,
             in_flight=in_flight,
+            initial_version=initial_version,
         )
         #: The SGLang servers refit, in the fleet's order (one for a single server).
         self.servers: tuple[SGLangServer, ...] = servers

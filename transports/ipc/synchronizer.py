@@ -176,6 +176,8 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         event_backlog: see :class:`~aiosync.WeightSynchronizer`.
         in_flight: what requests running on the engine do during a sync
             (``"wait"``, ``"abort"``, ``"keep"``; see :class:`~aiosync.WeightSynchronizer`).
+        initial_version: where both versions start (a trainer resumed from its
+            step-N checkpoint passes N); see :class:`~aiosync.WeightSynchronizer`.
         process_group: a sharded trainer's ``torch.distributed`` group. Every rank
             runs a synchronizer and makes the same calls (the source's gathers are
             collectives); rank ``r`` packs on its own device and sends only to the
@@ -210,6 +212,7 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         timeouts: Timeouts | None = None,
         event_backlog: int = DEFAULT_EVENT_BACKLOG,
         in_flight: InFlightPolicy = "wait",
+        initial_version: int = 0,
         process_group: Any = None,
         device_label: str | None = None,
         trace: bool = False,
@@ -238,6 +241,7 @@ class IPCWeightSynchronizer(WeightSynchronizer):
             sync_timeout_s=sync_timeout_s,
             event_backlog=event_backlog,
             in_flight=in_flight,
+            initial_version=initial_version,
         )
         self._ranks = ranks
         if device is None:
@@ -371,6 +375,15 @@ class IPCWeightSynchronizer(WeightSynchronizer):
     def _drives_generation(self) -> bool:
         # Only the rank that holds the engine pauses and resumes it.
         return self._ranks.is_driver
+
+    def _sharded(self) -> bool:
+        return self._ranks.sharded
+
+    def _rank(self) -> int:
+        return self._ranks.rank
+
+    async def _gather_ranks(self, obj: Any) -> list[Any] | None:
+        return await self._ranks.all_gather(obj) if self._ranks.sharded else None
 
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
         assert self.plan is not None

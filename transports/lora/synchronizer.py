@@ -86,6 +86,8 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
         event_backlog: default backlog of :meth:`subscribe`, in events.
         in_flight: what requests running on the engine do during a sync
             (``"wait"``, ``"abort"``, ``"keep"``; see :class:`~aiosync.WeightSynchronizer`).
+        initial_version: where both versions start (a trainer resumed from its
+            step-N checkpoint passes N); see :class:`~aiosync.WeightSynchronizer`.
         process_group: a sharded trainer's ``torch.distributed`` group (gloo, whose
             timeout bounds the agreement). Every rank runs a synchronizer and
             makes the same calls, since the source's gathers are collectives; only
@@ -117,6 +119,7 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
         timeouts: Timeouts | None = None,
         event_backlog: int = DEFAULT_EVENT_BACKLOG,
         in_flight: InFlightPolicy = "wait",
+        initial_version: int = 0,
         process_group: Any = None,
     ) -> None:
         if not callable(getattr(policy, "lora_adapter_config", None)):
@@ -138,6 +141,7 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
             sync_timeout_s=sync_timeout_s,
             event_backlog=event_backlog,
             in_flight=in_flight,
+            initial_version=initial_version,
         )
         self.policy: LoRAAdapterSource = policy
         #: The engines loaded, in fleet order (empty on the non-driving ranks).
@@ -210,6 +214,15 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
     def _drives_generation(self) -> bool:
         # Only the rank that holds the engine pauses and resumes it.
         return self._ranks.is_driver
+
+    def _sharded(self) -> bool:
+        return self._ranks.sharded
+
+    def _rank(self) -> int:
+        return self._ranks.rank
+
+    async def _gather_ranks(self, obj: Any) -> list[Any] | None:
+        return await self._ranks.all_gather(obj) if self._ranks.sharded else None
 
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
         # Every rank iterates (a sharded source's gathers are collectives); the

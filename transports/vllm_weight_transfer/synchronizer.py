@@ -199,6 +199,8 @@ class VLLMWeightTransferSynchronizer(WeightSynchronizer):
             the transfer group must be re-formed (``init_communicator()``).
         event_backlog: default ``max_backlog`` of :meth:`subscribe`, in events.
         in_flight: the default in-flight policy of ``sync_weights``.
+        initial_version: where both versions start (a trainer resumed from its
+            step-N checkpoint passes N); see :class:`~aiosync.WeightSynchronizer`.
 
     ``sync_weights(kv_scales=...)`` raises NotImplementedError before anything
     moves: vLLM's API carries no FP8 KV-cache scales.
@@ -224,6 +226,7 @@ class VLLMWeightTransferSynchronizer(WeightSynchronizer):
         sync_timeout_s: float | None = None,
         event_backlog: int = DEFAULT_EVENT_BACKLOG,
         in_flight: InFlightPolicy = "wait",
+        initial_version: int = 0,
     ) -> None:
         if not vllm_weight_transfer_available():
             raise ImportError(
@@ -238,6 +241,7 @@ class VLLMWeightTransferSynchronizer(WeightSynchronizer):
             sync_timeout_s=sync_timeout_s,
             event_backlog=event_backlog,
             in_flight=in_flight,
+            initial_version=initial_version,
         )
         self.init_info = init_info
         self.client = client
