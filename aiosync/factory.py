@@ -69,6 +69,7 @@ def create_weight_synchronizer(
     rpc_timeout_s: float | None = None,
     event_backlog: int | None = None,
     in_flight: InFlightPolicy | None = None,
+    initial_version: int | None = None,
     bucket_bytes: int | None = None,
     device: str | torch.device | None = None,
     process_group: Any = None,
@@ -103,6 +104,8 @@ def create_weight_synchronizer(
         rpc_timeout_s: overrides ``timeouts.rpc_s``, seconds; IPC, collective.
         event_backlog: default ``max_backlog`` of ``subscribe``, events; every transport.
         in_flight: the default in-flight policy of ``sync_weights``; every transport.
+        initial_version: where both versions start (a trainer resumed from its
+            step-N checkpoint passes N); every transport.
         bucket_bytes: bucket size, bytes; IPC, HTTP, collective.
         device: where the trainer's tensors are packed; IPC, HTTP.
         process_group: a sharded trainer's ``torch.distributed`` group; IPC, LoRA.
@@ -145,6 +148,7 @@ def create_weight_synchronizer(
             ("rpc_timeout_s", rpc_timeout_s),
             ("event_backlog", event_backlog),
             ("in_flight", in_flight),
+            ("initial_version", initial_version),
             ("bucket_bytes", bucket_bytes),
             ("device", device),
             ("process_group", process_group),

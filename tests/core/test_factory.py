@@ -28,12 +28,19 @@ def test_factory_picks_transport(source, engine, backend, colocated, class_name)
 
         engine = SGLangHTTPBackend("http://127.0.0.1:9")  # constructing connects to nothing
     sync = create_weight_synchronizer(
-        source, engine, colocated=colocated, backend=backend, in_flight="keep", **extra
+        source,
+        engine,
+        colocated=colocated,
+        backend=backend,
+        in_flight="keep",
+        initial_version=12,
+        **extra,
     )
     assert type(sync) is getattr(aiosync, class_name)
     assert isinstance(sync, aiosync.WeightSynchronizer)
-    assert (sync.policy_version, sync.weight_version) == (0, 0)
-    # Every transport's constructor takes the in-flight policy to the base class.
+    # Every transport's constructor takes the resumed step and the in-flight policy
+    # to the base class.
+    assert (sync.policy_version, sync.weight_version) == (12, 12)
     assert sync.in_flight == "keep"
 
 
