@@ -448,12 +448,15 @@ def create_sync_group(
     timeout_s: float,
     session: str,
     with_data: bool = True,
+    every_rank_sends: bool = False,
 ) -> SyncGroup:
     """Build the session's groups over ``store`` (from :func:`open_store`; blocking).
 
     Keys live under ``aiosync/<session>/`` so a re-formed group never reads a
     previous session's keys. ``with_data=False`` builds the control group only
     (the trainer ranks' own group, which agrees on outcomes and never broadcasts).
+    ``every_rank_sends=True`` puts every rank in the data group at its session rank
+    (the shard-aware transport's point-to-point traffic: every trainer rank sends).
 
     If this rank's part fails, it cancels the formation (:func:`cancel_formation`)
     before raising, so the other ranks give up at once too; it gives up itself as
@@ -473,10 +476,12 @@ def create_sync_group(
         ctrl = dist.ProcessGroupGloo(
             dist.PrefixStore("ctrl", rendezvous), rank, world_size, timeout
         )
-        in_data = with_data and (rank == 0 or rank >= train_world_size)
+        in_data = with_data and (every_rank_sends or rank == 0 or rank >= train_world_size)
         if in_data:
             data_rank = 0 if rank == 0 else 1 + rank - train_world_size
             data_size = 1 + world_size - train_world_size
+            if every_rank_sends:
+                data_rank, data_size = rank, world_size
             # NCCL meets lazily, at the first collective (bounded by the group's
             # timeout, and a failed peer aborts it): only gloo waits here.
             data_store = rendezvous if backend == "gloo" else root

@@ -28,7 +28,7 @@ import threading
 import time
 import warnings
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -148,6 +148,9 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             ``"nccl"``, ``"gloo"`` or None.
         TypeError: ``train_cluster`` is not a :class:`~aiosync.TrainCluster`.
     """
+
+    #: The workers' RPC that leaves and destroys the sync group.
+    _destroy_rpc: ClassVar[str] = "aiosync_collective_destroy"
 
     def __init__(
         self,
@@ -491,10 +494,10 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         group, self._group = self._group, None
         trainers, self._trainers = self._trainers, None
         # After a failed sync our group is gone but a worker may still hold its own.
-        if notify_workers and self.is_source and self._plan is not None:
+        if notify_workers and self.is_source and self._sessions:
             # Unreachable workers destroy a broken group themselves.
             with contextlib.suppress(SyncError):
-                await self._rpc("aiosync_collective_destroy", {}, self.rpc_timeout_s)
+                await self._rpc(self._destroy_rpc, {}, self.rpc_timeout_s)
         # A thread abandoned by a timeout or cancellation may still be in a collective
         # of these groups (each ends within the group's timeout): it destroys them
         # itself when it returns; a short wait spares that in the common case.

@@ -1,0 +1,187 @@
+"""One rank of a point-to-point plan run over gloo on 127.0.0.1 (a test helper).
+
+Run as ``python _p2p_rank.py RANK WORLD PORT SCENARIO OUT_DIR``. Every rank builds
+the same full tensors (seeded), the same layouts and the same plan, then runs its
+share: senders read their parts of the full tensors, receivers store each box
+into zeroed local parts and count how often each element was written. Each rank
+writes ``OUT_DIR/rank{RANK}.json`` with what it saw (its error, if any).
+
+Scenarios (``T`` senders, ``W`` receivers):
+
+* ``2x2``: FSDP2-like ``Shard(0)`` senders, TP=2 receivers (column- and
+  row-parallel, replicated, a 0-d tensor, an empty chunk, a split tensor);
+* ``1x2``: the full model on one sender, over a bare ``ProcessGroupGloo``;
+* ``2x1``: two senders, one receiver holding everything;
+* ``kill``: ``2x2`` with small buckets; receiver 1 SIGKILLs itself at its 3rd box;
+* ``mismatch``: ``1x1``, the receiver planned with another bucket size;
+* ``fail``: ``2x2``; sender 1's source raises on ``o``, receiver 0's sink at its 2nd box.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from aiosync.layout import Layout, Part, box_of, even_chunks
+from aiosync.transports.sharded import (
+    Box,
+    box_within,
+    make_plan,
+    manifest_dtypes,
+    run_plan,
+    single_rank_layouts,
+)
+
+#: Limit of every wait, seconds; a failure must surface as an error, never as this.
+TIMEOUT_S = 30.0
+
+MANIFEST: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+    "q": ((8, 6), torch.float32),  # column-parallel on the workers
+    "o": ((6, 10), torch.bfloat16),  # row-parallel
+    "ids": ((5,), torch.int64),  # FSDP chunks 3 + 2, replicated on the workers
+    "scale": ((), torch.float32),  # 0-d: whole on every rank
+    "tiny": ((1, 3), torch.float32),  # FSDP: rank 1's chunk is empty
+    "emb": ((16, 8), torch.float32),  # 512 bytes: split across buckets
+}
+
+
+def full_tensors() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    out: dict[str, torch.Tensor] = {}
+    for name, (shape, dtype) in MANIFEST.items():
+        if dtype.is_floating_point:
+            out[name] = torch.randn(shape, generator=gen).to(dtype)
+        else:
+            out[name] = torch.randint(-(2**40), 2**40, shape, generator=gen, dtype=dtype)
+    return out
+
+
+def fsdp_layouts(ranks: int) -> list[Layout]:
+    layouts: list[dict[str, Part]] = [{} for _ in range(ranks)]
+    for name, (shape, _) in MANIFEST.items():
+        for rank in range(ranks):
+            if not shape:
+                layouts[rank][name] = Part.whole(shape)
+                continue
+            start, length = even_chunks(shape[0], ranks)[rank]
+            layouts[rank][name] = Part(shape, 0, start, length)
+    return layouts
+
+
+def tp_layouts(workers: int) -> list[Layout]:
+    dims = {"q": 0, "o": 1, "emb": 0}
+    layouts: list[dict[str, Part]] = [{} for _ in range(workers)]
+    for name, (shape, _) in MANIFEST.items():
+        for w in range(workers):
+            if name in dims:
+                start, length = even_chunks(shape[dims[name]], workers)[w]
+                layouts[w][name] = Part(shape, dims[name], start, length)
+            else:
+                layouts[w][name] = Part.whole(shape)
+    return layouts
+
+
+def slice_of(tensor: torch.Tensor, part: Part) -> torch.Tensor:
+    return tensor[box_within(box_of(part), Part.whole(part.shape))]
+
+
+def main() -> None:
+    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    scenario, out_dir = sys.argv[4], Path(sys.argv[5])
+    senders = {"2x2": 2, "1x2": 1, "2x1": 2, "kill": 2, "mismatch": 1, "fail": 2}[scenario]
+    workers = world - senders
+    sources = single_rank_layouts(MANIFEST, 1) if senders == 1 else fsdp_layouts(senders)
+    dests = tp_layouts(workers)
+    bucket_bytes = {"kill": 64, "mismatch": 256}.get(scenario, 256)
+    if scenario == "mismatch" and rank >= senders:
+        bucket_bytes = 512
+    plan = make_plan(sources, dests, manifest_dtypes(MANIFEST), bucket_bytes)
+    full = full_tensors()
+    timeout = datetime.timedelta(seconds=TIMEOUT_S)
+    group: Any
+    if scenario == "1x2":  # a bare backend, as the collective transport builds its groups
+        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout)
+        group = dist.ProcessGroupGloo(store, rank, world, timeout)
+    else:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timeout,
+        )
+        group = dist.group.WORLD
+    result: dict[str, Any] = {"digest": plan.digest}
+    locals_: dict[str, torch.Tensor] = {}
+    counts: dict[str, torch.Tensor] = {}
+    calls = 0
+
+    def source(name: str) -> torch.Tensor:
+        if scenario == "fail" and rank == 1 and name == "o":
+            raise RuntimeError("injected source failure")
+        return slice_of(full[name], sources[rank][name]).contiguous()
+
+    def sink(name: str, box: Box, tensor: torch.Tensor) -> None:
+        nonlocal calls
+        calls += 1
+        if scenario == "kill" and rank == world - 1 and calls == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if scenario == "fail" and rank == senders and calls == 2:
+            raise RuntimeError("injected sink failure")
+        part = dests[rank - senders][name]
+        if name not in locals_:
+            locals_[name] = torch.zeros(part.local_shape, dtype=tensor.dtype)
+            counts[name] = torch.zeros(part.local_shape, dtype=torch.int64)
+        locals_[name][box_within(box, part)].copy_(tensor)
+        counts[name][box_within(box, part)] += 1
+
+    start = time.monotonic()
+    try:
+        if rank < senders:
+            got = run_plan(plan, group, rank, source=source, timeout_s=TIMEOUT_S)
+            expected = {w: plan.pair_bytes(rank, w) for w in range(workers)}
+        else:
+            got = run_plan(plan, group, rank, sink=sink, timeout_s=TIMEOUT_S)
+            expected = {s: plan.pair_bytes(s, rank - senders) for s in range(senders)}
+            layout = dests[rank - senders]
+            result["wrong"] = [
+                name
+                for name, part in layout.items()
+                if part.numel
+                and not torch.equal(locals_.get(name, torch.empty(0)), slice_of(full[name], part))
+            ]
+            result["not_once"] = [
+                name
+                for name, part in layout.items()
+                if part.numel and not bool((counts.get(name, torch.zeros(1)) == 1).all())
+            ]
+            result["plan_received"] = plan.receiver_nbytes[rank - senders]
+        result.update(
+            ok=True,
+            nbytes=got.nbytes,
+            by_peer={str(k): v for k, v in got.by_peer.items()},
+            expected={str(k): v for k, v in expected.items()},
+            buckets=got.buckets,
+        )
+    except Exception as exc:
+        result.update(ok=False, error=type(exc).__name__, message=str(exc))
+        traceback.print_exc()
+    result["elapsed_s"] = time.monotonic() - start
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    # Leave without tearing the group down: a peer may be dead (its sockets gone).
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""Shard-aware refit: many trainer ranks send their own shards straight to the workers.
+
+- :mod:`._source_layout` — what each trainer rank holds (:func:`dtensor_layouts`,
+  :func:`single_rank_layouts`, :func:`replicated_layouts`) and a sender's local
+  tensors (:func:`local_tensor_fn`).
+- :mod:`._plan` — :func:`make_plan`: the deterministic many-senders plan (boxes,
+  replicas balanced over senders, per-pair buckets, a digest every rank compares).
+- :mod:`._p2p` — :func:`run_plan`: its point-to-point executor over a
+  ``torch.distributed`` group (``batch_isend_irecv``, two buckets in flight per pair).
+
+The layout vocabulary (:class:`aiosync.layout.Part`, ``Layout``) lives in the core.
+A synchronizer drives these pieces; nothing here forms groups or votes.
+"""
+
+from ._p2p import P2PResult, SinkFn, SourceFn, run_plan
+from ._plan import (
+    Box,
+    Plan,
+    Transfer,
+    TransferBucket,
+    box_numel,
+    box_shape,
+    box_within,
+    make_plan,
+)
+from ._source_layout import (
+    dtensor_layout,
+    dtensor_layouts,
+    iter_local_tensors,
+    local_tensor_fn,
+    manifest_dtypes,
+    replicated_layouts,
+    single_rank_layouts,
+)
+
+__all__ = [
+    "Box",
+    "P2PResult",
+    "Plan",
+    "SinkFn",
+    "SourceFn",
+    "Transfer",
+    "TransferBucket",
+    "box_numel",
+    "box_shape",
+    "box_within",
+    "dtensor_layout",
+    "dtensor_layouts",
+    "iter_local_tensors",
+    "local_tensor_fn",
+    "make_plan",
+    "manifest_dtypes",
+    "replicated_layouts",
+    "run_plan",
+    "single_rank_layouts",
+]
