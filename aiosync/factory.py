@@ -52,6 +52,13 @@ _TRANSPORTS: dict[tuple[str, bool], tuple[str, str]] = {
     ("embedded", True): ("aiosync.transports.ipc", "IPCWeightSynchronizer"),
     ("sglang", True): ("aiosync.transports.http", "HTTPWeightSynchronizer"),
 }
+
+#: Non-colocated, many senders: every trainer rank sends its shards to the workers
+#: that hold them (engines that report their layout).
+_SHARDED_TRANSPORT: tuple[str, str] = ("aiosync.transports.sharded", "ShardedWeightSynchronizer")
+
+#: Keywords only the broadcast takes: given, the factory does not pick the sharded path.
+_BROADCAST_ONLY = ("verify", "overlap")
 #: Adapter-only refits (a ``LoRAAdapterSource`` policy), on every backend and topology.
 _LORA_TRANSPORT: tuple[str, str] = ("aiosync.transports.lora", "LoRAAdapterSynchronizer")
 
@@ -75,6 +82,7 @@ def create_weight_synchronizer(
     process_group: Any = None,
     trace: bool | None = None,
     dist_backend: Literal["nccl", "gloo"] | None = None,
+    sharded: bool | None = None,
     verify: bool | None = None,
     overlap: Literal["inplace", "staged"] | None = None,
     collective_timeout_s: float | None = None,
@@ -112,6 +120,13 @@ def create_weight_synchronizer(
         trace: record ``last_trace`` per sync; IPC, HTTP.
         dist_backend: non-colocated only: the collective's data group,
             ``"nccl"`` or ``"gloo"`` (default: nccl when CUDA is available).
+        sharded: non-colocated vLLM/embedded: True for the shard-aware transfer
+            (:class:`~aiosync.transports.sharded.ShardedWeightSynchronizer`: every
+            trainer rank sends its own shards, each worker receives only its
+            slices), False for the rank-0 broadcast; None (default) picks the
+            shard-aware one when the engine reports its layout (``weight_layouts()``)
+            and holds slices (``tensor_parallel_size > 1``), unless ``verify`` or
+            ``overlap`` (broadcast options) are given.
         verify: per-bucket checksums; collective.
         overlap: ``"inplace"`` or ``"staged"``; collective.
         collective_timeout_s: the rendezvous's and every collective's limit,
@@ -183,6 +198,16 @@ def create_weight_synchronizer(
         if missing:
             raise ValueError(f"non-colocated synchronization needs {' and '.join(missing)}")
         given |= {"train_cluster": train_cluster, "inference_world_size": inference_world_size}
+        if sharded is None:
+            sharded = (
+                callable(getattr(generation, "weight_layouts", None))
+                and getattr(generation, "tensor_parallel_size", 1) > 1
+                and not any(name in given for name in _BROADCAST_ONLY)
+            )
+        if sharded:
+            return _build(_SHARDED_TRANSPORT, policy, _fleet_of(generation), given)
+    elif sharded:
+        raise ValueError("sharded=True is a non-colocated transport; pass colocated=False")
     return _build(_TRANSPORTS[(backend, colocated)], policy, _fleet_of(generation), given)
 
 

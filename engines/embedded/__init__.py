@@ -9,4 +9,7 @@ scheduler, no paged KV cache, no CUDA graphs.
   ``load_weights``).
 - :mod:`aiosync.engines.embedded.engine` — :class:`EmbeddedEngine` (the facade); its
   worker processes and their RPC are ``_pool.WorkerPool``'s.
+- ``_tp.py`` — tensor parallelism (``EmbeddedEngine(tensor_parallel_size=N)``): the
+  Megatron layout of each checkpoint tensor, the sharded layers, a replica's gloo
+  group and its lockstep decode.
 """

@@ -182,7 +182,21 @@ class WorkerPool:
             if msg.get("t") != "ready":
                 raise rebuild_error(msg, f"engine worker {rank} (starting)")
 
-    def _on_worker_exit(self, rank: int) -> None:
+    async def stop(self, ranks: Iterable[int], why: str, timeout_s: float = 10.0) -> None:
+        """Kill the live workers among ``ranks`` and count them dead (``why`` in
+        their reason), so that :meth:`respawn_dead` replaces them too. The engine
+        stops a tensor-parallel replica's survivors this way: its group cannot
+        take a new member."""
+        for rank in ranks:
+            if rank in self._dead:
+                continue
+            proc = self.procs[rank]
+            proc.kill()
+            await anyio.to_thread.run_sync(proc.join, timeout_s)
+            if rank not in self._dead:  # its sentinel's callback may not have run yet
+                self._on_worker_exit(rank, why)
+
+    def _on_worker_exit(self, rank: int, why: str | None = None) -> None:
         proc = self.procs[rank]
         assert self._loop is not None
         self._loop.remove_reader(proc.sentinel)
@@ -190,8 +204,12 @@ class WorkerPool:
         reason = f"process {proc.pid} exited with code {proc.exitcode}"
         if proc.exitcode == _EXIT_UNGUARDED_MAIN:
             reason += f": {_UNGUARDED_MAIN}"
+        if why is not None:
+            reason = f"{why} ({reason})"
         self._dead[rank] = reason
-        if not self.closed:
+        if why is not None:
+            _log.info("embedded engine worker %d: %s", rank, reason)
+        elif not self.closed:
             _log.warning("embedded engine worker %d: %s", rank, reason)
         error = TransportError(f"engine worker {rank} died: {reason}")
         if rank < len(self._ready) and not self._ready[rank].done():

@@ -7,6 +7,11 @@ mixins (``AiosyncWorkerExtension`` by default) are among its bases, so their
 
 Each RPC runs in a thread of a small pool, so a long-running one (a receiver
 waiting for the trainer's buckets) does not block the others.
+
+With tensor parallelism (``_tp.py``) the worker is one rank of a replica: rank
+0 (the driver) serves generate requests for the replica, the others (followers)
+run the driver's steps in a thread of their own; every rank serves every other
+RPC (loads, sleeps, status) for its own slice.
 """
 
 from __future__ import annotations
@@ -30,12 +35,14 @@ import zmq
 import zmq.asyncio
 
 from aiosync.errors import SyncError
+from aiosync.layout import Part
 from aiosync.transports._wire import decode, encode, error_fields
 from aiosync.transports.packing import dtype_from_name, dtype_name
 
 from .._gate import GenerationGate, RequestTicket
 
 if TYPE_CHECKING:
+    from ._tp import TPSpec
     from .model import HFModelRunner
 
 __all__ = ["EmbeddedWorker", "run_worker"]
@@ -53,8 +60,12 @@ class EmbeddedWorker:
     """The engine-side worker: model, sleep state and the engine's own RPCs.
 
     Attributes:
-        rank: this worker's index, 0..world_size-1.
-        world_size: number of workers.
+        rank: this worker's index, 0..world_size-1 (``replica * tp_size + tp_rank``,
+            as vLLM numbers the workers of its data-parallel replicas).
+        world_size: number of workers (every rank of every replica).
+        tp_rank: its rank in its tensor-parallel replica (0: the driver; 0
+            without tensor parallelism).
+        tp_size: ranks per replica (1 without tensor parallelism).
         device: where the model lives (CPU).
         model_runner: ``model_runner.model`` is the :class:`HFModelRunner`.
         aiosync_weights_valid: False while a refit is in flight or after one
@@ -71,6 +82,9 @@ class EmbeddedWorker:
         self.rank = rank
         self.local_rank = rank
         self.world_size = world_size
+        tp = getattr(runner, "tensor_parallel", None)
+        self.tp_rank: int = 0 if tp is None else tp.rank
+        self.tp_size: int = 1 if tp is None else tp.size
         self.device = runner.device
         self.model_runner = SimpleNamespace(model=runner)
         self.aiosync_weights_valid = weights_valid
@@ -99,6 +113,12 @@ class EmbeddedWorker:
         self._lifecycle_lock = threading.Lock()
         self._load_weights = runner.load_weights
         runner.load_weights = self._logged_load  # type: ignore[method-assign]
+        # A runner_factory's runner may not load parts.
+        self._load_weight_parts: Callable[[Any], int] | None = getattr(
+            runner, "load_weight_parts", None
+        )
+        if self._load_weight_parts is not None:
+            runner.load_weight_parts = self._logged_load_parts  # type: ignore[method-assign]
 
     def embedded_generate_with_meta(
         self,
@@ -181,6 +201,16 @@ class EmbeddedWorker:
             )
         return results
 
+    def _tp_refusal(self) -> int:
+        """Why this follower refuses a step: 0 if it may serve it, else a
+        ``_tp.REFUSALS`` code (as :meth:`_check_can_generate` decides)."""
+        with self._state_lock:
+            if not self.aiosync_weights_valid:
+                return 1
+            if self._lora_refusal is not None:
+                return 2
+            return 3 if self._asleep else 0
+
     def _check_can_generate(self) -> None:
         """Raise SyncError unless the weights may serve a step (hold ``_state_lock``)."""
         if not self.aiosync_weights_valid:
@@ -229,6 +259,14 @@ class EmbeddedWorker:
             if not self._lifecycle or self._lifecycle[-1] != "load":
                 self._lifecycle.append("load")
         return int(self._load_weights(weights))
+
+    def _logged_load_parts(self, parts: Any) -> int:
+        """The runner's ``load_weight_parts``, recorded as a load in :meth:`embedded_lifecycle`."""
+        assert self._load_weight_parts is not None
+        with self._lifecycle_lock:
+            if not self._lifecycle or self._lifecycle[-1] != "load":
+                self._lifecycle.append("load")
+        return int(self._load_weight_parts(parts))
 
     def embedded_lifecycle(self) -> list[str]:
         """This worker's sleeps, wakes and weight loads, in order: ``"sleep(1)"``,
@@ -310,6 +348,40 @@ class EmbeddedWorker:
         manifest = self.model_runner.model.expected_manifest()
         return [[name, list(shape), dtype_name(dtype)] for name, (shape, dtype) in manifest.items()]
 
+    def embedded_weight_layout(self) -> dict[str, list[Any]]:
+        """What this worker holds of each checkpoint tensor: ``{hf_name: part}`` with
+        each :class:`~aiosync.layout.Part` as :meth:`Part.to_wire` (``[full shape, dim,
+        start, length]``), in checkpoint order. Every part is whole without tensor
+        parallelism (also for a ``runner_factory`` runner, from its manifest)."""
+        runner = self.model_runner.model
+        layout = getattr(runner, "weight_layout", None)
+        if layout is not None:
+            parts: dict[str, Part] = layout()
+        else:
+            parts = {
+                name: Part.whole(shape) for name, (shape, _) in runner.expected_manifest().items()
+            }
+        return {name: part.to_wire() for name, part in parts.items()}
+
+    def embedded_load_weight_parts(self, items: list[list[Any]]) -> int:
+        """Load ``[[hf_name, part as Part.to_wire, tensor as tensor_to_wire], ...]``
+        through the runner's ``load_weight_parts``; returns the elements written.
+
+        For tests and tools (a shard-aware transport calls
+        ``model_runner.model.load_weight_parts`` itself). The weights' validity is
+        not changed: that is the transport's business.
+
+        Raises:
+            NotImplementedError: the runner (a ``runner_factory``'s) loads no parts.
+            RefitMismatchError, ValueError: as ``HFModelRunner.load_weight_parts``.
+        """
+        if self._load_weight_parts is None:
+            raise NotImplementedError("this worker's model runner has no load_weight_parts")
+        parts = [
+            (name, Part.from_wire(part), tensor_from_wire(fields)) for name, part, fields in items
+        ]
+        return int(self.model_runner.model.load_weight_parts(parts))
+
     def embedded_wake(self, tags: list[str] | None) -> list[str]:
         """Wake ``tags`` (``"weights"``, ``"kv_cache"``; None: all); returns what still sleeps."""
         runner = self.model_runner.model
@@ -320,7 +392,12 @@ class EmbeddedWorker:
                 self._lifecycle.extend(f"wake({tag})" for tag in sorted(waking & self._asleep))
             if "weights" in waking & self._asleep:
                 offloaded, self._offloaded = self._offloaded, None
-                if offloaded is not None:
+                if offloaded is not None and self.tp_size > 1:
+                    # The offloaded copies are this rank's slices (hf_state_dict).
+                    assert self._load_weight_parts is not None
+                    layout = runner.weight_layout()
+                    self._load_weight_parts((n, layout[n], t) for n, t in offloaded.items())
+                elif offloaded is not None:
                     self._load_weights(list(offloaded.items()))
                 saved, self._saved_buffers = self._saved_buffers, None
                 if saved:
@@ -356,7 +433,8 @@ class EmbeddedWorker:
         }
 
     def embedded_state_dict(self) -> dict[str, list[Any]]:
-        """The weights in checkpoint names: ``{name: [dtype name, shape, raw bytes]}`` (tests)."""
+        """The weights in checkpoint names: ``{name: [dtype name, shape, raw bytes]}`` (tests);
+        a tensor-parallel rank's slices (:meth:`embedded_weight_layout`)."""
         state = self.model_runner.model.hf_state_dict()
         return {name: tensor_to_wire(tensor) for name, tensor in state.items()}
 
@@ -418,6 +496,7 @@ def build_worker(
     runner_factory: str | None = None,
     weights_valid: bool = True,
     device_label: str | None = None,
+    tensor_parallel: TPSpec | None = None,
 ) -> EmbeddedWorker:
     """An :class:`EmbeddedWorker` whose class also derives from ``extension`` (dotted path).
 
@@ -426,13 +505,29 @@ def build_worker(
     respawned worker, holding initial rather than synced weights) makes it
     refuse to generate until a sync succeeds. ``device_label`` names the
     "device" this CPU worker stands for (``EmbeddedEngine(device_labels=...)``).
+    ``tensor_parallel`` places it in a tensor-parallel replica: it joins the
+    replica's group (blocking until every rank did), keeps its slice of the
+    model, and a follower starts running the driver's steps.
+
+    Raises:
+        ValueError: ``tensor_parallel`` with a ``runner_factory``, or a model that
+            does not split over the replica's ranks.
+        TransportError: the replica's group did not form.
     """
     # transformers is imported here, in the worker, so that the parent can name the missing
     # extra (EmbeddedEngine.__init__) instead of failing on import.
     from .model import HFModelRunner
 
-    factory = HFModelRunner.from_config if runner_factory is None else _import(runner_factory)
-    runner = factory(model, seed=seed, dtype=dtype)
+    if tensor_parallel is None:
+        factory = HFModelRunner.from_config if runner_factory is None else _import(runner_factory)
+        runner = factory(model, seed=seed, dtype=dtype)
+    elif runner_factory is not None:
+        raise ValueError("a runner_factory's runner cannot be tensor-parallel")
+    else:
+        from ._tp import TensorParallel
+
+        tp = TensorParallel.connect(tensor_parallel)
+        runner = HFModelRunner.from_config(model, seed=seed, dtype=dtype, tensor_parallel=tp)
     bases: tuple[type, ...] = (EmbeddedWorker,)
     if extension:
         mixin = _import(extension)
@@ -442,6 +537,9 @@ def build_worker(
     cls = type("EmbeddedWorker", bases, {})
     worker: EmbeddedWorker = cls(rank, world_size, runner, weights_valid)
     worker.device_label = device_label
+    parallel = getattr(runner, "tensor_parallel", None)
+    if parallel is not None and not parallel.is_driver:
+        parallel.start_serving(runner, worker._tp_refusal)
     return worker
 
 
@@ -457,6 +555,7 @@ def run_worker(
     runner_factory: str | None = None,
     weights_valid: bool = True,
     device_label: str | None = None,
+    tensor_parallel: TPSpec | None = None,
 ) -> None:
     """Process entry point: connect to ``endpoint``, build the worker, serve until told to stop."""
     torch.set_num_threads(threads)
@@ -477,6 +576,7 @@ def run_worker(
             runner_factory,
             weights_valid,
             device_label,
+            tensor_parallel,
         )
         asyncio.run(_main(sock, rank, build))
     finally:

@@ -6,8 +6,10 @@ pause gate between steps: :meth:`EmbeddedEngine.pause_generation`). It gives eve
 transport a real engine to talk to: separate processes (``spawn``), a worker
 object per process with ``model_runner.model.load_weights`` and the worker
 extension mixins, ``collective_rpc`` by method name, sleep/wake, and
-data-parallel generation. The processes and their RPC are
-:class:`~aiosync.engines.embedded._pool.WorkerPool`'s; this module is the facade.
+data-parallel generation, each replica optionally split over
+``tensor_parallel_size`` processes (Megatron-style, ``_tp.py``). The processes
+and their RPC are :class:`~aiosync.engines.embedded._pool.WorkerPool`'s; this
+module is the facade.
 
 Requires an asyncio event loop (pyzmq's asyncio sockets).
 
@@ -16,6 +18,10 @@ Example::
     async with EmbeddedEngine(config_dict, num_workers=2) as engine:
         await engine.prepare_for_generation()
         outs = await engine.generate([[1, 2, 3]], max_new_tokens=8)
+
+    # 2 replicas x 2 tensor-parallel ranks: 4 worker processes.
+    async with EmbeddedEngine(config_dict, num_workers=2, tensor_parallel_size=2) as engine:
+        layouts = await engine.weight_layouts()  # one per worker
 """
 
 from __future__ import annotations
@@ -38,15 +44,18 @@ from aiosync._config import DEFAULT_RPC_TIMEOUT_S
 from aiosync.capabilities import IN_FLIGHT_POLICIES, InFlightPolicy
 from aiosync.errors import SyncError
 from aiosync.generation import Generation, SamplingParams, sampling_params, version_span
+from aiosync.layout import Layout, Part
 from aiosync.lora import LoRAAdapter
 from aiosync.transports.packing import dtype_from_name
 
 from .._gate import AdmissionGate
 from .._generate import GenerateFromMeta
 from ._pool import WorkerPool
+from ._tp import TPSpec, check_tensor_parallel, endpoints_for, open_tp_store
 from ._worker import run_worker, tensor_from_wire, tensor_to_wire
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
     from transformers import PretrainedConfig
 
     from aiosync.capabilities import (
@@ -71,7 +80,8 @@ DEFAULT_START_TIMEOUT_S: float = 600.0
 
 
 class EmbeddedEngine(GenerateFromMeta):
-    """N worker processes, each holding the same transformers model.
+    """Data-parallel replicas of one transformers model, each in one worker process
+    or split over ``tensor_parallel_size`` of them.
 
     An :class:`~aiosync.capabilities.Engine` that is also a
     :class:`~aiosync.capabilities.PausableEngine`, ``VersionedEngine``,
@@ -83,7 +93,18 @@ class EmbeddedEngine(GenerateFromMeta):
             ``Qwen3Config(...)``, or its dict with ``model_type``), a config.json
             path, or a local model folder (loaded with ``from_pretrained`` when it holds
             safetensors); see :meth:`HFModelRunner.from_config`.
-        num_workers: worker processes (data-parallel replicas), >= 1.
+        num_workers: data-parallel replicas, >= 1 (worker processes when
+            ``tensor_parallel_size`` is 1).
+        tensor_parallel_size: worker processes per replica, >= 1, each holding a
+            Megatron-style slice of the model (``_tp.py``: column-parallel
+            q/k/v/gate/up, row-parallel o/down with a gloo all-reduce over the
+            replica's ranks, vocab-parallel embedding and ``lm_head``, the rest
+            replicated; dense Qwen3 and Qwen3-MoE). Worker ``replica * N + r`` is
+            rank ``r`` of replica ``replica`` (as vLLM numbers them); every
+            worker still takes FULL checkpoint tensors from the transports and
+            keeps its slice (:meth:`weight_layouts`). Rank 0 of each replica
+            drives its generation, the others run the same steps in lockstep.
+            Not with a ``runner_factory``, nor with LoRA adapters.
         seed: seed for random initialisation (the same on every worker).
         dtype: parameter dtype name (``"float32"``, ``"bfloat16"``).
         worker_extension_cls: dotted path of the mixin class added to each
@@ -98,17 +119,21 @@ class EmbeddedEngine(GenerateFromMeta):
             ``load_weights`` and ``device``; ``generate``/``hf_state_dict`` for
             those RPCs); default :meth:`HFModelRunner.from_config`. Benchmarks
             use it for weights-only models.
-        device_labels: one label per worker naming the device it stands for, so
+        device_labels: one label per worker process (:attr:`world_size` of
+            them, global worker order) naming the device it stands for, so
             that a sharded trainer's ranks pair with "their" workers as on GPUs
             (see :class:`~aiosync.IPCWeightSynchronizer`'s ``process_group``);
             default ``"cpu"`` for every worker.
 
     Raises:
-        TypeError: ``model`` is none of the above, or ``num_workers`` is not an int
-            (before any process starts).
+        TypeError: ``model`` is none of the above, or ``num_workers`` or
+            ``tensor_parallel_size`` is not an int (before any process starts).
         ImportError: transformers is not installed (``pip install 'aiosync[embedded]'``).
-        ValueError: ``num_workers < 1``, an unknown ``dtype`` or ``sleep_level``, or
-            ``device_labels`` not one string per worker.
+        ValueError: ``num_workers < 1``, ``tensor_parallel_size < 1``, an unknown
+            ``dtype`` or ``sleep_level``, ``device_labels`` not one string per
+            worker, or ``tensor_parallel_size > 1`` with a ``runner_factory`` or
+            a config dict that does not split over it (a model type other than
+            Qwen3/Qwen3-MoE, heads or sizes not divisible).
     """
 
     def __init__(
@@ -125,11 +150,19 @@ class EmbeddedEngine(GenerateFromMeta):
         threads_per_worker: int = 1,
         runner_factory: str | None = None,
         device_labels: Sequence[str] | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
-        if not isinstance(num_workers, int) or isinstance(num_workers, bool):
-            raise TypeError(f"num_workers must be an int, got {type(num_workers).__name__}")
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        for what, value in (
+            ("num_workers", num_workers),
+            ("tensor_parallel_size", tensor_parallel_size),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"{what} must be >= 1, got {value}")
+        if tensor_parallel_size > 1 and runner_factory is not None:
+            raise ValueError("tensor_parallel_size > 1 does not work with a runner_factory")
+        world_size = num_workers * tensor_parallel_size
         _check_dtype(dtype)
         # The workers build transformers models; say so here rather than in a dead worker's log.
         if importlib.util.find_spec("transformers") is None:
@@ -139,15 +172,22 @@ class EmbeddedEngine(GenerateFromMeta):
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
         if device_labels is not None and (
-            len(device_labels) != num_workers
+            len(device_labels) != world_size
             or not all(isinstance(x, str) and x for x in device_labels)
         ):
             raise ValueError(
-                f"device_labels must be {num_workers} non-empty strings, got {device_labels!r}"
+                f"device_labels must be {world_size} non-empty strings, got {device_labels!r}"
             )
         self._model = _model_spec(model)
+        if tensor_parallel_size > 1 and isinstance(self._model, dict):
+            # What the dict says can be checked here, before minutes of spawning; the
+            # workers check the full config (transformers' defaults filled in) again.
+            check_tensor_parallel(self._model, tensor_parallel_size)
         self.device_labels = None if device_labels is None else list(device_labels)
+        #: Data-parallel replicas (what generate splits prompts over).
         self.num_workers = num_workers
+        #: Worker processes per replica.
+        self.tensor_parallel_size = tensor_parallel_size
         self.seed = seed
         self.dtype = dtype
         self.worker_extension_cls = worker_extension_cls
@@ -155,7 +195,12 @@ class EmbeddedEngine(GenerateFromMeta):
         self.start_timeout_s = start_timeout_s
         self.threads_per_worker = threads_per_worker
         self.runner_factory = runner_factory
-        self._pool = WorkerPool(num_workers, run_worker, self._worker_args, rpc_timeout_s)
+        self._pool = WorkerPool(world_size, run_worker, self._worker_args, rpc_timeout_s)
+        # The replicas' tensor-parallel groups meet over this store (started by
+        # start()); each replica's group is formed anew, under a new prefix,
+        # whenever the replica is respawned.
+        self._tp_store: dist.TCPStore | None = None
+        self._tp_formations = [0] * num_workers
         # The workers' model config, built on the first expected_config().
         self._config: PretrainedConfig | None = None
         self._discard_listeners: list[Callable[[], None]] = []
@@ -186,6 +231,13 @@ class EmbeddedEngine(GenerateFromMeta):
         self._abandoned = False
 
     @property
+    def world_size(self) -> int:
+        """Worker processes: ``num_workers * tensor_parallel_size``. :meth:`collective_rpc`
+        answers one result per worker, and a collective synchronizer's
+        ``inference_world_size`` is this."""
+        return self.num_workers * self.tensor_parallel_size
+
+    @property
     def rpc_timeout_s(self) -> float:
         """Default limit of one :meth:`collective_rpc` (and of ``generate``'s wait), seconds."""
         return self._pool.rpc_timeout_s
@@ -198,7 +250,7 @@ class EmbeddedEngine(GenerateFromMeta):
         """``run_worker``'s arguments for worker ``rank``."""
         return (
             rank,
-            self.num_workers,
+            self.world_size,
             self._pool.endpoint,
             self._model,
             self.seed,
@@ -208,6 +260,24 @@ class EmbeddedEngine(GenerateFromMeta):
             self.runner_factory,
             weights_valid,
             None if self.device_labels is None else self.device_labels[rank],
+            self._tp_spec(rank),
+        )
+
+    def _tp_spec(self, rank: int) -> TPSpec | None:
+        """Worker ``rank``'s place in its replica's tensor-parallel group (None: TP=1)."""
+        size = self.tensor_parallel_size
+        if size == 1:
+            return None
+        assert self._tp_store is not None and self._pool.dir is not None
+        replica = rank // size
+        return TPSpec(
+            rank=rank % size,
+            size=size,
+            replica=replica,
+            store_port=int(self._tp_store.port),
+            prefix=f"tp/{replica}/{self._tp_formations[replica]}",
+            endpoints=endpoints_for(self._pool.dir, range(replica * size, (replica + 1) * size)),
+            timeout_s=self.start_timeout_s,
         )
 
     # -- lifecycle ------------------------------------------------------------
@@ -240,6 +310,8 @@ class EmbeddedEngine(GenerateFromMeta):
         if self._pool.started:
             return self
         try:
+            if self.tensor_parallel_size > 1:
+                self._tp_store = await anyio.to_thread.run_sync(open_tp_store, self.start_timeout_s)
             await self._pool.start(self.start_timeout_s)
         except BaseException:
             await self.shutdown()
@@ -256,14 +328,29 @@ class EmbeddedEngine(GenerateFromMeta):
         synchronizer becomes stale). Run ``init_communicator()`` and a sync
         before generating.
 
+        With ``tensor_parallel_size > 1`` a replica is respawned whole: its
+        surviving ranks are stopped first (a gloo group takes no new member),
+        then every rank of it starts afresh in a new group; all their ranks
+        are returned.
+
         Raises:
             TransportError, SyncTimeoutError: a new worker failed to start.
         """
         self._pool.check_running()
-        if not self._pool.dead:
+        dead = self._pool.dead
+        if not dead:
             return []
         # The dead workers' weights are gone whatever happens next.
         self._notify_weights_discarded()
+        size = self.tensor_parallel_size
+        if size > 1:
+            replicas = sorted({rank // size for rank in dead})
+            await self._pool.stop(
+                [replica * size + r for replica in replicas for r in range(size)],
+                "stopped: a tensor-parallel peer in its replica died",
+            )
+            for replica in replicas:
+                self._tp_formations[replica] += 1
         return await self._pool.respawn_dead(self.start_timeout_s)
 
     async def __aenter__(self) -> Self:
@@ -284,7 +371,7 @@ class EmbeddedEngine(GenerateFromMeta):
 
     @property
     def pids(self) -> list[int]:
-        """Worker process ids, rank order."""
+        """Worker process ids, rank order (:attr:`world_size` of them)."""
         return [p.pid or 0 for p in self._pool.procs]
 
     @property
@@ -302,6 +389,7 @@ class EmbeddedEngine(GenerateFromMeta):
         # Waiting generate calls fail fast: the engine is shut down.
         self._gate.resume()
         await self._pool.close(timeout_s)
+        self._tp_store = None  # the server goes with the last reference
 
     # -- RPC ------------------------------------------------------------------
 
@@ -312,7 +400,8 @@ class EmbeddedEngine(GenerateFromMeta):
         kwargs: Mapping[str, Any] | None = None,
         timeout_s: float | None = None,
     ) -> list[Any]:
-        """Call ``worker.method(*args, **kwargs)`` on every worker; results in rank order.
+        """Call ``worker.method(*args, **kwargs)`` on every worker (all :attr:`world_size`
+        of them, every tensor-parallel rank); results in rank order.
 
         Arguments and results must be msgpack-safe (str, int, float, bool, None,
         bytes, list, dict); tuples arrive as lists.
@@ -325,7 +414,7 @@ class EmbeddedEngine(GenerateFromMeta):
             SyncError (and subclasses), ValueError, TypeError, KeyError,
             AttributeError, NotImplementedError: re-raised from a worker.
         """
-        calls = [(rank, list(args), dict(kwargs or {})) for rank in range(self.num_workers)]
+        calls = [(rank, list(args), dict(kwargs or {})) for rank in range(self.world_size)]
         return await self._pool.call(method, calls, timeout_s)
 
     # -- GenerationBackend ----------------------------------------------------
@@ -436,8 +525,15 @@ class EmbeddedEngine(GenerateFromMeta):
                 failed full refit, a respawned worker): an adapter cannot restore them.
             RefitMismatchError: the adapter does not fit the model (a target
                 module it lacks, a shape, a bad ``adapter_config.json``).
+            NotImplementedError: ``tensor_parallel_size > 1`` (before any worker
+                is touched: the engine keeps serving its base model).
             TransportError, SyncTimeoutError: as :meth:`collective_rpc`.
         """
+        if self.tensor_parallel_size > 1:
+            raise NotImplementedError(
+                "LoRA adapters are not supported with tensor_parallel_size > 1 (the adapter "
+                "layers would need the same Megatron slicing as the base layers)"
+            )
         wire = {name: tensor_to_wire(tensor) for name, tensor in adapter.tensors.items()}
         self._lora_refusal = f"loading LoRA adapter {adapter.name!r} did not complete"
         self.lora_adapter = None
@@ -508,7 +604,8 @@ class EmbeddedEngine(GenerateFromMeta):
         prompt order, holding only the new ids. :meth:`generate` returns their
         ``token_ids``.
 
-        Prompts are split into contiguous chunks, one per worker (data parallel).
+        Prompts are split into contiguous chunks, one per replica (data parallel;
+        a tensor-parallel replica's rank 0 drives it).
         Each prompt advances one token per step; while the engine is paused
         (:meth:`pause_generation`) a call waits for :meth:`resume_generation`. A
         request aborted by a pause returns the tokens it had (``aborted``). With a
@@ -573,10 +670,11 @@ class EmbeddedEngine(GenerateFromMeta):
             "weight_version": self.weight_version,
         }
         calls = []
-        for rank in range(self.num_workers):
-            part = batch[rank * chunk : (rank + 1) * chunk]
+        for replica in range(self.num_workers):
+            part = batch[replica * chunk : (replica + 1) * chunk]
             if part:
-                calls.append((rank, [part], dict(kwargs)))
+                # The replica's driver: its other ranks follow it step by step.
+                calls.append((replica * self.tensor_parallel_size, [part], dict(kwargs)))
         results = await self._pool.call("embedded_generate_with_meta", calls, timeout_s)
         return [EmbeddedGeneration.from_reply(out) for part in results for out in part]
 
@@ -591,8 +689,25 @@ class EmbeddedEngine(GenerateFromMeta):
         decode steps each running request has started)."""
         return await self.collective_rpc("embedded_status", (self.weight_version,))
 
+    async def weight_layouts(self) -> list[Layout]:
+        """What each worker holds of each checkpoint tensor, one
+        :data:`~aiosync.layout.Layout` (``{hf_name: Part}``, checkpoint order) per
+        worker in rank order (:attr:`world_size` of them).
+
+        Each :class:`~aiosync.layout.Part` names the FULL tensor's shape (as
+        :meth:`expected_manifest`) and the range kept: :meth:`Part.whole` for
+        every tensor with ``tensor_parallel_size=1``, else the Megatron slice
+        of the worker's tensor-parallel rank.
+
+        Raises:
+            TransportError, SyncTimeoutError: as :meth:`collective_rpc`.
+        """
+        replies = await self.collective_rpc("embedded_weight_layout")
+        return [{name: Part.from_wire(part) for name, part in reply.items()} for reply in replies]
+
     async def hf_state_dicts(self) -> list[dict[str, torch.Tensor]]:
-        """Every worker's weights in HF checkpoint names (copies; for tests)."""
+        """Every worker's weights in HF checkpoint names (copies; for tests); a
+        tensor-parallel worker's are its slices (:meth:`weight_layouts`)."""
         replies = await self.collective_rpc("embedded_state_dict")
         return [
             {name: tensor_from_wire(fields) for name, fields in reply.items()} for reply in replies

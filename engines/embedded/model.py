@@ -20,10 +20,17 @@ the one it is told to.
 Generation advances one token per forward pass (:meth:`HFModelRunner.decode`),
 with a gate between steps, so an engine can pause a request mid-way (the
 in-flight policy of :class:`aiosync.WeightSynchronizer`).
+
+A tensor-parallel runner (``tensor_parallel=``, see ``_tp.py``) holds one
+rank's Megatron slice of the model: its :meth:`~HFModelRunner.weight_layout` says
+which :class:`~aiosync.layout.Part` of each checkpoint tensor it keeps,
+:meth:`~HFModelRunner.load_weights` still takes FULL checkpoint tensors (and
+keeps its slice), :meth:`~HFModelRunner.load_weight_parts` takes slices.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import re
@@ -31,16 +38,20 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-from aiosync.errors import RefitMismatchError
+from aiosync.errors import RefitMismatchError, TransportError
+from aiosync.layout import Part, box_of
 
 from ._lora import PeftAdapters
+
+if TYPE_CHECKING:
+    from ._tp import TensorParallel
 
 _KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.[kv]_scale")
 
@@ -58,27 +69,45 @@ class HFModelRunner:
 
     Args:
         model: the model; its parameters are updated in place by :meth:`load_weights`.
+        tensor_parallel: this worker's place in a tensor-parallel replica
+            (``_tp.TensorParallel``); the runner then cuts ``model`` (the FULL
+            model) to that rank's slice, in place. None: the whole model.
 
     Raises:
         RefitMismatchError: a name ``save_pretrained`` would write has no place in
             the model (a layout this runner does not know).
+        ValueError: the model does not split over ``tensor_parallel``'s ranks
+            (``_tp.check_tensor_parallel``).
     """
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(
+        self, model: PreTrainedModel, *, tensor_parallel: TensorParallel | None = None
+    ) -> None:
         self.model = model
         self.model.eval()
         #: Held by :meth:`load_weights` and :meth:`generate`: a generation never
         #: reads a half-copied tensor, whichever threads the engine runs them in.
         self.lock = threading.RLock()
+        # The FULL checkpoint's names and shapes, before any sharding: what a
+        # trainer sends and the transports compare against.
         self._manifest = _checkpoint_manifest(model)
-        self._targets = _resolve_targets(model, self._manifest)
+        #: This rank's place in its tensor-parallel replica; None: the whole model.
+        self.tensor_parallel = tensor_parallel
+        self._layout: dict[str, Part] = (
+            {name: Part.whole(shape) for name, (shape, _) in self._manifest.items()}
+            if tensor_parallel is None
+            else tensor_parallel.shard(model, self._manifest)
+        )
+        self._targets = _resolve_targets(model, self._manifest, self._layout)
         # Tied heads are absent from the checkpoint; a sender that still sends
         # them (a source that does not know about the tie) is accepted.
         self._aliases: dict[str, torch.Tensor] = {}
+        self._alias_parts: dict[str, Part] = {}
         tied: Mapping[str, str] = getattr(model, "all_tied_weights_keys", None) or {}
         for target, source in tied.items():
             if target not in self._targets and source in self._targets:
                 self._aliases[target] = self._targets[source]
+                self._alias_parts[target] = self._layout[source]
         #: FP8 KV-cache scales received, ``{"model.layers.{i}.self_attn.{k,v}_scale": float}``.
         #: This reference engine has no FP8 KV cache; it records the scales that
         #: vLLM would load into its attention layers, so a refit can be checked.
@@ -96,6 +125,11 @@ class HFModelRunner:
         """Where the model's parameters live."""
         return next(self.model.parameters()).device
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks the model is split over (1: this runner holds the whole model)."""
+        return 1 if self.tensor_parallel is None else self.tensor_parallel.size
+
     # -- construction ---------------------------------------------------------
 
     @classmethod
@@ -105,6 +139,7 @@ class HFModelRunner:
         *,
         seed: int = 0,
         dtype: torch.dtype | str = torch.float32,
+        tensor_parallel: TensorParallel | None = None,
     ) -> HFModelRunner:
         """Build a model from an HF config (or load a local checkpoint folder).
 
@@ -116,18 +151,23 @@ class HFModelRunner:
                 ``from_pretrained``; otherwise the weights are initialised randomly.
             seed: ``torch.manual_seed`` for random initialisation.
             dtype: parameter dtype (``torch.bfloat16`` or ``"bfloat16"``).
+            tensor_parallel: keep only this rank's slice (see the class); the
+                full model is built (or loaded) first, so every rank's slices are
+                those of the same initial weights an unsharded runner holds.
 
         Raises:
-            ValueError: the config has no ``model_type``.
+            ValueError: the config has no ``model_type``, or does not split over
+                ``tensor_parallel``'s ranks.
         """
         torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         hf_config = resolve_hf_config(config)
         if isinstance(hf_config, Path):
-            return cls(AutoModelForCausalLM.from_pretrained(hf_config, dtype=torch_dtype))
+            model = AutoModelForCausalLM.from_pretrained(hf_config, dtype=torch_dtype)
+            return cls(model, tensor_parallel=tensor_parallel)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype)
-        return cls(model)
+        return cls(model, tensor_parallel=tensor_parallel)
 
     # -- the loader contract --------------------------------------------------
 
@@ -136,16 +176,39 @@ class HFModelRunner:
 
         The names, shapes and order are those ``save_pretrained`` writes (tied
         weights removed, MoE experts split per expert; derived with
-        transformers' own ``revert_weight_conversion``).
+        transformers' own ``revert_weight_conversion``). Shapes are the FULL
+        tensors' on a tensor-parallel rank too (what a trainer sends).
         """
         return dict(self._manifest)
+
+    def weight_layout(self) -> dict[str, Part]:
+        """``{hf_name: part}``: what this runner holds of each checkpoint tensor, in
+        :meth:`expected_manifest` order (an :data:`aiosync.layout.Layout`).
+
+        :meth:`Part.whole` for every tensor without tensor parallelism; on a
+        tensor-parallel rank the Megatron slice (``_tp.tp_layout``). Each part's
+        ``shape`` is the full tensor's, its ``local_shape`` what the rank stores.
+        """
+        return dict(self._layout)
+
+    def _lookup(self, name: str) -> tuple[torch.Tensor, Part] | None:
+        """The local tensor ``name`` lands in and the part of it held (a tied alias too)."""
+        target = self._targets.get(name)
+        if target is not None:
+            return target, self._layout[name]
+        target = self._aliases.get(name)
+        if target is not None:
+            return target, self._alias_parts[name]
+        return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy ``(hf_name, tensor)`` pairs into the model; returns how many were loaded.
 
         Names are checkpoint names (:meth:`expected_manifest`); a tied
-        ``lm_head.weight`` is accepted too. Each tensor is copied (any device,
-        same dtype and shape), so the caller may reuse its buffers afterwards.
+        ``lm_head.weight`` is accepted too. Tensors are FULL checkpoint tensors
+        (shape and dtype as :meth:`expected_manifest`), also on a tensor-parallel
+        rank, which copies the slice it holds (:meth:`weight_layout`). Each tensor
+        is copied (any device), so the caller may reuse its buffers afterwards.
 
         Raises:
             RefitMismatchError: an unknown name, or a shape or dtype that differs
@@ -154,22 +217,117 @@ class HFModelRunner:
         loaded = 0
         with self.lock, torch.no_grad():
             for name, tensor in weights:
-                target = self._targets.get(name)
-                if target is None:
-                    target = self._aliases.get(name)
-                if target is None and self._load_kv_scale(name, tensor):
+                found = self._lookup(name)
+                if found is None and self._load_kv_scale(name, tensor):
                     loaded += 1
                     continue
-                if target is None:
+                if found is None:
                     raise RefitMismatchError(f"{name!r} is not a parameter of this model")
-                if target.shape != tensor.shape or target.dtype != tensor.dtype:
+                target, part = found
+                if part.shape != tuple(tensor.shape) or target.dtype != tensor.dtype:
                     raise RefitMismatchError(
-                        f"{name}: model {tuple(target.shape)} {target.dtype}, "
+                        f"{name}: model {part.shape} {target.dtype}, "
                         f"got {tuple(tensor.shape)} {tensor.dtype}"
                     )
-                target.copy_(tensor)
+                target.copy_(tensor if part.is_whole else _narrow(tensor, part))
                 loaded += 1
         return loaded
+
+    def load_weight_parts(self, parts: Iterable[tuple[str, Part, torch.Tensor]]) -> int:
+        """Copy received slices of checkpoint tensors into the model; returns the
+        number of elements written.
+
+        Each ``(hf_name, part, tensor)`` is ``part`` of the FULL tensor ``hf_name``
+        (``part.shape`` its full shape, as :meth:`expected_manifest`), ``tensor``
+        of shape ``part.local_shape`` and the model's dtype (a shard-aware
+        transport's box: a sub-range of what this runner holds, all of it, or a
+        range that overlaps it). The overlap of the received box with the held
+        part (:meth:`weight_layout`) is written, along whichever dimensions; an
+        empty ``part`` (``length == 0``) writes nothing. A 0-d tensor, or an FP8
+        KV-cache scale, comes as :meth:`Part.whole`.
+
+        Raises:
+            RefitMismatchError: an unknown name, a full shape or dtype that
+                differs from the checkpoint's, or ``tensor.shape != part.local_shape``.
+            ValueError: a non-empty ``part`` that does not overlap what this
+                runner holds (a box meant for another worker).
+        """
+        checked: list[tuple[str, tuple[tuple[int, int], ...], torch.Tensor]] = []
+        for name, part, tensor in parts:
+            found = self._lookup(name)
+            if found is not None and part.shape != found[1].shape:
+                raise RefitMismatchError(
+                    f"{name}: model {found[1].shape}, got a part of {part.shape}"
+                )
+            if tuple(tensor.shape) != part.local_shape:
+                raise RefitMismatchError(
+                    f"{name}: {part} has local shape {part.local_shape}, got {tuple(tensor.shape)}"
+                )
+            checked.append((name, box_of(part), tensor))
+        return self.load_weight_boxes(checked)
+
+    def load_weight_boxes(
+        self, boxes: Iterable[tuple[str, Sequence[tuple[int, int]], torch.Tensor]]
+    ) -> int:
+        """Copy received boxes of checkpoint tensors into the model; returns the
+        number of elements written.
+
+        Each ``(hf_name, box, tensor)`` is the region ``box`` (``(start, stop)``
+        per dimension of the FULL tensor, cut along any number of dimensions, as
+        the shard-aware plan's transfers are) with ``tensor`` of the box's shape
+        and the model's dtype. The overlap of the box with the held part
+        (:meth:`weight_layout`) is written; an empty box writes nothing. A 0-d
+        tensor, or an FP8 KV-cache scale, comes with the empty box ``()``.
+
+        Raises:
+            RefitMismatchError: an unknown name, a dtype that differs from the
+                model's, a box outside the full tensor, or a tensor whose shape
+                is not the box's.
+            ValueError: a non-empty box that does not overlap what this runner
+                holds (a box meant for another worker).
+        """
+        written = 0
+        with self.lock, torch.no_grad():
+            for name, box, tensor in boxes:
+                box = tuple((int(lo), int(hi)) for lo, hi in box)
+                found = self._lookup(name)
+                if found is None and self._load_kv_scale(name, tensor):
+                    written += 1
+                    continue
+                if found is None:
+                    raise RefitMismatchError(f"{name!r} is not a parameter of this model")
+                target, held = found
+                if target.dtype != tensor.dtype:
+                    raise RefitMismatchError(f"{name}: model {target.dtype}, got {tensor.dtype}")
+                if len(box) != len(held.shape) or any(
+                    not 0 <= lo <= hi <= n for (lo, hi), n in zip(box, held.shape, strict=True)
+                ):
+                    raise RefitMismatchError(
+                        f"{name}: box {box} is not inside the full shape {held.shape}"
+                    )
+                if tuple(tensor.shape) != tuple(hi - lo for lo, hi in box):
+                    raise RefitMismatchError(
+                        f"{name}: box {box} has shape {tuple(hi - lo for lo, hi in box)}, "
+                        f"got {tuple(tensor.shape)}"
+                    )
+                if tensor.numel() == 0:
+                    continue
+                kept = box_of(held)
+                overlap = _overlap(box, kept)
+                if overlap is None:
+                    raise ValueError(
+                        f"{name}: received box {box}, but this runner holds {held}: they do "
+                        "not overlap (a box meant for another worker)"
+                    )
+                # Both tensors are boxes of the full one: narrow each to the overlap,
+                # in its own coordinates.
+                source, dest = tensor, target
+                for dim, (lo, hi) in enumerate(overlap):
+                    source = source.narrow(dim, lo - box[dim][0], hi - lo)
+                    dest = dest.narrow(dim, lo - kept[dim][0], hi - lo)
+                dest.copy_(source)
+                written += dest.numel()
+        return written
 
     def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> bool:
         """Record ``model.layers.{i}.self_attn.{k,v}_scale`` (float32, ``()`` or ``(1,)``)."""
@@ -185,7 +343,11 @@ class HFModelRunner:
         return True
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights as ``save_pretrained`` writes them: checkpoint names and order, copies."""
+        """The weights as ``save_pretrained`` writes them: checkpoint names and order, copies.
+
+        On a tensor-parallel rank, each tensor is the slice held
+        (``weight_layout()[name].local_shape``), not the full tensor.
+        """
         with torch.no_grad():
             return {name: self._targets[name].detach().clone() for name in self._manifest}
 
@@ -219,7 +381,14 @@ class HFModelRunner:
             ValueError: ``name`` is already loaded.
             RefitMismatchError: the adapter does not fit this model (see
                 :meth:`PeftAdapters.load`); nothing of it stays loaded.
+            NotImplementedError: on a tensor-parallel rank (its layers are sharded;
+                PEFT's would not be).
         """
+        if self.tensor_parallel_size > 1:
+            raise NotImplementedError(
+                "LoRA adapters are not supported with tensor_parallel_size > 1 (the adapter "
+                "layers would need the same Megatron slicing as the base layers)"
+            )
         with self.lock:
             self._adapters.load(name, tensors, config)
 
@@ -324,41 +493,78 @@ class HFModelRunner:
         the remaining tokens while attending to keys and values the old weights
         computed.
 
+        On a tensor-parallel replica this runs on the driver (rank 0): before each
+        forward pass, under :attr:`lock`, every other rank is told to run the same
+        step (``TensorParallel.announce``), so the replica's collectives pair up;
+        only the driver samples, from the all-gathered logits.
+
         Raises:
             ValueError: an empty prompt, ``max_new_tokens < 1``, ``temperature < 0``
-                or ``top_p`` outside ``(0, 1]``.
+                or ``top_p`` outside ``(0, 1]``; or this runner is a tensor-parallel
+                follower (rank > 0), which never drives generation.
             KeyError: ``before_forward()`` names an adapter that is not loaded.
+            SyncError: a tensor-parallel peer refused the step (its weights are
+                not valid, or it is asleep).
+            TransportError: a tensor-parallel peer is gone or out of step.
             Whatever ``gate`` or ``before_forward`` raise.
         """
         _check_sampling(max_new_tokens, temperature, top_p)
         if not prompt:
             raise ValueError("prompts must not be empty")
+        tp = self.tensor_parallel
+        if tp is not None and not tp.is_driver:
+            raise ValueError(
+                f"tensor-parallel rank {tp.rank} follows its replica's rank 0, which "
+                "drives generation; send generate requests to rank 0"
+            )
         eos = set() if ignore_eos else self.eos_ids()
         step_input = torch.tensor([list(prompt)], dtype=torch.long, device=self.device)
         cache: Any = None
+        request: int | None = None  # this request's id among the replica's ranks
         tokens: list[int] = []
         logprobs: list[float] = []
-        for i in range(max_new_tokens):
-            if gate is not None and not gate(i):
-                return DecodeResult(tokens, aborted=True, logprobs=logprobs)
-            with self.lock:
-                adapter = before_forward()
-                with self._adapters.using(adapter), torch.no_grad():
-                    kwargs = {self._cache_arg: cache}
-                    out = self.model(input_ids=step_input, use_cache=True, **kwargs)
-                    cache = out[self._cache_arg]
-                    logits = out.logits[0, -1, :].to(dtype=torch.float32)
-            if temperature > 0:
-                probs = _nucleus(torch.softmax(logits / temperature, dim=-1), top_p)
-                token = int(torch.multinomial(probs, 1, generator=generator).item())
-            else:
-                token = int(torch.argmax(logits).item())
-            tokens.append(token)
-            logprobs.append(float(torch.log_softmax(logits, dim=-1)[token].item()))
-            if token in eos:
-                break
-            step_input = torch.tensor([[token]], dtype=torch.long, device=self.device)
+        try:
+            for i in range(max_new_tokens):
+                if gate is not None and not gate(i):
+                    return DecodeResult(tokens, aborted=True, logprobs=logprobs)
+                with self.lock:
+                    adapter = before_forward()
+                    if tp is not None:
+                        request = tp.announce(request, step_input, adapter)
+                    logits, cache = self.forward_step(step_input, cache, adapter)
+                if temperature > 0:
+                    probs = _nucleus(torch.softmax(logits / temperature, dim=-1), top_p)
+                    token = int(torch.multinomial(probs, 1, generator=generator).item())
+                else:
+                    token = int(torch.argmax(logits).item())
+                tokens.append(token)
+                logprobs.append(float(torch.log_softmax(logits, dim=-1)[token].item()))
+                if token in eos:
+                    break
+                step_input = torch.tensor([[token]], dtype=torch.long, device=self.device)
+        finally:
+            if tp is not None and request is not None:
+                # The channel's sockets are used under the lock only. A release that
+                # fails (a follower gone) must not hide why the request ended; such
+                # a follower's replica is respawned whole, its caches with it.
+                with self.lock, contextlib.suppress(TransportError):
+                    tp.release(request)
         return DecodeResult(tokens, aborted=False, logprobs=logprobs)
+
+    def forward_step(
+        self, step_input: torch.Tensor, cache: Any, adapter: str | None
+    ) -> tuple[torch.Tensor, Any]:
+        """One forward pass (hold :attr:`lock`): ``step_input`` (``[1, n]`` int64 ids)
+        against ``cache`` (None: a new request), with LoRA adapter ``adapter``
+        (None: the base model). Returns the last position's logits (float32,
+        ``[vocab_size]``, all of them on a tensor-parallel rank) and the new cache.
+
+        Raises:
+            KeyError: ``adapter`` is not loaded.
+        """
+        with self._adapters.using(adapter), torch.no_grad():
+            out = self.model(input_ids=step_input, use_cache=True, **{self._cache_arg: cache})
+            return out.logits[0, -1, :].to(dtype=torch.float32), out[self._cache_arg]
 
     def eos_ids(self) -> set[int]:
         """The EOS token ids decoding stops at (``generation_config.eos_token_id``)."""
@@ -420,16 +626,35 @@ def _checkpoint_manifest(model: PreTrainedModel) -> dict[str, tuple[tuple[int, .
     return {name: (tuple(t.shape), t.dtype) for name, t in reverted.items()}
 
 
+def _narrow(tensor: torch.Tensor, part: Part) -> torch.Tensor:
+    """``part``'s slice of the full tensor ``tensor`` (a view)."""
+    return tensor.narrow(part.dim, part.start, part.length)
+
+
+def _overlap(
+    a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]
+) -> tuple[tuple[int, int], ...] | None:
+    """The intersection of two boxes (``(start, stop)`` per dim); None if empty."""
+    box = tuple(
+        (max(lo_a, lo_b), min(hi_a, hi_b)) for (lo_a, hi_a), (lo_b, hi_b) in zip(a, b, strict=True)
+    )
+    return None if any(lo >= hi for lo, hi in box) else box
+
+
 def _resolve_targets(
-    model: PreTrainedModel, manifest: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+    model: PreTrainedModel,
+    manifest: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    layout: Mapping[str, Part],
 ) -> dict[str, torch.Tensor]:
-    """``{checkpoint name: view of the in-memory tensor it is loaded into}``."""
+    """``{checkpoint name: view of the in-memory tensor it is loaded into}``, each of
+    the shape of the part held (``layout[name].local_shape``)."""
     tensors: dict[str, torch.Tensor] = {
         name: t.detach() for name, t in model.named_parameters(remove_duplicate=False)
     }
     tensors.update((name, t.detach()) for name, t in model.named_buffers(remove_duplicate=False))
     targets: dict[str, torch.Tensor] = {}
-    for name, (shape, dtype) in manifest.items():
+    for name, (_, dtype) in manifest.items():
+        shape = layout[name].local_shape
         view = tensors.get(name)
         if view is None:
             view = _expert_view(tensors, name)

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 from aiosync.transports.collective.worker import CollectiveWorkerMixin
 from aiosync.transports.ipc.worker import IPCWorkerMixin
+from aiosync.transports.sharded.worker import ShardedWorkerMixin
 
 from .worker import VLLMWorkerMixin
 
 __all__ = ["AiosyncWorkerExtension"]
 
 
-class AiosyncWorkerExtension(VLLMWorkerMixin, IPCWorkerMixin, CollectiveWorkerMixin):
-    """All engine-side receivers: IPC (colocated) and collective (non-colocated)."""
+class AiosyncWorkerExtension(
+    VLLMWorkerMixin, IPCWorkerMixin, CollectiveWorkerMixin, ShardedWorkerMixin
+):
+    """All engine-side receivers: IPC (colocated), the broadcast and the shard-aware
+    transfer (non-colocated; the latter where the model reports its layout)."""

@@ -56,6 +56,16 @@ KV = ("k_proj", "v_proj")
 ROW = ("o_proj", "down_proj")
 
 
+def _aiosync_type(exc: BaseException) -> str:
+    """The public aiosync error class ``exc`` is (LinkLost is a TransportError)."""
+    from aiosync import errors
+
+    for cls in type(exc).__mro__:
+        if cls.__module__ == errors.__name__:
+            return cls.__name__
+    return type(exc).__name__
+
+
 def full_slice(tensor: torch.Tensor, part: Part) -> torch.Tensor:
     return tensor[box_within(box_of(part), Part.whole(part.shape))]
 
@@ -200,7 +210,7 @@ def main() -> None:
             result["plan_received"] = plan.receiver_nbytes[w]
         result.update(ok=True, nbytes=got.nbytes, sender_nbytes=list(plan.sender_nbytes))
     except Exception as exc:
-        result.update(error=type(exc).__name__, message=str(exc))
+        result.update(error=_aiosync_type(exc), message=str(exc))
         traceback.print_exc()
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     sys.stdout.flush()

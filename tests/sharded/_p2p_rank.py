@@ -55,6 +55,16 @@ MANIFEST: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
 }
 
 
+def _aiosync_type(exc: BaseException) -> str:
+    """The public aiosync error class ``exc`` is (LinkLost is a TransportError)."""
+    from aiosync import errors
+
+    for cls in type(exc).__mro__:
+        if cls.__module__ == errors.__name__:
+            return cls.__name__
+    return type(exc).__name__
+
+
 def full_tensors() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     out: dict[str, torch.Tensor] = {}
@@ -174,7 +184,7 @@ def main() -> None:
             buckets=got.buckets,
         )
     except Exception as exc:
-        result.update(ok=False, error=type(exc).__name__, message=str(exc))
+        result.update(ok=False, error=_aiosync_type(exc), message=str(exc))
         traceback.print_exc()
     result["elapsed_s"] = time.monotonic() - start
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))

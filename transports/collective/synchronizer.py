@@ -494,7 +494,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         group, self._group = self._group, None
         trainers, self._trainers = self._trainers, None
         # After a failed sync our group is gone but a worker may still hold its own.
-        if notify_workers and self.is_source and self._sessions:
+        if notify_workers and self.is_source and self._formed_once():
             # Unreachable workers destroy a broken group themselves.
             with contextlib.suppress(SyncError):
                 await self._rpc(self._destroy_rpc, {}, self.rpc_timeout_s)
@@ -510,6 +510,10 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             else:
                 g.broken = True
                 self._abandoned.set()  # the running thread destroys it when it returns
+
+    def _formed_once(self) -> bool:
+        """Whether the workers may hold a group of this synchronizer's."""
+        return self._plan is not None
 
     # -- one sync --------------------------------------------------------------
 

@@ -9,7 +9,8 @@
   ``torch.distributed`` group (``batch_isend_irecv``, two buckets in flight per pair).
 
 The layout vocabulary (:class:`aiosync.layout.Part`, ``Layout``) lives in the core.
-A synchronizer drives these pieces; nothing here forms groups or votes.
+:mod:`.synchronizer` drives them (:class:`ShardedWeightSynchronizer`, the trainer
+side); :mod:`.worker` is the engine side (:class:`ShardedWorkerMixin`).
 """
 
 from ._p2p import P2PResult, SinkFn, SourceFn, run_plan
@@ -32,11 +33,15 @@ from ._source_layout import (
     replicated_layouts,
     single_rank_layouts,
 )
+from .synchronizer import ShardedWeightSynchronizer
+from .worker import ShardedWorkerMixin
 
 __all__ = [
     "Box",
     "P2PResult",
     "Plan",
+    "ShardedWeightSynchronizer",
+    "ShardedWorkerMixin",
     "SinkFn",
     "SourceFn",
     "Transfer",

@@ -45,7 +45,15 @@ from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, Tran
 from ..packing import dtype_from_name
 from ._plan import Box, Plan, TransferBucket, box_shape, box_within
 
-__all__ = ["P2PResult", "SinkFn", "SourceFn", "run_plan"]
+__all__ = [
+    "LINK_FAILURES",
+    "LinkLost",
+    "LinkTimeout",
+    "P2PResult",
+    "SinkFn",
+    "SourceFn",
+    "run_plan",
+]
 
 #: ``source(hf_name)`` on a sender: its local tensor of that name, shape
 #: ``plan.sources[rank][hf_name].local_shape``, in the manifest dtype.
@@ -78,12 +86,25 @@ class P2PResult:
     buckets: int
 
 
+class LinkLost(TransportError):
+    """A point-to-point op failed: a peer died or closed the group."""
+
+
+class LinkTimeout(SyncTimeoutError):
+    """A point-to-point wait ran past its timeout: a peer stalled or is gone."""
+
+
+#: The errors that mean a link, not a peer's own reported failure: the other ranks
+#: may still wait for bytes that never come (abort the group rather than vote).
+LINK_FAILURES: tuple[type[SyncError], ...] = (LinkLost, LinkTimeout)
+
+
 def _translate(exc: BaseException, what: str) -> SyncError:
     """A torch / gloo / NCCL error as aiosync's (the one place this is decided)."""
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if "timed out" in text.lower() or "timeout" in text.lower():
-        return SyncTimeoutError(f"{what}: {text}")
-    return TransportError(f"{what}: {text}")
+        return LinkTimeout(f"{what}: {text}")
+    return LinkLost(f"{what}: {text}")
 
 
 class _Link:

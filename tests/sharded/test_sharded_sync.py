@@ -1,0 +1,182 @@
+"""ShardedWeightSynchronizer against the embedded engine's real worker processes.
+
+One trainer process (a plain module: every tensor whole on rank 0) refits a
+tensor-parallel engine (2 replicas x TP=2) and a TP=1 engine: each worker receives
+only its own slices, bit-exact, and greedy output equals the trainer's. The 2-rank
+FSDP2 trainer is in ``test_sharded_ranks.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from collections.abc import AsyncIterator, Mapping
+
+import pytest
+import pytest_asyncio
+import torch
+
+from aiosync import TrainCluster, create_weight_synchronizer
+from aiosync.engines.embedded.configs import TINY_QWEN3
+from aiosync.engines.embedded.engine import EmbeddedEngine
+from aiosync.engines.embedded.model import HFModelRunner
+from aiosync.errors import TransportError
+from aiosync.layout import Layout
+from aiosync.refit import DTensorRefitSource
+from aiosync.transports.sharded import ShardedWeightSynchronizer
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
+
+PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine() -> AsyncIterator[EmbeddedEngine]:
+    async with EmbeddedEngine(
+        TINY_QWEN3, num_workers=2, tensor_parallel_size=2, seed=5, rpc_timeout_s=120
+    ) as engine:
+        yield engine
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _sync(
+    trainer: HFModelRunner, engine: EmbeddedEngine, **options: object
+) -> ShardedWeightSynchronizer:
+    return ShardedWeightSynchronizer(
+        DTensorRefitSource(trainer.model),
+        engine,
+        train_cluster=TrainCluster(master_port=_port()),
+        inference_world_size=engine.world_size,
+        bucket_bytes=16 * 1024,
+        collective_timeout_s=30.0,
+        **options,  # type: ignore[arg-type]
+    )
+
+
+def _slice_bytes(layout: Layout, full: Mapping[str, torch.Tensor]) -> int:
+    return sum(part.numel * full[name].element_size() for name, part in layout.items())
+
+
+async def _assert_slices_equal(engine: EmbeddedEngine, full: Mapping[str, torch.Tensor]) -> None:
+    layouts = await engine.weight_layouts()
+    for rank, (layout, state) in enumerate(
+        zip(layouts, await engine.hf_state_dicts(), strict=True)
+    ):
+        for name, tensor in full.items():
+            part = layout[name]
+            want = tensor.narrow(part.dim, part.start, part.length) if part.shape else tensor
+            assert torch.equal(state[name], want), f"worker {rank}: {name} differs"
+
+
+async def test_each_worker_receives_only_its_slices_bit_exact(engine: EmbeddedEngine) -> None:
+    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=21)
+    full = trainer.hf_state_dict()
+    async with _sync(trainer, engine) as sync:
+        await sync.mark_stale()
+        await sync.sync_weights()
+        assert (sync.weight_version, sync.is_stale, engine.weight_version) == (1, False, 1)
+        layouts = await engine.weight_layouts()
+        want = [_slice_bytes(layout, full) for layout in layouts]
+        # Sharded tensors: manifest bytes / TP on each worker; replicated ones whole.
+        manifest = sum(t.numel() * t.element_size() for t in full.values())
+        assert all(n < manifest for n in want)
+        assert list(sync.transfer_plan.receiver_nbytes) == want
+        assert [r["nbytes"] for r in sync.last_worker_results] == want
+        assert [r["by_sender"] for r in sync.last_worker_results] == [{"0": n} for n in want]
+    await engine.prepare_for_generation()
+    await _assert_slices_equal(engine, full)
+    expected = trainer.generate(PROMPTS, max_new_tokens=5, ignore_eos=True)
+    assert await engine.generate(PROMPTS, max_new_tokens=5, ignore_eos=True) == expected
+
+
+async def test_the_second_sync_replays_the_plan(engine: EmbeddedEngine) -> None:
+    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=22)
+    async with _sync(trainer, engine) as sync:
+        digest = None
+        for step in range(2):
+            with torch.no_grad():
+                for p in trainer.model.parameters():
+                    p.mul_(1.0 + 0.125 * (step + 1))
+            await sync.mark_stale()
+            await sync.sync_weights()
+            digest = digest or sync.transfer_plan.digest
+            assert sync.transfer_plan.digest == digest
+            await _assert_slices_equal(engine, trainer.hf_state_dict())
+        assert sync.weight_version == 2
+
+
+async def test_the_factory_picks_it_when_the_engine_reports_a_layout(
+    engine: EmbeddedEngine,
+) -> None:
+    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=23)
+    sync = create_weight_synchronizer(
+        DTensorRefitSource(trainer.model),
+        engine,
+        colocated=False,
+        backend="embedded",
+        train_cluster=TrainCluster(master_port=_port()),
+        inference_world_size=engine.world_size,
+        sharded=True,
+    )
+    assert type(sync) is ShardedWeightSynchronizer
+
+
+async def test_a_wrong_inference_world_size_is_named_before_any_group_forms(
+    engine: EmbeddedEngine,
+) -> None:
+    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=24)
+    sync = ShardedWeightSynchronizer(
+        DTensorRefitSource(trainer.model),
+        engine,
+        train_cluster=TrainCluster(master_port=_port()),
+        inference_world_size=3,
+        collective_timeout_s=600.0,  # a rendezvous would hang this long
+    )
+    with pytest.raises(ValueError, match=r"inference_world_size=3, but the engine has 4"):
+        await sync.init_communicator()
+    await sync.shutdown()
+
+
+async def test_a_worker_killed_mid_sync_fails_typed_and_the_next_sync_heals(
+    engine: EmbeddedEngine,
+) -> None:
+    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=25)
+    async with _sync(trainer, engine, sync_timeout_s=60.0) as sync:
+        await sync.mark_stale()
+        await sync.sync_weights()
+        victim = engine.pids[3]
+        real = sync._sender_source
+
+        def killing_source():  # type: ignore[no-untyped-def]
+            local = real()
+            calls = [0]
+
+            def get(name: str) -> torch.Tensor:
+                calls[0] += 1
+                if calls[0] == 6:
+                    os.kill(victim, signal.SIGKILL)
+                return local(name)
+
+            return get
+
+        sync._sender_source = killing_source  # type: ignore[method-assign]
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.mul_(1.5)
+        await sync.mark_stale()
+        with pytest.raises(TransportError):
+            await sync.sync_weights()
+        assert (sync.weight_version, sync.is_stale) == (1, True)
+        sync._sender_source = real  # type: ignore[method-assign]
+        assert sorted(await engine.respawn_dead_workers())
+        await sync.init_communicator()
+        await sync.sync_weights()
+        assert (sync.weight_version, sync.is_stale) == (2, False)
+    await engine.prepare_for_generation()
+    await _assert_slices_equal(engine, trainer.hf_state_dict())

@@ -1,0 +1,384 @@
+"""Non-colocated, many senders: every trainer rank sends its own shards to the workers
+that hold them, each byte once.
+
+The broadcast (:class:`~aiosync.transports.collective.CollectiveWeightSynchronizer`)
+gathers every tensor to trainer rank 0 and sends all of it to every worker, so a
+tensor-parallel worker receives ``TP`` times what it keeps and rank 0's link bounds
+the refit. Here every rank of the sync group (trainer ranks ``0..T-1``, inference
+workers ``T..T+W-1``) computes the same :class:`~aiosync.transports.sharded.Plan`
+at ``init_communicator()`` from what each side holds: the trainer ranks' layouts
+from their DTensor shards (:func:`~aiosync.transports.sharded.dtensor_layouts`), the
+workers' from the engine (``aiosync_sharded_layout``: the embedded engine's
+Megatron slices). Each sync replays it over point-to-point sends
+(:func:`~aiosync.transports.sharded.run_plan`): no rank gathers, every sender busy
+at once, each worker receiving only its slices.
+
+Timeline of one sync::
+
+    trainer rank r     handshake | bucket k to each worker it feeds, two in flight | finish | vote
+    inference ranks    handshake | bucket k from each trainer rank that feeds it   | finish | vote
+
+The vote is one small all-gather over the group's gloo control group: every rank
+(trainers and workers) raises the same error when any of them failed, and a worker
+marks its weights valid only after it. Versions, the in-flight policy, timeouts,
+ownership and the engine's label are the base class's, as for every transport.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import torch
+
+from aiosync._config import DEFAULT_EVENT_BACKLOG, Timeouts
+from aiosync.errors import SyncError, TransportError
+from aiosync.interfaces import (
+    EngineWorkers,
+    InFlightPolicy,
+    KVScales,
+    RefitSource,
+    TrainCluster,
+)
+from aiosync.layout import Layout
+from aiosync.refit.torch_source import DTensorRefitSource
+
+from ..collective._group import (
+    STATUS_OK,
+    SyncGroup,
+    create_sync_group,
+    open_store,
+)
+from ..collective._votes import GroupRanks, agree_formation
+from ..collective.synchronizer import CollectiveWeightSynchronizer, DistBackend
+from ..packing import dtype_name
+from ._p2p import P2PResult, SourceFn, run_plan
+from ._plan import Plan, make_plan
+from ._source_layout import (
+    dtensor_layouts,
+    local_tensor_fn,
+    manifest_dtypes,
+    single_rank_layouts,
+)
+from .worker import layouts_from_wire, layouts_to_wire, vote_or_abort
+
+__all__ = ["ShardedWeightSynchronizer"]
+
+_log = logging.getLogger(__name__)
+
+
+class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
+    """Shard-aware refit of a separate inference cluster: many senders, each byte once.
+
+    Every trainer rank constructs one and makes the same calls (SPMD); rank 0 also
+    drives the engine's workers (``generation.collective_rpc``), whose workers mix
+    in :class:`~aiosync.transports.sharded.worker.ShardedWorkerMixin` and whose
+    models report their layout (the embedded engine's do, tensor-parallel or not).
+    Each rank reads only its own shards (``DTensor.to_local()``): no gathers.
+
+    Args:
+        policy: a :class:`~aiosync.refit.DTensorRefitSource` (FSDP2/DTensor shards,
+            or a plain module on every rank), or, with one trainer rank, any
+            refit source (its full tensors are sent).
+        generation: the engine (used on rank 0 only).
+        train_cluster: the trainer ranks and the sync group's meeting point.
+        inference_world_size: the engine's worker count ``W`` (checked at init).
+        dist_backend: ``"gloo"`` (CPU) or ``"nccl"``; default NCCL on CUDA, else gloo.
+        bucket_bytes: bucket size per (trainer rank, worker) pair, bytes.
+        timeouts, rpc_timeout_s, collective_timeout_s, sync_timeout_s, event_backlog,
+            in_flight, initial_version: as for
+            :class:`~aiosync.transports.collective.CollectiveWeightSynchronizer`.
+
+    Raises:
+        ValueError, TypeError: as for the broadcast.
+    """
+
+    supports_kv_scales = False
+    kv_scales_refusal = (
+        "the shard-aware transport does not move FP8 KV-cache scales; "
+        "use CollectiveWeightSynchronizer for kv_scales"
+    )
+    _destroy_rpc = "aiosync_sharded_destroy"
+
+    def __init__(
+        self,
+        policy: RefitSource,
+        generation: EngineWorkers | Any,
+        *,
+        train_cluster: TrainCluster,
+        inference_world_size: int,
+        dist_backend: DistBackend | None = None,
+        bucket_bytes: int | None = None,
+        timeouts: Timeouts | None = None,
+        rpc_timeout_s: float | None = None,
+        collective_timeout_s: float | None = None,
+        sync_timeout_s: float | None = None,
+        event_backlog: int = DEFAULT_EVENT_BACKLOG,
+        in_flight: InFlightPolicy = "wait",
+        initial_version: int = 0,
+    ) -> None:
+        super().__init__(
+            policy,
+            generation,
+            train_cluster=train_cluster,
+            inference_world_size=inference_world_size,
+            dist_backend=dist_backend,
+            bucket_bytes=bucket_bytes,
+            timeouts=timeouts,
+            rpc_timeout_s=rpc_timeout_s,
+            collective_timeout_s=collective_timeout_s,
+            sync_timeout_s=sync_timeout_s,
+            event_backlog=event_backlog,
+            in_flight=in_flight,
+            initial_version=initial_version,
+        )
+        if not isinstance(policy, DTensorRefitSource) and train_cluster.world_size > 1:
+            raise TypeError(
+                "with several trainer ranks the shard-aware transport reads each rank's "
+                f"shards from a DTensorRefitSource, got {type(policy).__name__}"
+            )
+        self._transfer_plan: Plan | None = None
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the sync group: every trainer rank and every inference worker."""
+        return self.train_cluster.world_size + self.inference_world_size
+
+    @property
+    def transfer_plan(self) -> Plan:
+        """The plan every rank replays each sync. Raises SyncError before init."""
+        if self._transfer_plan is None:
+            raise SyncError("await init_communicator() first")
+        return self._transfer_plan
+
+    # -- forming ---------------------------------------------------------------
+
+    def _formed_once(self) -> bool:
+        return self._transfer_plan is not None
+
+    def _needs_forming(self) -> bool:
+        if self._transfer_plan is None or self._group is None or self._group.broken:
+            return True
+        return self.train_cluster.world_size > 1 and (
+            self._trainers is None or self._trainers.broken
+        )
+
+    async def _form_group(self) -> None:
+        if self.dist_backend == "nccl" and not torch.cuda.is_available():
+            raise TransportError(
+                "dist_backend='nccl' needs a CUDA build of torch and a visible GPU; "
+                "use dist_backend='gloo' on CPU"
+            )
+        await self._teardown(notify_workers=False)
+        self._transfer_plan = None
+        manifest = await self._read_manifest()
+        tc = self.train_cluster
+        self._sessions += 1
+        session = f"sharded-{self._sessions}"
+        await self._open_store()
+        trainers: SyncGroup | None = None
+        if tc.world_size > 1:
+            trainers = await self._in_thread(
+                lambda: create_sync_group(
+                    store=self._store,
+                    rank=tc.rank,
+                    world_size=tc.world_size,
+                    train_world_size=tc.world_size,
+                    backend="gloo",
+                    device=torch.device("cpu"),
+                    timeout_s=self._trainer_timeout(),
+                    session=f"{session}/trainers",
+                    with_data=False,
+                ),
+                self._formation_limit(),
+            )
+        try:
+            spec = await self._agree_on_layouts(manifest, trainers)
+            plan = await anyio.to_thread.run_sync(
+                lambda: make_plan(
+                    layouts_from_wire(spec["sources"]),
+                    layouts_from_wire(spec["destinations"]),
+                    manifest_dtypes(manifest),
+                    self.bucket_bytes,
+                )
+            )
+            group = await self._join(session, spec, plan)
+        except BaseException:
+            if trainers is not None:
+                await anyio.to_thread.run_sync(trainers.destroy)
+            raise
+        self._group, self._trainers, self._transfer_plan = group, trainers, plan
+        self._session, self._syncs = session, 0
+        _log.info(
+            "sharded plan %s: %d trainer rank(s) -> %d worker(s), %d bytes per sync, per worker %s",
+            plan.digest[:12],
+            plan.num_senders,
+            plan.num_receivers,
+            plan.total_nbytes,
+            list(plan.receiver_nbytes),
+        )
+
+    async def _open_store(self) -> None:
+        tc = self.train_cluster
+        if self._store is not None:
+            return
+        self._store = await anyio.to_thread.run_sync(
+            lambda: open_store(
+                tc.master_addr,
+                tc.master_port,
+                is_master=self.is_source,
+                timeout_s=self.collective_timeout_s,
+            )
+        )
+        if self.is_source:
+            self._bound_port = int(self._store.port)
+
+    def _source_layouts(self, manifest: Any) -> list[Layout]:
+        if isinstance(self.policy, DTensorRefitSource):
+            return dtensor_layouts(self.policy, self.train_cluster.world_size)
+        return single_rank_layouts(manifest, 1)
+
+    async def _agree_on_layouts(self, manifest: Any, trainers: SyncGroup | None) -> dict[str, Any]:
+        """Rank 0 asks the engine what each worker holds; every trainer rank gets the
+        same spec (or the same error) from it."""
+        spec: dict[str, Any] | None = None
+        failure: Exception | None = None
+        if self.is_source:
+            try:
+                await self._check_model_configs()
+                sources = await anyio.to_thread.run_sync(self._source_layouts, manifest)
+                replies = await self._rpc("aiosync_sharded_layout", {}, self.rpc_timeout_s)
+                if len(replies) != self.inference_world_size:
+                    raise ValueError(
+                        f"inference_world_size={self.inference_world_size}, but the engine "
+                        f"has {len(replies)} worker(s): pass inference_world_size={len(replies)}"
+                    )
+                spec = {
+                    "sources": layouts_to_wire(sources),
+                    "destinations": list(replies),
+                    "dtypes": {n: dtype_name(d) for n, d in manifest_dtypes(manifest).items()},
+                    "bucket_bytes": self.bucket_bytes,
+                }
+            except Exception as exc:
+                failure = exc
+        if trainers is None:
+            if failure is not None:
+                raise failure
+            assert spec is not None
+            return spec
+        await agree_formation(trainers, failure, "")
+        ranks = GroupRanks(trainers)
+        with anyio.CancelScope(shield=True):
+            gathered = await ranks.all_gather(json.dumps(spec) if self.is_source else None)
+        return dict(json.loads(gathered[0]))
+
+    async def _join(self, session: str, spec: dict[str, Any], plan: Plan) -> SyncGroup:
+        """Every trainer rank and every worker form the session's group together."""
+        tc = self.train_cluster
+
+        def join() -> SyncGroup:
+            group = create_sync_group(
+                store=self._store,
+                rank=tc.rank,
+                world_size=self.world_size,
+                train_world_size=tc.world_size,
+                backend=self.dist_backend,
+                device=self.device,
+                timeout_s=self.collective_timeout_s,
+                session=session,
+                every_rank_sends=True,
+            )
+            try:
+                group.agree(STATUS_OK, "", plan.digest)
+            except BaseException:
+                group.destroy()
+                raise
+            return group
+
+        if not self.is_source:
+            return await self._in_thread(join, self._formation_limit())
+        kwargs = {
+            "master_addr": tc.master_addr,
+            "master_port": self.master_port,
+            "world_size": self.world_size,
+            "train_world_size": tc.world_size,
+            "backend": self.dist_backend,
+            "plan": spec,
+            "timeout_s": self.collective_timeout_s,
+            "session": session,
+        }
+
+        async def local() -> SyncGroup:
+            try:
+                return await self._in_thread(join, self._formation_limit())
+            except BaseException as exc:
+                self._cancel_formation(session, f"trainer rank 0 failed: {exc!r}")
+                raise
+
+        async def remote() -> list[Any]:
+            try:
+                return await self._rpc("aiosync_sharded_init", kwargs, self._formation_limit())
+            except BaseException as exc:
+                self._cancel_formation(session, f"the engine's workers failed: {exc!r}")
+                raise
+
+        group, _replies = await self._both(local, remote)
+        return group
+
+    # -- one sync --------------------------------------------------------------
+
+    async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
+        if self._needs_forming():
+            await self._form_group()
+        group, plan = self._group, self._transfer_plan
+        assert group is not None and plan is not None
+        source = await anyio.to_thread.run_sync(self._sender_source)
+
+        def send() -> P2PResult:
+            try:
+                result = run_plan(
+                    plan,
+                    group.data,
+                    group.rank,
+                    source=source,
+                    device=self.device,
+                    timeout_s=self.collective_timeout_s,
+                )
+            except Exception as exc:
+                vote_or_abort(group, exc)
+                raise
+            group.agree(STATUS_OK)
+            return result
+
+        try:
+            if self.is_source:
+                await self._wake_weights()
+                _sent, results = await self._both(
+                    lambda: self._in_thread(send, self.sync_timeout_s),
+                    lambda: self._rpc(
+                        "aiosync_sharded_receive", {"version": version}, self.sync_timeout_s
+                    ),
+                )
+                for i, (reply, want) in enumerate(zip(results, plan.receiver_nbytes, strict=True)):
+                    if not isinstance(reply, dict) or reply.get("nbytes") != want:
+                        raise TransportError(
+                            f"inference rank {i} reports {reply!r}, expected nbytes={want}"
+                        )
+                self.last_worker_results = results
+            else:
+                await self._in_thread(send, self.sync_timeout_s)
+        except BaseException:
+            # The next sync re-forms the group: a peer may be gone or mid-receive.
+            self._drop_engine_group()
+            raise
+        return plan.total_nbytes
+
+    def _sender_source(self) -> SourceFn:
+        """This rank's ``hf_name -> local tensor`` for the sync about to run."""
+        if isinstance(self.policy, DTensorRefitSource):
+            return local_tensor_fn(self.policy)
+        weights = dict(self.policy.iter_weights())
+        return weights.__getitem__

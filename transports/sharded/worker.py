@@ -1,0 +1,345 @@
+"""Engine side of the shard-aware transport: a worker-extension mixin.
+
+vLLM's ``worker_extension_cls`` and the embedded engine mix :class:`ShardedWorkerMixin`
+into their workers (``AiosyncWorkerExtension`` does); the trainer's
+:class:`~aiosync.transports.sharded.ShardedWeightSynchronizer` calls its methods by
+name through ``collective_rpc``. Every argument and result is JSON-safe.
+
+The worker's model must report what it holds (``weight_layout() -> {hf_name: Part}``)
+and write received boxes into it (``load_weight_boxes(iterable of (hf_name, box,
+tensor))``): the embedded engine's runner does both. A worker whose model cannot is
+refused at init, before any byte moves; the broadcast transport still serves it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from aiosync.errors import OwnershipError, RefitMismatchError, TransportError
+from aiosync.layout import Layout, Part
+
+from .._identity import WorkerIdentityMixin
+from ..collective._group import (
+    STATUS_ERROR,
+    STATUS_MISMATCH,
+    STATUS_OK,
+    SyncGroup,
+    cancel_formation,
+    create_sync_group,
+    open_store,
+)
+from ..packing import dtype_from_name
+from ._p2p import LINK_FAILURES, run_plan
+from ._plan import Box, Plan, make_plan
+
+__all__ = [
+    "LayoutModel",
+    "ShardedWorkerMixin",
+    "layouts_from_wire",
+    "layouts_to_wire",
+    "vote_or_abort",
+]
+
+#: A store key only checked for (never set): the check is a round trip to the owner.
+_PROBE_KEY = "aiosync/owner-probe"
+
+
+@runtime_checkable
+class LayoutModel(Protocol):
+    """A worker's model that reports its layout and loads boxes of HF tensors."""
+
+    def weight_layout(self) -> dict[str, Part]:
+        """``{hf_name: part held}`` (full shapes; a name not held is absent)."""
+        ...
+
+    def load_weight_boxes(self, boxes: Any) -> int:
+        """Write each ``(hf_name, box, tensor)`` (``tensor`` of ``box``'s shape) into
+        the held part; returns the elements written."""
+        ...
+
+
+def layouts_to_wire(layouts: Any) -> list[dict[str, list[object]]]:
+    """Layouts as JSON-safe lists (:meth:`Part.to_wire` per name)."""
+    return [{name: part.to_wire() for name, part in layout.items()} for layout in layouts]
+
+
+def layouts_from_wire(wire: Any) -> list[Layout]:
+    """The inverse of :func:`layouts_to_wire`."""
+    return [{name: Part.from_wire(f) for name, f in layout.items()} for layout in wire]
+
+
+def plan_from_wire(spec: dict[str, Any]) -> Plan:
+    """The plan every rank computes from the same layouts, dtypes and bucket size."""
+    return make_plan(
+        layouts_from_wire(spec["sources"]),
+        layouts_from_wire(spec["destinations"]),
+        {name: dtype_from_name(d) for name, d in spec["dtypes"].items()},
+        int(spec["bucket_bytes"]),
+    )
+
+
+def _device_for(backend: str) -> torch.device:
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@dataclass(eq=False)
+class _State:
+    group: SyncGroup
+    plan: Plan
+    owner: str
+
+    def owner_alive(self) -> bool:
+        """Whether the trainer that formed the group can still drive it (its rank 0's
+        store still answers; a dead trainer's connection fails at once)."""
+        store = self.group.store
+        if self.group.broken or store is None:
+            return False
+        try:
+            store.check([_PROBE_KEY])
+        except Exception:  # DistNetworkError/DistStoreError: the owner's store is gone
+            return False
+        return True
+
+
+class ShardedWorkerMixin(WorkerIdentityMixin):
+    """Receiver of :class:`~aiosync.transports.sharded.ShardedWeightSynchronizer`.
+
+    Attributes:
+        aiosync_weights_valid: False from the start of a receive until every box
+            landed and every rank of the sync group voted success; engines refuse
+            to generate while it is False.
+    """
+
+    aiosync_weights_valid: bool = True
+    _aiosync_sharded: _State | None = None
+
+    def aiosync_sharded_layout(self, owner: str = "") -> dict[str, list[object]]:
+        """This worker's layout as :func:`layouts_to_wire` gives one.
+
+        Raises:
+            TransportError: the model cannot report one (no ``weight_layout`` and
+                ``load_weight_boxes``): use the broadcast transport.
+        """
+        model = self._aiosync_layout_model()
+        return {name: part.to_wire() for name, part in model.weight_layout().items()}
+
+    def aiosync_sharded_init(
+        self,
+        *,
+        master_addr: str,
+        master_port: int,
+        world_size: int,
+        train_world_size: int,
+        backend: str,
+        plan: dict[str, Any],
+        timeout_s: float,
+        session: str,
+        owner: str = "",
+    ) -> dict[str, Any]:
+        """Join the sync group as rank ``train_world_size + aiosync_worker_rank()``.
+
+        Every rank computes the plan from the same ``plan`` spec (the layouts, the
+        manifest's dtypes, the bucket size) and compares digests; this worker also
+        checks that the plan's destination for it is the layout its model reports.
+        If this worker fails before joining, it cancels the formation so that the
+        other ranks give up at once.
+
+        Args:
+            plan: ``{"sources", "destinations", "dtypes", "bucket_bytes"}``
+                (:func:`layouts_to_wire`, dtype names, bytes).
+            timeout_s: limit of the rendezvous and of every later wait, seconds.
+            session: key namespace of this group in the store.
+            owner: the forming synchronizer's token; later calls must carry it.
+
+        Returns:
+            ``{"rank": session rank, "digest": plan digest, "nbytes": bytes this
+            worker receives per sync}``.
+
+        Raises:
+            OwnershipError: the worker is in a live group of another synchronizer.
+            RefitMismatchError: a rank's plan differs, or the plan's destination for
+                this worker is not what its model holds (raised on every rank).
+            SyncTimeoutError, TransportError: the rendezvous failed or timed out.
+        """
+        store = open_store(master_addr, master_port, is_master=False, timeout_s=timeout_s)
+        status, message, digest = STATUS_OK, "", ""
+        parsed: Plan | None = None
+        worker = self.aiosync_worker_rank()
+        try:
+            self.aiosync_sharded_destroy(owner=owner)
+            inference_world = world_size - train_world_size
+            if not 0 <= worker < inference_world:
+                raise TransportError(f"worker rank {worker} outside 0..{inference_world - 1}")
+            model = self._aiosync_layout_model()
+            try:
+                parsed = plan_from_wire(plan)
+                digest = parsed.digest
+                _check_destination(parsed, worker, model.weight_layout())
+            except RefitMismatchError as exc:
+                status, message = STATUS_MISMATCH, f"engine worker {worker}: {exc}"
+        except Exception as exc:
+            cancel_formation(
+                store, session, f"engine worker {worker} failed: {type(exc).__name__}: {exc}"
+            )
+            raise
+        group = create_sync_group(
+            store=store,
+            rank=train_world_size + worker,
+            world_size=world_size,
+            train_world_size=train_world_size,
+            backend=backend,
+            device=_device_for(backend),
+            timeout_s=timeout_s,
+            session=session,
+            every_rank_sends=True,
+        )
+        try:
+            group.agree(status, message, digest)
+        except BaseException:
+            group.destroy()
+            raise
+        assert parsed is not None  # a parse failure voted a mismatch above
+        self._aiosync_sharded = _State(group, parsed, owner)
+        return {
+            "rank": group.rank,
+            "digest": digest,
+            "nbytes": parsed.receiver_nbytes[worker],
+        }
+
+    def aiosync_sharded_destroy(self, owner: str = "") -> None:
+        """Leave and destroy the sync group (idempotent).
+
+        Raises:
+            OwnershipError: the group belongs to another synchronizer that is
+                still alive (a group whose owner is gone is destroyed).
+        """
+        state = self._aiosync_sharded
+        if state is None:
+            return
+        if state.owner != owner and state.owner_alive():
+            raise OwnershipError(
+                f"engine worker {self.aiosync_worker_rank()} is in the sharded sync group "
+                "of another synchronizer, which is still alive: one engine takes one "
+                "trainer's refits at a time"
+            )
+        self._aiosync_sharded = None
+        state.group.destroy()
+
+    def aiosync_sharded_receive(self, *, version: int, owner: str = "") -> dict[str, Any]:
+        """Receive version ``version``: each box is written into the model as it lands.
+
+        :attr:`aiosync_weights_valid` is False from the start until every box
+        landed and every rank of the group voted success.
+
+        Returns:
+            ``{"version", "nbytes", "by_sender", "buckets", "seconds"}``: payload bytes
+            received, per sender (trainer rank), buckets, and the receive's duration.
+
+        Raises:
+            OwnershipError: the group belongs to another synchronizer.
+            TransportError, SyncTimeoutError: a peer failed, died or timed out (the
+                group is then destroyed); RefitMismatchError: a rank planned otherwise.
+        """
+        state = self._aiosync_sharded
+        if state is None:
+            raise TransportError(
+                "no sharded sync group on this worker: the trainer must init_communicator() first"
+            )
+        if owner != state.owner:
+            raise OwnershipError(
+                f"engine worker {self.aiosync_worker_rank()}'s sharded sync group belongs "
+                "to another synchronizer"
+            )
+        start = time.perf_counter()
+        discards = getattr(self, "aiosync_discard_epoch", 0)
+        self.aiosync_weights_valid = False
+        model = self._aiosync_layout_model()
+        group = state.group
+
+        def sink(name: str, box: Box, tensor: torch.Tensor) -> None:
+            model.load_weight_boxes([(name, box, tensor)])
+
+        try:
+            try:
+                result = run_plan(
+                    state.plan,
+                    group.data,
+                    group.rank,
+                    sink=sink,
+                    device=group.device,
+                    timeout_s=group.timeout_s,
+                )
+            except Exception as exc:
+                vote_or_abort(group, exc)
+                raise
+            status, message = STATUS_OK, ""
+            if getattr(self, "aiosync_discard_epoch", 0) != discards:
+                status, message = STATUS_ERROR, "the engine discarded this worker's weights"
+            group.agree(status, message)
+        except BaseException:
+            if group.broken:
+                self._aiosync_sharded = None
+                group.destroy()
+            raise
+        self.aiosync_weights_valid = True
+        return {
+            "version": version,
+            "nbytes": result.nbytes,
+            "by_sender": {str(k): v for k, v in result.by_peer.items()},
+            "buckets": result.buckets,
+            "seconds": time.perf_counter() - start,
+        }
+
+    def _aiosync_layout_model(self) -> LayoutModel:
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        if not isinstance(model, LayoutModel):
+            raise TransportError(
+                f"{type(model).__name__} cannot report its weight layout or load boxes "
+                "(weight_layout, load_weight_boxes): use the broadcast transport "
+                "(CollectiveWeightSynchronizer)"
+            )
+        return model
+
+
+def vote_or_abort(group: SyncGroup, exc: BaseException) -> None:
+    """After a failed plan: vote, or abort the group when a peer is gone.
+
+    A failure every peer saw through (a source or sink that raised, a plan that
+    differs) completes the plan on every rank, so the vote makes all of them raise
+    the same error. A peer that died or stalled leaves others waiting for its
+    bytes: destroying the group makes each of their waits fail at once
+    (connection closed) instead of after its timeout, one wait after another.
+    """
+    if isinstance(exc, LINK_FAILURES):
+        group.broken = True
+        group.destroy()
+        return
+    group.agree(_status_of(exc), f"{type(exc).__name__}: {exc}")
+
+
+def _status_of(exc: BaseException) -> int:
+    return STATUS_MISMATCH if isinstance(exc, RefitMismatchError) else STATUS_ERROR
+
+
+def _check_destination(plan: Plan, worker: int, held: Layout) -> None:
+    """The plan's destination for ``worker`` must be what its model holds."""
+    planned = plan.destinations[worker]
+    if dict(planned) != dict(held):
+        missing = sorted(set(held) - set(planned))
+        extra = sorted(set(planned) - set(held))
+        differ = sorted(n for n in set(held) & set(planned) if held[n] != planned[n])
+        parts = []
+        if missing:
+            parts.append(f"held but not planned: {missing[:3]}")
+        if extra:
+            parts.append(f"planned but not held: {extra[:3]}")
+        if differ:
+            n = differ[0]
+            parts.append(f"{n}: planned {planned[n]}, held {held[n]}")
+        raise RefitMismatchError("the plan's layout for this worker differs: " + "; ".join(parts))
