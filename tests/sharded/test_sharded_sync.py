@@ -180,3 +180,44 @@ async def test_a_worker_killed_mid_sync_fails_typed_and_the_next_sync_heals(
         assert (sync.weight_version, sync.is_stale) == (2, False)
     await engine.prepare_for_generation()
     await _assert_slices_equal(engine, trainer.hf_state_dict())
+
+
+async def test_a_tensor_no_trainer_rank_holds_is_named_before_any_byte_moves(
+    engine: EmbeddedEngine,
+) -> None:
+    from aiosync.errors import RefitMismatchError
+    from aiosync.testing import StateDictSource
+
+    state = HFModelRunner.from_config(TINY_QWEN3, seed=26).hf_state_dict()
+    renamed = {("model.norm.scale" if n == "model.norm.weight" else n): t for n, t in state.items()}
+    [before] = (await engine.hf_state_dicts())[:1]
+    sync = ShardedWeightSynchronizer(
+        StateDictSource(renamed),
+        engine,
+        train_cluster=TrainCluster(master_port=_port()),
+        inference_world_size=engine.world_size,
+        collective_timeout_s=600.0,  # a worker left waiting in a rendezvous would hang this long
+    )
+    with pytest.raises(RefitMismatchError, match=r"model\.norm\.weight"):
+        await sync.init_communicator()
+    await sync.shutdown()
+    [after] = (await engine.hf_state_dicts())[:1]
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+async def test_moe_experts_reach_each_worker_as_their_slices() -> None:
+    from aiosync.engines.embedded.configs import TINY_QWEN3_MOE
+
+    trainer = HFModelRunner.from_config(TINY_QWEN3_MOE, seed=27)
+    async with EmbeddedEngine(
+        TINY_QWEN3_MOE, num_workers=1, tensor_parallel_size=2, seed=5, rpc_timeout_s=120
+    ) as moe:
+        async with _sync(trainer, moe) as sync:
+            await sync.mark_stale()
+            await sync.sync_weights()
+            full = trainer.hf_state_dict()
+            manifest = sum(t.numel() * t.element_size() for t in full.values())
+            assert all(n < manifest for n in sync.transfer_plan.receiver_nbytes)
+        await _assert_slices_equal(moe, full)
+        expected = trainer.generate(PROMPTS, max_new_tokens=4, ignore_eos=True)
+        assert await moe.generate(PROMPTS, max_new_tokens=4, ignore_eos=True) == expected
