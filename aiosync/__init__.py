@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from aiosync.transports.http import HTTPWeightSynchronizer
     from aiosync.transports.ipc import IPCWeightSynchronizer
     from aiosync.transports.lora import LoRAAdapterSynchronizer
+    from aiosync.transports.sharded import ShardedWeightSynchronizer
 
 __version__ = "0.1.0.dev0"
 
@@ -90,6 +91,7 @@ __all__ = [
     "ReplaySample",
     "SGLangHTTPBackend",
     "SamplingParams",
+    "ShardedWeightSynchronizer",
     "SleepReporting",
     "StalenessStats",
     "SyncError",
@@ -113,6 +115,7 @@ __all__ = [
 # Transports and engines load on first use: they import torch, zmq or httpx.
 _LAZY: dict[str, str] = {
     "CollectiveWeightSynchronizer": "aiosync.transports.collective",
+    "ShardedWeightSynchronizer": "aiosync.transports.sharded",
     "EmbeddedEngine": "aiosync.engines.embedded.engine",
     "EngineFleet": "aiosync.engines.fleet",
     "HTTPWeightSynchronizer": "aiosync.transports.http",

@@ -456,6 +456,14 @@ class WeightSynchronizer(ABC):
             with contextlib.suppress(TypeError):
                 _ENGINE_OWNERS[engine] = (self.owner, weakref.ref(self))
 
+    def _taint_owner(self) -> None:
+        """The engine's current owner no longer knows what its engine holds: stale."""
+        for engine in self._engines():
+            claim = _ENGINE_OWNERS.get(engine)
+            owner = None if claim is None or claim[0] == self.owner else claim[1]()
+            if owner is not None and not owner._closed and not owner._sharded():
+                owner._engine_dirty = True
+
     async def _read_manifest(self) -> RefitManifest:
         """The source's manifest, built in a worker thread (it may walk a large
         model or gather); kept for the argument checks of :meth:`sync_weights`."""
@@ -600,6 +608,16 @@ class WeightSynchronizer(ABC):
                     raise SyncError(
                         f"the engine discarded its weights while version {version} was being "
                         "synced: some workers may hold neither version; sync again"
+                    )
+                if self._superseded is not None and not self._sharded():
+                    # Another synchronizer committed into the engine while this one's
+                    # bytes were moving (only a transport without worker sessions lets
+                    # it): the engine may hold a mix of both; neither may claim it.
+                    self._taint_owner()
+                    raise OwnershipError(
+                        f"{self._superseded} while version {version} of "
+                        f"{type(self).__name__} was being synced: the engine may hold a "
+                        "mix of both; await init_communicator() and sync again"
                     )
                 await self._label_engine(version)
             except BaseException as exc:

@@ -224,3 +224,37 @@ def test_factory_refuses_a_keyword_the_chosen_transport_does_not_take(source, en
         create_weight_synchronizer(
             source, engine, colocated=True, backend="vllm", dist_backend="gloo"
         )
+
+
+@pytest.mark.parametrize(
+    ("tensor_parallel_size", "options", "class_name"),
+    [
+        (2, {}, "ShardedWeightSynchronizer"),  # the engine holds slices: each byte once
+        (1, {}, "CollectiveWeightSynchronizer"),  # whole copies: the broadcast
+        (2, {"verify": True}, "CollectiveWeightSynchronizer"),  # a broadcast-only option
+        (2, {"sharded": False}, "CollectiveWeightSynchronizer"),
+        (1, {"sharded": True}, "ShardedWeightSynchronizer"),
+    ],
+)
+def test_factory_picks_the_shard_aware_transfer_for_engines_that_hold_slices(
+    source, tensor_parallel_size, options, class_name
+):
+    from aiosync.engines.embedded.configs import TINY_QWEN3
+
+    # Constructing the engine starts no process.
+    engine = aiosync.EmbeddedEngine(TINY_QWEN3, tensor_parallel_size=tensor_parallel_size)
+    sync = create_weight_synchronizer(
+        source,
+        engine,
+        colocated=False,
+        backend="embedded",
+        train_cluster=TrainCluster(),
+        inference_world_size=engine.world_size,
+        **options,
+    )
+    assert type(sync) is getattr(aiosync, class_name)
+
+
+def test_sharded_is_refused_for_a_colocated_engine(source, engine):
+    with pytest.raises(ValueError, match="sharded=True is a non-colocated transport"):
+        create_weight_synchronizer(source, engine, colocated=True, backend="vllm", sharded=True)

@@ -176,3 +176,70 @@ async def test_sampling_params_and_the_keyword_form_are_the_same_request(
         with pytest.raises(TypeError, match="unknown sampling keyword"):
             await backend.generate_with_meta(prompts, max_new_tokens=2, top_k=3)
         assert len(tap.generate) == 3  # the refused call sent nothing
+
+
+async def test_a_commit_by_another_synchronizer_mid_sync_fails_the_sync_and_taints_both(
+    server: Any, make_trainer: Any, state_equal: Any
+) -> None:
+    # SGLang keeps no sessions: B can commit into the server while A's buckets move.
+    # Then the server holds a mix of both, so A must not commit over it and B, whose
+    # claim A's later buckets broke, must turn stale.
+    import threading
+
+    import anyio
+
+    from aiosync import OwnershipError
+
+    a, b = make_trainer(seed=71), make_trainer(seed=72)
+    async with SGLangHTTPBackend(server.url) as backend:
+        sync_a = HTTPWeightSynchronizer(a, backend, bucket_bytes=BUCKET_BYTES)
+        sync_b = HTTPWeightSynchronizer(b.inner, backend, bucket_bytes=BUCKET_BYTES)
+        async with sync_a, sync_b:
+            await sync_a.mark_stale()
+            await sync_a.sync_weights()  # A owns the server
+            a.step(seed=73)
+            await sync_a.mark_stale()
+            await sync_b.mark_stale()
+            streaming, intruded = threading.Event(), threading.Event()
+            seen: list[str] = []
+
+            def hold(name: str) -> None:
+                seen.append(name)
+                if len(seen) == 3:
+                    streaming.set()
+                    intruded.wait(60)
+
+            a.on_tensor = hold
+            outcome: dict[str, BaseException | None] = {}
+
+            async def run_a() -> None:
+                try:
+                    await sync_a.sync_weights()
+                    outcome["a"] = None
+                except Exception as exc:
+                    outcome["a"] = exc
+
+            async def intrude() -> None:
+                await anyio.to_thread.run_sync(streaming.wait, 60)
+                try:
+                    await sync_b.sync_weights()
+                finally:
+                    intruded.set()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run_a)
+                tg.start_soon(intrude)
+            a.on_tensor = None
+            failure = outcome["a"]
+            assert isinstance(failure, OwnershipError)
+            assert "committed its version 1" in str(failure)
+            assert "may hold a mix of both" in str(failure)
+            assert (sync_a.weight_version, sync_a.is_stale) == (1, True)
+            assert (sync_b.weight_version, sync_b.is_stale) == (1, True)
+            # A takes the engine over explicitly; its sync lands whole.
+            await sync_a.init_communicator()
+            await sync_a.sync_weights()
+            assert (sync_a.weight_version, sync_a.is_stale) == (2, False)
+            state_equal(server.state_dict(), a.expected())
+            with pytest.raises(OwnershipError, match="no longer owns its engine"):
+                await sync_b.sync_weights()
