@@ -18,7 +18,7 @@ import anyio.to_thread
 
 from ._wire import error_fields, rebuild_error
 
-__all__ = ["TrainerRanks", "drain"]
+__all__ = ["OnTrainerRanks", "TrainerRanks", "drain"]
 
 
 def drain(weights: Iterator[Any]) -> None:
@@ -89,3 +89,24 @@ class TrainerRanks:
                 raise rebuild_error(fields, f"trainer rank {rank}") from failed
         if failed is not None:  # cancelled here, while every rank succeeded
             raise failed
+
+
+class OnTrainerRanks:
+    """What a colocated synchronizer on a sharded trainer's ranks tells the base class:
+    rank 0 drives the engine, and the ranks gather over ``self._ranks``. Mixed in
+    before :class:`~aiosync.WeightSynchronizer` (IPC, LoRA)."""
+
+    _ranks: TrainerRanks
+
+    def _drives_generation(self) -> bool:
+        # Only the rank that holds the engine pauses and resumes it.
+        return self._ranks.is_driver
+
+    def _sharded(self) -> bool:
+        return self._ranks.sharded
+
+    def _rank(self) -> int:
+        return self._ranks.rank
+
+    async def _gather_ranks(self, obj: Any) -> list[Any] | None:
+        return await self._ranks.all_gather(obj) if self._ranks.sharded else None

@@ -460,10 +460,19 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             "session": session,
         }
 
-        # Whichever side fails first cancels the formation for the other at once:
-        # a worker waiting in the rendezvous for a source whose local set-up
-        # failed (or our own thread waiting for a worker that failed) gives up
-        # within ~50 ms instead of sitting out the whole formation limit.
+        return await self._join_with_workers(join, "aiosync_collective_init", kwargs, session)
+
+    async def _join_with_workers(
+        self, join: Callable[[], SyncGroup], method: str, kwargs: dict[str, Any], session: str
+    ) -> SyncGroup:
+        """Run this rank's ``join`` (in a thread) and the workers' ``method`` RPC together.
+
+        Whichever side fails first cancels the formation for the other at once: a
+        worker waiting in the rendezvous for a source whose local set-up failed (or
+        our own thread waiting for a worker that failed) gives up within ~50 ms
+        instead of sitting out the whole formation limit.
+        """
+
         async def local() -> SyncGroup:
             try:
                 return await self._in_thread(join, self._formation_limit())
@@ -473,7 +482,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
 
         async def remote() -> list[Any]:
             try:
-                return await self._rpc("aiosync_collective_init", kwargs, self._formation_limit())
+                return await self._rpc(method, kwargs, self._formation_limit())
             except BaseException as exc:
                 self._cancel_formation(session, f"the engine's workers failed: {_reason(exc)}")
                 raise

@@ -84,7 +84,7 @@ from aiosync.interfaces import (
 
 from .._identity import CPU_LABEL, device_identity
 from .._leftovers import dir_prefix, sweep_leftovers
-from .._ranks import TrainerRanks, drain
+from .._ranks import OnTrainerRanks, TrainerRanks, drain
 from .._wire import decode, encode, error_fields, rebuild_error
 from ..packing import Bucket, BucketPlan, group_by_bucket, pack, plan_buckets
 from ._shm import EMPTY_HANDLE, SharedBuffer
@@ -149,7 +149,7 @@ def default_bucket_bytes(
     return size
 
 
-class IPCWeightSynchronizer(WeightSynchronizer):
+class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
     """Colocated refits into an engine's workers through shared buffers (see module docs).
 
     Moves FP8 KV-cache scales: ``sync_weights(kv_scales=...)`` sends them with
@@ -371,19 +371,6 @@ class IPCWeightSynchronizer(WeightSynchronizer):
             )
         self.num_workers = len(workers)
         self.peers = [rank for rank, device in workers if device == self.device_id]
-
-    def _drives_generation(self) -> bool:
-        # Only the rank that holds the engine pauses and resumes it.
-        return self._ranks.is_driver
-
-    def _sharded(self) -> bool:
-        return self._ranks.sharded
-
-    def _rank(self) -> int:
-        return self._ranks.rank
-
-    async def _gather_ranks(self, obj: Any) -> list[Any] | None:
-        return await self._ranks.all_gather(obj) if self._ranks.sharded else None
 
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
         assert self.plan is not None

@@ -59,13 +59,13 @@ from aiosync.lora import (
     lora_adapter_name,
 )
 
-from .._ranks import TrainerRanks
+from .._ranks import OnTrainerRanks, TrainerRanks
 from ._layout import AdaptedModule, adapted_modules, check_adapter_config, check_against_base
 
 __all__ = ["LoRAAdapterSynchronizer"]
 
 
-class LoRAAdapterSynchronizer(WeightSynchronizer):
+class LoRAAdapterSynchronizer(OnTrainerRanks, WeightSynchronizer):
     """Refits a LoRA trainer's adapter into engines that serve LoRA adapters.
 
     Moves no FP8 KV-cache scales: an adapter-only refit leaves the base model,
@@ -210,19 +210,6 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
         if isinstance(engine, LoRAChecking):
             targets = sorted({m.target for m in modules.values()})
             await engine.check_lora_adapter(config, targets, max(m.rank for m in modules.values()))
-
-    def _drives_generation(self) -> bool:
-        # Only the rank that holds the engine pauses and resumes it.
-        return self._ranks.is_driver
-
-    def _sharded(self) -> bool:
-        return self._ranks.sharded
-
-    def _rank(self) -> int:
-        return self._ranks.rank
-
-    async def _gather_ranks(self, obj: Any) -> list[Any] | None:
-        return await self._ranks.all_gather(obj) if self._ranks.sharded else None
 
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
         # Every rank iterates (a sharded source's gathers are collectives); the

@@ -311,22 +311,7 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
             "session": session,
         }
 
-        async def local() -> SyncGroup:
-            try:
-                return await self._in_thread(join, self._formation_limit())
-            except BaseException as exc:
-                self._cancel_formation(session, f"trainer rank 0 failed: {exc!r}")
-                raise
-
-        async def remote() -> list[Any]:
-            try:
-                return await self._rpc("aiosync_sharded_init", kwargs, self._formation_limit())
-            except BaseException as exc:
-                self._cancel_formation(session, f"the engine's workers failed: {exc!r}")
-                raise
-
-        group, _replies = await self._both(local, remote)
-        return group
+        return await self._join_with_workers(join, "aiosync_sharded_init", kwargs, session)
 
     # -- one sync --------------------------------------------------------------
 
