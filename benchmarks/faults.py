@@ -13,7 +13,13 @@ after one healthy sync (version 1), during the sync of version 2:
 * ``weights discarded``: the engine discards its weights mid-sync (a level-2 sleep; SGLang:
   ``/release_memory_occupation``, the server started with ``--enable-memory-saver``);
 * ``second synchronizer``: another synchronizer tries the same engine (IPC: during a refit,
-  collective: while the first owns the sync group).
+  collective: while the first owns the sync group);
+* ``sequential takeover``: trainer A syncs version 1, then trainer B (another synchronizer,
+  in the same process) inits and syncs the same engine; A's next ``sync_weights`` and
+  ``refit_if_stale``;
+* ``restarted trainer``: A syncs versions 1–3 and shuts down (its process ending); a new
+  synchronizer with ``initial_version=3`` on the same weights inits, refits if stale, then
+  takes a training step (``policy_update``) and refits.
 
 Columns: the exception the training loop gets (``Cancelled``: the cancellation
 itself), seconds from the fault to it, whether ``weight_version`` stayed 1 with
@@ -21,12 +27,41 @@ itself), seconds from the fault to it, whether ``weight_version`` stayed 1 with
 untouched), what ``generate`` does next (the error it raises: it must not
 generate), whether the same synchronizer's next sync lands every tensor
 bit-exact, and the aiosync entries (``/dev/shm`` segments, temp-dir folders)
-created since the cell began that remain after its synchronizers shut down.
+created since the cell began that remain after its synchronizers shut down (those
+whose name carries the pid of a process of this run: the machine may be shared).
+
+The two second-owner cells read the columns for the first owner: for ``sequential
+takeover`` the error is what A's next ``sync_weights`` raises (seconds from that call),
+"version kept, stale" that A still reports version 1 with ``is_stale`` true (— where B
+never committed), ``generate`` what the engine, now serving B's weights, does, and
+"next sync heals" that A's ``init_communicator()`` (the explicit take-over) and sync land
+A's weights bit-exact; the note says what B's attempt and A's ``refit_if_stale`` got. The
+claim on an engine is kept per engine object, within one process (two trainer
+processes on one engine are the ``second synchronizer`` cells). For ``restarted trainer``
+the error is what the restarted loop's refits raise, and "version kept, stale" means
+that the engine's label (``generate_with_meta``'s version; SGLang: ``/get_weight_version``)
+continues at 4 after the step. In one process the closed synchronizer's claim on the
+engine remains, so the new one starts stale and its first refit re-syncs version 3; a
+restarted process starts without that claim.
+
+The sharded cells (transport ``ipc, 2 FSDP2 ranks`` and ``collective, 2 FSDP2 ranks``)
+run a 2-rank FSDP2 trainer over gloo in two spawned processes — the rank scripts of
+``tests/ipc/test_sharded_faults.py`` (rank 0 holds a colocated 2-worker engine, worker
+*r* fed by rank *r*) and of ``tests/collective/test_sharded_failures.py`` (rank 0 holds
+a 1-worker engine), the trainer of ``tests/_support/fsdp2.py`` — with the fault on rank 1
+during the sync of version 2: its source raises before its first tensor, between its
+gathers, or after its last tensor, or the rank SIGKILLs itself mid-sync. The error is
+what every surviving rank raises (the note says whether all survivors raise the same
+one and whether it names rank 1, and what rank 1 itself raised), seconds from the fault
+to the last survivor's error, whether every rank kept version 1 with ``is_stale`` true,
+what rank 0's engine does next, and whether the next sync lands bit-exact on every
+worker: in the same processes where the trainer's own group survived, else ("after a
+restart") in a restarted job of both ranks; left behind counts the whole job's entries.
 
 Usage::
 
-    python benchmarks/faults.py                 # every cell (a few minutes)
-    python benchmarks/faults.py --quick         # the IPC column only (< 1 minute)
+    python benchmarks/faults.py                 # every cell (several minutes)
+    python benchmarks/faults.py --quick         # the IPC column only, no sharded cells (< 1 minute)
     python benchmarks/faults.py --json          # last stdout line: one JSON object
     python benchmarks/faults.py --write docs/reliability.md
 """
@@ -39,6 +74,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -66,6 +102,7 @@ from aiosync import (
     TrainCluster,
     WeightSynchronizer,
     create_weight_synchronizer,
+    refit_if_stale,
 )
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.model import HFModelRunner
@@ -91,7 +128,32 @@ FAULTS = (
     "cancelled",
     "weights discarded",
     "second synchronizer",
+    "sequential takeover",
+    "restarted trainer",
 )
+#: The cells about which synchronizer owns the engine (:func:`run_owner_cell`).
+OWNER_FAULTS = ("sequential takeover", "restarted trainer")
+#: The version the trainer of the ``restarted trainer`` cell had reached (its checkpoint).
+RESTART_AT = 3
+#: The repository (the sharded cells run the tests' rank scripts).
+REPO = Path(__file__).resolve().parents[1]
+#: The sharded cells' transports and their rank scripts (``tests/_support/fsdp2.py``'s trainer).
+RANK_SCRIPTS = {
+    "ipc": REPO / "tests" / "ipc" / "_sharded_faults.py",
+    "collective": REPO / "tests" / "collective" / "_sharded_collective.py",
+}
+#: Ranks of the sharded trainer, and the one that fails.
+RANKS = 2
+FAILED_RANK = 1
+#: The sharded cells' faults: the rank scripts' scenario for each.
+SHARDED_FAULTS = {
+    "rank 1 raises before": "before",
+    "rank 1 raises between": "between",
+    "rank 1 raises after": "after",
+    "rank 1 SIGKILLed": "kill",
+}
+#: The longest one job of rank processes may run before its cell counts as hung, seconds.
+JOB_LIMIT_S = 300.0
 #: Cells that do not apply (no such fault on that transport), with the reason.
 NOT_APPLICABLE = {
     ("ipc", "engine error"): "workers answer typed errors, covered by the others",
@@ -100,8 +162,10 @@ NOT_APPLICABLE = {
 #: What a cell's outcome means, where the table alone would not say.
 EXPLAINED = {
     ("http", "second synchronizer"): (
-        "SGLang keeps no session: two trainers posting to one server interleave their buckets "
-        "and both report success; give each server exactly one trainer"
+        "SGLang keeps no session: two trainers posting to one server interleave their buckets; "
+        "in one process the one whose commit came second refuses it (OwnershipError: a mix) "
+        "and the other turns stale; across processes nothing tells them: give each server "
+        "exactly one trainer"
     ),
 }
 
@@ -145,11 +209,25 @@ class FaultySource(RefitSource):
             yield item
 
 
+#: The processes this run started (and itself): the creators whose entries count.
+_OURS: set[int] = {os.getpid()}
+#: The creator's pid in an aiosync entry's name (``transports/_leftovers.py``).
+_CREATOR = re.compile(r"^aiosync-(?:[a-z]+(?:-[a-z]+)?-)?(?P<pid>[0-9]+)-")
+
+
+def _ours(name: str) -> bool:
+    """Whether this run's processes created entry ``name`` (one naming no creator counts):
+    the machine is shared, and other tenants' aiosync processes are not this cell's."""
+    match = _CREATOR.match(name)
+    return match is None or int(match["pid"]) in _OURS
+
+
 def _aiosync_entries() -> set[str]:
-    """aiosync's names in /dev/shm and the temp dir (what a crash could leave)."""
-    names = {f"shm:{n}" for n in os.listdir(SHM_DIR) if n.startswith("aiosync")}
+    """aiosync's names in /dev/shm and the temp dir that this run's processes created
+    (what a crash could leave)."""
+    names = {f"shm:{n}" for n in os.listdir(SHM_DIR) if n.startswith("aiosync") and _ours(n)}
     tmp = tempfile.gettempdir()
-    return names | {f"tmp:{n}" for n in os.listdir(tmp) if n.startswith("aiosync-")}
+    return names | {f"tmp:{n}" for n in os.listdir(tmp) if n.startswith("aiosync-") and _ours(n)}
 
 
 def _trainer(seed: int) -> HFModelRunner:
@@ -171,10 +249,14 @@ class EngineUnderTest:
     transport: str
     engine: Any
 
-    def synchronizer(self, source: RefitSource) -> WeightSynchronizer:
+    def synchronizer(self, source: RefitSource, initial_version: int = 0) -> WeightSynchronizer:
         raise NotImplementedError
 
     def pid(self) -> int:
+        raise NotImplementedError
+
+    async def label(self) -> object:
+        """The version the engine labels what it generates with now."""
         raise NotImplementedError
 
     async def weights(self) -> dict[str, torch.Tensor]:
@@ -203,10 +285,14 @@ class Embedded(EngineUnderTest):
         self.transport = transport
         self.engine = engine
 
-    def synchronizer(self, source: RefitSource) -> WeightSynchronizer:
+    def synchronizer(self, source: RefitSource, initial_version: int = 0) -> WeightSynchronizer:
         if self.transport == "ipc":
             return IPCWeightSynchronizer(
-                source, self.engine, bucket_bytes=BUCKET_BYTES, rpc_timeout_s=30
+                source,
+                self.engine,
+                bucket_bytes=BUCKET_BYTES,
+                rpc_timeout_s=30,
+                initial_version=initial_version,
             )
         return create_weight_synchronizer(
             source,
@@ -218,10 +304,15 @@ class Embedded(EngineUnderTest):
             bucket_bytes=BUCKET_BYTES,
             collective_timeout_s=10.0,
             rpc_timeout_s=30.0,
+            initial_version=initial_version,
         )
 
     def pid(self) -> int:
         return int(self.engine.pids[0])
+
+    async def label(self) -> object:
+        (generation,) = await self.engine.generate_with_meta(PROMPTS[:1], max_new_tokens=1)
+        return generation.first_version
 
     async def weights(self) -> dict[str, torch.Tensor]:
         (state,) = await self.engine.hf_state_dicts()
@@ -264,6 +355,7 @@ class HTTPServer(EngineUnderTest):
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
+        _OURS.add(self.proc.pid)
         deadline = time.monotonic() + 300
         while not port_file.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -272,9 +364,17 @@ class HTTPServer(EngineUnderTest):
         self.url = f"http://127.0.0.1:{int(port_file.read_text())}"
         self.engine = SGLangHTTPBackend(self.url, enable_memory_saver=True)
 
-    def synchronizer(self, source: RefitSource) -> WeightSynchronizer:
+    def synchronizer(self, source: RefitSource, initial_version: int = 0) -> WeightSynchronizer:
         assert self.engine is not None
-        return HTTPWeightSynchronizer(source, self.engine, bucket_bytes=BUCKET_BYTES)
+        return HTTPWeightSynchronizer(
+            source, self.engine, bucket_bytes=BUCKET_BYTES, initial_version=initial_version
+        )
+
+    async def label(self) -> object:
+        async with httpx.AsyncClient(base_url=self.url, timeout=60) as client:
+            response = await client.get("/get_weight_version")
+            response.raise_for_status()
+            return response.json()["weight_version"]
 
     def pid(self) -> int:
         assert self.proc is not None
@@ -329,6 +429,8 @@ async def _timed(fault_time: list[float], call: Awaitable[Any]) -> tuple[str, fl
 
 async def run_cell(engine: EngineUnderTest, fault: str, seed: int) -> Cell:
     """Run ``fault`` against ``engine``'s transport; see the module docs for the columns."""
+    if fault in OWNER_FAULTS:
+        return await run_owner_cell(engine, fault, seed)
     cell = Cell(engine.transport, fault, note=EXPLAINED.get((engine.transport, fault), ""))
     before = _aiosync_entries()
     trainer = _trainer(seed)
@@ -377,7 +479,9 @@ async def run_cell(engine: EngineUnderTest, fault: str, seed: int) -> Cell:
         cell.heals = not sync.is_stale and await _matches(engine, trainer.model)
         return cell
     except Exception as exc:
-        cell.note = f"{type(exc).__name__}: {exc}"[:200]
+        # The cell stopped here: say so beside what it means, not instead of it.
+        stopped = f"the cell stopped at {type(exc).__name__}: {_short(str(exc), 160)}"
+        cell.note = (cell.note + "; " if cell.note else "") + stopped
         return cell
     finally:
         for s in (sync, *others):
@@ -407,10 +511,11 @@ async def _inject(
 
         source.hook = hook
 
+    limits = sync.timeouts
     if fault == "engine killed":
         at(lambda: os.kill(engine.pid(), signal.SIGKILL))
     elif fault == "engine hangs":
-        sync.sync_timeout_s = HANG_TIMEOUT_S
+        sync.timeouts = limits.with_keywords(sync_timeout_s=HANG_TIMEOUT_S)
         at(lambda: os.kill(engine.pid(), signal.SIGSTOP))
     elif fault == "engine error":
         assert isinstance(engine, HTTPServer)
@@ -433,7 +538,7 @@ async def _inject(
     finally:
         if fault == "engine hangs":
             os.kill(engine.pid(), signal.SIGCONT)
-            sync.sync_timeout_s = 600.0
+            sync.timeouts = limits
 
 
 async def _second_synchronizer(
@@ -470,15 +575,357 @@ async def _second_synchronizer(
             finally:
                 answered.set()
 
+        own = "none"
+
+        async def first() -> None:
+            nonlocal own
+            own = await _outcome(sync.sync_weights())
+
         async with anyio.create_task_group() as tg:
             tg.start_soon(intrude)
-            await sync.sync_weights()
+            tg.start_soon(first)
+        if own != "none":
+            # The second one committed while the first one's bytes moved (HTTP keeps no
+            # sessions): the first refuses to commit over the mix, keeps version 1, and
+            # takes the engine back explicitly before it heals.
+            cell.note = f"the first synchronizer's own sync: {own}"
+            cell.version_kept = sync.weight_version == 1 and sync.is_stale
+            await sync.init_communicator()
+            return
     # The first synchronizer's refit landed whole, undisturbed by the second.
     cell.version_kept = (
         sync.weight_version == 2
         and not sync.is_stale
         and await _matches(engine, source.inner.model)
     )
+
+
+# -- who owns the engine --------------------------------------------------------
+
+
+async def _outcome(call: Awaitable[Any]) -> str:
+    """What awaiting ``call`` did: "none" or the error's type and message (shortened)."""
+    try:
+        await call
+    except Exception as exc:
+        return f"{type(exc).__name__}: {_short(str(exc))}"
+    return "none"
+
+
+def _short(text: str, limit: int = 90) -> str:
+    """``text`` without its run-specific tokens (owner tokens, addresses), at most ``limit``
+    characters."""
+    text = re.sub(r"\b(0x[0-9a-f]+|[0-9a-f]{16})\b", "…", text)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+async def run_owner_cell(engine: EngineUnderTest, fault: str, seed: int) -> Cell:
+    """Run an :data:`OWNER_FAULTS` cell against ``engine``; see the module docs."""
+    cell = Cell(engine.transport, fault)
+    before = _aiosync_entries()
+    syncs: list[WeightSynchronizer] = []
+    notes: list[str] = []
+    try:
+        if fault == "sequential takeover":
+            await _sequential_takeover(engine, seed, cell, syncs, notes)
+        else:
+            await _restarted_trainer(engine, seed, cell, syncs, notes)
+    except Exception as exc:
+        notes.append(f"the cell stopped at {type(exc).__name__}: {_short(str(exc), 160)}")
+    finally:
+        for s in syncs:
+            with contextlib.suppress(Exception):
+                await s.shutdown()
+        left = sorted(_aiosync_entries() - before)
+        cell.left_behind = len(left)
+        if left:
+            notes.append("left: " + ", ".join(left))
+        cell.note = "; ".join(notes)
+    return cell
+
+
+async def _sequential_takeover(
+    engine: EngineUnderTest,
+    seed: int,
+    cell: Cell,
+    syncs: list[WeightSynchronizer],
+    notes: list[str],
+) -> None:
+    trainer_a, trainer_b = _trainer(seed), _trainer(seed + 500)
+    a = engine.synchronizer(FaultySource(trainer_a.model))
+    b = engine.synchronizer(FaultySource(trainer_b.model))
+    syncs += [a, b]
+    await a.init_communicator()
+    await a.mark_stale()
+    await a.sync_weights()
+    # B takes the same engine: init, then its own version 1.
+    b_outcome = await _outcome(b.init_communicator())
+    if b_outcome == "none":
+        await b.mark_stale()
+        b_outcome = await _outcome(b.sync_weights())
+    b_landed = b_outcome == "none" and not b.is_stale and await _matches(engine, trainer_b.model)
+    notes.append("B's takeover landed" if b_landed else f"B's takeover: {b_outcome}")
+    # A's training goes on: a new version, and the loop's next sync.
+    with torch.no_grad():
+        for p in trainer_a.model.parameters():
+            p.mul_(1.25)
+    await a.mark_stale()
+    start = time.monotonic()
+    error = await _error_of(a.sync_weights())
+    if isinstance(error, BaseException):
+        cell.error, cell.seconds = type(error).__name__, time.monotonic() - start
+        notes.append(f"A's sync_weights: “{_short(str(error))}”")
+    else:
+        cell.error = "none"
+    refit = await _error_of(refit_if_stale(a, engine.engine))
+    if isinstance(refit, BaseException) and isinstance(error, BaseException):
+        same = type(refit) is type(error) and str(refit) == str(error)
+        refit_text = "the same" if same else f"{type(refit).__name__}: {_short(str(refit))}"
+    elif isinstance(refit, BaseException):
+        refit_text = f"{type(refit).__name__}: {_short(str(refit))}"
+    else:
+        refit_text = "none"
+    notes.append(f"A's refit_if_stale: {refit_text}")
+    if b_landed:
+        cell.version_kept = a.weight_version == 1 and a.is_stale
+    cell.generate = await engine.generate()
+    # A takes the engine back explicitly.
+    await a.init_communicator()
+    await a.sync_weights()
+    cell.heals = not a.is_stale and await _matches(engine, trainer_a.model)
+
+
+async def _error_of(call: Awaitable[Any]) -> BaseException | str:
+    """The exception awaiting ``call`` raises ("none" if it returns)."""
+    try:
+        await call
+    except Exception as exc:
+        return exc
+    return "none"
+
+
+async def _restarted_trainer(
+    engine: EngineUnderTest,
+    seed: int,
+    cell: Cell,
+    syncs: list[WeightSynchronizer],
+    notes: list[str],
+) -> None:
+    trainer = _trainer(seed)
+    first = engine.synchronizer(FaultySource(trainer.model))
+    syncs.append(first)
+    await first.init_communicator()
+    for version in range(1, RESTART_AT + 1):
+        if version > 1:
+            with torch.no_grad():
+                for p in trainer.model.parameters():
+                    p.mul_(1.25)
+        await first.mark_stale()
+        await first.sync_weights()
+    label_before = await engine.label()
+    await first.shutdown()  # the trainer's process ends (its sockets and store close)
+    # The restarted trainer: the same checkpoint (weights of RESTART_AT), a new synchronizer.
+    again = engine.synchronizer(FaultySource(trainer.model), initial_version=RESTART_AT)
+    syncs.append(again)
+    await again.init_communicator()
+    stale_at_start = again.is_stale
+    errors = [await _outcome(refit_if_stale(again, engine.engine))]
+    label_resumed = await engine.label()
+    async with again.policy_update():
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.mul_(1.25)
+    errors.append(await _outcome(refit_if_stale(again, engine.engine)))
+    label_after = await engine.label()
+    cell.error = errors[0] if len(set(errors)) == 1 else " then ".join(errors)
+    expected = RESTART_AT + 1
+    cell.version_kept = (
+        str(label_after) == str(expected)
+        and again.weight_version == expected
+        and again.policy_version == expected
+    )
+    notes.append(
+        f"engine label {label_before} before the restart; the new synchronizer starts at "
+        f"{RESTART_AT}, stale at once: {'yes' if stale_at_start else 'no'}; label "
+        f"{label_resumed} after its first refit_if_stale, {label_after} after the step's"
+    )
+    cell.generate = await engine.generate()
+    cell.heals = not again.is_stale and await _matches(engine, trainer.model)
+
+
+# -- the sharded trainer ------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """One run of every rank of the sharded trainer, as observed."""
+
+    #: Each rank's exit code; None: still running after :data:`JOB_LIMIT_S` (killed).
+    codes: list[int | None]
+    #: What each rank wrote (None: nothing, as a killed rank).
+    seen: list[dict[str, Any] | None]
+    #: When the fault struck (``time.monotonic()``, the machine's clock), if it did.
+    struck_at: float | None
+    #: The end of each rank's log.
+    logs: list[str]
+
+
+def _ports(count: int) -> list[int]:
+    """``count`` distinct free ports."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def rank_job(transport: str, scenario: str, workdir: Path) -> Job:
+    """Run the :data:`RANK_SCRIPTS` of ``transport`` on :data:`RANKS` ranks with
+    ``scenario`` (one of the scripts' scenarios) and wait for every rank to exit
+    (the failed rank last: the collective script's waits for its stdin to close)."""
+    out = workdir / f"{transport}-{scenario}-{time.monotonic_ns()}"
+    out.mkdir(parents=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    }
+    ports = _ports(2)
+
+    def argv(rank: int) -> list[str]:
+        head = [sys.executable, str(RANK_SCRIPTS[transport]), str(rank), str(RANKS)]
+        result = str(out / f"{rank}.json")
+        if transport == "ipc":
+            return [*head, str(ports[0]), result, scenario]
+        return [*head, str(ports[0]), str(ports[1]), result, scenario, str(FAILED_RANK), "probe"]
+
+    logs = [out / f"{r}.log" for r in range(RANKS)]
+    procs = [
+        subprocess.Popen(
+            argv(r),
+            env=env,
+            stdin=subprocess.PIPE if transport == "collective" else subprocess.DEVNULL,
+            stdout=logs[r].open("w"),
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(RANKS)
+    ]
+    _OURS.update(p.pid for p in procs)
+    deadline = time.monotonic() + JOB_LIMIT_S
+    codes: dict[int, int | None] = {}
+    try:
+        for r in [r for r in range(RANKS) if r != FAILED_RANK] + [FAILED_RANK]:
+            stdin = procs[r].stdin
+            if r == FAILED_RANK and stdin is not None:
+                stdin.close()  # the survivors exited: the failed rank may too
+            try:
+                codes[r] = procs[r].wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                codes[r] = None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    seen = [
+        json.loads(f.read_text()) if (f := out / f"{r}.json").exists() else None
+        for r in range(RANKS)
+    ]
+    stamp = out / f"{FAILED_RANK}.fault"
+    struck_at = float(stamp.read_text()) if stamp.exists() else None
+    return Job(
+        [codes[r] for r in range(RANKS)], seen, struck_at, [f.read_text()[-2000:] for f in logs]
+    )
+
+
+def _healed(job: Job) -> bool:
+    """Whether the job's last sync left every rank unstale and every worker bit-exact."""
+    if any(s is None or "after_heal" not in s for s in job.seen):
+        return False
+    rank0 = job.seen[0]
+    assert rank0 is not None
+    exact = rank0.get("healed_bit_exact")
+    exact = all(exact) if isinstance(exact, list) else bool(exact)
+    return exact and all(s is not None and s["after_heal"][2] is False for s in job.seen)
+
+
+def sharded_cell(transport: str, fault: str, workdir: Path) -> Cell:
+    """Run one sharded cell: :data:`SHARDED_FAULTS` ``fault`` on rank 1 of the
+    ``transport`` trainer; a restarted job heals where the processes cannot."""
+    cell = Cell(f"{transport}, {RANKS} FSDP2 ranks", fault)
+    scenario = SHARDED_FAULTS[fault]
+    notes: list[str] = []
+    before = _aiosync_entries()
+    try:
+        job = rank_job(transport, scenario, workdir)
+        expected_codes = [
+            -signal.SIGKILL if r == FAILED_RANK and scenario == "kill" else 0 for r in range(RANKS)
+        ]
+        for r, (code, want) in enumerate(zip(job.codes, expected_codes, strict=True)):
+            if code is None:
+                notes.append(f"rank {r} still running after {JOB_LIMIT_S:.0f} s (killed)")
+            elif code != want:
+                notes.append(f"rank {r} exited {code}: {_short(job.logs[r].strip()[-300:], 200)}")
+        survivors = [job.seen[r] for r in range(RANKS) if r != FAILED_RANK]
+        failures = [tuple(s["failure"]) if s and s.get("failure") else None for s in survivors]
+        first = failures[0]
+        if first is None:
+            cell.error = "none"
+        else:
+            kind, message = first
+            cell.error = kind
+            alike = all(f == first for f in failures)
+            names = f"rank {FAILED_RANK}" in message
+            notes.append(
+                f"every survivor alike: {'yes' if alike else '**no**'}, naming rank "
+                f"{FAILED_RANK}: {'yes' if names else '**no**'}: “{_short(message)}”"
+            )
+            own = job.seen[FAILED_RANK]
+            if own is not None and own.get("failure"):
+                notes.append(f"rank {FAILED_RANK} raised {own['failure'][0]}")
+            times = [s["failed_at"] for s in survivors if s and "failed_at" in s]
+            if job.struck_at is not None and len(times) == len(survivors):
+                cell.seconds = max(times) - job.struck_at
+        written = [s for s in job.seen if s is not None]
+        cell.version_kept = bool(written) and all(
+            s.get("after_failure") == [s["after_ok"][0] + 1, s["after_ok"][1], True]
+            for s in written
+        )
+        engine = job.seen[0].get("engine_after_failure") if job.seen[0] else None
+        if engine is not None:
+            if "generate_error" in engine:
+                cell.generate = engine["generate_error"][0]
+            else:
+                cell.generate = "generated"
+                if all(engine["weights_valid"]):
+                    notes.append("the engine still serves version 1 (every worker valid)")
+        if scenario != "kill" and all(s is not None and "after_heal" in s for s in job.seen):
+            cell.heals = _healed(job)
+        else:
+            restart = rank_job(transport, "heal", workdir)
+            cell.heals = _healed(restart) and restart.codes == [0] * RANKS
+            notes.append("healed after a restart of both ranks")
+    except Exception as exc:
+        notes.append(f"the cell stopped at {type(exc).__name__}: {_short(str(exc), 160)}")
+    finally:
+        left = sorted(_aiosync_entries() - before)
+        cell.left_behind = len(left)
+        if left:
+            notes.append("left: " + ", ".join(left))
+        cell.note = "; ".join(notes)
+    return cell
+
+
+def run_sharded() -> list[Cell]:
+    """Every sharded cell, transport by transport."""
+    with tempfile.TemporaryDirectory(prefix="faults-ranks-") as workdir:
+        return [
+            sharded_cell(transport, fault, Path(workdir))
+            for transport in RANK_SCRIPTS
+            for fault in SHARDED_FAULTS
+        ]
 
 
 # -- the run ------------------------------------------------------------------
@@ -532,7 +979,7 @@ def table(cells: list[Cell]) -> list[str]:
     for c in cells:
         seconds = "—" if c.seconds is None else f"{c.seconds:.2f}"
         left = "—" if c.left_behind is None else str(c.left_behind)
-        error = c.error if not c.note else f"{c.error} ({c.note})"
+        error = (c.error if not c.note else f"{c.error} ({c.note})").replace("|", "\\|")
         lines.append(
             f"| {c.transport} | {c.fault} | {error} | {seconds} | {_yes(c.version_kept)} "
             f"| {c.generate} | {_yes(c.heals)} | {left} |"
@@ -542,7 +989,9 @@ def table(cells: list[Cell]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="the IPC column only")
+    parser.add_argument(
+        "--quick", action="store_true", help="the IPC column only, no sharded cells"
+    )
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     parser.add_argument("--write", type=Path, help="write the Markdown report to this file")
     args = parser.parse_args()
@@ -550,6 +999,8 @@ def main() -> None:
     machine = Machine(repeats=1)
     start = time.monotonic()
     cells = asyncio.run(run(transports))
+    if not args.quick:
+        cells += run_sharded()
     machine.finish()
     lines = table(cells)
     print("\n".join(lines))
@@ -576,7 +1027,7 @@ def _report(lines: list[str], machine: Machine) -> str:
             "",
             f"Last run: {machine.caption('one run')}; seconds to error are indicative.",
             "",
-            "Outside this matrix (they need a trainer in another process, or a GPU), each a test:",
+            "Outside this matrix (they kill the whole trainer, or need a GPU), each a test:",
             "a SIGKILLed trainer ends the engine workers' receive within ~0.1 s",
             "(`tests/ipc/test_ipc_faults.py`), the SGLang test server it started exits with it",
             "(`tests/http/test_sglang_test_server_parent_death.py`), and the next aiosync process",
