@@ -120,7 +120,8 @@ def create_weight_synchronizer(
         trace: record ``last_trace`` per sync; IPC, HTTP.
         dist_backend: non-colocated only: the collective's data group,
             ``"nccl"`` or ``"gloo"`` (default: nccl when CUDA is available).
-        sharded: non-colocated vLLM/embedded: True for the shard-aware transfer
+        sharded: non-colocated vLLM/embedded only (ignored when colocated): True
+            for the shard-aware transfer
             (:class:`~aiosync.transports.sharded.ShardedWeightSynchronizer`: every
             trainer rank sends its own shards, each worker receives only its
             slices), False for the rank-0 broadcast; None (default) picks the
@@ -140,8 +141,8 @@ def create_weight_synchronizer(
             transport does not take.
         ValueError: unknown backend or ``dist_backend`` (the message lists the
             known ones), a non-colocated setup without
-            ``train_cluster``/``inference_world_size``, or an empty list of engines;
-            all before anything is built.
+            ``train_cluster``/``inference_world_size``, ``sharded=True`` with
+            ``colocated=True``, or an empty list of engines; all before anything is built.
         NotImplementedError: non-colocated SGLang (full-model refits).
     """
     if not isinstance(colocated, bool):

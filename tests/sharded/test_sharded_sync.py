@@ -221,3 +221,39 @@ async def test_moe_experts_reach_each_worker_as_their_slices() -> None:
         await _assert_slices_equal(moe, full)
         expected = trainer.generate(PROMPTS, max_new_tokens=4, ignore_eos=True)
         assert await moe.generate(PROMPTS, max_new_tokens=4, ignore_eos=True) == expected
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        # A tensor no worker holds would be dropped by the plan: refused instead.
+        ("extra", r"1 name\(s\) unknown to the engine, first: \['model\.extra\.weight'\]"),
+        # The engine loads float32: a bf16 trainer is refused, naming both dtypes.
+        ("bf16", r"model\.embed_tokens\.weight: trainer \(128, 64\) bfloat16 vs engine .*float32"),
+    ],
+)
+async def test_a_manifest_the_engine_does_not_load_is_refused_at_init(
+    engine: EmbeddedEngine, change: str, match: str
+) -> None:
+    from aiosync.errors import RefitMismatchError
+    from aiosync.testing import StateDictSource
+
+    state = HFModelRunner.from_config(TINY_QWEN3, seed=28).hf_state_dict()
+    if change == "extra":
+        state = {**state, "model.extra.weight": torch.zeros(3)}
+    else:
+        state = {n: t.to(torch.bfloat16) for n, t in state.items()}
+    before = await engine.hf_state_dicts()
+    sync = ShardedWeightSynchronizer(
+        StateDictSource(state),
+        engine,
+        train_cluster=TrainCluster(master_port=_port()),
+        inference_world_size=engine.world_size,
+        collective_timeout_s=600.0,
+    )
+    with pytest.raises(RefitMismatchError, match=match):
+        await sync.init_communicator()
+    await sync.shutdown()
+    after = await engine.hf_state_dicts()
+    assert all(torch.equal(b[n], a[n]) for b, a in zip(before, after, strict=True) for n in b)
+    await engine.generate(PROMPTS, max_new_tokens=2, ignore_eos=True)  # still serving

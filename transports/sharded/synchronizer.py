@@ -35,7 +35,8 @@ import anyio.to_thread
 import torch
 
 from aiosync._config import DEFAULT_EVENT_BACKLOG, Timeouts
-from aiosync.errors import SyncError, TransportError
+from aiosync.capabilities import ManifestReporting
+from aiosync.errors import RefitMismatchError, SyncError, TransportError
 from aiosync.interfaces import (
     EngineWorkers,
     InFlightPolicy,
@@ -54,7 +55,7 @@ from ..collective._group import (
 )
 from ..collective._votes import GroupRanks, agree_formation
 from ..collective.synchronizer import CollectiveWeightSynchronizer, DistBackend
-from ..packing import dtype_name
+from ..packing import compare_manifests, dtype_name
 from ._p2p import P2PResult, SourceFn, run_plan
 from ._plan import Plan, make_plan
 from ._source_layout import (
@@ -249,12 +250,22 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
         if self.is_source:
             try:
                 await self._check_model_configs()
+                await self._check_manifest(manifest)
                 sources = await anyio.to_thread.run_sync(self._source_layouts, manifest)
                 replies = await self._rpc("aiosync_sharded_layout", {}, self.rpc_timeout_s)
                 if len(replies) != self.inference_world_size:
                     raise ValueError(
                         f"inference_world_size={self.inference_world_size}, but the engine "
                         f"has {len(replies)} worker(s): pass inference_world_size={len(replies)}"
+                    )
+                held = {name for layout in replies for name in layout}
+                unheld = [name for name in manifest if name not in held]
+                if unheld:
+                    # The plan moves only what some worker holds: a trainer tensor no
+                    # worker holds would be dropped without a word.
+                    raise RefitMismatchError(
+                        f"{len(unheld)} name(s) of the trainer's manifest no engine worker "
+                        f"holds, first: {unheld[:3]}"
                     )
                 spec = {
                     "sources": layouts_to_wire(sources),
@@ -274,6 +285,19 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
         with anyio.CancelScope(shield=True):
             gathered = await ranks.all_gather(json.dumps(spec) if self.is_source else None)
         return dict(json.loads(gathered[0]))
+
+    async def _check_manifest(self, manifest: Any) -> None:
+        """The trainer's names, shapes and dtypes against the engine's loader, where the
+        engine says what it loads (as the broadcast's workers compare them).
+
+        Raises:
+            RefitMismatchError: the first differences, both ways.
+        """
+        if not isinstance(self.generation, ManifestReporting):
+            return
+        expected = await self.generation.expected_manifest()
+        if expected is not None:
+            compare_manifests(manifest, expected)
 
     async def _join(self, session: str, spec: dict[str, Any], plan: Plan) -> SyncGroup:
         """Every trainer rank and every worker form the session's group together."""
