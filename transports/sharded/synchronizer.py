@@ -56,7 +56,7 @@ from ..collective._group import (
 from ..collective._votes import GroupRanks, agree_formation
 from ..collective.synchronizer import CollectiveWeightSynchronizer, DistBackend
 from ..packing import compare_manifests, dtype_name
-from ._p2p import P2PResult, SourceFn, run_plan
+from ._p2p import P2PResult, SourceFn
 from ._plan import Plan, make_plan
 from ._source_layout import (
     dtensor_layouts,
@@ -64,7 +64,7 @@ from ._source_layout import (
     manifest_dtypes,
     single_rank_layouts,
 )
-from .worker import layouts_from_wire, layouts_to_wire, vote_or_abort
+from .worker import layouts_from_wire, layouts_to_wire, run_plan_and_vote
 
 __all__ = ["ShardedWeightSynchronizer"]
 
@@ -347,20 +347,9 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
         source = await anyio.to_thread.run_sync(self._sender_source)
 
         def send() -> P2PResult:
-            try:
-                result = run_plan(
-                    plan,
-                    group.data,
-                    group.rank,
-                    source=source,
-                    device=self.device,
-                    timeout_s=self.collective_timeout_s,
-                )
-            except Exception as exc:
-                vote_or_abort(group, exc)
-                raise
-            group.agree(STATUS_OK)
-            return result
+            return run_plan_and_vote(
+                plan, group, source=source, device=self.device, timeout_s=self.collective_timeout_s
+            )
 
         try:
             if self.is_source:

@@ -14,6 +14,7 @@ refused at init, before any byte moves; the broadcast transport still serves it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -33,7 +34,7 @@ from ..collective._group import (
     open_store,
 )
 from ..packing import dtype_from_name
-from ._p2p import LINK_FAILURES, run_plan
+from ._p2p import LINK_FAILURES, P2PResult, SinkFn, SourceFn, run_plan
 from ._plan import Box, Plan, make_plan
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "ShardedWorkerMixin",
     "layouts_from_wire",
     "layouts_to_wire",
+    "run_plan_and_vote",
     "vote_or_abort",
 ]
 
@@ -265,23 +267,20 @@ class ShardedWorkerMixin(WorkerIdentityMixin):
         def sink(name: str, box: Box, tensor: torch.Tensor) -> None:
             model.load_weight_boxes([(name, box, tensor)])
 
-        try:
-            try:
-                result = run_plan(
-                    state.plan,
-                    group.data,
-                    group.rank,
-                    sink=sink,
-                    device=group.device,
-                    timeout_s=group.timeout_s,
-                )
-            except Exception as exc:
-                vote_or_abort(group, exc)
-                raise
-            status, message = STATUS_OK, ""
+        def discarded() -> str | None:
             if getattr(self, "aiosync_discard_epoch", 0) != discards:
-                status, message = STATUS_ERROR, "the engine discarded this worker's weights"
-            group.agree(status, message)
+                return "the engine discarded this worker's weights"
+            return None
+
+        try:
+            result = run_plan_and_vote(
+                state.plan,
+                group,
+                sink=sink,
+                device=group.device,
+                timeout_s=group.timeout_s,
+                check=discarded,
+            )
         except BaseException:
             if group.broken:
                 self._aiosync_sharded = None
@@ -305,6 +304,45 @@ class ShardedWorkerMixin(WorkerIdentityMixin):
                 "(CollectiveWeightSynchronizer)"
             )
         return model
+
+
+def run_plan_and_vote(
+    plan: Plan,
+    group: SyncGroup,
+    *,
+    source: SourceFn | None = None,
+    sink: SinkFn | None = None,
+    device: torch.device,
+    timeout_s: float,
+    check: Callable[[], str | None] | None = None,
+) -> P2PResult:
+    """This rank's share of ``plan`` over ``group.data``, then every rank's vote (trainers
+    and workers alike): all of them raise the same error if any failed.
+
+    Args:
+        check: after a plan that moved everything, this rank's own reason to fail
+            (None: none), voted like a failure of the plan.
+
+    Raises:
+        What :func:`~._p2p.run_plan` raises (a lost peer aborts the group instead of
+        voting, see :func:`vote_or_abort`), or the vote's error.
+    """
+    try:
+        result = run_plan(
+            plan,
+            group.data,
+            group.rank,
+            source=source,
+            sink=sink,
+            device=device,
+            timeout_s=timeout_s,
+        )
+    except Exception as exc:
+        vote_or_abort(group, exc)
+        raise
+    problem = check() if check is not None else None
+    group.agree(STATUS_OK if problem is None else STATUS_ERROR, problem or "")
+    return result
 
 
 def vote_or_abort(group: SyncGroup, exc: BaseException) -> None:
