@@ -14,7 +14,8 @@ An engine is an :class:`Engine` (wake and sleep); everything else is optional:
 (the colocated bracket wakes only what slept), :class:`EngineWorkers` (IPC and
 collective drive the workers), :class:`Generating` (the rollout loop) and
 :class:`ValidityReporting`, :class:`ManifestReporting` and
-:class:`ConfigReporting` (checks before a sync) and :class:`EngineSet` (a fleet).
+:class:`ConfigReporting` (checks before a sync), :class:`LayoutReporting` (the
+shard-aware transport) and :class:`EngineSet` (a fleet).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args, runtime_chec
 
 if TYPE_CHECKING:
     from .generation import Generation, SamplingParams
+    from .layout import Layout
 
 __all__ = [
     "IN_FLIGHT_POLICIES",
@@ -34,6 +36,7 @@ __all__ = [
     "EngineWorkers",
     "Generating",
     "InFlightPolicy",
+    "LayoutReporting",
     "ManifestReporting",
     "PausableEngine",
     "SleepReporting",
@@ -189,6 +192,22 @@ class ConfigReporting(Protocol):
     async def expected_config(self) -> Any | None:
         """The engine's HF config (a ``PretrainedConfig`` or its ``config.json``
         dict); None: unknown."""
+        ...
+
+
+@runtime_checkable
+class LayoutReporting(Protocol):
+    """An engine whose workers say which part of each checkpoint tensor they hold,
+    so that the shard-aware transport sends each worker only its slices."""
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Workers that share one replica's weights (1: every worker holds them whole)."""
+        ...
+
+    async def weight_layouts(self) -> list[Layout]:
+        """One :data:`~aiosync.layout.Layout` (``{hf_name: Part}``) per worker, in rank
+        order."""
         ...
 
 

@@ -31,7 +31,7 @@ import inspect
 from typing import TYPE_CHECKING, Any, Literal
 
 from ._config import Timeouts
-from .capabilities import InFlightPolicy
+from .capabilities import InFlightPolicy, LayoutReporting, engines_of
 from .interfaces import RefitSource, WeightSynchronizer
 
 if TYPE_CHECKING:
@@ -126,8 +126,10 @@ def create_weight_synchronizer(
             trainer rank sends its own shards, each worker receives only its
             slices), False for the rank-0 broadcast; None (default) picks the
             shard-aware one when the engine reports its layout (``weight_layouts()``)
-            and holds slices (``tensor_parallel_size > 1``), unless ``verify`` or
-            ``overlap`` (broadcast options) are given.
+            and some worker holds slices (``tensor_parallel_size > 1``; a fleet:
+            every member reports, one holds slices), unless ``verify`` or
+            ``overlap`` (broadcast options) are given. Trainer ranks other than 0,
+            which pass no engine, must say True or False (as rank 0 decides).
         verify: per-bucket checksums; collective.
         overlap: ``"inplace"`` or ``"staged"``; collective.
         collective_timeout_s: the rendezvous's and every collective's limit,
@@ -142,7 +144,8 @@ def create_weight_synchronizer(
         ValueError: unknown backend or ``dist_backend`` (the message lists the
             known ones), a non-colocated setup without
             ``train_cluster``/``inference_world_size``, ``sharded=True`` with
-            ``colocated=True``, or an empty list of engines; all before anything is built.
+            ``colocated=True``, ``sharded=None`` without an engine, or an empty
+            list of engines; all before anything is built.
         NotImplementedError: non-colocated SGLang (full-model refits).
     """
     if not isinstance(colocated, bool):
@@ -199,11 +202,17 @@ def create_weight_synchronizer(
         if missing:
             raise ValueError(f"non-colocated synchronization needs {' and '.join(missing)}")
         given |= {"train_cluster": train_cluster, "inference_world_size": inference_world_size}
+        if sharded is None and generation is None:
+            # Rank r > 0 of a sharded trainer has no engine to ask; guessing here could
+            # build the broadcast on it and the shard-aware transport on rank 0.
+            raise ValueError(
+                "without the engine (a trainer rank other than 0) the factory cannot tell "
+                "whether the engine reports its layout: pass sharded=True or False, the "
+                "same on every rank"
+            )
         if sharded is None:
-            sharded = (
-                callable(getattr(generation, "weight_layouts", None))
-                and getattr(generation, "tensor_parallel_size", 1) > 1
-                and not any(name in given for name in _BROADCAST_ONLY)
+            sharded = _holds_slices(generation) and not any(
+                name in given for name in _BROADCAST_ONLY
             )
         if sharded:
             return _build(_SHARDED_TRANSPORT, policy, _fleet_of(generation), given)
@@ -227,6 +236,16 @@ def _build(
         )
     sync: WeightSynchronizer = cls(policy, generation, **keywords)
     return sync
+
+
+def _holds_slices(generation: Any) -> bool:
+    """Whether every engine reports its layout and some worker holds only slices
+    (a fleet of TP=1 engines gains nothing over the broadcast's one copy per worker
+    unless the trainer is sharded: ``sharded=True`` then)."""
+    engines = engines_of(generation)
+    return all(isinstance(e, LayoutReporting) for e in engines) and any(
+        e.tensor_parallel_size > 1 for e in engines
+    )
 
 
 def _fleet_of(generation: Any) -> Any:

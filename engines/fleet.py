@@ -38,6 +38,7 @@ from aiosync.capabilities import (
     EngineWorkers,
     Generating,
     InFlightPolicy,
+    LayoutReporting,
     PausableEngine,
     SleepReporting,
     VersionedEngine,
@@ -51,6 +52,7 @@ from ._generate import GenerateFromMeta
 
 if TYPE_CHECKING:
     from aiosync.capabilities import Engine, EngineSet, WorkerDescribing
+    from aiosync.layout import Layout
 
 __all__ = ["EngineFleet", "LoRAEngine", "RespawningEngine"]
 
@@ -371,6 +373,31 @@ class EngineFleet(GenerateFromMeta):
             merged[i::n] = out
         return [g for g in merged if g is not None]
 
+    # -- LayoutReporting -------------------------------------------------------
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """The largest member's (1 when no member splits its weights): the fleet
+        holds slices somewhere when it is above 1."""
+        return max(
+            (e.tensor_parallel_size for e in self.engines if isinstance(e, LayoutReporting)),
+            default=1,
+        )
+
+    async def weight_layouts(self) -> list[Layout]:
+        """Every worker's layout, global rank order (engine 0's workers first).
+
+        Raises:
+            TransportError: a member does not report its layout (named, before any
+                member is called).
+        """
+        for i, engine in enumerate(self.engines):
+            if not isinstance(engine, LayoutReporting):
+                raise TransportError(f"{self._label(i)} does not report its weight layout")
+        await self._assign_ranks(None)
+        outs = await self._on_each(lambda i, e: e.weight_layouts())
+        return [layout for out in outs for layout in out]
+
     # -- tests and tools -------------------------------------------------------
 
     async def hf_state_dicts(self) -> list[Any]:
@@ -397,8 +424,9 @@ if TYPE_CHECKING:
         EngineWorkers,
         WorkerDescribing,
         Generating,
+        LayoutReporting,
         EngineSet,
         RespawningEngine,
         LoRAEngine,
     ]:
-        return (f, f, f, f, f, f, f, f, f, f, f)
+        return (f, f, f, f, f, f, f, f, f, f, f, f)

@@ -64,6 +64,7 @@ if TYPE_CHECKING:
         Engine,
         EngineWorkers,
         Generating,
+        LayoutReporting,
         ManifestReporting,
         PausableEngine,
         SleepReporting,
@@ -86,7 +87,8 @@ class EmbeddedEngine(GenerateFromMeta):
     An :class:`~aiosync.capabilities.Engine` that is also a
     :class:`~aiosync.capabilities.PausableEngine`, ``VersionedEngine``,
     ``DiscardNotifier``, ``SleepReporting``, ``EngineWorkers``, ``Generating``
-    ``ManifestReporting`` and ``ConfigReporting`` (checked by mypy at the end of this module).
+    ``ManifestReporting``, ``ConfigReporting`` and ``LayoutReporting`` (checked by mypy at
+    the end of this module).
 
     Args:
         model: an HF config (a transformers ``PretrainedConfig`` such as
@@ -812,5 +814,6 @@ if TYPE_CHECKING:
         Generating,
         ManifestReporting,
         ConfigReporting,
+        LayoutReporting,
     ]:
-        return (e, e, e, e, e, e, e, e, e)
+        return (e, e, e, e, e, e, e, e, e, e)

@@ -258,3 +258,55 @@ def test_factory_picks_the_shard_aware_transfer_for_engines_that_hold_slices(
 def test_sharded_is_refused_for_a_colocated_engine(source, engine):
     with pytest.raises(ValueError, match="sharded=True is a non-colocated transport"):
         create_weight_synchronizer(source, engine, colocated=True, backend="vllm", sharded=True)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "class_name"),
+    [
+        ((1, 2), "ShardedWeightSynchronizer"),  # one member holds slices
+        ((1, 1), "CollectiveWeightSynchronizer"),  # whole copies everywhere
+    ],
+)
+def test_factory_asks_every_member_of_a_fleet_whether_it_holds_slices(source, sizes, class_name):
+    from aiosync.engines.embedded.configs import TINY_QWEN3
+
+    engines = [aiosync.EmbeddedEngine(TINY_QWEN3, tensor_parallel_size=n) for n in sizes]
+    sync = create_weight_synchronizer(
+        source,
+        engines,
+        colocated=False,
+        backend="embedded",
+        train_cluster=TrainCluster(),
+        inference_world_size=sum(e.world_size for e in engines),
+    )
+    assert type(sync) is getattr(aiosync, class_name)
+
+
+def test_a_fleet_member_without_a_layout_keeps_the_broadcast(source, engine):
+    from aiosync.engines.embedded.configs import TINY_QWEN3
+
+    sliced = aiosync.EmbeddedEngine(TINY_QWEN3, tensor_parallel_size=2)
+    sync = create_weight_synchronizer(
+        source,
+        [sliced, engine],
+        colocated=False,
+        backend="embedded",
+        train_cluster=TrainCluster(),
+        inference_world_size=3,
+    )
+    assert type(sync) is aiosync.CollectiveWeightSynchronizer
+
+
+def test_a_trainer_rank_without_the_engine_must_say_sharded_or_not(source):
+    # Rank 1 of a sharded trainer passes no engine: a guess could differ from rank 0's.
+    cluster = TrainCluster(world_size=2, rank=1, master_port=29777)
+    with pytest.raises(ValueError, match="pass sharded=True or False, the same on every rank"):
+        create_weight_synchronizer(
+            source, None, colocated=False, backend="embedded",
+            train_cluster=cluster, inference_world_size=2,
+        )  # fmt: skip
+    sync = create_weight_synchronizer(
+        source, None, colocated=False, backend="embedded",
+        train_cluster=cluster, inference_world_size=2, sharded=False,
+    )  # fmt: skip
+    assert type(sync) is aiosync.CollectiveWeightSynchronizer

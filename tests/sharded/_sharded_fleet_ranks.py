@@ -1,0 +1,158 @@
+"""One rank of a 2-rank FSDP2 trainer (gloo) refitting fleets of embedded engines through
+the shard-aware transport.
+
+Run as ``python _sharded_fleet_ranks.py RANK WORLD_SIZE PG_PORT STORE_PORT OUT_JSON``.
+Rank 0 holds, one after the other:
+
+1. ``"tp1"``: a fleet of two TP=1 engines (two workers, each holding every tensor
+   whole), built by the factory with ``sharded=True``;
+2. ``"dp2xtp2"``: a fleet of two TP=2 engines (four workers, DP=2 x TP=2), the
+   factory's own pick.
+
+Each fleet takes two syncs (weights advanced in between). Each rank writes what it saw
+to ``OUT_JSON``: per fleet, the synchronizer class, versions, the plan's bytes per
+sender and receiver, each worker's bytes per sender, whether every worker holds its
+part of the trainer's full tensors bit for bit, and greedy tokens of the trainer and
+of every engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+
+from aiosync import EngineFleet, TrainCluster, create_weight_synchronizer
+from aiosync.engines.embedded.configs import TINY_QWEN3
+from aiosync.engines.embedded.engine import EmbeddedEngine
+from aiosync.engines.embedded.model import HFModelRunner
+from aiosync.refit import DTensorRefitSource
+from tests._support.fsdp2 import (
+    ENGINE_SEED,
+    advance_weights,
+    build_sharded_model,
+    init_process_group,
+    versions,
+    write_result,
+)
+
+FLEETS = {"tp1": (1, 1), "dp2xtp2": (2, 2)}
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7]]
+
+
+async def _holds(fleet: EngineFleet, full: dict[str, torch.Tensor]) -> list[bool]:
+    """Per worker: whether every tensor it holds is exactly its part of ``full``."""
+    return [
+        all(
+            torch.equal(state[n], t.narrow(p.dim, p.start, p.length) if t.dim() else t)
+            for n, t in full.items()
+            for p in [layout[n]]
+        )
+        for layout, state in zip(
+            await fleet.weight_layouts(), await fleet.hf_state_dicts(), strict=True
+        )
+    ]
+
+
+def _greedy(full: dict[str, torch.Tensor]) -> list[list[int]]:
+    runner = HFModelRunner.from_config(TINY_QWEN3, seed=0)
+    runner.load_weights(full.items())
+    return runner.generate(PROMPTS, max_new_tokens=4, ignore_eos=True)
+
+
+async def run_fleet(
+    name: str, rank: int, world: int, store_port: int, model: torch.nn.Module
+) -> dict[str, Any]:
+    source = DTensorRefitSource(model)
+    sizes = FLEETS[name]
+    seen: dict[str, Any] = {}
+    async with contextlib.AsyncExitStack() as stack:
+        fleet: EngineFleet | None = None
+        if rank == 0:
+            engines = [
+                await stack.enter_async_context(
+                    EmbeddedEngine(TINY_QWEN3, tensor_parallel_size=tp, seed=ENGINE_SEED + i)
+                )
+                for i, tp in enumerate(sizes)
+            ]
+            fleet = EngineFleet(engines)
+        sync = create_weight_synchronizer(
+            source,
+            fleet,
+            colocated=False,
+            backend="embedded",
+            train_cluster=TrainCluster(world_size=world, rank=rank, master_port=store_port),
+            inference_world_size=sum(sizes),
+            # Rank 1 has no engine to ask: every rank says what rank 0's factory picks.
+            sharded=True,
+            bucket_bytes=16 * 1024,
+            collective_timeout_s=30.0,
+            sync_timeout_s=60.0,
+        )
+        seen["class"] = type(sync).__name__
+        if fleet is not None:
+            seen["factory_pick"] = type(
+                create_weight_synchronizer(
+                    source,
+                    fleet,
+                    colocated=False,
+                    backend="embedded",
+                    train_cluster=TrainCluster(world_size=world, rank=0, master_port=1),
+                    inference_world_size=sum(sizes),
+                )
+            ).__name__
+        await stack.enter_async_context(sync)
+        plan = sync.transfer_plan  # type: ignore[attr-defined]
+        seen["sender_nbytes"] = list(plan.sender_nbytes)
+        seen["receiver_nbytes"] = list(plan.receiver_nbytes)
+        for step in range(2):
+            if step:
+                advance_weights(model)
+            await sync.mark_stale()
+            await sync.sync_weights()
+            full = {n: t.clone() for n, t in source.iter_weights()}  # every rank gathers
+            if fleet is not None:
+                await fleet.prepare_for_generation()
+                seen[f"holds_{step}"] = await _holds(fleet, full)
+                seen[f"by_sender_{step}"] = [r["by_sender"] for r in sync.last_worker_results]  # type: ignore[attr-defined]
+                seen[f"greedy_{step}"] = [
+                    await e.generate(PROMPTS, max_new_tokens=4, ignore_eos=True)
+                    for e in fleet.engines
+                ]
+                seen[f"trainer_greedy_{step}"] = _greedy(full)
+        seen["versions"] = versions(sync)
+        if fleet is not None:
+            seen["manifest_nbytes"] = sum(t.numel() * t.element_size() for t in full.values())
+            seen["slice_nbytes"] = [
+                sum(p.numel * full[n].element_size() for n, p in layout.items())
+                for layout in await fleet.weight_layouts()
+            ]
+        dist.barrier()
+    return seen
+
+
+async def run(rank: int, world: int, store_port: int) -> dict[str, Any]:
+    model = build_sharded_model(world)
+    return {name: await run_fleet(name, rank, world, store_port, model) for name in FLEETS}
+
+
+def main() -> None:
+    rank, world, port, store_port = (int(a) for a in sys.argv[1:5])
+    out = Path(sys.argv[5])
+    init_process_group(rank, world, port)
+    try:
+        seen = anyio.run(run, rank, world, store_port)
+    finally:
+        dist.destroy_process_group()
+    write_result(out, seen)
+
+
+if __name__ == "__main__":
+    main()
