@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from aiosync.engines.fleet import EngineFleet
     from aiosync.engines.sglang.backend import SGLangHTTPBackend
     from aiosync.engines.vllm.backend import VLLMGenerationBackend
+    from aiosync.refit.fp8 import FP8RefitSource
     from aiosync.transports.collective import CollectiveWeightSynchronizer
     from aiosync.transports.http import HTTPWeightSynchronizer
     from aiosync.transports.ipc import IPCWeightSynchronizer
@@ -73,6 +74,7 @@ __all__ = [
     "EngineSet",
     "EngineWorkers",
     "EventSubscription",
+    "FP8RefitSource",
     "Generating",
     "Generation",
     "GenerationBackend",
@@ -118,6 +120,7 @@ _LAZY: dict[str, str] = {
     "ShardedWeightSynchronizer": "aiosync.transports.sharded",
     "EmbeddedEngine": "aiosync.engines.embedded.engine",
     "EngineFleet": "aiosync.engines.fleet",
+    "FP8RefitSource": "aiosync.refit.fp8",
     "HTTPWeightSynchronizer": "aiosync.transports.http",
     "IPCWeightSynchronizer": "aiosync.transports.ipc",
     "LoRAAdapterSynchronizer": "aiosync.transports.lora",

@@ -67,6 +67,9 @@ class WeightVersionEvent:
             ``pause_generation`` call to the end of ``resume_generation``;
             ``COMMITTED`` and ``FAILED``), 0.0 when it was not paused (an engine
             without ``pause_generation``, or a sync that failed before pausing).
+        delta: the sync moved delta patches (``delta=True``: only the elements
+            whose bits changed, ``nbytes`` being their encoding) rather than every
+            tensor (``COMMITTED``), else False.
     """
 
     kind: VersionEventKind
@@ -79,6 +82,7 @@ class WeightVersionEvent:
     error: str | None = None
     missed: int = 0
     pause_s: float = 0.0
+    delta: bool = False
 
 
 class EventSubscription:
@@ -204,10 +208,11 @@ class _EventHub:
         duration_s: float = 0.0,
         error: str | None = None,
         pause_s: float = 0.0,
+        delta: bool = False,
     ) -> WeightVersionEvent:
         policy, weight = self._versions()
         event = WeightVersionEvent(
-            kind, version, time.time(), policy, weight, nbytes, duration_s, error, 0, pause_s
+            kind, version, time.time(), policy, weight, nbytes, duration_s, error, 0, pause_s, delta
         )
         for sub in self._behind:
             sub._missed += 1

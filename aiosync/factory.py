@@ -58,7 +58,7 @@ _TRANSPORTS: dict[tuple[str, bool], tuple[str, str]] = {
 _SHARDED_TRANSPORT: tuple[str, str] = ("aiosync.transports.sharded", "ShardedWeightSynchronizer")
 
 #: Keywords only the broadcast takes: given, the factory does not pick the sharded path.
-_BROADCAST_ONLY = ("verify", "overlap")
+_BROADCAST_ONLY = ("verify", "overlap", "delta")
 #: Adapter-only refits (a ``LoRAAdapterSource`` policy), on every backend and topology.
 _LORA_TRANSPORT: tuple[str, str] = ("aiosync.transports.lora", "LoRAAdapterSynchronizer")
 
@@ -85,6 +85,7 @@ def create_weight_synchronizer(
     sharded: bool | None = None,
     verify: bool | None = None,
     overlap: Literal["inplace", "staged"] | None = None,
+    delta: bool | None = None,
     collective_timeout_s: float | None = None,
     buffer_memory_fraction: float | None = None,
     device_label: str | None = None,
@@ -127,11 +128,13 @@ def create_weight_synchronizer(
             slices), False for the rank-0 broadcast; None (default) picks the
             shard-aware one when the engine reports its layout (``weight_layouts()``)
             and some worker holds slices (``tensor_parallel_size > 1``; a fleet:
-            every member reports, one holds slices), unless ``verify`` or
-            ``overlap`` (broadcast options) are given. Trainer ranks other than 0,
+            every member reports, one holds slices), unless ``verify``,
+            ``overlap`` or ``delta`` (broadcast options) are given. Trainer ranks other than 0,
             which pass no engine, must say True or False (as rank 0 decides).
         verify: per-bucket checksums; collective.
         overlap: ``"inplace"`` or ``"staged"``; collective.
+        delta: send only the elements whose bits changed since the last committed
+            version (:mod:`aiosync.delta`); collective broadcast.
         collective_timeout_s: the rendezvous's and every collective's limit,
             seconds; collective.
         buffer_memory_fraction: share of device memory the buffers may take; IPC.
@@ -175,6 +178,7 @@ def create_weight_synchronizer(
             ("dist_backend", dist_backend),
             ("verify", verify),
             ("overlap", overlap),
+            ("delta", delta),
             ("collective_timeout_s", collective_timeout_s),
             ("buffer_memory_fraction", buffer_memory_fraction),
             ("device_label", device_label),

@@ -67,6 +67,7 @@ __all__ = [
     "RefitManifest",
     "RefitSource",
     "TrainCluster",
+    "Transferred",
     "WeightSynchronizer",
     "refit_if_stale",
 ]
@@ -194,6 +195,19 @@ def _check_kv_scales(kv_scales: KVScales | None) -> None:
             raise TypeError(f"kv_scales[{key!r}] must be a float, got {type(value).__name__}")
         if not math.isfinite(value) or value <= 0:
             raise ValueError(f"kv_scales[{key!r}] must be finite and > 0, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class Transferred:
+    """What one sync's transfer moved (a transport's ``_transfer`` result).
+
+    Attributes:
+        nbytes: payload bytes moved to the workers.
+        delta: they were delta patches (:mod:`aiosync.delta`), not every tensor.
+    """
+
+    nbytes: int
+    delta: bool = False
 
 
 class WeightSynchronizer(ABC):
@@ -603,7 +617,7 @@ class WeightSynchronizer(ABC):
                         # engines of a fleet paused) is resumed all the same.
                         paused_at = time.perf_counter()
                         await pausable.pause_generation(policy, clear_cache=True)
-                    nbytes = await self._transfer(version, kv_scales)
+                    moved = await self._transfer(version, kv_scales)
                 if self._discards != discards:
                     raise SyncError(
                         f"the engine discarded its weights while version {version} was being "
@@ -622,6 +636,7 @@ class WeightSynchronizer(ABC):
                 await self._label_engine(version)
             except BaseException as exc:
                 self._engine_dirty = True
+                self._sync_outcome(version, committed=False)
                 pause_s = await self._resume_after(paused_at, failed=True)
                 self._events.publish(
                     VersionEventKind.FAILED,
@@ -637,6 +652,7 @@ class WeightSynchronizer(ABC):
                 raise
             self._weight_version = max(self._weight_version, version)
             self._engine_dirty = False
+            self._sync_outcome(version, committed=True)
             self._claim_engines(version)
             resume_error: BaseException | None = None
             try:
@@ -647,9 +663,10 @@ class WeightSynchronizer(ABC):
             self._events.publish(
                 VersionEventKind.COMMITTED,
                 version,
-                nbytes=nbytes,
+                nbytes=moved.nbytes if isinstance(moved, Transferred) else moved,
                 duration_s=time.perf_counter() - start,
                 pause_s=pause_s,
+                delta=isinstance(moved, Transferred) and moved.delta,
             )
             if resume_error is not None:
                 raise resume_error
@@ -755,12 +772,18 @@ class WeightSynchronizer(ABC):
         await each_named(targets, lambda _i, e: _wake(e, tag), _engine_label(len(targets)))
 
     @abstractmethod
-    async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
-        """Move the weights of ``version`` to every worker; return the bytes moved.
+    async def _transfer(self, version: int, kv_scales: KVScales | None) -> int | Transferred:
+        """Move the weights of ``version`` to every worker; return the bytes moved
+        (or a :class:`Transferred`, which also says whether they were a delta).
 
         Raise on any failure; the base class keeps the versions consistent.
         ``kv_scales`` was checked by :meth:`_check_sync_args`.
         """
+
+    def _sync_outcome(self, version: int, *, committed: bool) -> None:  # noqa: B027 (a hook)
+        """A transport's hook: the sync of ``version`` committed on every worker, or
+        failed (or was cancelled) after :meth:`_transfer` started. Called before the
+        engine resumes; must not block. A delta baseline advances or is dropped here."""
 
     async def shutdown(self) -> None:
         """Release everything and end every event subscription. Idempotent.

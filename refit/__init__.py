@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .fp8 import FP8RefitSource
 from .kv_scales import kv_scales_to_tensors
 from .lora_source import LoRAAdapterRefitSource
 from .torch_source import DTensorRefitSource
 
 __all__ = [
     "DTensorRefitSource",
+    "FP8RefitSource",
     "LoRAAdapterRefitSource",
     "NNXRefitSource",
     "kv_scales_to_tensors",

@@ -497,6 +497,7 @@ def build_worker(
     weights_valid: bool = True,
     device_label: str | None = None,
     tensor_parallel: TPSpec | None = None,
+    quantization: str | None = None,
 ) -> EmbeddedWorker:
     """An :class:`EmbeddedWorker` whose class also derives from ``extension`` (dotted path).
 
@@ -507,7 +508,8 @@ def build_worker(
     "device" this CPU worker stands for (``EmbeddedEngine(device_labels=...)``).
     ``tensor_parallel`` places it in a tensor-parallel replica: it joins the
     replica's group (blocking until every rank did), keeps its slice of the
-    model, and a follower starts running the driver's steps.
+    model, and a follower starts running the driver's steps. ``quantization``
+    (``"fp8"``) is :meth:`HFModelRunner.from_config`'s.
 
     Raises:
         ValueError: ``tensor_parallel`` with a ``runner_factory``, or a model that
@@ -520,7 +522,9 @@ def build_worker(
 
     if tensor_parallel is None:
         factory = HFModelRunner.from_config if runner_factory is None else _import(runner_factory)
-        runner = factory(model, seed=seed, dtype=dtype)
+        # Only when set: a runner_factory need not take it (the engine refuses both).
+        options: dict[str, Any] = {} if quantization is None else {"quantization": quantization}
+        runner = factory(model, seed=seed, dtype=dtype, **options)
     elif runner_factory is not None:
         raise ValueError("a runner_factory's runner cannot be tensor-parallel")
     else:
@@ -556,6 +560,7 @@ def run_worker(
     weights_valid: bool = True,
     device_label: str | None = None,
     tensor_parallel: TPSpec | None = None,
+    quantization: str | None = None,
 ) -> None:
     """Process entry point: connect to ``endpoint``, build the worker, serve until told to stop."""
     torch.set_num_threads(threads)
@@ -577,6 +582,7 @@ def run_worker(
             weights_valid,
             device_label,
             tensor_parallel,
+            quantization,
         )
         asyncio.run(_main(sock, rank, build))
     finally:

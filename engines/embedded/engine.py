@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 import anyio.to_thread
 import torch
@@ -126,6 +126,17 @@ class EmbeddedEngine(GenerateFromMeta):
             that a sharded trainer's ranks pair with "their" workers as on GPUs
             (see :class:`~aiosync.IPCWeightSynchronizer`'s ``process_group``);
             default ``"cpu"`` for every worker.
+        quantization: ``"fp8"``: the workers serve the model's block-wise FP8
+            checkpoint, the layout of the Qwen3-FP8 and DeepSeek-V3 checkpoints
+            (what :class:`~aiosync.refit.FP8RefitSource` streams): each linear
+            weight as ``<module>.weight`` ``float8_e4m3fn`` plus
+            ``<module>.weight_scale_inv`` ``float32 [ceil(out/128), ceil(in/128)]``,
+            everything else in ``dtype``. :meth:`expected_manifest` lists those
+            names and dtypes (so a transport refuses an unquantized trainer at
+            init, naming a tensor); each worker keeps the FP8 tensors and
+            dequantizes them into its ``dtype`` weights before generating
+            (``model._FP8Weights``). A model folder holding an FP8 checkpoint is
+            read as it is on disk. None: the checkpoint as the model holds it.
 
     Raises:
         TypeError: ``model`` is none of the above, or ``num_workers`` or
@@ -135,7 +146,9 @@ class EmbeddedEngine(GenerateFromMeta):
             ``dtype`` or ``sleep_level``, ``device_labels`` not one string per
             worker, or ``tensor_parallel_size > 1`` with a ``runner_factory`` or
             a config dict that does not split over it (a model type other than
-            Qwen3/Qwen3-MoE, heads or sizes not divisible).
+            Qwen3/Qwen3-MoE, heads or sizes not divisible); an unknown
+            ``quantization``, or ``"fp8"`` with ``tensor_parallel_size > 1`` or a
+            ``runner_factory``.
     """
 
     def __init__(
@@ -153,6 +166,7 @@ class EmbeddedEngine(GenerateFromMeta):
         runner_factory: str | None = None,
         device_labels: Sequence[str] | None = None,
         tensor_parallel_size: int = 1,
+        quantization: Literal["fp8"] | None = None,
     ) -> None:
         for what, value in (
             ("num_workers", num_workers),
@@ -164,6 +178,7 @@ class EmbeddedEngine(GenerateFromMeta):
                 raise ValueError(f"{what} must be >= 1, got {value}")
         if tensor_parallel_size > 1 and runner_factory is not None:
             raise ValueError("tensor_parallel_size > 1 does not work with a runner_factory")
+        _check_quantization(quantization, tensor_parallel_size, runner_factory)
         world_size = num_workers * tensor_parallel_size
         _check_dtype(dtype)
         # The workers build transformers models; say so here rather than in a dead worker's log.
@@ -197,6 +212,8 @@ class EmbeddedEngine(GenerateFromMeta):
         self.start_timeout_s = start_timeout_s
         self.threads_per_worker = threads_per_worker
         self.runner_factory = runner_factory
+        #: ``"fp8"``: the workers serve the FP8 checkpoint; None: the model's own.
+        self.quantization: Literal["fp8"] | None = quantization
         self._pool = WorkerPool(world_size, run_worker, self._worker_args, rpc_timeout_s)
         # The replicas' tensor-parallel groups meet over this store (started by
         # start()); each replica's group is formed anew, under a new prefix,
@@ -263,6 +280,7 @@ class EmbeddedEngine(GenerateFromMeta):
             weights_valid,
             None if self.device_labels is None else self.device_labels[rank],
             self._tp_spec(rank),
+            self.quantization,
         )
 
     def _tp_spec(self, rank: int) -> TPSpec | None:
@@ -752,6 +770,23 @@ class EmbeddedGeneration(Generation):
 def _check_mode(mode: object) -> None:
     if mode not in IN_FLIGHT_POLICIES:
         raise ValueError(f"mode must be one of {IN_FLIGHT_POLICIES}, got {mode!r}")
+
+
+def _check_quantization(
+    quantization: object, tensor_parallel_size: int, runner_factory: str | None
+) -> None:
+    """Raise ValueError unless ``quantization`` is None, or ``"fp8"`` on a plain engine."""
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
+    if quantization is None:
+        return
+    if tensor_parallel_size > 1:
+        raise ValueError(
+            "quantization='fp8' does not work with tensor_parallel_size > 1 (a Megatron "
+            "slice would cut the 128x128 scaling blocks); use tensor_parallel_size=1"
+        )
+    if runner_factory is not None:
+        raise ValueError("quantization='fp8' does not work with a runner_factory")
 
 
 def _check_dtype(dtype: object) -> None:

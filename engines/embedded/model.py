@@ -38,14 +38,16 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
+from aiosync.delta import WeightPatch, apply_patch
 from aiosync.errors import RefitMismatchError, TransportError
+from aiosync.fp8 import FP8_DTYPE, dequantize_fp8_blocks, fp8_manifest, quantize_fp8_blocks
 from aiosync.layout import Part, box_of
 
 from ._lora import PeftAdapters
@@ -72,17 +74,28 @@ class HFModelRunner:
         tensor_parallel: this worker's place in a tensor-parallel replica
             (``_tp.TensorParallel``); the runner then cuts ``model`` (the FULL
             model) to that rank's slice, in place. None: the whole model.
+        quantization: ``"fp8"``: serve the model's block-wise FP8 checkpoint
+            (``aiosync.refit.fp8``: every linear weight as ``float8_e4m3fn`` plus
+            its ``weight_scale_inv`` per 128x128 block, the rest in the model's
+            dtype), as :class:`_FP8Weights` says; the initial weights are
+            quantized at construction. None: the checkpoint as the model holds it.
 
     Raises:
         RefitMismatchError: a name ``save_pretrained`` would write has no place in
             the model (a layout this runner does not know).
         ValueError: the model does not split over ``tensor_parallel``'s ranks
-            (``_tp.check_tensor_parallel``).
+            (``_tp.check_tensor_parallel``), an unknown ``quantization``, or
+            ``quantization`` with ``tensor_parallel``.
     """
 
     def __init__(
-        self, model: PreTrainedModel, *, tensor_parallel: TensorParallel | None = None
+        self,
+        model: PreTrainedModel,
+        *,
+        tensor_parallel: TensorParallel | None = None,
+        quantization: Literal["fp8"] | None = None,
     ) -> None:
+        _check_quantization(quantization, tensor_parallel is not None)
         self.model = model
         self.model.eval()
         #: Held by :meth:`load_weights` and :meth:`generate`: a generation never
@@ -99,6 +112,16 @@ class HFModelRunner:
             else tensor_parallel.shard(model, self._manifest)
         )
         self._targets = _resolve_targets(model, self._manifest, self._layout)
+        #: ``"fp8"`` when the runner serves the FP8 checkpoint (None: the model's own).
+        self.quantization = quantization
+        # The FP8 tensors become the checkpoint this runner loads and reports;
+        # the model's weights are dequantized from them before each forward pass.
+        self._fp8: _FP8Weights | None = None
+        if quantization == "fp8":
+            self._fp8 = _FP8Weights(self._manifest, self._targets)
+            self._manifest = self._fp8.manifest
+            self._layout = {name: Part.whole(shape) for name, (shape, _) in self._manifest.items()}
+            self._targets = self._fp8.targets
         # Tied heads are absent from the checkpoint; a sender that still sends
         # them (a source that does not know about the tie) is accepted.
         self._aliases: dict[str, torch.Tensor] = {}
@@ -140,6 +163,7 @@ class HFModelRunner:
         seed: int = 0,
         dtype: torch.dtype | str = torch.float32,
         tensor_parallel: TensorParallel | None = None,
+        quantization: Literal["fp8"] | None = None,
     ) -> HFModelRunner:
         """Build a model from an HF config (or load a local checkpoint folder).
 
@@ -154,20 +178,66 @@ class HFModelRunner:
             tensor_parallel: keep only this rank's slice (see the class); the
                 full model is built (or loaded) first, so every rank's slices are
                 those of the same initial weights an unsharded runner holds.
+            quantization: ``"fp8"``: serve the FP8 checkpoint (see the class). A
+                folder holding an FP8 checkpoint (config.json's
+                ``quantization_config.quant_method == "fp8"``) is then read
+                tensor by tensor, its FP8 bytes and scales as they are on disk;
+                any other folder or config is quantized once built.
 
         Raises:
             ValueError: the config has no ``model_type``, or does not split over
-                ``tensor_parallel``'s ranks.
+                ``tensor_parallel``'s ranks, or ``quantization`` is unknown.
+            RefitMismatchError: an FP8 folder whose tensors are not the FP8
+                checkpoint this runner serves (a missing, unknown or misshapen one).
         """
         torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         hf_config = resolve_hf_config(config)
-        if isinstance(hf_config, Path):
+        fp8_folder = (
+            isinstance(hf_config, Path) and quantization == "fp8" and _is_fp8_folder(hf_config)
+        )
+        if isinstance(hf_config, Path) and not fp8_folder:
             model = AutoModelForCausalLM.from_pretrained(hf_config, dtype=torch_dtype)
-            return cls(model, tensor_parallel=tensor_parallel)
+            return cls(model, tensor_parallel=tensor_parallel, quantization=quantization)
+        folder = hf_config if isinstance(hf_config, Path) else None
+        if folder is not None:
+            # transformers dequantizes an FP8 checkpoint on a CPU (and cannot read
+            # one with edge blocks): build the model, then load the file's bytes.
+            items = json.loads((folder / "config.json").read_text())
+            items.pop("quantization_config", None)
+            hf_config = resolve_hf_config(items)
+        assert isinstance(hf_config, PretrainedConfig)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype)
-        return cls(model, tensor_parallel=tensor_parallel)
+        runner = cls(model, tensor_parallel=tensor_parallel, quantization=quantization)
+        if folder is not None:
+            runner._load_checkpoint_files(folder)
+        return runner
+
+    def _load_checkpoint_files(self, folder: Path) -> None:
+        """Load every tensor of ``folder``'s ``*.safetensors`` (an FP8 checkpoint):
+        FP8 weights and scales as stored, other floating tensors cast to the model's dtype.
+
+        Raises:
+            RefitMismatchError: a tensor the checkpoint lacks, or one not in it.
+        """
+        from safetensors import safe_open
+
+        missing = dict(self._manifest)
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    tensor = handle.get_tensor(name)
+                    spec = missing.pop(name, None)
+                    # An FP8 weight is loaded as stored (a bf16 one there is refused).
+                    if spec is not None and FP8_DTYPE not in (tensor.dtype, spec[1]):
+                        tensor = tensor.to(spec[1])
+                    HFModelRunner.load_weights(self, [(name, tensor)])
+        if missing:
+            raise RefitMismatchError(
+                f"{folder}: {len(missing)} tensor(s) of the FP8 checkpoint missing, "
+                f"first: {list(missing)[:3]}"
+            )
 
     # -- the loader contract --------------------------------------------------
 
@@ -328,6 +398,30 @@ class HFModelRunner:
                 dest.copy_(source)
                 written += dest.numel()
         return written
+
+    def apply_weight_patches(self, patches: Iterable[WeightPatch]) -> int:
+        """Write delta patches (:class:`aiosync.delta.WeightPatch`, full-tensor
+        coordinates) into the live weights, each into the part this runner holds;
+        returns the elements written. Every patch is checked before any is written.
+
+        Raises:
+            RefitMismatchError: an unknown name, or a patch whose shape or dtype is
+                not the checkpoint's (:func:`aiosync.delta.apply_patch`).
+        """
+        resolved = []
+        for patch in patches:
+            found = self._lookup(patch.name)
+            if found is None:
+                raise RefitMismatchError(f"{patch.name!r} is not a parameter of this model")
+            target, held = found
+            if tuple(patch.shape) != held.shape or patch.values.dtype != target.dtype:
+                raise RefitMismatchError(
+                    f"{patch.name}: model {held.shape} {target.dtype}, got a patch of "
+                    f"{tuple(patch.shape)} {patch.values.dtype}"
+                )
+            resolved.append((target, held, patch))
+        with self.lock:
+            return sum(apply_patch(target, held, patch) for target, held, patch in resolved)
 
     def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> bool:
         """Record ``model.layers.{i}.self_attn.{k,v}_scale`` (float32, ``()`` or ``(1,)``)."""
@@ -563,6 +657,8 @@ class HFModelRunner:
             KeyError: ``adapter`` is not loaded.
         """
         with self._adapters.using(adapter), torch.no_grad():
+            if self._fp8 is not None:
+                self._fp8.refresh()
             out = self.model(input_ids=step_input, use_cache=True, **{self._cache_arg: cache})
             return out.logits[0, -1, :].to(dtype=torch.float32), out[self._cache_arg]
 
@@ -717,3 +813,82 @@ def resolve_hf_config(
         items.pop(key, None)
     built: PretrainedConfig = AutoConfig.for_model(model_type, **items)
     return built
+
+
+def _check_quantization(quantization: object, tensor_parallel: bool) -> None:
+    """Raise ValueError unless ``quantization`` is None or ``"fp8"`` without tensor parallelism."""
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
+    if quantization is not None and tensor_parallel:
+        raise ValueError(
+            "quantization='fp8' does not work with tensor parallelism (a Megatron slice "
+            "would cut 128x128 scaling blocks); use tensor_parallel_size=1"
+        )
+
+
+def _is_fp8_folder(folder: Path) -> bool:
+    """Whether ``folder``'s config.json declares a block-wise FP8 checkpoint."""
+    config = folder / "config.json"
+    if not config.is_file():
+        return False
+    quantization = json.loads(config.read_text()).get("quantization_config") or {}
+    return isinstance(quantization, dict) and quantization.get("quant_method") == "fp8"
+
+
+class _FP8Weights:
+    """The FP8 checkpoint a ``quantization="fp8"`` runner serves, and the model's
+    compute weights derived from it.
+
+    The checkpoint is :func:`aiosync.refit.fp8.fp8_manifest` of the model's own (the
+    rule :class:`~aiosync.refit.FP8RefitSource` quantizes by): each linear weight
+    ``<module>.weight`` ``float8_e4m3fn`` followed by ``<module>.weight_scale_inv``
+    ``float32 [ceil(out/128), ceil(in/128)]``; every other tensor in the model's
+    dtype. This object holds the two FP8 tensors of each pair (1 byte per weight
+    plus the scales); they are the runner's load targets, so a refit, a box of a
+    shard-aware transport, a delta patch of the FP8 bytes and ``hf_state_dict``
+    all read or write them like any other checkpoint tensor, in any order and
+    any bucket.
+
+    :meth:`refresh`, called before every forward pass (under the runner's lock),
+    dequantizes into the model's weight each pair either half of which was
+    written since (``dequantize_fp8_blocks``: ``float32(w) * scale``, one cast
+    to the model's dtype, what transformers' ``from_pretrained`` of the FP8
+    checkpoint computes). Writes are seen through the tensors' version counters,
+    which every in-place write (``copy_``, indexing, ``fill_``) bumps: until the
+    next forward pass, a pair with only one half new (its partner in a later
+    bucket) is simply not looked at.
+    """
+
+    def __init__(
+        self,
+        manifest: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+        targets: Mapping[str, torch.Tensor],
+    ) -> None:
+        self.manifest = fp8_manifest(manifest, dtype=None)
+        self.targets: dict[str, torch.Tensor] = {}
+        # (FP8 weight, scale, the model's weight) and their versions when last dequantized.
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._seen: list[tuple[int, int]] = []
+        names = iter(self.manifest.items())
+        for name, (_, dtype) in names:
+            if dtype != FP8_DTYPE:
+                self.targets[name] = targets[name]
+                continue
+            scale_name, _ = next(names)  # the manifest puts the scale right after
+            weight, scale = quantize_fp8_blocks(targets[name])
+            self.targets[name], self.targets[scale_name] = weight, scale
+            self._pairs.append((weight, scale, targets[name]))
+            self._seen.append((-1, -1))
+        self.refresh()
+
+    def refresh(self) -> int:
+        """Dequantize every pair written since its last dequantization; returns how many."""
+        done = 0
+        with torch.no_grad():
+            for index, (weight, scale, compute) in enumerate(self._pairs):
+                versions = (weight._version, scale._version)
+                if versions != self._seen[index]:
+                    compute.copy_(dequantize_fp8_blocks(weight, scale, dtype=compute.dtype))
+                    self._seen[index] = versions
+                    done += 1
+        return done

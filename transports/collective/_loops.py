@@ -68,6 +68,13 @@ class RotatingBuffers:
                 self._oversized[slot] = buf
         return buf[: bucket.nbytes]
 
+    def for_plan(self, plan: BucketPlan) -> RotatingBuffers | Callable[[Bucket], torch.Tensor]:
+        """These buffers when they hold every bucket of ``plan`` (a per-sync plan, a
+        delta's), else fresh ones for it."""
+        if plan.max_bucket_nbytes <= max(self._oversized_bytes, self._buffers[0].numel()):
+            return self
+        return RotatingBuffers(plan, self._device, len(self._buffers))
+
 
 def _zero_copy(
     bucket: Bucket, tensors: list[tuple[str, torch.Tensor]], device: torch.device
@@ -269,6 +276,7 @@ def receive_buckets(
     verify: bool,
     on_bucket: Callable[[Bucket, torch.Tensor], None] | None,
     trace: Tracer | None = None,
+    refuse: BaseException | None = None,
 ) -> tuple[torch.Tensor, list[int]]:
     """Receiver side: header, buckets, trailer, checks, vote (blocking).
 
@@ -279,6 +287,7 @@ def receive_buckets(
     ``on_bucket(bucket, buffer)`` (in-place mode: load the weights) runs while
     the next bucket is in flight; if it raises, the loop keeps receiving (so
     the source is not left blocked), stops loading, and votes the failure.
+    ``refuse``, when given, is such a failure from the start: nothing is loaded.
 
     Returns:
         ``(float32[n_kv] kv scales, this rank's per-bucket checksums)``.
@@ -296,7 +305,7 @@ def receive_buckets(
         group.broken = True  # the rest of the stream cannot be interpreted
         raise
     mark = trace or _no_trace
-    failure: BaseException | None = None
+    failure: BaseException | None = refuse
     local: list[int] = []
     pending: Any = None
     buffers = [buffer_for(b) for b in plan.buckets[:1]]

@@ -36,6 +36,7 @@ import torch
 
 from aiosync._config import DEFAULT_BUCKET_BYTES, DEFAULT_EVENT_BACKLOG, Timeouts
 from aiosync._fanout import most_telling
+from aiosync.delta import DeltaBaseline, patch_to_wire, wire_manifest
 from aiosync.errors import SyncError, SyncTimeoutError, TransportError
 from aiosync.interfaces import (
     EngineWorkers,
@@ -43,6 +44,7 @@ from aiosync.interfaces import (
     KVScales,
     RefitSource,
     TrainCluster,
+    Transferred,
     WeightSynchronizer,
 )
 
@@ -130,6 +132,15 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         overlap: ``"inplace"`` (load each bucket as it lands) or ``"staged"``
             (receive everything into a staging copy while generating, then pause
             only for the final copy; costs one extra copy of the weights on each worker).
+        delta: send, per tensor, only the elements whose bits changed since the
+            last version committed on every worker, in the smallest encoding for
+            that tensor and sync (:mod:`aiosync.delta`; never more bytes than a
+            full sync); the workers write the patches in place. Costs one host
+            copy of the weights on trainer rank 0 (the baseline; two during a full
+            sync). The first sync, and any after a failed or cancelled one, a
+            worker that does not hold the baseline (respawned, discarded weights,
+            a new group) or a new engine, is a full one. One trainer rank and
+            ``overlap="inplace"`` only.
         timeouts: every limit (:class:`~aiosync.Timeouts`); ``rpc_s`` bounds each
             control RPC to the workers.
         rpc_timeout_s: overrides ``timeouts.rpc_s``, seconds.
@@ -144,8 +155,9 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         backend: deprecated name of ``dist_backend`` (DeprecationWarning).
 
     Raises:
-        ValueError: an option is out of range, or ``dist_backend`` is not
-            ``"nccl"``, ``"gloo"`` or None.
+        ValueError: an option is out of range, ``dist_backend`` is not
+            ``"nccl"``, ``"gloo"`` or None, or ``delta`` with ``overlap="staged"``
+            or several trainer ranks.
         TypeError: ``train_cluster`` is not a :class:`~aiosync.TrainCluster`.
     """
 
@@ -163,6 +175,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         bucket_bytes: int | None = None,
         verify: bool = False,
         overlap: Literal["inplace", "staged"] = "inplace",
+        delta: bool = False,
         timeouts: Timeouts | None = None,
         rpc_timeout_s: float | None = None,
         collective_timeout_s: float | None = None,
@@ -209,6 +222,14 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
         if overlap not in ("inplace", "staged"):
             raise ValueError(f"overlap must be 'inplace' or 'staged', got {overlap!r}")
+        if delta and overlap != "inplace":
+            raise ValueError("delta=True writes patches in place: it needs overlap='inplace'")
+        if delta and train_cluster.world_size > 1:
+            raise ValueError(
+                "delta=True is not supported with several trainer ranks yet "
+                f"(world_size={train_cluster.world_size}): rank 0 would have to diff "
+                "before the gathers' stream is sent"
+            )
         if collective_timeout_s is not None and not 0 < collective_timeout_s < float("inf"):
             raise ValueError(
                 f"collective_timeout_s must be a finite number > 0, got {collective_timeout_s}"
@@ -223,6 +244,10 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         )
         self.verify = verify
         self.overlap = overlap
+        #: What the workers hold, for delta syncs (None: ``delta=False``).
+        self.delta_baseline: DeltaBaseline | None = DeltaBaseline() if delta else None
+        # The base class's discard count when the baseline was last committed.
+        self._baseline_discards = 0
         #: Limit of the rendezvous and of every collective, seconds.
         self.collective_timeout_s = (
             collective_timeout_s if collective_timeout_s is not None else self.timeouts.rpc_s
@@ -546,7 +571,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             gathered = await ranks.all_gather(obj)
         return gathered
 
-    async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
+    async def _transfer(self, version: int, kv_scales: KVScales | None) -> int | Transferred:
         # The base class checked the scales against the manifest before anything moved.
         kv = kv_scale_entries(kv_scales)
         if self._needs_forming():
@@ -568,10 +593,11 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             )
         votes = SyncVotes(rounds, self.policy.iter_weights())
         failure: BaseException | None = None
+        moved: int | Transferred = nbytes
         try:
             if self.is_source:
                 assert group is not None
-                nbytes = await self._send(group, plan, version, kv, votes)
+                moved = await self._send(group, plan, version, kv, votes)
             else:
                 # The other trainer ranks take part in the gathers only.
                 own: BaseException | None = None
@@ -596,7 +622,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         except BaseException:
             self._drop_trainer_group()
             raise
-        return nbytes
+        return moved
 
     def _needs_forming(self) -> bool:
         """Whether this rank's groups must be (re-)formed; after a failure every rank
@@ -616,20 +642,37 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         version: int,
         kv: list[tuple[str, float]],
         votes: SyncVotes,
-    ) -> int:
-        """The source: broadcast every bucket to the workers; returns the bytes sent.
+    ) -> Transferred:
+        """The source: broadcast every bucket (or, with ``delta``, the patches) to the
+        workers; returns what was sent.
 
         The trainer ranks' read vote sits between the last bucket and the
         workers' vote, so the workers refuse weights another rank failed to read.
         """
         buffers = self._buffers
         assert buffers is not None
+        kwargs: dict[str, Any] = {
+            "version": version,
+            "kv_names": [n for n, _ in kv],
+            "verify": self.verify,
+        }
+        weights: Iterable[tuple[str, torch.Tensor]] = votes.weights
+        baseline = self.delta_baseline
+        if baseline is not None:
+            if await self._workers_hold_baseline():
+                plan, weights, kwargs["delta"] = await self._in_thread(
+                    functools.partial(self._diff, baseline, plan, version, votes.weights),
+                    self.sync_timeout_s,
+                )
+                buffers = buffers.for_plan(plan)  # type: ignore[assignment]
+            else:
+                weights = baseline.stage_full(version, votes.weights)
         stream = functools.partial(
             stream_buckets,
             group,
             plan,
             buffers,
-            votes.weights,
+            weights,
             version=version,
             kv=kv,
             verify=self.verify,
@@ -650,7 +693,6 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             await self._in_thread(functools.partial(vote_send, group, failure), self.sync_timeout_s)
             return sent
 
-        kwargs = {"version": version, "kv_names": [n for n, _ in kv], "verify": self.verify}
         if self.overlap == "inplace":
             await self._wake_weights()
             sent, results = await self._both(
@@ -666,7 +708,47 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             )
         self._check_results(sent, results)
         self.last_worker_results = results
-        return sent.nbytes
+        return Transferred(sent.nbytes, delta="delta" in kwargs)
+
+    # -- delta -----------------------------------------------------------------
+
+    async def _workers_hold_baseline(self) -> bool:
+        """Whether every worker holds the baseline's version whole (else: a full sync)."""
+        baseline = self.delta_baseline
+        if baseline is None or baseline.version is None:
+            return False
+        if self._discards != self._baseline_discards or baseline.version != self.weight_version:
+            return False
+        held = await self._rpc("aiosync_collective_held_version", {}, self.rpc_timeout_s)
+        return len(held) == self.inference_world_size and all(h == baseline.version for h in held)
+
+    @staticmethod
+    def _diff(
+        baseline: DeltaBaseline,
+        plan: BucketPlan,
+        version: int,
+        weights: Iterable[tuple[str, torch.Tensor]],
+    ) -> tuple[BucketPlan, list[tuple[str, torch.Tensor]], dict[str, Any]]:
+        """The patches from the baseline to ``weights`` (blocking): their wire plan,
+        wire tensors and the workers' ``delta`` argument; staged for commit."""
+        base = baseline.version
+        patches = list(baseline.diff(weights))
+        wires = [patch_to_wire(p) for p in patches]
+        metas = [meta for meta, _ in wires]
+        wire_plan = plan_buckets(wire_manifest(metas, plan.manifest()), plan.bucket_bytes)
+        baseline.stage(version, patches)
+        spec = {"base": base, "patches": metas, "digest": wire_plan.digest}
+        return wire_plan, [t for _, tensors in wires for t in tensors], spec
+
+    def _sync_outcome(self, version: int, *, committed: bool) -> None:
+        baseline = self.delta_baseline
+        if baseline is None:
+            return
+        if committed:
+            baseline.commit()
+            self._baseline_discards = self._discards
+        else:
+            baseline.invalidate()
 
     async def _wake_weights(self) -> None:
         """Wake the engine's weights before any byte is loaded into them.

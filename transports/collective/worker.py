@@ -24,10 +24,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from aiosync.delta import WeightPatch, patch_from_wire, wire_manifest
 from aiosync.errors import OwnershipError, RefitMismatchError, SyncTimeoutError, TransportError
 
 from .._identity import WorkerIdentityMixin
-from ..packing import Bucket, BucketPlan, compare_manifests, unpack
+from ..packing import Bucket, BucketPlan, compare_manifests, plan_buckets, unpack
 from ._group import (
     STATUS_MISMATCH,
     STATUS_OK,
@@ -49,7 +50,17 @@ class ManifestModel(Protocol):
         ...
 
 
-__all__ = ["CollectiveWorkerMixin"]
+@runtime_checkable
+class PatchModel(Protocol):
+    """A worker's model that writes delta patches into its live weights."""
+
+    def apply_weight_patches(self, patches: Any) -> int:
+        """Write each :class:`~aiosync.delta.WeightPatch` into the part held; returns
+        the elements written."""
+        ...
+
+
+__all__ = ["CollectiveWorkerMixin", "PatchModel"]
 
 #: A store key only checked for (never set): the check is a round trip to the owner.
 _PROBE_KEY = "aiosync/owner-probe"
@@ -76,6 +87,9 @@ class _ReceiverState:
     owner: str = ""
     staging: list[torch.Tensor] = field(default_factory=list)
     staged: _Staged | None = None
+    #: ``(version, discard epoch)`` this worker holds whole through this group, from
+    #: its last successful receive: the only base a delta patch may be applied to.
+    held: tuple[int, int] | None = None
 
     def owner_alive(self) -> bool:
         """Whether the owning trainer can still drive this group: the group is not
@@ -215,8 +229,23 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
 
     # -- receiving -------------------------------------------------------------
 
+    def aiosync_collective_held_version(self, owner: str = "") -> int | None:
+        """The version this worker holds whole through this synchronizer's group
+        (None: none it can vouch for: a failed or partial receive, discarded weights,
+        a new group): the base a delta sync needs."""
+        state = self._aiosync_collective_state(owner)
+        if state.held is None or state.held[1] != self.aiosync_discard_epoch:
+            return None
+        return state.held[0]
+
     def aiosync_collective_receive(
-        self, *, version: int, kv_names: list[str], verify: bool = False, owner: str = ""
+        self,
+        *,
+        version: int,
+        kv_names: list[str],
+        verify: bool = False,
+        owner: str = "",
+        delta: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Receive version ``version`` in place: each bucket is loaded as it lands.
 
@@ -228,6 +257,13 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
             kv_names: engine names of the FP8 KV-cache scales sent at the end.
             verify: the source sends per-bucket checksums; compare them.
             owner: the token the group was formed with.
+            delta: a delta sync: ``{"base": version the patches were computed
+                against, "patches": [[name, base, shape, encoding, k], ...],
+                "digest": the wire plan's}`` (:mod:`aiosync.delta`); the buckets
+                then carry the patches' wire tensors, written in place through
+                the model's ``apply_weight_patches``. A worker that does not hold
+                ``base`` whole (:meth:`aiosync_collective_held_version`), or whose
+                model cannot apply patches, writes nothing and votes the refusal.
 
         Returns:
             ``{"version", "nbytes", "checksums", "pause_s", "kv_scales"}``:
@@ -243,22 +279,30 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         """
         state = self._aiosync_collective_state(owner)
         start = time.perf_counter()
+        held = self.aiosync_collective_held_version(owner)
         discards = self.aiosync_discard_epoch
-        self.aiosync_weights_valid = False
         model = self.model_runner.model  # type: ignore[attr-defined]
+        plan, refusal = state.plan, None
+        load: Any
 
-        def load(bucket: Bucket, buf: torch.Tensor) -> None:
+        def load_full(bucket: Bucket, buf: torch.Tensor) -> None:
             model.load_weights(unpack(buf, bucket))
 
+        load = load_full
+        if delta is not None:
+            plan, load, refusal = self._aiosync_coll_delta(state, delta, held, model)
+        state.held = None
+        self.aiosync_weights_valid = False
         try:
             kv, checksums = receive_buckets(
                 state.group,
-                state.plan,
-                state.rotating,
+                plan,
+                state.rotating.for_plan(plan),
                 version=version,
                 n_kv=len(kv_names),
                 verify=verify,
                 on_bucket=load,
+                refuse=refusal,
             )
             scales = self._aiosync_coll_load_kv(kv_names, kv, state.group.device)
         except BaseException:
@@ -266,7 +310,63 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
             raise
         self._aiosync_coll_check_discards(discards)
         self.aiosync_weights_valid = True
-        return self._aiosync_coll_result(version, kv_names, checksums, scales, start)
+        state.held = (version, discards)
+        return self._aiosync_coll_result(
+            version, kv_names, checksums, scales, start, nbytes=plan.total_bytes
+        )
+
+    def _aiosync_coll_delta(
+        self, state: _ReceiverState, delta: dict[str, Any], held: int | None, model: Any
+    ) -> tuple[BucketPlan, Any, BaseException | None]:
+        """The wire plan of a delta sync, the bucket loader that applies its patches,
+        and the reason to refuse it (voted after the stream; nothing is written)."""
+        metas = {str(m[0]): list(m) for m in delta["patches"]}
+        try:
+            plan = plan_buckets(
+                wire_manifest(metas.values(), state.plan.manifest()), state.plan.bucket_bytes
+            )
+        except (KeyError, RefitMismatchError) as exc:
+            # The stream cannot be interpreted without its plan.
+            state.group.broken = True
+            raise RefitMismatchError(f"malformed delta: {exc!r}") from exc
+        if plan.digest != delta["digest"]:
+            state.group.broken = True
+            raise RefitMismatchError("delta plan digest differs from the trainer's")
+        base = int(delta["base"])
+        refusal: BaseException | None = None
+        who = f"engine worker {self.aiosync_worker_rank()}"
+        if held != base:
+            refusal = RefitMismatchError(
+                f"{who} holds version {held}, the delta patches were computed against "
+                f"version {base}: a full sync is needed"
+            )
+        elif not isinstance(model, PatchModel):
+            refusal = TransportError(
+                f"{who}: {type(model).__name__} cannot apply delta patches (apply_weight_patches)"
+            )
+        # A sparse patch is two wire tensors (where, values), maybe in two buckets.
+        partial: dict[str, dict[str, torch.Tensor]] = {}
+
+        def load(bucket: Bucket, buf: torch.Tensor) -> None:
+            ready: list[WeightPatch] = []
+            waiting: dict[str, dict[str, torch.Tensor]] = {}
+            for wire, tensor in unpack(buf, bucket):
+                name = wire if wire in metas else wire.rsplit("@", 1)[0]
+                meta = metas[name]
+                if meta[3] == "dense":
+                    ready.append(patch_from_wire(meta, {wire: tensor}))
+                    continue
+                half = partial.pop(name, None) or waiting.pop(name, None)
+                if half is None:
+                    waiting[name] = {wire: tensor}
+                else:
+                    ready.append(patch_from_wire(meta, {**half, wire: tensor}))
+            model.apply_weight_patches(ready)
+            # The other half lands in a later bucket, maybe in this same buffer.
+            for name, half in waiting.items():
+                partial[name] = {w: t.clone() for w, t in half.items()}
+
+        return plan, load, refusal
 
     def aiosync_collective_stage(
         self, *, version: int, kv_names: list[str], verify: bool = False, owner: str = ""
@@ -343,12 +443,14 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         kv, checksums = staged.result
         start = time.perf_counter()
         discards = self.aiosync_discard_epoch
+        state.held = None
         self.aiosync_weights_valid = False
         model = self.model_runner.model  # type: ignore[attr-defined]
         model.load_weights(self._aiosync_coll_iter_staged(state))
         scales = self._aiosync_coll_load_kv(staged.kv_names, kv, state.group.device)
         self._aiosync_coll_check_discards(discards)
         self.aiosync_weights_valid = True
+        state.held = (version, discards)
         return self._aiosync_coll_result(version, staged.kv_names, checksums, scales, start)
 
     # -- helpers ---------------------------------------------------------------
@@ -411,11 +513,13 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         checksums: list[int],
         scales: dict[str, float],
         start: float,
+        nbytes: int | None = None,
     ) -> dict[str, Any]:
         state = self._aiosync_collective_state()
+        payload = state.plan.total_bytes if nbytes is None else nbytes
         return {
             "version": version,
-            "nbytes": state.plan.total_bytes + 4 * len(kv_names),
+            "nbytes": payload + 4 * len(kv_names),
             "checksums": checksums,
             "pause_s": time.perf_counter() - start,
             "kv_scales": scales,
