@@ -71,14 +71,18 @@ class _Fault:
 _PAUSE_MODES = ("abort", "in_place", "retract")
 
 
-@dataclass
+@dataclass(eq=False)
 class _Ticket:
-    """One ``/generate`` request at the :class:`_Scheduler`."""
+    """One ``/generate`` request at the :class:`_Scheduler`; compared by identity
+    (two requests at the same point look alike field for field)."""
 
+    id: int = 0
     aborted: bool = False
     retracted: bool = False
     in_step: bool = False
     tokens: int = 0
+    #: The :attr:`_Scheduler.weights_epoch` of the KV its retraction left in the tree.
+    kv_epoch: int | None = None
 
 
 class _Scheduler:
@@ -91,6 +95,13 @@ class _Scheduler:
     in the running batch: ``/flush_cache`` refuses); ``"retract"`` moves them
     back to the waiting queue, their KV cache dropped (``/flush_cache`` may run),
     recomputed from prompt and tokens so far after ``/continue_generation``.
+
+    The radix tree, as far as a retract touches it: SGLang's retract frees a
+    request's KV beyond the tree-owned prefix and only unlocks that prefix
+    (sgl-project/sglang PR #33784), so a retracted request re-admitted without a
+    flush in between recomputes on top of the old weights' prefix KV. The tree
+    remembers each retracted request and the :attr:`weights_epoch` its KV came
+    from; :meth:`flush` empties it, and :meth:`readmit` reports a stale reuse.
     """
 
     def __init__(self) -> None:
@@ -98,26 +109,56 @@ class _Scheduler:
         self.mode: str | None = None
         self.epoch = 0
         self.tickets: list[_Ticket] = []
+        #: Bumped whenever weights change (each loaded bucket).
+        self.weights_epoch = 0
+        # Retracted requests whose prefix KV the tree still holds.
+        self.tree: set[int] = set()
+        self._ids = 0
 
     def admit(self) -> _Ticket:
         with self.cond:
             while self.mode is not None:
                 self.cond.wait()
-            ticket = _Ticket()
+            self._ids += 1
+            ticket = _Ticket(id=self._ids)
             self.tickets.append(ticket)
             return ticket
 
-    def readmit(self, ticket: _Ticket) -> None:
-        """A retracted request waits in the queue until generation continues."""
+    def readmit(self, ticket: _Ticket) -> bool:
+        """A retracted request waits in the queue until generation continues; True
+        when its recompute then reuses prefix KV of other weights than the live ones."""
         with self.cond:
             while self.mode is not None and not ticket.aborted:
                 self.cond.wait()
             ticket.retracted = False
+            stale = ticket.id in self.tree and ticket.kv_epoch != self.weights_epoch
+            self.tree.discard(ticket.id)
+            return stale and not ticket.aborted
 
     def finish(self, ticket: _Ticket) -> None:
         with self.cond:
-            self.tickets.remove(ticket)
+            # By identity: list.remove would take the first *equal* ticket.
+            self.tickets = [t for t in self.tickets if t is not ticket]
+            self.tree.discard(ticket.id)
             self.cond.notify_all()
+
+    def weights_changed(self) -> None:
+        with self.cond:
+            self.weights_epoch += 1
+
+    def flush(self) -> bool:
+        """SGLang 0.5.23's ``flush_cache``: only when ``is_fully_idle()``, no request
+        running *or waiting* (the retracted ones wait: issue #33783); then the tree
+        is empty. False: refused, nothing flushed."""
+        with self.cond:
+            if self.tickets:
+                return False
+            self.tree.clear()
+            return True
+
+    def drop_tree(self) -> None:
+        with self.cond:
+            self.tree.clear()
 
     def step(self, ticket: _Ticket) -> bool:
         """Before each token: False ends this decode (aborted, or retracted)."""
@@ -128,8 +169,10 @@ class _Scheduler:
                 self.cond.notify_all()
             while not ticket.aborted and self.mode == "in_place":
                 self.cond.wait()
-            if self.mode == "retract" and not ticket.aborted:
+            if self.mode == "retract" and not ticket.aborted and not ticket.retracted:
                 ticket.retracted = True
+                ticket.kv_epoch = self.weights_epoch
+                self.tree.add(ticket.id)
                 self.cond.notify_all()
             if ticket.aborted or ticket.retracted:
                 return False
@@ -189,6 +232,15 @@ class ServerState:
     enable_lora: bool = False
     max_lora_rank: int | None = None
     lora_target_modules: list[str] | None = None
+    #: SGLang's weight-update session (0.5.23; PRs #28710, #28001): every
+    #: ``update_weights_from_tensor`` must run between ``/begin_weight_update`` and
+    #: ``/end_weight_update``. False: an older server, without those routes (404).
+    weight_update_session: bool = True
+    #: A session is open (``/begin_weight_update`` answered, no ``/end`` yet).
+    session_open: bool = False
+    #: The ``weight_version`` an update sent inside the open session; the session's
+    #: end records it (SGLang's ``_WeightUpdateSession.pending_version``).
+    pending_version: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     model_lock: threading.Lock = field(default_factory=threading.Lock)
     released: set[str] = field(default_factory=set)
@@ -399,6 +451,11 @@ class _Handler(BaseHTTPRequestHandler):
             ]
         if path == "/update_weights_from_tensor" and method == "POST":
             return self._update_weights_from_tensor(_object(data))
+        if state.weight_update_session and method == "POST":
+            if path == "/begin_weight_update":
+                return self._begin_weight_update(_object(data or {}))
+            if path == "/end_weight_update":
+                return self._end_weight_update(_object(data or {}))
         if path == "/update_weight_version" and method == "POST":
             return self._update_weight_version(_object(data))
         if path == "/load_lora_adapter" and method == "POST":
@@ -406,8 +463,10 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/unload_lora_adapter" and method == "POST":
             return self._unload_lora_adapter(_object(data))
         if path == "/flush_cache":
+            # SGLang 0.5.23 (issue #33783): refused while requests run or wait, the
+            # retracted ones included; answered 400 with the same text.
             with state.lock:
-                if state.running:
+                if not state.scheduler.flush():
                     raise _HTTPError(400, _FLUSH_TEXT)
                 state.cache.clear()
             return _FLUSH_TEXT
@@ -450,10 +509,10 @@ class _Handler(BaseHTTPRequestHandler):
             key = (tuple(prompt), max_new, lora_id, ignore_eos)
             with state.lock:
                 cached = state.cache.get(key) if temperature == 0 else None
-            aborted = False
+            aborted = stale = False
             versions: list[str | None] = []
             if cached is None:
-                out, logprobs, aborted, versions = self._decode(
+                out, logprobs, aborted, versions, stale = self._decode(
                     prompt, max_new, temperature, ignore_eos, lora_id, top_p, seed
                 )
                 if temperature == 0 and not aborted and len(set(versions)) == 1:
@@ -477,6 +536,9 @@ class _Handler(BaseHTTPRequestHandler):
                 # Test-server only: the weight version label each token was
                 # computed under (SGLang reports only the answer's).
                 "aiosync_token_versions": versions,
+                # Test-server only: a retracted request was recomputed on top of
+                # prefix KV of other weights (no flush between retract and resume).
+                "aiosync_stale_kv": stale,
             }
             if return_logprob:
                 # SGLang's shape: one [logprob, token_id, text] per output token
@@ -498,16 +560,18 @@ class _Handler(BaseHTTPRequestHandler):
         lora_id: str | None,
         top_p: float = 1.0,
         seed: Any = None,
-    ) -> tuple[list[int], list[float], bool, list[str | None]]:
+    ) -> tuple[list[int], list[float], bool, list[str | None], bool]:
         """One request, token by token, at the scheduler: ``(ids, logprobs, aborted,
-        versions)``; ``logprobs``: each token's ``log_softmax(logits)[token]``
-        before temperature and top-p (SGLang's ``SGLANG_RETURN_ORIGINAL_LOGPROB``
-        convention, and what SGLang reports for greedy requests)."""
+        versions, stale)`` (``stale``: see :meth:`_Scheduler.readmit`); ``logprobs``:
+        each token's ``log_softmax(logits)[token]`` before temperature and top-p
+        (SGLang's ``SGLANG_RETURN_ORIGINAL_LOGPROB`` convention, and what SGLang
+        reports for greedy requests)."""
         state = self.server.state
         ticket = state.scheduler.admit()
         out: list[int] = []
         logprobs: list[float] = []
         versions: list[str | None] = []
+        stale = False
         generator = state.runner.make_generator(None if seed is None else int(seed))
 
         def before_forward() -> str | None:
@@ -534,12 +598,12 @@ class _Handler(BaseHTTPRequestHandler):
                 logprobs += result.logprobs
                 ended = bool(out) and not ignore_eos and out[-1] in state.runner.eos_ids()
                 if not result.aborted or ticket.aborted or ended or len(out) >= max_new:
-                    return out, logprobs, ticket.aborted, versions
+                    return out, logprobs, ticket.aborted, versions, stale
                 # Retracted: back in the queue, KV cache dropped; recomputed from the
                 # prompt and the tokens so far once generation continues.
-                state.scheduler.readmit(ticket)
+                stale |= state.scheduler.readmit(ticket)
                 if ticket.aborted:
-                    return out, logprobs, True, versions
+                    return out, logprobs, True, versions, stale
         finally:
             state.scheduler.finish(ticket)
 
@@ -573,6 +637,11 @@ class _Handler(BaseHTTPRequestHandler):
             raise _HTTPError(
                 400, {"success": False, "message": "weights are released; resume them first"}
             )
+        with state.lock:
+            outside = state.weight_update_session and not state.session_open
+        if outside:
+            # SGLang 0.5.23's SchedulerWeightUpdaterManager.update_weights_from_tensor.
+            raise _HTTPError(400, {"success": False, "message": _OUTSIDE_SESSION})
         try:
             # Rank r decodes entry r and loads it into its own model, as SGLang's
             # TP workers do (each deserializes only its own rank's entry).
@@ -592,18 +661,46 @@ class _Handler(BaseHTTPRequestHandler):
             # Drop every view so the sender's shared segments can be released.
             del per_rank
         self._times["loaded"] = time.monotonic()
+        state.scheduler.weights_changed()
         if data.get("flush_cache", True):
             with state.lock:
-                if state.running:
+                if not state.scheduler.flush():
                     # SGLang asserts here and its scheduler dies.
                     raise _error("Cache flush failed after updating weights", 500)
                 state.cache.clear()
         message = "Success"
         version = data.get("weight_version")
         if version is not None:
-            state.weight_version = str(version)
+            with state.lock:
+                if state.session_open:
+                    state.pending_version = str(version)
+                else:
+                    state.weight_version = str(version)
             message += f" Weight version updated to {version}."
         return {"success": True, "message": message}
+
+    def _begin_weight_update(self, data: dict[str, Any]) -> Any:
+        """SGLang's ``BeginWeightUpdateReqInput`` (``selector``, ``sync_base``): opens the
+        session; a second ``begin`` is refused (400), as SGLang's ``begin_weight_update``."""
+        state = self.server.state
+        with state.lock:
+            if state.session_open:
+                raise _HTTPError(400, {"success": False, "message": _SESSION_OPEN})
+            state.session_open = True
+            state.pending_version = None
+        return {"success": True, "message": "Success"}
+
+    def _end_weight_update(self, data: dict[str, Any]) -> Any:
+        """SGLang's ``EndWeightUpdateReqInput``: closes the session (the loader's
+        post-processing is a no-op here), recording the version its updates carried."""
+        state = self.server.state
+        with state.lock:
+            if not state.session_open:
+                raise _HTTPError(400, {"success": False, "message": _NO_SESSION})
+            state.session_open = False
+            if state.pending_version is not None:
+                state.weight_version, state.pending_version = state.pending_version, None
+        return {"success": True, "message": "Success"}
 
     def _update_weight_version(self, data: dict[str, Any]) -> Any:
         """SGLang's ``UpdateWeightVersionReqInput``: ``new_version`` (str), ``abort_all_requests``
@@ -706,6 +803,7 @@ class _Handler(BaseHTTPRequestHandler):
             state.released.update(tags)
             if "kv_cache" in tags:
                 state.cache.clear()
+                state.scheduler.drop_tree()
         return None
 
     def _resume(self, tags: list[str]) -> None:
@@ -761,12 +859,21 @@ class _Handler(BaseHTTPRequestHandler):
             with state.lock:
                 state.faults.clear()
                 state.log.clear()
+                state.session_open = False
+                state.pending_version = None
                 state.unhang.set()
                 state.unhang = threading.Event()
             return {"ok": True}
         raise _HTTPError(404, {"detail": "Not Found"})
 
 
+# SGLang 0.5.23, python/sglang/srt/managers/scheduler_components/weight_updater.py.
+_OUTSIDE_SESSION = (
+    "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+)
+_SESSION_OPEN = "a weight-update session is already open; call end_weight_update() first"
+_NO_SESSION = "no weight-update session is open; call begin_weight_update() first"
+# SGLang's http_server.py flush_cache: this text, 200 when flushed, 400 when refused.
 _FLUSH_TEXT = (
     "Cache flushed.\nPlease check backend logs for more details. "
     "(When there are running or waiting requests, the operation will not be performed.)\n"
@@ -834,6 +941,7 @@ def _summary(data: Any) -> dict[str, Any]:
         "flush_cache",
         "lora_name",
         "lora_path",
+        "selector",
     )
     for key in (*keys, "abort_all_requests"):
         if key in data:
@@ -970,6 +1078,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-lora-rank", type=int, default=None)
     parser.add_argument("--lora-target-modules", nargs="*", default=None)
     parser.add_argument(
+        "--no-weight-update-session",
+        action="store_true",
+        help="act as an SGLang before the weight-update session (PRs #28710, #28001): no "
+        "/begin_weight_update, /end_weight_update (404), updates accepted without one",
+    )
+    parser.add_argument(
         "--parent-fd",
         type=int,
         default=None,
@@ -993,6 +1107,18 @@ def main(argv: list[str] | None = None) -> None:
         _stop_on_eof(args.parent_fd, stop)
     # Resolved before the model build so that a typo fails at once, with the presets listed.
     model_config = _model_config(parser, args.model_config)
+    # Bound before the model build too: a busy port fails at once, and leaves nothing.
+    try:
+        server = _Server(("127.0.0.1", args.port), _Handler)
+    except OSError as exc:
+        print(
+            f"aiosync SGLang test server: cannot listen on 127.0.0.1:{args.port}: "
+            f"{exc.strerror or exc} (another process holds the port? pass --port 0 for a "
+            "free one)",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.exit(2)
     use_file_system_sharing()
     torch.set_num_threads(args.threads)
     runner = HFModelRunner.from_config(model_config, seed=args.seed, dtype=args.dtype)
@@ -1015,8 +1141,9 @@ def main(argv: list[str] | None = None) -> None:
         enable_lora=args.enable_lora,
         max_lora_rank=args.max_lora_rank,
         lora_target_modules=args.lora_target_modules,
+        weight_update_session=not args.no_weight_update_session,
     )
-    server = make_server(state, args.port)
+    server.state = state
     port = server.server_address[1]
     if args.port_file is not None:
         tmp = args.port_file.with_suffix(".tmp")

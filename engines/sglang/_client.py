@@ -1,9 +1,11 @@
 """SGLang's native HTTP API as typed calls: one ``httpx`` client, SGLang's errors as aiosync's.
 
-The endpoints a refit makes (``/get_server_info``, ``/update_weights_from_tensor``,
-``/flush_cache``, ``/update_weight_version``, ``/get_weight_version``) live here;
+The endpoints a refit makes (``/get_server_info``, ``/begin_weight_update``,
+``/update_weights_from_tensor``, ``/end_weight_update``, ``/flush_cache``,
+``/update_weight_version``, ``/get_weight_version``) live here;
 the engine's behaviour (memory saver, validity, generation) lives in
-:mod:`.backend`. Endpoint bodies and answers: ``docs/sglang.md``.
+:mod:`.backend`. Endpoint bodies and answers: ``docs/sglang.md``; the contracts as
+read in SGLang's sources (version, paths): ``docs/sglang-contract.md``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ __all__ = [
     "FLUSH_BACKOFF_INITIAL_S",
     "FLUSH_BACKOFF_MAX_S",
     "SGLangClient",
+    "http_status",
 ]
 
 #: Total time ``flush_cache`` keeps retrying a busy server, seconds.
@@ -84,6 +87,14 @@ class SGLangClient:
         )
         # The weight-version label this client last set on the server (None: none yet).
         self._version_label: str | None = None
+        # How many times this client set a label (a commit of a sync): a request
+        # whose answer comes after a change lived through a refit.
+        self._label_epoch = 0
+        # Whether the server has SGLang's weight-update session routes: None until
+        # the first begin_weight_update() asked (a 404 there means an older server).
+        self._session_routes: bool | None = None
+        # A session this client opened and has not ended yet.
+        self._session_open = False
 
     # -- the calls a refit makes ----------------------------------------------------
 
@@ -145,7 +156,72 @@ class SGLangClient:
             raise TransportError(f"/update_weights_from_tensor failed: {answer.get('message')}")
         if weight_version is not None:
             self._version_label = weight_version
+            self._label_epoch += 1
         return str(answer.get("message", "")) if isinstance(answer, dict) else ""
+
+    @property
+    def weight_update_session(self) -> bool | None:
+        """Whether the server has SGLang's weight-update session (``/begin_weight_update``,
+        ``/end_weight_update``; SGLang PRs #28710, #28001): None until
+        :meth:`begin_weight_update` first asked, False on an older server (404)."""
+        return self._session_routes
+
+    async def begin_weight_update(self) -> bool:
+        """POST ``/begin_weight_update`` (body ``{}``: SGLang's defaults ``selector="all"``,
+        ``sync_base=True``): open the session every ``update_weights_from_*`` asserts.
+
+        Returns:
+            True when a session is now open; False on a server without the
+            route (404, an SGLang before the session): learned once, never asked again.
+
+        A server that says a session is already open (``{"success": false, "message":
+        "a weight-update session is already open; ..."}``, 400) that this client did
+        not open (a trainer that died inside one) gets ``/end_weight_update`` for
+        that stale session first, then a new ``/begin_weight_update``.
+
+        Raises:
+            TransportError: the server refused (its message quoted), a connection
+                error, or this client's own session is open (a concurrent sync).
+            SyncTimeoutError: no answer within ``request_timeout_s``.
+        """
+        if self._session_routes is False:
+            return False
+        if self._session_open:
+            # Another sync through this client is inside its session: never end it.
+            raise TransportError(
+                f"POST {self.base_url}/begin_weight_update: this client's weight-update "
+                "session is open (another sync through it is in flight)"
+            )
+        try:
+            answer = await self._post("/begin_weight_update", {})
+        except TransportError as exc:
+            if self._session_routes is None and http_status(exc) == 404:
+                self._session_routes = False
+                return False
+            if http_status(exc) != 400 or "already open" not in str(exc):
+                raise
+            await self._post("/end_weight_update", {})
+            answer = await self._post("/begin_weight_update", {})
+        self._session_routes = True
+        _check_success("/begin_weight_update", answer)
+        self._session_open = True
+        return True
+
+    async def end_weight_update(self) -> None:
+        """POST ``/end_weight_update`` (body ``{}``) if this client opened a session: SGLang
+        runs its loader's post-processing (quantization finalize, ``post_load_weights``
+        when no ``load_weights`` ran) and closes it. Nothing when no session is open.
+
+        Raises:
+            TransportError: the server refused (its message quoted), or a connection error.
+            SyncTimeoutError: no answer within ``request_timeout_s``.
+        """
+        if not self._session_open:
+            return
+        # Whatever the answer, the session is the server's to close now: never twice.
+        self._session_open = False
+        answer = await self._post("/end_weight_update", {})
+        _check_success("/end_weight_update", answer)
 
     async def flush_cache(self, timeout_s: float | None = None) -> int:
         """POST ``/flush_cache`` until it answers 200; returns the attempts made.
@@ -198,6 +274,7 @@ class SGLangClient:
         if isinstance(answer, dict) and answer.get("success") is False:
             raise TransportError(f"/update_weight_version failed: {answer.get('message')}")
         self._version_label = new_version
+        self._label_epoch += 1
 
     async def get_weight_version(self) -> str | None:
         """``/get_weight_version``: the ``weight_version`` of the last completed update.
@@ -248,15 +325,30 @@ class SGLangClient:
                 f"({'none sent' if 'Authorization' not in self._client.headers else 'wrong key'})"
             )
         if not response.is_success:
-            raise TransportError(
+            error = TransportError(
                 f"{where}: HTTP {response.status_code}: {_server_message(response)}"
             )
+            vars(error)["http_status"] = response.status_code
+            raise error
         if not response.content:
             return None
         try:
             return response.json()
         except ValueError:
             return response.text
+
+
+def http_status(exc: TransportError) -> int | None:
+    """The HTTP status of a non-2xx answer :meth:`SGLangClient._request` raised for,
+    None for other errors. (Kept on the instance, not in a subclass: the fan-out
+    renames aiosync errors by their exact type.)"""
+    status = vars(exc).get("http_status")
+    return status if isinstance(status, int) else None
+
+
+def _check_success(path: str, answer: Any) -> None:
+    if isinstance(answer, dict) and answer.get("success") is False:
+        raise TransportError(f"{path} failed: {answer.get('message')}")
 
 
 def _server_message(response: httpx.Response) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 from aiosync.errors import TransportError
 from aiosync.generation import Generation, SamplingParams, parse_version, version_span
 
-__all__ = ["SGLangGeneration", "generate_body"]
+__all__ = ["SGLangGeneration", "continued", "generate_body"]
 
 
 def generate_body(
@@ -87,24 +87,31 @@ class SGLangGeneration(Generation):
 
     @classmethod
     def from_answer(
-        cls, item: Any, *, logprobs: bool = False, submitted_version: int | None = None
+        cls,
+        item: Any,
+        *,
+        logprobs: bool = False,
+        submitted_version: int | None = None,
+        spanned: bool = False,
     ) -> SGLangGeneration:
         """From one ``/generate`` answer ``{"output_ids", "meta_info"}``.
 
         Versions: ``meta_info.weight_version`` (SGLang's ``"default"`` before any
         update is None) is ``last_version``. SGLang does not say which version
-        computed each token, so when ``submitted_version`` is older (a refit
-        landed between request and answer) ``first_version`` is that older one
-        (counted as spanning both, the cautious side) and ``version_change_at``
-        None. A server that labels every token
-        (``meta_info.aiosync_token_versions``, the test server) gives exact ones.
+        computed each token, so when a refit landed between request and answer
+        (``spanned``, or ``submitted_version`` older) ``first_version`` is
+        ``submitted_version`` (None: the initial weights; counted as spanning
+        both, the cautious side) and ``version_change_at`` None. A server that
+        labels every token (``meta_info.aiosync_token_versions``, the test
+        server) gives exact ones.
 
         Args:
             item: the answer (one element of a batch answer).
             logprobs: read ``meta_info.output_token_logprobs`` (the request set
                 ``return_logprob``).
             submitted_version: the weight version the backend knew live when it
-                sent the request.
+                sent the request (None: none set yet, the initial weights).
+            spanned: a sync committed on the server while the request was in it.
 
         Raises:
             TransportError: no ``output_ids``, or ``output_token_logprobs`` missing
@@ -130,6 +137,8 @@ class SGLangGeneration(Generation):
             first, change = last, None
             if token_ids and submitted_version is not None and last is not None:
                 first = min(submitted_version, last)
+            elif token_ids and spanned:
+                first = submitted_version
             if not token_ids:
                 first = last = None
         return cls(
@@ -142,6 +151,60 @@ class SGLangGeneration(Generation):
             finish_reason=finish_reason,
             meta_info=meta_info,
         )
+
+
+def continued(first: SGLangGeneration, rest: SGLangGeneration) -> SGLangGeneration:
+    """One request answered in two parts: ``first`` (aborted part-way) and ``rest`` (its
+    continuation from the prompt plus ``first``'s tokens), as one generation.
+
+    Tokens, logprobs, and the per-token version labels where the server gives
+    them, are joined; ``finish_reason`` is ``rest``'s; ``meta_info`` is ``rest``'s
+    with ``prompt_tokens`` and ``completion_tokens`` of the whole request and
+    ``aiosync_continued_at`` (``len(first.token_ids)``). The versions: ``first``'s
+    tokens are its own, ``rest``'s its own, so ``version_change_at`` is exact
+    unless ``first`` itself spanned a refit without saying where.
+    """
+    tokens = [*first.token_ids, *rest.token_ids]
+    logprobs = None
+    if first.logprobs is not None and rest.logprobs is not None:
+        logprobs = [*first.logprobs, *rest.logprobs]
+    meta = dict(rest.meta_info)
+    meta["prompt_tokens"] = first.meta_info.get("prompt_tokens", meta.get("prompt_tokens"))
+    meta["completion_tokens"] = len(tokens)
+    meta["aiosync_continued_at"] = len(first.token_ids)
+    for key in ("aiosync_token_versions", "output_token_logprobs"):
+        a, b = first.meta_info.get(key), rest.meta_info.get(key)
+        if isinstance(a, list) and isinstance(b, list):
+            meta[key] = [*a, *b]
+        else:
+            meta.pop(key, None)
+    labels = meta.get("aiosync_token_versions")
+    change: int | None
+    if isinstance(labels, list) and len(labels) == len(tokens):
+        first_v, last_v, change = version_span([parse_version(v) for v in labels])
+    elif not first.token_ids or not rest.token_ids:
+        whole = rest if rest.token_ids else first
+        first_v, last_v, change = whole.first_version, whole.last_version, whole.version_change_at
+    else:
+        first_v, last_v = first.first_version, rest.last_version
+        if first.spans_versions:
+            change = first.version_change_at
+        elif rest.first_version != first.last_version:
+            change = len(first.token_ids)
+        elif rest.version_change_at is not None:
+            change = len(first.token_ids) + rest.version_change_at
+        else:
+            change = None
+    return SGLangGeneration(
+        token_ids=tokens,
+        logprobs=logprobs,
+        first_version=first_v,
+        last_version=last_v,
+        version_change_at=change,
+        aborted=rest.aborted,
+        finish_reason=rest.finish_reason,
+        meta_info=meta,
+    )
 
 
 def _output_logprobs(entries: Any, token_ids: list[int]) -> list[float]:

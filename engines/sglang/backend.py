@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -30,8 +31,9 @@ from ._client import (
     FLUSH_BACKOFF_INITIAL_S,
     FLUSH_BACKOFF_MAX_S,
     SGLangClient,
+    http_status,
 )
-from ._generation import SGLangGeneration, generate_body
+from ._generation import SGLangGeneration, continued, generate_body
 from ._lora import SGLangAdapters, check_adapter_fits
 from ._manifest import ServerManifests
 
@@ -160,6 +162,13 @@ class SGLangHTTPBackend(GenerateFromMeta, SGLangClient):
         self._weights_valid = True
         self._invalid_reason = ""
         self._listeners: list[Callable[[], None]] = []
+        # The SGLang pause mode this backend put the server in (None: not paused).
+        self._pause_mode: str | None = None
+        # Set when the pause ends (resume_generation): requests requeued by a
+        # "keep" flush (see flush_cache) wait for it to continue or give up.
+        self._pause_ended: anyio.Event | None = None
+        # How many times a "keep" flush aborted the retracted requests to requeue them.
+        self._requeues = 0
 
     @property
     def hf_config(self) -> PretrainedConfig | Mapping[str, Any] | str | os.PathLike[str] | None:
@@ -312,20 +321,76 @@ class SGLangHTTPBackend(GenerateFromMeta, SGLangClient):
         """
         sampling = resolve_sampling(params, keywords)
         self._check_can_generate()
-        body = generate_body(prompts, sampling, sampling_params, lora_name=self._adapters.active)
+        lora_name = self._adapters.active
+        body = generate_body(prompts, sampling, sampling_params, lora_name=lora_name)
         submitted = parse_version(self._version_label)
+        epoch, requeues = self._label_epoch, self._requeues
         answer = await self._post("/generate", body, timeout_s=self.generate_timeout_s)
         items = answer if isinstance(answer, list) else [answer]
         if len(items) != len(prompts):
             raise TransportError(
                 f"/generate answered {len(items)} results for {len(prompts)} prompts"
             )
-        return [
+        # A sync committed while this request was in the server: it was kept across
+        # the refit, so its tokens may come from both versions (SGLang labels only
+        # the answer): never report it as one version.
+        spanned = self._label_epoch != epoch
+        generations = [
             SGLangGeneration.from_answer(
-                item, logprobs=sampling.logprobs, submitted_version=submitted
+                item, logprobs=sampling.logprobs, submitted_version=submitted, spanned=spanned
             )
             for item in items
         ]
+        if self._requeues != requeues:
+            generations = await self._continue_requeued(
+                prompts, generations, sampling, sampling_params, lora_name
+            )
+        return list(generations)
+
+    async def _continue_requeued(
+        self,
+        prompts: Sequence[Sequence[int]],
+        generations: list[SGLangGeneration],
+        sampling: SamplingParams,
+        extra: Mapping[str, Any] | None,
+        lora_name: str | None,
+    ) -> list[SGLangGeneration]:
+        """Continue the requests a ``"keep"`` flush aborted (see :meth:`flush_cache`).
+
+        Each aborted one waits for the pause to end; if the sync committed, it is
+        sent again as its prompt plus the tokens it had, for the tokens it still
+        may make, and the two answers are joined (the versions exact: the first
+        part's tokens are the old version's, the rest the new one's). If the sync
+        failed the weights are not valid: it stays aborted, with the tokens it had
+        (never generated on half-loaded weights).
+        """
+        if self._pause_ended is not None:
+            await self._pause_ended.wait()
+        out = list(generations)
+        if not self._weights_valid or self._released or self._adapters.active != lora_name:
+            return out
+
+        async def resume(index: int) -> None:
+            first = out[index]
+            left = sampling.max_tokens - len(first.token_ids)
+            if left <= 0:
+                return
+            prompt = [*prompts[index], *first.token_ids]
+            rest_params = replace(sampling, max_tokens=left)
+            body = generate_body([prompt], rest_params, extra, lora_name=lora_name)
+            submitted = parse_version(self._version_label)
+            answer = await self._post("/generate", body, timeout_s=self.generate_timeout_s)
+            item = answer[0] if isinstance(answer, list) and len(answer) == 1 else answer
+            rest = SGLangGeneration.from_answer(
+                item, logprobs=sampling.logprobs, submitted_version=submitted
+            )
+            out[index] = continued(first, rest)
+
+        async with anyio.create_task_group() as tg:
+            for index, generation in enumerate(out):
+                if generation.aborted:
+                    tg.start_soon(resume, index)
+        return out
 
     def _check_can_generate(self) -> None:
         if "weights" in self._released or not self._weights_valid:
@@ -367,6 +432,9 @@ class SGLangHTTPBackend(GenerateFromMeta, SGLangClient):
           so far with the new weights and continues. ``clear_cache=False``:
           ``{"mode": "in_place"}``, the KV cache of the old weights kept (as
           vLLM's ``keep``); ``/flush_cache`` then fails until they finish.
+          SGLang 0.5.23 refuses ``/flush_cache`` after a retract while its waiting
+          queue is not empty (issue #33783): :meth:`flush_cache` then requeues the
+          requests through this backend instead (see there).
 
         Raises:
             ValueError: an unknown ``mode`` (before any request).
@@ -376,12 +444,17 @@ class SGLangHTTPBackend(GenerateFromMeta, SGLangClient):
         """
         if mode not in IN_FLIGHT_POLICIES:
             raise ValueError(f"mode must be one of {IN_FLIGHT_POLICIES}, got {mode!r}")
+        if self._pause_ended is None:
+            self._pause_ended = anyio.Event()
         if mode == "abort":
+            self._pause_mode = "abort"
             await self._post("/pause_generation", {"mode": "abort"})
         elif mode == "keep":
             sglang_mode = "retract" if clear_cache else "in_place"
+            self._pause_mode = sglang_mode
             await self._post("/pause_generation", {"mode": sglang_mode})
         else:
+            self._pause_mode = "in_place"
             while True:
                 while await self._requests_in_flight():
                     await anyio.sleep(WAIT_POLL_S)
@@ -394,10 +467,62 @@ class SGLangHTTPBackend(GenerateFromMeta, SGLangClient):
         """``/continue_generation``: admit requests again, let paused ones continue.
         Idempotent.
 
+        After a sync that began loading and did not commit (:attr:`weights_valid`
+        False), the requests kept paused are aborted first
+        (``/pause_generation {"mode": "abort"}``: answered with the tokens they
+        had, ``finish_reason`` ``abort``): none continues on half-loaded weights.
+
         Raises:
             TransportError, SyncTimeoutError: the server failed or did not answer.
         """
-        await self._post("/continue_generation", {})
+        try:
+            if self._pause_mode is not None and not self._weights_valid:
+                await self._post("/pause_generation", {"mode": "abort"})
+            await self._post("/continue_generation", {})
+        finally:
+            self._pause_mode = None
+            ended, self._pause_ended = self._pause_ended, None
+            if ended is not None:
+                ended.set()
+
+    async def flush_cache(self, timeout_s: float | None = None) -> int:
+        """POST ``/flush_cache`` until the server accepts it; returns the attempts made.
+
+        As :meth:`SGLangClient.flush_cache`, except while this backend holds the
+        server paused with ``"retract"`` (``in_flight="keep"``): SGLang 0.5.23's
+        ``flush_cache`` requires ``is_fully_idle()``, an empty waiting queue,
+        which retract fills (sgl-project/sglang issue #33783; the fixes, PRs
+        #31962 and #33784, let a paused server flush). Skipping the flush, as
+        miles does (radixark/miles PR #1497), would let the retracted requests
+        match the radix tree's prefix of the old weights: retract only
+        ``dec_lock_ref``'s that prefix (PR #33784). So after one refused attempt
+        the waiting requests are aborted (``/pause_generation {"mode":
+        "abort"}``), the flush retried as usual, and each request this backend
+        sent is continued after the sync by :meth:`generate_with_meta` (its
+        prompt plus the tokens it had, recomputed on the new weights, as a
+        retract would), the answers joined. Requests other clients sent are
+        answered aborted.
+
+        Raises:
+            TransportError: still failing after ``timeout_s``; names the last answer.
+        """
+        if self._pause_mode != "retract":
+            return await super().flush_cache(timeout_s)
+        try:
+            await self._post("/flush_cache", None)
+            return 1
+        except TransportError as exc:
+            if http_status(exc) != 400:
+                return 1 + await super().flush_cache(timeout_s)
+        logger.info(
+            "%s refused /flush_cache after a retract (waiting queue not empty, SGLang "
+            "issue #33783): requeueing the kept requests",
+            self.base_url,
+        )
+        self._requeues += 1
+        await self._post("/pause_generation", {"mode": "abort"})
+        self._pause_mode = "abort"
+        return 1 + await super().flush_cache(timeout_s)
 
     async def _requests_in_flight(self) -> int:
         """Requests the server holds (running or waiting), from ``/get_load``."""

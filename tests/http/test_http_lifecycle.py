@@ -178,10 +178,22 @@ async def test_sampling_params_and_the_keyword_form_are_the_same_request(
         assert len(tap.generate) == 3  # the refused call sent nothing
 
 
+@pytest.fixture(scope="module")
+def legacy_server_proc(server_workdir: Any, dense_config: Any) -> Any:
+    """An SGLang from before the weight-update session (``--no-weight-update-session``)."""
+    from .conftest import TestServer
+
+    proc = TestServer(server_workdir, dense_config, "--no-weight-update-session")
+    try:
+        yield proc
+    finally:
+        proc.close()
+
+
 async def test_a_commit_by_another_synchronizer_mid_sync_fails_the_sync_and_taints_both(
-    server: Any, make_trainer: Any, state_equal: Any
+    legacy_server_proc: Any, make_trainer: Any, state_equal: Any
 ) -> None:
-    # SGLang keeps no sessions: B can commit into the server while A's buckets move.
+    # An SGLang without sessions: B can commit into the server while A's buckets move.
     # Then the server holds a mix of both, so A must not commit over it and B, whose
     # claim A's later buckets broke, must turn stale.
     import threading
@@ -190,6 +202,8 @@ async def test_a_commit_by_another_synchronizer_mid_sync_fails_the_sync_and_tain
 
     from aiosync import OwnershipError
 
+    server = legacy_server_proc
+    server.reset()
     a, b = make_trainer(seed=71), make_trainer(seed=72)
     async with SGLangHTTPBackend(server.url) as backend:
         sync_a = HTTPWeightSynchronizer(a, backend, bucket_bytes=BUCKET_BYTES)

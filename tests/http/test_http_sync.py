@@ -99,7 +99,10 @@ async def test_entry_r_of_serialized_named_tensors_is_what_tp_rank_r_loads(
             "load_format": "flattened_bucket",
             "flush_cache": False,
         }
+        # SGLang 0.5.23: every update inside a weight-update session.
+        server.admin.post("/begin_weight_update", json={}).raise_for_status()
         response = server.admin.post("/update_weights_from_tensor", json=body)
+        server.admin.post("/end_weight_update", json={}).raise_for_status()
         for flat in flats:
             flat.release()
         assert response.status_code == 200, response.text
@@ -291,7 +294,9 @@ async def test_malicious_pickle_is_rejected_and_weights_unchanged(
         "flush_cache": False,
         "weight_version": "666",
     }
+    server.admin.post("/begin_weight_update", json={}).raise_for_status()
     response = server.admin.post("/update_weights_from_tensor", json=body)
+    server.admin.post("/end_weight_update", json={}).raise_for_status()
     assert response.status_code == 400
     assert response.json()["success"] is False
     assert "forbidden global" in response.json()["message"]

@@ -3,7 +3,8 @@
 - :mod:`.synchronizer` — the trainer side, :class:`HTTPWeightSynchronizer`.
 - :mod:`.server` — :class:`SGLangServer`, the server contract the synchronizer
   drives (``aiosync.SGLangHTTPBackend`` satisfies it), and the optional
-  :class:`SGLangManifestSource` (the manifest checked at ``init_communicator()``).
+  :class:`SGLangManifestSource` (the manifest checked at ``init_communicator()``)
+  and :class:`SGLangWeightUpdateSession` (SGLang's begin/end weight-update session).
 - The engine side is SGLang itself; a server that imitates it decodes each
   payload with :func:`decode_flattened_bucket` (``load_format=FLATTENED_BUCKET``),
   as the SGLang-contract test server does. CPU payloads name a ``/dev/shm``
@@ -14,7 +15,7 @@
 """
 
 from ._wire import FLATTENED_BUCKET, decode_flattened_bucket, use_file_system_sharing
-from .server import SGLangManifestSource, SGLangServer
+from .server import SGLangManifestSource, SGLangServer, SGLangWeightUpdateSession
 from .synchronizer import HTTPWeightSynchronizer
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "HTTPWeightSynchronizer",
     "SGLangManifestSource",
     "SGLangServer",
+    "SGLangWeightUpdateSession",
     "decode_flattened_bucket",
     "use_file_system_sharing",
 ]

@@ -4,7 +4,10 @@
 bookkeeping that keeps generation refused while the server holds a mix of two
 versions; :class:`aiosync.SGLangHTTPBackend` satisfies it, and so can any
 client a user already has. :class:`SGLangManifestSource` is optional (the
-manifest checked at ``init_communicator()``). See ``docs/sglang.md``.
+manifest checked at ``init_communicator()``); :class:`SGLangWeightUpdateSession` is
+optional too (SGLang's ``/begin_weight_update`` ... ``/end_weight_update`` bracket).
+See ``docs/sglang.md`` and, for the endpoints as read in SGLang's sources,
+``docs/sglang-contract.md``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SGLangManifestSource", "SGLangServer"]
+__all__ = ["SGLangManifestSource", "SGLangServer", "SGLangWeightUpdateSession"]
 
 
 @runtime_checkable
@@ -107,4 +110,25 @@ class SGLangManifestSource(Protocol):
         Args:
             server_info: ``/get_server_info``'s answer, if the caller already has it.
         """
+        ...
+
+
+@runtime_checkable
+class SGLangWeightUpdateSession(Protocol):
+    """An SGLang server that may need a weight-update session around its updates.
+
+    SGLang 0.5.23 (PRs #28710, #28001; ``python/sglang/srt/managers/
+    scheduler_components/weight_updater.py``) refuses ``update_weights_from_tensor``
+    outside ``POST /begin_weight_update`` ... ``POST /end_weight_update`` (400,
+    ``"update_weights_from_tensor must run between begin_weight_update() and
+    end_weight_update()"``); ``end`` runs the loader's post-processing. The
+    synchronizer opens one around every sync's buckets and always ends it.
+    """
+
+    async def begin_weight_update(self) -> bool:
+        """Open the session; False: the server has none (older SGLang, 404), learned once."""
+        ...
+
+    async def end_weight_update(self) -> None:
+        """Close the session this object opened (nothing if none is open)."""
         ...

@@ -1,15 +1,19 @@
 """``HTTPWeightSynchronizer``: colocated SGLang servers refit through their HTTP API.
 
 The trainer streams its weights as single-dtype flattened buckets, one
-``/update_weights_from_tensor`` per bucket and server, then flushes the cache and
-sets the version label (``/update_weight_version``) only once all of it landed.
-The steps, the memory lifetimes and the failure rules: ``docs/sglang.md``.
+``/update_weights_from_tensor`` per bucket and server, inside SGLang's weight-update
+session (``/begin_weight_update`` ... ``/end_weight_update``, where the server has
+it), then flushes the cache and sets the version label (``/update_weight_version``)
+only once all of it landed. The steps, the memory lifetimes and the failure rules:
+``docs/sglang.md``; SGLang's endpoints as read in its sources: ``docs/sglang-contract.md``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -41,9 +45,11 @@ from ._wire import (
     plan_flat_buckets,
     serialize_flat,
 )
-from .server import SGLangManifestSource, SGLangServer
+from .server import SGLangManifestSource, SGLangServer, SGLangWeightUpdateSession
 
 __all__ = ["HTTPWeightSynchronizer"]
+
+_log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
@@ -218,7 +224,8 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         # failure or cancellation) the KV cache: SGLang's two-phase wake.
         async with self._colocated_refit(self.servers):
             phases["woken"] = time.monotonic()
-            nbytes = await self._send_buckets(kv, rows)
+            async with self._weight_update_sessions():
+                nbytes = await self._send_buckets(kv, rows)
             phases["streamed"] = time.monotonic()
             await self._each(lambda server: server.flush_cache())
             phases["flushed"] = time.monotonic()
@@ -233,6 +240,61 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         if rows is not None:
             self.last_trace = {"buckets": rows, "phases": phases}
         return nbytes
+
+    @contextlib.asynccontextmanager
+    async def _weight_update_sessions(self) -> AsyncIterator[None]:
+        """SGLang's weight-update session on every server that has one, around the block.
+
+        ``/begin_weight_update`` on each server first (a server without the
+        routes answers 404 once and is driven sessionless from then on,
+        :class:`SGLangWeightUpdateSession`); after the block, also after a
+        failure or cancellation, ``/end_weight_update`` on every server, side by
+        side, one's failure not stopping the others', shielded and bounded by
+        ``timeouts.rpc_s`` (``timeouts.after_failure_s`` after a failure): no
+        server is left inside a session. An error of an end after a failure is
+        logged, never raised over the block's; after a success it fails the sync
+        (the loader's post-processing did not run).
+        """
+        sessions = [
+            (index, server)
+            for index, server in enumerate(self.servers)
+            if isinstance(server, SGLangWeightUpdateSession)
+        ]
+        failed = True
+        try:
+            await self._each(
+                lambda server: (
+                    server.begin_weight_update()
+                    if isinstance(server, SGLangWeightUpdateSession)
+                    else _none()
+                )
+            )
+            yield
+            failed = False
+        finally:
+            limit = self.timeouts.after_failure_s if failed else self.timeouts.rpc_s
+            errors: list[tuple[int, BaseException]] = []
+
+            async def end(index: int, server: SGLangWeightUpdateSession) -> None:
+                try:
+                    with anyio.fail_after(limit):
+                        await server.end_weight_update()
+                except Exception as exc:
+                    errors.append((index, exc))
+
+            with anyio.CancelScope(shield=True):
+                async with anyio.create_task_group() as tg:
+                    for index, server in sessions:
+                        tg.start_soon(end, index, server)
+            for index, exc in sorted(errors, key=lambda e: e[0]):
+                where = self._label(index)
+                if failed:
+                    _log.error("%s: /end_weight_update after a failed sync: %r", where, exc)
+                else:
+                    raise TransportError(
+                        f"{where}: /end_weight_update failed, so the loader's post-processing "
+                        f"may not have run: {exc}"
+                    ) from exc
 
     async def _send_buckets(
         self,
@@ -395,6 +457,10 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             "weight_version": self.weight_version,
         }
         return f"HTTPWeightSynchronizer({info})"
+
+
+async def _none() -> None:
+    return None
 
 
 def _servers_of(generation: Any) -> tuple[SGLangServer, ...]:
