@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -41,6 +41,7 @@ from aiosync.layout import Part
 __all__ = [
     "DeltaBaseline",
     "Encoding",
+    "PatchModel",
     "WeightPatch",
     "apply_patch",
     "patch_from_wire",
@@ -53,6 +54,17 @@ Encoding = Literal["dense", "indices", "bitmap"]
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: Bit ``j`` of a bitmap byte is element ``8 * i + j`` (little-endian within a byte).
 _WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+@runtime_checkable
+class PatchModel(Protocol):
+    """An engine worker's model that writes delta patches into its live weights (the
+    embedded engine's runner); a transport refuses a delta to a model without it."""
+
+    def apply_weight_patches(self, patches: Any) -> int:
+        """Write each :class:`WeightPatch` into the part held (checked first); returns
+        the elements written."""
+        ...
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from aiosync.delta import WeightPatch, patch_from_wire, wire_manifest
+from aiosync.delta import PatchModel, WeightPatch, patch_from_wire, wire_manifest
 from aiosync.errors import OwnershipError, RefitMismatchError, SyncTimeoutError, TransportError
 
 from .._identity import WorkerIdentityMixin
@@ -50,17 +50,7 @@ class ManifestModel(Protocol):
         ...
 
 
-@runtime_checkable
-class PatchModel(Protocol):
-    """A worker's model that writes delta patches into its live weights."""
-
-    def apply_weight_patches(self, patches: Any) -> int:
-        """Write each :class:`~aiosync.delta.WeightPatch` into the part held; returns
-        the elements written."""
-        ...
-
-
-__all__ = ["CollectiveWorkerMixin", "PatchModel"]
+__all__ = ["CollectiveWorkerMixin"]
 
 #: A store key only checked for (never set): the check is a round trip to the owner.
 _PROBE_KEY = "aiosync/owner-probe"
