@@ -139,8 +139,9 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             copy of the weights on trainer rank 0 (the baseline; two during a full
             sync). The first sync, and any after a failed or cancelled one, a
             worker that does not hold the baseline (respawned, discarded weights,
-            a new group) or a new engine, is a full one. One trainer rank and
-            ``overlap="inplace"`` only.
+            a new group) or a new engine, is a full one. ``overlap="inplace"``
+            only. With several trainer ranks every rank gathers as for a full sync
+            (rank 0 diffs what it gathered).
         timeouts: every limit (:class:`~aiosync.Timeouts`); ``rpc_s`` bounds each
             control RPC to the workers.
         rpc_timeout_s: overrides ``timeouts.rpc_s``, seconds.
@@ -156,8 +157,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
 
     Raises:
         ValueError: an option is out of range, ``dist_backend`` is not
-            ``"nccl"``, ``"gloo"`` or None, or ``delta`` with ``overlap="staged"``
-            or several trainer ranks.
+            ``"nccl"``, ``"gloo"`` or None, or ``delta`` with ``overlap="staged"``.
         TypeError: ``train_cluster`` is not a :class:`~aiosync.TrainCluster`.
     """
 
@@ -224,12 +224,6 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             raise ValueError(f"overlap must be 'inplace' or 'staged', got {overlap!r}")
         if delta and overlap != "inplace":
             raise ValueError("delta=True writes patches in place: it needs overlap='inplace'")
-        if delta and train_cluster.world_size > 1:
-            raise ValueError(
-                "delta=True is not supported with several trainer ranks yet "
-                f"(world_size={train_cluster.world_size}): rank 0 would have to diff "
-                "before the gathers' stream is sent"
-            )
         if collective_timeout_s is not None and not 0 < collective_timeout_s < float("inf"):
             raise ValueError(
                 f"collective_timeout_s must be a finite number > 0, got {collective_timeout_s}"
@@ -622,6 +616,14 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         except BaseException:
             self._drop_trainer_group()
             raise
+        if self.delta_baseline is not None and trainers is not None:
+            # Only the source knows whether it sent a delta, and how many bytes:
+            # every rank's COMMITTED event must say the same.
+            said = await self._gather_ranks(
+                [moved.nbytes, moved.delta] if isinstance(moved, Transferred) else None
+            )
+            if said is not None:
+                moved = Transferred(int(said[0][0]), bool(said[0][1]))
         return moved
 
     def _needs_forming(self) -> bool:
@@ -648,6 +650,9 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
 
         The trainer ranks' read vote sits between the last bucket and the
         workers' vote, so the workers refuse weights another rank failed to read.
+        A delta reads (gathers) every tensor before the first byte moves, to diff
+        it: its read vote comes before the stream, so no patch moves that another
+        rank failed to read.
         """
         buffers = self._buffers
         assert buffers is not None
@@ -658,12 +663,20 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         }
         weights: Iterable[tuple[str, torch.Tensor]] = votes.weights
         baseline = self.delta_baseline
+        read = False
         if baseline is not None:
             if await self._workers_hold_baseline():
-                plan, weights, kwargs["delta"] = await self._in_thread(
-                    functools.partial(self._diff, baseline, plan, version, votes.weights),
-                    self.sync_timeout_s,
-                )
+                try:
+                    async with votes.watching():
+                        plan, weights, kwargs["delta"] = await self._in_thread(
+                            functools.partial(self._diff, baseline, plan, version, votes.weights),
+                            self.sync_timeout_s,
+                        )
+                except BaseException as exc:
+                    await votes.read(exc)  # raises: the source failed
+                    raise
+                await votes.read(None)  # raises when another rank failed its read
+                read = True
                 buffers = buffers.for_plan(plan)  # type: ignore[assignment]
             else:
                 weights = baseline.stage_full(version, votes.weights)
@@ -680,16 +693,19 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         )
 
         async def local() -> SendResult:
-            try:
-                async with votes.watching():
-                    sent, failure = await self._in_thread(stream, self.sync_timeout_s)
-            except BaseException as exc:
-                await votes.read(exc)  # raises: the source failed
-                raise
-            try:
-                await votes.read(failure)
-            except Exception as exc:
-                failure = exc
+            if read:  # a delta: the patches are in hand, every rank read its part
+                sent, failure = await self._in_thread(stream, self.sync_timeout_s)
+            else:
+                try:
+                    async with votes.watching():
+                        sent, failure = await self._in_thread(stream, self.sync_timeout_s)
+                except BaseException as exc:
+                    await votes.read(exc)  # raises: the source failed
+                    raise
+                try:
+                    await votes.read(failure)
+                except Exception as exc:
+                    failure = exc
             await self._in_thread(functools.partial(vote_send, group, failure), self.sync_timeout_s)
             return sent
 
