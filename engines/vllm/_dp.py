@@ -27,6 +27,8 @@ WEIGHT_RPCS = frozenset(
         "aiosync_collective_receive",
         "aiosync_collective_stage",
         "aiosync_collective_commit",
+        "aiosync_sharded_init",
+        "aiosync_sharded_receive",
     }
 )
 

@@ -14,6 +14,10 @@ expect of any engine:
   weights must not survive a refit); ``finish_generation()`` puts it to sleep
   (``sleep(level)``).
 * ``generate(prompts)`` — greedy (or sampled) token ids for token-id prompts.
+* :class:`aiosync.capabilities.LayoutReporting` — ``weight_layouts()`` (what each
+  worker holds of each HF tensor, :mod:`._layout`) and ``tensor_parallel_size``:
+  with tensor parallelism the factory picks the shard-aware transport, which
+  sends each worker only its slices.
 * ``load_lora_adapter(adapter)`` — an adapter-only refit (:class:`aiosync.LoRAAdapter`):
   vLLM loads the adapter as ``LoRARequest(adapter.name, adapter.version, path)``
   and every later ``generate`` uses it (the engine must be built with
@@ -105,10 +109,12 @@ if TYPE_CHECKING:
         Engine,
         EngineWorkers,
         Generating,
+        LayoutReporting,
         ManifestReporting,
         PausableEngine,
         VersionedEngine,
     )
+    from aiosync.layout import Layout
 
 __all__ = [
     "IN_FLIGHT_MODES",
@@ -146,8 +152,8 @@ class VLLMGenerationBackend(GenerateFromMeta):
 
     An :class:`~aiosync.capabilities.Engine` that is also a ``PausableEngine``,
     ``VersionedEngine``, ``DiscardNotifier``, ``EngineWorkers``, ``Generating``,
-    ``ManifestReporting`` and ``ConfigReporting`` (checked by mypy at the end of
-    this module).
+    ``ManifestReporting``, ``ConfigReporting`` and ``LayoutReporting`` (checked by
+    mypy at the end of this module).
 
     Raises:
         ValueError: ``sleep_level`` is not 1 or 2.
@@ -620,6 +626,33 @@ class VLLMGenerationBackend(GenerateFromMeta):
         """
         return self._driver.hf_config
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Workers that share one replica's weights, each holding its slices
+        (vLLM's ``parallel_config.tensor_parallel_size``; 1 when the config has none)."""
+        parallel = getattr(self._driver.vllm_config, "parallel_config", None)
+        return int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+
+    async def weight_layouts(self) -> list[Layout]:
+        """What each worker holds of each HF checkpoint tensor: one
+        :data:`~aiosync.layout.Layout` (``{hf_name: Part}``, full HF shapes) per
+        worker, in rank order.
+
+        Derived by each worker from its own layers, as vLLM's loaders narrow the
+        checkpoint (:mod:`aiosync.engines.vllm._layout`): column-parallel rows,
+        the q/k/v and gate/up parts of packed layers, row-parallel columns, the
+        real vocabulary rows of embeddings, replicated tensors whole.
+
+        Raises:
+            TransportError: a worker's model cannot be described exactly
+                (quantized, LoRA-enabled, a layer type aiosync does not know);
+                as :meth:`collective_rpc` otherwise.
+        """
+        from aiosync.layout import Part
+
+        replies = await self.collective_rpc("aiosync_sharded_layout")
+        return [{name: Part.from_wire(part) for name, part in reply.items()} for reply in replies]
+
     async def check_lora_adapter(
         self, config: Mapping[str, Any], target_modules: Sequence[str], max_rank: int
     ) -> None:
@@ -781,5 +814,6 @@ if TYPE_CHECKING:
         Generating,
         ManifestReporting,
         ConfigReporting,
+        LayoutReporting,
     ]:
-        return (b, b, b, b, b, b, b, b)
+        return (b, b, b, b, b, b, b, b, b)

@@ -33,7 +33,10 @@ weight transfer engines bracket their receive the same way
 live model (``aiosync_ipc_receive``, ``aiosync_collective_receive``,
 ``aiosync_collective_commit``) with those two calls, tags the errors of the
 collective RPCs with their type (vLLM passes only a worker error's message to
-its client), and adds a status RPC and the LoRA adapter shape check.
+its client), and adds a status RPC and the LoRA adapter shape check. The
+shard-aware receive (``aiosync_sharded_receive``) runs in the same bracket; its
+boxes go through :class:`~aiosync.engines.vllm._layout.VLLMLayoutModel`, which
+also reports what this worker holds of each HF tensor (``aiosync_sharded_layout``).
 It must come **before** the receiver mixins in the MRO::
 
     class AiosyncWorkerExtension(VLLMWorkerMixin, IPCWorkerMixin, CollectiveWorkerMixin): ...
@@ -53,6 +56,7 @@ from typing import Any
 
 import torch
 
+from ._layout import VLLMLayoutModel
 from ._lora import LORA_PAIR_NAME
 
 __all__ = ["VLLMWorkerMixin", "lora_target_problems"]
@@ -77,6 +81,8 @@ class VLLMWorkerMixin:
     aiosync_cloned_tensors: int = 0
     _aiosync_checkpoint: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
     _aiosync_lora_base: dict[str, tuple[int, ...]] | None = None
+    _aiosync_vllm_layout: VLLMLayoutModel | None = None
+    aiosync_weights_valid: bool = True
 
     # -- the receiver RPCs: bracketed loads, typed errors ------------------------
 
@@ -106,6 +112,65 @@ class VLLMWorkerMixin:
     def aiosync_collective_commit(self, *args: Any, **kwargs: Any) -> Any:
         """``CollectiveWorkerMixin.aiosync_collective_commit`` inside a vLLM reload bracket."""
         return self._aiosync_bracketed(super().aiosync_collective_commit, *args, **kwargs)  # type: ignore[misc]
+
+    # -- the shard-aware receiver: the model's layout, boxes into its layers ------
+
+    def aiosync_sharded_layout(self, *args: Any, **kwargs: Any) -> Any:
+        """``ShardedWorkerMixin.aiosync_sharded_layout``, errors tagged with their type."""
+        return self._aiosync_typed(super().aiosync_sharded_layout, *args, **kwargs)  # type: ignore[misc]
+
+    def aiosync_sharded_init(self, **kwargs: Any) -> Any:
+        """``ShardedWorkerMixin.aiosync_sharded_init``, errors tagged with their type."""
+        return self._aiosync_typed(super().aiosync_sharded_init, **kwargs)  # type: ignore[misc]
+
+    def aiosync_sharded_receive(self, *args: Any, **kwargs: Any) -> Any:
+        """``ShardedWorkerMixin.aiosync_sharded_receive`` inside a vLLM reload bracket.
+
+        The bracket is needed even for unquantized models: vLLM's
+        ``process_weights_after_loading`` repacks them on some platforms (its CPU
+        worker packs every linear weight for oneDNN/sgl-kernel and empties the
+        ``weight`` parameter, and packs a copy of the embedding for the logits),
+        so a box written into the live parameter would be lost there. Inside the
+        bracket, :class:`~aiosync.engines.vllm._layout.VLLMLayoutModel` writes
+        each box into the layer's checkpoint-format tensors and processes a layer
+        as soon as all of it arrived, as vLLM's own reload does.
+        """
+        if getattr(self, "vllm_config", None) is not None:
+            # Described from the live model (its ties), never from the reload's
+            # meta tensors: build it before the bracket if init did not.
+            self._aiosync_typed(self._aiosync_layout_model)
+        return self._aiosync_bracketed(self._aiosync_sharded_boxes, *args, **kwargs)
+
+    def _aiosync_sharded_boxes(self, *args: Any, **kwargs: Any) -> Any:
+        receive = super().aiosync_sharded_receive  # type: ignore[misc]
+        model = self._aiosync_layout_model()
+        if not isinstance(model, VLLMLayoutModel):
+            return receive(*args, **kwargs)
+        try:
+            with model.receiving():
+                return receive(*args, **kwargs)
+        except BaseException:
+            self.aiosync_weights_valid = False
+            raise
+
+    def _aiosync_layout_model(self) -> Any:
+        """The model as the shard-aware receiver sees it: in vLLM a
+        :class:`~aiosync.engines.vllm._layout.VLLMLayoutModel` over the worker's
+        model (built once per model object), elsewhere the model itself.
+
+        Raises:
+            TransportError: the vLLM model cannot be described exactly (quantized,
+                LoRA-enabled, a layer type it does not know).
+        """
+        config = getattr(self, "vllm_config", None)
+        if config is None:
+            return super()._aiosync_layout_model()  # type: ignore[misc]
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        cached = self._aiosync_vllm_layout
+        if cached is None or cached.model is not model:
+            cached = VLLMLayoutModel(model, config)
+            self._aiosync_vllm_layout = cached
+        return cached
 
     # -- manifest check against the checkpoint ------------------------------------
 
