@@ -205,6 +205,12 @@ class LayoutReporting(Protocol):
         """Workers that share one replica's weights (1: every worker holds them whole)."""
         ...
 
+    @property
+    def layout_refusal(self) -> str | None:
+        """Why :meth:`weight_layouts` would refuse, known without asking the workers
+        (a quantized or LoRA-enabled vLLM engine); None: the workers say."""
+        ...
+
     async def weight_layouts(self) -> list[Layout]:
         """One :data:`~aiosync.layout.Layout` (``{hf_name: Part}``) per worker, in rank
         order."""

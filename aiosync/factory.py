@@ -243,13 +243,13 @@ def _build(
 
 
 def _holds_slices(generation: Any) -> bool:
-    """Whether every engine reports its layout and some worker holds only slices
+    """Whether every engine reports its layout (none refuses from its config: a
+    quantized or LoRA-enabled vLLM engine keeps the broadcast) and some worker holds only slices
     (a fleet of TP=1 engines gains nothing over the broadcast's one copy per worker
     unless the trainer is sharded: ``sharded=True`` then)."""
     engines = engines_of(generation)
-    return all(isinstance(e, LayoutReporting) for e in engines) and any(
-        e.tensor_parallel_size > 1 for e in engines
-    )
+    reporting = all(isinstance(e, LayoutReporting) and e.layout_refusal is None for e in engines)
+    return reporting and any(e.tensor_parallel_size > 1 for e in engines)
 
 
 def _fleet_of(generation: Any) -> Any:

@@ -384,6 +384,16 @@ class EngineFleet(GenerateFromMeta):
             default=1,
         )
 
+    @property
+    def layout_refusal(self) -> str | None:
+        """The first member's reason not to report a layout, naming it (None: none)."""
+        for i, engine in enumerate(self.engines):
+            if not isinstance(engine, LayoutReporting):
+                return f"{self._label(i)} does not report its weight layout"
+            if engine.layout_refusal is not None:
+                return f"{self._label(i)}: {engine.layout_refusal}"
+        return None
+
     async def weight_layouts(self) -> list[Layout]:
         """Every worker's layout, global rank order (engine 0's workers first).
 

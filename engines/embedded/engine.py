@@ -250,6 +250,11 @@ class EmbeddedEngine(GenerateFromMeta):
         self._abandoned = False
 
     @property
+    def layout_refusal(self) -> str | None:
+        """None: every worker reports its layout (:meth:`weight_layouts`)."""
+        return None
+
+    @property
     def world_size(self) -> int:
         """Worker processes: ``num_workers * tensor_parallel_size``. :meth:`collective_rpc`
         answers one result per worker, and a collective synchronizer's

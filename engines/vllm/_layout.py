@@ -71,7 +71,7 @@ from aiosync.errors import RefitMismatchError, TransportError
 from aiosync.layout import Part, box_of
 from aiosync.transports.sharded import box_within
 
-__all__ = ["VLLMLayoutModel", "describe_model"]
+__all__ = ["VLLMLayoutModel", "config_refusal", "describe_model"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +103,23 @@ class HeldTensor:
         return tensor.narrow(0, self.offset, self.part.local_shape[0])
 
 
+def config_refusal(vllm_config: Any) -> str | None:
+    """Why an engine of ``vllm_config`` cannot report its layout, known from its config
+    alone (None: its layers say): a quantized model, or one with LoRA enabled."""
+    quantization = getattr(vllm_config.model_config, "quantization", None)
+    if quantization is not None:
+        return (
+            f"the model is quantized ({quantization!r}): the shard-aware transport "
+            "describes unquantized models only; use CollectiveWeightSynchronizer"
+        )
+    if getattr(vllm_config, "lora_config", None) is not None:
+        return (
+            "the engine has LoRA enabled (its layers are wrapped): the shard-aware "
+            "transport describes plain layers only; use CollectiveWeightSynchronizer"
+        )
+    return None
+
+
 def describe_model(model: Any, vllm_config: Any) -> dict[str, HeldTensor]:
     """``{hf_name: HeldTensor}`` of a vLLM worker's model, in module order.
 
@@ -128,17 +145,9 @@ def describe_model(model: Any, vllm_config: Any) -> dict[str, HeldTensor]:
         VocabParallelEmbedding,
     )
 
-    quantization = getattr(vllm_config.model_config, "quantization", None)
-    if quantization is not None:
-        raise TransportError(
-            f"the model is quantized ({quantization!r}): the shard-aware transport "
-            "describes unquantized models only; use CollectiveWeightSynchronizer"
-        )
-    if getattr(vllm_config, "lora_config", None) is not None:
-        raise TransportError(
-            "the engine has LoRA enabled (its layers are wrapped): the shard-aware "
-            "transport describes plain layers only; use CollectiveWeightSynchronizer"
-        )
+    refusal = config_refusal(vllm_config)
+    if refusal is not None:
+        raise TransportError(refusal)
     packed: Mapping[str, Sequence[str]] = getattr(model, "packed_modules_mapping", None) or {}
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     linear_kinds: dict[type, str] = {

@@ -633,6 +633,15 @@ class VLLMGenerationBackend(GenerateFromMeta):
         parallel = getattr(self._driver.vllm_config, "parallel_config", None)
         return int(getattr(parallel, "tensor_parallel_size", 1) or 1)
 
+    @property
+    def layout_refusal(self) -> str | None:
+        """Why the workers cannot report a layout, from the engine's config alone
+        (quantized, LoRA-enabled; None: their layers say): the factory then keeps
+        the broadcast."""
+        from ._layout import config_refusal
+
+        return config_refusal(self._driver.vllm_config)
+
     async def weight_layouts(self) -> list[Layout]:
         """What each worker holds of each HF checkpoint tensor: one
         :data:`~aiosync.layout.Layout` (``{hf_name: Part}``, full HF shapes) per

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -309,4 +310,29 @@ def test_a_trainer_rank_without_the_engine_must_say_sharded_or_not(source):
         source, None, colocated=False, backend="embedded",
         train_cluster=cluster, inference_world_size=2, sharded=False,
     )  # fmt: skip
+    assert type(sync) is aiosync.CollectiveWeightSynchronizer
+
+
+class _RefusingEngine:
+    """Reports TP=2 but, from its config, no layout (as a quantized vLLM engine)."""
+
+    tensor_parallel_size = 2
+    layout_refusal = "the model is quantized ('fp8')"
+
+    async def weight_layouts(self) -> list[Any]:
+        raise AssertionError("the factory never asks the workers")
+
+    async def collective_rpc(self, *args: Any, **kwargs: Any) -> list[Any]:
+        return []
+
+
+def test_an_engine_that_cannot_report_its_layout_keeps_the_broadcast(source):
+    sync = create_weight_synchronizer(
+        source,
+        _RefusingEngine(),
+        colocated=False,
+        backend="vllm",
+        train_cluster=TrainCluster(),
+        inference_world_size=2,
+    )
     assert type(sync) is aiosync.CollectiveWeightSynchronizer
