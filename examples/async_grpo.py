@@ -56,6 +56,20 @@ adapter``, the default: ``LoRAAdapterRefitSource``; the factory picks
 streams the base checkpoint with the adapter merged in, through the usual
 transport). The loop is the same either way.
 
+Refit size (``--delta``, ``--fp8``; the embedded engine): ``--delta`` sends, per
+tensor, only the elements whose bits changed since the last version every worker
+committed (:mod:`aiosync.delta`; the first refit is full), and the summary prints
+the bytes each refit moved next to the full checkpoint's (the COMMITTED events'
+``nbytes`` and ``delta``). The colocated IPC transport has no delta refits yet, so
+``--delta`` picks the non-colocated broadcast (``--no-colocated``) unless IPC takes
+``delta=`` (``IPCWeightSynchronizer``'s signature). Pair it with ``--dtype bfloat16``
+and an RL learning rate: in float32 nearly every element changes at every step.
+``--fp8`` refits the block-FP8 checkpoint (``FP8RefitSource``: linear weights
+``float8_e4m3fn`` with a ``float32`` scale per 128 x 128 block, the rest in
+``--dtype``) into ``EmbeddedEngine(quantization="fp8")``, which generates with the
+dequantized weights: the on-policy log-prob gap then measures the quantization,
+which the off-policy correction absorbs.
+
 Run::
 
     python examples/async_grpo.py                     # colocated: IPC into the embedded engine
@@ -65,6 +79,8 @@ Run::
     python examples/async_grpo.py --lora-rank 8       # PEFT LoRA, adapter-only refits
     python examples/async_grpo.py --lora-rank 8 --lora-refit merged
     python examples/async_grpo.py --in-flight keep    # refit while rollouts run
+    python examples/async_grpo.py --delta --dtype bfloat16 --lr 1e-5   # changed bits only
+    python examples/async_grpo.py --fp8 --dtype bfloat16                # block-FP8 engine
     python examples/async_grpo.py --quick --json-report report.json
 """
 
@@ -74,7 +90,9 @@ import argparse
 import contextlib
 import copy
 import functools
+import inspect
 import json
+import math
 import random
 import socket
 import sys
@@ -162,11 +180,12 @@ class Group:
 # -- the trainer (GRPO) ------------------------------------------------------------
 
 
-def build_policy(config: dict[str, Any], seed: int) -> torch.nn.Module:
-    """The Qwen3 causal LM, initialised exactly as the embedded engine initialises it."""
+def build_policy(config: dict[str, Any], seed: int, dtype: str = "float32") -> torch.nn.Module:
+    """The Qwen3 causal LM in ``dtype`` (``"float32"``, ``"bfloat16"``), initialised
+    exactly as the embedded engine initialises it with the same ``dtype``."""
     from aiosync.engines.embedded.model import HFModelRunner
 
-    return HFModelRunner.from_config(config, seed=seed).model.train()
+    return HFModelRunner.from_config(config, seed=seed, dtype=dtype).model.train()
 
 
 def with_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
@@ -371,8 +390,17 @@ class RunReport:
     end_reward: float = 0.0
     eval_start: float = 0.0
     eval_end: float = 0.0
-    #: one ``{version, nbytes, seconds, gbps}`` per COMMITTED event, in order
-    #: (``nbytes``: the bytes of that refit, the adapter's for adapter-only refits)
+    #: ``--dtype`` of the trainer and the engine
+    dtype: str = "float32"
+    #: ``--delta``: refits of the changed bits only (after a first full one)
+    delta: bool = False
+    #: ``--fp8``: the engine serves the block-FP8 checkpoint the trainer streams
+    fp8: bool = False
+    #: bytes of a full refit: the refit source's manifest (the FP8 one with ``--fp8``)
+    full_nbytes: int = 0
+    #: one ``{version, nbytes, seconds, gbps, delta}`` per COMMITTED event, in order
+    #: (``nbytes``: the bytes of that refit, the adapter's for adapter-only refits,
+    #: the patches' for a delta; ``delta``: 1 for a delta refit, else 0)
     refits: list[dict[str, float]] = field(default_factory=list)
     refit_failures: int = 0
     #: ``[weight_version, engine weights equal the trainer's]`` after each refit
@@ -431,7 +459,12 @@ async def open_engine(
         from aiosync.engines.embedded.engine import EmbeddedEngine
 
         async with EmbeddedEngine(
-            config, num_workers=args.engine_workers, seed=args.seed, threads_per_worker=1
+            config,
+            num_workers=args.engine_workers,
+            seed=args.seed,
+            threads_per_worker=1,
+            dtype=args.dtype,
+            quantization="fp8" if args.fp8 else None,
         ) as embedded:
             yield embedded
     elif args.backend == "sglang":
@@ -488,19 +521,40 @@ def save_checkpoint(model: Any, folder: str) -> None:
         model.save_pretrained(folder)
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors have the same dtype, shape and bytes (``torch.equal`` has
+    no float8 kernel)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    )
+
+
+def manifest_nbytes(source: Any) -> int:
+    """Bytes of one full refit of ``source``: its manifest's tensors."""
+    return sum(
+        math.prod(shape) * dtype.itemsize for shape, dtype in source.prepare_refit_info().values()
+    )
+
+
 def make_verifier(
-    engine: Any, model: torch.nn.Module, enabled: bool, *, adapter_only: bool
+    engine: Any, model: torch.nn.Module, enabled: bool, *, adapter_only: bool, fp8: bool = False
 ) -> Callable[[int], Awaitable[bool | None]]:
     """``await verify(weight_version)``: do all engine workers hold exactly the trainer's weights?
 
     Full and merged refits: every worker's checkpoint equals the trainer's
-    (merged) one bit for bit. Adapter-only refits: every worker's base weights
-    equal the trainer's frozen ones bit for bit and every worker applies the
-    adapter of ``weight_version`` (none at version 0).
+    (merged) one bit for bit; with ``fp8`` the trainer's FP8 checkpoint
+    (:class:`~aiosync.refit.FP8RefitSource` of its weights). Adapter-only
+    refits: every worker's base weights equal the trainer's frozen ones bit for
+    bit and every worker applies the adapter of ``weight_version`` (none at
+    version 0).
     """
-    from aiosync.refit import DTensorRefitSource
+    from aiosync.refit import DTensorRefitSource, FP8RefitSource
 
-    source = None if adapter_only else DTensorRefitSource(model)
+    source: Any = None if adapter_only else DTensorRefitSource(model)
+    if fp8:
+        source = FP8RefitSource(source, dtype=next(model.parameters()).dtype)
     read_engine = getattr(engine, "hf_state_dicts", None)
     read_status = getattr(engine, "status", None)
 
@@ -513,7 +567,7 @@ def make_verifier(
             trainer = {k: v.detach().clone() for k, v in source.iter_weights()}
         engines = await read_engine()
         equal = all(
-            e.keys() == trainer.keys() and all(torch.equal(e[k], v) for k, v in trainer.items())
+            e.keys() == trainer.keys() and all(same_bits(e[k], v) for k, v in trainer.items())
             for e in engines
         )
         if adapter_only:
@@ -528,13 +582,13 @@ def make_verifier(
 
 async def run(args: argparse.Namespace) -> RunReport:
     """Train for ``args.steps`` batches; returns the :class:`RunReport`."""
-    from aiosync.refit import DTensorRefitSource, LoRAAdapterRefitSource
+    from aiosync.refit import DTensorRefitSource, FP8RefitSource, LoRAAdapterRefitSource
 
     started = time.perf_counter()
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     config = policy_config(args)
-    model = build_policy(config, args.seed)
+    model = build_policy(config, args.seed, args.dtype)
     if args.lora_rank:
         model = with_lora(model, args.lora_rank)
     trainer = GRPOTrainer(
@@ -545,6 +599,8 @@ async def run(args: argparse.Namespace) -> RunReport:
         source = LoRAAdapterRefitSource(model)
     else:  # the whole checkpoint (a LoRA model's with the adapter merged in)
         source = DTensorRefitSource(model, optimizer=trainer.optimizer)
+    if args.fp8:  # quantized per 128 x 128 block, the rest in --dtype
+        source = FP8RefitSource(source, dtype=getattr(torch, args.dtype))
     P, G, L = args.prompts_per_step, args.group_size, args.digits
     console = Console(stderr=True, quiet=args.quiet, width=None if sys.stderr.isatty() else 110)
     log_every = max(1, args.steps // 10)
@@ -552,7 +608,12 @@ async def run(args: argparse.Namespace) -> RunReport:
 
     async with open_engine(args, config, model) as engine:
         sync: WeightSynchronizer = create_weight_synchronizer(
-            source, engine, colocated=args.colocated, backend=args.backend, **topology(args)
+            source,
+            engine,
+            colocated=args.colocated,
+            backend=args.backend,
+            delta=True if args.delta else None,
+            **topology(args),
         )
         report = RunReport(
             backend=args.backend,
@@ -565,13 +626,19 @@ async def run(args: argparse.Namespace) -> RunReport:
             ),
             in_flight=args.in_flight,
             is_cap=args.is_cap,
+            dtype=args.dtype,
+            delta=args.delta,
+            fp8=args.fp8,
+            full_nbytes=manifest_nbytes(source),
         )
         if args.lora_rank:
             report.lora_rank = args.lora_rank
             report.lora_alpha = 2 * args.lora_rank
             report.lora_target_modules = list(LORA_TARGET_MODULES)
             report.lora_refit = args.lora_refit
-        verify = make_verifier(engine, model, args.verify, adapter_only=adapter_refits(args))
+        verify = make_verifier(
+            engine, model, args.verify, adapter_only=adapter_refits(args), fp8=args.fp8
+        )
         eval_prompts = make_prompts(random.Random(args.seed + 1), args.eval_prompts, L)
 
         async def check_engine() -> None:
@@ -607,8 +674,11 @@ async def run(args: argparse.Namespace) -> RunReport:
                                 "nbytes": ev.nbytes,
                                 "seconds": ev.duration_s,
                                 "gbps": gbps,
+                                "delta": int(ev.delta),
                             }
                         )
+                        if args.delta or args.fp8:
+                            console.print(refit_line(ev.version, ev.nbytes, ev.delta, report))
                         last.update(gbps=gbps, seconds=ev.duration_s)
                         metrics.refit(ev.nbytes, ev.duration_s)
                     elif ev.kind is VersionEventKind.FAILED:
@@ -746,6 +816,14 @@ async def run(args: argparse.Namespace) -> RunReport:
     return report
 
 
+def refit_line(version: int, nbytes: int, delta: bool, report: RunReport) -> str:
+    """One refit's bytes next to the full checkpoint's, e.g.
+    ``refit v4: delta 1,234 B of 152,320 B full (0.81%)``."""
+    share = nbytes / report.full_nbytes if report.full_nbytes else 0.0
+    kind = "delta" if delta else "full"
+    return f"refit v{version}: {kind} {nbytes:,} B of {report.full_nbytes:,} B full ({share:.2%})"
+
+
 def _print_summary(console: Console, report: RunReport, histogram_text: str) -> None:
     mean_gbps = sum(r["gbps"] for r in report.refits) / max(1, len(report.refits))
     console.print(
@@ -760,6 +838,17 @@ def _print_summary(console: Console, report: RunReport, histogram_text: str) -> 
             f"refits: {report.trainable_params} trainable parameters, {per_refit:.0f} bytes "
             "per refit"
         )
+    if report.delta or report.fp8:
+        deltas = [r["nbytes"] for r in report.refits if r["delta"]]
+        what = f"{report.dtype}" + (" block-FP8" if report.fp8 else "")
+        line = f"refit bytes ({what}): full {report.full_nbytes:,} B"
+        if deltas:
+            mean = sum(deltas) / len(deltas)
+            line += (
+                f"; {len(deltas)} deltas: mean {mean:,.0f} B "
+                f"({mean / report.full_nbytes:.2%}), max {max(deltas):,.0f} B"
+            )
+        console.print(line)
     console.print(
         f"reward (sampled): start {report.start_reward:.3f} -> end {report.end_reward:.3f}   "
         f"greedy eval: start {report.eval_start:.3f} -> end {report.eval_end:.3f}"
@@ -872,6 +961,13 @@ ADAPTER_BACKENDS_WHY = (
 )
 
 
+def ipc_takes_delta() -> bool:
+    """Whether the colocated transport :class:`~aiosync.IPCWeightSynchronizer` has ``delta=``."""
+    from aiosync import IPCWeightSynchronizer
+
+    return "delta" in inspect.signature(IPCWeightSynchronizer).parameters
+
+
 def adapter_refits(args: argparse.Namespace) -> bool:
     """Whether the run refits a LoRA adapter alone (``--lora-rank N --lora-refit adapter``)."""
     return bool(args.lora_rank) and args.lora_refit == "adapter"
@@ -883,7 +979,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=60, help="training batches")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="a few small steps (tests)")
-    p.add_argument("--colocated", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--colocated",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="share the trainer's device (IPC); default: colocated, except --delta while "
+        "IPC has no delta refits",
+    )
     p.add_argument("--backend", choices=("embedded", "vllm", "sglang"), default="embedded")
     p.add_argument("--engine-workers", type=int, default=1)
     p.add_argument("--prompts-per-step", type=int, default=16)
@@ -899,6 +1001,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=("adapter", "merged"),
         default="adapter",
         help="with --lora-rank: send the adapter alone, or the checkpoint with it merged",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="parameter dtype of the trainer and the engine",
+    )
+    p.add_argument(
+        "--delta",
+        action="store_true",
+        help="refit only the elements whose bits changed (embedded engine; collective "
+        "broadcast while IPC has no delta)",
+    )
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="refit the block-FP8 checkpoint into EmbeddedEngine(quantization='fp8')",
     )
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--clip-eps", type=float, default=0.2)
@@ -940,6 +1059,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(
             f"--lora-rank {args.lora_rank}: vLLM's max_lora_rank is at most {VLLM_LORA_RANKS[-1]}"
         )
+    for flag in ("delta", "fp8"):
+        if getattr(args, flag) and args.backend != "embedded":
+            p.error(f"--{flag} needs --backend embedded (its workers apply patches / serve FP8)")
+        if getattr(args, flag) and adapter_refits(args):
+            p.error(f"--{flag}: adapter-only LoRA refits move the adapter alone")
+    if args.fp8 and args.lora_rank:
+        p.error("--fp8 quantizes the full checkpoint: not with --lora-rank")
+    if args.colocated is None:
+        # IPC (colocated) has no delta refits yet: the broadcast has.
+        args.colocated = not args.delta or ipc_takes_delta()
+    elif args.colocated and args.delta and not ipc_takes_delta():
+        p.error("--delta --colocated: IPC has no delta refits yet; use --no-colocated")
     if args.quick:
         args.steps = min(args.steps, 4)
         args.prompts_per_step, args.group_size, args.eval_prompts = 4, 4, 8

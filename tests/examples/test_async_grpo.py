@@ -32,9 +32,15 @@ def load_example() -> Any:
 
 
 def run_example(tmp_path: Path, *args: str) -> dict[str, Any]:
+    report, _ = run_example_logged(tmp_path, "--quiet", *args)
+    return report
+
+
+def run_example_logged(tmp_path: Path, *args: str) -> tuple[dict[str, Any], list[str]]:
+    """The run's report and its console lines (stderr)."""
     report = tmp_path / "report.json"
     proc = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--quick", "--quiet", "--json-report", str(report), *args],
+        [sys.executable, str(EXAMPLE), "--quick", "--json-report", str(report), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -42,10 +48,14 @@ def run_example(tmp_path: Path, *args: str) -> dict[str, Any]:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     data: dict[str, Any] = json.loads(report.read_text())
-    return data
+    return data, proc.stderr.splitlines()
 
 
-def assert_run_invariants(report: dict[str, Any]) -> None:
+def assert_run_invariants(
+    report: dict[str, Any], onpolicy_atol: float | None = ONPOLICY_LOGPROB_ATOL
+) -> None:
+    """What every run reports; ``onpolicy_atol``: the most the engine's on-policy
+    log-probs may differ from the trainer's (None: not checked)."""
     committed = [int(r["version"]) for r in report["refits"]]
     # Every refit committed a strictly increasing version, the last one the final policy.
     assert committed, "no refit happened"
@@ -73,7 +83,8 @@ def assert_run_invariants(report: dict[str, Any]) -> None:
     # The first batch is generated before any step: there are on-policy tokens, and
     # on them the engine's behaviour log-probs are the trainer's (importance weight 1).
     assert report["onpolicy_tokens"] > 0
-    assert report["onpolicy_logprob_diff_max"] < ONPOLICY_LOGPROB_ATOL
+    if onpolicy_atol is not None:
+        assert report["onpolicy_logprob_diff_max"] < onpolicy_atol
     assert report["is_cap"] == 2.0
     assert 0.0 <= report["clip_frac"] <= 1.0
     assert 0.0 <= report["is_truncated_frac"] <= 1.0
@@ -107,6 +118,56 @@ def test_async_grpo_not_colocated_collective_with_tight_staleness(tmp_path: Path
     assert report["synchronizer"] == "CollectiveWeightSynchronizer"
     assert report["max_staleness"] == 1
     assert_run_invariants(report)
+
+
+def test_async_grpo_delta_refits_move_only_the_changed_bits_and_print_their_bytes(
+    tmp_path: Path,
+) -> None:
+    # bf16 at an RL learning rate: most steps move a weight by less than half a bf16 ulp.
+    report, lines = run_example_logged(
+        tmp_path, "--steps", "3", "--delta", "--dtype", "bfloat16", "--lr", "1e-5"
+    )
+    # IPC has no delta refits yet: --delta picks the collective broadcast, unless IPC has.
+    ipc = load_example().ipc_takes_delta()
+    assert report["synchronizer"] == (
+        "IPCWeightSynchronizer" if ipc else "CollectiveWeightSynchronizer"
+    )
+    assert (report["colocated"], report["delta"], report["dtype"]) == (ipc, True, "bfloat16")
+    full = checkpoint_numel(quick_config()) * BF16_BYTES
+    assert report["full_nbytes"] == full == 152_320
+    # The first refit has no baseline on the workers: full; every later one a delta.
+    first, *rest = report["refits"]
+    assert (first["delta"], first["nbytes"]) == (0, full)
+    assert rest and all(r["delta"] == 1 and r["nbytes"] < full / 2 for r in rest)
+    assert sum(r["nbytes"] for r in rest) > 0
+    # Each refit's bytes are printed next to the full size.
+    for r in report["refits"]:
+        kind = "delta" if r["delta"] else "full"
+        share = r["nbytes"] / full
+        want = f"refit v{r['version']}: {kind} {r['nbytes']:,} B of {full:,} B full ({share:.2%})"
+        assert want in lines
+    # Patches land bit-exact: the engine equals the trainer after every refit.
+    assert_run_invariants(report)
+
+
+def test_async_grpo_fp8_refits_serve_the_trainers_block_fp8_checkpoint(tmp_path: Path) -> None:
+    report = run_example(tmp_path, "--steps", "2", "--fp8", "--dtype", "bfloat16")
+    assert report["synchronizer"] == "IPCWeightSynchronizer"
+    assert report["fp8"] is True
+    # Every linear weight one float8 byte per element and one float32 scale (all of
+    # them under one 128 x 128 block); embeddings, head and norms bf16.
+    config = quick_config()
+    linears = sum(i * o for i, o in linear_features(config).values())
+    scales = len(linear_features(config)) * FP32_BYTES
+    rest = checkpoint_numel(config) - int(config["num_hidden_layers"]) * linears
+    full = int(config["num_hidden_layers"]) * (linears + scales) + rest * BF16_BYTES
+    assert report["full_nbytes"] == full == 78_648
+    assert [r["nbytes"] for r in report["refits"]] == [full] * len(report["refits"])
+    # verified: every worker holds the FP8 checkpoint of the trainer's weights, bit for bit.
+    # The engine generates with the dequantized weights, so even on-policy tokens'
+    # log-probs differ from the trainer's: the gap the off-policy correction absorbs.
+    assert_run_invariants(report, onpolicy_atol=None)
+    assert report["onpolicy_logprob_diff_max"] > ONPOLICY_LOGPROB_ATOL
 
 
 def test_async_grpo_sglang_http_test_server(tmp_path: Path) -> None:
@@ -143,6 +204,7 @@ def test_metrics_port_serves_refit_and_staleness_metrics() -> None:
 
 LORA_RANK = 4
 FP32_BYTES = 4
+BF16_BYTES = 2
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
