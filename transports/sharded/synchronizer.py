@@ -56,6 +56,7 @@ from ..collective._group import (
 from ..collective._votes import GroupRanks, agree_formation
 from ..collective.synchronizer import CollectiveWeightSynchronizer, DistBackend
 from ..packing import compare_manifests, dtype_name
+from ._mooncake import mooncake_available
 from ._p2p import P2PResult, SourceFn
 from ._plan import Plan, make_plan
 from ._source_layout import (
@@ -64,7 +65,7 @@ from ._source_layout import (
     manifest_dtypes,
     single_rank_layouts,
 )
-from .worker import layouts_from_wire, layouts_to_wire, run_plan_and_vote
+from .worker import DataPlane, layouts_from_wire, layouts_to_wire, run_plan_and_vote
 
 __all__ = ["ShardedWeightSynchronizer"]
 
@@ -92,9 +93,17 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
         timeouts, rpc_timeout_s, collective_timeout_s, sync_timeout_s, event_backlog,
             in_flight, initial_version: as for
             :class:`~aiosync.transports.collective.CollectiveWeightSynchronizer`.
+        data_plane: what moves the buckets: ``"torch"`` (point-to-point sends in the
+            sync group) or ``"mooncake"`` (Mooncake transfer-engine writes over TCP
+            into buffers each worker registered, the control messages staying on the
+            gloo group; needs ``pip install mooncake-transfer-engine-non-cuda`` and
+            the ``libibverbs1`` system package).
 
     Raises:
-        ValueError, TypeError: as for the broadcast.
+        ValueError, TypeError: as for the broadcast; an unknown ``data_plane``, or
+            ``"mooncake"`` with NCCL.
+        TransportError: ``data_plane="mooncake"`` where Mooncake cannot run (the
+            reason: not installed, ``libibverbs1`` missing).
     """
 
     supports_kv_scales = False
@@ -120,6 +129,7 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
         event_backlog: int = DEFAULT_EVENT_BACKLOG,
         in_flight: InFlightPolicy = "wait",
         initial_version: int = 0,
+        data_plane: DataPlane = "torch",
     ) -> None:
         super().__init__(
             policy,
@@ -141,6 +151,19 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
                 "with several trainer ranks the shard-aware transport reads each rank's "
                 f"shards from a DTensorRefitSource, got {type(policy).__name__}"
             )
+        if data_plane not in ("torch", "mooncake"):
+            raise ValueError(f"data_plane must be 'torch' or 'mooncake', got {data_plane!r}")
+        if data_plane == "mooncake":
+            if self.dist_backend != "gloo":
+                raise ValueError(
+                    "data_plane='mooncake' moves host memory over TCP: it needs "
+                    "dist_backend='gloo' for the control messages"
+                )
+            reason = mooncake_available()
+            if reason is not None:
+                raise TransportError(f"data_plane='mooncake': {reason}")
+        #: What moves the buckets (``"torch"``: the group's point-to-point sends).
+        self.data_plane: DataPlane = data_plane
         self._transfer_plan: Plan | None = None
 
     @property
@@ -333,6 +356,7 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
             "plan": spec,
             "timeout_s": self.collective_timeout_s,
             "session": session,
+            "data_plane": self.data_plane,
         }
 
         return await self._join_with_workers(join, "aiosync_sharded_init", kwargs, session)
@@ -348,7 +372,12 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
 
         def send() -> P2PResult:
             return run_plan_and_vote(
-                plan, group, source=source, device=self.device, timeout_s=self.collective_timeout_s
+                plan,
+                group,
+                source=source,
+                device=self.device,
+                timeout_s=self.collective_timeout_s,
+                data_plane=self.data_plane,
             )
 
         try:

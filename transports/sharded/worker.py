@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -48,6 +48,9 @@ __all__ = [
 
 #: A store key only checked for (never set): the check is a round trip to the owner.
 _PROBE_KEY = "aiosync/owner-probe"
+
+#: What moves a plan's buckets: the group's point-to-point sends, or Mooncake writes.
+DataPlane = Literal["torch", "mooncake"]
 
 
 @runtime_checkable
@@ -95,6 +98,7 @@ class _State:
     group: SyncGroup
     plan: Plan
     owner: str
+    data_plane: DataPlane = "torch"
 
     def owner_alive(self) -> bool:
         """Whether the trainer that formed the group can still drive it (its rank 0's
@@ -143,6 +147,7 @@ class ShardedWorkerMixin(WorkerIdentityMixin):
         timeout_s: float,
         session: str,
         owner: str = "",
+        data_plane: DataPlane = "torch",
     ) -> dict[str, Any]:
         """Join the sync group as rank ``train_world_size + aiosync_worker_rank()``.
 
@@ -158,6 +163,9 @@ class ShardedWorkerMixin(WorkerIdentityMixin):
             timeout_s: limit of the rendezvous and of every later wait, seconds.
             session: key namespace of this group in the store.
             owner: the forming synchronizer's token; later calls must carry it.
+            data_plane: what moves the buckets: ``"torch"`` (the group's
+                point-to-point sends) or ``"mooncake"`` (Mooncake writes, the
+                control messages on the group; :mod:`._mooncake`).
 
         Returns:
             ``{"rank": session rank, "digest": plan digest, "nbytes": bytes this
@@ -207,7 +215,7 @@ class ShardedWorkerMixin(WorkerIdentityMixin):
             group.destroy()
             raise
         assert parsed is not None  # a parse failure voted a mismatch above
-        self._aiosync_sharded = _State(group, parsed, owner)
+        self._aiosync_sharded = _State(group, parsed, owner, data_plane)
         return {
             "rank": group.rank,
             "digest": digest,
@@ -280,6 +288,7 @@ class ShardedWorkerMixin(WorkerIdentityMixin):
                 device=group.device,
                 timeout_s=group.timeout_s,
                 check=discarded,
+                data_plane=state.data_plane,
             )
         except BaseException:
             if group.broken:
@@ -315,6 +324,7 @@ def run_plan_and_vote(
     device: torch.device,
     timeout_s: float,
     check: Callable[[], str | None] | None = None,
+    data_plane: DataPlane = "torch",
 ) -> P2PResult:
     """This rank's share of ``plan`` over ``group.data``, then every rank's vote (trainers
     and workers alike): all of them raise the same error if any failed.
@@ -322,21 +332,31 @@ def run_plan_and_vote(
     Args:
         check: after a plan that moved everything, this rank's own reason to fail
             (None: none), voted like a failure of the plan.
+        data_plane: ``"torch"`` (:func:`~._p2p.run_plan` over ``group.data``) or
+            ``"mooncake"`` (:func:`~._mooncake.run_plan_mooncake`, control on
+            ``group.ctrl``).
 
     Raises:
         What :func:`~._p2p.run_plan` raises (a lost peer aborts the group instead of
         voting, see :func:`vote_or_abort`), or the vote's error.
     """
     try:
-        result = run_plan(
-            plan,
-            group.data,
-            group.rank,
-            source=source,
-            sink=sink,
-            device=device,
-            timeout_s=timeout_s,
-        )
+        if data_plane == "mooncake":
+            from ._mooncake import run_plan_mooncake
+
+            result = run_plan_mooncake(
+                plan, group.ctrl, group.rank, source=source, sink=sink, timeout_s=timeout_s
+            )
+        else:
+            result = run_plan(
+                plan,
+                group.data,
+                group.rank,
+                source=source,
+                sink=sink,
+                device=device,
+                timeout_s=timeout_s,
+            )
     except Exception as exc:
         vote_or_abort(group, exc)
         raise
