@@ -263,3 +263,22 @@ def test_box_within_indexes_the_holders_local_tensor() -> None:
     assert torch.equal(local[box_within(box, part)], full[2:5, 4:6])
     with pytest.raises(ValueError, match="not inside"):
         box_within(((0, 1), (0, 6)), part)
+
+
+def test_expert_parallel_workers_receive_only_the_experts_they_own() -> None:
+    # 4 experts over 2 expert-parallel workers (experts 0-1 on worker 0, 2-3 on worker 1),
+    # each held whole; the router replicated. A name absent from a layout is not held.
+    shape = (6, 4)
+    experts = [f"mlp.experts.{e}.down_proj.weight" for e in range(4)]
+    sources = merge(*(fsdp(n, shape, 2) for n in experts), fsdp("mlp.gate.weight", (4, 4), 2))
+    destinations = [
+        {**{n: Part.whole(shape) for n in experts[2 * w : 2 * w + 2]}, "mlp.gate.weight": p}
+        for w, p in enumerate([Part.whole((4, 4))] * 2)
+    ]
+    dtypes = dict.fromkeys([*experts, "mlp.gate.weight"], F32)
+    plan = make_plan(sources, destinations, dtypes, BIG)
+    owners = {n: {t.dst for t in plan.transfers() if t.name == n} for n in experts}
+    assert owners == {experts[0]: {0}, experts[1]: {0}, experts[2]: {1}, experts[3]: {1}}
+    # Each worker: its two experts and the router, from both ranks (3 rows each of 6).
+    assert list(plan.receiver_nbytes) == [(2 * 24 + 16) * 4] * 2
+    assert all(n > 0 for n in plan.sender_nbytes)
