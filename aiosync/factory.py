@@ -134,7 +134,7 @@ def create_weight_synchronizer(
         verify: per-bucket checksums; collective.
         overlap: ``"inplace"`` or ``"staged"``; collective.
         delta: send only the elements whose bits changed since the last committed
-            version (:mod:`aiosync.delta`); collective broadcast.
+            version (:mod:`aiosync.delta`); collective broadcast, IPC.
         collective_timeout_s: the rendezvous's and every collective's limit,
             seconds; collective.
         buffer_memory_fraction: share of device memory the buffers may take; IPC.

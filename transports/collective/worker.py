@@ -222,10 +222,12 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
     def aiosync_collective_held_version(self, owner: str = "") -> int | None:
         """The version this worker holds whole through this synchronizer's group
         (None: none it can vouch for: a failed or partial receive, discarded weights,
-        a new group): the base a delta sync needs."""
+        a new group, a model that cannot apply patches): the base a delta sync needs."""
         state = self._aiosync_collective_state(owner)
         if state.held is None or state.held[1] != self.aiosync_discard_epoch:
             return None
+        if not isinstance(self.model_runner.model, PatchModel):  # type: ignore[attr-defined]
+            return None  # it could not apply a delta: every sync is a full one
         return state.held[0]
 
     def aiosync_collective_receive(

@@ -28,6 +28,14 @@ concurrently):
    the FP8 KV-cache scales (engine names, float32), sets its weights valid,
    answers ``done``.
 
+With ``delta=True`` (:mod:`aiosync.delta`) the trainer first asks every worker
+which version it holds whole (``aiosync_ipc_held_version``). The workers that
+hold the baseline's version get only the patches (their wire tensors, in a
+per-sync wire plan over the same buffers, a bucket too large for them in one of
+its own); any other worker (a respawned one, one that discarded its weights, a
+new engine of a fleet) gets every tensor of the plan in the same sync, before or
+after them over the same socket (one ``hello`` and one ``end`` for all).
+
 A sharded trainer (``process_group``) runs this on every rank: each rank binds
 its own socket and streams to the workers on its device only; the session sent
 to the workers maps each device to its rank's socket (``endpoints``), and the
@@ -54,6 +62,7 @@ Requires an asyncio event loop (pyzmq's asyncio sockets).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -61,8 +70,9 @@ import secrets
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import anyio
 import torch
@@ -72,13 +82,15 @@ import zmq.asyncio
 from aiosync._config import DEFAULT_EVENT_BACKLOG, Timeouts
 from aiosync._fanout import most_telling
 from aiosync._kv_scales import attention_layers, kv_scale_entries
-from aiosync.capabilities import WorkerDescribing
+from aiosync.capabilities import DiscardNotifier, WorkerDescribing, engines_of
+from aiosync.delta import DeltaBaseline, WeightPatch, patch_to_wire, wire_manifest
 from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
 from aiosync.interfaces import (
     InFlightPolicy,
     KVScales,
     RefitManifest,
     RefitSource,
+    Transferred,
     WeightSynchronizer,
 )
 
@@ -192,10 +204,21 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
             CPU); default: the GPU UUID on CUDA, ``"cpu"`` on CPU.
         trace: record per-bucket timestamps of every sync into
             :attr:`last_trace` (see the module docs); off by default.
+        delta: send, per tensor, only the elements whose bits changed since the
+            last version committed on every worker, in the smallest encoding for
+            that tensor and sync (:mod:`aiosync.delta`); the workers write the
+            patches in place (``apply_weight_patches``). Costs one host copy of
+            the weights (the baseline; two during a full sync). The first sync,
+            and any after a failed or cancelled one, is full; so is, for that
+            worker alone, the sync of a worker that does not hold the baseline
+            (respawned, discarded weights, a model without
+            ``apply_weight_patches``), the others getting the patches in the same
+            sync (the source is then read twice). One trainer rank only.
 
     Raises:
         ValueError: a non-positive size, fraction or timeout; group rank 0 of a
-            sharded trainer without ``generation``.
+            sharded trainer without ``generation``; ``delta`` with several
+            trainer ranks.
         TypeError: ``timeouts`` is not an :class:`~aiosync.Timeouts`.
     """
 
@@ -216,12 +239,20 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
         process_group: Any = None,
         device_label: str | None = None,
         trace: bool = False,
+        delta: bool = False,
     ) -> None:
         # Every check before the base class's __init__, which registers the
         # discard listener on the engine: a refused synchronizer leaves none behind.
         ranks = TrainerRanks(process_group)
         if ranks.is_driver and generation is None:
             raise ValueError("generation is None on the trainer rank that drives the engine")
+        if delta and ranks.sharded:
+            raise ValueError(
+                "delta=True is not supported with several trainer ranks yet "
+                f"(process_group of {ranks.size}): each rank would keep its own host "
+                "baseline, and the delta-or-full choice, made from rank 0's RPCs, "
+                "would have to be agreed before the per-tensor votes of the gathers"
+            )
         if bucket_bytes is not None and bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
         if not 0 < buffer_memory_fraction <= 1:
@@ -277,6 +308,29 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
         #: (``ack_sent``: the ack handed to the socket). Workers of the driving
         #: rank only (the receive replies).
         self.last_trace: dict[str, Any] | None = None
+        #: The workers' replies to the last successful sync's receive, in rank
+        #: order: ``{"rank", "tensors", "bytes", "delta", ...}`` (``bytes``: the
+        #: payload it loaded; ``delta``: it applied patches). Driver only.
+        self.last_worker_results: list[dict[str, Any]] = []
+        #: What the workers hold, for delta syncs (None: ``delta=False``).
+        self.delta_baseline: DeltaBaseline | None = DeltaBaseline() if delta else None
+        # Delta only: each engine's weight discards so far (its workers' weights
+        # cannot be trusted to be the baseline's after one: even an engine whose
+        # workers keep no discard epoch reports them), and as of the sync that
+        # committed the baseline, and as of the sync in flight.
+        self._engine_discards: list[int] = []
+        self._baseline_discards: list[int] = []
+        self._sync_discards: list[int] = []
+        self._discard_hooks: list[tuple[DiscardNotifier, Callable[[], None]]] = []
+        if delta and generation is not None:
+            members = engines_of(generation)
+            self._engine_discards = [0] * len(members)
+            self._baseline_discards = self._sync_discards = list(self._engine_discards)
+            for index, engine in enumerate(members):
+                if isinstance(engine, DiscardNotifier):
+                    hook = functools.partial(self._engine_discarded, index)
+                    engine.add_weights_discarded_listener(hook)
+                    self._discard_hooks.append((engine, hook))
 
     @property
     def rpc_timeout_s(self) -> float:
@@ -372,7 +426,7 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
         self.num_workers = len(workers)
         self.peers = [rank for rank, device in workers if device == self.device_id]
 
-    async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
+    async def _transfer(self, version: int, kv_scales: KVScales | None) -> Transferred:
         assert self.plan is not None
         kv = kv_scale_entries(kv_scales, attention_layers(self.plan.manifest()))
         self._syncs += 1
@@ -387,9 +441,11 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
         self._receiving = False
         failed: BaseException | None = None
         nbytes = 0
+        spec: dict[str, Any] | None = None
         try:
             async with self._colocated_refit():
-                nbytes = await self._stream(sync_id, weights, kv)
+                lanes, spec = await self._lanes(version, weights)
+                nbytes = await self._stream(sync_id, version, lanes, kv, spec)
         except BaseException as exc:
             failed = exc
         try:
@@ -415,7 +471,88 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
                 # Every rank raises the vote's verdict, the same error on every rank.
                 raise votes.verdict from None
             raise
-        return nbytes
+        return Transferred(nbytes, delta=spec is not None)
+
+    # -- delta -----------------------------------------------------------------
+
+    async def _lanes(
+        self, version: int, weights: Iterator[tuple[str, torch.Tensor]]
+    ) -> tuple[list[_Lane], dict[str, Any] | None]:
+        """What this sync sends to whom: every tensor to every worker, or (delta)
+        the patches to the workers that hold the baseline and every tensor to the
+        others; and the workers' ``delta`` session entry (None: no patches)."""
+        assert self.plan is not None
+        baseline = self.delta_baseline
+        if baseline is None:
+            return [_Lane(self.plan, self.peers, weights)], None
+        self._sync_discards = list(self._engine_discards)
+        holders = await self._workers_holding_baseline()
+        if not holders:
+            return [_Lane(self.plan, self.peers, baseline.stage_full(version, weights))], None
+        wire_plan, wires, patches, spec = await anyio.to_thread.run_sync(
+            self._diff, baseline, self.plan, weights
+        )
+        spec["ranks"] = holders
+        lanes = [_Lane(wire_plan, holders, iter(wires))]
+        others = [rank for rank in self.peers if rank not in holders]
+        if others:
+            # The workers without the base get every tensor: the source is read again
+            # (under the source lock: the same version), and the baseline becomes
+            # that full copy when the sync commits.
+            full = baseline.stage_full(version, self.policy.iter_weights())
+            lanes.append(_Lane(self.plan, others, full))
+        else:
+            baseline.stage(version, patches)
+        return lanes, spec
+
+    async def _workers_holding_baseline(self) -> list[int]:
+        """The ranks of the workers that hold the baseline's version whole and can
+        apply patches (the others need every tensor), ascending."""
+        baseline = self.delta_baseline
+        if baseline is None or baseline.version is None:
+            return []
+        if baseline.version != self.weight_version:
+            return []
+        holders: list[int] = []
+        for index, engine in enumerate(engines_of(self.generation)):
+            if self._sync_discards[index] != self._baseline_discards[index]:
+                continue  # this engine discarded its weights since the baseline
+            replies = await engine.collective_rpc(
+                "aiosync_ipc_held_version", (self._session_token,), timeout_s=self.rpc_timeout_s
+            )
+            for i, reply in enumerate(replies):
+                _check_reply(reply, i, "aiosync_ipc_held_version")
+                if reply.get("held") == baseline.version and reply.get("patches"):
+                    holders.append(int(reply["rank"]))
+        return sorted(set(holders) & set(self.peers))
+
+    @staticmethod
+    def _diff(
+        baseline: DeltaBaseline, plan: BucketPlan, weights: Iterator[tuple[str, torch.Tensor]]
+    ) -> tuple[BucketPlan, list[tuple[str, torch.Tensor]], list[WeightPatch], dict[str, Any]]:
+        """The patches from the baseline to ``weights`` (blocking): their wire plan
+        (``plan``'s bucket size), wire tensors, the patches and the workers' ``delta``
+        session entry (without ``ranks``)."""
+        patches = list(baseline.diff(weights))
+        wires = [patch_to_wire(p) for p in patches]
+        metas = [meta for meta, _ in wires]
+        wire_plan = plan_buckets(wire_manifest(metas, plan.manifest()), plan.bucket_bytes)
+        spec = {"base": baseline.version, "patches": metas, "digest": wire_plan.digest}
+        return wire_plan, [t for _, tensors in wires for t in tensors], patches, spec
+
+    def _sync_outcome(self, version: int, *, committed: bool) -> None:
+        baseline = self.delta_baseline
+        if baseline is None:
+            return
+        if committed:
+            baseline.commit()
+            self._baseline_discards = self._sync_discards
+        else:
+            baseline.invalidate()
+
+    def _engine_discarded(self, index: int) -> None:
+        """Engine ``index`` dropped its workers' weights (a listener, delta only)."""
+        self._engine_discards[index] += 1
 
     async def _invalidate_workers(self, sync_id: str) -> None:
         """After a failed sync whose receive ran: if any worker loaded a byte of
@@ -445,8 +582,10 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
     async def _stream(
         self,
         sync_id: str,
-        weights: Iterator[tuple[str, torch.Tensor]],
+        version: int,
+        lanes: Sequence[_Lane],
         kv: list[tuple[str, float]],
+        delta: dict[str, Any] | None = None,
     ) -> int:
         assert self._sender is not None and self.plan is not None
         session: dict[str, Any] = {
@@ -456,7 +595,10 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
             "timeout_s": self.rpc_timeout_s,
             # The workers' receive is this synchronizer's alone (see OwnershipError).
             "owner": self._session_token,
+            "version": version,
         }
+        if delta is not None:
+            session["delta"] = delta
         if self._endpoints is not None:
             session["endpoints"] = self._endpoints
         trainer_rows: list[dict[str, Any]] | None = None
@@ -465,8 +607,9 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
             session["trace"] = True
             trainer_rows = []
         sender = self._sender
-        peers = self.peers
+        peers = [rank for lane in lanes for rank in lane.ranks]
         result = 0
+        results: list[dict[str, Any]] = []
 
         async def drive_receivers() -> None:
             # From here on a worker may load a byte of this sync (_invalidate_workers).
@@ -476,12 +619,13 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
             )
             for rank, reply in enumerate(replies):
                 _check_reply(reply, rank, "aiosync_ipc_receive")
+                results.append({k: v for k, v in reply.items() if k != "trace"})
                 if trainer_rows is not None:
                     worker_rows[int(reply.get("rank", rank))] = list(reply.get("trace") or [])
 
         async def send() -> None:
             nonlocal result
-            result = await sender.send(sync_id, peers, weights, kv, trainer_rows)
+            result = await sender.send_lanes(sync_id, lanes, kv, trainer_rows)
 
         try:
             async with anyio.create_task_group() as tg:
@@ -499,6 +643,8 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
             if sender.closed and isinstance(exc, Exception):
                 raise TransportError(_SHUT_DOWN_MID_SYNC) from exc
             raise
+        if self._ranks.is_driver:
+            self.last_worker_results = results
         if trainer_rows is not None:
             self.last_trace = {
                 "clock": "time.monotonic",
@@ -511,6 +657,9 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
         """Close the socket, remove its directory and unlink the buffers; tell the
         engine's workers to drop their mappings of the buffers (best effort, at
         most :data:`_RELEASE_TIMEOUT_S` seconds). Idempotent."""
+        for engine, hook in self._discard_hooks:
+            engine.remove_weights_discarded_listener(hook)
+        self._discard_hooks = []
         if self._sender is not None:
             sender, self._sender = self._sender, None
             await sender.aclose()
@@ -613,10 +762,10 @@ class _BucketSender:
         kv: Sequence[tuple[str, float]] = (),
         trace: list[dict[str, Any]] | None = None,
     ) -> int:
-        """Stream every bucket, then the KV-cache scales ``kv`` (engine names, values),
-        to the workers of global ``ranks``; returns the bytes sent. ``trace``: a
-        list that gets one row of ``time.monotonic()`` timestamps per bucket (see
-        :attr:`IPCWeightSynchronizer.last_trace`); None records nothing.
+        """Stream every bucket of the plan, then the KV-cache scales ``kv`` (engine
+        names, values), to the workers of global ``ranks``; returns the bytes sent.
+        ``trace``: a list that gets one row of ``time.monotonic()`` timestamps per
+        bucket (see :attr:`IPCWeightSynchronizer.last_trace`); None records nothing.
 
         With no ranks (a sharded trainer's rank whose device holds no worker) the
         source is still iterated to its end: its gathers are collectives.
@@ -626,13 +775,27 @@ class _BucketSender:
                 (:meth:`aclose`), a worker is unreachable or sent garbage.
             SyncTimeoutError, RefitMismatchError: see the module docs.
         """
+        return await self.send_lanes(sync_id, [_Lane(self.plan, ranks, weights)], kv, trace)
+
+    async def send_lanes(
+        self,
+        sync_id: str,
+        lanes: Sequence[_Lane],
+        kv: Sequence[tuple[str, float]] = (),
+        trace: list[dict[str, Any]] | None = None,
+    ) -> int:
+        """:meth:`send`, each lane's buckets (its own plan, e.g. a delta's wire plan)
+        to its own workers, one lane after the other over the same buffers; one
+        hello before and one ``end`` after, for every lane's workers. Returns the
+        bytes packed (each lane's once, however many workers read it)."""
         if self._closed:
             raise TransportError("the IPC synchronizer was shut down")
         ended = anyio.Event()
+        ranks = [rank for lane in lanes for rank in lane.ranks]
         with anyio.CancelScope() as scope:
             self._active = (scope, sync_id, ranks, ended)
             try:
-                return await self._send(sync_id, ranks, weights, kv, trace)
+                return await self._send(sync_id, lanes, kv, trace)
             finally:
                 self._active = None
                 ended.set()
@@ -641,29 +804,68 @@ class _BucketSender:
     async def _send(
         self,
         sync_id: str,
-        ranks: Sequence[int],
-        weights: Iterator[tuple[str, torch.Tensor]],
+        lanes: Sequence[_Lane],
         kv: Sequence[tuple[str, float]],
         trace: list[dict[str, Any]] | None,
     ) -> int:
+        ranks = [rank for lane in lanes for rank in lane.ranks]
         if not ranks:
-            await anyio.to_thread.run_sync(drain, weights)
+            for lane in lanes:
+                await anyio.to_thread.run_sync(drain, lane.weights)
             return 0
         peers = await self._handshake(sync_id, ranks)
-        groups = group_by_bucket(weights, self.plan)
-        holder: list[int | None] = [None] * len(self._buffers)  # seq each buffer holds
-        acks: dict[int, set[int]] = {}
-        rows: dict[int, dict[str, Any]] = {}
+        stream = _Stream(holder=[None] * len(self._buffers), rows={} if trace is not None else None)
         nbytes = 0
-        count = len(self.plan.buckets)
-        for seq, bucket in enumerate(self.plan.buckets):
+        for lane in lanes:
+            if not lane.ranks:
+                await anyio.to_thread.run_sync(drain, lane.weights)
+                continue
+            audience = {rank: peers[rank] for rank in lane.ranks}
+            nbytes += await self._send_lane(sync_id, lane, audience, stream, trace)
+        for seq in range(len(stream.audience)):
+            await self._wait_acks(sync_id, stream, seq)
+        end = {
+            "t": "end",
+            "sync_id": sync_id,
+            "buckets": len(stream.audience),
+            "kv_scales": [[name, value] for name, value in kv],
+        }
+        await self._send_all(peers, encode(end))
+        done: set[int] = set()
+        while len(done) < len(peers):
+            rank, msg = await self._recv(sync_id, "the end of the refit")
+            if msg.get("t") == "done":
+                done.add(rank)
+        return nbytes
+
+    async def _send_lane(
+        self,
+        sync_id: str,
+        lane: _Lane,
+        peers: dict[int, bytes],
+        stream: _Stream,
+        trace: list[dict[str, Any]] | None,
+    ) -> int:
+        """Pack and send every bucket of ``lane`` to ``peers``, numbering them on
+        from the buckets ``stream`` holds; returns the bytes packed."""
+        plan = lane.plan
+        groups = group_by_bucket(lane.weights, plan)
+        nbytes = 0
+        count = len(plan.buckets)
+        # A buffer fits the largest regular bucket of the plan it was made for; a
+        # bigger bucket (an oversized tensor, a wire plan's) gets a buffer of its own.
+        fits = min((b.nbytes for b in self._buffers), default=0)
+        for i, bucket in enumerate(plan.buckets):
+            seq = len(stream.audience)
+            stream.audience.append(peers)
             # group_by_bucket yields the plan's buckets in order: ``bucket`` is known
             # before the source is read, so its buffer can be chosen first.
             row: dict[str, Any] | None = None
-            if trace is not None:
-                row = rows[seq] = {"seq": seq, "bucket": bucket.index, "bytes": bucket.nbytes}
+            if trace is not None and stream.rows is not None:
+                row = {"seq": seq, "bucket": bucket.index, "bytes": bucket.nbytes}
+                stream.rows[seq] = row
                 trace.append(row)
-            last = seq == count - 1
+            last = i == count - 1
             data = {
                 "t": "data",
                 "sync_id": sync_id,
@@ -680,23 +882,23 @@ class _BucketSender:
                 continue
             transient: SharedBuffer | None = None
             group: list[tuple[str, torch.Tensor]] | None = None
-            if bucket.nbytes > self.plan.bucket_bytes or not self._buffers:
+            if bucket.nbytes > fits:
                 transient = await anyio.to_thread.run_sync(
                     SharedBuffer.create, bucket.nbytes, self.device
                 )
                 buffer = transient
             else:
                 slot = seq % len(self._buffers)
-                previous = holder[slot]
-                if previous is not None and not _all_acked(acks, peers, previous):
+                previous = stream.holder[slot]
+                if previous is not None and not stream.acked(previous):
                     # Read the source while the workers still load the bucket that
                     # holds this buffer; pack once they acknowledged it.
                     group = await anyio.to_thread.run_sync(
                         self._read_and_pack, groups, None, None, False, row
                     )
-                    await self._wait_acks(sync_id, peers, acks, previous, rows)
+                    await self._wait_acks(sync_id, stream, previous)
                 buffer = self._buffers[slot]
-                holder[slot] = seq
+                stream.holder[slot] = seq
             try:
                 # One thread hop reads the source (unless read above), packs, and
                 # after the last bucket checks that the source ended.
@@ -711,27 +913,13 @@ class _BucketSender:
                 await self._send_all(peers, encode({**data, "handle": handle}))
                 nbytes += sum(s.nbytes for s in bucket.slots)
                 if transient is not None:
-                    await self._wait_acks(sync_id, peers, acks, seq, rows)
+                    await self._wait_acks(sync_id, stream, seq)
             finally:
                 if transient is not None:
                     transient.close()
         if count == 0:
             # The source must be exhausted exactly at the plan's end.
             await anyio.to_thread.run_sync(_exhaust, groups)
-        for seq in range(count):
-            await self._wait_acks(sync_id, peers, acks, seq, rows)
-        end = {
-            "t": "end",
-            "sync_id": sync_id,
-            "buckets": count,
-            "kv_scales": [[name, value] for name, value in kv],
-        }
-        await self._send_all(peers, encode(end))
-        done: set[int] = set()
-        while len(done) < len(peers):
-            rank, msg = await self._recv(sync_id, "the end of the refit")
-            if msg.get("t") == "done":
-                done.add(rank)
         return nbytes
 
     def _read_and_pack(
@@ -793,18 +981,11 @@ class _BucketSender:
             peers[rank] = self._known_idents[rank] = self._last_ident
         return peers
 
-    async def _wait_acks(
-        self,
-        sync_id: str,
-        peers: dict[int, bytes],
-        acks: dict[int, set[int]],
-        seq: int,
-        rows: Mapping[int, dict[str, Any]] | None = None,
-    ) -> None:
-        """Receive until every peer acknowledged bucket ``seq``; the acks of other
-        buckets that arrive meanwhile are recorded too (``rows``: trace rows by
-        seq, whose ``acked`` becomes the time the last peer's ack arrived)."""
-        while len(acks.get(seq, ())) < len(peers):
+    async def _wait_acks(self, sync_id: str, stream: _Stream, seq: int) -> None:
+        """Receive until every worker bucket ``seq`` went to acknowledged it; the
+        acks of other buckets that arrive meanwhile are recorded too (a traced
+        row's ``acked`` becomes the time the last of its workers' acks arrived)."""
+        while not stream.acked(seq):
             rank, msg = await self._recv(sync_id, f"acknowledgements of bucket {seq}")
             if msg.get("t") == "ack":
                 try:
@@ -813,8 +994,9 @@ class _BucketSender:
                     raise TransportError(
                         f"engine worker {rank}: malformed ack {msg!r:.80}"
                     ) from exc
-                acks.setdefault(acked, set()).add(rank)
-                if rows is not None and acked in rows and _all_acked(acks, peers, acked):
+                stream.acks.setdefault(acked, set()).add(rank)
+                rows = stream.rows
+                if rows is not None and acked in rows and stream.acked(acked):
                     _stamp(rows[acked], "acked")
 
     async def _recv(self, sync_id: str, what: str) -> tuple[int, dict[str, Any]]:
@@ -924,9 +1106,33 @@ def _release(directory: str, buffers: Sequence[SharedBuffer]) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def _all_acked(acks: Mapping[int, set[int]], peers: Mapping[int, bytes], seq: int) -> bool:
-    """Whether every peer acknowledged bucket ``seq``."""
-    return len(acks.get(seq, ())) >= len(peers)
+class _Lane(NamedTuple):
+    """Buckets of one plan for some of the workers: every tensor (the refit's plan)
+    or a delta's patches (their wire plan, :mod:`aiosync.delta`)."""
+
+    plan: BucketPlan
+    #: Global ranks of the workers that get them.
+    ranks: Sequence[int]
+    #: The plan's tensors, in order.
+    weights: Iterator[tuple[str, torch.Tensor]]
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One sync's buckets across its lanes, numbered ``seq`` in send order."""
+
+    #: The seq each ping-pong buffer holds (None: free).
+    holder: list[int | None]
+    #: Trace rows by seq (None: not tracing).
+    rows: dict[int, dict[str, Any]] | None = None
+    #: The workers (rank: socket identity) each seq went to.
+    audience: list[dict[int, bytes]] = field(default_factory=list)
+    #: The ranks that acknowledged each seq.
+    acks: dict[int, set[int]] = field(default_factory=dict)
+
+    def acked(self, seq: int) -> bool:
+        """Whether every worker bucket ``seq`` went to acknowledged it."""
+        return self.acks.get(seq, set()) >= set(self.audience[seq])
 
 
 def _stamp(row: dict[str, Any] | None, key: str) -> None:

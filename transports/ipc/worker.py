@@ -25,6 +25,14 @@ by name:
   dropped by their ``sync_id``, and a monitor event of a closed connection seen
   between syncs makes the next receive connect afresh. Any other owner's
   receive, a failed receive, or ``aiosync_ipc_release`` drops both.
+* ``aiosync_ipc_held_version(owner)`` before a delta sync: the version this
+  worker holds whole from that synchronizer's last successful receive (None
+  after a failed or refused one, a discard, a respawn), and whether its model
+  applies delta patches (:class:`~aiosync.delta.PatchModel`). A session with
+  ``"delta"`` naming this worker's rank carries patches against that version
+  (:mod:`aiosync.delta`): the buckets then follow the patches' wire plan, and a
+  worker that does not hold the base refuses before it says hello, so nothing
+  is written anywhere.
 * ``aiosync_ipc_release(owner)`` once, when the synchronizer shuts down: drop
   the mappings and the connection kept for it (an unlinked segment's memory
   lives while mapped).
@@ -52,13 +60,14 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from aiosync.delta import PatchModel, WeightPatch, patch_from_wire, wire_manifest
 from aiosync.errors import (
     OwnershipError,
     RefitMismatchError,
@@ -69,7 +78,7 @@ from aiosync.errors import (
 
 from .._identity import WorkerIdentityMixin
 from .._wire import decode, encode, error_fields
-from ..packing import BucketPlan, compare_manifests, unpack
+from ..packing import Bucket, BucketPlan, compare_manifests, plan_buckets, unpack
 from ._shm import MappedBuffer, open_handle
 
 __all__ = ["IPCWorkerMixin"]
@@ -158,13 +167,23 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                 one still running, another owner's is refused); from a sharded trainer also
                 ``"endpoints": {device identity: "ipc://..."}``, one per trainer
                 rank: the worker connects to its own device's rank and refuses
-                buffers of any other device.
+                buffers of any other device. ``"version"``: the weight version
+                sent (held once the receive succeeded, see
+                :meth:`aiosync_ipc_held_version`). ``"delta"``: ``{"base": the
+                version the patches were computed against, "patches": [[name,
+                base, shape, encoding, k], ...], "digest": their wire plan's,
+                "ranks": [the workers that get the patches]}``; the other
+                workers get every tensor.
 
         Returns:
-            ``{"ok": True, "rank", "tensors", "bytes"}`` or ``{"ok": False, "type",
-            "message"}`` (``OwnershipError``: a refit of another synchronizer is
-            running on this worker; ``RefitMismatchError``: unknown digest, missing or
-            duplicate buckets; ``TransportError``: malformed message, trainer
+            ``{"ok": True, "rank", "tensors", "bytes", "delta"}`` (``bytes``: the
+            payload this worker loaded; ``delta``: it applied patches) or
+            ``{"ok": False, "type", "message"}`` (``OwnershipError``: a refit of
+            another synchronizer is running on this worker; ``RefitMismatchError``:
+            unknown digest, missing or duplicate buckets, a delta whose base is not
+            the version this worker holds (both named; refused before anything is
+            written); ``TransportError``: a delta to a model without
+            ``apply_weight_patches``, malformed message, trainer
             abort, the trainer went away (its process died: noticed at once);
             ``SyncTimeoutError``: nothing from the trainer in ``timeout_s`` seconds).
             When the session has ``"trace": True`` the reply also carries
@@ -179,6 +198,10 @@ class IPCWorkerMixin(WorkerIdentityMixin):
             digest = str(session["digest"])
             timeout_s = float(session["timeout_s"])
             owner = str(session.get("owner", ""))
+            version = None if session.get("version") is None else int(session["version"])
+            delta = session.get("delta")
+            if delta is not None and not isinstance(delta, Mapping):
+                raise TypeError(f"delta is a {type(delta).__name__}, not a map")
             trace: list[dict[str, Any]] | None = [] if session.get("trace") else None
             endpoints = session.get("endpoints")
             device = None
@@ -210,7 +233,16 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                 return {"ok": False, **error_fields(error)}
             try:
                 reply = self._aiosync_receive(
-                    state, endpoint, sync_id, digest, timeout_s, device, trace, owner
+                    state,
+                    endpoint,
+                    sync_id,
+                    digest,
+                    timeout_s,
+                    device,
+                    trace,
+                    owner,
+                    version=version,
+                    delta=delta,
                 )
                 if trace is not None:
                     reply["trace"] = trace
@@ -219,6 +251,26 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                 state.lock.release()
         finally:
             state.release(sync_id)
+
+    def aiosync_ipc_held_version(self, owner: str) -> dict[str, Any]:
+        """What a delta sync of synchronizer ``owner`` (its token) may build on.
+
+        Returns:
+            ``{"ok": True, "rank", "held", "patches"}``: ``held`` is the version
+            this worker holds whole from ``owner``'s last successful receive, None
+            when it cannot vouch for one (none yet, a failed, refused or running
+            receive, its weights discarded since, another owner's receive);
+            ``patches``: its model applies delta patches
+            (:class:`~aiosync.delta.PatchModel`).
+        """
+        state = self._aiosync_ipc_state()
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        return {
+            "ok": True,
+            "rank": self.aiosync_worker_rank(),
+            "held": state.held_version(str(owner), self.aiosync_discard_epoch),
+            "patches": isinstance(model, PatchModel),
+        }
 
     def aiosync_ipc_release(self, owner: str) -> dict[str, Any]:
         """Drop the buffer mappings kept for synchronizer ``owner`` (its token),
@@ -252,6 +304,7 @@ class IPCWorkerMixin(WorkerIdentityMixin):
             touched = state.touched == str(sync_id)
             if force or touched:
                 self.aiosync_weights_valid = False
+                state.held = None
         finally:
             if locked:
                 state.lock.release()
@@ -275,8 +328,16 @@ class IPCWorkerMixin(WorkerIdentityMixin):
         device: str | None,
         trace: list[dict[str, Any]] | None = None,
         owner: str = "",
+        *,
+        version: int | None = None,
+        delta: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         rank = self.aiosync_worker_rank()
+        # The base a delta may be applied to; from here until this receive fully
+        # succeeded this worker vouches for no version.
+        discards = self.aiosync_discard_epoch
+        held = state.held_version(owner, discards)
+        state.held = None
         # Mappings and the connection kept from this owner's last receive (see
         # the module docs); ``keep`` collects the mappings this receive passes on.
         if state.mapped_owner != owner:
@@ -299,13 +360,21 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                     f"trainer's bucket plan {digest[:16]} is not the one this engine worker "
                     f"was initialised with ({known or 'none'}): re-run init_communicator()"
                 )
+            load = self._aiosync_full_loader()
+            patched = delta is not None and rank in _delta_ranks(delta)
+            if patched:
+                assert delta is not None
+                # Refused here, before the hello: the trainer sends no bucket to anyone.
+                plan, load = self._aiosync_patch_loader(plan, delta, held)
             sock.send(encode({"t": "hello", "sync_id": sync_id, "rank": rank, "digest": digest}))
             senders: set[str] = set()
             tensors, nbytes = self._aiosync_load_buckets(
-                state, link, plan, mapped, sync_id, timeout_s, device, senders, trace, keep
+                state, link, plan, mapped, sync_id, timeout_s, device, senders, trace, keep, load
             )
             sock.send(encode({"t": "done", "sync_id": sync_id, "rank": rank}))
             succeeded = True
+            if version is not None and self.aiosync_discard_epoch == discards:
+                state.held = (owner, version, discards)
             state.last = {
                 "ok": True,
                 "rank": rank,
@@ -313,6 +382,7 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                 "bytes": nbytes,
                 "sync_id": sync_id,
                 "senders": sorted(senders),
+                "delta": patched,
             }
             return dict(state.last)
         except Exception as exc:
@@ -335,6 +405,73 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                     state.link, state.link_endpoint = None, ""
                 link.close()
 
+    def _aiosync_full_loader(self) -> Callable[[Bucket, torch.Tensor], int]:
+        """The bucket loader of a full sync: ``load_weights`` of every tensor;
+        returns the tensors loaded."""
+        load_weights = self.model_runner.model.load_weights  # type: ignore[attr-defined]
+
+        def load(bucket: Bucket, buffer: torch.Tensor) -> int:
+            loaded = load_weights(unpack(buffer, bucket))
+            return int(loaded) if isinstance(loaded, int) else len(bucket.slots)
+
+        return load
+
+    def _aiosync_patch_loader(
+        self, plan: BucketPlan, delta: Mapping[str, Any], held: int | None
+    ) -> tuple[BucketPlan, Callable[[Bucket, torch.Tensor], int]]:
+        """The wire plan of a delta sync against ``plan`` and the bucket loader that
+        applies its patches (returns the patches applied).
+
+        Raises:
+            RefitMismatchError: a malformed delta, a wire plan whose digest is not
+                the trainer's, or ``held`` is not the patches' base (both named).
+            TransportError: the model has no ``apply_weight_patches``.
+        """
+        who = f"engine worker {self.aiosync_worker_rank()}"
+        try:
+            metas = {str(m[0]): list(m) for m in delta["patches"]}
+            wire = plan_buckets(wire_manifest(metas.values(), plan.manifest()), plan.bucket_bytes)
+            base = int(delta["base"])
+            digest = str(delta["digest"])
+        except (KeyError, TypeError, ValueError, RefitMismatchError) as exc:
+            raise RefitMismatchError(f"{who}: malformed delta: {exc!r}") from exc
+        if wire.digest != digest:
+            raise RefitMismatchError(f"{who}: the delta's wire plan differs from the trainer's")
+        if held != base:
+            raise RefitMismatchError(
+                f"{who} holds version {held}, the delta patches were computed against "
+                f"version {base}: a full sync is needed"
+            )
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        if not isinstance(model, PatchModel):
+            raise TransportError(
+                f"{who}: {type(model).__name__} cannot apply delta patches (apply_weight_patches)"
+            )
+        # A sparse patch is two wire tensors (where, values), maybe in two buckets.
+        partial: dict[str, dict[str, torch.Tensor]] = {}
+
+        def load(bucket: Bucket, buffer: torch.Tensor) -> int:
+            ready: list[WeightPatch] = []
+            waiting: dict[str, dict[str, torch.Tensor]] = {}
+            for name, tensor in unpack(buffer, bucket):
+                patch = name if name in metas else name.rsplit("@", 1)[0]
+                meta = metas[patch]
+                if meta[3] == "dense":
+                    ready.append(patch_from_wire(meta, {name: tensor}))
+                    continue
+                half = partial.pop(patch, None) or waiting.pop(patch, None)
+                if half is None:
+                    waiting[patch] = {name: tensor}
+                else:
+                    ready.append(patch_from_wire(meta, {**half, name: tensor}))
+            model.apply_weight_patches(ready)
+            # The other half comes in a later bucket, maybe in this same buffer.
+            for patch, half in waiting.items():
+                partial[patch] = {n: t.clone() for n, t in half.items()}
+            return len(ready)
+
+        return wire, load
+
     def _aiosync_load_buckets(
         self,
         state: _ReceiverState,
@@ -347,12 +484,17 @@ class IPCWorkerMixin(WorkerIdentityMixin):
         senders: set[str],
         trace: list[dict[str, Any]] | None = None,
         keep: set[str] | None = None,
+        load: Callable[[Bucket, torch.Tensor], int] | None = None,
     ) -> tuple[int, int]:
         """Load every bucket until ``end``; ``senders`` collects the devices the
         buffers came from, ``trace`` (when not None) one row of timestamps per
         bucket, ``keep`` the keys in ``mapped`` of the shared-memory ping-pong
-        buffers worth keeping for the next receive. Returns ``(tensors, bytes)`` loaded."""
+        buffers worth keeping for the next receive, ``load(bucket, buffer)`` writes
+        one bucket (default: ``load_weights`` of its tensors) and returns the
+        tensors it wrote. Returns ``(tensors, bytes)`` loaded."""
         load_weights = self.model_runner.model.load_weights  # type: ignore[attr-defined]
+        if load is None:
+            load = self._aiosync_full_loader()
         discards = self.aiosync_discard_epoch
         arrived = [0] * len(plan.buckets)
         tensors = nbytes = 0
@@ -377,7 +519,7 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                 state.touched = sync_id
                 load_start = time.monotonic()
                 with torch.no_grad():
-                    loaded = load_weights(unpack(buffer.tensor, bucket))
+                    loaded = load(bucket, buffer.tensor)
                 if buffer.tensor.is_cuda:
                     torch.cuda.current_stream(buffer.tensor.device).synchronize()
                 load_end = time.monotonic()
@@ -386,7 +528,7 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                 elif keep is not None and handle.get("kind") == "shm":
                     keep.add(key)
                 arrived[index] += 1
-                tensors += int(loaded) if isinstance(loaded, int) else len(bucket.slots)
+                tensors += loaded
                 nbytes += sum(slot.nbytes for slot in bucket.slots)
                 if trace is not None:
                     trace.append(
@@ -434,10 +576,20 @@ class _ReceiverState:
         self.mapped_owner: str | None = None
         #: The last refit of which this worker loaded a bucket (its weights changed).
         self.touched: str | None = None
+        #: ``(owner, version, discard epoch)`` this worker holds whole, from its last
+        #: successful receive: the only base a delta patch may be applied to.
+        self.held: tuple[str, int, int] | None = None
 
         #: The DEALER kept connected to ``mapped_owner``'s ROUTER, and its endpoint.
         self.link: _TrainerLink | None = None
         self.link_endpoint = ""
+
+    def held_version(self, owner: str, epoch: int) -> int | None:
+        """The version held from ``owner``'s last successful receive, if the
+        weights were not discarded since (the worker's discard ``epoch``)."""
+        if self.held is None or self.held[0] != owner or self.held[2] != epoch:
+            return None
+        return self.held[1]
 
     def keep_link(self, link: _TrainerLink, endpoint: str) -> None:
         """Keep ``link`` (to ``endpoint``) for the next receive of the same owner."""
@@ -602,6 +754,14 @@ def _data_fields(msg: Mapping[str, Any], num_buckets: int) -> tuple[int, int, di
     if not 0 <= index < num_buckets:
         raise RefitMismatchError(f"bucket {index} is not in the plan ({num_buckets} buckets)")
     return seq, index, handle
+
+
+def _delta_ranks(delta: Mapping[str, Any]) -> set[int]:
+    """The ranks of the workers that get a delta's patches."""
+    try:
+        return {int(r) for r in delta["ranks"]}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RefitMismatchError(f"malformed delta: {exc!r}") from exc
 
 
 def _kv_fields(msg: Mapping[str, Any]) -> list[tuple[str, float]]:

@@ -1,0 +1,278 @@
+"""Delta refits over the colocated IPC transport into the embedded engine's real workers.
+
+A bf16 trainer takes AdamW steps; after the first (full) sync each sync packs only the
+patches of the elements whose bits changed, in the smallest encoding per tensor, and
+every worker ends bit-identical to the trainer. A sync that fails half-way makes the
+next one full; a worker that does not hold the patches' base refuses them before any
+byte is written; in a fleet, the engine whose worker was respawned gets every tensor
+while the other gets the patches, in the same sync.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import anyio
+import pytest
+import pytest_asyncio
+import torch
+
+from aiosync import EngineFleet, VersionEventKind, create_weight_synchronizer
+from aiosync.delta import encode_patch
+from aiosync.engines.embedded.configs import TINY_QWEN3
+from aiosync.engines.embedded.engine import EmbeddedEngine
+from aiosync.engines.embedded.model import HFModelRunner
+from aiosync.errors import RefitMismatchError, SyncTimeoutError, TransportError
+from aiosync.refit import DTensorRefitSource
+from aiosync.transports.ipc import IPCWeightSynchronizer
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7]]
+
+
+def _engine(num_workers: int) -> EmbeddedEngine:
+    return EmbeddedEngine(
+        TINY_QWEN3, num_workers=num_workers, dtype="bfloat16", sleep_level=2, seed=5,
+        rpc_timeout_s=120,
+    )  # fmt: skip
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine() -> AsyncIterator[EmbeddedEngine]:
+    async with _engine(2) as engine:
+        yield engine
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def other_engine() -> AsyncIterator[EmbeddedEngine]:
+    async with _engine(1) as engine:
+        yield engine
+
+
+class _Trainer:
+    """A bf16 tiny Qwen3 and its AdamW: ``step()`` is one optimizer step."""
+
+    def __init__(self, seed: int, lr: float) -> None:
+        self.runner = HFModelRunner.from_config(TINY_QWEN3, seed=seed, dtype=torch.bfloat16)
+        self.model = self.runner.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def step(self) -> None:
+        batch = torch.randint(0, 128, (2, 8), generator=self.gen)
+        self.model(batch, labels=batch).loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {n: t.clone() for n, t in self.runner.hf_state_dict().items()}
+
+    def full_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state().values())
+
+
+def _sync(trainer: _Trainer, generation: Any, **options: Any) -> IPCWeightSynchronizer:
+    return IPCWeightSynchronizer(
+        DTensorRefitSource(trainer.model),
+        generation,
+        **{"bucket_bytes": 16 * 1024, "rpc_timeout_s": 30.0, "delta": True, **options},
+    )
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _patch_bytes(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> int:
+    """Bytes of the smallest encoding of every changed tensor (the expected delta)."""
+    patches = (encode_patch(n, 0, _bits(old[n]), new[n]) for n in new)
+    return sum(p.nbytes for p in patches if p is not None)
+
+
+async def _holds(generation: Any, want: dict[str, torch.Tensor]) -> bool:
+    return all(
+        torch.equal(_bits(state[n]), _bits(t))
+        for state in await generation.hf_state_dicts()
+        for n, t in want.items()
+    )
+
+
+async def _committed(sync: IPCWeightSynchronizer, events: Any) -> tuple[bool, int]:
+    await sync.mark_stale()
+    await sync.sync_weights()
+    while True:
+        event = await events.__anext__()
+        if event.kind is VersionEventKind.COMMITTED:
+            return event.delta, event.nbytes
+
+
+def _received(sync: IPCWeightSynchronizer) -> list[tuple[bool, int]]:
+    """Each worker's ``(applied patches, bytes loaded)`` in the last sync."""
+    return [(r["delta"], r["bytes"]) for r in sync.last_worker_results]
+
+
+async def test_each_delta_moves_only_the_changed_bits_and_lands_bit_exact(
+    engine: EmbeddedEngine,
+) -> None:
+    trainer = _Trainer(seed=31, lr=1e-5)
+    full = trainer.full_bytes()
+    async with _sync(trainer, engine) as sync, sync.subscribe() as events:
+        assert await _committed(sync, events) == (False, full)  # no baseline yet
+        assert _received(sync) == [(False, full), (False, full)]
+        for _ in range(3):
+            before = trainer.state()
+            trainer.step()
+            after = trainer.state()
+            delta, nbytes = await _committed(sync, events)
+            assert delta and nbytes == _patch_bytes(before, after)
+            assert 0 < nbytes < full / 2
+            assert _received(sync) == [(True, nbytes), (True, nbytes)]
+            assert await _holds(engine, after)
+        await engine.prepare_for_generation()
+        expected = trainer.runner.generate(PROMPTS, max_new_tokens=4, ignore_eos=True)
+        assert await engine.generate(PROMPTS, max_new_tokens=4, ignore_eos=True) == expected
+        # Nothing changed: an empty delta, the version still advances.
+        assert await _committed(sync, events) == (True, 0)
+        assert (sync.weight_version, engine.weight_version) == (5, 5)
+
+
+async def test_a_worker_killed_mid_delta_is_followed_by_a_full_sync(
+    engine: EmbeddedEngine,
+) -> None:
+    trainer = _Trainer(seed=32, lr=1e-3)
+    # The survivor waits rpc_timeout_s for the next bucket (the engine's RPC answers
+    # once every worker did), then the sync fails and every worker is told to abort.
+    async with _sync(trainer, engine, rpc_timeout_s=3.0) as sync, sync.subscribe() as events:
+        await _committed(sync, events)
+        victim = engine.pids[1]
+        real = sync._diff
+
+        def killing(*args: Any) -> Any:
+            plan, wires, patches, spec = real(*args)
+            assert len(plan.buckets) > 3
+
+            def stream() -> Iterator[tuple[str, torch.Tensor]]:
+                for i, item in enumerate(wires):
+                    if i == 3 * len(wires) // 4:  # the workers have written patches
+                        os.kill(victim, signal.SIGKILL)
+                    yield item
+
+            return plan, stream(), patches, spec
+
+        sync._diff = killing  # type: ignore[method-assign]
+        trainer.step()
+        await sync.mark_stale()
+        with pytest.raises(SyncTimeoutError, match="engine worker 0: no message from the trainer"):
+            await sync.sync_weights()
+        assert (sync.weight_version, sync.is_stale) == (1, True)
+        assert sync.delta_baseline is not None and sync.delta_baseline.version is None
+        sync._diff = real  # type: ignore[method-assign]
+        assert await engine.respawn_dead_workers() == [1]
+        await sync.init_communicator()
+        full = trainer.full_bytes()
+        assert await _committed(sync, events) == (False, full)
+        assert _received(sync) == [(False, full), (False, full)]
+        assert await _holds(engine, trainer.state())
+        trainer.step()
+        assert (await _committed(sync, events))[0] is True  # deltas again
+        assert await _holds(engine, trainer.state())
+
+
+async def test_a_worker_without_the_base_refuses_the_delta_before_writing(
+    engine: EmbeddedEngine,
+) -> None:
+    trainer = _Trainer(seed=33, lr=1e-3)
+    async with _sync(trainer, engine) as sync, sync.subscribe() as events:
+        await _committed(sync, events)
+        await engine.finish_generation()  # level 2: the weights are discarded (zeros)
+        discarded = await engine.hf_state_dicts()
+        # A trainer that skipped the check (the workers' held versions) would send the
+        # delta anyway: each worker refuses it, naming both versions.
+        sync._workers_holding_baseline = _everyone(sync)  # type: ignore[method-assign]
+        trainer.step()
+        await sync.mark_stale()
+        with pytest.raises(RefitMismatchError, match="holds version None, the delta patches"):
+            await sync.sync_weights()
+        after = await engine.hf_state_dicts()
+        pairs = zip(discarded, after, strict=True)
+        assert all(torch.equal(a[n], b[n]) for a, b in pairs for n in a)
+        del sync._workers_holding_baseline
+        # The checked path: the failure (and the discard) make the next sync a full one.
+        full = trainer.full_bytes()
+        assert await _committed(sync, events) == (False, full)
+        await engine.prepare_for_generation()
+        assert await _holds(engine, trainer.state())
+
+
+async def _kill_idle_worker(engine: EmbeddedEngine) -> None:
+    """SIGKILL worker 0 and wait until the engine counts it dead."""
+    os.kill(engine.pids[0], signal.SIGKILL)
+    with anyio.fail_after(10):
+        while True:
+            try:
+                await engine.status()
+            except TransportError:
+                return
+            await anyio.sleep(0.05)
+
+
+def _everyone(sync: IPCWeightSynchronizer) -> Any:
+    async def holders() -> list[int]:
+        return list(sync.peers)
+
+    return holders
+
+
+async def test_a_respawned_engine_of_a_fleet_gets_every_tensor_while_the_other_gets_patches(
+    engine: EmbeddedEngine, other_engine: EmbeddedEngine
+) -> None:
+    trainer = _Trainer(seed=34, lr=1e-5)
+    fleet = EngineFleet([engine, other_engine])
+    full = trainer.full_bytes()
+    async with _sync(trainer, fleet) as sync, sync.subscribe() as events:
+        assert await _committed(sync, events) == (False, full)
+        trainer.step()
+        assert (await _committed(sync, events))[0] is True
+        # Engine 1's only worker dies while idle and comes back with the initial weights.
+        await _kill_idle_worker(other_engine)
+        assert await fleet.respawn_dead_workers() == [2]
+        await sync.init_communicator()
+        before = trainer.state()
+        trainer.step()
+        after = trainer.state()
+        patches = _patch_bytes(before, after)
+        assert await _committed(sync, events) == (True, patches + full)
+        assert _received(sync) == [(True, patches), (True, patches), (False, full)]
+        assert await _holds(fleet, after)
+        await fleet.prepare_for_generation()
+        expected = trainer.runner.generate(PROMPTS, max_new_tokens=4, ignore_eos=True)
+        assert await fleet.generate(PROMPTS, max_new_tokens=4, ignore_eos=True) == expected
+        # Every worker holds the baseline again: patches for all.
+        before = trainer.state()
+        trainer.step()
+        patches = _patch_bytes(before, trainer.state())
+        assert await _committed(sync, events) == (True, patches)
+        assert _received(sync) == [(True, patches)] * 3
+        assert await _holds(fleet, trainer.state())
+
+
+async def test_delta_needs_one_trainer_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_rank", lambda group: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group: 2)
+    source = DTensorRefitSource(HFModelRunner.from_config(TINY_QWEN3, seed=1).model)
+    with pytest.raises(ValueError, match="several trainer ranks"):
+        IPCWeightSynchronizer(source, object(), delta=True, process_group=object())
+
+
+async def test_the_factory_builds_a_colocated_delta_synchronizer() -> None:
+    source = DTensorRefitSource(HFModelRunner.from_config(TINY_QWEN3, seed=1).model)
+    sync = create_weight_synchronizer(
+        source, object(), colocated=True, backend="embedded", delta=True
+    )
+    assert isinstance(sync, IPCWeightSynchronizer) and sync.delta_baseline is not None
