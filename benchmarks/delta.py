@@ -29,9 +29,9 @@ Figures per row: bytes fraction (mean and max over the timed delta refits of
 delta ``nbytes`` / full ``nbytes``), refit seconds (best of the repeats) and the
 ratio delta / full, with the issue's goals beside them, at lr 1e-6: every delta
 refit <= 5% of the full bytes; on the collective, delta refit time <= 0.2 x the
-full refit's. Transports: the collective broadcast (gloo, not colocated), and IPC
-(colocated) once :class:`~aiosync.IPCWeightSynchronizer` takes ``delta=`` (read from
-its signature: the benchmark picks it up as soon as it exists). The 1-minute load
+full refit's. Transports: the collective broadcast (gloo, not colocated) and IPC
+(colocated; measured when :class:`~aiosync.IPCWeightSynchronizer` takes ``delta=``,
+read from its signature). The 1-minute load
 average at start and end is recorded (``_machine``).
 
 Usage: ``python benchmarks/delta.py [--quick] [--json]``.

@@ -60,9 +60,8 @@ Refit size (``--delta``, ``--fp8``; the embedded engine): ``--delta`` sends, per
 tensor, only the elements whose bits changed since the last version every worker
 committed (:mod:`aiosync.delta`; the first refit is full), and the summary prints
 the bytes each refit moved next to the full checkpoint's (the COMMITTED events'
-``nbytes`` and ``delta``). The colocated IPC transport has no delta refits yet, so
-``--delta`` picks the non-colocated broadcast (``--no-colocated``) unless IPC takes
-``delta=`` (``IPCWeightSynchronizer``'s signature). Pair it with ``--dtype bfloat16``
+``nbytes`` and ``delta``), colocated (IPC) or not (``--no-colocated``: the
+broadcast). Pair it with ``--dtype bfloat16``
 and an RL learning rate: in float32 nearly every element changes at every step.
 ``--fp8`` refits the block-FP8 checkpoint (``FP8RefitSource``: linear weights
 ``float8_e4m3fn`` with a ``float32`` scale per 128 x 128 block, the rest in
@@ -90,7 +89,6 @@ import argparse
 import contextlib
 import copy
 import functools
-import inspect
 import json
 import math
 import random
@@ -961,13 +959,6 @@ ADAPTER_BACKENDS_WHY = (
 )
 
 
-def ipc_takes_delta() -> bool:
-    """Whether the colocated transport :class:`~aiosync.IPCWeightSynchronizer` has ``delta=``."""
-    from aiosync import IPCWeightSynchronizer
-
-    return "delta" in inspect.signature(IPCWeightSynchronizer).parameters
-
-
 def adapter_refits(args: argparse.Namespace) -> bool:
     """Whether the run refits a LoRA adapter alone (``--lora-rank N --lora-refit adapter``)."""
     return bool(args.lora_rank) and args.lora_refit == "adapter"
@@ -983,8 +974,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--colocated",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="share the trainer's device (IPC); default: colocated, except --delta while "
-        "IPC has no delta refits",
+        help="share the trainer's device (IPC; default) or not (the collective broadcast)",
     )
     p.add_argument("--backend", choices=("embedded", "vllm", "sglang"), default="embedded")
     p.add_argument("--engine-workers", type=int, default=1)
@@ -1011,8 +1001,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--delta",
         action="store_true",
-        help="refit only the elements whose bits changed (embedded engine; collective "
-        "broadcast while IPC has no delta)",
+        help="refit only the elements whose bits changed (embedded engine)",
     )
     p.add_argument(
         "--fp8",
@@ -1067,10 +1056,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.fp8 and args.lora_rank:
         p.error("--fp8 quantizes the full checkpoint: not with --lora-rank")
     if args.colocated is None:
-        # IPC (colocated) has no delta refits yet: the broadcast has.
-        args.colocated = not args.delta or ipc_takes_delta()
-    elif args.colocated and args.delta and not ipc_takes_delta():
-        p.error("--delta --colocated: IPC has no delta refits yet; use --no-colocated")
+        args.colocated = True
     if args.quick:
         args.steps = min(args.steps, 4)
         args.prompts_per_step, args.group_size, args.eval_prompts = 4, 4, 8

@@ -120,19 +120,20 @@ def test_async_grpo_not_colocated_collective_with_tight_staleness(tmp_path: Path
     assert_run_invariants(report)
 
 
+@pytest.mark.parametrize(
+    ("placement", "synchronizer"),
+    [("--colocated", "IPCWeightSynchronizer"), ("--no-colocated", "CollectiveWeightSynchronizer")],
+)
 def test_async_grpo_delta_refits_move_only_the_changed_bits_and_print_their_bytes(
-    tmp_path: Path,
+    tmp_path: Path, placement: str, synchronizer: str
 ) -> None:
     # bf16 at an RL learning rate: most steps move a weight by less than half a bf16 ulp.
     report, lines = run_example_logged(
-        tmp_path, "--steps", "3", "--delta", "--dtype", "bfloat16", "--lr", "1e-5"
+        tmp_path, "--steps", "3", "--delta", "--dtype", "bfloat16", "--lr", "1e-5", placement
     )
-    # IPC has no delta refits yet: --delta picks the collective broadcast, unless IPC has.
-    ipc = load_example().ipc_takes_delta()
-    assert report["synchronizer"] == (
-        "IPCWeightSynchronizer" if ipc else "CollectiveWeightSynchronizer"
-    )
-    assert (report["colocated"], report["delta"], report["dtype"]) == (ipc, True, "bfloat16")
+    assert report["synchronizer"] == synchronizer
+    colocated = placement == "--colocated"
+    assert (report["colocated"], report["delta"], report["dtype"]) == (colocated, True, "bfloat16")
     full = checkpoint_numel(quick_config()) * BF16_BYTES
     assert report["full_nbytes"] == full == 152_320
     # The first refit has no baseline on the workers: full; every later one a delta.
