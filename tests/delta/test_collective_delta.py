@@ -18,13 +18,13 @@ import pytest
 import pytest_asyncio
 import torch
 
-from aiosync import CollectiveWeightSynchronizer, TrainCluster, VersionEventKind
-from aiosync.delta import encode_patch
+from aiosync import CollectiveWeightSynchronizer, TrainCluster
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.errors import RefitMismatchError, TransportError
 from aiosync.refit import DTensorRefitSource
+from tests._support.delta import DeltaTrainer, committed, holds, patch_bytes
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
@@ -45,27 +45,8 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-class _Trainer:
-    """A bf16 tiny Qwen3 and its AdamW: ``step()`` is one optimizer step."""
-
-    def __init__(self, seed: int, lr: float) -> None:
-        self.runner = HFModelRunner.from_config(TINY_QWEN3, seed=seed, dtype=torch.bfloat16)
-        self.model = self.runner.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
-        self.gen = torch.Generator().manual_seed(seed)
-
-    def step(self) -> None:
-        batch = torch.randint(0, 128, (2, 8), generator=self.gen)
-        self.model(batch, labels=batch).loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return {n: t.clone() for n, t in self.runner.hf_state_dict().items()}
-
-
 def _sync(
-    trainer: _Trainer, engine: EmbeddedEngine, **options: Any
+    trainer: DeltaTrainer, engine: EmbeddedEngine, **options: Any
 ) -> CollectiveWeightSynchronizer:
     return CollectiveWeightSynchronizer(
         DTensorRefitSource(trainer.model),
@@ -79,63 +60,36 @@ def _sync(
     )
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.int16 if t.element_size() == 2 else torch.int32)
-
-
-def _patch_bytes(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> int:
-    """Bytes of the smallest encoding of every changed tensor (the expected delta)."""
-    patches = (encode_patch(n, 0, _bits(old[n]), new[n]) for n in new)
-    return sum(p.nbytes for p in patches if p is not None)
-
-
-async def _holds(engine: EmbeddedEngine, want: dict[str, torch.Tensor]) -> bool:
-    return all(
-        torch.equal(_bits(state[n]), _bits(t))
-        for state in await engine.hf_state_dicts()
-        for n, t in want.items()
-    )
-
-
-async def _committed(sync: CollectiveWeightSynchronizer, events: Any) -> tuple[bool, int]:
-    await sync.mark_stale()
-    await sync.sync_weights()
-    while True:
-        event = await events.__anext__()
-        if event.kind is VersionEventKind.COMMITTED:
-            return event.delta, event.nbytes
-
-
 async def test_each_delta_moves_only_the_changed_bits_and_lands_bit_exact(
     engine: EmbeddedEngine,
 ) -> None:
-    trainer = _Trainer(seed=31, lr=1e-5)
+    trainer = DeltaTrainer(seed=31, lr=1e-5)
     full = sum(t.numel() * t.element_size() for t in trainer.state().values())
     async with _sync(trainer, engine) as sync, sync.subscribe() as events:
-        assert await _committed(sync, events) == (False, full)  # no baseline yet
+        assert await committed(sync, events) == (False, full)  # no baseline yet
         for _ in range(3):
             before = trainer.state()
             trainer.step()
             after = trainer.state()
-            delta, nbytes = await _committed(sync, events)
-            assert delta and nbytes == _patch_bytes(before, after)
+            delta, nbytes = await committed(sync, events)
+            assert delta and nbytes == patch_bytes(before, after)
             assert 0 < nbytes < full / 2
             assert [r["nbytes"] for r in sync.last_worker_results] == [nbytes, nbytes]
-            assert await _holds(engine, after)
+            assert await holds(engine, after)
         await engine.prepare_for_generation()
         expected = trainer.runner.generate(PROMPTS, max_new_tokens=4, ignore_eos=True)
         assert await engine.generate(PROMPTS, max_new_tokens=4, ignore_eos=True) == expected
         # Nothing changed: an empty delta, the version still advances.
-        assert await _committed(sync, events) == (True, 0)
+        assert await committed(sync, events) == (True, 0)
         assert (sync.weight_version, engine.weight_version) == (5, 5)
 
 
 async def test_a_worker_killed_mid_delta_is_followed_by_a_full_sync(
     engine: EmbeddedEngine,
 ) -> None:
-    trainer = _Trainer(seed=32, lr=1e-3)
+    trainer = DeltaTrainer(seed=32, lr=1e-3)
     async with _sync(trainer, engine, sync_timeout_s=60.0) as sync, sync.subscribe() as events:
-        await _committed(sync, events)
+        await committed(sync, events)
         victim = engine.pids[1]
         real = sync._diff
 
@@ -160,21 +114,21 @@ async def test_a_worker_killed_mid_delta_is_followed_by_a_full_sync(
         sync._diff = real  # type: ignore[method-assign]
         assert await engine.respawn_dead_workers() == [1]
         await sync.init_communicator()
-        delta, nbytes = await _committed(sync, events)
+        delta, nbytes = await committed(sync, events)
         full = sum(t.numel() * t.element_size() for t in trainer.state().values())
         assert (delta, nbytes) == (False, full)
-        assert await _holds(engine, trainer.state())
+        assert await holds(engine, trainer.state())
         trainer.step()
-        assert (await _committed(sync, events))[0] is True  # deltas again
-        assert await _holds(engine, trainer.state())
+        assert (await committed(sync, events))[0] is True  # deltas again
+        assert await holds(engine, trainer.state())
 
 
 async def test_a_worker_without_the_base_refuses_the_delta_before_writing(
     engine: EmbeddedEngine,
 ) -> None:
-    trainer = _Trainer(seed=33, lr=1e-3)
+    trainer = DeltaTrainer(seed=33, lr=1e-3)
     async with _sync(trainer, engine) as sync, sync.subscribe() as events:
-        await _committed(sync, events)
+        await committed(sync, events)
         await engine.finish_generation()  # level 2: the weights are discarded (zeros)
         discarded = await engine.hf_state_dicts()
         # A trainer that skipped the check (the workers' held versions) would send the
@@ -191,9 +145,9 @@ async def test_a_worker_without_the_base_refuses_the_delta_before_writing(
         # The checked path: the discard makes the next sync a full one.
         await sync.init_communicator()
         full = sum(t.numel() * t.element_size() for t in trainer.state().values())
-        assert await _committed(sync, events) == (False, full)
+        assert await committed(sync, events) == (False, full)
         await engine.prepare_for_generation()
-        assert await _holds(engine, trainer.state())
+        assert await holds(engine, trainer.state())
 
 
 async def _always() -> bool:

@@ -20,14 +20,14 @@ import pytest
 import pytest_asyncio
 import torch
 
-from aiosync import EngineFleet, VersionEventKind, create_weight_synchronizer
-from aiosync.delta import encode_patch
+from aiosync import EngineFleet, create_weight_synchronizer
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.errors import RefitMismatchError, SyncTimeoutError, TransportError
 from aiosync.refit import DTensorRefitSource
 from aiosync.transports.ipc import IPCWeightSynchronizer
+from tests._support.delta import DeltaTrainer, committed, holds, patch_bytes
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
@@ -53,61 +53,12 @@ async def other_engine() -> AsyncIterator[EmbeddedEngine]:
         yield engine
 
 
-class _Trainer:
-    """A bf16 tiny Qwen3 and its AdamW: ``step()`` is one optimizer step."""
-
-    def __init__(self, seed: int, lr: float) -> None:
-        self.runner = HFModelRunner.from_config(TINY_QWEN3, seed=seed, dtype=torch.bfloat16)
-        self.model = self.runner.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
-        self.gen = torch.Generator().manual_seed(seed)
-
-    def step(self) -> None:
-        batch = torch.randint(0, 128, (2, 8), generator=self.gen)
-        self.model(batch, labels=batch).loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return {n: t.clone() for n, t in self.runner.hf_state_dict().items()}
-
-    def full_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.state().values())
-
-
-def _sync(trainer: _Trainer, generation: Any, **options: Any) -> IPCWeightSynchronizer:
+def _sync(trainer: DeltaTrainer, generation: Any, **options: Any) -> IPCWeightSynchronizer:
     return IPCWeightSynchronizer(
         DTensorRefitSource(trainer.model),
         generation,
         **{"bucket_bytes": 16 * 1024, "rpc_timeout_s": 30.0, "delta": True, **options},
     )
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.int16 if t.element_size() == 2 else torch.int32)
-
-
-def _patch_bytes(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> int:
-    """Bytes of the smallest encoding of every changed tensor (the expected delta)."""
-    patches = (encode_patch(n, 0, _bits(old[n]), new[n]) for n in new)
-    return sum(p.nbytes for p in patches if p is not None)
-
-
-async def _holds(generation: Any, want: dict[str, torch.Tensor]) -> bool:
-    return all(
-        torch.equal(_bits(state[n]), _bits(t))
-        for state in await generation.hf_state_dicts()
-        for n, t in want.items()
-    )
-
-
-async def _committed(sync: IPCWeightSynchronizer, events: Any) -> tuple[bool, int]:
-    await sync.mark_stale()
-    await sync.sync_weights()
-    while True:
-        event = await events.__anext__()
-        if event.kind is VersionEventKind.COMMITTED:
-            return event.delta, event.nbytes
 
 
 def _received(sync: IPCWeightSynchronizer) -> list[tuple[bool, int]]:
@@ -118,36 +69,36 @@ def _received(sync: IPCWeightSynchronizer) -> list[tuple[bool, int]]:
 async def test_each_delta_moves_only_the_changed_bits_and_lands_bit_exact(
     engine: EmbeddedEngine,
 ) -> None:
-    trainer = _Trainer(seed=31, lr=1e-5)
+    trainer = DeltaTrainer(seed=31, lr=1e-5)
     full = trainer.full_bytes()
     async with _sync(trainer, engine) as sync, sync.subscribe() as events:
-        assert await _committed(sync, events) == (False, full)  # no baseline yet
+        assert await committed(sync, events) == (False, full)  # no baseline yet
         assert _received(sync) == [(False, full), (False, full)]
         for _ in range(3):
             before = trainer.state()
             trainer.step()
             after = trainer.state()
-            delta, nbytes = await _committed(sync, events)
-            assert delta and nbytes == _patch_bytes(before, after)
+            delta, nbytes = await committed(sync, events)
+            assert delta and nbytes == patch_bytes(before, after)
             assert 0 < nbytes < full / 2
             assert _received(sync) == [(True, nbytes), (True, nbytes)]
-            assert await _holds(engine, after)
+            assert await holds(engine, after)
         await engine.prepare_for_generation()
         expected = trainer.runner.generate(PROMPTS, max_new_tokens=4, ignore_eos=True)
         assert await engine.generate(PROMPTS, max_new_tokens=4, ignore_eos=True) == expected
         # Nothing changed: an empty delta, the version still advances.
-        assert await _committed(sync, events) == (True, 0)
+        assert await committed(sync, events) == (True, 0)
         assert (sync.weight_version, engine.weight_version) == (5, 5)
 
 
 async def test_a_worker_killed_mid_delta_is_followed_by_a_full_sync(
     engine: EmbeddedEngine,
 ) -> None:
-    trainer = _Trainer(seed=32, lr=1e-3)
+    trainer = DeltaTrainer(seed=32, lr=1e-3)
     # The survivor waits rpc_timeout_s for the next bucket (the engine's RPC answers
     # once every worker did), then the sync fails and every worker is told to abort.
     async with _sync(trainer, engine, rpc_timeout_s=3.0) as sync, sync.subscribe() as events:
-        await _committed(sync, events)
+        await committed(sync, events)
         victim = engine.pids[1]
         real = sync._diff
 
@@ -174,20 +125,20 @@ async def test_a_worker_killed_mid_delta_is_followed_by_a_full_sync(
         assert await engine.respawn_dead_workers() == [1]
         await sync.init_communicator()
         full = trainer.full_bytes()
-        assert await _committed(sync, events) == (False, full)
+        assert await committed(sync, events) == (False, full)
         assert _received(sync) == [(False, full), (False, full)]
-        assert await _holds(engine, trainer.state())
+        assert await holds(engine, trainer.state())
         trainer.step()
-        assert (await _committed(sync, events))[0] is True  # deltas again
-        assert await _holds(engine, trainer.state())
+        assert (await committed(sync, events))[0] is True  # deltas again
+        assert await holds(engine, trainer.state())
 
 
 async def test_a_worker_without_the_base_refuses_the_delta_before_writing(
     engine: EmbeddedEngine,
 ) -> None:
-    trainer = _Trainer(seed=33, lr=1e-3)
+    trainer = DeltaTrainer(seed=33, lr=1e-3)
     async with _sync(trainer, engine) as sync, sync.subscribe() as events:
-        await _committed(sync, events)
+        await committed(sync, events)
         await engine.finish_generation()  # level 2: the weights are discarded (zeros)
         discarded = await engine.hf_state_dicts()
         # A trainer that skipped the check (the workers' held versions) would send the
@@ -203,9 +154,9 @@ async def test_a_worker_without_the_base_refuses_the_delta_before_writing(
         del sync._workers_holding_baseline
         # The checked path: the failure (and the discard) make the next sync a full one.
         full = trainer.full_bytes()
-        assert await _committed(sync, events) == (False, full)
+        assert await committed(sync, events) == (False, full)
         await engine.prepare_for_generation()
-        assert await _holds(engine, trainer.state())
+        assert await holds(engine, trainer.state())
 
 
 async def _kill_idle_worker(engine: EmbeddedEngine) -> None:
@@ -230,13 +181,13 @@ def _everyone(sync: IPCWeightSynchronizer) -> Any:
 async def test_a_respawned_engine_of_a_fleet_gets_every_tensor_while_the_other_gets_patches(
     engine: EmbeddedEngine, other_engine: EmbeddedEngine
 ) -> None:
-    trainer = _Trainer(seed=34, lr=1e-5)
+    trainer = DeltaTrainer(seed=34, lr=1e-5)
     fleet = EngineFleet([engine, other_engine])
     full = trainer.full_bytes()
     async with _sync(trainer, fleet) as sync, sync.subscribe() as events:
-        assert await _committed(sync, events) == (False, full)
+        assert await committed(sync, events) == (False, full)
         trainer.step()
-        assert (await _committed(sync, events))[0] is True
+        assert (await committed(sync, events))[0] is True
         # Engine 1's only worker dies while idle and comes back with the initial weights.
         await _kill_idle_worker(other_engine)
         assert await fleet.respawn_dead_workers() == [2]
@@ -244,20 +195,20 @@ async def test_a_respawned_engine_of_a_fleet_gets_every_tensor_while_the_other_g
         before = trainer.state()
         trainer.step()
         after = trainer.state()
-        patches = _patch_bytes(before, after)
-        assert await _committed(sync, events) == (True, patches + full)
+        patches = patch_bytes(before, after)
+        assert await committed(sync, events) == (True, patches + full)
         assert _received(sync) == [(True, patches), (True, patches), (False, full)]
-        assert await _holds(fleet, after)
+        assert await holds(fleet, after)
         await fleet.prepare_for_generation()
         expected = trainer.runner.generate(PROMPTS, max_new_tokens=4, ignore_eos=True)
         assert await fleet.generate(PROMPTS, max_new_tokens=4, ignore_eos=True) == expected
         # Every worker holds the baseline again: patches for all.
         before = trainer.state()
         trainer.step()
-        patches = _patch_bytes(before, trainer.state())
-        assert await _committed(sync, events) == (True, patches)
+        patches = patch_bytes(before, trainer.state())
+        assert await committed(sync, events) == (True, patches)
         assert _received(sync) == [(True, patches)] * 3
-        assert await _holds(fleet, trainer.state())
+        assert await holds(fleet, trainer.state())
 
 
 async def test_delta_needs_one_trainer_rank(monkeypatch: pytest.MonkeyPatch) -> None:

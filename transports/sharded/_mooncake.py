@@ -58,6 +58,7 @@ from ._p2p import (
     _Receiver,
     _Sender,
     _status_of,
+    raise_senders_outcome,
 )
 from ._plan import Plan, TransferBucket
 
@@ -469,17 +470,7 @@ class _MooncakeReceiver(_Receiver):
         self.settled = True  # every sender's writes are complete: nobody writes here now
         if failure is not None:
             raise failure
-        for src, (code, _) in sorted(outcome.items()):
-            if code == _MISMATCH:
-                raise RefitMismatchError(
-                    f"trainer rank {src}'s weights differ from the plan; what it sent "
-                    f"{_describe(self.me, senders)} is not its weights"
-                )
-            if code != _OK:
-                raise TransportError(
-                    f"trainer rank {src} failed mid-transfer; what it sent "
-                    f"{_describe(self.me, senders)} is not its weights"
-                )
+        raise_senders_outcome(outcome, self.me, senders)
         return P2PResult("receiver", sum(received.values()), received, count)
 
 

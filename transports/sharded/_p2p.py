@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -452,18 +452,24 @@ class _Receiver:
         outcome = _finish(self.link, plan, self.me, peers, status, received)
         if failure is not None:
             raise failure
-        for src, (code, _) in sorted(outcome.items()):
-            if code == _MISMATCH:
-                raise RefitMismatchError(
-                    f"trainer rank {src}'s weights differ from the plan; what it sent "
-                    f"{_describe(self.me, senders)} is not its weights"
-                )
-            if code != _OK:
-                raise TransportError(
-                    f"trainer rank {src} failed mid-transfer; what it sent "
-                    f"{_describe(self.me, senders)} is not its weights"
-                )
+        raise_senders_outcome(outcome, self.me, senders)
         return P2PResult("receiver", sum(received.values()), received, count)
+
+
+def raise_senders_outcome(outcome: Mapping[int, tuple[int, Any]], me: int, senders: int) -> None:
+    """A receiver's view of its senders' finish: raise if one's weights differ from the
+    plan (RefitMismatchError) or it failed mid-transfer (TransportError)."""
+    for src, (code, _) in sorted(outcome.items()):
+        if code == _MISMATCH:
+            raise RefitMismatchError(
+                f"trainer rank {src}'s weights differ from the plan; what it sent "
+                f"{_describe(me, senders)} is not its weights"
+            )
+        if code != _OK:
+            raise TransportError(
+                f"trainer rank {src} failed mid-transfer; what it sent "
+                f"{_describe(me, senders)} is not its weights"
+            )
 
 
 def run_plan(

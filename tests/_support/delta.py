@@ -1,0 +1,67 @@
+"""The delta tests' trainer and checks, once: a bf16 tiny Qwen3 taking AdamW steps, the bytes
+its changed bits should move, and whether every worker holds it bit for bit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from aiosync import VersionEventKind
+from aiosync.delta import encode_patch
+from aiosync.engines.embedded.configs import TINY_QWEN3
+from aiosync.engines.embedded.model import HFModelRunner
+
+__all__ = ["DeltaTrainer", "bits", "committed", "holds", "patch_bytes"]
+
+
+class DeltaTrainer:
+    """A bf16 tiny Qwen3 and its AdamW: ``step()`` is one optimizer step."""
+
+    def __init__(self, seed: int, lr: float) -> None:
+        self.runner = HFModelRunner.from_config(TINY_QWEN3, seed=seed, dtype=torch.bfloat16)
+        self.model = self.runner.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def step(self) -> None:
+        batch = torch.randint(0, 128, (2, 8), generator=self.gen)
+        self.model(batch, labels=batch).loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {n: t.clone() for n, t in self.runner.hf_state_dict().items()}
+
+    def full_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state().values())
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s raw bits, flat (bf16 as int16, float32 as int32)."""
+    return t.reshape(-1).view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def patch_bytes(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> int:
+    """Bytes of the smallest encoding of every changed tensor (the expected delta)."""
+    patches = (encode_patch(n, 0, bits(old[n]), new[n]) for n in new)
+    return sum(p.nbytes for p in patches if p is not None)
+
+
+async def holds(generation: Any, want: dict[str, torch.Tensor]) -> bool:
+    """Whether every worker of ``generation`` holds ``want`` bit for bit."""
+    return all(
+        torch.equal(bits(state[n]), bits(t))
+        for state in await generation.hf_state_dicts()
+        for n, t in want.items()
+    )
+
+
+async def committed(sync: Any, events: Any) -> tuple[bool, int]:
+    """Mark stale, sync, and return the COMMITTED event's ``(delta, nbytes)``."""
+    await sync.mark_stale()
+    await sync.sync_weights()
+    while True:
+        event = await events.__anext__()
+        if event.kind is VersionEventKind.COMMITTED:
+            return event.delta, event.nbytes
