@@ -55,11 +55,19 @@ then a copy into the kernel tensors that compiled graphs reference). Layers a
 receive did not complete are put back as they were by ``finalize_layerwise_reload``;
 :meth:`VLLMLayoutModel.receiving` then fails the receive.
 
+**Tied heads and vLLM's own loader.** A refit through the model's ``load_weights``
+(the broadcast, IPC) loads the tied tensor into the embedding only, and vLLM's
+reload processes only the layer a tied parameter is loaded through (limitation 2
+in the docs of its ``model_executor/model_loader/reload`` package): the head's
+packed copy would keep the old logits. :class:`TiedHeads` re-runs the head's
+processing after such a reload.
+
 See ``docs/vllm.md`` for the engine side and ``docs/topology.md`` for the transports.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -71,7 +79,9 @@ from aiosync.errors import RefitMismatchError, TransportError
 from aiosync.layout import Part, box_of
 from aiosync.transports.sharded import box_within
 
-__all__ = ["VLLMLayoutModel", "config_refusal", "describe_model"]
+__all__ = ["TiedHeads", "VLLMLayoutModel", "config_refusal", "describe_model", "tied_heads"]
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +168,7 @@ def describe_model(model: Any, vllm_config: Any) -> dict[str, HeldTensor]:
         ReplicatedLinear: "replicated",
     }
     embeddings = (VocabParallelEmbedding, ParallelLMHead)
+    heads = tied_heads(model)
     held: dict[str, HeldTensor] = {}
     owner_of: dict[int, str] = {}  # id of a live parameter -> HF name (ties)
     for path, layer in model.named_modules():
@@ -170,7 +181,7 @@ def describe_model(model: Any, vllm_config: Any) -> dict[str, HeldTensor]:
             if p is not None and id(p) in owner_of and n in params
         ]
         if tied:
-            _add_tie(held, tied, path, layer, params)
+            _add_tie(held, tied, path, layer, params, path in heads)
             continue
         kind = linear_kinds.get(type(layer))
         if kind is not None:
@@ -368,11 +379,14 @@ def _embedding(path: str, layer: Any, params: Mapping[str, torch.Tensor]) -> lis
 
 
 def _replicated(path: str, layer: Any, params: Mapping[str, torch.Tensor]) -> list[HeldTensor]:
+    from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
     entries = []
     for pname, tensor in params.items():
-        loader = getattr(tensor, "weight_loader", default_weight_loader)
+        # The recorded tensors keep the wrapper of an earlier reload (its
+        # online_process_loader is set on them): the layer's loader is under it.
+        loader = _get_original_loader(tensor)
         if loader is not default_weight_loader:
             raise TransportError(
                 f"{path}.{pname}: loaded by {getattr(loader, '__qualname__', loader)!r}, "
@@ -394,16 +408,12 @@ def _add_tie(
     path: str,
     layer: Any,
     params: Mapping[str, torch.Tensor],
+    is_head: bool,
 ) -> None:
-    """``layer`` shares its parameter with an earlier one (a tied head): writes of
-    that HF tensor go to both layers, which must hold the same part of it."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
-    if (
-        len(names) != 1
-        or set(params) != {"weight"}
-        or not isinstance(layer, VocabParallelEmbedding)
-    ):
+    """``layer`` shares its parameter with an earlier one, which must make it a tied
+    head (``is_head``: :func:`tied_heads` lists it): writes of that HF tensor go to
+    both layers, which must hold the same part of it."""
+    if len(names) != 1 or set(params) != {"weight"} or not is_head:
         raise TransportError(f"{path}: shares parameters with {names}, not as a tied head does")
     first = held[names[0]]
     mine = _embedding(path, layer, params)[0]
@@ -414,6 +424,110 @@ def _add_tie(
     held[first.name] = HeldTensor(
         first.name, first.part, (*first.layers, path), first.param, first.offset, first.dtype
     )
+
+
+def tied_heads(model: Any) -> dict[str, str]:
+    """``{head path: embedding path}``: the model's tied heads, in module order.
+
+    A tied head is a ``VocabParallelEmbedding`` (``ParallelLMHead``) whose ``weight``
+    is the very parameter of an earlier one (vLLM's ``tie_weights``, or
+    ``maybe_retie_word_embeddings`` after loading); vLLM's ``AutoWeightsLoader``
+    finds ties the same way to load such a tensor once
+    (``models/utils.py:_get_tied_embedding_params``). Read the live model: inside a
+    layerwise reload every layer holds a parameter of its own.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    first: dict[int, str] = {}  # id of an embedding's weight -> the first layer holding it
+    heads: dict[str, str] = {}
+    for path, layer in model.named_modules():
+        if not isinstance(layer, VocabParallelEmbedding):
+            continue
+        weight = layer._parameters.get("weight")
+        if weight is None:
+            continue
+        owner = first.setdefault(id(weight), path)
+        if owner != path:
+            heads[path] = owner
+    return heads
+
+
+class TiedHeads:
+    """Re-runs the post-load processing of the tied heads that a layerwise reload
+    through the model's ``load_weights`` puts back unprocessed.
+
+    vLLM's reload (``model_executor/model_loader/reload/layerwise.py``) gives each
+    layer a parameter of its own; the tied tensor reaches the embedding only
+    (``AutoWeightsLoader`` loads a tied name once), which is processed and copied
+    into the kernel ``weight`` both layers share. ``finalize_layerwise_reload`` then
+    puts the head, which loaded nothing, back as it was: its ``weight`` is the new
+    one, but what its ``process_weights_after_loading`` derived from it is not. On
+    vLLM's CPU worker that is the packed copy the logits GEMM reads
+    (``UnquantizedEmbeddingMethod`` → ``layers/utils.py:dispatch_cpu_unquantized_gemm``:
+    the oneDNN handle or sgl-kernel's packed weight behind ``layer.cpu_linear``).
+    A head the reload did process is left alone: the shard-aware receive writes the
+    tied tensor into both layers (:class:`VLLMLayoutModel`).
+
+    Build it from the live model before ``initialize_layerwise_reload``, call
+    :meth:`left_stale` after the loads and before ``finalize_layerwise_reload``,
+    and :meth:`reprocess` on its result after that.
+
+    Args:
+        model: the worker's model (``model_runner.get_model()``), loaded.
+    """
+
+    def __init__(self, model: Any) -> None:
+        modules = dict(model.named_modules())
+        #: ``(head path, head, its embedding)`` of each tied head (:func:`tied_heads`).
+        self.heads = [(h, modules[h], modules[e]) for h, e in tied_heads(model).items()]
+
+    def left_stale(self) -> list[tuple[str, Any]]:
+        """``(path, head)`` of each head whose embedding this reload loaded (processed
+        it, or loaded part of it: ``finalize_layerwise_reload`` processes that) while
+        the head loaded nothing. Inside the reload, before
+        ``finalize_layerwise_reload``, which resets the progress read here."""
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        def loaded(layer: torch.nn.Module) -> bool:
+            info = LAYERWISE_INFO.get(layer)
+            # Every layer is in the reload (can_load) until it is processed.
+            return info is not None and (not info.can_load() or info.load_numel > 0)
+
+        return [
+            (path, head) for path, head, embed in self.heads if loaded(embed) and not loaded(head)
+        ]
+
+    @staticmethod
+    def reprocess(heads: Iterable[tuple[str, Any]]) -> None:
+        """Run each head's ``quant_method.process_weights_after_loading`` again, from
+        the ``weight`` it shares with its reloaded embedding, as vLLM did at startup
+        after loading (``model_loader/utils.py:process_weights_after_loading``).
+        After ``finalize_layerwise_reload`` only.
+
+        Only ``UnquantizedEmbeddingMethod`` is re-run: it derives the kernel's copy
+        and leaves ``weight`` as it is, so running it on the processed layer again
+        is exact. On CUDA it does nothing (it packs only on the CPU platform; the
+        logits GEMM reads the shared ``weight`` there), so this costs one call per
+        head. Another method (a quantized head) may transform ``weight`` in place
+        and must not run twice: such a head is left as vLLM's reload leaves it,
+        with a warning.
+        """
+        from vllm.model_executor.layers.vocab_parallel_embedding import (
+            UnquantizedEmbeddingMethod,
+        )
+
+        with torch.no_grad():
+            for path, head in heads:
+                method = head.quant_method
+                if type(method) is UnquantizedEmbeddingMethod:
+                    method.process_weights_after_loading(head)
+                else:
+                    _log.warning(
+                        "%s: tied to a reloaded embedding, but its %s processing cannot "
+                        "run twice; it may compute with the old weights",
+                        path,
+                        type(method).__name__,
+                    )
 
 
 def _check_mapped(mapper: Any, entry: HeldTensor, path: str) -> None:

@@ -15,7 +15,11 @@ layer until all its weights arrived, processes it with the layer's
 ``process_weights_after_loading`` (the same post-load step as at startup,
 quantization included) and copies the result into the original kernel
 tensors; ``finalize_layerwise_reload(model, model_config)`` finishes layers
-that were not complete (attention scales, untouched layers). Layerwise reload
+that were not complete (attention scales, untouched layers). A tied head
+(``tie_word_embeddings``) loads nothing there (the tied tensor reaches the
+embedding), so its processing is re-run afterwards
+(:class:`~aiosync.engines.vllm._layout.TiedHeads`): on vLLM's CPU worker the
+logits GEMM reads the head's own packed copy of the embedding. Layerwise reload
 keeps *references* to the tensors it is given until their layer is complete,
 while aiosync's receivers pass views of bucket buffers that they reuse or unmap
 once ``load_weights`` returns. So when a ``load_weights`` call (one bucket)
@@ -56,7 +60,7 @@ from typing import Any
 
 import torch
 
-from ._layout import VLLMLayoutModel
+from ._layout import TiedHeads, VLLMLayoutModel
 from ._lora import LORA_PAIR_NAME
 
 __all__ = ["VLLMWorkerMixin", "lora_target_problems"]
@@ -438,7 +442,11 @@ class VLLMWorkerMixin:
         ``finalize_layerwise_reload`` runs even when the receive failed: it
         returns the layers to their kernel tensors, so the next refit starts
         from a consistent model (the receiver has already marked the weights
-        invalid, and the trainer's version stays stale).
+        invalid, and the trainer's version stays stale). Then each tied head
+        whose embedding was reloaded, but which the reload did not process
+        itself, is processed again from the weight it shares
+        (:class:`~aiosync.engines.vllm._layout.TiedHeads`; on CUDA that
+        processing does nothing, and the head reads the shared weight).
         """
         config = getattr(self, "vllm_config", None)
         if config is None:
@@ -456,6 +464,8 @@ class VLLMWorkerMixin:
         original = loader.load_weights
         self.aiosync_cloned_bytes = self.aiosync_cloned_tensors = 0
         infos: list[Any] = []
+        # The ties, read before the reload gives each layer a parameter of its own.
+        heads = TiedHeads(model)
 
         def load_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
             # Layerwise reload keeps the tensors it is given until their whole
@@ -480,7 +490,9 @@ class VLLMWorkerMixin:
                 yield
             finally:
                 del loader.load_weights
+                stale = heads.left_stale()  # before finalize resets the progress
                 finalize_layerwise_reload(model, config.model_config)
+                heads.reprocess(stale)  # re-packs on CPU; on CUDA nothing is packed
         # State derived from the old weights (vLLM's reload_weights does the same).
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             hook = getattr(self.model_runner, reset, None)  # type: ignore[attr-defined]

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from aiosync.engines.embedded.configs import TINY_QWEN3 as _TINY
+from aiosync.engines.embedded.configs import TINY_QWEN3_TIED as _TINY_TIED
 
 # The directory's helpers (vllm_helpers): pytest's importlib mode keeps it off sys.path.
 sys.path.insert(0, str(Path(__file__).parent))
@@ -115,3 +116,41 @@ def trainer(tiny_qwen3_dir: Path) -> Any:
     from transformers import Qwen3ForCausalLM
 
     return Qwen3ForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32).eval()
+
+
+#: The tied tiny Qwen3 (``lm_head`` *is* ``embed_tokens``, absent from the
+#: checkpoint), with a vocabulary of 100 that vLLM pads to 128 rows.
+TINY_QWEN3_TIED: dict[str, Any] = {k: v for k, v in _TINY_TIED.items() if k != "model_type"} | {
+    "max_position_embeddings": 256,
+    "vocab_size": 100,
+}
+
+
+@pytest.fixture(scope="session")
+def tied_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tied tiny Qwen3 checkpoint (:data:`TINY_QWEN3_TIED`) plus a tokenizer."""
+    from vllm_helpers import save_tiny_qwen3
+
+    folder = tmp_path_factory.mktemp("tiny-qwen3-tied")
+    save_tiny_qwen3(folder, TINY_QWEN3_TIED)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tied_llm(tied_qwen3_dir: Path) -> Iterator[Any]:
+    """``vllm.LLM`` as :func:`llm`, over the tied checkpoint (:func:`tied_qwen3_dir`)."""
+    from vllm import LLM
+
+    from aiosync.engines.vllm.backend import WORKER_EXTENSION
+
+    engine = LLM(
+        model=str(tied_qwen3_dir),
+        worker_extension_cls=WORKER_EXTENSION,
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=4,
+        seed=0,
+    )
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
