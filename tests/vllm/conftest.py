@@ -60,15 +60,15 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-@pytest.fixture(scope="session")
-def llm(tiny_qwen3_dir: Path) -> Iterator[Any]:
-    """``vllm.LLM`` on CPU with aiosync's worker extension (engine core and worker processes)."""
+def _cpu_llm(folder: Path) -> Iterator[Any]:
+    """``vllm.LLM`` on CPU over ``folder`` with aiosync's worker extension (engine core and
+    worker processes), shut down after the session."""
     from vllm import LLM
 
     from aiosync.engines.vllm.backend import WORKER_EXTENSION
 
     engine = LLM(
-        model=str(tiny_qwen3_dir),
+        model=str(folder),
         worker_extension_cls=WORKER_EXTENSION,
         enforce_eager=True,
         dtype="float32",
@@ -78,6 +78,12 @@ def llm(tiny_qwen3_dir: Path) -> Iterator[Any]:
     )
     yield engine
     engine.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="session")
+def llm(tiny_qwen3_dir: Path) -> Iterator[Any]:
+    """``vllm.LLM`` on CPU with aiosync's worker extension (engine core and worker processes)."""
+    yield from _cpu_llm(tiny_qwen3_dir)
 
 
 @pytest.fixture(scope="session")
@@ -139,18 +145,4 @@ def tied_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tied_llm(tied_qwen3_dir: Path) -> Iterator[Any]:
     """``vllm.LLM`` as :func:`llm`, over the tied checkpoint (:func:`tied_qwen3_dir`)."""
-    from vllm import LLM
-
-    from aiosync.engines.vllm.backend import WORKER_EXTENSION
-
-    engine = LLM(
-        model=str(tied_qwen3_dir),
-        worker_extension_cls=WORKER_EXTENSION,
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=128,
-        max_num_seqs=4,
-        seed=0,
-    )
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
+    yield from _cpu_llm(tied_qwen3_dir)
