@@ -40,11 +40,10 @@ from typing import Any
 import torch
 
 from aiosync._config import PACK_ALIGNMENT_BYTES
-from aiosync.errors import RefitMismatchError, SyncError, TransportError
+from aiosync.errors import SyncError, TransportError
 
 from ._p2p import (
     _ERROR,
-    _MISMATCH,
     _OK,
     LinkLost,
     LinkTimeout,
@@ -58,6 +57,7 @@ from ._p2p import (
     _Receiver,
     _Sender,
     _status_of,
+    raise_receivers_outcome,
     raise_senders_outcome,
 )
 from ._plan import Plan, TransferBucket
@@ -376,17 +376,7 @@ class _MooncakeSender(_Sender):
         self.settled = True  # every write is complete: the staging buffer is free
         if failure is not None:
             raise failure
-        for peer, (code, got) in sorted(outcome.items()):
-            who = _describe(peer, senders)
-            if code == _MISMATCH:
-                raise RefitMismatchError(f"{who} refused what {_describe(me, senders)} sent")
-            if code != _OK:
-                raise TransportError(f"{who} failed to store what {_describe(me, senders)} sent")
-            if got != sent[peer - senders]:
-                raise TransportError(
-                    f"{who} received {got} bytes from {_describe(me, senders)}, "
-                    f"{sent[peer - senders]} were sent"
-                )
+        raise_receivers_outcome(outcome, me, senders, sent)
         return P2PResult("sender", sum(sent.values()), sent, count)
 
 

@@ -372,17 +372,7 @@ class _Sender:
         outcome = _finish(self.link, plan, me, peers, status, {senders + w: sent[w] for w in order})
         if failure is not None:
             raise failure
-        for peer, (code, got) in sorted(outcome.items()):
-            who = _describe(peer, senders)
-            if code == _MISMATCH:
-                raise RefitMismatchError(f"{who} refused what {_describe(me, senders)} sent")
-            if code != _OK:
-                raise TransportError(f"{who} failed to store what {_describe(me, senders)} sent")
-            if got != sent[peer - senders]:
-                raise TransportError(
-                    f"{who} received {got} bytes from {_describe(me, senders)}, "
-                    f"{sent[peer - senders]} were sent"
-                )
+        raise_receivers_outcome(outcome, me, senders, sent)
         return P2PResult("sender", sum(sent.values()), sent, count)
 
 
@@ -454,6 +444,24 @@ class _Receiver:
             raise failure
         raise_senders_outcome(outcome, self.me, senders)
         return P2PResult("receiver", sum(received.values()), received, count)
+
+
+def raise_receivers_outcome(
+    outcome: Mapping[int, tuple[int, Any]], me: int, senders: int, sent: Mapping[int, int]
+) -> None:
+    """A sender's view of its receivers' finish: raise if one refused what it sent
+    (RefitMismatchError), failed to store it, or counted other bytes (TransportError)."""
+    for peer, (code, got) in sorted(outcome.items()):
+        who = _describe(peer, senders)
+        if code == _MISMATCH:
+            raise RefitMismatchError(f"{who} refused what {_describe(me, senders)} sent")
+        if code != _OK:
+            raise TransportError(f"{who} failed to store what {_describe(me, senders)} sent")
+        if got != sent[peer - senders]:
+            raise TransportError(
+                f"{who} received {got} bytes from {_describe(me, senders)}, "
+                f"{sent[peer - senders]} were sent"
+            )
 
 
 def raise_senders_outcome(outcome: Mapping[int, tuple[int, Any]], me: int, senders: int) -> None:
