@@ -84,11 +84,13 @@ class _BareFanout(_EventHub):
         duration_s: float = 0.0,
         error: str | None = None,
         pause_s: float = 0.0,
+        delta: bool = False,
     ) -> WeightVersionEvent:
         policy, weight = self._versions()
         event = WeightVersionEvent(
-            kind, version, time.time(), policy, weight, nbytes, duration_s, error, pause_s=pause_s
-        )
+            kind, version, time.time(), policy, weight, nbytes, duration_s, error,
+            pause_s=pause_s, delta=delta,
+        )  # fmt: skip
         for send in self.sends:
             try:
                 send.send_nowait(event)
