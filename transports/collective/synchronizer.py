@@ -855,8 +855,16 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         self._idle.clear()
         self._abandoned.clear()
         groups = (self._group, self._trainers)
+        # "queued" until a worker thread starts ``run``; a call cancelled while queued
+        # never runs (anyio skips a cancelled job), so nothing else would set _idle.
+        state = ["queued"]
+        lock = threading.Lock()
 
         def run() -> _T:
+            with lock:
+                if state[0] == "dropped":
+                    raise TransportError("sync step cancelled before it started")
+                state[0] = "running"
             result: Any = None
             try:
                 result = fn()
@@ -873,6 +881,10 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             with anyio.fail_after(limit_s):
                 return await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
         except BaseException:
+            with lock:
+                if state[0] == "queued":
+                    state[0] = "dropped"  # it never touched a group: nothing to abandon
+                    self._idle.set()
             if not self._idle.is_set():
                 self._abandoned.set()
             raise
