@@ -209,6 +209,13 @@ async def test_a_respawned_engine_of_a_fleet_gets_every_tensor_while_the_other_g
         assert await committed(sync, events) == (True, patches)
         assert _received(sync) == [(True, patches)] * 3
         assert await holds(fleet, trainer.state())
+        # A dead member is named as the fleet names it.
+        await _kill_idle_worker(other_engine)
+        trainer.step()
+        await sync.mark_stale()
+        with pytest.raises(TransportError, match=r"^engine 1 of 2 \(EmbeddedEngine\): "):
+            await sync.sync_weights()
+        assert await fleet.respawn_dead_workers() == [2]
 
 
 async def test_delta_needs_one_trainer_rank(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -80,7 +80,7 @@ import zmq
 import zmq.asyncio
 
 from aiosync._config import DEFAULT_EVENT_BACKLOG, Timeouts
-from aiosync._fanout import most_telling
+from aiosync._fanout import most_telling, named
 from aiosync._kv_scales import attention_layers, kv_scale_entries
 from aiosync.capabilities import DiscardNotifier, WorkerDescribing, engines_of
 from aiosync.delta import DeltaBaseline, WeightPatch, patch_to_wire, wire_manifest
@@ -514,12 +514,22 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
         if baseline.version != self.weight_version:
             return []
         holders: list[int] = []
-        for index, engine in enumerate(engines_of(self.generation)):
+        engines = engines_of(self.generation)
+        for index, engine in enumerate(engines):
             if self._sync_discards[index] != self._baseline_discards[index]:
                 continue  # this engine discarded its weights since the baseline
-            replies = await engine.collective_rpc(
-                "aiosync_ipc_held_version", (self._session_token,), timeout_s=self.rpc_timeout_s
-            )
+            try:
+                replies = await engine.collective_rpc(
+                    "aiosync_ipc_held_version",
+                    (self._session_token,),
+                    timeout_s=self.rpc_timeout_s,
+                )
+            except Exception as exc:
+                if len(engines) == 1:
+                    raise
+                # Asked member by member: name the engine, as the fleet's own calls do.
+                label = f"engine {index} of {len(engines)} ({type(engine).__name__})"
+                raise named(exc, label) from None
             for i, reply in enumerate(replies):
                 _check_reply(reply, i, "aiosync_ipc_held_version")
                 if reply.get("held") == baseline.version and reply.get("patches"):
