@@ -364,9 +364,14 @@ class DTensorRefitSource(RefitSource):
                 got = next(outputs, None)
                 if got is None or got[0] != name or tuple(got[1].shape) != shape:
                     found = "nothing" if got is None else f"{got[0]} {tuple(got[1].shape)}"
+                    which = (
+                        f" (its output {index + 1} of {len(entry.outputs)})"
+                        if len(entry.outputs) > 1
+                        else ""
+                    )
                     raise RefitMismatchError(
-                        f"{entry.key}: checkpoint tensor {index} should be {name} {shape}, "
-                        f"got {found}"
+                        f"{entry.key}: the checkpoint expects {name} {shape}{which}, "
+                        f"got {found} (the parameter changed since the manifest was built?)"
                     )
                 out = got[1].to(dtype)
                 del got  # drop the uncast view before the consumer runs
