@@ -6,6 +6,8 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -17,6 +19,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 _REPO = Path(__file__).resolve().parents[1]
+#: How long the other ranks may take to end once one rank failed, seconds.
+_GRACE_S = 30.0
 
 
 #: What :func:`spawn_ranks` returns: ``run(script, world_size, extra)``.
@@ -37,25 +41,39 @@ def spawn_ranks() -> SpawnRanks:
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")]),
         }
-        procs = [
-            subprocess.Popen(
-                [sys.executable, str(script), str(r), str(world_size), str(port), *extra(r)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for r in range(world_size)
-        ]
-        logs: list[str] = []
-        try:
-            for p in procs:
-                logs.append(p.communicate(timeout=600)[0])
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
+        with tempfile.TemporaryDirectory(prefix="aiosync-ranks-") as folder:
+            outs = [open(Path(folder) / f"rank{r}.log", "w+") for r in range(world_size)]  # noqa: SIM115
+            procs = [
+                subprocess.Popen(
+                    [sys.executable, str(script), str(r), str(world_size), str(port), *extra(r)],
+                    env=env,
+                    stdout=outs[r],
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+                for r in range(world_size)
+            ]
+            try:
+                # Once one rank failed, the others get a grace period to end, instead of
+                # each waiting out its own timeouts (the run's limit is 600 s).
+                deadline = time.monotonic() + 600
+                failed_at: float | None = None
+                while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                    if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+                        failed_at = time.monotonic()
+                    if failed_at is not None and time.monotonic() > failed_at + _GRACE_S:
+                        break
+                    time.sleep(0.2)
+            finally:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
                     p.wait()
+                logs = []
+                for out in outs:
+                    out.seek(0)
+                    logs.append(out.read())
+                    out.close()
         for r, p in enumerate(procs):
             assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-4000:]}"
 

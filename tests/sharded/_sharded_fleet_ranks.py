@@ -93,8 +93,10 @@ async def run_fleet(
             # Rank 1 has no engine to ask: every rank says what rank 0's factory picks.
             sharded=True,
             bucket_bytes=16 * 1024,
-            collective_timeout_s=30.0,
-            sync_timeout_s=60.0,
+            # Rank 1 waits in the formation while rank 0 starts its engines (up to six
+            # worker processes on a loaded 2-core machine).
+            collective_timeout_s=120.0,
+            sync_timeout_s=120.0,
         )
         seen["class"] = type(sync).__name__
         if fleet is not None:
