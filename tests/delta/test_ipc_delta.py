@@ -97,7 +97,8 @@ async def test_a_worker_killed_mid_delta_is_followed_by_a_full_sync(
     trainer = DeltaTrainer(seed=32, lr=1e-3)
     # The survivor waits rpc_timeout_s for the next bucket (the engine's RPC answers
     # once every worker did), then the sync fails and every worker is told to abort.
-    async with _sync(trainer, engine, rpc_timeout_s=3.0) as sync, sync.subscribe() as events:
+    # Short, but not so short that a loaded 2-core machine misses an ordinary RPC.
+    async with _sync(trainer, engine, rpc_timeout_s=10.0) as sync, sync.subscribe() as events:
         await committed(sync, events)
         victim = engine.pids[1]
         real = sync._diff
