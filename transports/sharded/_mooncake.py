@@ -57,6 +57,7 @@ from ._p2p import (
     _Receiver,
     _Sender,
     _status_of,
+    check_call,
     raise_receivers_outcome,
     raise_senders_outcome,
 )
@@ -505,17 +506,7 @@ def run_plan_mooncake(
             a :class:`~._p2p.LinkLost`).
         RefitMismatchError, SyncTimeoutError, Exception: as :func:`~._p2p.run_plan`.
     """
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    world = plan.num_senders + plan.num_receivers
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is not in a plan of {world} ranks")
-    size = getattr(group, "size", None)
-    if callable(size) and size() != world:
-        raise ValueError(f"the group has {size()} ranks, the plan {world}")
-    own = getattr(group, "rank", None)
-    if callable(own) and own() != rank:
-        raise ValueError(f"this process is rank {own()} of the group, not {rank}")
+    check_call(plan, group, rank, timeout_s)
     is_sender = rank < plan.num_senders
     if is_sender and source is None:
         raise ValueError(f"{_describe(rank, plan.num_senders)} needs a source")

@@ -480,6 +480,25 @@ def raise_senders_outcome(outcome: Mapping[int, tuple[int, Any]], me: int, sende
             )
 
 
+def check_call(plan: Plan, group: Any, rank: int, timeout_s: float) -> None:
+    """The arguments both data planes take, checked before any message moves.
+
+    Raises:
+        ValueError: ``timeout_s`` not positive, or ``rank``/``group`` do not fit ``plan``.
+    """
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    world = plan.num_senders + plan.num_receivers
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in a plan of {world} ranks")
+    size = getattr(group, "size", None)
+    if callable(size) and size() != world:
+        raise ValueError(f"the group has {size()} ranks, the plan {world}")
+    own = getattr(group, "rank", None)
+    if callable(own) and own() != rank:
+        raise ValueError(f"this process is rank {own()} of the group, not {rank}")
+
+
 def run_plan(
     plan: Plan,
     group: Any,
@@ -533,17 +552,7 @@ def run_plan(
         SyncTimeoutError: a wait ran past ``timeout_s``.
         Exception: on a receiver, what its ``sink`` raised (after draining).
     """
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    world = plan.num_senders + plan.num_receivers
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is not in a plan of {world} ranks")
-    size = getattr(group, "size", None)
-    if callable(size) and size() != world:
-        raise ValueError(f"the group has {size()} ranks, the plan {world}")
-    own = getattr(group, "rank", None)
-    if callable(own) and own() != rank:
-        raise ValueError(f"this process is rank {own()} of the group, not {rank}")
+    check_call(plan, group, rank, timeout_s)
     link = _Link(group, timeout_s, torch.device(device))
     if rank < plan.num_senders:
         if source is None:
