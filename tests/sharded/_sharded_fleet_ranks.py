@@ -1,8 +1,8 @@
 """One rank of a 2-rank FSDP2 trainer (gloo) refitting fleets of embedded engines through
 the shard-aware transport.
 
-Run as ``python _sharded_fleet_ranks.py RANK WORLD_SIZE PG_PORT STORE_PORT OUT_JSON``.
-Rank 0 holds, one after the other:
+Run as ``python _sharded_fleet_ranks.py RANK WORLD_SIZE PG_PORT STORE_PORT_TP1 STORE_PORT_DP2XTP2
+OUT_JSON``. Rank 0 holds, one after the other:
 
 1. ``"tp1"``: a fleet of two TP=1 engines (two workers, each holding every tensor
    whole), built by the factory with ``sharded=True``;
@@ -83,6 +83,11 @@ async def run_fleet(
                 for i, tp in enumerate(sizes)
             ]
             fleet = EngineFleet(engines)
+        # Every rank forms the sync group only once rank 0's engines are up: rank 1 has
+        # none to start and would otherwise spend its formation limit waiting for rank 0
+        # to spawn four worker processes on a loaded machine. Each fleet meets on its own
+        # store port, so the second formation never races the first one's teardown.
+        dist.barrier()
         sync = create_weight_synchronizer(
             source,
             fleet,
@@ -140,17 +145,20 @@ async def run_fleet(
     return seen
 
 
-async def run(rank: int, world: int, store_port: int) -> dict[str, Any]:
+async def run(rank: int, world: int, store_ports: list[int]) -> dict[str, Any]:
     model = build_sharded_model(world)
-    return {name: await run_fleet(name, rank, world, store_port, model) for name in FLEETS}
+    return {
+        name: await run_fleet(name, rank, world, port, model)
+        for name, port in zip(FLEETS, store_ports, strict=True)
+    }
 
 
 def main() -> None:
-    rank, world, port, store_port = (int(a) for a in sys.argv[1:5])
-    out = Path(sys.argv[5])
+    rank, world, port, *store_ports = (int(a) for a in sys.argv[1:6])
+    out = Path(sys.argv[6])
     init_process_group(rank, world, port)
     try:
-        seen = anyio.run(run, rank, world, store_port)
+        seen = anyio.run(run, rank, world, store_ports)
     finally:
         dist.destroy_process_group()
     write_result(out, seen)

@@ -12,24 +12,28 @@ from typing import Any
 
 import pytest
 
-# Passes alone (2 passed, 41 s) but in both clean-clone `make test` runs of 2026-12-02 rank 0's
-# second formation timed out waiting for rank 1 ("forming the sync group (gloo, 2 ranks): timed
-# out after 360 s"): skipped until that is understood, so the rest of the suite stays green.
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skip(reason="rank 1 misses rank 0's second formation in full-suite runs"),
-]
+pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).with_name("_sharded_fleet_ranks.py")
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports (held open together while chosen)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory, spawn_ranks: Any) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("sharded-fleet")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        store = int(s.getsockname()[1])
-    spawn_ranks(SCRIPT, 2, lambda r: [str(store), str(out / f"{r}.json")])
+    stores = _free_ports(2)  # one store per fleet
+    spawn_ranks(SCRIPT, 2, lambda r: [*map(str, stores), str(out / f"{r}.json")])
     return [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
 
 
