@@ -149,7 +149,11 @@ def encode_patch(
             f"{name}: {tuple(new.shape)} {new.dtype} differs from its baseline's layout"
         )
     changed = new_bits != old_bits
-    k = int(changed.sum())
+    # One pass finds the changed elements: their count, their values and the indices
+    # encoding all come from it (a bool ``sum()`` or mask indexing would each cost
+    # another pass over the tensor, several times the compare's on CPU).
+    flat = changed.nonzero().view(-1)
+    k = flat.numel()
     if k == 0:
         return None
     n, size = new_bits.numel(), new.element_size()
@@ -163,9 +167,9 @@ def encode_patch(
     shape = tuple(new.shape)
     if encoding == "dense":
         return WeightPatch(name, base, shape, "dense", new)
-    values = new.reshape(-1)[changed]
+    values = new.reshape(-1)[flat]
     if encoding == "indices":
-        where = changed.nonzero().view(-1).to(torch.int32 if index_size == 4 else torch.int64)
+        where = flat.to(torch.int32) if index_size == 4 else flat
     else:
         where = pack_bitmap(changed)
     return WeightPatch(name, base, shape, encoding, values, where)
