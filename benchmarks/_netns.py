@@ -1,6 +1,7 @@
 """Hosts with their own network links on one Linux machine: namespaces, veth, a bridge, tc.
 
-A benchmark helper (``benchmarks/many_senders.py``). :class:`Network` makes one
+A benchmark helper (``benchmarks/many_senders.py``; :class:`ShapedLoopback` for
+``benchmarks/delta.py``). :class:`Network` makes one
 network namespace per host plus a *hub* namespace holding a bridge; each host's
 ``mb0`` interface is one end of a veth pair whose other end is a port of the
 bridge, so every host has its own full-duplex link. :meth:`Network.shape` limits
@@ -33,7 +34,15 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["IFACE", "PREFIX", "Host", "Network", "Unavailable", "unavailable_reason"]
+__all__ = [
+    "IFACE",
+    "PREFIX",
+    "Host",
+    "Network",
+    "ShapedLoopback",
+    "Unavailable",
+    "unavailable_reason",
+]
 
 #: Prefix of every namespace made here (``aiosync-bench-<pid>-<host>``).
 PREFIX = "aiosync-bench"
@@ -211,5 +220,69 @@ class Network:
             name = self._made.pop()
             with contextlib.suppress(Unavailable):
                 _run("ip", "netns", "delete", name)
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.close)
+
+
+class ShapedLoopback:
+    """One namespace whose loopback is limited to ``rate`` with ``tbf``: a process tree
+    run inside it (:meth:`command`) talks over 127.0.0.1 as over one shared link.
+
+    For a trainer and its engine's worker processes (the workers are the trainer's
+    children, so they share its namespace): every byte between them crosses the
+    shaped ``lo``, one direction or the other, so the busier direction is bounded
+    by ``rate`` (both share it; a refit's replies are a few bytes).
+
+    Args:
+        rate: a tc rate, e.g. ``"1000mbit"``.
+        burst: bytes the bucket holds; above loopback's 64 KiB segments.
+        latency: bound on the queue.
+
+    Raises (from :meth:`open`):
+        Unavailable: a step was refused (the namespace is removed first).
+    """
+
+    def __init__(self, rate: str, *, burst: str = "256kb", latency: str = "20ms") -> None:
+        self.netns = f"{PREFIX}-{os.getpid()}-lo"
+        self.rate, self.burst, self.latency = rate, burst, latency
+        self._made = False
+
+    def __enter__(self) -> ShapedLoopback:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def open(self) -> None:
+        """Make the namespace, bring ``lo`` up and shape it (blocking)."""
+        remove_stale()
+        atexit.register(self.close)
+        try:
+            _run("ip", "netns", "add", self.netns)
+            self._made = True
+            _run("ip", "-n", self.netns, "link", "set", "lo", "up")
+            _run(
+                "tc", "-n", self.netns, "qdisc", "replace", "dev", "lo", "root", "tbf",
+                "rate", self.rate, "burst", self.burst, "latency", self.latency,
+            )  # fmt: skip
+        except BaseException:
+            self.close()
+            raise
+
+    def qdisc(self) -> str:
+        """``tc qdisc show dev lo`` inside the namespace, for the record."""
+        return _run("tc", "-n", self.netns, "qdisc", "show", "dev", "lo").strip()
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside the namespace (``ip netns exec``, which execs it)."""
+        return ["ip", "netns", "exec", self.netns, *argv]
+
+    def close(self) -> None:
+        """Delete the namespace. Idempotent; never raises."""
+        if self._made:
+            self._made = False
+            with contextlib.suppress(Unavailable):
+                _run("ip", "netns", "delete", self.netns)
         with contextlib.suppress(Exception):
             atexit.unregister(self.close)

@@ -34,7 +34,17 @@ full refit's. Transports: the collective broadcast (gloo, not colocated) and IPC
 read from its signature). The 1-minute load
 average at start and end is recorded (``_machine``).
 
-Usage: ``python benchmarks/delta.py [--quick] [--json]``.
+Links: first everything over this machine's loopback, where the broadcast moves
+about 1 GB/s and a delta's diff (reading the weights and the baseline, 2x the
+bytes) costs about as much as the transfer it saves, so the collective's delta
+is compute-bound. Then the collective rows again over a link as slow as a
+network between nodes: the benchmark re-runs itself (``--link-child``) inside a
+network namespace whose loopback is limited to ``--rate-mbit`` (1000 Mbit/s; 500
+with ``--quick``) with ``tc tbf`` (``_netns.ShapedLoopback``), trainer and engine
+workers alike; ``--rate-mbit 0`` skips it, as does a machine without root, ``ip``
+or ``tc`` (the reason is printed).
+
+Usage: ``python benchmarks/delta.py [--quick] [--json] [--rate-mbit N]``.
 """
 
 from __future__ import annotations
@@ -44,11 +54,13 @@ import importlib.util
 import inspect
 import json
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import _netns
 import anyio
 import torch
 from _machine import Machine, repeats_for
@@ -193,7 +205,7 @@ def _goal(met: bool | None) -> str | None:
 
 async def _measure(args: argparse.Namespace, config: dict[str, Any]) -> list[dict[str, Any]]:
     example = load_example()
-    transports = ["collective", *(["ipc"] if ipc_takes_delta() else [])]
+    transports = ["collective", *(["ipc"] if ipc_takes_delta() and not args.link_child else [])]
     rows = []
     async with EmbeddedEngine(
         config,
@@ -214,6 +226,7 @@ async def _measure(args: argparse.Namespace, config: dict[str, Any]) -> list[dic
                 fractions = [n / full_bytes for n in delta["nbytes"]]
                 row: dict[str, Any] = {
                     "transport": transport,
+                    "link": args.link_child or "loopback",
                     "lr": lr,
                     "full_bytes": full_bytes,
                     "full_nbytes": full["nbytes"],
@@ -243,10 +256,37 @@ async def _measure(args: argparse.Namespace, config: dict[str, Any]) -> list[dic
     return rows
 
 
+def _link_rows(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str | None]:
+    """The collective rows over a loopback limited to ``args.rate_mbit`` (a child run
+    inside :class:`_netns.ShapedLoopback`): ``(rows, None)`` or ``([], why not)``."""
+    if not args.rate_mbit:
+        return [], "--rate-mbit 0"
+    reason = _netns.unavailable_reason()
+    if reason is not None:
+        return [], reason
+    label = f"tbf {args.rate_mbit} Mbit/s"
+    argv = [
+        sys.executable, str(Path(__file__).resolve()), "--json", "--link-child", label,
+        "--hidden-size", str(args.hidden_size), "--layers", str(args.layers),
+        "--workers", str(args.workers), "--repeat", str(args.repeat),
+        "--threads", str(args.threads), *(["--quick"] if args.quick else []),
+    ]  # fmt: skip
+    try:
+        with _netns.ShapedLoopback(f"{args.rate_mbit}mbit") as lo:
+            print(f"  link: {lo.qdisc()}", file=sys.stderr, flush=True)
+            out = subprocess.run(
+                lo.command(argv), stdout=subprocess.PIPE, text=True, check=True, timeout=1800
+            )
+    except _netns.Unavailable as exc:
+        return [], str(exc)
+    return list(json.loads(out.stdout.strip().splitlines()[-1])["rows"]), None
+
+
 def _fmt(row: dict[str, Any]) -> str:
     mean_kb = sum(row["delta_nbytes"]) / len(row["delta_nbytes"]) / 1e3
     return (
-        f"{row['transport']:<10} {row['lr']:>6.0e} {row['full_bytes'] / 1e6:>8.2f} "
+        f"{row['link']:<16} {row['transport']:<10} {row['lr']:>6.0e} "
+        f"{row['full_bytes'] / 1e6:>8.2f} "
         f"{mean_kb:>10.1f} {row['bytes_fraction']:>7.2%} {row['bytes_fraction_max']:>7.2%} "
         f"{row['full_s']:>8.3f} {row['delta_s']:>8.3f} {row['time_ratio']:>7.2f}x "
         f"{row['bytes_goal'] or '-':>6} {row['time_goal'] or '-':>6}"
@@ -263,7 +303,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1, help="engine worker processes")
     parser.add_argument("--repeat", type=int, default=None, help="timed repeats (best; >= 3)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument(
+        "--rate-mbit", type=int, default=None, help="shaped link, Mbit/s (1000; 500 quick; 0: none)"
+    )
+    parser.add_argument("--link-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.rate_mbit is None:
+        args.rate_mbit = 500 if args.quick else 1000
     args.repeat = repeats_for(args.quick, args.repeat)
     args.hidden_size = args.hidden_size or (256 if args.quick else 1024)
     args.layers = args.layers or (2 if args.quick else 6)
@@ -274,6 +320,11 @@ def main(argv: list[str] | None = None) -> int:
         argparse.Namespace(hidden_size=args.hidden_size, layers=args.layers)
     )
     rows = anyio.run(_measure, args, config)
+    if args.link_child:  # the parent prints the table
+        print(json.dumps({"rows": rows}))
+        return 0
+    link_rows, no_link = _link_rows(args)
+    rows += link_rows
     machine.finish()
     transports = sorted({r["transport"] for r in rows}, key=[r["transport"] for r in rows].index)
     full_mb = rows[0]["full_bytes"] / 1e6
@@ -285,8 +336,11 @@ def main(argv: list[str] | None = None) -> int:
         + ("" if "ipc" in transports else " (IPC: no delta= yet)")
     )
     print(f"baseline: the full refit (delta=False), same transport, same run; {machine.caption()}")
+    if no_link is not None:
+        print(f"shaped link: skipped ({no_link})")
     print(
-        f"{'transport':<10} {'lr':>6} {'full MB':>8} {'delta KB':>10} {'bytes':>7} {'max':>7} "
+        f"{'link':<16} {'transport':<10} {'lr':>6} {'full MB':>8} {'delta KB':>10} "
+        f"{'bytes':>7} {'max':>7} "
         f"{'full s':>8} {'delta s':>8} {'d/full':>8} {'bytes':>6} {'time':>6}"
     )
     for row in rows:
@@ -294,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"bytes: delta nbytes / full nbytes (COMMITTED events), mean and max over the timed "
         f"refits; goals at lr {GOAL_LR:g}: bytes max <= {GOAL_BYTES_FRACTION:.0%}, "
-        f"time delta/full <= {GOAL_TIME_RATIO} on the collective"
+        f"time delta/full <= {GOAL_TIME_RATIO} on the collective; loopback: ~1 GB/s, "
+        f"where the diff costs about what it saves"
     )
     if not all(r["all_delta"] and r["verified"] for r in rows):
         print("(!): a timed refit was not a delta, or a worker's weights differ from the trainer's")
@@ -318,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
                 "optimizer": {"name": "AdamW", "betas": [0.9, 0.99], "weight_decay": 0.0},
                 "batch": list(BATCH),
                 "quick": args.quick,
+                "rate_mbit": args.rate_mbit,
+                "shaped_link_skipped": no_link,
             },
             "goals": {
                 "lr": GOAL_LR,
