@@ -30,9 +30,10 @@ and anything else (:meth:`DeltaBaseline.invalidate`) makes the next sync a full 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from aiosync.errors import RefitMismatchError
@@ -75,8 +76,26 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(_BITS[flat.element_size()])
 
 
+# On CPU the scans over every element (compare, find, pack) go through numpy, zero-copy:
+# its single-threaded kernels are 2-20x torch's for these (a refit runs beside training,
+# usually on one core): `np.flatnonzero` 26 ms against `nonzero`'s 71 ms on 56 M
+# elements at 1.5 % changed, `np.packbits` 6 ms against 120 ms. Other devices use torch.
+
+
+def _changed(old_bits: torch.Tensor, new_bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(changed, flat)``: ``bool[n]`` where the bits differ and ``int64[k]`` its
+    positions, ascending."""
+    if old_bits.device.type == "cpu":
+        changed = np.not_equal(old_bits.numpy(), new_bits.numpy())
+        return torch.from_numpy(changed), torch.from_numpy(np.flatnonzero(changed))
+    mask = new_bits != old_bits
+    return mask, mask.nonzero().view(-1)
+
+
 def pack_bitmap(mask: torch.Tensor) -> torch.Tensor:
     """``bool[n]`` → ``uint8[ceil(n / 8)]`` (element ``8i + j`` is bit ``j`` of byte ``i``)."""
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.packbits(mask.numpy(), bitorder="little"))
     pad = -mask.numel() % 8
     padded = torch.cat([mask, mask.new_zeros(pad)]) if pad else mask
     return (padded.view(-1, 8).to(torch.uint8) * _WEIGHTS).sum(dim=1, dtype=torch.uint8)
@@ -84,6 +103,9 @@ def pack_bitmap(mask: torch.Tensor) -> torch.Tensor:
 
 def unpack_bitmap(bitmap: torch.Tensor, numel: int) -> torch.Tensor:
     """The inverse of :func:`pack_bitmap`: ``bool[numel]``."""
+    if bitmap.device.type == "cpu":
+        unpacked = np.unpackbits(bitmap.numpy(), count=numel, bitorder="little")
+        return torch.from_numpy(unpacked.view(np.bool_))
     bits = (bitmap.view(-1, 1) & _WEIGHTS.to(bitmap.device)) != 0
     return bits.view(-1)[:numel]
 
@@ -103,6 +125,8 @@ class WeightPatch:
         where: ``indices``: ``int32[k]`` (``int64`` past 2**31 elements) flat
             indices, ascending; ``bitmap``: ``uint8[ceil(numel / 8)]``; ``dense``:
             None.
+        flat: ``int64[k]`` flat indices where the encoder already has them (the
+            trainer's own patches, for :meth:`DeltaBaseline.commit`); never sent.
     """
 
     name: str
@@ -111,6 +135,7 @@ class WeightPatch:
     encoding: Encoding
     values: torch.Tensor
     where: torch.Tensor | None = None
+    flat: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -122,6 +147,8 @@ class WeightPatch:
 
     def flat_indices(self) -> torch.Tensor:
         """``int64[k]`` flat indices of the changed elements (not for ``dense``)."""
+        if self.flat is not None:
+            return self.flat
         if self.encoding == "indices":
             assert self.where is not None
             return self.where.to(torch.int64)
@@ -129,6 +156,9 @@ class WeightPatch:
         numel = 1
         for n in self.shape:
             numel *= n
+        if self.where.device.type == "cpu":
+            bits = np.unpackbits(self.where.numpy(), count=numel, bitorder="little")
+            return torch.from_numpy(np.flatnonzero(bits))
         return unpack_bitmap(self.where, numel).nonzero().view(-1)
 
 
@@ -148,11 +178,10 @@ def encode_patch(
         raise RefitMismatchError(
             f"{name}: {tuple(new.shape)} {new.dtype} differs from its baseline's layout"
         )
-    changed = new_bits != old_bits
     # One pass finds the changed elements: their count, their values and the indices
     # encoding all come from it (a bool ``sum()`` or mask indexing would each cost
     # another pass over the tensor, several times the compare's on CPU).
-    flat = changed.nonzero().view(-1)
+    changed, flat = _changed(old_bits, new_bits)
     k = flat.numel()
     if k == 0:
         return None
@@ -172,7 +201,7 @@ def encode_patch(
         where = flat.to(torch.int32) if index_size == 4 else flat
     else:
         where = pack_bitmap(changed)
-    return WeightPatch(name, base, shape, encoding, values, where)
+    return WeightPatch(name, base, shape, encoding, values, where, flat)
 
 
 def apply_patch(target: torch.Tensor, held: Part, patch: WeightPatch) -> int:
