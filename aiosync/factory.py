@@ -58,7 +58,7 @@ _TRANSPORTS: dict[tuple[str, bool], tuple[str, str]] = {
 _SHARDED_TRANSPORT: tuple[str, str] = ("aiosync.transports.sharded", "ShardedWeightSynchronizer")
 
 #: Keywords only the broadcast takes: given, the factory does not pick the sharded path.
-_BROADCAST_ONLY = ("verify", "overlap", "delta")
+_BROADCAST_ONLY = ("verify", "overlap")
 #: Adapter-only refits (a ``LoRAAdapterSource`` policy), on every backend and topology.
 _LORA_TRANSPORT: tuple[str, str] = ("aiosync.transports.lora", "LoRAAdapterSynchronizer")
 
@@ -128,13 +128,13 @@ def create_weight_synchronizer(
             slices), False for the rank-0 broadcast; None (default) picks the
             shard-aware one when the engine reports its layout (``weight_layouts()``)
             and some worker holds slices (``tensor_parallel_size > 1``; a fleet:
-            every member reports, one holds slices), unless ``verify``,
-            ``overlap`` or ``delta`` (broadcast options) are given. Trainer ranks other than 0,
+            every member reports, one holds slices), unless ``verify`` or
+            ``overlap`` (broadcast options) are given. Trainer ranks other than 0,
             which pass no engine, must say True or False (as rank 0 decides).
         verify: per-bucket checksums; collective.
         overlap: ``"inplace"`` or ``"staged"``; collective.
         delta: send only the elements whose bits changed since the last committed
-            version (:mod:`aiosync.delta`); collective broadcast, IPC.
+            version (:mod:`aiosync.delta`); collective broadcast, IPC, shard-aware.
         collective_timeout_s: the rendezvous's and every collective's limit,
             seconds; collective.
         buffer_memory_fraction: share of device memory the buffers may take; IPC.

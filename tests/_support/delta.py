@@ -12,7 +12,7 @@ from aiosync.delta import encode_patch
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.model import HFModelRunner
 
-__all__ = ["DeltaTrainer", "bits", "committed", "holds", "patch_bytes"]
+__all__ = ["DeltaTrainer", "bits", "box_patch_bytes", "committed", "holds", "patch_bytes"]
 
 
 class DeltaTrainer:
@@ -65,3 +65,18 @@ async def committed(sync: Any, events: Any) -> tuple[bool, int]:
         event = await events.__anext__()
         if event.kind is VersionEventKind.COMMITTED:
             return event.delta, event.nbytes
+
+
+def box_patch_bytes(plan: Any, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> int:
+    """Bytes a sharded delta should move: per transfer of ``plan`` (one box of one full
+    tensor), nothing when no bit of the box changed, else the smaller of its dense bytes
+    and int32 indices + values of its changed elements (ties dense)."""
+    total = 0
+    for t in plan.transfers():
+        index = tuple(slice(lo, hi) for lo, hi in t.box)
+        before, after = old[t.name][index], new[t.name][index]
+        changed = int((bits(before.contiguous()) != bits(after.contiguous())).sum())
+        if changed:
+            size = after.element_size()
+            total += min(after.numel() * size, changed * (4 + size))
+    return total

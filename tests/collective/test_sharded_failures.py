@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests._support.net import free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -29,20 +30,9 @@ REPO = HERE.parent.parent
 EXIT_LIMIT_S = 300
 
 
-def _ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _run(tmp: Path, world: int, scenario: str, failed: int) -> tuple[list[Any], list[int]]:
     """Every rank's JSON (None for a rank that wrote none) and exit code."""
-    pg_port, store_port = _ports(2)
+    pg_port, store_port = free_ports(2)
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),

@@ -233,6 +233,7 @@ def test_factory_refuses_a_keyword_the_chosen_transport_does_not_take(source, en
         (2, {}, "ShardedWeightSynchronizer"),  # the engine holds slices: each byte once
         (1, {}, "CollectiveWeightSynchronizer"),  # whole copies: the broadcast
         (2, {"verify": True}, "CollectiveWeightSynchronizer"),  # a broadcast-only option
+        (2, {"delta": True}, "ShardedWeightSynchronizer"),  # delta refits on the plan too
         (2, {"sharded": False}, "CollectiveWeightSynchronizer"),
         (1, {"sharded": True}, "ShardedWeightSynchronizer"),
     ],

@@ -6,33 +6,22 @@ bit for bit, and every engine's greedy output equals the trainer's."""
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests._support.net import free_ports
 
 pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).with_name("_sharded_fleet_ranks.py")
 
 
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free loopback ports (held open together while chosen)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory, spawn_ranks: Any) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("sharded-fleet")
-    stores = _free_ports(2)  # one store per fleet
+    stores = free_ports(2)  # one store per fleet
     spawn_ranks(SCRIPT, 2, lambda r: [*map(str, stores), str(out / f"{r}.json")])
     return [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
 

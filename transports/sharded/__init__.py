@@ -7,6 +7,8 @@
   replicas balanced over senders, per-pair buckets, a digest every rank compares).
 - :mod:`._p2p` — :func:`run_plan`: its point-to-point executor over a
   ``torch.distributed`` group (``batch_isend_irecv``, two buckets in flight per pair).
+- :mod:`._delta` — delta syncs on the same plan: each sender's baseline of what it
+  sends (``ShardBaseline``) and the per-pair header + patches wire (``run_delta_plan``).
 
 The layout vocabulary (:class:`aiosync.layout.Part`, ``Layout``) lives in the core.
 :mod:`.synchronizer` drives them (:class:`ShardedWeightSynchronizer`, the trainer

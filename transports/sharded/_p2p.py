@@ -189,15 +189,20 @@ def _describe(rank: int, senders: int) -> str:
     return f"trainer rank {rank}" if rank < senders else f"inference worker {rank - senders}"
 
 
-def _handshake_tensor(plan: Plan, src: int, dst: int, device: torch.device) -> torch.Tensor:
+def _handshake_tensor(
+    plan: Plan, src: int, dst: int, device: torch.device, magic: int = _MAGIC
+) -> torch.Tensor:
     buckets = plan.buckets_between(src, dst)
     digest = torch.frombuffer(bytearray(bytes.fromhex(plan.digest)), dtype=torch.int64)
-    head = torch.tensor([_MAGIC, src, dst, len(buckets), plan.pair_bytes(src, dst)])
+    head = torch.tensor([magic, src, dst, len(buckets), plan.pair_bytes(src, dst)])
     return torch.cat([head, digest]).to(device)
 
 
-def _handshake(link: _Link, plan: Plan, me: int, peers: Sequence[int]) -> None:
+def _handshake(link: _Link, plan: Plan, me: int, peers: Sequence[int], magic: int = _MAGIC) -> None:
     """Exchange the pair headers with every peer; both ends of a differing pair raise.
+
+    ``magic`` names the wire format (a full plan's, or a delta's: :mod:`._delta`), so
+    that two ends that would speak different ones refuse at once.
 
     Raises:
         RefitMismatchError: a peer's plan differs for this pair (digest, counts).
@@ -209,7 +214,7 @@ def _handshake(link: _Link, plan: Plan, me: int, peers: Sequence[int]) -> None:
     ops: list[tuple[str, torch.Tensor, int]] = []
     for peer in peers:
         src, dst = (me, peer - senders) if me < senders else (peer, me - senders)
-        mine[peer] = _handshake_tensor(plan, src, dst, link.device)
+        mine[peer] = _handshake_tensor(plan, src, dst, link.device, magic)
         theirs[peer] = torch.zeros_like(mine[peer])
         ops += [("send", mine[peer], peer), ("recv", theirs[peer], peer)]
     works = link.post(ops, "posting the handshake")

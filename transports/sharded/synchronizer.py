@@ -43,6 +43,7 @@ from aiosync.interfaces import (
     KVScales,
     RefitSource,
     TrainCluster,
+    Transferred,
 )
 from aiosync.layout import Layout
 from aiosync.refit.torch_source import DTensorRefitSource
@@ -56,6 +57,7 @@ from ..collective._group import (
 from ..collective._votes import GroupRanks, agree_formation
 from ..collective.synchronizer import CollectiveWeightSynchronizer, DistBackend
 from ..packing import compare_manifests, dtype_name
+from ._delta import ShardBaseline
 from ._mooncake import mooncake_available
 from ._p2p import P2PResult, SourceFn
 from ._plan import Plan, make_plan
@@ -65,7 +67,13 @@ from ._source_layout import (
     manifest_dtypes,
     single_rank_layouts,
 )
-from .worker import DataPlane, layouts_from_wire, layouts_to_wire, run_plan_and_vote
+from .worker import (
+    DataPlane,
+    layouts_from_wire,
+    layouts_to_wire,
+    run_delta_and_vote,
+    run_plan_and_vote,
+)
 
 __all__ = ["ShardedWeightSynchronizer"]
 
@@ -98,10 +106,20 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
             into buffers each worker registered, the control messages staying on the
             gloo group; needs ``pip install mooncake-transfer-engine-non-cuda`` and
             the ``libibverbs1`` system package).
+        delta: send, per transfer (one box of one tensor, from one trainer rank to
+            one worker), only the elements whose bits changed since the last version
+            committed on every worker: flat indices in the full tensor's coordinates
+            plus values, or the box dense when that is smaller (:mod:`._delta`); the
+            workers write them through their model's ``apply_weight_patches``. Each
+            trainer rank keeps a host copy of the local tensors it sends (about its
+            shard; two during a full sync, until it commits). The first sync, and any
+            after a failed or cancelled one, discarded weights, a worker that does not
+            hold the baseline (respawned, a new group) or a model that cannot apply
+            patches, is a full one. ``data_plane="torch"`` only.
 
     Raises:
-        ValueError, TypeError: as for the broadcast; an unknown ``data_plane``, or
-            ``"mooncake"`` with NCCL.
+        ValueError, TypeError: as for the broadcast; an unknown ``data_plane``,
+            ``"mooncake"`` with NCCL, or ``delta`` with ``"mooncake"``.
         TransportError: ``data_plane="mooncake"`` where Mooncake cannot run (the
             reason: not installed, ``libibverbs1`` missing).
     """
@@ -130,6 +148,7 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
         in_flight: InFlightPolicy = "wait",
         initial_version: int = 0,
         data_plane: DataPlane = "torch",
+        delta: bool = False,
     ) -> None:
         super().__init__(
             policy,
@@ -153,6 +172,10 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
             )
         if data_plane not in ("torch", "mooncake"):
             raise ValueError(f"data_plane must be 'torch' or 'mooncake', got {data_plane!r}")
+        if delta and data_plane != "torch":
+            raise ValueError(
+                "delta=True sends its patches point to point: it needs data_plane='torch'"
+            )
         if data_plane == "mooncake":
             if self.dist_backend != "gloo":
                 raise ValueError(
@@ -165,6 +188,8 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
         #: What moves the buckets (``"torch"``: the group's point-to-point sends).
         self.data_plane: DataPlane = data_plane
         self._transfer_plan: Plan | None = None
+        #: What this rank last sent every worker, for delta syncs (None: ``delta=False``).
+        self.delta_baseline: ShardBaseline | None = ShardBaseline() if delta else None
 
     @property
     def world_size(self) -> int:
@@ -363,45 +388,158 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
 
     # -- one sync --------------------------------------------------------------
 
-    async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
+    async def _transfer(self, version: int, kv_scales: KVScales | None) -> int | Transferred:
         if self._needs_forming():
             await self._form_group()
         group, plan = self._group, self._transfer_plan
         assert group is not None and plan is not None
+        baseline = self.delta_baseline
         source = await anyio.to_thread.run_sync(self._sender_source)
-
-        def send() -> P2PResult:
-            return run_plan_and_vote(
-                plan,
-                group,
-                source=source,
-                device=self.device,
-                timeout_s=self.collective_timeout_s,
-                data_plane=self.data_plane,
-            )
-
+        # Set once this rank's share of the plan passed the group's vote: then every
+        # rank's did (trainers and workers), and every trainer rank reaches the gather.
+        sent: list[P2PResult] = []
+        failure: BaseException | None = None
+        base: int | None = None
         try:
+            base = await self._delta_base()
+            if baseline is not None and base is None:
+                source = baseline.stage_source(version, source)
+
+            def send() -> P2PResult:
+                if base is None:
+                    result = run_plan_and_vote(
+                        plan,
+                        group,
+                        source=source,
+                        device=self.device,
+                        timeout_s=self.collective_timeout_s,
+                        data_plane=self.data_plane,
+                    )
+                else:
+                    assert baseline is not None
+                    result = run_delta_and_vote(
+                        plan,
+                        group,
+                        base=base,
+                        version=version,
+                        source=source,
+                        baseline=baseline,
+                        device=self.device,
+                        timeout_s=self.collective_timeout_s,
+                    )
+                sent.append(result)
+                return result
+
             if self.is_source:
                 await self._wake_weights()
+                kwargs: dict[str, Any] = {"version": version}
+                if base is not None:
+                    kwargs["delta"] = {"base": base}
                 _sent, results = await self._both(
                     lambda: self._in_thread(send, self.sync_timeout_s),
-                    lambda: self._rpc(
-                        "aiosync_sharded_receive", {"version": version}, self.sync_timeout_s
-                    ),
+                    lambda: self._rpc("aiosync_sharded_receive", kwargs, self.sync_timeout_s),
                 )
-                for i, (reply, want) in enumerate(zip(results, plan.receiver_nbytes, strict=True)):
-                    if not isinstance(reply, dict) or reply.get("nbytes") != want:
-                        raise TransportError(
-                            f"inference rank {i} reports {reply!r}, expected nbytes={want}"
-                        )
+                self._check_replies(plan, results, delta=base is not None)
                 self.last_worker_results = results
             else:
                 await self._in_thread(send, self.sync_timeout_s)
-        except BaseException:
+        except BaseException as exc:
             # The next sync re-forms the group: a peer may be gone or mid-receive.
             self._drop_engine_group()
+            failure = exc
+        if base is None:
+            if failure is not None:
+                raise failure
+            return Transferred(plan.total_nbytes) if baseline is not None else plan.total_nbytes
+        try:
+            nbytes = await self._agree_on_delta(sent, failure)
+        except BaseException:
+            # Another rank failed after the vote (rank 0's check of the replies): every
+            # rank re-forms the group for the next sync, as after any failure.
+            self._drop_engine_group()
             raise
-        return plan.total_nbytes
+        return Transferred(nbytes, delta=True)
+
+    def _check_replies(self, plan: Plan, results: list[Any], *, delta: bool) -> None:
+        """Every worker's reply: the plan's bytes (a delta's are checked per pair by
+        each pair's finish)."""
+        if len(results) != self.inference_world_size:
+            raise TransportError(
+                f"{len(results)} workers answered, inference_world_size is "
+                f"{self.inference_world_size}"
+            )
+        for i, (reply, want) in enumerate(zip(results, plan.receiver_nbytes, strict=True)):
+            if not isinstance(reply, dict) or reply.get("delta", False) != delta:
+                raise TransportError(
+                    f"inference rank {i} reports {reply!r}, expected delta={delta}"
+                )
+            if not delta and reply.get("nbytes") != want:
+                raise TransportError(
+                    f"inference rank {i} reports {reply!r}, expected nbytes={want}"
+                )
+
+    # -- delta -----------------------------------------------------------------
+
+    async def _delta_base(self) -> int | None:
+        """The version every trainer rank's baseline and every worker hold (the base of
+        a delta sync), or None: a full sync. The same on every trainer rank.
+
+        Raises:
+            TransportError: rank 0 could not ask the workers (every rank raises).
+        """
+        baseline = self.delta_baseline
+        if baseline is None:
+            return None
+        mine = baseline.version
+        if mine != self.weight_version or self._discards != self._baseline_discards:
+            mine = None
+        problem: str | None = None
+        if self.is_source and mine is not None:
+            try:
+                held = await self._rpc("aiosync_sharded_held_version", {}, self.rpc_timeout_s)
+            except Exception as exc:
+                if self._trainers is None:
+                    raise
+                problem = f"{type(exc).__name__}: {exc}"
+            else:
+                if len(held) != self.inference_world_size or any(h != mine for h in held):
+                    mine = None
+        if self._trainers is None:
+            return mine
+        # Rank 0 alone knows the workers: every rank takes a delta or none.
+        said = await self._gather_ranks([mine, problem])
+        if said is None:
+            return None
+        if said[0][1] is not None:
+            raise TransportError(f"trainer rank 0 could not ask the workers: {said[0][1]}")
+        versions = {v for v, _ in said}
+        return versions.pop() if len(versions) == 1 else None
+
+    async def _agree_on_delta(self, sent: list[P2PResult], failure: BaseException | None) -> int:
+        """A delta's payload bytes of every trainer rank together (the same COMMITTED
+        event on every rank), or the failure: one rank's failure after the group's vote
+        (rank 0's check of the workers' replies) fails every rank.
+
+        Raises:
+            ``failure``, or TransportError naming the rank that failed.
+        """
+        mine = sent[0].nbytes if sent else 0
+        if self._trainers is None or not sent or not isinstance(failure, Exception | None):
+            # One trainer rank; or this rank's plan failed the vote, and so did every
+            # rank's (or it was cancelled): nothing to agree on.
+            if failure is not None:
+                raise failure
+            return mine
+        reason = None if failure is None else f"{type(failure).__name__}: {failure}"
+        said = await self._gather_ranks([mine, reason])
+        if failure is not None:
+            raise failure
+        if said is None:
+            return mine
+        for rank, (_, problem) in enumerate(said):
+            if problem is not None:
+                raise TransportError(f"trainer rank {rank} failed after the transfer: {problem}")
+        return sum(int(n) for n, _ in said)
 
     def _sender_source(self) -> SourceFn:
         """This rank's ``hf_name -> local tensor`` for the sync about to run."""

@@ -20,6 +20,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
+from aiosync.delta import PatchModel, WeightPatch
 from aiosync.errors import OwnershipError, RefitMismatchError, TransportError
 from aiosync.layout import Layout, Part
 
@@ -34,6 +35,7 @@ from ..collective._group import (
     open_store,
 )
 from ..packing import dtype_from_name
+from ._delta import ApplyFn, ShardBaseline, run_delta_plan
 from ._p2p import LINK_FAILURES, P2PResult, SinkFn, SourceFn, run_plan
 from ._plan import Box, Plan, make_plan
 
@@ -42,6 +44,7 @@ __all__ = [
     "ShardedWorkerMixin",
     "layouts_from_wire",
     "layouts_to_wire",
+    "run_delta_and_vote",
     "run_plan_and_vote",
     "vote_or_abort",
 ]
@@ -99,6 +102,9 @@ class _State:
     plan: Plan
     owner: str
     data_plane: DataPlane = "torch"
+    #: ``(version, discard epoch)`` this worker holds whole through this group, from
+    #: its last successful receive: the only base a delta may be applied to.
+    held: tuple[int, int] | None = None
 
     def owner_alive(self) -> bool:
         """Whether the trainer that formed the group can still drive it (its rank 0's
@@ -241,21 +247,136 @@ class ShardedWorkerMixin(WorkerIdentityMixin):
         self._aiosync_sharded = None
         state.group.destroy()
 
-    def aiosync_sharded_receive(self, *, version: int, owner: str = "") -> dict[str, Any]:
+    def aiosync_sharded_held_version(self, owner: str = "") -> int | None:
+        """The version this worker holds whole through this synchronizer's group (None:
+        none it can vouch for: a failed receive, discarded weights, a new group, a model
+        that cannot apply patches): the base a delta sync needs.
+
+        Raises:
+            OwnershipError, TransportError: as :meth:`aiosync_sharded_receive`.
+        """
+        state = self._aiosync_sharded_state(owner)
+        if state.held is None or state.held[1] != getattr(self, "aiosync_discard_epoch", 0):
+            return None
+        if not isinstance(self.model_runner.model, PatchModel):  # type: ignore[attr-defined]
+            return None  # it could not apply a delta: every sync is a full one
+        return state.held[0]
+
+    def aiosync_sharded_receive(
+        self, *, version: int, owner: str = "", delta: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         """Receive version ``version``: each box is written into the model as it lands.
 
         :attr:`aiosync_weights_valid` is False from the start until every box
         landed and every rank of the group voted success.
 
+        Args:
+            version: the version being sent.
+            owner: the token the group was formed with.
+            delta: a delta sync (:mod:`._delta`): ``{"base": version the patches were
+                computed against}``; each sender's changed elements are written
+                through the model's ``apply_weight_patches`` (dense boxes through
+                ``load_weight_boxes``). A worker that does not hold ``base`` whole
+                (:meth:`aiosync_sharded_held_version`), or whose model cannot apply
+                patches, writes nothing and fails the sync on every rank
+                (RefitMismatchError naming both versions).
+
         Returns:
-            ``{"version", "nbytes", "by_sender", "buckets", "seconds"}``: payload bytes
-            received, per sender (trainer rank), buckets, and the receive's duration.
+            ``{"version", "nbytes", "by_sender", "buckets", "seconds", "delta"}``:
+            payload bytes received (a delta's: indices, values and dense boxes), per
+            sender (trainer rank), messages, the receive's duration, whether it was
+            a delta.
 
         Raises:
             OwnershipError: the group belongs to another synchronizer.
             TransportError, SyncTimeoutError: a peer failed, died or timed out (the
-                group is then destroyed); RefitMismatchError: a rank planned otherwise.
+                group is then destroyed); RefitMismatchError: a rank planned otherwise,
+                or a refused delta.
         """
+        state = self._aiosync_sharded_state(owner)
+        start = time.perf_counter()
+        held = self.aiosync_sharded_held_version(owner)
+        discards = getattr(self, "aiosync_discard_epoch", 0)
+        state.held = None
+        self.aiosync_weights_valid = False
+        model = self._aiosync_layout_model()
+        group = state.group
+
+        def discarded() -> str | None:
+            if getattr(self, "aiosync_discard_epoch", 0) != discards:
+                return "the engine discarded this worker's weights"
+            return None
+
+        try:
+            if delta is None:
+
+                def sink(name: str, box: Box, tensor: torch.Tensor) -> None:
+                    model.load_weight_boxes([(name, box, tensor)])
+
+                result = run_plan_and_vote(
+                    state.plan,
+                    group,
+                    sink=sink,
+                    device=group.device,
+                    timeout_s=group.timeout_s,
+                    check=discarded,
+                    data_plane=state.data_plane,
+                )
+            else:
+                result = self._aiosync_sharded_delta(state, int(delta["base"]), held, discarded)
+        except BaseException:
+            if group.broken:
+                self._aiosync_sharded = None
+                group.destroy()
+            raise
+        self.aiosync_weights_valid = True
+        state.held = (version, discards)
+        return {
+            "version": version,
+            "nbytes": result.nbytes,
+            "by_sender": {str(k): v for k, v in result.by_peer.items()},
+            "buckets": result.buckets,
+            "seconds": time.perf_counter() - start,
+            "delta": delta is not None,
+        }
+
+    def _aiosync_sharded_delta(
+        self, state: _State, base: int, held: int | None, check: Callable[[], str | None]
+    ) -> P2PResult:
+        """Receive a delta against ``base``; refused (nothing written) unless this
+        worker holds ``base`` whole and its model applies patches."""
+        who = f"engine worker {self.aiosync_worker_rank()}"
+        model: Any = self.model_runner.model  # type: ignore[attr-defined]
+        refusal: BaseException | None = None
+        if held != base:
+            refusal = RefitMismatchError(
+                f"{who} holds version {held}, the delta patches were computed against "
+                f"version {base}: a full sync is needed"
+            )
+        elif not isinstance(model, PatchModel):
+            refusal = TransportError(
+                f"{who}: {type(model).__name__} cannot apply delta patches (apply_weight_patches)"
+            )
+
+        def apply(boxes: list[tuple[str, Box, torch.Tensor]], patches: list[WeightPatch]) -> None:
+            if boxes:
+                model.load_weight_boxes(boxes)
+            if patches:
+                model.apply_weight_patches(patches)
+
+        group = state.group
+        return run_delta_and_vote(
+            state.plan,
+            group,
+            base=base,
+            apply=apply,
+            refusal=refusal,
+            device=group.device,
+            timeout_s=group.timeout_s,
+            check=check,
+        )
+
+    def _aiosync_sharded_state(self, owner: str) -> _State:
         state = self._aiosync_sharded
         if state is None:
             raise TransportError(
@@ -266,43 +387,7 @@ class ShardedWorkerMixin(WorkerIdentityMixin):
                 f"engine worker {self.aiosync_worker_rank()}'s sharded sync group belongs "
                 "to another synchronizer"
             )
-        start = time.perf_counter()
-        discards = getattr(self, "aiosync_discard_epoch", 0)
-        self.aiosync_weights_valid = False
-        model = self._aiosync_layout_model()
-        group = state.group
-
-        def sink(name: str, box: Box, tensor: torch.Tensor) -> None:
-            model.load_weight_boxes([(name, box, tensor)])
-
-        def discarded() -> str | None:
-            if getattr(self, "aiosync_discard_epoch", 0) != discards:
-                return "the engine discarded this worker's weights"
-            return None
-
-        try:
-            result = run_plan_and_vote(
-                state.plan,
-                group,
-                sink=sink,
-                device=group.device,
-                timeout_s=group.timeout_s,
-                check=discarded,
-                data_plane=state.data_plane,
-            )
-        except BaseException:
-            if group.broken:
-                self._aiosync_sharded = None
-                group.destroy()
-            raise
-        self.aiosync_weights_valid = True
-        return {
-            "version": version,
-            "nbytes": result.nbytes,
-            "by_sender": {str(k): v for k, v in result.by_peer.items()},
-            "buckets": result.buckets,
-            "seconds": time.perf_counter() - start,
-        }
+        return state
 
     def _aiosync_layout_model(self) -> LayoutModel:
         model = self.model_runner.model  # type: ignore[attr-defined]
@@ -340,23 +425,68 @@ def run_plan_and_vote(
         What :func:`~._p2p.run_plan` raises (a lost peer aborts the group instead of
         voting, see :func:`vote_or_abort`), or the vote's error.
     """
-    try:
+
+    def run() -> P2PResult:
         if data_plane == "mooncake":
             from ._mooncake import run_plan_mooncake
 
-            result = run_plan_mooncake(
+            return run_plan_mooncake(
                 plan, group.ctrl, group.rank, source=source, sink=sink, timeout_s=timeout_s
             )
-        else:
-            result = run_plan(
-                plan,
-                group.data,
-                group.rank,
-                source=source,
-                sink=sink,
-                device=device,
-                timeout_s=timeout_s,
-            )
+        return run_plan(
+            plan,
+            group.data,
+            group.rank,
+            source=source,
+            sink=sink,
+            device=device,
+            timeout_s=timeout_s,
+        )
+
+    return _vote_after(group, run, check)
+
+
+def run_delta_and_vote(
+    plan: Plan,
+    group: SyncGroup,
+    *,
+    base: int,
+    version: int = 0,
+    source: SourceFn | None = None,
+    baseline: ShardBaseline | None = None,
+    apply: ApplyFn | None = None,
+    refusal: BaseException | None = None,
+    device: torch.device,
+    timeout_s: float,
+    check: Callable[[], str | None] | None = None,
+) -> P2PResult:
+    """:func:`run_plan_and_vote` for a delta sync (:func:`~._delta.run_delta_plan` over
+    ``group.data``, the torch data plane): every rank raises the same error if any failed.
+    """
+    return _vote_after(
+        group,
+        lambda: run_delta_plan(
+            plan,
+            group.data,
+            group.rank,
+            base=base,
+            version=version,
+            source=source,
+            baseline=baseline,
+            apply=apply,
+            refusal=refusal,
+            device=device,
+            timeout_s=timeout_s,
+        ),
+        check,
+    )
+
+
+def _vote_after(
+    group: SyncGroup, run: Callable[[], P2PResult], check: Callable[[], str | None] | None
+) -> P2PResult:
+    try:
+        result = run()
     except Exception as exc:
         vote_or_abort(group, exc)
         raise

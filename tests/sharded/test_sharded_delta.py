@@ -1,0 +1,196 @@
+"""Delta refits on the shard-aware plan into the embedded engine's real TP=2 workers.
+
+A bf16 trainer takes AdamW steps; after the first (full) sync each sync moves, per
+transfer of the plan (one box of one tensor to one worker), only the elements whose bits
+changed (full-tensor int32 indices + values, or the box dense when smaller), and every
+worker ends holding exactly its slice of the trainer's tensors. A worker that does not
+hold the patches' base refuses them before writing; a failed sync makes the next one
+full. The 2-rank FSDP2 trainer is in ``test_sharded_delta_ranks.py``.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import torch
+
+from aiosync import TrainCluster, create_weight_synchronizer
+from aiosync.engines.embedded.configs import TINY_QWEN3
+from aiosync.engines.embedded.engine import EmbeddedEngine
+from aiosync.engines.embedded.model import HFModelRunner
+from aiosync.errors import RefitMismatchError, TransportError
+from aiosync.refit import DTensorRefitSource
+from aiosync.transports.sharded import ShardedWeightSynchronizer
+from tests._support.delta import DeltaTrainer, bits, box_patch_bytes, committed
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7]]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine() -> AsyncIterator[EmbeddedEngine]:
+    async with EmbeddedEngine(
+        TINY_QWEN3,
+        num_workers=1,
+        tensor_parallel_size=2,
+        dtype="bfloat16",
+        sleep_level=2,
+        seed=5,
+        rpc_timeout_s=120,
+    ) as engine:
+        yield engine
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _sync(
+    trainer: DeltaTrainer, engine: EmbeddedEngine, **options: Any
+) -> ShardedWeightSynchronizer:
+    return ShardedWeightSynchronizer(
+        DTensorRefitSource(trainer.model),
+        engine,
+        train_cluster=TrainCluster(master_port=_port()),
+        inference_world_size=engine.world_size,
+        bucket_bytes=16 * 1024,
+        collective_timeout_s=30.0,
+        delta=True,
+        **options,
+    )
+
+
+async def _holds_slices(engine: EmbeddedEngine, full: Mapping[str, torch.Tensor]) -> bool:
+    """Whether every worker holds exactly its part of ``full``, bit for bit."""
+    layouts = await engine.weight_layouts()
+    for layout, state in zip(layouts, await engine.hf_state_dicts(), strict=True):
+        for name, tensor in full.items():
+            part = layout[name]
+            want = tensor.narrow(part.dim, part.start, part.length) if part.shape else tensor
+            if not torch.equal(bits(state[name].contiguous()), bits(want.contiguous())):
+                return False
+    return True
+
+
+async def test_each_delta_moves_only_the_changed_elements_of_each_box_bit_exact(
+    engine: EmbeddedEngine,
+) -> None:
+    trainer = DeltaTrainer(seed=41, lr=1e-5)
+    async with _sync(trainer, engine) as sync, sync.subscribe() as events:
+        full = sync.transfer_plan.total_nbytes  # what a full sync moves (both slices)
+        assert await committed(sync, events) == (False, full)  # no baseline yet
+        assert await _holds_slices(engine, trainer.state())
+        for _ in range(3):
+            before = trainer.state()
+            trainer.step()
+            after = trainer.state()
+            delta, nbytes = await committed(sync, events)
+            assert delta and nbytes == box_patch_bytes(sync.transfer_plan, before, after)
+            assert 0 < nbytes < full / 2
+            # What the workers received adds up to the event's bytes, from the one sender.
+            results = sync.last_worker_results
+            assert [r["delta"] for r in results] == [True, True]
+            assert sum(r["nbytes"] for r in results) == nbytes
+            assert all(set(r["by_sender"]) == {"0"} for r in results)
+            assert await _holds_slices(engine, after)
+        await engine.prepare_for_generation()
+        expected = trainer.runner.generate(PROMPTS, max_new_tokens=4, ignore_eos=True)
+        assert await engine.generate(PROMPTS, max_new_tokens=4, ignore_eos=True) == expected
+        # Nothing changed: an empty delta, the version still advances.
+        assert await committed(sync, events) == (True, 0)
+        assert (sync.weight_version, engine.weight_version) == (5, 5)
+
+
+async def test_a_worker_without_the_base_refuses_the_delta_before_writing(
+    engine: EmbeddedEngine,
+) -> None:
+    trainer = DeltaTrainer(seed=42, lr=1e-3)
+    async with _sync(trainer, engine) as sync, sync.subscribe() as events:
+        await committed(sync, events)
+        await engine.finish_generation()  # level 2: the weights are discarded (zeros)
+        discarded = await engine.hf_state_dicts()
+        # A trainer that skipped the check of the workers' held versions would send the
+        # delta anyway: each worker refuses it, naming both versions, and writes nothing.
+        sync._delta_base = _version_one  # type: ignore[method-assign]
+        trainer.step()
+        await sync.mark_stale()
+        with pytest.raises(RefitMismatchError, match="holds version None, the delta patches"):
+            await sync.sync_weights()
+        after = await engine.hf_state_dicts()
+        pairs = zip(discarded, after, strict=True)
+        assert all(torch.equal(a[n], b[n]) for a, b in pairs for n in a)
+        assert sync.delta_baseline is not None and sync.delta_baseline.version is None
+        del sync._delta_base
+        # The checked path: the discard makes the next sync a full one.
+        assert await committed(sync, events) == (False, sync.transfer_plan.total_nbytes)
+        await engine.prepare_for_generation()
+        assert await _holds_slices(engine, trainer.state())
+
+
+async def _version_one() -> int:
+    return 1
+
+
+async def test_a_failed_delta_is_followed_by_a_full_sync_then_deltas_again(
+    engine: EmbeddedEngine,
+) -> None:
+    trainer = DeltaTrainer(seed=43, lr=1e-3)
+    async with _sync(trainer, engine) as sync, sync.subscribe() as events:
+        await committed(sync, events)
+        real = sync._sender_source
+
+        def failing() -> Any:
+            local = real()
+            calls = [0]
+
+            def get(name: str) -> torch.Tensor:
+                calls[0] += 1
+                if calls[0] == 5:
+                    raise RuntimeError("the trainer could not read its shard")
+                return local(name)
+
+            return get
+
+        sync._sender_source = failing  # type: ignore[method-assign]
+        trainer.step()
+        await sync.mark_stale()
+        with pytest.raises(TransportError, match="could not read its shard"):
+            await sync.sync_weights()
+        assert (sync.weight_version, sync.is_stale) == (1, True)
+        assert sync.delta_baseline is not None and sync.delta_baseline.version is None
+        sync._sender_source = real  # type: ignore[method-assign]
+        assert await committed(sync, events) == (False, sync.transfer_plan.total_nbytes)
+        assert await _holds_slices(engine, trainer.state())
+        trainer.step()
+        assert (await committed(sync, events))[0] is True
+        assert await _holds_slices(engine, trainer.state())
+
+
+async def test_the_factory_passes_delta_to_the_shard_aware_path(engine: EmbeddedEngine) -> None:
+    source = DTensorRefitSource(HFModelRunner.from_config(TINY_QWEN3, seed=1).model)
+    sync = create_weight_synchronizer(
+        source,
+        engine,
+        colocated=False,
+        backend="embedded",
+        train_cluster=TrainCluster(master_port=_port()),
+        inference_world_size=engine.world_size,
+        delta=True,
+    )
+    assert type(sync) is ShardedWeightSynchronizer and sync.delta_baseline is not None
+
+
+async def test_delta_needs_the_torch_data_plane() -> None:
+    source = DTensorRefitSource(HFModelRunner.from_config(TINY_QWEN3, seed=1).model)
+    with pytest.raises(ValueError, match="needs data_plane='torch'"):
+        ShardedWeightSynchronizer(
+            source, None, train_cluster=TrainCluster(), inference_world_size=1,
+            dist_backend="gloo", data_plane="mooncake", delta=True,
+        )  # fmt: skip
