@@ -46,9 +46,14 @@ def test_a_row_per_transport_and_learning_rate_ipc_once_it_takes_delta(
     assert figures["config"]["transports"] == transports
     assert figures["config"]["ipc_delta"] is ipc
     assert figures["config"]["learning_rates"] == LEARNING_RATES
-    assert [(r["transport"], r["lr"]) for r in figures["rows"]] == [
-        (t, lr) for t in transports for lr in LEARNING_RATES
-    ]
+    # Loopback rows for every transport, then the collective's again over the shaped
+    # link, unless the machine cannot shape one (the reason is recorded).
+    skipped = figures["config"]["shaped_link_skipped"]
+    shaped = [] if skipped else [f"tbf {figures['config']['rate_mbit']} Mbit/s"]
+    assert skipped is None or (isinstance(skipped, str) and skipped)
+    assert [(r["link"], r["transport"], r["lr"]) for r in figures["rows"]] == [
+        ("loopback", t, lr) for t in transports for lr in LEARNING_RATES
+    ] + [(link, "collective", lr) for link in shaped for lr in LEARNING_RATES]
     assert figures["config"]["dtype"] == "bfloat16"
     assert figures["config"]["model"]["model_type"] == "qwen3"
     assert {"load_average", "repeats", "cpus"} <= figures.keys()
@@ -68,8 +73,8 @@ def test_the_baseline_moves_the_whole_manifest_and_every_timed_delta_refit_is_a_
 
 
 def test_a_larger_learning_rate_changes_more_bf16_bits(figures: dict[str, Any]) -> None:
-    for transport in figures["config"]["transports"]:
-        rows = [r for r in figures["rows"] if r["transport"] == transport]
+    for link, transport in {(r["link"], r["transport"]) for r in figures["rows"]}:
+        rows = [r for r in figures["rows"] if (r["link"], r["transport"]) == (link, transport)]
         fractions = [r["bytes_fraction"] for r in rows]
         assert fractions == sorted(fractions) and len(set(fractions)) == len(fractions)
 
