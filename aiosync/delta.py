@@ -43,6 +43,7 @@ __all__ = [
     "DeltaBaseline",
     "Encoding",
     "PatchModel",
+    "StagedPatchModel",
     "WeightPatch",
     "apply_patch",
     "patch_from_wire",
@@ -66,6 +67,24 @@ class PatchModel(Protocol):
         """Write each :class:`WeightPatch` into the part held (checked first); returns
         the elements written."""
         ...
+
+
+@runtime_checkable
+class StagedPatchModel(PatchModel, Protocol):
+    """A :class:`PatchModel` whose patches land in a host copy of the weights first
+    (a vLLM worker: its layers are rebuilt by vLLM's reload, never written in place).
+    Receivers call :meth:`finish_weight_patches` after a sync's last patch and before
+    they vote, so that a failure there fails the sync on every rank."""
+
+    def finish_weight_patches(self) -> None:
+        """Make every patch applied since the last call live in the engine's weights."""
+        ...
+
+
+def finish_patches(model: PatchModel) -> None:
+    """:meth:`StagedPatchModel.finish_weight_patches` where ``model`` stages them."""
+    if isinstance(model, StagedPatchModel):
+        model.finish_weight_patches()
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from aiosync.delta import PatchModel
+
 __all__ = ["CPU_LABEL", "WorkerIdentityMixin", "device_identity"]
 
 #: The label of a CPU device when none is given.
@@ -58,6 +60,9 @@ class WorkerIdentityMixin:
     #: level-2 sleep, a memory release): a refit that spans a discard must not
     #: mark the weights valid.
     aiosync_discard_epoch: int = 0
+    #: Set by the init call of a synchronizer built with ``delta=True``: the engine
+    #: keeps what it needs to apply delta patches (vLLM: a host copy of its weights).
+    aiosync_keep_delta_base: bool = False
 
     def aiosync_set_rank_offset(self, offset: int, dp_base: int = 0) -> int:
         """Called by :class:`~aiosync.EngineFleet`: this engine's workers start at
@@ -129,3 +134,10 @@ class WorkerIdentityMixin:
         if label is None and torch.cuda.is_available():
             return device_identity(torch.device("cuda"))
         return device_identity(torch.device("cpu"), label)
+
+    def _aiosync_patch_model(self) -> PatchModel | None:
+        """Where this worker writes delta patches: its model when it applies them in
+        place (:class:`~aiosync.delta.PatchModel`), else None (every sync is full).
+        Engines whose weights cannot be written in place override it (vLLM)."""
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        return model if isinstance(model, PatchModel) else None

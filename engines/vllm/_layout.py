@@ -68,7 +68,7 @@ See ``docs/vllm.md`` for the engine side and ``docs/topology.md`` for the transp
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -573,6 +573,8 @@ class VLLMLayoutModel:
                 expected[path] = expected.get(path, 0) + entry.part.numel
         #: Elements each layer holds: a layer is processed once all of them arrived.
         self.expected = expected
+        #: Called with every box written (the delta host copy records them).
+        self.tee: Callable[[str, Sequence[tuple[int, int]], torch.Tensor], None] | None = None
         self._receive: _Receive | None = None
 
     def weight_layout(self) -> dict[str, Part]:
@@ -580,10 +582,20 @@ class VLLMLayoutModel:
         names this worker does not hold, a tied ``lm_head.weight``, are absent)."""
         return {name: entry.part for name, entry in self.held.items()}
 
+    @property
+    def is_receiving(self) -> bool:
+        """Inside :meth:`receiving`."""
+        return self._receive is not None
+
     @contextmanager
-    def receiving(self) -> Iterator[None]:
+    def receiving(self, *, whole: bool = True) -> Iterator[None]:
         """Bracket one receive's :meth:`load_weight_boxes` calls, inside vLLM's
         layerwise reload (the worker's reload bracket).
+
+        Args:
+            whole: every layer must complete (a full receive); else only the layers
+                written to (a delta's rewritten layers; the others keep their
+                kernel tensors).
 
         Raises:
             TransportError: on leaving without an error, some layer did not get every
@@ -594,7 +606,9 @@ class VLLMLayoutModel:
             yield
             receive = self._receive
             missing = sorted(
-                path for path, n in self.expected.items() if n and path not in receive.done
+                path
+                for path, n in self.expected.items()
+                if n and path not in receive.done and (whole or path in receive.written)
             )
             if missing:
                 raise TransportError(
@@ -650,6 +664,8 @@ class VLLMLayoutModel:
                     if count >= self.expected[path]:
                         self._process(path)
                         receive.done.add(path)
+                if self.tee is not None:
+                    self.tee(name, box, tensor)
                 written += tensor.numel()
         return written
 

@@ -60,6 +60,9 @@ from typing import Any
 
 import torch
 
+from aiosync.errors import TransportError
+
+from ._delta import HostCopy
 from ._layout import TiedHeads, VLLMLayoutModel
 from ._lora import LORA_PAIR_NAME
 
@@ -86,6 +89,10 @@ class VLLMWorkerMixin:
     _aiosync_checkpoint: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
     _aiosync_lora_base: dict[str, tuple[int, ...]] | None = None
     _aiosync_vllm_layout: VLLMLayoutModel | None = None
+    _aiosync_host_copy: HostCopy | None = None
+    _aiosync_delta_refused: bool = False
+    #: Set by the receivers' init calls (``WorkerIdentityMixin``).
+    aiosync_keep_delta_base: bool = False
     aiosync_weights_valid: bool = True
 
     # -- the receiver RPCs: bracketed loads, typed errors ------------------------
@@ -94,10 +101,10 @@ class VLLMWorkerMixin:
         """``IPCWorkerMixin.aiosync_ipc_receive`` inside a vLLM reload bracket."""
         return self._aiosync_bracketed(super().aiosync_ipc_receive, *args, **kwargs)  # type: ignore[misc]
 
-    def aiosync_ipc_init(self, plan: Mapping[str, Any]) -> Any:
+    def aiosync_ipc_init(self, plan: Mapping[str, Any], delta: bool = False) -> Any:
         """``IPCWorkerMixin.aiosync_ipc_init``, checked against the checkpoint if enabled."""
         with self._aiosync_expected_manifest(plan):
-            return super().aiosync_ipc_init(plan)  # type: ignore[misc]
+            return super().aiosync_ipc_init(plan, delta)  # type: ignore[misc]
 
     def aiosync_collective_init(self, **kwargs: Any) -> Any:
         """``CollectiveWorkerMixin.aiosync_collective_init``: errors tagged with their
@@ -151,7 +158,8 @@ class VLLMWorkerMixin:
         if not isinstance(model, VLLMLayoutModel):
             return receive(*args, **kwargs)
         try:
-            with model.receiving():
+            # A delta rewrites only the layers its patches touched.
+            with model.receiving(whole=kwargs.get("delta") is None):
                 return receive(*args, **kwargs)
         except BaseException:
             self.aiosync_weights_valid = False
@@ -175,6 +183,43 @@ class VLLMWorkerMixin:
             cached = VLLMLayoutModel(model, config)
             self._aiosync_vllm_layout = cached
         return cached
+
+    # -- delta patches: a host copy, then a reload of the touched layers -----------
+
+    def _aiosync_patch_model(self) -> Any:
+        """In vLLM, the worker's :class:`~aiosync.engines.vllm._delta.HostCopy` once a
+        full receive filled it (None before, or when the copy is not kept: every sync
+        is then full); elsewhere the model itself where it applies patches."""
+        if getattr(self, "vllm_config", None) is None:
+            return super()._aiosync_patch_model()  # type: ignore[misc]
+        host = self._aiosync_host_copy
+        if not self.aiosync_keep_delta_base or host is None or not host.valid:
+            return None
+        if host.layout.model is not self.model_runner.get_model():  # type: ignore[attr-defined]
+            return None  # the model was rebuilt: the copy is of another one
+        return host
+
+    def _aiosync_host_for_receive(self) -> HostCopy | None:
+        """The host copy a receive writes (built on first use, from the live model:
+        before the reload puts its layers on the meta device); None when no delta
+        synchronizer feeds this worker (the copy is freed) or the model cannot be
+        described (every sync is then full)."""
+        if not self.aiosync_keep_delta_base:
+            self._aiosync_host_copy = None
+            return None
+        try:
+            layout = self._aiosync_layout_model()
+        except TransportError as exc:
+            if not self._aiosync_delta_refused:
+                _log.warning("delta syncs into this vLLM worker are full syncs: %s", exc)
+            self._aiosync_delta_refused = True
+            self._aiosync_host_copy = None
+            return None
+        host = self._aiosync_host_copy
+        if host is None or host.layout is not layout:
+            host = self._aiosync_host_copy = HostCopy(layout)
+            _log.info("vLLM worker keeps a %.1f MB host copy for delta syncs", host.nbytes / 1e6)
+        return host
 
     # -- manifest check against the checkpoint ------------------------------------
 
@@ -336,10 +381,11 @@ class VLLMWorkerMixin:
         Returns:
             ``{"rank": int, "device": str, "in_vllm": bool, "weights_valid": bool,
             "sleep_mode": bool, "reloads": int, "last_reload_s": float,
-            "cloned_bytes": int, "cloned_tensors": int}``.
+            "cloned_bytes": int, "cloned_tensors": int, "delta_copy_bytes": int}``.
             ``sleep_mode`` is False on platforms where vLLM's ``sleep``/``wake_up``
             release nothing (its CPU worker). ``cloned_*``: what the last reload
-            bracket cloned (see the module docs).
+            bracket cloned (see the module docs). ``delta_copy_bytes``: host
+            memory of the copy kept for delta syncs (:mod:`._delta`).
         """
         config = getattr(self, "vllm_config", None)
         return {
@@ -354,6 +400,7 @@ class VLLMWorkerMixin:
             "last_reload_s": float(self.aiosync_last_reload_s),
             "cloned_bytes": int(self.aiosync_cloned_bytes),
             "cloned_tensors": int(self.aiosync_cloned_tensors),
+            "delta_copy_bytes": self._aiosync_host_copy.nbytes if self._aiosync_host_copy else 0,
         }
 
     def aiosync_vllm_read_weights(self, names: Sequence[str]) -> list[list[Any]]:
@@ -466,6 +513,11 @@ class VLLMWorkerMixin:
         infos: list[Any] = []
         # The ties, read before the reload gives each layer a parameter of its own.
         heads = TiedHeads(model)
+        # Delta syncs: the receive writes the host copy too (built from the live model).
+        host = self._aiosync_host_for_receive()
+        if host is not None:
+            host.begin()
+            host.layout.tee = host.record_box
 
         def load_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
             # Layerwise reload keeps the tensors it is given until their whole
@@ -474,6 +526,8 @@ class VLLMWorkerMixin:
             # incomplete layer still holds then, on failure too (the receiver
             # drops its mappings before finalize_layerwise_reload reads them).
             storages: set[int] = set()
+            if host is not None:
+                weights = host.record_full(weights)
             try:
                 return original(_noting_storages(weights, storages))
             finally:
@@ -486,18 +540,46 @@ class VLLMWorkerMixin:
             # Every layer's reload state; reset in place as layers complete.
             infos.extend(i for m in model.modules() if (i := LAYERWISE_INFO.get(m)) is not None)
             loader.load_weights = load_weights
+            ok = False
             try:
                 yield
+                ok = True
             finally:
                 del loader.load_weights
                 stale = heads.left_stale()  # before finalize resets the progress
-                finalize_layerwise_reload(model, config.model_config)
+                # A delta leaves the layers it did not touch unloaded, by design:
+                # finalize puts their kernel tensors back (and would warn for each).
+                with _quiet_layerwise(host is not None and host.rewrote):
+                    finalize_layerwise_reload(model, config.model_config)
                 heads.reprocess(stale)  # re-packs on CPU; on CUDA nothing is packed
+                if host is not None:
+                    host.layout.tee = None
+                    host.end(ok)
         # State derived from the old weights (vLLM's reload_weights does the same).
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             hook = getattr(self.model_runner, reset, None)  # type: ignore[attr-defined]
             if hook is not None:
                 hook()
+
+
+class _DropUnloaded(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Failed to load weights" not in record.getMessage()
+
+
+@contextmanager
+def _quiet_layerwise(quiet: bool) -> Iterator[None]:
+    """Silence vLLM's "Failed to load weights" for layers a delta did not touch."""
+    if not quiet:
+        yield
+        return
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    drop = _DropUnloaded()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 def _linear_weight(layer: Any) -> torch.Tensor:

@@ -309,3 +309,88 @@ async def test_tp2_each_worker_holds_its_slices_and_a_sharded_sync_sends_only_th
     for head, layout in zip(heads, layouts, strict=True):
         part = layout["model.embed_tokens.weight"]
         assert torch.equal(head["lm_head.weight"][: part.length], part_of(embed, part))
+
+
+# -- delta refits at tensor parallel size 2 --------------------------------------
+
+
+def nudge_tp2(model: Any, seed: int, per_tensor: int = 9) -> None:
+    """Change ``per_tensor`` elements of a column-parallel, a row-parallel, a fused
+    and a replicated (one KV head) weight, a norm and the tied vocabulary-parallel
+    embedding; the other layers stay as they were."""
+    names = (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.1.mlp.up_proj.weight",
+        "model.layers.1.post_attention_layernorm.weight",
+        "model.embed_tokens.weight",
+    )
+    gen = torch.Generator().manual_seed(seed)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in names:
+            flat = params[name].view(-1)
+            where = torch.randperm(flat.numel(), generator=gen)[:per_tensor]
+            flat[where] += torch.rand(per_tensor, generator=gen) + 0.5
+
+
+@pytest.mark.parametrize("transport", ["broadcast", "sharded"])
+async def test_tp2_deltas_land_in_each_workers_slices_bit_exact(
+    tp2_llm: Any, tp2_dir: Path, free_port: Callable[[], int], transport: str
+) -> None:
+    from transformers import Qwen3ForCausalLM
+
+    from aiosync import VersionEventKind
+    from tests._support.delta import box_patch_bytes, patch_bytes
+
+    backend = VLLMGenerationBackend(tp2_llm)
+    layouts = await backend.weight_layouts()
+    trainer = Qwen3ForCausalLM.from_pretrained(tp2_dir, dtype=torch.float32).eval()
+    options: dict[str, Any] = {
+        "train_cluster": TrainCluster(master_port=free_port()),
+        "inference_world_size": 2,
+        "dist_backend": "gloo",
+        "bucket_bytes": 16 * 1024,
+        "delta": True,
+        "collective_timeout_s": 120,
+        "rpc_timeout_s": 120,
+    }
+    source = DTensorRefitSource(trainer)
+    sync: Any = (
+        ShardedWeightSynchronizer(source, backend, **options)
+        if transport == "sharded"
+        else CollectiveWeightSynchronizer(source, backend, **options)
+    )
+
+    async def committed(events: Any) -> tuple[bool, int]:
+        await sync.mark_stale()
+        await sync.sync_weights()
+        while True:
+            event = await events.__anext__()
+            if event.kind is VersionEventKind.COMMITTED:
+                return event.delta, event.nbytes
+
+    async with sync, sync.subscribe() as events:
+        await sync.init_communicator()
+        perturb(trainer, seed=50)
+        delta, _ = await committed(events)
+        assert delta is False  # no baseline yet
+        status = await backend.collective_rpc("aiosync_vllm_status")
+        # Each worker keeps a copy of its own slices only.
+        assert [s["delta_copy_bytes"] for s in status] == [
+            sum(part.numel * 4 for part in layout.values()) for layout in layouts
+        ]
+        for seed in (51, 52):
+            before = state_dict_of(trainer)
+            nudge_tp2(trainer, seed)
+            after = state_dict_of(trainer)
+            delta, nbytes = await committed(events)
+            assert delta is True
+            if transport == "sharded":  # each worker gets the changes inside its boxes
+                assert nbytes == box_patch_bytes(sync.transfer_plan, before, after)
+            else:  # one stream of full-tensor patches; each worker keeps its share
+                assert nbytes == patch_bytes(before, after)
+            await assert_workers_hold(backend, layouts, after)
+        await backend.prepare_for_generation()
+        assert await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS) == trainer_greedy(trainer)

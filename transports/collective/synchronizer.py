@@ -478,6 +478,8 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             "timeout_s": self.collective_timeout_s,
             "session": session,
         }
+        if self.delta_baseline is not None:
+            kwargs["delta"] = True
 
         return await self._join_with_workers(join, "aiosync_collective_init", kwargs, session)
 

@@ -24,7 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from aiosync.delta import PatchModel, WeightPatch, patch_from_wire, wire_manifest
+from aiosync.delta import PatchModel, WeightPatch, finish_patches, patch_from_wire, wire_manifest
 from aiosync.errors import OwnershipError, RefitMismatchError, SyncTimeoutError, TransportError
 
 from .._identity import WorkerIdentityMixin
@@ -127,6 +127,7 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         timeout_s: float,
         session: str,
         owner: str = "",
+        delta: bool = False,
     ) -> dict[str, Any]:
         """Join the sync group as inference rank ``train_world_size + aiosync_worker_rank()``.
 
@@ -145,6 +146,8 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
             session: key namespace of this group in the store.
             owner: the forming synchronizer's token; every later call on the
                 group must carry it.
+            delta: the synchronizer sends delta patches: keep what applying them
+                needs (:attr:`aiosync_keep_delta_base`).
 
         Returns:
             ``{"rank": session rank, "digest": plan digest}``.
@@ -198,6 +201,7 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         self._aiosync_collective = _ReceiverState(
             group, parsed, RotatingBuffers(parsed, group.device), owner
         )
+        self.aiosync_keep_delta_base = delta
         return {"rank": rank, "digest": digest}
 
     def aiosync_collective_destroy(self, owner: str = "") -> None:
@@ -226,7 +230,7 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         state = self._aiosync_collective_state(owner)
         if state.held is None or state.held[1] != self.aiosync_discard_epoch:
             return None
-        if not isinstance(self.model_runner.model, PatchModel):  # type: ignore[attr-defined]
+        if self._aiosync_patch_model() is None:
             return None  # it could not apply a delta: every sync is a full one
         return state.held[0]
 
@@ -282,7 +286,9 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
 
         load = load_full
         if delta is not None:
-            plan, load, refusal = self._aiosync_coll_delta(state, delta, held, model)
+            plan, load, refusal = self._aiosync_coll_delta(
+                state, delta, held, self._aiosync_patch_model()
+            )
         state.held = None
         self.aiosync_weights_valid = False
         try:
@@ -308,7 +314,11 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         )
 
     def _aiosync_coll_delta(
-        self, state: _ReceiverState, delta: dict[str, Any], held: int | None, model: Any
+        self,
+        state: _ReceiverState,
+        delta: dict[str, Any],
+        held: int | None,
+        model: PatchModel | None,
     ) -> tuple[BucketPlan, Any, BaseException | None]:
         """The wire plan of a delta sync, the bucket loader that applies its patches,
         and the reason to refuse it (voted after the stream; nothing is written)."""
@@ -332,14 +342,17 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
                 f"{who} holds version {held}, the delta patches were computed against "
                 f"version {base}: a full sync is needed"
             )
-        elif not isinstance(model, PatchModel):
+        elif model is None:
             refusal = TransportError(
-                f"{who}: {type(model).__name__} cannot apply delta patches (apply_weight_patches)"
+                f"{who}: {type(self.model_runner.model).__name__} cannot apply delta "  # type: ignore[attr-defined]
+                "patches (apply_weight_patches)"
             )
         # A sparse patch is two wire tensors (where, values), maybe in two buckets.
         partial: dict[str, dict[str, torch.Tensor]] = {}
+        last = len(plan.buckets) - 1
 
         def load(bucket: Bucket, buf: torch.Tensor) -> None:
+            assert model is not None  # else refused: nothing is loaded
             ready: list[WeightPatch] = []
             waiting: dict[str, dict[str, torch.Tensor]] = {}
             for wire, tensor in unpack(buf, bucket):
@@ -357,6 +370,8 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
             # The other half lands in a later bucket, maybe in this same buffer.
             for name, half in waiting.items():
                 partial[name] = {w: t.clone() for w, t in half.items()}
+            if bucket.index == last:  # before the vote: a failure fails every rank
+                finish_patches(model)
 
         return plan, load, refusal
 

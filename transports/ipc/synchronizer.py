@@ -384,7 +384,9 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
         if not self._ranks.is_driver:
             return []
         replies = await self.generation.collective_rpc(
-            "aiosync_ipc_init", (self.plan.to_json(),), timeout_s=self.rpc_timeout_s
+            "aiosync_ipc_init",
+            (self.plan.to_json(), self.delta_baseline is not None),
+            timeout_s=self.rpc_timeout_s,
         )
         for rank, reply in enumerate(replies):
             _check_reply(reply, rank, "aiosync_ipc_init")

@@ -67,7 +67,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from aiosync.delta import PatchModel, WeightPatch, patch_from_wire, wire_manifest
+from aiosync.delta import PatchModel, WeightPatch, finish_patches, patch_from_wire, wire_manifest
 from aiosync.errors import (
     OwnershipError,
     RefitMismatchError,
@@ -131,8 +131,10 @@ class IPCWorkerMixin(WorkerIdentityMixin):
 
     # -- RPCs -----------------------------------------------------------------
 
-    def aiosync_ipc_init(self, plan: Mapping[str, Any]) -> dict[str, Any]:
-        """Register the trainer's bucket plan (``BucketPlan.to_json()``).
+    def aiosync_ipc_init(self, plan: Mapping[str, Any], delta: bool = False) -> dict[str, Any]:
+        """Register the trainer's bucket plan (``BucketPlan.to_json()``); ``delta``:
+        the synchronizer sends delta patches (keep what applying them needs,
+        :attr:`aiosync_keep_delta_base`).
 
         Returns:
             ``{"ok": True, "rank", "device", "digest", "num_tensors"}`` (``device``:
@@ -147,6 +149,7 @@ class IPCWorkerMixin(WorkerIdentityMixin):
             if isinstance(model, _ManifestModel):
                 _compare_unordered(bucket_plan.manifest(), model.expected_manifest())
             self._aiosync_ipc_state().remember(bucket_plan)
+            self.aiosync_keep_delta_base = delta
         except Exception as exc:
             return {"ok": False, **error_fields(exc)}
         return {
@@ -264,12 +267,11 @@ class IPCWorkerMixin(WorkerIdentityMixin):
             (:class:`~aiosync.delta.PatchModel`).
         """
         state = self._aiosync_ipc_state()
-        model = self.model_runner.model  # type: ignore[attr-defined]
         return {
             "ok": True,
             "rank": self.aiosync_worker_rank(),
             "held": state.held_version(str(owner), self.aiosync_discard_epoch),
-            "patches": isinstance(model, PatchModel),
+            "patches": self._aiosync_patch_model() is not None,
         }
 
     def aiosync_ipc_release(self, owner: str) -> dict[str, Any]:
@@ -362,15 +364,18 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                 )
             load = self._aiosync_full_loader()
             patched = delta is not None and rank in _delta_ranks(delta)
+            patches = None
             if patched:
                 assert delta is not None
                 # Refused here, before the hello: the trainer sends no bucket to anyone.
-                plan, load = self._aiosync_patch_loader(plan, delta, held)
+                plan, load, patches = self._aiosync_patch_loader(plan, delta, held)
             sock.send(encode({"t": "hello", "sync_id": sync_id, "rank": rank, "digest": digest}))
             senders: set[str] = set()
             tensors, nbytes = self._aiosync_load_buckets(
                 state, link, plan, mapped, sync_id, timeout_s, device, senders, trace, keep, load
             )
+            if patches is not None:
+                finish_patches(patches)  # before "done": a failure here fails the sync
             sock.send(encode({"t": "done", "sync_id": sync_id, "rank": rank}))
             succeeded = True
             if version is not None and self.aiosync_discard_epoch == discards:
@@ -418,9 +423,9 @@ class IPCWorkerMixin(WorkerIdentityMixin):
 
     def _aiosync_patch_loader(
         self, plan: BucketPlan, delta: Mapping[str, Any], held: int | None
-    ) -> tuple[BucketPlan, Callable[[Bucket, torch.Tensor], int]]:
-        """The wire plan of a delta sync against ``plan`` and the bucket loader that
-        applies its patches (returns the patches applied).
+    ) -> tuple[BucketPlan, Callable[[Bucket, torch.Tensor], int], PatchModel]:
+        """The wire plan of a delta sync against ``plan``, the bucket loader that
+        applies its patches (returns the patches applied), and the model it writes.
 
         Raises:
             RefitMismatchError: a malformed delta, a wire plan whose digest is not
@@ -442,10 +447,11 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                 f"{who} holds version {held}, the delta patches were computed against "
                 f"version {base}: a full sync is needed"
             )
-        model = self.model_runner.model  # type: ignore[attr-defined]
-        if not isinstance(model, PatchModel):
+        model = self._aiosync_patch_model()
+        if model is None:
             raise TransportError(
-                f"{who}: {type(model).__name__} cannot apply delta patches (apply_weight_patches)"
+                f"{who}: {type(self.model_runner.model).__name__} cannot apply delta "  # type: ignore[attr-defined]
+                "patches (apply_weight_patches)"
             )
         # A sparse patch is two wire tensors (where, values), maybe in two buckets.
         partial: dict[str, dict[str, torch.Tensor]] = {}
@@ -470,7 +476,7 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                 partial[patch] = {n: t.clone() for n, t in half.items()}
             return len(ready)
 
-        return wire, load
+        return wire, load, model
 
     def _aiosync_load_buckets(
         self,

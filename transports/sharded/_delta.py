@@ -353,6 +353,7 @@ class _DeltaReceiver:
         base: int,
         apply: ApplyFn,
         refusal: BaseException | None,
+        finish: Callable[[], None] | None = None,
     ) -> None:
         self.link = link
         self.plan = plan
@@ -361,6 +362,7 @@ class _DeltaReceiver:
         self.base = base
         self.apply = apply
         self.refusal = refusal
+        self.finish = finish
 
     def _counts(self, src: int, transfers: Sequence[Transfer], header: torch.Tensor) -> list[int]:
         counts = [int(c) for c in header.cpu().tolist()]
@@ -426,6 +428,8 @@ class _DeltaReceiver:
             try:
                 for src in sorted(buffers):
                     self.apply(*self._decode(lists[src], counts[src], buffers[src]))
+                if self.finish is not None:
+                    self.finish()
             except Exception as exc:  # the finish still tells every sender
                 failure = exc
         status = _OK if failure is None else _status_of(failure)
@@ -446,6 +450,7 @@ def run_delta_plan(
     source: SourceFn | None = None,
     baseline: ShardBaseline | None = None,
     apply: ApplyFn | None = None,
+    finish: Callable[[], None] | None = None,
     refusal: BaseException | None = None,
     device: torch.device | str = "cpu",
     timeout_s: float,
@@ -464,6 +469,8 @@ def run_delta_plan(
             changes are staged into it (:meth:`~aiosync.delta.DeltaBaseline.commit`
             once the sync committed everywhere).
         apply: on a receiver, writes one sender's boxes and patches (:data:`ApplyFn`).
+        finish: on a receiver, called after every sender's were applied, before the
+            outcome is reported (a model that stages patches makes them live).
         refusal: on a receiver, a reason decided before the call to write nothing
             (it drains every message, then fails with it, reported to the senders).
         device: where the messages' buffers live.
@@ -494,4 +501,4 @@ def run_delta_plan(
         return _DeltaSender(link, plan, rank, source, baseline, version).run()
     if apply is None:
         raise ValueError(f"{who} needs an apply")
-    return _DeltaReceiver(link, plan, rank, base, apply, refusal).run()
+    return _DeltaReceiver(link, plan, rank, base, apply, refusal, finish).run()

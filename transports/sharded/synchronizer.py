@@ -383,6 +383,8 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
             "session": session,
             "data_plane": self.data_plane,
         }
+        if self.delta_baseline is not None:
+            kwargs["delta"] = True
 
         return await self._join_with_workers(join, "aiosync_sharded_init", kwargs, session)
 

@@ -20,7 +20,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
-from aiosync.delta import PatchModel, WeightPatch
+from aiosync.delta import WeightPatch, finish_patches
 from aiosync.errors import OwnershipError, RefitMismatchError, TransportError
 from aiosync.layout import Layout, Part
 
@@ -154,6 +154,7 @@ class ShardedWorkerMixin(WorkerIdentityMixin):
         session: str,
         owner: str = "",
         data_plane: DataPlane = "torch",
+        delta: bool = False,
     ) -> dict[str, Any]:
         """Join the sync group as rank ``train_world_size + aiosync_worker_rank()``.
 
@@ -172,6 +173,8 @@ class ShardedWorkerMixin(WorkerIdentityMixin):
             data_plane: what moves the buckets: ``"torch"`` (the group's
                 point-to-point sends) or ``"mooncake"`` (Mooncake writes, the
                 control messages on the group; :mod:`._mooncake`).
+            delta: the synchronizer sends delta patches: keep what applying them
+                needs (:attr:`aiosync_keep_delta_base`).
 
         Returns:
             ``{"rank": session rank, "digest": plan digest, "nbytes": bytes this
@@ -222,6 +225,7 @@ class ShardedWorkerMixin(WorkerIdentityMixin):
             raise
         assert parsed is not None  # a parse failure voted a mismatch above
         self._aiosync_sharded = _State(group, parsed, owner, data_plane)
+        self.aiosync_keep_delta_base = delta
         return {
             "rank": group.rank,
             "digest": digest,
@@ -258,7 +262,7 @@ class ShardedWorkerMixin(WorkerIdentityMixin):
         state = self._aiosync_sharded_state(owner)
         if state.held is None or state.held[1] != getattr(self, "aiosync_discard_epoch", 0):
             return None
-        if not isinstance(self.model_runner.model, PatchModel):  # type: ignore[attr-defined]
+        if self._aiosync_patch_model() is None:
             return None  # it could not apply a delta: every sync is a full one
         return state.held[0]
 
@@ -346,16 +350,17 @@ class ShardedWorkerMixin(WorkerIdentityMixin):
         """Receive a delta against ``base``; refused (nothing written) unless this
         worker holds ``base`` whole and its model applies patches."""
         who = f"engine worker {self.aiosync_worker_rank()}"
-        model: Any = self.model_runner.model  # type: ignore[attr-defined]
+        model: Any = self._aiosync_patch_model()
         refusal: BaseException | None = None
         if held != base:
             refusal = RefitMismatchError(
                 f"{who} holds version {held}, the delta patches were computed against "
                 f"version {base}: a full sync is needed"
             )
-        elif not isinstance(model, PatchModel):
+        elif model is None:
             refusal = TransportError(
-                f"{who}: {type(model).__name__} cannot apply delta patches (apply_weight_patches)"
+                f"{who}: {type(self.model_runner.model).__name__} cannot apply delta "  # type: ignore[attr-defined]
+                "patches (apply_weight_patches)"
             )
 
         def apply(boxes: list[tuple[str, Box, torch.Tensor]], patches: list[WeightPatch]) -> None:
@@ -370,6 +375,7 @@ class ShardedWorkerMixin(WorkerIdentityMixin):
             group,
             base=base,
             apply=apply,
+            finish=lambda: finish_patches(model),
             refusal=refusal,
             device=group.device,
             timeout_s=group.timeout_s,
@@ -455,6 +461,7 @@ def run_delta_and_vote(
     source: SourceFn | None = None,
     baseline: ShardBaseline | None = None,
     apply: ApplyFn | None = None,
+    finish: Callable[[], None] | None = None,
     refusal: BaseException | None = None,
     device: torch.device,
     timeout_s: float,
@@ -474,6 +481,7 @@ def run_delta_and_vote(
             source=source,
             baseline=baseline,
             apply=apply,
+            finish=finish,
             refusal=refusal,
             device=device,
             timeout_s=timeout_s,
