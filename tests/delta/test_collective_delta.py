@@ -21,7 +21,6 @@ import torch
 from aiosync import CollectiveWeightSynchronizer, TrainCluster
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.engine import EmbeddedEngine
-from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.errors import RefitMismatchError, TransportError
 from aiosync.refit import DTensorRefitSource
 from tests._support.delta import DeltaTrainer, committed, holds, patch_bytes
@@ -154,10 +153,22 @@ async def _always() -> bool:
     return True
 
 
-async def test_delta_needs_the_in_place_broadcast() -> None:
-    source = DTensorRefitSource(HFModelRunner.from_config(TINY_QWEN3, seed=1).model)
-    with pytest.raises(ValueError, match="needs overlap='inplace'"):
-        CollectiveWeightSynchronizer(
-            source, None, train_cluster=TrainCluster(), inference_world_size=1,
-            delta=True, overlap="staged",
-        )  # fmt: skip
+async def test_staged_deltas_stage_only_the_patches_and_commit_bit_exact(
+    engine: EmbeddedEngine,
+) -> None:
+    trainer = DeltaTrainer(seed=34, lr=1e-5)
+    full = trainer.full_bytes()
+    async with _sync(trainer, engine, overlap="staged") as sync, sync.subscribe() as events:
+        assert await committed(sync, events) == (False, full)
+        for _ in range(2):
+            before = trainer.state()
+            trainer.step()
+            after = trainer.state()
+            delta, nbytes = await committed(sync, events)
+            assert delta and nbytes == patch_bytes(before, after)
+            # Each worker staged the wire buckets only, and reports what it wrote.
+            assert [r["nbytes"] for r in sync.last_worker_results] == [nbytes, nbytes]
+            assert await holds(engine, after)
+        await engine.prepare_for_generation()
+        expected = trainer.runner.generate(PROMPTS, max_new_tokens=4, ignore_eos=True)
+        assert await engine.generate(PROMPTS, max_new_tokens=4, ignore_eos=True) == expected

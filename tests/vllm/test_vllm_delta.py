@@ -116,8 +116,9 @@ async def deltas_land_bit_exact(backend: Any, trainer: Any, sync: Any) -> None:
         assert sync.weight_version == 3
 
 
+@pytest.mark.parametrize("overlap", ["inplace", "staged"])
 async def test_collective_deltas_rewrite_only_the_touched_layers_and_land_bit_exact(
-    llm: Any, trainer: Any, free_port: Callable[[], int]
+    llm: Any, trainer: Any, free_port: Callable[[], int], overlap: str
 ) -> None:
     backend = VLLMGenerationBackend(llm)
     sync = CollectiveWeightSynchronizer(
@@ -128,6 +129,7 @@ async def test_collective_deltas_rewrite_only_the_touched_layers_and_land_bit_ex
         dist_backend="gloo",
         bucket_bytes=16 * 1024,  # q and k of one layer can land in two buckets
         delta=True,
+        overlap=overlap,  # staged: the workers stage the patches, write them at the commit
         collective_timeout_s=120,
         rpc_timeout_s=120,
     )

@@ -139,9 +139,10 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             copy of the weights on trainer rank 0 (the baseline; two during a full
             sync). The first sync, and any after a failed or cancelled one, a
             worker that does not hold the baseline (respawned, discarded weights,
-            a new group) or a new engine, is a full one. ``overlap="inplace"``
-            only. With several trainer ranks every rank gathers as for a full sync
-            (rank 0 diffs what it gathered).
+            a new group) or a new engine, is a full one. With ``overlap="staged"``
+            the workers stage the patches' wire buckets (their size, not the
+            weights') and write them at the commit. With several trainer ranks
+            every rank gathers as for a full sync (rank 0 diffs what it gathered).
         timeouts: every limit (:class:`~aiosync.Timeouts`); ``rpc_s`` bounds each
             control RPC to the workers.
         rpc_timeout_s: overrides ``timeouts.rpc_s``, seconds.
@@ -157,7 +158,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
 
     Raises:
         ValueError: an option is out of range, ``dist_backend`` is not
-            ``"nccl"``, ``"gloo"`` or None, or ``delta`` with ``overlap="staged"``.
+            ``"nccl"``, ``"gloo"`` or None.
         TypeError: ``train_cluster`` is not a :class:`~aiosync.TrainCluster`.
     """
 
@@ -222,8 +223,6 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
         if overlap not in ("inplace", "staged"):
             raise ValueError(f"overlap must be 'inplace' or 'staged', got {overlap!r}")
-        if delta and overlap != "inplace":
-            raise ValueError("delta=True writes patches in place: it needs overlap='inplace'")
         if collective_timeout_s is not None and not 0 < collective_timeout_s < float("inf"):
             raise ValueError(
                 f"collective_timeout_s must be a finite number > 0, got {collective_timeout_s}"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -64,6 +64,11 @@ class _Staged:
     kv_names: list[str]
     thread: threading.Thread
     started: float
+    #: The plan received (a delta's wire plan, or the full one) and its buffers.
+    plan: BucketPlan
+    buffers: list[torch.Tensor]
+    #: A delta's bucket loader (its patches); None: the full weights.
+    load: Callable[[Bucket, torch.Tensor], None] | None = None
     result: tuple[torch.Tensor, list[int]] | None = None
     error: BaseException | None = None
 
@@ -376,24 +381,48 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         return plan, load, refusal
 
     def aiosync_collective_stage(
-        self, *, version: int, kv_names: list[str], verify: bool = False, owner: str = ""
+        self,
+        *,
+        version: int,
+        kv_names: list[str],
+        verify: bool = False,
+        owner: str = "",
+        delta: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Start receiving ``version`` into a staging area; returns at once.
 
         The engine keeps generating with its live weights meanwhile; the
         staging area holds one full copy of the packed weights (on the GPU with
-        NCCL). :meth:`aiosync_collective_commit` then copies it in. Raises
+        NCCL), or a delta's wire buckets (``delta``: as for
+        :meth:`aiosync_collective_receive`; a worker that does not hold its base
+        refuses it, every rank failing at the vote, and nothing is written).
+        :meth:`aiosync_collective_commit` then writes it in. Raises
         :class:`~aiosync.errors.OwnershipError` for a group of another owner.
         """
         state = self._aiosync_collective_state(owner)
         if state.staged is not None:
             raise TransportError("a staged receive is already running on this worker")
-        if not state.staging:
-            state.staging = [
+        plan, refusal, load = state.plan, None, None
+        if delta is not None:
+            held = self.aiosync_collective_held_version(owner)
+            plan, load, refusal = self._aiosync_coll_delta(
+                state, delta, held, self._aiosync_patch_model()
+            )
+            # A delta's buckets are few and small: a staging area of their own.
+            buffers = [
                 torch.empty(b.nbytes, dtype=torch.uint8, device=state.group.device)
-                for b in state.plan.buckets
+                for b in plan.buckets
             ]
-        staged = _Staged(version, list(kv_names), threading.Thread(), time.perf_counter())
+        else:
+            if not state.staging:
+                state.staging = [
+                    torch.empty(b.nbytes, dtype=torch.uint8, device=state.group.device)
+                    for b in state.plan.buckets
+                ]
+            buffers = state.staging
+        staged = _Staged(
+            version, list(kv_names), threading.Thread(), time.perf_counter(), plan, buffers, load
+        )
         device = state.group.device
 
         def run() -> None:
@@ -405,12 +434,13 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
                 with torch.cuda.stream(stream) if stream is not None else nullcontext():
                     staged.result = receive_buckets(
                         state.group,
-                        state.plan,
-                        lambda b: state.staging[b.index],
+                        plan,
+                        lambda b: buffers[b.index],
                         version=version,
                         n_kv=len(kv_names),
                         verify=verify,
                         on_bucket=None,
+                        refuse=refusal,
                     )
                 if stream is not None:
                     stream.synchronize()
@@ -420,7 +450,7 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         staged.thread = threading.Thread(target=run, name="aiosync-stage", daemon=True)
         state.staged = staged
         staged.thread.start()
-        return {"version": version, "staging_bytes": sum(t.numel() for t in state.staging)}
+        return {"version": version, "staging_bytes": sum(t.numel() for t in buffers)}
 
     def aiosync_collective_commit(self, *, version: int, owner: str = "") -> dict[str, Any]:
         """Wait for the staged receive of ``version``, then copy it into the live weights.
@@ -452,13 +482,19 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         discards = self.aiosync_discard_epoch
         state.held = None
         self.aiosync_weights_valid = False
-        model = self.model_runner.model  # type: ignore[attr-defined]
-        model.load_weights(self._aiosync_coll_iter_staged(state))
+        if staged.load is not None:  # a delta: its patches, bucket by bucket
+            for bucket, buf in zip(staged.plan.buckets, staged.buffers, strict=True):
+                staged.load(bucket, buf)
+        else:
+            model = self.model_runner.model  # type: ignore[attr-defined]
+            model.load_weights(self._aiosync_coll_iter_staged(state))
         scales = self._aiosync_coll_load_kv(staged.kv_names, kv, state.group.device)
         self._aiosync_coll_check_discards(discards)
         self.aiosync_weights_valid = True
         state.held = (version, discards)
-        return self._aiosync_coll_result(version, staged.kv_names, checksums, scales, start)
+        return self._aiosync_coll_result(
+            version, staged.kv_names, checksums, scales, start, nbytes=staged.plan.total_bytes
+        )
 
     # -- helpers ---------------------------------------------------------------
 
