@@ -224,16 +224,6 @@ async def test_a_respawned_engine_of_a_fleet_gets_every_tensor_while_the_other_g
         assert await fleet.respawn_dead_workers() == [2]
 
 
-async def test_delta_needs_one_trainer_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch.distributed as dist
-
-    monkeypatch.setattr(dist, "get_rank", lambda group: 0)
-    monkeypatch.setattr(dist, "get_world_size", lambda group: 2)
-    source = DTensorRefitSource(HFModelRunner.from_config(TINY_QWEN3, seed=1).model)
-    with pytest.raises(ValueError, match="several trainer ranks"):
-        IPCWeightSynchronizer(source, object(), delta=True, process_group=object())
-
-
 async def test_the_factory_builds_a_colocated_delta_synchronizer() -> None:
     source = DTensorRefitSource(HFModelRunner.from_config(TINY_QWEN3, seed=1).model)
     sync = create_weight_synchronizer(

@@ -213,12 +213,15 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
             worker alone, the sync of a worker that does not hold the baseline
             (respawned, discarded weights, a model without
             ``apply_weight_patches``), the others getting the patches in the same
-            sync (the source is then read twice). One trainer rank only.
+            sync (the source is then read twice). With several trainer ranks each
+            rank keeps its own baseline (a host copy of the full tensors it
+            gathers) and sends its workers the patches, and a sync is a delta
+            only when every worker holds the base (else full everywhere: one
+            choice, rank 0's, so that the ranks' gathers stay paired).
 
     Raises:
         ValueError: a non-positive size, fraction or timeout; group rank 0 of a
-            sharded trainer without ``generation``; ``delta`` with several
-            trainer ranks.
+            sharded trainer without ``generation``.
         TypeError: ``timeouts`` is not an :class:`~aiosync.Timeouts`.
     """
 
@@ -246,13 +249,6 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
         ranks = TrainerRanks(process_group)
         if ranks.is_driver and generation is None:
             raise ValueError("generation is None on the trainer rank that drives the engine")
-        if delta and ranks.sharded:
-            raise ValueError(
-                "delta=True is not supported with several trainer ranks yet "
-                f"(process_group of {ranks.size}): each rank would keep its own host "
-                "baseline, and the delta-or-full choice, made from rank 0's RPCs, "
-                "would have to be agreed before the per-tensor votes of the gathers"
-            )
         if bucket_bytes is not None and bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
         if not 0 < buffer_memory_fraction <= 1:
@@ -287,6 +283,8 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
         self.num_workers = 0
         #: Global ranks of the engine workers this trainer rank sends to.
         self.peers: list[int] = []
+        # Global ranks of every engine worker (all trainer ranks'), from init.
+        self._all_workers: list[int] = []
         self._endpoints: dict[str, str] | None = None
         # Every rank's (hostname, pid), gathered at init: names a dead rank.
         self._rank_processes: list[tuple[str, int]] = []
@@ -358,6 +356,7 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
             await self._check_model_configs()
             self.num_workers = len(workers)
             self.peers = [rank for rank, _device in workers]
+            self._all_workers = sorted(self.peers)
             # One token for the synchronizer's life: a sync after a re-init then
             # supersedes a receive a failed sync left running on a worker, where a
             # new token would be refused as another synchronizer's (OwnershipError).
@@ -427,6 +426,7 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
             )
         self.num_workers = len(workers)
         self.peers = [rank for rank, device in workers if device == self.device_id]
+        self._all_workers = sorted(rank for rank, _device in workers)
 
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> Transferred:
         assert self.plan is not None
@@ -488,14 +488,21 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
         if baseline is None:
             return [_Lane(self.plan, self.peers, weights)], None
         self._sync_discards = list(self._engine_discards)
-        holders = await self._workers_holding_baseline()
+        holders = await self._workers_holding_baseline() if self._ranks.is_driver else []
+        if self._ranks.sharded:
+            # One choice on every rank, from the driver's RPCs: patches only when every
+            # worker holds the base. A rank that re-read the source for its workers
+            # alone would leave the gathers the ranks make together.
+            everyone = holders == self._all_workers
+            everyone = bool((await self._ranks.all_gather(everyone))[0])
+            holders = self._all_workers if everyone else []
         if not holders:
             return [_Lane(self.plan, self.peers, baseline.stage_full(version, weights))], None
         wire_plan, wires, patches, spec = await anyio.to_thread.run_sync(
             self._diff, baseline, self.plan, weights
         )
         spec["ranks"] = holders
-        lanes = [_Lane(wire_plan, holders, iter(wires))]
+        lanes = [_Lane(wire_plan, [r for r in holders if r in self.peers], iter(wires))]
         others = [rank for rank in self.peers if rank not in holders]
         if others:
             # The workers without the base get every tensor: the source is read again
@@ -508,8 +515,9 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
         return lanes, spec
 
     async def _workers_holding_baseline(self) -> list[int]:
-        """The ranks of the workers that hold the baseline's version whole and can
-        apply patches (the others need every tensor), ascending."""
+        """The global ranks of the workers (every trainer rank's) that hold the
+        baseline's version whole and can apply patches (the others need every
+        tensor), ascending. Driver only."""
         baseline = self.delta_baseline
         if baseline is None or baseline.version is None:
             return []
@@ -536,7 +544,7 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
                 _check_reply(reply, i, "aiosync_ipc_held_version")
                 if reply.get("held") == baseline.version and reply.get("patches"):
                     holders.append(int(reply["rank"]))
-        return sorted(set(holders) & set(self.peers))
+        return sorted(set(holders) & set(self._all_workers))
 
     @staticmethod
     def _diff(
