@@ -15,7 +15,9 @@ An engine is an :class:`Engine` (wake and sleep); everything else is optional:
 collective drive the workers), :class:`Generating` (the rollout loop) and
 :class:`ValidityReporting`, :class:`ManifestReporting` and
 :class:`ConfigReporting` (checks before a sync), :class:`LayoutReporting` (the
-shard-aware transport) and :class:`EngineSet` (a fleet).
+shard-aware transport) and :class:`EngineSet` (a fleet), :class:`ElasticEngines`
+(a fleet that sets failed engines aside) and :class:`HealthReporting` (how it
+tells them).
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ __all__ = [
     "IN_FLIGHT_POLICIES",
     "ConfigReporting",
     "DiscardNotifier",
+    "ElasticEngines",
     "Engine",
     "EngineSet",
     "EngineWorkers",
     "Generating",
+    "HealthReporting",
     "InFlightPolicy",
     "LayoutReporting",
     "ManifestReporting",
@@ -224,6 +228,38 @@ class EngineSet(Protocol):
     @property
     def engines(self) -> Sequence[Any]:
         """The member engines, in order."""
+        ...
+
+
+@runtime_checkable
+class HealthReporting(Protocol):
+    """An engine that can tell at once whether it can serve (its workers alive, its
+    server answering)."""
+
+    async def check_health(self) -> None:
+        """Return if healthy; raise (e.g. :class:`~aiosync.errors.TransportError`
+        naming the dead worker) if not."""
+        ...
+
+
+@runtime_checkable
+class ElasticEngines(Protocol):
+    """A fleet whose membership changes (an :class:`~aiosync.EngineFleet` with
+    ``on_engine_failure="quarantine"``, or one given engines by ``add_engine``): the
+    synchronizer re-initializes when :attr:`membership_epoch` moved, and after a
+    failed sync retries on the engines left once :meth:`set_aside_failed` set some aside."""
+
+    @property
+    def membership_epoch(self) -> int:
+        """Incremented by every membership change."""
+        ...
+
+    async def set_aside_failed(self, error: BaseException) -> list[tuple[str, str]]:
+        """Quarantine the engines that failed; ``[(label, reason)]`` (empty: none)."""
+        ...
+
+    def take_joined(self) -> list[str]:
+        """The engines that went into service at the last commit (each reported once)."""
         ...
 
 

@@ -47,6 +47,10 @@ class VersionEventKind(enum.Enum):
     COMMITTED = "committed"  #: ``version`` is live on all generation workers
     FAILED = "failed"  #: moving ``version`` failed or was cancelled
     OVERFLOW = "overflow"  #: this subscriber missed ``missed`` events
+    #: a fleet set ``engine`` aside (``error``: why) while syncing ``version``
+    ENGINE_QUARANTINED = "engine_quarantined"
+    #: ``engine`` joined its fleet and serves from ``version`` on (its first full sync)
+    ENGINE_JOINED = "engine_joined"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +74,8 @@ class WeightVersionEvent:
         delta: the sync moved delta patches (``delta=True``: only the elements
             whose bits changed, ``nbytes`` being their encoding) rather than every
             tensor (``COMMITTED``), else False.
+        engine: the fleet member concerned (``ENGINE_QUARANTINED``,
+            ``ENGINE_JOINED``: ``"engine 1 of 3 (EmbeddedEngine)"``), else None.
     """
 
     kind: VersionEventKind
@@ -83,6 +89,7 @@ class WeightVersionEvent:
     missed: int = 0
     pause_s: float = 0.0
     delta: bool = False
+    engine: str | None = None
 
 
 class EventSubscription:
@@ -209,10 +216,22 @@ class _EventHub:
         error: str | None = None,
         pause_s: float = 0.0,
         delta: bool = False,
+        engine: str | None = None,
     ) -> WeightVersionEvent:
         policy, weight = self._versions()
         event = WeightVersionEvent(
-            kind, version, time.time(), policy, weight, nbytes, duration_s, error, 0, pause_s, delta
+            kind,
+            version,
+            time.time(),
+            policy,
+            weight,
+            nbytes,
+            duration_s,
+            error,
+            0,
+            pause_s,
+            delta,
+            engine,
         )
         for sub in self._behind:
             sub._missed += 1

@@ -41,6 +41,7 @@ from .capabilities import (
     IN_FLIGHT_POLICIES,
     ConfigReporting,
     DiscardNotifier,
+    ElasticEngines,
     Engine,
     EngineWorkers,
     InFlightPolicy,
@@ -319,6 +320,8 @@ class WeightSynchronizer(ABC):
         self.owner = secrets.token_hex(8)
         # Why another synchronizer's commit took the engine from this one (None: not).
         self._superseded: str | None = None
+        # The elastic fleet's membership_epoch the transport was last initialized for.
+        self._membership_seen: int | None = None
         # One listener per synchronizer, on the engine (a fleet forwards to its
         # members) or on each engine of a plain list; removed by shutdown().
         members = generation if isinstance(generation, list | tuple) else (generation,)
@@ -413,6 +416,9 @@ class WeightSynchronizer(ABC):
         """
         self._check_open()
         self._initialized = True
+        fleet = self._elastic()
+        if fleet is not None:
+            self._membership_seen = fleet.membership_epoch
         # Initializing is the explicit take-over: a superseded synchronizer syncs again.
         self._superseded = None
         for engine in self._engines():
@@ -617,7 +623,7 @@ class WeightSynchronizer(ABC):
                         # engines of a fleet paused) is resumed all the same.
                         paused_at = time.perf_counter()
                         await pausable.pause_generation(policy, clear_cache=True)
-                    moved = await self._transfer(version, kv_scales)
+                    moved = await self._elastic_transfer(version, kv_scales)
                 if self._discards != discards:
                     raise SyncError(
                         f"the engine discarded its weights while version {version} was being "
@@ -668,8 +674,52 @@ class WeightSynchronizer(ABC):
                 pause_s=pause_s,
                 delta=isinstance(moved, Transferred) and moved.delta,
             )
+            fleet = self._elastic()
+            for label in fleet.take_joined() if fleet is not None else ():
+                self._events.publish(VersionEventKind.ENGINE_JOINED, version, engine=label)
             if resume_error is not None:
                 raise resume_error
+
+    # -- elastic fleets ----------------------------------------------------------
+
+    def _elastic(self) -> ElasticEngines | None:
+        """The engine fleet whose membership may change, when this process alone drives
+        it (a sharded trainer's ranks could not agree on a membership only one sees)."""
+        if self._sharded() or not self._drives_generation():
+            return None
+        return self.generation if isinstance(self.generation, ElasticEngines) else None
+
+    async def _elastic_transfer(self, version: int, kv_scales: KVScales | None) -> Any:
+        """:meth:`_transfer`, re-initialized first when the fleet's membership changed,
+        and, when a failure made the fleet quarantine engines
+        (``on_engine_failure="quarantine"``), again over the engines left: each round
+        sets at least one engine aside, so this ends."""
+        fleet = self._elastic()
+        while True:
+            if fleet is not None and fleet.membership_epoch != self._membership_seen:
+                await self._membership_changed()
+                self._membership_seen = fleet.membership_epoch
+            try:
+                return await self._transfer(version, kv_scales)
+            except Exception as exc:
+                if fleet is None:
+                    raise
+                removed = await fleet.set_aside_failed(exc)
+                if not removed:
+                    raise
+                # What the failed round wrote is no base for a delta.
+                self._sync_outcome(version, committed=False)
+                for label, reason in removed:
+                    _log.warning("quarantined %s: %s", label, reason)
+                    self._events.publish(
+                        VersionEventKind.ENGINE_QUARANTINED, version, error=reason, engine=label
+                    )
+
+    async def _membership_changed(self) -> None:
+        """The fleet's engines changed (a quarantine, an ``add_engine``): set the
+        transport up again over the engines now in the sync (default: re-run
+        :meth:`init_communicator`)."""
+        await self.init_communicator()
 
     def _drives_generation(self) -> bool:
         """Whether this process pauses, wakes and labels the engine around a sync:

@@ -12,6 +12,20 @@ An error of one engine is raised with the engine named (``engine 1 of 2: ...``)
 and fails the whole sync; every engine that may hold part of the failed
 version then refuses to generate until a sync succeeds.
 
+**Elastic fleets** (``on_engine_failure="quarantine"``). After a failed sync the
+synchronizer asks the fleet which members failed (:meth:`EngineFleet.set_aside_failed`):
+each engine in the sync is checked (:class:`~aiosync.capabilities.HealthReporting`,
+else one short worker RPC); the ones that fail are *quarantined*: no more syncs,
+no generate calls. If at least ``min_engines`` remain, the synchronizer re-forms
+its transport over them and syncs them again within the same ``sync_weights()``
+(``weight_version`` then means "live on every engine in service"); below it the
+sync fails as with ``"fail"``. :meth:`EngineFleet.add_engine` (a new engine, or a
+healed one) brings an engine in as *joining*: the next sync gives it every
+tensor, and it serves only once that sync committed. Worker ranks stay
+contiguous over the engines in the sync; each membership change bumps
+:attr:`EngineFleet.membership_epoch`, which makes the synchronizer re-initialize
+before its next transfer.
+
 Capabilities (:mod:`aiosync.capabilities`) when some members lack one: what a
 member can skip without lying the fleet forwards to the members that have it
 (:class:`~aiosync.capabilities.PausableEngine`, ``VersionedEngine``,
@@ -25,9 +39,10 @@ member (an error naming the member that lacks it, before any member is called).
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_checkable
 
 import anyio
 
@@ -37,6 +52,7 @@ from aiosync.capabilities import (
     DiscardNotifier,
     EngineWorkers,
     Generating,
+    HealthReporting,
     InFlightPolicy,
     LayoutReporting,
     PausableEngine,
@@ -51,12 +67,17 @@ from aiosync.lora import LoRAAdapter, LoRAEngine
 from ._generate import GenerateFromMeta
 
 if TYPE_CHECKING:
-    from aiosync.capabilities import Engine, EngineSet, WorkerDescribing
+    from aiosync.capabilities import ElasticEngines, Engine, EngineSet, WorkerDescribing
     from aiosync.layout import Layout
 
-__all__ = ["EngineFleet", "LoRAEngine", "RespawningEngine"]
+__all__ = ["EngineFleet", "LoRAEngine", "OnEngineFailure", "RespawningEngine"]
 
 _T = TypeVar("_T")
+_log = logging.getLogger(__name__)
+
+#: What a fleet does with an engine that fails a sync: fail the sync (``"fail"``), or
+#: set the engine aside and commit on the others (``"quarantine"``).
+OnEngineFailure = Literal["fail", "quarantine"]
 
 #: The keywords of generate_with_meta that are sampling parameters (the rest
 #: are an engine's own, e.g. the embedded engine's ``timeout_s``).
@@ -79,14 +100,44 @@ class EngineFleet(GenerateFromMeta):
         engines: the engines (one is allowed); each a :class:`~aiosync.GenerationBackend`,
             and an :class:`~aiosync.EngineWorkers` (``collective_rpc``) for the
             IPC and collective transports. Order fixes the worker ranks.
+        on_engine_failure: ``"fail"`` (one failing engine fails the sync) or
+            ``"quarantine"`` (see the module docs).
+        min_engines: with ``"quarantine"``, the fewest engines in service a sync
+            may commit on (>= 1).
+        probe_timeout_s: limit of the check of one engine after a failed sync, seconds.
 
     Raises:
-        ValueError: no engine, or the same engine twice.
+        ValueError: no engine, the same engine twice, an unknown
+            ``on_engine_failure``, or ``min_engines`` < 1.
     """
 
-    def __init__(self, engines: Sequence[Any]) -> None:
+    def __init__(
+        self,
+        engines: Sequence[Any],
+        *,
+        on_engine_failure: OnEngineFailure = "fail",
+        min_engines: int = 1,
+        probe_timeout_s: float = 10.0,
+    ) -> None:
+        if on_engine_failure not in ("fail", "quarantine"):
+            raise ValueError(
+                f"on_engine_failure must be 'fail' or 'quarantine', got {on_engine_failure!r}"
+            )
+        if isinstance(min_engines, bool) or not isinstance(min_engines, int) or min_engines < 1:
+            raise ValueError(f"min_engines must be an int >= 1, got {min_engines!r}")
         # A plain list: engines_of would take a fleet given here for its members.
-        self.engines: list[Any] = list(engines_of(list(engines)))
+        #: Every engine ever in the fleet, in order (quarantined ones included).
+        self.members: list[Any] = list(engines_of(list(engines)))
+        self.on_engine_failure: OnEngineFailure = on_engine_failure
+        self.min_engines = min_engines
+        self.probe_timeout_s = probe_timeout_s
+        # Membership, by id(): absent = in service.
+        self._joining: set[int] = set()
+        self._quarantined: dict[int, str] = {}
+        self._joined: list[str] = []
+        self._listeners: list[Callable[[], None]] = []
+        #: Incremented by every membership change (a quarantine, an add_engine).
+        self.membership_epoch = 0
         #: Each engine's first global worker rank, once assigned.
         self._offsets: list[int] | None = None
         self._num_workers = 0
@@ -96,7 +147,7 @@ class EngineFleet(GenerateFromMeta):
         # A member engine that replaces a worker (its own ``respawn_dead_workers``)
         # reports the discarded weights: the new worker lacks its rank offset, so
         # the ranks are assigned again on the next collective_rpc.
-        for engine in engines:
+        for engine in self.members:
             if isinstance(engine, DiscardNotifier):
                 engine.add_weights_discarded_listener(self._forget_ranks)
 
@@ -106,6 +157,103 @@ class EngineFleet(GenerateFromMeta):
     def __repr__(self) -> str:
         return f"EngineFleet({', '.join(type(e).__name__ for e in self.engines)})"
 
+    # -- membership ------------------------------------------------------------
+
+    @property
+    def engines(self) -> list[Any]:
+        """The engines syncs reach, in order: those in service and those joining
+        (never a quarantined one)."""
+        return [e for e in self.members if id(e) not in self._quarantined]
+
+    @property
+    def serving(self) -> list[Any]:
+        """The engines in service: generate calls go to these only."""
+        return [e for e in self.engines if id(e) not in self._joining]
+
+    @property
+    def quarantined(self) -> dict[str, str]:
+        """``{label: reason}`` of the engines set aside."""
+        return {self._name(e): why for e in self.members if (why := self._quarantined.get(id(e)))}
+
+    def add_engine(self, engine: Any) -> None:
+        """Bring ``engine`` (a new one, or a quarantined one healed or respawned) in as
+        *joining*: the next sync gives it every tensor; it serves once that committed.
+
+        Raises:
+            ValueError: ``engine`` is already in the fleet and not quarantined.
+        """
+        if any(e is engine for e in self.engines):
+            raise ValueError(f"{self._name(engine)} is already in the fleet")
+        if not any(e is engine for e in self.members):
+            self.members.append(engine)
+            if isinstance(engine, DiscardNotifier):
+                engine.add_weights_discarded_listener(self._forget_ranks)
+                for listener in self._listeners:
+                    engine.add_weights_discarded_listener(listener)
+        self._quarantined.pop(id(engine), None)
+        self._joining.add(id(engine))
+        self._membership_changed()
+
+    def take_joined(self) -> list[str]:
+        """The labels of the engines that went into service at the last commit (once)."""
+        joined, self._joined = self._joined, []
+        return joined
+
+    async def set_aside_failed(self, error: BaseException) -> list[tuple[str, str]]:
+        """After a sync failed with ``error``: check every engine in the sync and, with
+        ``on_engine_failure="quarantine"``, quarantine those that fail the check,
+        provided ``min_engines`` stay in service. Returns ``[(label, reason)]`` of the
+        engines set aside (empty: none, or too few would remain: the sync fails)."""
+        if self.on_engine_failure != "quarantine":
+            return []
+        engines = self.engines
+        reasons: list[str | None] = [None] * len(engines)
+
+        async def check(i: int, engine: Any) -> None:
+            try:
+                with anyio.fail_after(self.probe_timeout_s):
+                    if isinstance(engine, HealthReporting):
+                        await engine.check_health()
+                    elif isinstance(engine, EngineWorkers):
+                        await engine.collective_rpc(
+                            "aiosync_device_identity", timeout_s=self.probe_timeout_s
+                        )
+            except Exception as exc:
+                reasons[i] = f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc)
+
+        async with anyio.create_task_group() as tg:
+            for i, engine in enumerate(engines):
+                tg.start_soon(check, i, engine)
+        failed = [(e, why) for e, why in zip(engines, reasons, strict=True) if why is not None]
+        if not failed:
+            return []
+        left = [e for e in self.serving if all(e is not f for f, _ in failed)]
+        if len(left) < self.min_engines:
+            _log.warning(
+                "engine fleet: %d engine(s) failed their check after a failed sync, which "
+                "would leave %d in service (min_engines=%d): the sync fails",
+                len(failed),
+                len(left),
+                self.min_engines,
+            )
+            return []
+        labels = [
+            (self._name(e), f"{why} (after the sync failed with {error!r})") for e, why in failed
+        ]
+        for (engine, _why), (_label, reason) in zip(failed, labels, strict=True):
+            self._quarantined[id(engine)] = reason
+            self._joining.discard(id(engine))
+        self._membership_changed()
+        return labels
+
+    def _membership_changed(self) -> None:
+        self.membership_epoch += 1
+        self._offsets = None
+
+    def _name(self, engine: Any) -> str:
+        index = next(i for i, e in enumerate(self.members) if e is engine)
+        return f"engine {index} of {len(self.members)} ({type(engine).__name__})"
+
     # -- fan-out ---------------------------------------------------------------
 
     async def _on_each(self, call: Callable[[int, Any], Awaitable[_T]]) -> list[_T]:
@@ -114,7 +262,8 @@ class EngineFleet(GenerateFromMeta):
         return await each_named(self.engines, call, self._label)
 
     def _label(self, index: int) -> str:
-        return f"engine {index} of {len(self.engines)} ({type(self.engines[index]).__name__})"
+        """The label of ``self.engines[index]`` (its place among all members)."""
+        return self._name(self.engines[index])
 
     # -- EngineWorkers ---------------------------------------------------------
 
@@ -233,6 +382,10 @@ class EngineFleet(GenerateFromMeta):
                 await engine.on_weights_committed(version)
 
         await self._on_each(report)
+        # The joining engines received this version whole: they serve from now on.
+        joining = [e for e in self.engines if id(e) in self._joining]
+        self._joining.clear()
+        self._joined.extend(self._name(e) for e in joining)
 
     async def pause_generation(self, mode: InFlightPolicy, clear_cache: bool = True) -> None:
         """Pause generation on every engine that can (``pause_generation``), concurrently.
@@ -289,14 +442,18 @@ class EngineFleet(GenerateFromMeta):
         await self._on_each(lambda i, e: e.finish_generation())
 
     def add_weights_discarded_listener(self, listener: Callable[[], None]) -> None:
-        """Register ``listener`` with every engine that reports discarded weights."""
-        for engine in self.engines:
+        """Register ``listener`` with every engine that reports discarded weights
+        (and with every engine added later)."""
+        self._listeners.append(listener)
+        for engine in self.members:
             if isinstance(engine, DiscardNotifier):
                 engine.add_weights_discarded_listener(listener)
 
     def remove_weights_discarded_listener(self, listener: Callable[[], None]) -> None:
         """Undo :meth:`add_weights_discarded_listener`."""
-        for engine in self.engines:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+        for engine in self.members:
             if isinstance(engine, DiscardNotifier):
                 engine.remove_weights_discarded_listener(listener)
 
@@ -346,9 +503,10 @@ class EngineFleet(GenerateFromMeta):
             Whatever an engine's ``generate_with_meta`` raises (e.g.
             :class:`~aiosync.SyncError` while its weights are not valid), naming the engine.
         """
-        for i, engine in enumerate(self.engines):
+        serving = self.serving
+        for engine in serving:
             if not isinstance(engine, Generating):
-                raise TypeError(f"{self._label(i)} has no generate_with_meta")
+                raise TypeError(f"{self._name(engine)} has no generate_with_meta")
         sampling = sampling_params(
             params, {k: v for k, v in keywords.items() if k in _SAMPLING_KEYWORDS}
         )
@@ -358,7 +516,12 @@ class EngineFleet(GenerateFromMeta):
                 f"the engine fleet refuses to generate: {self._lora_refusal}; a sync must "
                 "succeed first"
             )
-        n = len(self.engines)
+        if not serving:
+            raise SyncError(
+                "the engine fleet has no engine in service (a joining engine serves once "
+                f"its first sync committed; quarantined: {self.quarantined})"
+            )
+        n = len(serving)
         parts = [list(prompts[i::n]) for i in range(n)]
 
         async def run(i: int, engine: Any) -> list[Generation]:
@@ -367,7 +530,7 @@ class EngineFleet(GenerateFromMeta):
             out: list[Generation] = await engine.generate_with_meta(parts[i], sampling, **extras)
             return out
 
-        outs = await self._on_each(run)
+        outs = await each_named(serving, run, lambda i: self._name(serving[i]))
         merged: list[Generation | None] = [None] * len(prompts)
         for i, out in enumerate(outs):
             merged[i::n] = out
@@ -438,5 +601,6 @@ if TYPE_CHECKING:
         EngineSet,
         RespawningEngine,
         LoRAEngine,
+        ElasticEngines,
     ]:
-        return (f, f, f, f, f, f, f, f, f, f, f, f)
+        return (f, f, f, f, f, f, f, f, f, f, f, f, f)

@@ -95,6 +95,10 @@ class WorkerPool:
         """Ranks of the workers that died and were not respawned, ascending."""
         return sorted(self._dead)
 
+    def why_dead(self, rank: int) -> str:
+        """How dead worker ``rank`` ended (its exit code)."""
+        return self._dead[rank]
+
     # -- processes ------------------------------------------------------------
 
     async def start(self, timeout_s: float) -> None:

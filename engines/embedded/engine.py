@@ -42,7 +42,7 @@ import torch
 
 from aiosync._config import DEFAULT_RPC_TIMEOUT_S
 from aiosync.capabilities import IN_FLIGHT_POLICIES, InFlightPolicy
-from aiosync.errors import SyncError
+from aiosync.errors import SyncError, TransportError
 from aiosync.generation import Generation, SamplingParams, sampling_params, version_span
 from aiosync.layout import Layout, Part
 from aiosync.lora import LoRAAdapter
@@ -64,6 +64,7 @@ if TYPE_CHECKING:
         Engine,
         EngineWorkers,
         Generating,
+        HealthReporting,
         LayoutReporting,
         ManifestReporting,
         PausableEngine,
@@ -377,6 +378,19 @@ class EmbeddedEngine(GenerateFromMeta):
             for replica in replicas:
                 self._tp_formations[replica] += 1
         return await self._pool.respawn_dead(self.start_timeout_s)
+
+    async def check_health(self) -> None:
+        """Return when every worker runs (:class:`~aiosync.capabilities.HealthReporting`).
+
+        Raises:
+            TransportError: a worker died (named, with its exit code), or the
+                engine is not running.
+        """
+        self._pool.check_running()
+        dead = self._pool.dead
+        if dead:
+            reasons = "; ".join(f"worker {r}: {self._pool.why_dead(r)}" for r in dead)
+            raise TransportError(f"engine worker(s) {dead} died ({reasons})")
 
     async def __aenter__(self) -> Self:
         return await self.start()
@@ -855,5 +869,6 @@ if TYPE_CHECKING:
         ManifestReporting,
         ConfigReporting,
         LayoutReporting,
+        HealthReporting,
     ]:
-        return (e, e, e, e, e, e, e, e, e, e)
+        return (e, e, e, e, e, e, e, e, e, e, e)

@@ -332,6 +332,15 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         await self._form_group()
         await super().init_communicator()
 
+    async def _membership_changed(self) -> None:
+        """The fleet's engines changed: re-form the group over the workers now in the
+        sync (global ranks contiguous again; ``inference_world_size`` follows)."""
+        workers = await self.generation.collective_rpc(
+            "aiosync_device_identity", timeout_s=self.rpc_timeout_s
+        )
+        self.inference_world_size = len(workers)
+        await super()._membership_changed()
+
     async def shutdown(self) -> None:
         """Destroy the sync group (locally and on the workers), then close. Idempotent.
 

@@ -316,19 +316,37 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
         # cannot be trusted to be the baseline's after one: even an engine whose
         # workers keep no discard epoch reports them), and as of the sync that
         # committed the baseline, and as of the sync in flight.
-        self._engine_discards: list[int] = []
-        self._baseline_discards: list[int] = []
-        self._sync_discards: list[int] = []
+        # Keyed by id(engine): a fleet's members may change (quarantine, add_engine).
+        self._engine_discards: dict[int, int] = {}
+        self._baseline_discards: dict[int, int] = {}
+        self._sync_discards: dict[int, int] = {}
         self._discard_hooks: list[tuple[DiscardNotifier, Callable[[], None]]] = []
         if delta and generation is not None:
-            members = engines_of(generation)
-            self._engine_discards = [0] * len(members)
-            self._baseline_discards = self._sync_discards = list(self._engine_discards)
-            for index, engine in enumerate(members):
-                if isinstance(engine, DiscardNotifier):
-                    hook = functools.partial(self._engine_discarded, index)
-                    engine.add_weights_discarded_listener(hook)
-                    self._discard_hooks.append((engine, hook))
+            self._hook_discards()
+            self._baseline_discards = self._sync_discards = dict(self._engine_discards)
+
+    def _hook_discards(self) -> None:
+        """Count each engine's weight discards (delta only; engines a fleet gained since
+        are hooked when its membership changes, and get every tensor until a commit)."""
+        for engine in engines_of(self.generation):
+            if id(engine) in self._engine_discards:
+                continue
+            self._engine_discards[id(engine)] = 0
+            if isinstance(engine, DiscardNotifier):
+                hook = functools.partial(self._engine_discarded, id(engine))
+                engine.add_weights_discarded_listener(hook)
+                self._discard_hooks.append((engine, hook))
+
+    async def _membership_changed(self) -> None:
+        """The fleet's engines changed: a fresh socket and buffers (the workers
+        renumbered, no state of the failed round carries over), then re-init."""
+        if self.delta_baseline is not None:
+            self._hook_discards()
+        if self._sender is not None:
+            sender, self._sender = self._sender, None
+            self.plan = None
+            await sender.aclose()
+        await super()._membership_changed()
 
     @property
     def rpc_timeout_s(self) -> float:
@@ -487,7 +505,7 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
         baseline = self.delta_baseline
         if baseline is None:
             return [_Lane(self.plan, self.peers, weights)], None
-        self._sync_discards = list(self._engine_discards)
+        self._sync_discards = dict(self._engine_discards)
         holders = await self._workers_holding_baseline() if self._ranks.is_driver else []
         if self._ranks.sharded:
             # One choice on every rank, from the driver's RPCs: patches only when every
@@ -526,7 +544,10 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
         holders: list[int] = []
         engines = engines_of(self.generation)
         for index, engine in enumerate(engines):
-            if self._sync_discards[index] != self._baseline_discards[index]:
+            key = id(engine)
+            if key not in self._baseline_discards or (
+                self._sync_discards.get(key) != self._baseline_discards[key]
+            ):
                 continue  # this engine discarded its weights since the baseline
             try:
                 replies = await engine.collective_rpc(
@@ -570,9 +591,9 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
         else:
             baseline.invalidate()
 
-    def _engine_discarded(self, index: int) -> None:
-        """Engine ``index`` dropped its workers' weights (a listener, delta only)."""
-        self._engine_discards[index] += 1
+    def _engine_discarded(self, key: int) -> None:
+        """The engine of ``id()`` ``key`` dropped its workers' weights (a listener, delta only)."""
+        self._engine_discards[key] = self._engine_discards.get(key, 0) + 1
 
     async def _invalidate_workers(self, sync_id: str) -> None:
         """After a failed sync whose receive ran: if any worker loaded a byte of

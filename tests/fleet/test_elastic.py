@@ -1,0 +1,201 @@
+"""Elastic fleets: ``EngineFleet(on_engine_failure="quarantine")`` over three real embedded
+engines. An engine whose worker is SIGKILLed mid-sync is set aside and the same
+``sync_weights()`` commits on the other two (bit-exact, generating the trainer's greedy
+tokens), over IPC and over the collective (the group re-formed over the survivors, global
+ranks contiguous again); the event stream names the engine. Respawned and added back, it
+joins with a full sync and serves only once that committed. Below ``min_engines`` the sync
+fails as without quarantine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import anyio
+import pytest
+import pytest_asyncio
+import torch
+
+from aiosync import (
+    EngineFleet,
+    RefitSource,
+    SyncError,
+    TrainCluster,
+    VersionEventKind,
+    create_weight_synchronizer,
+)
+from aiosync.engines.embedded.configs import TINY_QWEN3
+from aiosync.engines.embedded.engine import EmbeddedEngine
+from aiosync.engines.embedded.model import HFModelRunner
+from aiosync.interfaces import RefitManifest
+from aiosync.refit import DTensorRefitSource
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+PROMPTS = [[1, 2, 3, 4], [5, 6], [7, 8, 9], [10]]
+VICTIM = "engine 1 of 3 (EmbeddedEngine)"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engines() -> AsyncIterator[list[EmbeddedEngine]]:
+    started = [
+        EmbeddedEngine(TINY_QWEN3, num_workers=1, seed=7, rpc_timeout_s=60) for _ in range(3)
+    ]
+    for engine in started:
+        await engine.start()
+    try:
+        yield started
+    finally:
+        for engine in started:
+            await engine.shutdown()
+
+
+class _Source(RefitSource):
+    """The trainer's source; ``on_tensor(i)`` runs before the ``i``-th tensor."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.inner = DTensorRefitSource(model)
+        self.on_tensor: Any = lambda i: None
+
+    def prepare_refit_info(self) -> RefitManifest:
+        return self.inner.prepare_refit_info()
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for i, item in enumerate(self.inner.iter_weights()):
+            self.on_tensor(i)
+            yield item
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _holds(engines: list[EmbeddedEngine], trainer: HFModelRunner) -> list[bool]:
+    want = trainer.hf_state_dict()
+    out = []
+    for engine in engines:
+        (state,) = await engine.hf_state_dicts()
+        out.append(all(torch.equal(state[n], t) for n, t in want.items()))
+    return out
+
+
+def _kill_at(source: _Source, engine: EmbeddedEngine, index: int) -> None:
+    def kill(i: int) -> None:
+        if i == index:
+            source.on_tensor = lambda i: None
+            os.kill(engine.pids[0], signal.SIGKILL)
+
+    source.on_tensor = kill
+
+
+async def _drain(events: Any) -> list[tuple[VersionEventKind, int, str | None]]:
+    """The events published so far (each buffered before sync_weights returned):
+    ``(kind, version, engine)``."""
+    out = []
+    while True:
+        with anyio.move_on_after(0.5):
+            event = await events.__anext__()
+            out.append((event.kind, event.version, event.engine))
+            continue
+        return out
+
+
+@pytest.mark.parametrize("transport", ["ipc", "collective"])
+async def test_an_engine_killed_mid_sync_is_quarantined_and_the_others_commit(
+    engines: list[EmbeddedEngine], transport: str
+) -> None:
+    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=61)
+    source = _Source(trainer.model)
+    fleet = EngineFleet(engines, on_engine_failure="quarantine", min_engines=2)
+    options: dict[str, Any] = (
+        {"colocated": True, "device": "cpu", "rpc_timeout_s": 10.0}
+        if transport == "ipc"
+        else {
+            "colocated": False,
+            "train_cluster": TrainCluster(master_port=_port()),
+            "inference_world_size": 3,
+            "collective_timeout_s": 10.0,
+            "rpc_timeout_s": 30.0,
+        }
+    )
+    sync = create_weight_synchronizer(source, fleet, backend="embedded", **options)
+    async with sync, sync.subscribe() as events:
+        await sync.mark_stale()
+        await sync.sync_weights()
+        assert await _holds(engines, trainer) == [True, True, True]
+
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.mul_(1.5)
+        _kill_at(source, engines[1], index=5)
+        await sync.mark_stale()
+        await sync.sync_weights()  # commits on engines 0 and 2
+        assert (sync.weight_version, sync.is_stale) == (2, False)
+        assert fleet.serving == [engines[0], engines[2]]
+        assert list(fleet.quarantined) == [VICTIM]
+        assert "died" in fleet.quarantined[VICTIM]
+        seen = await _drain(events)
+        assert (VersionEventKind.ENGINE_QUARANTINED, 2, VICTIM) in seen
+        assert seen[-1][:2] == (VersionEventKind.COMMITTED, 2)
+        assert (await _holds([engines[0], engines[2]], trainer)) == [True, True]
+        await fleet.prepare_for_generation()
+        expected = trainer.generate(PROMPTS, max_new_tokens=4)
+        assert await fleet.generate(PROMPTS, max_new_tokens=4) == expected
+
+        # Respawned and added back: it joins with the next (full) sync, then serves.
+        assert await engines[1].respawn_dead_workers() == [0]
+        fleet.add_engine(engines[1])
+        assert fleet.serving == [engines[0], engines[2]]  # joining: no generate calls yet
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.add_(0.25)
+        await sync.mark_stale()
+        await sync.sync_weights()
+        assert sync.weight_version == 3
+        assert fleet.serving == engines and fleet.quarantined == {}
+        seen = await _drain(events)
+        assert seen[-2:] == [
+            (VersionEventKind.COMMITTED, 3, None),
+            (VersionEventKind.ENGINE_JOINED, 3, VICTIM),
+        ]
+        assert await _holds(engines, trainer) == [True, True, True]
+        await fleet.prepare_for_generation()
+        expected = trainer.generate(PROMPTS, max_new_tokens=4)
+        assert await fleet.generate(PROMPTS, max_new_tokens=4) == expected
+
+
+async def test_below_min_engines_the_sync_fails_and_nothing_is_set_aside(
+    engines: list[EmbeddedEngine],
+) -> None:
+    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=62)
+    source = _Source(trainer.model)
+    fleet = EngineFleet(engines, on_engine_failure="quarantine", min_engines=3)
+    sync = create_weight_synchronizer(
+        source, fleet, colocated=True, backend="embedded", device="cpu", rpc_timeout_s=10.0
+    )
+    async with sync:
+        await sync.mark_stale()
+        await sync.sync_weights()
+        _kill_at(source, engines[2], index=5)
+        await sync.mark_stale()
+        with pytest.raises(SyncError):
+            await sync.sync_weights()
+        assert (sync.weight_version, sync.is_stale) == (1, True)
+        assert fleet.quarantined == {} and fleet.serving == engines
+        assert await engines[2].respawn_dead_workers() == [0]
+        await sync.init_communicator()
+        await sync.sync_weights()
+        assert await _holds(engines, trainer) == [True, True, True]
+
+
+def test_the_fleet_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="on_engine_failure"):
+        EngineFleet([object()], on_engine_failure="retry")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="min_engines"):
+        EngineFleet([object()], min_engines=0)
