@@ -276,6 +276,16 @@ class SGLangClient:
         self._version_label = new_version
         self._label_epoch += 1
 
+    async def check_health(self) -> None:
+        """``GET /health``: return when the server answers 200
+        (:class:`~aiosync.capabilities.HealthReporting`, for elastic fleets).
+
+        Raises:
+            TransportError: non-2xx or a connection error (a dead server).
+            SyncTimeoutError: no answer within ``request_timeout_s``.
+        """
+        await self._request("GET", "/health")
+
     async def get_weight_version(self) -> str | None:
         """``/get_weight_version``: the ``weight_version`` of the last completed update.
 

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
         DiscardNotifier,
         Engine,
         Generating,
+        HealthReporting,
         ManifestReporting,
         PausableEngine,
         SleepReporting,
@@ -660,5 +661,6 @@ if TYPE_CHECKING:
         ValidityReporting,
         ManifestReporting,
         ConfigReporting,
+        HealthReporting,
     ]:
-        return (b, b, b, b, b, b, b, b)
+        return (b, b, b, b, b, b, b, b, b)

@@ -120,8 +120,6 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             in_flight=in_flight,
             initial_version=initial_version,
         )
-        #: The SGLang servers refit, in the fleet's order (one for a single server).
-        self.servers: tuple[SGLangServer, ...] = servers
         self.bucket_bytes = bucket_bytes
         self.device = None if device is None else torch.device(device)
         self.abort_all_requests = abort_all_requests
@@ -448,6 +446,12 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         Unlinks the pooled bucket segments."""
         await super().shutdown()
         self._pool.clear()
+
+    @property
+    def servers(self) -> tuple[SGLangServer, ...]:
+        """The SGLang servers refit, in the fleet's order (one for a single server;
+        an elastic fleet's engines in the sync, see :class:`~aiosync.EngineFleet`)."""
+        return _servers_of(self.generation)
 
     def __repr__(self) -> str:
         urls = [server.base_url for server in self.servers]

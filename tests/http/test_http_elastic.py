@@ -1,0 +1,88 @@
+"""An elastic fleet of SGLang servers: two real test-server processes behind
+``EngineFleet(on_engine_failure="quarantine")``. One server SIGKILLed mid-sync fails its
+health check (``GET /health``), is set aside, and the same ``sync_weights()`` commits on
+the other (bit-exact, its version reported); a new server added with ``add_engine`` joins
+with the next sync and serves only once it committed."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aiosync import EngineFleet, SGLangHTTPBackend, VersionEventKind, create_weight_synchronizer
+
+from .conftest import TestServer
+
+pytestmark = pytest.mark.slow
+
+
+async def test_a_server_killed_mid_sync_is_quarantined_and_a_new_one_joins(
+    server_workdir: Path,
+    dense_config: Path,
+    make_trainer: Any,
+    state_equal: Any,
+    prompts: list[list[int]],
+) -> None:
+    servers = [TestServer(server_workdir, dense_config) for _ in range(2)]
+    backends = [SGLangHTTPBackend(s.url) for s in servers]
+    fleet = EngineFleet(backends, on_engine_failure="quarantine", probe_timeout_s=10.0)
+    trainer = make_trainer(seed=70)
+    sync = create_weight_synchronizer(
+        trainer, fleet, colocated=True, backend="sglang", bucket_bytes=64 * 1024
+    )
+    joined: TestServer | None = None
+    try:
+        async with sync, sync.subscribe() as events:
+            await sync.mark_stale()
+            await sync.sync_weights()
+            while (await events.__anext__()).kind is not VersionEventKind.COMMITTED:
+                pass
+            names = list(trainer.expected())
+
+            def kill(name: str) -> None:
+                if name == names[len(names) // 2]:
+                    trainer.on_tensor = None
+                    servers[1].proc.send_signal(signal.SIGKILL)
+                    servers[1].proc.wait()
+
+            trainer.step(seed=71)
+            trainer.on_tensor = kill
+            await sync.mark_stale()
+            await sync.sync_weights()  # commits on server 0
+            assert (sync.weight_version, sync.is_stale) == (2, False)
+            victim = "engine 1 of 2 (SGLangHTTPBackend)"
+            assert list(fleet.quarantined) == [victim]
+            assert fleet.serving == [backends[0]]
+            state_equal(servers[0].state_dict(), trainer.expected())
+            assert await backends[0].get_weight_version() == "2"
+            seen = []
+            while (event := await events.__anext__()).kind is not VersionEventKind.COMMITTED:
+                seen.append((event.kind, event.engine))
+            assert (VersionEventKind.ENGINE_QUARANTINED, victim) in seen
+            assert await fleet.generate(prompts, max_new_tokens=4) == trainer.reference_generate(
+                prompts, 4
+            )
+
+            joined = TestServer(server_workdir, dense_config)
+            newcomer = SGLangHTTPBackend(joined.url)
+            backends.append(newcomer)
+            fleet.add_engine(newcomer)
+            assert fleet.serving == [backends[0]]  # joining: no generate calls yet
+            trainer.step(seed=72)
+            await sync.mark_stale()
+            await sync.sync_weights()
+            assert fleet.serving == [backends[0], newcomer]
+            for server in (servers[0], joined):
+                state_equal(server.state_dict(), trainer.expected())
+            assert await newcomer.get_weight_version() == "3"
+            while (event := await events.__anext__()).kind is not VersionEventKind.ENGINE_JOINED:
+                pass
+            assert (event.version, event.engine) == (3, "engine 2 of 3 (SGLangHTTPBackend)")
+    finally:
+        for backend in backends:
+            await backend.aclose()
+        for server in [*servers, *([joined] if joined is not None else [])]:
+            server.close()
