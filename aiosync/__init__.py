@@ -26,7 +26,14 @@ from .capabilities import (
     VersionedEngine,
     WorkerDescribing,
 )
-from .errors import OwnershipError, RefitMismatchError, SyncError, SyncTimeoutError, TransportError
+from .errors import (
+    OwnershipError,
+    RefitMismatchError,
+    RefitVerificationError,
+    SyncError,
+    SyncTimeoutError,
+    TransportError,
+)
 from .events import EventSubscription, VersionEventKind, WeightVersionEvent
 from .factory import KNOWN_BACKENDS, create_weight_synchronizer
 from .generation import Generation, SamplingParams
@@ -50,6 +57,7 @@ if TYPE_CHECKING:
     from aiosync.engines.fleet import EngineFleet
     from aiosync.engines.sglang.backend import SGLangHTTPBackend
     from aiosync.engines.vllm.backend import VLLMGenerationBackend
+    from aiosync.engines.vllm.server import VLLMServerBackend
     from aiosync.refit.fp8 import FP8RefitSource
     from aiosync.transports.collective import CollectiveWeightSynchronizer
     from aiosync.transports.http import HTTPWeightSynchronizer
@@ -90,6 +98,7 @@ __all__ = [
     "RefitManifest",
     "RefitMismatchError",
     "RefitSource",
+    "RefitVerificationError",
     "ReplaySample",
     "SGLangHTTPBackend",
     "SamplingParams",
@@ -102,6 +111,7 @@ __all__ = [
     "TrainCluster",
     "TransportError",
     "VLLMGenerationBackend",
+    "VLLMServerBackend",
     "VersionEventKind",
     "VersionedEngine",
     "VersionedReplayBuffer",
@@ -126,6 +136,7 @@ _LAZY: dict[str, str] = {
     "LoRAAdapterSynchronizer": "aiosync.transports.lora",
     "SGLangHTTPBackend": "aiosync.engines.sglang.backend",
     "VLLMGenerationBackend": "aiosync.engines.vllm.backend",
+    "VLLMServerBackend": "aiosync.engines.vllm.server",
 }
 
 

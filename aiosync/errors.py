@@ -21,6 +21,7 @@ from __future__ import annotations
 __all__ = [
     "OwnershipError",
     "RefitMismatchError",
+    "RefitVerificationError",
     "SyncError",
     "SyncTimeoutError",
     "TransportError",
@@ -38,6 +39,11 @@ class RefitMismatchError(SyncError):
     sides (an unknown name, a missing name, a different shape or dtype, or a
     different bucket layout).
     """
+
+
+class RefitVerificationError(SyncError):
+    """What an engine holds is not what the trainer sent (``verify_engine()``): the
+    message names the first differing tensor and the worker holding it."""
 
 
 class TransportError(SyncError):

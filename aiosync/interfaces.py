@@ -34,6 +34,7 @@ from ._config import (
     DEFAULT_RESUME_TIMEOUT_S,
     Timeouts,
 )
+from ._digest import tensor_digest
 from ._fanout import each_named
 from ._hf_config import compare_hf_configs
 from ._kv_scales import attention_layers, kv_scale_entries
@@ -45,12 +46,19 @@ from .capabilities import (
     Engine,
     EngineWorkers,
     InFlightPolicy,
+    LayoutReporting,
     PausableEngine,
     SleepReporting,
     VersionedEngine,
+    WorkerDescribing,
     engines_of,
 )
-from .errors import OwnershipError, SyncError, SyncTimeoutError
+from .errors import (
+    OwnershipError,
+    RefitVerificationError,
+    SyncError,
+    SyncTimeoutError,
+)
 from .events import EventSubscription, VersionEventKind, _EventHub
 
 if TYPE_CHECKING:
@@ -834,6 +842,85 @@ class WeightSynchronizer(ABC):
         """A transport's hook: the sync of ``version`` committed on every worker, or
         failed (or was cancelled) after :meth:`_transfer` started. Called before the
         engine resumes; must not block. A delta baseline advances or is dropped here."""
+
+    async def verify_engine(self) -> dict[str, int]:
+        """Check that every worker computes with what the trainer holds, moving no weights.
+
+        Each worker hashes (SHA-256) the weights it holds as the engine computes with
+        them, read back (``aiosync_weight_digests``: the embedded engine's weights,
+        vLLM's layers through their kernels; a tensor-parallel rank its part, from the
+        engine's :class:`~aiosync.capabilities.LayoutReporting` layout), and the trainer
+        hashes the same parts of what its source yields now. Run it when not stale
+        (after a sync) to catch what a sync or anything after it left wrong
+        (slime's ``--check-weight-update-equal``). Waits for a running sync; the
+        source is read under the source lock, as a sync reads it.
+
+        Returns:
+            ``{"workers": int, "tensors": int, "version": weight_version}``.
+
+        Raises:
+            RefitVerificationError: a worker's tensor differs (the first one named,
+                with the worker), or a worker lacks a tensor.
+            TypeError: the engine has no ``collective_rpc`` (:class:`EngineWorkers`).
+            NotImplementedError: a sharded trainer (every rank holds a shard).
+        """
+        self._check_open()
+        if self._sharded():
+            raise NotImplementedError("verify_engine() needs a single-process trainer")
+        generation = self.generation
+        if not isinstance(generation, EngineWorkers):
+            raise TypeError(
+                f"verify_engine() reads the weights back through the workers: "
+                f"{type(generation).__name__} has no collective_rpc"
+            )
+        async with self._lock, self._source_lock:
+            layouts = (
+                await generation.weight_layouts()
+                if isinstance(generation, LayoutReporting) and generation.tensor_parallel_size > 1
+                else None
+            )
+            held = await generation.collective_rpc(
+                "aiosync_weight_digests", timeout_s=self.timeouts.rpc_s
+            )
+            mismatch = await anyio.to_thread.run_sync(self._first_mismatch, held, layouts)
+        if mismatch is not None:
+            rank, what = mismatch
+            who = (
+                generation.describe_worker(rank)
+                if isinstance(generation, WorkerDescribing)
+                else f"engine worker {rank}"
+            )
+            raise RefitVerificationError(
+                f"{who}: {what} (the trainer's weights of version {self._policy_version}, "
+                f"the engine's labelled {self._weight_version})"
+            )
+        return {
+            "workers": len(held),
+            "tensors": sum(len(h) for h in held),
+            "version": self._weight_version,
+        }
+
+    def _first_mismatch(
+        self, held: Sequence[Mapping[str, Any]], layouts: Sequence[Mapping[str, Any]] | None
+    ) -> tuple[int, str] | None:
+        """``(worker rank, what differs)`` of the first tensor a worker holds otherwise
+        than the source yields it (blocking: reads the source once)."""
+        for name, tensor in self.policy.iter_weights():
+            for rank, digests in enumerate(held):
+                part = None if layouts is None else layouts[rank].get(name)
+                if layouts is not None and part is None:
+                    continue  # this rank holds none of it
+                if name not in digests:
+                    return rank, f"holds no {name!r}"
+                mine = tensor.detach()
+                if part is not None and not part.is_whole:
+                    mine = mine.narrow(part.dim, part.start, part.length)
+                shape, _dtype, digest = digests[name]
+                if list(mine.shape) != list(shape):
+                    return rank, f"{name} is {tuple(shape)}, the trainer's {tuple(mine.shape)}"
+                if tensor_digest(mine) != digest:
+                    return rank, f"{name} differs from the trainer's"
+        return None
 
     async def shutdown(self) -> None:
         """Release everything and end every event subscription. Idempotent.

@@ -20,14 +20,23 @@ identified by its GPU UUID (as vLLM and NeMo-RL key their IPC sockets), a CPU
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
 import torch
 
+from aiosync._digest import tensor_digest
 from aiosync.delta import PatchModel
 
 __all__ = ["CPU_LABEL", "WorkerIdentityMixin", "device_identity"]
 
 #: The label of a CPU device when none is given.
 CPU_LABEL = "cpu"
+
+
+@runtime_checkable
+class _ReadableModel(Protocol):
+    def hf_state_dict(self) -> Mapping[str, torch.Tensor]: ...
 
 
 def device_identity(device: torch.device, label: str | None = None) -> str:
@@ -141,3 +150,47 @@ class WorkerIdentityMixin:
         Engines whose weights cannot be written in place override it (vLLM)."""
         model = self.model_runner.model  # type: ignore[attr-defined]
         return model if isinstance(model, PatchModel) else None
+
+    # -- verification: what is live ------------------------------------------------
+
+    def aiosync_weight_digests(self, names: Sequence[str] | None = None) -> dict[str, list[Any]]:
+        """``{hf_name: [shape, dtype name, sha256 hex]}`` of the weights live on this
+        worker (a tensor-parallel rank: the part it holds), for ``verify_engine()``.
+
+        Args:
+            names: the checkpoint names to hash; None: every one the worker holds.
+
+        Raises:
+            TransportError: the model cannot read its weights back.
+            RefitMismatchError: a name the worker does not hold.
+        """
+        from aiosync.errors import RefitMismatchError
+
+        live = self._aiosync_live_weights()
+        wanted = list(live) if names is None else list(names)
+        out: dict[str, list[Any]] = {}
+        for name in wanted:
+            tensor = live.get(name)
+            if tensor is None:
+                raise RefitMismatchError(
+                    f"engine worker {self.aiosync_worker_rank()} holds no {name!r}"
+                )
+            out[name] = [
+                list(tensor.shape),
+                str(tensor.dtype).removeprefix("torch."),
+                tensor_digest(tensor),
+            ]
+        return out
+
+    def _aiosync_live_weights(self) -> Mapping[str, torch.Tensor]:
+        """The weights as the engine computes with them, under checkpoint names (the
+        part held). Default: the model's ``hf_state_dict()`` (the embedded engine);
+        engines whose layers repack their weights override it (vLLM)."""
+        from aiosync.errors import TransportError
+
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        if not isinstance(model, _ReadableModel):
+            raise TransportError(
+                f"{type(model).__name__} cannot read its weights back (hf_state_dict)"
+            )
+        return model.hf_state_dict()

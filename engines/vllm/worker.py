@@ -403,6 +403,24 @@ class VLLMWorkerMixin:
             "delta_copy_bytes": self._aiosync_host_copy.nbytes if self._aiosync_host_copy else 0,
         }
 
+    def _aiosync_live_weights(self) -> Mapping[str, torch.Tensor]:
+        """In vLLM, what each layer computes with, read back through its kernels
+        (:meth:`aiosync_vllm_read_weights`), the part this worker holds of every HF
+        tensor of its layout (vocabulary padding rows dropped); elsewhere the model's."""
+        if getattr(self, "vllm_config", None) is None:
+            return super()._aiosync_live_weights()  # type: ignore[misc]
+        from aiosync.transports.packing import dtype_from_name
+
+        layout = self._aiosync_layout_model().weight_layout()
+        out: dict[str, torch.Tensor] = {}
+        for name, shape, dtype, raw in self.aiosync_vllm_read_weights(list(layout)):
+            tensor = torch.frombuffer(bytearray(raw), dtype=dtype_from_name(dtype)).reshape(shape)
+            local = layout[name].local_shape
+            if tuple(tensor.shape) != local and tensor.ndim:
+                tensor = tensor[: local[0]]  # vLLM pads the vocabulary rows
+            out[name] = tensor
+        return out
+
     def aiosync_vllm_read_weights(self, names: Sequence[str]) -> list[list[Any]]:
         """This worker's live weights under their checkpoint names, read back
         from what vLLM computes with (a diagnostic: compare them bit for bit

@@ -114,6 +114,9 @@ async def deltas_land_bit_exact(backend: Any, trainer: Any, sync: Any) -> None:
         await backend.prepare_for_generation()
         assert await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS) == trainer_greedy(trainer)
         assert sync.weight_version == 3
+        # Read back through vLLM's kernels, hashed: what the engine computes with.
+        tensors = len(state_of(trainer))
+        assert await sync.verify_engine() == {"workers": 1, "tensors": tensors, "version": 3}
 
 
 @pytest.mark.parametrize("overlap", ["inplace", "staged"])
