@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # On CPU machines the CPU build of torch is installed first, so that the package's
 # torch range does not pull a multi-GB CUDA build.
 TORCH_CPU ?= torch==2.13.0
-EXTRAS ?= dev,jax,embedded
+EXTRAS ?= dev,jax,embedded,ray
 
 .PHONY: setup demo test lint bench clean
 

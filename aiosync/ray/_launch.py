@@ -1,0 +1,180 @@
+"""Starting engine actors with the resources their topology needs: :func:`launch_engine`.
+
+A colocated engine shares a device with the trainer: its actor requests the
+scheduler's share of one GPU (:func:`aiosync.engines.colocation.scheduler_gpu_share`,
+``min(0.2, 1 / groups)``: placement bookkeeping, not memory) and is placed on
+the trainer's node, or in a placement-group bundle the trainer's actors share.
+A dedicated engine requests whole devices. See ``docs/ray.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
+
+from aiosync.engines.colocation import scheduler_gpu_share
+
+from ._engine import DEFAULT_CALL_GRACE_S, DEFAULT_START_TIMEOUT_S, RayEngine
+from ._host import EngineHost
+from ._spec import EngineSpec
+
+__all__ = ["EngineActor", "engine_actor_options", "launch_engine"]
+
+#: The Ray actor class of every engine actor: ``EngineActor.options(**opts).remote(spec)``.
+EngineActor: Any = ray.remote(EngineHost)
+
+
+def engine_actor_options(
+    *,
+    colocated: bool,
+    max_colocated_worker_groups: int = 1,
+    devices: int = 1,
+    num_gpus: float | None = None,
+    num_cpus: float = 1.0,
+    placement_group: Any = None,
+    bundle_index: int = -1,
+    node_id: str | None = None,
+    max_restarts: int = 0,
+    name: str | None = None,
+    namespace: str | None = None,
+    runtime_env: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The ``EngineActor.options(...)`` of an engine actor for a topology.
+
+    Args:
+        colocated: the engine shares the trainer's device: it requests
+            ``scheduler_gpu_share(max_colocated_worker_groups)`` of one GPU and
+            runs where the trainer runs (``placement_group``'s bundle, else
+            ``node_id``, else the calling process's node). Not colocated: it
+            requests ``devices`` whole GPUs and Ray places it anywhere (or in
+            ``placement_group``).
+        max_colocated_worker_groups: worker groups sharing one device (>= 1).
+        devices: GPUs of a dedicated engine (its workers: TP x PP); colocated: 1.
+        num_gpus: overrides the share above (``0``: an engine on CPU, on a
+            cluster without GPU resources).
+        num_cpus: CPUs the actor requests (its engine's worker processes run on them).
+        placement_group: a ``ray.util.placement_group`` to place the actor in;
+            the caller owns (and removes) it.
+        bundle_index: the bundle (-1: any).
+        node_id: the node of a colocated engine without a placement group (hex);
+            default: the caller's node.
+        max_restarts: how often Ray restarts the actor after its process died
+            (:meth:`RayEngine.respawn_dead_workers` then starts its engine).
+        name, namespace: a named actor (``ray.get_actor(name)``).
+        runtime_env: the actor's Ray runtime environment.
+
+    Returns:
+        Keyword arguments for ``EngineActor.options``.
+
+    Raises:
+        ValueError: ``devices < 1``, a colocated engine over several devices, a
+            negative ``num_gpus``, or ``max_colocated_worker_groups < 1``.
+    """
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices must be an int >= 1, got {devices!r}")
+    if colocated and devices != 1:
+        raise ValueError(
+            f"a colocated engine actor shares one device with its trainer, got devices={devices}: "
+            "launch one engine actor per device (each in its device's bundle)"
+        )
+    share = scheduler_gpu_share(max_colocated_worker_groups, colocated=colocated)
+    gpus = share * devices if num_gpus is None else num_gpus
+    if gpus < 0:
+        raise ValueError(f"num_gpus must be >= 0, got {gpus}")
+    options: dict[str, Any] = {
+        "num_cpus": num_cpus,
+        "num_gpus": gpus,
+        "max_restarts": max_restarts,
+    }
+    if placement_group is not None:
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=placement_group, placement_group_bundle_index=bundle_index
+        )
+    elif colocated:
+        node = node_id or ray.get_runtime_context().get_node_id()
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+    if name is not None:
+        options["name"] = name
+    if namespace is not None:
+        options["namespace"] = namespace
+    if runtime_env is not None:
+        options["runtime_env"] = runtime_env
+    return options
+
+
+async def launch_engine(
+    spec: EngineSpec,
+    *,
+    colocated: bool,
+    max_colocated_worker_groups: int = 1,
+    devices: int = 1,
+    num_gpus: float | None = None,
+    num_cpus: float = 1.0,
+    placement_group: Any = None,
+    bundle_index: int = -1,
+    node_id: str | None = None,
+    max_restarts: int = 0,
+    name: str | None = None,
+    namespace: str | None = None,
+    runtime_env: dict[str, Any] | None = None,
+    call_grace_s: float = DEFAULT_CALL_GRACE_S,
+    start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+) -> RayEngine:
+    """Start an engine actor for ``spec`` and its engine; returns the started :class:`RayEngine`.
+
+    The RayEngine owns the actor: its ``shutdown()`` stops the engine and kills
+    the actor, and its ``respawn_dead_workers()`` launches a replacement with the
+    same options if the actor died for good. Resources and placement: see
+    :func:`engine_actor_options` (same arguments). Call ``ray.init()`` first.
+
+    Raises:
+        ValueError: as :func:`engine_actor_options`; or GPUs requested outside a
+            placement group on a cluster that has fewer (``num_gpus=0`` runs the
+            engine on CPU), before any actor is created.
+        SyncTimeoutError: the actor was not scheduled, or its engine did not
+            start, within ``start_timeout_s`` (the actor is killed).
+        Whatever building the engine raises (the actor is killed).
+    """
+    options = engine_actor_options(
+        colocated=colocated,
+        max_colocated_worker_groups=max_colocated_worker_groups,
+        devices=devices,
+        num_gpus=num_gpus,
+        num_cpus=num_cpus,
+        placement_group=placement_group,
+        bundle_index=bundle_index,
+        node_id=node_id,
+        max_restarts=max_restarts,
+        name=name,
+        namespace=namespace,
+        runtime_env=runtime_env,
+    )
+    if placement_group is None and options["num_gpus"] > 0:
+        have = float(ray.cluster_resources().get("GPU", 0.0))
+        if have < options["num_gpus"]:
+            raise ValueError(
+                f"the engine actor requests num_gpus={options['num_gpus']:g} but the Ray "
+                f"cluster has {have:g} GPU(s): pass num_gpus=0 to run the engine on CPU"
+            )
+
+    def create() -> Any:
+        return EngineActor.options(**options).remote(spec)
+
+    engine = RayEngine(
+        create(),
+        owns_actor=True,
+        relaunch=create,
+        call_grace_s=call_grace_s,
+        start_timeout_s=start_timeout_s,
+    )
+    try:
+        await engine.start()
+    except BaseException:
+        await engine.shutdown()
+        raise
+    return engine

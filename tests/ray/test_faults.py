@@ -1,0 +1,182 @@
+"""An engine actor killed mid-sync (``ray.kill``) fails the sync as a dead engine does
+in-process: a ``TransportError`` within the sync's limit, the version kept, ``is_stale``
+true, the engine refusing to generate. ``respawn_dead_workers()`` brings a new actor (a
+relaunch, or Ray's own restart), and after ``init_communicator()`` the next sync heals
+it bit for bit; after ``shutdown()`` nothing is left: no actor, no engine process, no
+shared memory or socket directory of any of them."""
+
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from aiosync import TrainCluster, create_weight_synchronizer
+from aiosync.engines.embedded.configs import TINY_QWEN3
+from aiosync.errors import SyncError, TransportError
+from aiosync.interfaces import RefitManifest, RefitSource
+from aiosync.refit import DTensorRefitSource
+from aiosync.transports._leftovers import SHM_DIR
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
+
+#: The sync's limit: the dead actor must be reported well before it.
+SYNC_TIMEOUT_S = 60.0
+
+
+class KillingSource(RefitSource):
+    """The trainer's source; ``on_tensor(i)`` runs before tensor ``i`` is yielded."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.inner = DTensorRefitSource(model)
+        self.on_tensor: Callable[[int], None] | None = None
+
+    def prepare_refit_info(self) -> RefitManifest:
+        return self.inner.prepare_refit_info()
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for i, item in enumerate(self.inner.iter_weights()):
+            if self.on_tensor is not None:
+                self.on_tensor(i)
+            yield item
+
+
+def _alive(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}")
+
+
+def _left_by(pid: int) -> list[str]:
+    """What aiosync names after process ``pid`` in /dev/shm and the temp dir."""
+    return glob.glob(f"{SHM_DIR}/aiosync-*{pid}-*") + glob.glob(
+        f"{tempfile.gettempdir()}/aiosync-*-{pid}-*"
+    )
+
+
+async def _gone(pids: list[int]) -> None:
+    """Wait (bounded) until none of ``pids`` runs; assert it."""
+    with anyio.move_on_after(60):
+        while any(_alive(p) for p in pids):
+            await anyio.sleep(0.05)
+    assert [p for p in pids if _alive(p)] == []
+
+
+@pytest.mark.parametrize(
+    ("colocated", "max_restarts"),
+    [(True, 0), (False, 1)],
+    ids=["ipc-relaunched", "collective-restarted-by-ray"],
+)
+async def test_an_engine_actor_killed_mid_sync_fails_it_typed_and_a_new_actor_heals(
+    ray_cluster: Any, h: SimpleNamespace, colocated: bool, max_restarts: int
+) -> None:
+    from aiosync.ray import EngineSpec, launch_engine
+
+    ray = ray_cluster
+    engine = await launch_engine(
+        EngineSpec.embedded(TINY_QWEN3, seed=h.ENGINE_SEED, rpc_timeout_s=30),
+        colocated=colocated,
+        num_gpus=0,
+        num_cpus=0,
+        max_restarts=max_restarts,
+    )
+    trainer = h.trainer_model(21)
+    source = KillingSource(trainer.model)
+    topology: dict[str, Any] = {}
+    if not colocated:
+        topology = {"train_cluster": TrainCluster(), "inference_world_size": 1}
+    sync = create_weight_synchronizer(
+        source,
+        engine,
+        colocated=colocated,
+        backend="embedded",
+        bucket_bytes=16 * 1024,
+        sync_timeout_s=SYNC_TIMEOUT_S,
+        rpc_timeout_s=30,
+        **topology,
+    )
+    async with engine, sync:
+        await sync.mark_stale()
+        await sync.sync_weights()
+        first = engine.info
+        workers = engine.pids
+        h.advance(trainer.model)
+        await sync.mark_stale()
+
+        def kill(i: int) -> None:
+            if i == 6:  # buckets have moved: the engine may hold a mix of versions
+                ray.kill(engine.actor, no_restart=not max_restarts)
+
+        source.on_tensor = kill
+        with anyio.fail_after(SYNC_TIMEOUT_S), pytest.raises(TransportError) as failed:
+            await sync.sync_weights()
+        source.on_tensor = None
+        # IPC: the receive RPC's error, Ray's reason in its message (the transport
+        # re-raises its chosen error "from None", which drops the RayActorError it was
+        # caused by). Collective: whichever saw it first, the RPC or the broadcast
+        # (gloo's read error), as with a worker killed in-process.
+        seen = str(failed.value)
+        assert "died (or is restarting) during collective_rpc(): " in seen or (
+            not colocated and seen.startswith("broadcast of bucket")
+        ), seen
+        assert colocated is False or "killed by `ray.kill`" in seen
+        assert (sync.policy_version, sync.weight_version, sync.is_stale) == (2, 1, True)
+        with pytest.raises(TransportError):
+            await engine.generate(h.PROMPTS, max_new_tokens=2)
+        if getattr(engine, "check_health", None) is not None:  # a fleet's probe says so too
+            with pytest.raises(TransportError):
+                await engine.check_health()
+        await _gone([first.pid, *workers])
+
+        assert await engine.respawn_dead_workers() == [0]
+        second = engine.info
+        assert second.incarnation != first.incarnation and second.pid != first.pid
+        if max_restarts:  # Ray restarted the same actor; else a new actor was launched
+            assert second.actor_id == first.actor_id
+        else:
+            assert second.actor_id != first.actor_id
+        # The new engine's start swept the dead one's socket directory.
+        assert _left_by(first.pid) == []
+        assert (sync.weight_version, sync.is_stale) == (1, True)
+        await sync.init_communicator()  # the new worker joins
+        await sync.sync_weights()
+        assert (sync.policy_version, sync.weight_version, sync.is_stale) == (2, 2, False)
+        await h.assert_engine_equals(engine, trainer)
+        want = trainer.generate(h.PROMPTS, max_new_tokens=3, ignore_eos=True)
+        assert await engine.generate(h.PROMPTS, max_new_tokens=3, ignore_eos=True) == want
+        workers = engine.pids
+    # Nothing left behind: the actor and its engine's processes, and whatever aiosync
+    # names after them or after this trainer.
+    await _gone([second.pid, *workers])
+    with pytest.raises(ray.exceptions.RayActorError):
+        await engine.actor.__ray_ready__.remote()
+    assert [_left_by(p) for p in (os.getpid(), first.pid, second.pid, *workers)] == [[]] * (
+        3 + len(workers)
+    )
+    with pytest.raises(SyncError, match="shut down"):
+        await engine.generate(h.PROMPTS, max_new_tokens=1)
+
+
+async def test_a_lost_actor_without_relaunch_names_the_way_out(
+    ray_cluster: Any, h: SimpleNamespace
+) -> None:
+    from aiosync.ray import EngineActor, EngineSpec, RayEngine
+
+    ray = ray_cluster
+    actor = EngineActor.options(num_cpus=0).remote(EngineSpec("tests.ray._engines:BareEngine"))
+    engine = RayEngine(actor, owns_actor=True)
+    discarded: list[int] = []
+    engine.add_weights_discarded_listener(lambda: discarded.append(1))
+    async with engine:
+        ray.kill(actor)
+        with pytest.raises(TransportError, match="died") as failed:
+            await engine.prepare_for_generation()
+        assert isinstance(failed.value.__cause__, ray.exceptions.ActorDiedError)
+        assert discarded == [1]  # its weights went with it, once
+        with pytest.raises(TransportError, match="cannot launch another"):
+            await engine.respawn_dead_workers()
