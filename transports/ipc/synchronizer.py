@@ -678,7 +678,9 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
             if sender.closed:
                 # The workers' replies merely echo the abort that shutdown sent.
                 raise TransportError(_SHUT_DOWN_MID_SYNC) from most_telling(group)
-            raise most_telling(group) from None
+            error = most_telling(group)
+            error.__suppress_context__ = True  # the group; its own cause stays
+            raise error from error.__cause__
         except BaseException as exc:
             sender.abort(sync_id, peers, repr(exc))
             if sender.closed and isinstance(exc, Exception):
