@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -22,7 +22,6 @@ import torch
 
 from aiosync import (
     EngineFleet,
-    RefitSource,
     SyncError,
     TrainCluster,
     VersionEventKind,
@@ -31,8 +30,7 @@ from aiosync import (
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
-from aiosync.interfaces import RefitManifest
-from aiosync.refit import DTensorRefitSource
+from tests._support.sources import HookedSource
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -54,22 +52,6 @@ async def engines() -> AsyncIterator[list[EmbeddedEngine]]:
             await engine.shutdown()
 
 
-class _Source(RefitSource):
-    """The trainer's source; ``on_tensor(i)`` runs before the ``i``-th tensor."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.inner = DTensorRefitSource(model)
-        self.on_tensor: Any = lambda i: None
-
-    def prepare_refit_info(self) -> RefitManifest:
-        return self.inner.prepare_refit_info()
-
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for i, item in enumerate(self.inner.iter_weights()):
-            self.on_tensor(i)
-            yield item
-
-
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -85,7 +67,7 @@ async def _holds(engines: list[EmbeddedEngine], trainer: HFModelRunner) -> list[
     return out
 
 
-def _kill_at(source: _Source, engine: EmbeddedEngine, index: int) -> None:
+def _kill_at(source: HookedSource, engine: EmbeddedEngine, index: int) -> None:
     def kill(i: int) -> None:
         if i == index:
             source.on_tensor = lambda i: None
@@ -111,7 +93,7 @@ async def test_an_engine_killed_mid_sync_is_quarantined_and_the_others_commit(
     engines: list[EmbeddedEngine], transport: str
 ) -> None:
     trainer = HFModelRunner.from_config(TINY_QWEN3, seed=61)
-    source = _Source(trainer.model)
+    source = HookedSource(trainer.model)
     fleet = EngineFleet(engines, on_engine_failure="quarantine", min_engines=2)
     options: dict[str, Any] = (
         {"colocated": True, "device": "cpu", "rpc_timeout_s": 10.0}
@@ -174,7 +156,7 @@ async def test_below_min_engines_the_sync_fails_and_nothing_is_set_aside(
     engines: list[EmbeddedEngine],
 ) -> None:
     trainer = HFModelRunner.from_config(TINY_QWEN3, seed=62)
-    source = _Source(trainer.model)
+    source = HookedSource(trainer.model)
     fleet = EngineFleet(engines, on_engine_failure="quarantine", min_engines=3)
     sync = create_weight_synchronizer(
         source, fleet, colocated=True, backend="embedded", device="cpu", rpc_timeout_s=10.0

@@ -13,7 +13,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
@@ -22,7 +22,6 @@ import torch
 from aiosync import (
     EngineFleet,
     RefitMismatchError,
-    RefitSource,
     SyncError,
     TrainCluster,
     TransportError,
@@ -32,9 +31,9 @@ from aiosync import (
 from aiosync.engines.embedded.configs import TINY_QWEN3, TINY_QWEN3_TIED
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
-from aiosync.interfaces import RefitManifest
 from aiosync.refit import DTensorRefitSource
 from aiosync.transports.ipc import IPCWeightSynchronizer
+from tests._support.sources import HookedSource
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 
@@ -52,22 +51,6 @@ async def engine_a() -> AsyncIterator[EmbeddedEngine]:
 async def engine_b() -> AsyncIterator[EmbeddedEngine]:
     async with EmbeddedEngine(TINY_QWEN3, num_workers=1, seed=ENGINE_SEED) as engine:
         yield engine
-
-
-class _Source(RefitSource):
-    """A trainer's real source; ``on_tensor(i)`` runs before the ``i``-th tensor."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.inner = DTensorRefitSource(model)
-        self.on_tensor = lambda i: None
-
-    def prepare_refit_info(self) -> RefitManifest:
-        return self.inner.prepare_refit_info()
-
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for i, item in enumerate(self.inner.iter_weights()):
-            self.on_tensor(i)
-            yield item
 
 
 def _port() -> int:
@@ -152,7 +135,7 @@ async def test_an_engine_killed_mid_sync_fails_it_for_all_and_both_refuse_until_
     engine_a: EmbeddedEngine, engine_b: EmbeddedEngine
 ) -> None:
     trainer = HFModelRunner.from_config(TINY_QWEN3, seed=44)
-    source = _Source(trainer.model)
+    source = HookedSource(trainer.model)
     sync = create_weight_synchronizer(
         source, [engine_a, engine_b], colocated=True, backend="embedded"
     )

@@ -1,0 +1,29 @@
+"""A trainer's real refit source with a hook before each tensor (fault injection)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from aiosync import RefitSource
+from aiosync.interfaces import RefitManifest
+from aiosync.refit import DTensorRefitSource
+
+__all__ = ["HookedSource"]
+
+
+class HookedSource(RefitSource):
+    """``DTensorRefitSource(model)``; ``on_tensor(i)`` runs before the ``i``-th tensor."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.inner = DTensorRefitSource(model)
+        self.on_tensor: Callable[[int], None] = lambda i: None
+
+    def prepare_refit_info(self) -> RefitManifest:
+        return self.inner.prepare_refit_info()
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for i, item in enumerate(self.inner.iter_weights()):
+            self.on_tensor(i)
+            yield item
