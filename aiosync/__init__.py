@@ -18,9 +18,11 @@ from ._config import (
 )
 from .capabilities import (
     DiscardNotifier,
+    ElasticEngines,
     Engine,
     EngineSet,
     Generating,
+    HealthReporting,
     PausableEngine,
     SleepReporting,
     VersionedEngine,
@@ -76,6 +78,7 @@ __all__ = [
     "KNOWN_BACKENDS",
     "CollectiveWeightSynchronizer",
     "DiscardNotifier",
+    "ElasticEngines",
     "EmbeddedEngine",
     "Engine",
     "EngineFleet",
@@ -87,6 +90,7 @@ __all__ = [
     "Generation",
     "GenerationBackend",
     "HTTPWeightSynchronizer",
+    "HealthReporting",
     "IPCWeightSynchronizer",
     "InFlightPolicy",
     "KVScales",

@@ -34,7 +34,6 @@ from ._config import (
     DEFAULT_RESUME_TIMEOUT_S,
     Timeouts,
 )
-from ._digest import tensor_digest
 from ._fanout import each_named
 from ._hf_config import compare_hf_configs
 from ._kv_scales import attention_layers, kv_scale_entries
@@ -905,6 +904,8 @@ class WeightSynchronizer(ABC):
     ) -> tuple[int, str] | None:
         """``(worker rank, what differs)`` of the first tensor a worker holds otherwise
         than the source yields it (blocking: reads the source once)."""
+        from ._digest import tensor_digest  # torch: loaded on first use, as the transports
+
         for name, tensor in self.policy.iter_weights():
             for rank, digests in enumerate(held):
                 part = None if layouts is None else layouts[rank].get(name)
