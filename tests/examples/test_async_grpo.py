@@ -24,6 +24,8 @@ pytestmark = pytest.mark.slow
 #: float32 logits of the same weights), one token at a time against a KV cache where
 #: the trainer runs the whole sequence at once: equal up to float32 rounding.
 ONPOLICY_LOGPROB_ATOL = 1e-5
+#: The same for a bf16 run: a few bf16 ulps (2**-7 relative) of the log-probs.
+BF16_ONPOLICY_LOGPROB_ATOL = 2e-2
 
 
 def load_example() -> Any:
@@ -147,8 +149,11 @@ def test_async_grpo_delta_refits_move_only_the_changed_bits_and_print_their_byte
         share = r["nbytes"] / full
         want = f"refit v{r['version']}: {kind} {r['nbytes']:,} B of {full:,} B full ({share:.2%})"
         assert want in lines
-    # Patches land bit-exact: the engine equals the trainer after every refit.
-    assert_run_invariants(report)
+    # Patches land bit-exact: the engine equals the trainer after every refit. The
+    # on-policy log-probs agree to bf16 precision only: the engine's cached decode and
+    # the trainer's full forward take other bf16 kernels, which differ by CPU (no
+    # AVX-512 BF16 on some: 1.6e-3 seen on an AMD EPYC).
+    assert_run_invariants(report, onpolicy_atol=BF16_ONPOLICY_LOGPROB_ATOL)
 
 
 def test_async_grpo_fp8_refits_serve_the_trainers_block_fp8_checkpoint(tmp_path: Path) -> None:
