@@ -147,13 +147,19 @@ async def test_ipc_deltas_land_bit_exact(llm: Any, trainer: Any) -> None:
     await deltas_land_bit_exact(backend, trainer, sync)
 
 
-async def test_a_synchronizer_without_delta_frees_the_host_copy(
-    llm: Any, trainer: Any, free_port: Callable[[], int]
-) -> None:
+async def test_a_synchronizer_without_delta_frees_the_host_copy(llm: Any, trainer: Any) -> None:
     backend = VLLMGenerationBackend(llm)
+    full = sum(t.numel() * t.element_size() for t in state_of(trainer).values())
+    # A delta synchronizer's first (full) sync makes the worker keep its copy...
+    delta = IPCWeightSynchronizer(DTensorRefitSource(trainer), backend, device="cpu", delta=True)
+    async with delta:
+        await delta.mark_stale()
+        await delta.sync_weights()
+    (status,) = await backend.collective_rpc("aiosync_vllm_status")
+    assert status["delta_copy_bytes"] == full
+    # ...and the next synchronizer without delta makes it let go of it.
     sync = IPCWeightSynchronizer(DTensorRefitSource(trainer), backend, device="cpu")
     async with sync:
-        await sync.init_communicator()
         nudge(trainer, seed=43)
         await sync.mark_stale()
         await sync.sync_weights()
