@@ -10,42 +10,22 @@ from __future__ import annotations
 import glob
 import os
 import tempfile
-from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import anyio
 import pytest
-import torch
 
 from aiosync import TrainCluster, create_weight_synchronizer
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.errors import SyncError, TransportError
-from aiosync.interfaces import RefitManifest, RefitSource
-from aiosync.refit import DTensorRefitSource
 from aiosync.transports._leftovers import SHM_DIR
+from tests._support.sources import HookedSource
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 
 #: The sync's limit: the dead actor must be reported well before it.
 SYNC_TIMEOUT_S = 60.0
-
-
-class KillingSource(RefitSource):
-    """The trainer's source; ``on_tensor(i)`` runs before tensor ``i`` is yielded."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.inner = DTensorRefitSource(model)
-        self.on_tensor: Callable[[int], None] | None = None
-
-    def prepare_refit_info(self) -> RefitManifest:
-        return self.inner.prepare_refit_info()
-
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for i, item in enumerate(self.inner.iter_weights()):
-            if self.on_tensor is not None:
-                self.on_tensor(i)
-            yield item
 
 
 def _alive(pid: int) -> bool:
@@ -88,7 +68,7 @@ async def test_an_engine_actor_killed_mid_sync_fails_it_typed_and_a_new_actor_he
         max_restarts=max_restarts,
     )
     trainer = h.trainer_model(21)
-    source = KillingSource(trainer.model)
+    source = HookedSource(trainer.model)
     topology: dict[str, Any] = {}
     if not colocated:
         topology = {"train_cluster": TrainCluster(), "inference_world_size": 1}
@@ -117,7 +97,7 @@ async def test_an_engine_actor_killed_mid_sync_fails_it_typed_and_a_new_actor_he
         source.on_tensor = kill
         with anyio.fail_after(SYNC_TIMEOUT_S), pytest.raises(TransportError) as failed:
             await sync.sync_weights()
-        source.on_tensor = None
+        source.on_tensor = lambda i: None
         # IPC: the receive RPC's error, Ray's reason in its message (the transport
         # re-raises its chosen error "from None", which drops the RayActorError it was
         # caused by). Collective: whichever saw it first, the RPC or the broadcast
