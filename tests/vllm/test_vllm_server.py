@@ -8,7 +8,9 @@ Run with ``pytest -m vllm tests/vllm/test_vllm_server.py`` in ``.venv-vllm``.
 Reading the live weights back: the worker extension's ``aiosync_vllm_read_weights``
 answers raw bytes, which vLLM's ``/collective_rpc`` cannot send as JSON, so the
 server runs :class:`ReadbackWorkerExtension`: aiosync's extension plus one method
-that returns the same answer with the bytes in base64.
+that returns the same answer with the bytes in base64, and one that slows each
+forward step (the in-flight tests: a request must still run when the sync's pause
+reaches the engine).
 """
 
 from __future__ import annotations
@@ -63,6 +65,13 @@ MAX_MODEL_LEN = 512
 LONG_TOKENS = 500
 #: A sync starts once the long request has streamed this many tokens.
 STARTED_TOKENS = 4
+#: Each forward step of the worker sleeps this long while the long request runs,
+#: seconds: LONG_TOKENS steps then take >= 5 s, however fast the machine. Unslowed,
+#: the tiny model computes all of them in well under a second, and on a loaded
+#: machine the API server streams the first tokens only when the engine is done
+#: (its output handler merges the deltas a slow stream has not sent), so the
+#: request was over before any pause arrived.
+STEP_DELAY_S = 0.01
 
 
 class ReadbackWorkerExtension(AiosyncWorkerExtension):
@@ -74,6 +83,19 @@ class ReadbackWorkerExtension(AiosyncWorkerExtension):
             [name, shape, dtype, base64.b64encode(raw).decode("ascii")]
             for name, shape, dtype, raw in self.aiosync_vllm_read_weights(names)
         ]
+
+    def aiosync_test_step_delay(self, seconds: float) -> None:
+        """Sleep ``seconds`` before each forward of the worker's model from now on
+        (0: no more sleeping). A forward pre-hook: the weights and outputs are untouched."""
+        handle = getattr(self, "_aiosync_test_delay_hook", None)
+        if handle is not None:
+            handle.remove()
+            self._aiosync_test_delay_hook = None
+        if seconds > 0:
+            model = self.model_runner.get_model()  # type: ignore[attr-defined]
+            self._aiosync_test_delay_hook = model.register_forward_pre_hook(
+                lambda *_: time.sleep(seconds)
+            )
 
 
 @dataclass
@@ -378,13 +400,12 @@ async def sync_while_a_request_runs(
 ) -> AcrossSync:
     """Sync new weights with ``in_flight=mode`` while a ``LONG_TOKENS`` request runs.
 
-    The request streams through the API server, which can lag behind the engine
-    on a loaded machine (vLLM merges the deltas a slow stream has not sent), so
-    a request whose first tokens arrive late may have finished in the engine
-    before the pause reached it; for ``"keep"`` and ``"abort"`` such an attempt
-    (no version change, not aborted) is repeated on the next weights, up to 6 times.
+    The worker's forward steps are slowed by ``STEP_DELAY_S`` while the request
+    runs, so that it is still running in the engine when the pause arrives. Should
+    it have finished all the same (no version change, not aborted) under ``"keep"``
+    or ``"abort"``, the attempt is repeated on the next weights, up to 3 times.
     """
-    for attempt in range(6):
+    for attempt in range(3):
         before = await backend.weight_version()
         unpaused = (await backend.generate([LONG_PROMPT], max_new_tokens=LONG_TOKENS))[0]
         sync = IPCWeightSynchronizer(
@@ -393,16 +414,20 @@ async def sync_while_a_request_runs(
         answers: list[Generation] = []
         async with sync, anyio.create_task_group() as tg:
             streamed = backend.streamed_tokens
-            tg.start_soon(long_request, backend, answers)
-            await streamed_at_least(backend, streamed + STARTED_TOKENS)
-            perturb(trainer, seed=seed + attempt)
-            await sync.mark_stale()
-            await sync.sync_weights(in_flight=mode)  # type: ignore[arg-type]
+            await backend.collective_rpc("aiosync_test_step_delay", (STEP_DELAY_S,))
+            try:
+                tg.start_soon(long_request, backend, answers)
+                await streamed_at_least(backend, streamed + STARTED_TOKENS)
+                perturb(trainer, seed=seed + attempt)
+                await sync.mark_stale()
+                await sync.sync_weights(in_flight=mode)  # type: ignore[arg-type]
+            finally:
+                await backend.collective_rpc("aiosync_test_step_delay", (0.0,))
         (g,) = answers
         caught = {"keep": g.version_change_at is not None, "abort": g.aborted, "wait": True}
         if caught[mode]:
             return AcrossSync(g, unpaused, before, sync.weight_version)
-    pytest.fail(f"the long request finished before 6 {mode!r} syncs reached the server")
+    pytest.fail(f"the long request finished before 3 {mode!r} syncs reached the server")
 
 
 async def test_a_request_across_a_keep_sync_reports_the_version_change(
