@@ -1,0 +1,207 @@
+"""Disaggregated SGLang: ``SGLangCollectiveWeightSynchronizer`` against real test-server
+processes that join SGLang's weight-update group (gloo, loopback) and receive every
+bucket's broadcast for real.
+
+Two servers of two TP ranks each form one group with the trainer (world 5, rank
+offsets 1 and 3); a sessionless server (an SGLang before the weight-update session)
+takes the same refit. ``GLOO_SOCKET_IFNAME=lo`` keeps every gloo socket on loopback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aiosync import (
+    RefitMismatchError,
+    SGLangCollectiveWeightSynchronizer,
+    SGLangHTTPBackend,
+    SyncError,
+    TrainCluster,
+    create_weight_synchronizer,
+)
+
+from .conftest import TestServer
+
+pytestmark = pytest.mark.slow
+
+BUCKET_BYTES = 64 * 1024
+DISTRIBUTED = "/update_weights_from_distributed"
+
+
+@pytest.fixture(scope="module")
+def loopback_gloo() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GLOO_SOCKET_IFNAME", "lo")
+        yield
+
+
+@pytest.fixture(scope="module")
+def tp2_pair(
+    loopback_gloo: None, server_workdir: Path, dense_config: Path
+) -> Iterator[tuple[TestServer, TestServer]]:
+    """Two servers of two TP ranks each (they inherit ``GLOO_SOCKET_IFNAME``)."""
+    first = TestServer(server_workdir, dense_config, "--tp-size", "2")
+    try:
+        second = TestServer(server_workdir, dense_config, "--tp-size", "2")
+    except BaseException:
+        first.close()
+        raise
+    try:
+        yield first, second
+    finally:
+        first.close()
+        second.close()
+
+
+@pytest.fixture
+def pair(tp2_pair: tuple[TestServer, TestServer]) -> Iterator[tuple[TestServer, TestServer]]:
+    for server in tp2_pair:
+        server.reset()
+    yield tp2_pair
+    for server in tp2_pair:
+        server.reset()
+
+
+@contextlib.asynccontextmanager
+async def _fleet(
+    servers: Any, trainer: Any, **options: Any
+) -> AsyncIterator[tuple[Any, list[SGLangHTTPBackend]]]:
+    backends = [SGLangHTTPBackend(s.url) for s in servers]
+    options.setdefault("inference_world_size", 2 * len(servers))
+    sync = create_weight_synchronizer(
+        trainer,
+        backends,
+        colocated=False,
+        backend="sglang",
+        train_cluster=TrainCluster(master_addr="127.0.0.1"),
+        dist_backend="gloo",
+        bucket_bytes=BUCKET_BYTES,
+        **options,
+    )
+    try:
+        yield sync, backends
+    finally:
+        await sync.shutdown()
+        for backend in backends:
+            await backend.aclose()
+
+
+def _entries(server: TestServer, path: str) -> list[dict[str, Any]]:
+    return [e for e in server.log() if e["path"] == path]
+
+
+async def test_a_fleet_of_two_tp2_servers_receives_every_broadcast_bit_exact_on_every_rank(
+    pair: Any, make_trainer: Any, state_equal: Any, prompts: list[list[int]]
+) -> None:
+    trainer = make_trainer(seed=70)
+    async with _fleet(pair, trainer) as (sync, backends):
+        assert isinstance(sync, SGLangCollectiveWeightSynchronizer)
+        await sync.init_communicator()
+        for step in range(2):
+            await sync.mark_stale()
+            await sync.sync_weights(kv_scales={1: 0.5})
+            assert (sync.weight_version, sync.is_stale) == (step + 1, False)
+            for server, backend in zip(pair, backends, strict=True):
+                for rank in (0, 1):
+                    state_equal(server.state_dict(rank), trainer.expected())
+                assert server.kv_scales()[1]["model.layers.1.self_attn.k_scale"] == 0.5
+                assert await backend.get_weight_version() == str(step + 1)
+            assert await sync.generation.generate(
+                prompts, max_new_tokens=4
+            ) == trainer.reference_generate(prompts, 4)
+            trainer.step(seed=71 + step)
+        group = sync.group_name
+    for offset, server in zip((1, 3), pair, strict=True):
+        (init,) = _entries(server, "/init_weights_update_group")
+        assert (init["status"], init["rank_offset"], init["world_size"]) == (200, offset, 5)
+        assert (init["group_name"], init["backend"]) == (group, "gloo")
+        updates = _entries(server, DISTRIBUTED)
+        # Every bucket and the scales' own, each sync, all inside the session.
+        assert len(updates) == 2 * (len(sync.plan) + 1)
+        assert all(e["status"] == 200 and e["group_name"] == group for e in updates)
+        order = [e["path"] for e in server.log()]
+        first, last = order.index("/begin_weight_update"), order.index("/end_weight_update")
+        assert first < order.index(DISTRIBUTED) < last < order.index("/update_weight_version")
+        assert [e["status"] for e in _entries(server, "/destroy_weights_update_group")] == [200]
+
+
+async def test_a_sync_failing_half_way_ends_the_sessions_commits_nothing_and_the_next_reforms(
+    pair: Any, make_trainer: Any, state_equal: Any, prompts: list[list[int]]
+) -> None:
+    trainer = make_trainer(seed=80)
+    async with _fleet(pair, trainer) as (sync, backends):
+        await sync.init_communicator()
+        await sync.mark_stale()
+        await sync.sync_weights()
+        first_group = sync.group_name
+        trainer.step(seed=81)
+        names = list(trainer.prepare_refit_info())
+
+        def fail_half_way(name: str) -> None:
+            if name == names[len(names) // 2]:
+                raise RuntimeError("the trainer's gather failed")
+
+        trainer.on_tensor = fail_half_way
+        await sync.mark_stale()
+        with pytest.raises(RuntimeError, match="the trainer's gather failed"):
+            await sync.sync_weights()
+        assert (sync.weight_version, sync.is_stale) == (1, True)
+        for server, backend in zip(pair, backends, strict=True):
+            assert _entries(server, DISTRIBUTED)[-1]["status"] == 200  # some buckets landed
+            paths = [e["path"] for e in server.log()]
+            after = paths[len(paths) - 1 - paths[::-1].index(DISTRIBUTED) :]
+            # The session ended; no flush of it, no version label.
+            assert "/end_weight_update" in after and "/update_weight_version" not in after
+            assert await backend.get_weight_version() == "1"
+            with pytest.raises(SyncError, match="holds no valid weights"):
+                await backend.generate(prompts, max_new_tokens=2)
+        trainer.on_tensor = None
+        await sync.sync_weights()
+        assert (sync.weight_version, sync.is_stale) == (2, False)
+        assert sync.group_name == f"{first_group}-1"  # formed again over the same store
+        for server in pair:
+            for rank in (0, 1):
+                state_equal(server.state_dict(rank), trainer.expected())
+        assert await sync.generation.generate(
+            prompts, max_new_tokens=4
+        ) == trainer.reference_generate(prompts, 4)
+
+
+async def test_a_world_size_that_differs_from_the_servers_is_refused_before_any_rendezvous(
+    pair: Any, make_trainer: Any
+) -> None:
+    async with _fleet(pair, make_trainer(seed=90), inference_world_size=2) as (sync, _):
+        with pytest.raises(RefitMismatchError, match=r"inference_world_size=2.*4 ranks"):
+            await sync.init_communicator()
+        assert sync.master_port is None
+    assert [_entries(s, "/init_weights_update_group") for s in pair] == [[], []]
+
+
+async def test_a_server_without_the_session_routes_is_refit_sessionless(
+    loopback_gloo: None,
+    server_workdir: Path,
+    dense_config: Path,
+    make_trainer: Any,
+    state_equal: Any,
+) -> None:
+    server = TestServer(server_workdir, dense_config, "--no-weight-update-session")
+    try:
+        trainer = make_trainer(seed=95)
+        async with _fleet([server], trainer, inference_world_size=1) as (sync, backends):
+            await sync.init_communicator()
+            await sync.mark_stale()
+            await sync.sync_weights()
+            assert backends[0].weight_update_session is False
+            state_equal(server.state_dict(), trainer.expected())
+            assert await backends[0].get_weight_version() == "1"
+        paths = [e["path"] for e in server.log()]
+        assert DISTRIBUTED in paths and "/end_weight_update" not in paths
+    finally:
+        server.close()
+    assert os.environ.get("GLOO_SOCKET_IFNAME") == "lo"
