@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import datetime
 import json
+import math
 import os
 import shutil
 import signal
@@ -22,14 +24,16 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
 import anyio
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file as safetensors_load_file
 from safetensors.torch import save as safetensors_save
 
@@ -38,6 +42,7 @@ from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.errors import SyncError, TransportError
 from aiosync.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from aiosync.transports._leftovers import dir_prefix, sweep_leftovers
+from aiosync.transports.collective._custom_group import CustomGroup, join_custom_group
 from aiosync.transports.http import (
     FLATTENED_BUCKET,
     decode_flattened_bucket,
@@ -260,10 +265,25 @@ class ServerState:
     #: ``serialized_named_tensors`` entry, so that every rank's weights can be
     #: read back; generation runs on rank 0.
     other_ranks: list[HFModelRunner] = field(default_factory=list)
+    #: ``/init_weights_update_group``'s groups, ``{group_name: [member of TP rank r, ...]}``
+    #: (each SGLang TP worker's ``_model_update_group``): every simulated TP rank is a
+    #: real gloo member of the group, rank ``rank_offset + r``.
+    weight_groups: dict[str, list[CustomGroup]] = field(default_factory=dict)
+    #: The limit of a group's formation and of each of its broadcasts, seconds
+    #: (``--weights-update-timeout-s``).
+    weights_update_timeout_s: float = 120.0
+    #: Taken by the three group routes for their whole run: SGLang's scheduler serves
+    #: one request at a time, so a formation or a broadcast holds back the next group
+    #: request (a destroy waits for a hung update) until it ends or times out.
+    group_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.weights_update_timeout_s <= 0:
+            raise ValueError(
+                f"weights_update_timeout_s must be > 0, got {self.weights_update_timeout_s}"
+            )
         while len(self.other_ranks) < self.tp_size - 1:
             self.other_ranks.append(HFModelRunner(copy.deepcopy(self.runner.model)))
 
@@ -277,6 +297,16 @@ class ServerState:
     def ranks(self) -> list[HFModelRunner]:
         """Every TP rank's model, rank order (rank 0 is ``runner``)."""
         return [self.runner, *self.other_ranks]
+
+    def close_weight_groups(self) -> None:
+        """Close and forget every weight-update group (the server stops). Never raises;
+        a member whose broadcast is in flight closes once that broadcast ended (gloo's
+        teardown waits for it: at most :attr:`weights_update_timeout_s`)."""
+        with self.lock:
+            groups, self.weight_groups = list(self.weight_groups.values()), {}
+        for members in groups:
+            for member in members:
+                member.close()
 
     def take_fault(self, path: str) -> str | None:
         with self.lock:
@@ -451,6 +481,12 @@ class _Handler(BaseHTTPRequestHandler):
             ]
         if path == "/update_weights_from_tensor" and method == "POST":
             return self._update_weights_from_tensor(_object(data))
+        if path == "/init_weights_update_group" and method == "POST":
+            return self._init_weights_update_group(_object(data))
+        if path == "/update_weights_from_distributed" and method == "POST":
+            return self._update_weights_from_distributed(_object(data))
+        if path == "/destroy_weights_update_group" and method == "POST":
+            return self._destroy_weights_update_group(_object(data or {}))
         if state.weight_update_session and method == "POST":
             if path == "/begin_weight_update":
                 return self._begin_weight_update(_object(data or {}))
@@ -633,15 +669,8 @@ class _Handler(BaseHTTPRequestHandler):
                     f"(one per TP rank), got {_count(entries)}",
                 },
             )
-        if "weights" in state.released:
-            raise _HTTPError(
-                400, {"success": False, "message": "weights are released; resume them first"}
-            )
-        with state.lock:
-            outside = state.weight_update_session and not state.session_open
-        if outside:
-            # SGLang 0.5.23's SchedulerWeightUpdaterManager.update_weights_from_tensor.
-            raise _HTTPError(400, {"success": False, "message": _OUTSIDE_SESSION})
+        self._require_weights()
+        self._require_session("update_weights_from_tensor")
         try:
             # Rank r decodes entry r and loads it into its own model, as SGLang's
             # TP workers do (each deserializes only its own rank's entry).
@@ -661,14 +690,43 @@ class _Handler(BaseHTTPRequestHandler):
             # Drop every view so the sender's shared segments can be released.
             del per_rank
         self._times["loaded"] = time.monotonic()
+        return self._after_update(data, "Success")
+
+    def _require_weights(self) -> None:
+        """400 while the weights are released (nothing to load them into)."""
+        if "weights" in self.server.state.released:
+            raise _HTTPError(
+                400, {"success": False, "message": "weights are released; resume them first"}
+            )
+
+    def _require_session(self, route: str) -> None:
+        """400 outside a weight-update session, on a server that has them (SGLang 0.5.23's
+        ``SchedulerWeightUpdaterManager.update_weights_from_tensor`` and
+        ``..._from_distributed``, each naming itself)."""
+        state = self.server.state
+        with state.lock:
+            outside = state.weight_update_session and not state.session_open
+        if outside:
+            raise _HTTPError(400, {"success": False, "message": _outside_session(route)})
+
+    def _after_update(self, data: dict[str, Any], message: str) -> dict[str, Any]:
+        """What follows a successful load on every rank, the same for each update route:
+        the scheduler learns the weights changed, the cache is flushed (``flush_cache``,
+        default true) and ``weight_version`` recorded (pending until the session's end
+        when one is open). Returns the answer, ``{"success": true, "message": message}``
+        (``" Weight version updated to {v}."`` appended when a version came).
+
+        Raises:
+            _HTTPError: 500 when the flush is refused (requests still run): SGLang
+                asserts there and its scheduler dies.
+        """
+        state = self.server.state
         state.scheduler.weights_changed()
         if data.get("flush_cache", True):
             with state.lock:
                 if not state.scheduler.flush():
-                    # SGLang asserts here and its scheduler dies.
                     raise _error("Cache flush failed after updating weights", 500)
                 state.cache.clear()
-        message = "Success"
         version = data.get("weight_version")
         if version is not None:
             with state.lock:
@@ -678,6 +736,224 @@ class _Handler(BaseHTTPRequestHandler):
                     state.weight_version = str(version)
             message += f" Weight version updated to {version}."
         return {"success": True, "message": message}
+
+    def _init_weights_update_group(self, data: dict[str, Any]) -> Any:
+        """SGLang's ``InitWeightsUpdateGroupReqInput``: ``master_address`` (str),
+        ``master_port``, ``rank_offset``, ``world_size`` (int), ``group_name`` (default
+        ``"weight_update_group"``), ``backend`` (default ``"nccl"``).
+
+        Every TP rank ``r`` joins group ``group_name`` as rank ``rank_offset + r`` of
+        ``world_size``, all at once (the backend forms only once every rank, the
+        trainer's rank 0 included, joined), each over its own client of the trainer's
+        ``TCPStore`` at ``master_address:master_port``, as SGLang's TP workers do
+        (``init_custom_process_group``, ``tcp://`` rendezvous). Blocks until formed, at
+        most :attr:`ServerState.weights_update_timeout_s`.
+
+        Answers ``{"success": true, "message": "Succeeded to initialize custom process
+        group."}``; 400 ``{"success": false, "message": "Failed to initialize custom
+        process group: {reason}."}`` for backend ``"nccl"`` (no CUDA here), a name
+        already formed (torch's text), a rank outside ``world_size`` or a formation that
+        failed or timed out (then no rank keeps a member); 422 for a malformed body.
+        """
+        state = self.server.state
+        address, port = data.get("master_address"), data.get("master_port")
+        offset, world = data.get("rank_offset"), data.get("world_size")
+        name = data.get("group_name", _DEFAULT_GROUP)
+        backend = data.get("backend", "nccl")
+        if not (
+            isinstance(address, str)
+            and isinstance(port, int)
+            and isinstance(offset, int)
+            and isinstance(world, int)
+            and not any(isinstance(v, bool) for v in (port, offset, world))
+            and isinstance(name, str)
+            and isinstance(backend, str)
+        ):
+            raise _HTTPError(
+                422,
+                {
+                    "detail": "master_address (str), master_port, rank_offset and world_size "
+                    "(int) are required; group_name and backend are strings"
+                },
+            )
+        if not name:
+            # SGLang asserts this in every TP worker.
+            raise _HTTPError(400, {"success": False, "message": "Group name cannot be empty"})
+        if backend == "nccl":
+            raise _init_failure(
+                "backend 'nccl' needs CUDA, and this test server runs on CPU only; "
+                "use backend='gloo'"
+            )
+        if backend != "gloo":
+            raise _init_failure(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+        outside = [r for r in range(offset, offset + state.tp_size) if not 0 <= r < world]
+        if outside:
+            # Refused before any rank joins: the others would wait out the timeout.
+            raise _init_failure(f"rank {outside[0]} is outside a group of {world} ranks")
+        timeout_s = state.weights_update_timeout_s
+
+        def join(tp_rank: int) -> CustomGroup:
+            # One store client per TP rank, as SGLang's tcp:// rendezvous makes in each
+            # TP worker process.
+            store = dist.TCPStore(
+                address,
+                port,
+                None,
+                False,
+                datetime.timedelta(seconds=timeout_s),
+                wait_for_workers=False,
+            )
+            return join_custom_group(
+                store,
+                group_name=name,
+                rank=offset + tp_rank,
+                world_size=world,
+                backend=backend,
+                timeout_s=timeout_s,
+            )
+
+        with state.group_lock:
+            with state.lock:
+                taken = name in state.weight_groups
+            if taken:
+                # What torch's _new_process_group_helper raises in each TP worker.
+                raise _init_failure(
+                    "The specified group name has already been created, "
+                    "please use a different group name"
+                )
+            results = _on_every_rank(state.tp_size, join)
+            members = [m for m in results if isinstance(m, CustomGroup)]
+            if len(members) < len(results):
+                for member in members:
+                    member.close()
+                rank, exc = next(
+                    (r, e) for r, e in enumerate(results) if isinstance(e, BaseException)
+                )
+                raise _init_failure(_on_rank(rank, exc))
+            with state.lock:
+                state.weight_groups[name] = members
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def _update_weights_from_distributed(self, data: dict[str, Any]) -> Any:
+        """SGLang's ``UpdateWeightsFromDistributedReqInput``: ``names``, ``dtypes`` (torch
+        attribute names: ``"bfloat16"``), ``shapes`` (one each per tensor), ``group_name``
+        (default ``"weight_update_group"``), ``flush_cache`` (default true),
+        ``abort_all_requests`` (default false), ``weight_version``, ``load_format``.
+
+        Every TP rank receives the tensors from rank 0 over its own member of the group,
+        all ranks at once: with ``load_format="flattened_bucket"`` ONE broadcast of a
+        uint8 tensor, the tensors' bytes concatenated in ``names`` order, no padding
+        (SGLang's ``FlattenedTensorBucket``); otherwise one broadcast per tensor, in
+        ``names`` order. Each rank then loads them into its own model.
+
+        Answers ``{"success": true, "message": "Succeeded to update parameter online."}``
+        (``" Weight version updated to {v}."`` appended when ``weight_version`` came);
+        400 ``{"success": false, ...}`` outside a session, for an unknown group, released
+        weights, or a failed receive or load (SGLang's "Failed to update parameter
+        online: ..." text; a failed broadcast leaves the group broken); 422 for a
+        malformed body; 500 when the flush after the load is refused.
+        """
+        state = self.server.state
+        names, dtypes, shapes = data.get("names"), data.get("dtypes"), data.get("shapes")
+        name = data.get("group_name", _DEFAULT_GROUP)
+        if not (
+            isinstance(names, list)
+            and all(isinstance(n, str) for n in names)
+            and isinstance(dtypes, list)
+            and all(isinstance(d, str) for d in dtypes)
+            and isinstance(shapes, list)
+            and all(
+                isinstance(shape, list) and all(_is_int(n) and n >= 0 for n in shape)
+                for shape in shapes
+            )
+            and isinstance(name, str)
+        ):
+            raise _HTTPError(
+                422,
+                {
+                    "detail": "names and dtypes must be lists of strings, shapes a list of "
+                    "lists of sizes, group_name a string"
+                },
+            )
+        if not len(names) == len(dtypes) == len(shapes):
+            # SGLang zips them and drops the extra entries silently; a bug to surface here.
+            raise _HTTPError(
+                422,
+                {
+                    "detail": "names, dtypes and shapes need one entry each per tensor, got "
+                    f"{len(names)}, {len(dtypes)}, {len(shapes)}"
+                },
+            )
+        bucketed = data.get("load_format") == FLATTENED_BUCKET
+        if data.get("abort_all_requests", False):
+            # SGLang's TokenizerManager aborts before it hands the update on.
+            state.scheduler.abort_all()
+        self._require_session("update_weights_from_distributed")
+        with state.group_lock:
+            with state.lock:
+                members = state.weight_groups.get(name)
+                known = list(state.weight_groups)
+            if members is None:
+                raise _HTTPError(
+                    400,
+                    {
+                        "success": False,
+                        "message": f"Group {name} not in {known}. "
+                        "Please call `init_weights_update_group` first.",
+                    },
+                )
+            self._require_weights()
+            try:
+                specs = [
+                    (n, _torch_dtype(d), tuple(shape))
+                    for n, d, shape in zip(names, dtypes, shapes, strict=True)
+                ]
+            except ValueError as exc:
+                raise _update_failure(str(exc)) from exc
+            group = members
+
+            def receive(tp_rank: int) -> list[tuple[str, torch.Tensor]]:
+                return _receive_tensors(group[tp_rank], specs, bucketed)
+
+            results = _on_every_rank(state.tp_size, receive)
+            self._times["received"] = time.monotonic()
+            per_rank: list[list[tuple[str, torch.Tensor]]] = []
+            for rank, result in enumerate(results):
+                if isinstance(result, BaseException):
+                    raise _update_failure(_on_rank(rank, result))
+                per_rank.append(result)
+            with state.model_lock:
+                for rank, (runner, tensors) in enumerate(zip(state.ranks, per_rank, strict=True)):
+                    try:
+                        runner.load_weights(tensors)
+                    except SyncError as exc:
+                        raise _update_failure(_on_rank(rank, exc)) from exc
+            self._times["loaded"] = time.monotonic()
+        return self._after_update(data, "Succeeded to update parameter online.")
+
+    def _destroy_weights_update_group(self, data: dict[str, Any]) -> Any:
+        """SGLang's ``DestroyWeightsUpdateGroupReqInput``: ``group_name`` (default
+        ``"weight_update_group"``). Closes every TP rank's member and forgets the group.
+
+        Answers ``{"success": true, "message": "Succeeded to destroy custom process
+        group."}``; 400 ``{"success": false, "message": "The group to be destroyed does
+        not exist."}`` for a name not formed.
+        """
+        state = self.server.state
+        name = data.get("group_name", _DEFAULT_GROUP)
+        if not isinstance(name, str):
+            raise _HTTPError(422, {"detail": "group_name must be a string"})
+        with state.group_lock:
+            with state.lock:
+                members = state.weight_groups.pop(name, None)
+            if members is None:
+                raise _HTTPError(
+                    400,
+                    {"success": False, "message": "The group to be destroyed does not exist."},
+                )
+            for member in members:
+                member.close()
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
 
     def _begin_weight_update(self, data: dict[str, Any]) -> Any:
         """SGLang's ``BeginWeightUpdateReqInput`` (``selector``, ``sync_base``): opens the
@@ -868,9 +1144,12 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 # SGLang 0.5.23, python/sglang/srt/managers/scheduler_components/weight_updater.py.
-_OUTSIDE_SESSION = (
-    "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
-)
+def _outside_session(route: str) -> str:
+    """SGLang's refusal of ``route`` (``"update_weights_from_tensor"``,
+    ``"update_weights_from_distributed"``) outside a weight-update session."""
+    return f"{route} must run between begin_weight_update() and end_weight_update()"
+
+
 _SESSION_OPEN = "a weight-update session is already open; call end_weight_update() first"
 _NO_SESSION = "no weight-update session is open; call begin_weight_update() first"
 # SGLang's http_server.py flush_cache: this text, 200 when flushed, 400 when refused.
@@ -878,6 +1157,121 @@ _FLUSH_TEXT = (
     "Cache flushed.\nPlease check backend logs for more details. "
     "(When there are running or waiting requests, the operation will not be performed.)\n"
 )
+
+
+#: SGLang's default ``group_name`` of the three weight-update group routes (io_struct).
+_DEFAULT_GROUP = "weight_update_group"
+_T = TypeVar("_T")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _reason(exc: BaseException) -> str:
+    """An exception's first line (torch's store errors run over many lines)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _on_rank(rank: int, exc: BaseException) -> str:
+    """``exc``'s reason, naming the TP rank when it is not rank 0 (as the tensor route)."""
+    return f"TP rank {rank}: {_reason(exc)}" if rank else _reason(exc)
+
+
+def _init_failure(reason: str) -> _HTTPError:
+    # SGLang's init_weights_update_group wraps every formation error so.
+    return _HTTPError(
+        400,
+        {"success": False, "message": f"Failed to initialize custom process group: {reason}."},
+    )
+
+
+def _update_failure(reason: str) -> _HTTPError:
+    # SGLang's update_weights_from_distributed wraps every receive or load error so.
+    return _HTTPError(
+        400,
+        {
+            "success": False,
+            "message": f"Failed to update parameter online: {reason}. The full weights of the "
+            "ModelRunner are partially updated. Please discard the whole weights.",
+        },
+    )
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    """``getattr(torch, name)`` as SGLang resolves ``dtypes`` entries; ValueError when
+    that is no dtype."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype {name!r} is not a torch dtype")
+    return dtype
+
+
+def _on_every_rank(count: int, work: Callable[[int], _T]) -> list[_T | BaseException]:
+    """``work(r)`` for every TP rank ``r < count`` at once, each in its own thread: the
+    ranks take part in one collective together (SGLang's TP workers are processes),
+    so one at a time would wait for the others forever. Returns each rank's result or
+    exception, rank order; every thread has ended by then."""
+    if count == 1:
+        try:
+            return [work(0)]
+        except Exception as exc:
+            return [exc]
+    with ThreadPoolExecutor(max_workers=count, thread_name_prefix="aiosync-sglang-tp") as pool:
+        futures = [pool.submit(work, rank) for rank in range(count)]
+    out: list[_T | BaseException] = []
+    for future in futures:
+        error = future.exception()
+        out.append(future.result() if error is None else error)
+    return out
+
+
+def _receive_tensors(
+    member: CustomGroup,
+    specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
+    bucketed: bool,
+) -> list[tuple[str, torch.Tensor]]:
+    """One TP rank's receive of ``/update_weights_from_distributed``.
+
+    Args:
+        member: this rank's member of the group (rank 0, the trainer, sends).
+        specs: ``(name, dtype, shape)`` per tensor, ``names`` order.
+        bucketed: ONE broadcast of a uint8 tensor of ``sum(numel * element_size)``
+            bytes, each tensor's bytes in ``specs`` order with no padding (SGLang's
+            ``FlattenedTensorBucket``); False: one broadcast per tensor, in order.
+
+    Returns:
+        ``(name, tensor)`` per spec, of its dtype and shape: views of the received
+        bucket where its offset is aligned for its dtype, else copies.
+
+    Raises:
+        TransportError, SyncTimeoutError: a broadcast failed (the member is broken).
+    """
+    if not bucketed:
+        tensors = [(name, torch.empty(shape, dtype=dtype)) for name, dtype, shape in specs]
+        # SGLang issues every broadcast async and then waits for all: on one
+        # connection the same order, received one after the other here.
+        for name, tensor in tensors:
+            member.broadcast(tensor, what=f"receiving {name!r}")
+        return tensors
+    sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in specs]
+    flat = torch.empty(sum(sizes), dtype=torch.uint8)
+    member.broadcast(flat, what=f"receiving a bucket of {len(specs)} tensors, {flat.numel()} bytes")
+    out: list[tuple[str, torch.Tensor]] = []
+    start = 0
+    for (name, dtype, shape), size in zip(specs, sizes, strict=True):
+        piece = flat[start : start + size]
+        if start % dtype.itemsize == 0:
+            # A view of the bucket, as SGLang's FlattenedTensorBucket.reconstruct_tensors.
+            out.append((name, piece.view(dtype).view(shape)))
+        else:
+            # A dtype view needs an aligned offset: a copy (mixed-dtype buckets only).
+            tensor = torch.empty(shape, dtype=dtype)
+            tensor.view(-1).view(torch.uint8).copy_(piece)
+            out.append((name, tensor))
+        start += size
+    return out
 
 
 def _object(data: Any) -> dict[str, Any]:
@@ -943,17 +1337,27 @@ def _summary(data: Any) -> dict[str, Any]:
         "lora_path",
         "selector",
     )
-    for key in (*keys, "abort_all_requests"):
+    for key in (*keys, "abort_all_requests", "group_name", "backend", "rank_offset", "world_size"):
         if key in data:
             out[key] = data[key]
     if isinstance(data.get("serialized_named_tensors"), list):
         out["entries"] = len(data["serialized_named_tensors"])
+    if isinstance(data.get("names"), list):
+        out["tensors"] = len(data["names"])
     return out
 
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     state: ServerState
+
+    def server_close(self) -> None:
+        """Stop listening and close every weight-update group (no gloo thread or
+        socket outlives the server)."""
+        super().server_close()
+        state = getattr(self, "state", None)
+        if state is not None:
+            state.close_weight_groups()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A client that gave up (timeout, dropped fault) is not a server error.
@@ -1084,6 +1488,13 @@ def main(argv: list[str] | None = None) -> None:
         "/begin_weight_update, /end_weight_update (404), updates accepted without one",
     )
     parser.add_argument(
+        "--weights-update-timeout-s",
+        type=float,
+        default=120.0,
+        help="limit of a weight-update group's formation (/init_weights_update_group) and of "
+        "each of its broadcasts (/update_weights_from_distributed), seconds (default 120)",
+    )
+    parser.add_argument(
         "--parent-fd",
         type=int,
         default=None,
@@ -1096,7 +1507,8 @@ def main(argv: list[str] | None = None) -> None:
     def stop(*_: object) -> None:
         # Stopped with SIGTERM (as serve_in_subprocess does) or orphaned: remove the
         # preset's config folder, then leave at once (an unwinding exit races torch's
-        # native threads).
+        # native threads). The weight-update groups are not closed first: gloo's
+        # teardown waits out a broadcast in flight; the kernel closes their sockets.
         for folder in folders:
             shutil.rmtree(folder, ignore_errors=True)
         os._exit(0)
@@ -1142,6 +1554,7 @@ def main(argv: list[str] | None = None) -> None:
         max_lora_rank=args.max_lora_rank,
         lora_target_modules=args.lora_target_modules,
         weight_update_session=not args.no_weight_update_session,
+        weights_update_timeout_s=args.weights_update_timeout_s,
     )
     server.state = state
     port = server.server_address[1]

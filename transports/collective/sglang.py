@@ -298,7 +298,8 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
     ) -> int:
         """Broadcast every bucket (then the KV-scale one, if ``kv``) while each server's
         ``/update_weights_from_distributed`` for it is in flight; returns the payload
-        bytes. The next bucket is packed while one travels (two buffers). Any
+        bytes. The next bucket is packed while one travels (two buffers per dtype),
+        and sent while the servers load the one before. Any
         failure or cancellation leaves the group broken (formed again by the
         next sync), so that no half-received broadcast is ever matched with
         another bucket's."""
@@ -344,11 +345,22 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(produce)
+                # Bucket k+1's requests and broadcast start as soon as bucket k's bytes
+                # are out (the servers take requests in order, so k+1's receive waits
+                # for k's load there), overlapping the round trip and k's load; bucket
+                # k+1 waits for k's answers before k+2 starts: two in flight at most.
+                answered: anyio.Event | None = None
                 async with receive:
                     async for bucket, flat in receive:
-                        await self._broadcast_bucket(group, bucket, flat)
+                        done = anyio.Event()
+                        tg.start_soon(self._post_bucket_requests, group, bucket, done)
+                        await self._broadcast(group, bucket, flat)
+                        # The broadcast returned on the source: the buffer may be refilled.
                         spare.setdefault(bucket.dtype, []).append(flat)
                         nbytes += bucket.nbytes
+                        if answered is not None:
+                            await answered.wait()
+                        answered = done
         except BaseExceptionGroup as exc_group:
             group.broken = True
             raise most_telling(exc_group) from None
@@ -357,10 +369,11 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
             raise
         return nbytes
 
-    async def _broadcast_bucket(
-        self, group: CustomGroup, bucket: FlatBucket, flat: torch.Tensor
+    async def _post_bucket_requests(
+        self, group: CustomGroup, bucket: FlatBucket, done: anyio.Event
     ) -> None:
-        """One bucket: the broadcast (a worker thread) and every server's request at once."""
+        """Every server's ``/update_weights_from_distributed`` for ``bucket``; sets
+        ``done`` once all of them answered (a failure raises into the sync's task group)."""
         names = [slot.name for slot in bucket.slots]
         dtype = str(bucket.dtype).removeprefix("torch.")
         shapes = [list(slot.shape) for slot in bucket.slots]
@@ -377,15 +390,17 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
                 abort_all_requests=self.abort_all_requests and first,
             )
 
+        await each_named(self._distributed_servers(), post, self._label)
+        done.set()
+
+    async def _broadcast(self, group: CustomGroup, bucket: FlatBucket, flat: torch.Tensor) -> None:
+        """``bucket``'s bytes from this process (rank 0) to every server rank, in a
+        worker thread (abandoned on cancellation: the group is broken then)."""
         raw = flat.view(torch.uint8)
         what = f"broadcast of bucket {bucket.index} ({bucket.nbytes} bytes)"
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(
-                lambda: anyio.to_thread.run_sync(
-                    lambda: group.broadcast(raw, what=what), abandon_on_cancel=True
-                )
-            )
-            tg.start_soon(lambda: each_named(self._distributed_servers(), post, self._label))
+        await anyio.to_thread.run_sync(
+            lambda: group.broadcast(raw, what=what), abandon_on_cancel=True
+        )
 
     def _distributed_servers(self) -> list[SGLangDistributedServer]:
         return [s for s in self.servers if isinstance(s, SGLangDistributedServer)]
