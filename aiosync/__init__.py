@@ -61,7 +61,10 @@ if TYPE_CHECKING:
     from aiosync.engines.vllm.backend import VLLMGenerationBackend
     from aiosync.engines.vllm.server import VLLMServerBackend
     from aiosync.refit.fp8 import FP8RefitSource
-    from aiosync.transports.collective import CollectiveWeightSynchronizer
+    from aiosync.transports.collective import (
+        CollectiveWeightSynchronizer,
+        SGLangCollectiveWeightSynchronizer,
+    )
     from aiosync.transports.http import HTTPWeightSynchronizer
     from aiosync.transports.ipc import IPCWeightSynchronizer
     from aiosync.transports.lora import LoRAAdapterSynchronizer
@@ -104,6 +107,7 @@ __all__ = [
     "RefitSource",
     "RefitVerificationError",
     "ReplaySample",
+    "SGLangCollectiveWeightSynchronizer",
     "SGLangHTTPBackend",
     "SamplingParams",
     "ShardedWeightSynchronizer",
@@ -138,6 +142,7 @@ _LAZY: dict[str, str] = {
     "HTTPWeightSynchronizer": "aiosync.transports.http",
     "IPCWeightSynchronizer": "aiosync.transports.ipc",
     "LoRAAdapterSynchronizer": "aiosync.transports.lora",
+    "SGLangCollectiveWeightSynchronizer": "aiosync.transports.collective",
     "SGLangHTTPBackend": "aiosync.engines.sglang.backend",
     "VLLMGenerationBackend": "aiosync.engines.vllm.backend",
     "VLLMServerBackend": "aiosync.engines.vllm.server",

@@ -1,14 +1,14 @@
 """Pick the transport from topology and backend (and the kind of source).
 
-=================  ==========  =======================  ================================
+=================  ==========  =======================  ======================================
 backend            colocated   policy                   synchronizer
-=================  ==========  =======================  ================================
+=================  ==========  =======================  ======================================
 ``"vllm"``         no          full model               ``CollectiveWeightSynchronizer``
 ``"vllm"``         yes         full model               ``IPCWeightSynchronizer``
 ``"sglang"``       yes         full model               ``HTTPWeightSynchronizer``
-``"sglang"``       no          full model               ``NotImplementedError``
+``"sglang"``       no          full model               ``SGLangCollectiveWeightSynchronizer``
 any                any         ``LoRAAdapterSource``    ``LoRAAdapterSynchronizer``
-=================  ==========  =======================  ================================
+=================  ==========  =======================  ======================================
 
 A policy that is a :class:`~aiosync.LoRAAdapterSource` (it has
 ``lora_adapter_config()``, e.g. ``aiosync.refit.LoRAAdapterRefitSource``) is an
@@ -51,6 +51,7 @@ _TRANSPORTS: dict[tuple[str, bool], tuple[str, str]] = {
     ("embedded", False): ("aiosync.transports.collective", "CollectiveWeightSynchronizer"),
     ("embedded", True): ("aiosync.transports.ipc", "IPCWeightSynchronizer"),
     ("sglang", True): ("aiosync.transports.http", "HTTPWeightSynchronizer"),
+    ("sglang", False): ("aiosync.transports.collective", "SGLangCollectiveWeightSynchronizer"),
 }
 
 #: Non-colocated, many senders: every trainer rank sends its shards to the workers
@@ -149,7 +150,8 @@ def create_weight_synchronizer(
             ``train_cluster``/``inference_world_size``, ``sharded=True`` with
             ``colocated=True``, ``sharded=None`` without an engine, or an empty
             list of engines; all before anything is built.
-        NotImplementedError: non-colocated SGLang (full-model refits).
+        RefitMismatchError: non-colocated SGLang: ``inference_world_size`` differs
+            from the servers' TP sizes (at ``init_communicator()``, before any rendezvous).
     """
     if not isinstance(colocated, bool):
         raise TypeError(f"colocated must be a bool, got {colocated!r}")
@@ -189,10 +191,10 @@ def create_weight_synchronizer(
     # Duck-typed (LoRAAdapterSource's own method), so that the factory stays free of torch.
     if callable(getattr(policy, "lora_adapter_config", None)):
         return _build(_LORA_TRANSPORT, policy, _fleet_of(generation), given)
-    if backend == "sglang" and not colocated:
-        raise NotImplementedError(
-            "non-colocated SGLang is not supported yet; use colocated=True (HTTP transport) "
-            "or backend='vllm' (NCCL collective)"
+    if backend == "sglang" and sharded:
+        raise ValueError(
+            "sharded=True is the shard-aware transfer into vLLM/embedded workers; SGLang "
+            "servers receive SGLang's own broadcast (sharded=False or None)"
         )
     if not colocated:
         missing = [
@@ -214,6 +216,8 @@ def create_weight_synchronizer(
                 "whether the engine reports its layout: pass sharded=True or False, the "
                 "same on every rank"
             )
+        if backend == "sglang":
+            sharded = False
         if sharded is None:
             sharded = _holds_slices(generation) and not any(
                 name in given for name in _BROADCAST_ONLY

@@ -2,7 +2,9 @@
 
 The endpoints a refit makes (``/get_server_info``, ``/begin_weight_update``,
 ``/update_weights_from_tensor``, ``/end_weight_update``, ``/flush_cache``,
-``/update_weight_version``, ``/get_weight_version``) live here;
+``/update_weight_version``, ``/get_weight_version``; disaggregated:
+``/init_weights_update_group``, ``/update_weights_from_distributed``,
+``/destroy_weights_update_group``) live here;
 the engine's behaviour (memory saver, validity, generation) lives in
 :mod:`.backend`. Endpoint bodies and answers: ``docs/sglang.md``; the contracts as
 read in SGLang's sources (version, paths): ``docs/sglang-contract.md``.
@@ -158,6 +160,83 @@ class SGLangClient:
             self._version_label = weight_version
             self._label_epoch += 1
         return str(answer.get("message", "")) if isinstance(answer, dict) else ""
+
+    async def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        timeout_s: float | None = None,
+    ) -> None:
+        """POST ``/init_weights_update_group``: every TP rank ``r`` of the server joins
+        the trainer's group as rank ``rank_offset + r`` (SGLang answers once all
+        of them, the trainer included, joined: call it while the trainer joins).
+
+        Raises:
+            TransportError: non-2xx or ``success: false`` (the server's message).
+            SyncTimeoutError: no answer within ``timeout_s`` (default ``request_timeout_s``).
+        """
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        answer = await self._post("/init_weights_update_group", body, timeout_s=timeout_s)
+        _check_success("/init_weights_update_group", answer)
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str,
+        load_format: str | None,
+        flush_cache: bool = False,
+        abort_all_requests: bool = False,
+    ) -> None:
+        """POST ``/update_weights_from_distributed`` (not retried): every TP rank receives
+        the trainer's broadcast of these tensors (``load_format="flattened_bucket"``:
+        one uint8 broadcast of their bytes, back to back in ``names`` order) and
+        loads them. ``dtypes`` are torch's names without ``torch.`` (``"bfloat16"``).
+        ``flush_cache=False`` for the reason :meth:`update_weights_from_tensor` gives.
+
+        Raises:
+            TransportError: non-2xx or ``success: false`` (the server's message).
+            SyncTimeoutError: no answer within ``request_timeout_s``.
+        """
+        body = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(shape) for shape in shapes],
+            "group_name": group_name,
+            "load_format": load_format,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        answer = await self._post("/update_weights_from_distributed", body)
+        _check_success("/update_weights_from_distributed", answer)
+
+    async def destroy_weights_update_group(
+        self, group_name: str, timeout_s: float | None = None
+    ) -> None:
+        """POST ``/destroy_weights_update_group {group_name}``: the server's ranks leave it.
+
+        Raises:
+            TransportError: non-2xx or ``success: false`` (e.g. no such group).
+            SyncTimeoutError: no answer within ``timeout_s``.
+        """
+        answer = await self._post(
+            "/destroy_weights_update_group", {"group_name": group_name}, timeout_s=timeout_s
+        )
+        _check_success("/destroy_weights_update_group", answer)
 
     @property
     def weight_update_session(self) -> bool | None:

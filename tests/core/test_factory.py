@@ -20,6 +20,7 @@ from aiosync import TrainCluster, create_weight_synchronizer
         ("embedded", False, "CollectiveWeightSynchronizer"),
         ("embedded", True, "IPCWeightSynchronizer"),
         ("sglang", True, "HTTPWeightSynchronizer"),
+        ("sglang", False, "SGLangCollectiveWeightSynchronizer"),
     ],
 )
 def test_factory_picks_transport(source, engine, backend, colocated, class_name):
@@ -45,15 +46,18 @@ def test_factory_picks_transport(source, engine, backend, colocated, class_name)
     assert sync.in_flight == "keep"
 
 
-def test_non_colocated_sglang_is_not_implemented(source, engine):
-    with pytest.raises(NotImplementedError, match="non-colocated SGLang"):
+def test_non_colocated_sglang_refuses_the_shard_aware_transfer(source):
+    from aiosync.engines.sglang.backend import SGLangHTTPBackend
+
+    with pytest.raises(ValueError, match="SGLang servers receive SGLang's own broadcast"):
         create_weight_synchronizer(
             source,
-            engine,
+            SGLangHTTPBackend("http://127.0.0.1:9"),
             colocated=False,
             backend="sglang",
             train_cluster=TrainCluster(),
             inference_world_size=1,
+            sharded=True,
         )
 
 

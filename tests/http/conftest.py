@@ -232,9 +232,14 @@ def server_pair(
     server_workdir: Path, dense_config: Path
 ) -> Iterator[tuple[TestServer, TestServer]]:
     """Two plain servers (TP=1, no memory saver) for fleets, started once per session."""
-    first = TestServer(server_workdir, dense_config)
+    yield from serve_pair(server_workdir, dense_config)
+
+
+def serve_pair(workdir: Path, config: Path, *extra: str) -> Iterator[tuple[TestServer, TestServer]]:
+    """Two servers started with ``extra``, closed after the ``yield`` (a fixture's body)."""
+    first = TestServer(workdir, config, *extra)
     try:
-        second = TestServer(server_workdir, dense_config)
+        second = TestServer(workdir, config, *extra)
     except BaseException:
         first.close()
         raise

@@ -26,7 +26,7 @@ from aiosync import (
     create_weight_synchronizer,
 )
 
-from .conftest import TestServer
+from .conftest import TestServer, serve_pair
 
 pytestmark = pytest.mark.slow
 
@@ -46,17 +46,7 @@ def tp2_pair(
     loopback_gloo: None, server_workdir: Path, dense_config: Path
 ) -> Iterator[tuple[TestServer, TestServer]]:
     """Two servers of two TP ranks each (they inherit ``GLOO_SOCKET_IFNAME``)."""
-    first = TestServer(server_workdir, dense_config, "--tp-size", "2")
-    try:
-        second = TestServer(server_workdir, dense_config, "--tp-size", "2")
-    except BaseException:
-        first.close()
-        raise
-    try:
-        yield first, second
-    finally:
-        first.close()
-        second.close()
+    yield from serve_pair(server_workdir, dense_config, "--tp-size", "2")
 
 
 @pytest.fixture

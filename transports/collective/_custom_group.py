@@ -31,7 +31,7 @@ from torch._C._distributed_c10d import BroadcastOptions
 
 from aiosync.errors import SyncError, TransportError
 
-from ._group import _make_backend, _wrap
+from ._group import _make_backend, _wrap, teardown
 
 __all__ = ["CustomGroup", "custom_group_store", "join_custom_group"]
 
@@ -98,14 +98,7 @@ class CustomGroup:
         """Tear the backend down (aborted when broken, so that peers fail at once) and
         drop the store. Idempotent; never raises."""
         pg, self.pg, self.store = self.pg, None, None
-        if pg is not None:
-            try:
-                if self.broken and hasattr(pg, "abort"):
-                    pg.abort()
-                else:
-                    pg.shutdown()
-            except Exception:  # teardown of a group whose peers are gone
-                pass
+        teardown(pg, broken=self.broken)
         self.broken = True
 
 

@@ -287,15 +287,7 @@ class SyncGroup:
         peers), a healthy one shut down gracefully.
         """
         for pg in (self.data, self.ctrl):
-            if pg is None:
-                continue
-            try:
-                if self.broken and hasattr(pg, "abort"):
-                    pg.abort()
-                else:
-                    pg.shutdown()
-            except Exception:  # teardown of a group whose peers are gone
-                pass
+            teardown(pg, broken=self.broken)
         self.data = None
         self.ctrl = None
         self.store = None
@@ -385,6 +377,20 @@ def cancel_formation(store: dist.Store, session: str, reason: str) -> None:
     # A store whose server is gone has nobody waiting on it.
     with contextlib.suppress(Exception):
         dist.PrefixStore(f"aiosync/{session}", store).compare_set(_CANCEL_KEY, "", reason)
+
+
+def teardown(pg: Any, *, broken: bool) -> None:
+    """Tear down backend ``pg`` (None: nothing): aborted when ``broken`` (pending
+    collectives fail at once on the peers), else shut down gracefully. Never raises."""
+    if pg is None:
+        return
+    try:
+        if broken and hasattr(pg, "abort"):
+            pg.abort()
+        else:
+            pg.shutdown()
+    except Exception:  # teardown of a group whose peers are gone
+        pass
 
 
 def _make_backend(

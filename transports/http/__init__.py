@@ -4,7 +4,9 @@
 - :mod:`.server` — :class:`SGLangServer`, the server contract the synchronizer
   drives (``aiosync.SGLangHTTPBackend`` satisfies it), and the optional
   :class:`SGLangManifestSource` (the manifest checked at ``init_communicator()``)
-  and :class:`SGLangWeightUpdateSession` (SGLang's begin/end weight-update session).
+  and :class:`SGLangWeightUpdateSession` (SGLang's begin/end weight-update session);
+  :class:`SGLangDistributedServer`, a server that receives over a process group
+  (:class:`aiosync.transports.collective.SGLangCollectiveWeightSynchronizer`).
 - The engine side is SGLang itself; a server that imitates it decodes each
   payload with :func:`decode_flattened_bucket` (``load_format=FLATTENED_BUCKET``),
   as the SGLang-contract test server does. CPU payloads name a ``/dev/shm``
@@ -15,12 +17,18 @@
 """
 
 from ._wire import FLATTENED_BUCKET, decode_flattened_bucket, use_file_system_sharing
-from .server import SGLangManifestSource, SGLangServer, SGLangWeightUpdateSession
+from .server import (
+    SGLangDistributedServer,
+    SGLangManifestSource,
+    SGLangServer,
+    SGLangWeightUpdateSession,
+)
 from .synchronizer import HTTPWeightSynchronizer
 
 __all__ = [
     "FLATTENED_BUCKET",
     "HTTPWeightSynchronizer",
+    "SGLangDistributedServer",
     "SGLangManifestSource",
     "SGLangServer",
     "SGLangWeightUpdateSession",

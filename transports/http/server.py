@@ -18,7 +18,12 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SGLangManifestSource", "SGLangServer", "SGLangWeightUpdateSession"]
+__all__ = [
+    "SGLangDistributedServer",
+    "SGLangManifestSource",
+    "SGLangServer",
+    "SGLangWeightUpdateSession",
+]
 
 
 @runtime_checkable
@@ -131,4 +136,48 @@ class SGLangWeightUpdateSession(Protocol):
 
     async def end_weight_update(self) -> None:
         """Close the session this object opened (nothing if none is open)."""
+        ...
+
+
+@runtime_checkable
+class SGLangDistributedServer(SGLangServer, Protocol):
+    """An SGLang server that can receive its weights over a process group: what
+    :class:`~aiosync.transports.collective.SGLangCollectiveWeightSynchronizer` drives
+    (SGLang's disaggregated refit, ``python/sglang/srt/entrypoints/http_server.py``,
+    read in SGLang 0.5.23; the endpoints: ``docs/sglang-contract.md``)."""
+
+    async def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        timeout_s: float | None = None,
+    ) -> None:
+        """``/init_weights_update_group``: the server's TP ranks join the trainer's group
+        as ranks ``rank_offset .. rank_offset + tp_size - 1``."""
+        ...
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str,
+        load_format: str | None,
+        flush_cache: bool = False,
+        abort_all_requests: bool = False,
+    ) -> None:
+        """``/update_weights_from_distributed``: receive the trainer's broadcast of these
+        tensors and load them (answers once every rank loaded)."""
+        ...
+
+    async def destroy_weights_update_group(
+        self, group_name: str, timeout_s: float | None = None
+    ) -> None:
+        """``/destroy_weights_update_group``: the server's ranks leave the group."""
         ...

@@ -218,9 +218,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         kv = kv_scale_entries(kv_scales, attention_layers(self._trainer_manifest))
         rows: list[dict[str, Any]] | None = [] if self.trace else None
         phases: dict[str, float] = {"start": time.monotonic()}
-        # Offload the trainer, wake the servers' weights; after the block (also on
-        # failure or cancellation) the KV cache: SGLang's two-phase wake.
-        async with self._colocated_refit(self.servers):
+        async with self._refit_bracket():
             phases["woken"] = time.monotonic()
             async with self._weight_update_sessions():
                 nbytes = await self._send_buckets(kv, rows)
@@ -238,6 +236,12 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         if rows is not None:
             self.last_trace = {"buckets": rows, "phases": phases}
         return nbytes
+
+    def _refit_bracket(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """Around a sync's transfer: offload the trainer, wake the servers' weights;
+        after it (also on failure or cancellation) the KV cache: SGLang's two-phase
+        wake (:meth:`_colocated_refit`)."""
+        return self._colocated_refit(self.servers)
 
     @contextlib.asynccontextmanager
     async def _weight_update_sessions(self) -> AsyncIterator[None]:
