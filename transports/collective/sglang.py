@@ -36,7 +36,7 @@ from aiosync._fanout import each_named, most_telling
 from aiosync.errors import RefitMismatchError
 from aiosync.interfaces import InFlightPolicy, RefitSource, TrainCluster
 
-from ..http import SGLangDistributedServer, SGLangServer
+from ..http import SGLangDistributedServer
 from ..http._wire import FLATTENED_BUCKET, FlatBucket, group_flat
 from ..http.synchronizer import HTTPWeightSynchronizer, _kv_bucket, _pack_and_wait
 from ._custom_group import CustomGroup, join_custom_group
@@ -150,7 +150,7 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
         self._group: CustomGroup | None = None
         # The servers that joined the current group (they leave it at re-formation
         # and shutdown), and its name there.
-        self._joined: tuple[SGLangServer, ...] = ()
+        self._joined: tuple[SGLangDistributedServer, ...] = ()
         self._joined_name = group_name
 
     @property
@@ -264,12 +264,10 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
             group.broken = True
         limit = self.timeouts.after_failure_s if failed else self.timeouts.rpc_s
 
-        async def destroy(index: int, server: SGLangServer) -> None:
+        async def destroy(index: int, server: SGLangDistributedServer) -> None:
             try:
                 with anyio.fail_after(limit):
-                    await server.destroy_weights_update_group(  # type: ignore[attr-defined]
-                        self._joined_name, timeout_s=limit
-                    )
+                    await server.destroy_weights_update_group(self._joined_name, timeout_s=limit)
             except Exception as exc:
                 _log.warning("%s: /destroy_weights_update_group: %r", self._label(index), exc)
 
