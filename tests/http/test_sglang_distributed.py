@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,11 +19,13 @@ from typing import Any
 import pytest
 
 from aiosync import (
+    EngineFleet,
     RefitMismatchError,
     SGLangCollectiveWeightSynchronizer,
     SGLangHTTPBackend,
     SyncError,
     TrainCluster,
+    VersionEventKind,
     create_weight_synchronizer,
 )
 
@@ -220,3 +223,70 @@ async def test_a_server_without_the_session_routes_is_refit_sessionless(
     finally:
         server.close()
     assert os.environ.get("GLOO_SOCKET_IFNAME") == "lo"
+
+
+async def test_a_server_killed_mid_sync_is_quarantined_and_the_group_reformed_over_the_other(
+    loopback_gloo: None,
+    server_workdir: Path,
+    dense_config: Path,
+    make_trainer: Any,
+    state_equal: Any,
+    prompts: list[list[int]],
+) -> None:
+    # Short receive limits: the survivor's broadcast cut off by the death waits that long
+    # (holding its update lock) before the group can be formed again without the dead one.
+    limit = ("--weights-update-timeout-s", "5")
+    first = TestServer(server_workdir, dense_config, *limit)
+    second = TestServer(server_workdir, dense_config, *limit)
+    backends = [SGLangHTTPBackend(s.url) for s in (first, second)]
+    fleet = EngineFleet(backends, on_engine_failure="quarantine", probe_timeout_s=10.0)
+    trainer = make_trainer(seed=98)
+    sync = create_weight_synchronizer(
+        trainer,
+        fleet,
+        colocated=False,
+        backend="sglang",
+        train_cluster=TrainCluster(master_addr="127.0.0.1"),
+        inference_world_size=2,
+        dist_backend="gloo",
+        bucket_bytes=BUCKET_BYTES,
+        collective_timeout_s=5.0,
+    )
+    try:
+        async with sync, sync.subscribe() as events:
+            await sync.mark_stale()
+            await sync.sync_weights()
+            names = list(trainer.expected())
+
+            def kill(name: str) -> None:
+                if name == names[len(names) // 2]:
+                    trainer.on_tensor = None
+                    second.proc.send_signal(signal.SIGKILL)
+                    second.proc.wait()
+
+            trainer.step(seed=99)
+            trainer.on_tensor = kill
+            await sync.mark_stale()
+            await sync.sync_weights()  # commits on the first server alone
+            assert (sync.weight_version, sync.is_stale) == (2, False)
+            victim = "engine 1 of 2 (SGLangHTTPBackend)"
+            assert list(fleet.quarantined) == [victim]
+            state_equal(first.state_dict(), trainer.expected())
+            assert await backends[0].get_weight_version() == "2"
+            kinds = []
+            while (event := await events.__anext__()).version < 2 or (
+                event.kind is not VersionEventKind.COMMITTED
+            ):
+                kinds.append((event.kind, event.engine))
+            assert (VersionEventKind.ENGINE_QUARANTINED, victim) in kinds
+            assert await fleet.generate(prompts, max_new_tokens=4) == trainer.reference_generate(
+                prompts, 4
+            )
+        # The last group held the trainer and the survivor only.
+        init = _entries(first, "/init_weights_update_group")[-1]
+        assert (init["status"], init["world_size"], init["rank_offset"]) == (200, 2, 1)
+    finally:
+        for backend in backends:
+            await backend.aclose()
+        first.close()
+        second.close()

@@ -70,7 +70,8 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
             (the store keeps the keys of the earlier ones).
         inference_world_size: the servers' ranks in all (``sum`` of their TP
             sizes), checked against what they report before any rendezvous;
-            None: not checked.
+            None: not checked. An elastic fleet's quarantine or ``add_engine``
+            sets it to what the servers then in the sync report.
         bucket_bytes: limit per bucket, bytes (two buffers of about this size).
         collective_timeout_s: limit of the group's formation and of each
             bucket's broadcast, seconds.
@@ -269,7 +270,9 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
                 with anyio.fail_after(limit):
                     await server.destroy_weights_update_group(self._joined_name, timeout_s=limit)
             except Exception as exc:
-                _log.warning("%s: /destroy_weights_update_group: %r", self._label(index), exc)
+                # Labelled by URL: after a quarantine ``self.servers`` no longer holds it.
+                where = f"SGLang server {index} of the old group ({server.base_url})"
+                _log.warning("%s: /destroy_weights_update_group: %r", where, exc)
 
         with anyio.CancelScope(shield=True):
             async with anyio.create_task_group() as tg:
@@ -404,9 +407,12 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
         return [s for s in self.servers if isinstance(s, SGLangDistributedServer)]
 
     async def _membership_changed(self) -> None:
-        # The survivors (or the newcomers) form a new group: ranks contiguous again.
+        # The survivors (or the newcomers) form a new group: ranks contiguous again,
+        # and the fleet's rank count is what its servers now report.
         await self._leave_group(failed=True)
+        self.inference_world_size = None
         await super()._membership_changed()
+        self.inference_world_size = sum(self._tp_sizes)
 
     async def shutdown(self) -> None:
         """Every server leaves the group, this process too, the store is closed; then
