@@ -225,7 +225,7 @@ async def test_a_server_without_the_session_routes_is_refit_sessionless(
     assert os.environ.get("GLOO_SOCKET_IFNAME") == "lo"
 
 
-async def test_a_server_killed_mid_sync_is_quarantined_and_the_group_reformed_over_the_other(
+async def test_a_server_killed_mid_sync_is_quarantined_the_group_reformed_and_a_new_one_joins(
     loopback_gloo: None,
     server_workdir: Path,
     dense_config: Path,
@@ -238,6 +238,7 @@ async def test_a_server_killed_mid_sync_is_quarantined_and_the_group_reformed_ov
     limit = ("--weights-update-timeout-s", "5")
     first = TestServer(server_workdir, dense_config, *limit)
     second = TestServer(server_workdir, dense_config, *limit)
+    joined: TestServer | None = None
     backends = [SGLangHTTPBackend(s.url) for s in (first, second)]
     fleet = EngineFleet(backends, on_engine_failure="quarantine", probe_timeout_s=10.0)
     trainer = make_trainer(seed=98)
@@ -282,11 +283,29 @@ async def test_a_server_killed_mid_sync_is_quarantined_and_the_group_reformed_ov
             assert await fleet.generate(prompts, max_new_tokens=4) == trainer.reference_generate(
                 prompts, 4
             )
-        # The last group held the trainer and the survivor only.
-        init = _entries(first, "/init_weights_update_group")[-1]
-        assert (init["status"], init["world_size"], init["rank_offset"]) == (200, 2, 1)
+            # The group held the trainer and the survivor only.
+            init = _entries(first, "/init_weights_update_group")[-1]
+            assert (init["status"], init["world_size"], init["rank_offset"]) == (200, 2, 1)
+
+            # A new server joins: the next sync forms the group over both and gives it
+            # the full weights; only then is it in service.
+            joined = TestServer(server_workdir, dense_config, *limit)
+            newcomer = SGLangHTTPBackend(joined.url)
+            backends.append(newcomer)
+            fleet.add_engine(newcomer)
+            assert fleet.serving == [backends[0]]
+            trainer.step(seed=100)
+            await sync.mark_stale()
+            await sync.sync_weights()
+            assert fleet.serving == [backends[0], newcomer]
+            for server in (first, joined):
+                state_equal(server.state_dict(), trainer.expected())
+            assert await newcomer.get_weight_version() == "3"
+            init = _entries(joined, "/init_weights_update_group")[-1]
+            assert (init["status"], init["world_size"], init["rank_offset"]) == (200, 3, 2)
     finally:
         for backend in backends:
             await backend.aclose()
-        first.close()
-        second.close()
+        for server in (first, second, joined):
+            if server is not None:
+                server.close()
