@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -309,3 +311,42 @@ async def test_a_server_killed_mid_sync_is_quarantined_the_group_reformed_and_a_
         for server in (first, second, joined):
             if server is not None:
                 server.close()
+
+
+#: A trainer process that syncs the servers once, shuts down and exits.
+_SYNC_AND_EXIT = """
+import sys, anyio, httpx, torch
+import aiosync
+from aiosync.testing import StateDictSource
+
+async def main(urls):
+    raw = httpx.get(urls[0] + "/_aiosync/manifest", timeout=60).json()
+    manifest = {name: (tuple(shape), getattr(torch, dtype)) for name, shape, dtype in raw}
+    backends = [aiosync.SGLangHTTPBackend(url) for url in urls]
+    sync = aiosync.create_weight_synchronizer(
+        StateDictSource.random(manifest), backends, colocated=False, backend="sglang",
+        train_cluster=aiosync.TrainCluster(master_addr="127.0.0.1"),
+        inference_world_size=4, dist_backend="gloo")
+    async with sync:
+        await sync.mark_stale()
+        await sync.sync_weights()
+        print("version", sync.weight_version, flush=True)
+    for backend in backends:
+        await backend.aclose()
+
+anyio.run(main, sys.argv[1:])
+"""
+
+
+def test_a_trainer_process_that_synced_exits_cleanly(pair: Any) -> None:
+    # The group's backend is closed by shutdown(), not left to a thread that the
+    # interpreter's exit would catch inside gloo ("terminate called ...", rc 134).
+    out = subprocess.run(
+        [sys.executable, "-c", _SYNC_AND_EXIT, *(s.url for s in pair)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert (out.returncode, out.stdout.split()) == (0, ["version", "1"]), out.stderr[-2000:]
+    assert "terminate called" not in out.stderr

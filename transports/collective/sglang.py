@@ -257,7 +257,7 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
     async def _leave_group(self, *, failed: bool) -> None:
         """Every server that joined leaves the group (``/destroy_weights_update_group``,
         side by side, bounded, errors logged: a dead server cannot answer), then
-        this process does (closed in a thread of its own: a broadcast still
+        this process does (a broken group in a thread of its own: a broadcast still
         blocked in it holds the backend until its timeout)."""
         group, self._group = self._group, None
         joined, self._joined = self._joined, ()
@@ -278,7 +278,11 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
             async with anyio.create_task_group() as tg:
                 for index, server in enumerate(joined):
                     tg.start_soon(destroy, index, server)
-        if group is not None:
+            if group is not None and not group.broken:
+                # No broadcast in flight: closed now, so that no thread of it outlives the
+                # synchronizer (one still inside gloo at interpreter exit aborts the process).
+                await anyio.to_thread.run_sync(group.close)
+        if group is not None and group.broken:
             _close_later([group])
 
     def _refit_bracket(self) -> contextlib.AbstractAsyncContextManager[None]:
