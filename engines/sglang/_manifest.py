@@ -59,12 +59,24 @@ _DTYPE_NAMES = {
 # two builds at once (the servers of a fleet, each checked from a worker thread) would
 # restore each other's and give parameters the wrong dtype. One build at a time.
 _BUILD_LOCK = threading.Lock()
+# transformers' lazy module is not safe to resolve from two threads at once (the servers of
+# a fleet are checked side by side, each from a worker thread; seen in a fresh process:
+# "ImportError: cannot import name 'AutoConfig' from 'transformers'"): resolved under a lock.
+_IMPORT_LOCK = threading.Lock()
 # Keys a saved config.json carries that are not constructor arguments of the config.
 _NOT_CONFIG_ARGS = ("model_type", "transformers_version", "architectures")
 
 
 class UnknownManifest(Exception):
     """The server's manifest cannot be derived here (no config, unknown model or dtype)."""
+
+
+def _transformers(*names: str) -> tuple[Any, ...]:
+    """``transformers.<name>`` for each of ``names``, resolved under :data:`_IMPORT_LOCK`."""
+    with _IMPORT_LOCK:
+        import transformers
+
+        return tuple(getattr(transformers, name) for name in names)
 
 
 def load_hf_config(
@@ -85,7 +97,7 @@ def load_hf_config(
     Raises:
         UnknownManifest: no such file, folder or cached Hub id, or no ``model_type``.
     """
-    from transformers import AutoConfig, PretrainedConfig
+    AutoConfig, PretrainedConfig = _transformers("AutoConfig", "PretrainedConfig")
 
     if isinstance(source, PretrainedConfig):
         config = copy.deepcopy(source)  # the overrides must not change the caller's
@@ -118,7 +130,7 @@ def load_hf_config(
 
 
 def _config_from_dict(items: Mapping[str, Any]) -> PretrainedConfig:
-    from transformers import AutoConfig
+    (AutoConfig,) = _transformers("AutoConfig")
 
     model_type = items.get("model_type")
     if not model_type:
@@ -179,7 +191,8 @@ def checkpoint_manifest(
             quantizer's), or a config transformers cannot build as a causal LM.
     """
     import torch
-    from transformers import AutoModelForCausalLM
+
+    (AutoModelForCausalLM,) = _transformers("AutoModelForCausalLM")
 
     from ..embedded.model import HFModelRunner
 
