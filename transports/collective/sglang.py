@@ -24,7 +24,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.to_thread
@@ -134,13 +134,7 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
             initial_version=initial_version,
             trace=trace,
         )
-        for i, server in enumerate(self.servers):
-            if not isinstance(server, SGLangDistributedServer):
-                raise TypeError(
-                    f"server {i} ({type(server).__name__}) cannot receive over a process "
-                    "group: it lacks init_weights_update_group / update_weights_from_distributed "
-                    "/ destroy_weights_update_group (SGLangDistributedServer)"
-                )
+        self._distributed_servers()  # refused here, before anything is set up
         self.train_cluster = cluster
         self.dist_backend: DistBackend = dist_backend
         self.inference_world_size = inference_world_size
@@ -231,7 +225,7 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
                 timeout_s=self.collective_timeout_s + self.timeouts.rpc_s,
             )
 
-        self._joined, self._joined_name = tuple(servers), name
+        self._joined, self._joined_name = servers, name
         try:
             async with anyio.create_task_group() as tg:
                 # The backend's constructor blocks until every rank joined; a server
@@ -395,7 +389,8 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
                 abort_all_requests=self.abort_all_requests and first,
             )
 
-        await each_named(self._distributed_servers(), post, self._label)
+        # The group's members, checked when it formed (no per-bucket re-check).
+        await each_named(self._joined, post, self._label)
         done.set()
 
     async def _broadcast(self, group: CustomGroup, bucket: FlatBucket, flat: torch.Tensor) -> None:
@@ -407,8 +402,22 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
             lambda: group.broadcast(raw, what=what), abandon_on_cancel=True
         )
 
-    def _distributed_servers(self) -> list[SGLangDistributedServer]:
-        return [s for s in self.servers if isinstance(s, SGLangDistributedServer)]
+    def _distributed_servers(self) -> tuple[SGLangDistributedServer, ...]:
+        """The servers now in the sync, each checked to receive over a process group
+        (at construction and at every formation: an elastic fleet's newcomer too).
+
+        Raises:
+            TypeError: one is not an ``SGLangDistributedServer`` (named).
+        """
+        servers = self.servers
+        for i, server in enumerate(servers):
+            if not isinstance(server, SGLangDistributedServer):
+                raise TypeError(
+                    f"server {i} ({type(server).__name__}) cannot receive over a process "
+                    "group: it lacks init_weights_update_group / update_weights_from_distributed "
+                    "/ destroy_weights_update_group (SGLangDistributedServer)"
+                )
+        return cast(tuple[SGLangDistributedServer, ...], servers)
 
     async def _membership_changed(self) -> None:
         # The survivors (or the newcomers) form a new group: ranks contiguous again,
