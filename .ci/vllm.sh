@@ -27,7 +27,7 @@ install_vllm() {
   # "libc10_cuda.so: cannot open shared object file"); transformers and vLLM then
   # fail to import. A text-only model needs none of them.
   { "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true; } &&
-  "$VENV/bin/pip" install -q anyio pyzmq httpx msgpack safetensors "peft>=0.17" \
+  "$VENV/bin/pip" install -q anyio pyzmq httpx msgpack xxhash safetensors "peft>=0.17" \
     pytest pytest-asyncio pytest-timeout
 }
 

@@ -28,6 +28,8 @@ import torch
 from aiosync._digest import tensor_digest
 from aiosync.delta import PatchModel
 
+from ._verify import arm_transit_fault
+
 __all__ = ["CPU_LABEL", "WorkerIdentityMixin", "device_identity"]
 
 #: The label of a CPU device when none is given.
@@ -152,6 +154,12 @@ class WorkerIdentityMixin:
         return model if isinstance(model, PatchModel) else None
 
     # -- verification: what is live ------------------------------------------------
+
+    def aiosync_test_arm_transit_fault(self, bucket: int, byte: int) -> None:
+        """Test hook: flip byte ``byte`` of bucket ``bucket`` the next time this worker
+        receives it, before its copy and its ``verify`` check (see
+        :func:`aiosync.transports._verify.arm_transit_fault`). One-shot."""
+        arm_transit_fault(bucket, byte)
 
     def aiosync_weight_digests(self, names: Sequence[str] | None = None) -> dict[str, list[Any]]:
         """``{hf_name: [shape, dtype name, sha256 hex]}`` of the weights live on this

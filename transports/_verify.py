@@ -1,0 +1,132 @@
+"""Per-bucket checks of what a transport delivered (``verify=``), and their test fault.
+
+Every transport that moves buckets takes ``verify``:
+
+- ``"sample"`` (the default): the sender digests a sample of each packed bucket,
+  the receiver the same sample of what it received, after its copy out of it. The
+  sample is the first and last byte of every tensor slot plus
+  :data:`SAMPLE_BYTES` positions drawn afresh for every sync and bucket (seeded by
+  both), so its cost does not grow with the bucket. It always catches what a
+  transport bug does in bulk (a zeroed, stale, shifted, truncated or swapped
+  bucket or tensor); a lone flipped byte of an ``n``-byte bucket is caught with
+  probability about ``SAMPLE_BYTES / n`` per sync, and a fault that stays put
+  (a bad page) by one of the next syncs.
+- ``True``: the digest covers every byte (what the receiver received, copied to
+  the host where it is on a GPU); costs about one read of the refit's bytes on
+  each side (``benchmarks/verify.py``).
+- ``False``: no check.
+
+The digest is xxHash's XXH3-64 (the ``xxhash`` library) of the sampled bytes or
+of the whole bucket, as a signed int64 (it travels in int64 tensors): equal on
+every device, since it is computed on host bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal, TypeAlias
+
+import torch
+import xxhash
+
+__all__ = [
+    "SAMPLE_BYTES",
+    "Verify",
+    "arm_transit_fault",
+    "bucket_digest",
+    "check_verify",
+    "sample_key",
+    "transit_fault",
+    "verify_label",
+]
+
+Verify: TypeAlias = bool | Literal["sample"]
+
+#: Positions drawn at random per bucket in ``"sample"`` mode, besides the first
+#: and last byte of every tensor slot.
+SAMPLE_BYTES = 4096
+
+_INT64 = 1 << 64
+
+
+def check_verify(verify: object) -> Verify:
+    """``verify`` itself when it is ``True``, ``False`` or ``"sample"``.
+
+    Raises:
+        ValueError: anything else (before any byte moves).
+    """
+    if verify is True or verify is False or verify == "sample":
+        return verify  # type: ignore[return-value]
+    raise ValueError(f"verify must be True, False or 'sample', got {verify!r}")
+
+
+def verify_label(verify: Verify) -> str:
+    """``"full"``, ``"sample"`` or ``"off"``: how a message names the mode."""
+    return "full" if verify is True else "off" if verify is False else "sample"
+
+
+def sample_positions(nbytes: int, key: int, slots: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """The sorted, distinct byte positions of an ``nbytes``-byte bucket that
+    ``"sample"`` digests (int64, CPU): each slot's ``(offset, nbytes)`` first and
+    last byte, and :data:`SAMPLE_BYTES` positions drawn with seed ``key``."""
+    ends = [p for offset, size in slots if size > 0 for p in (offset, offset + size - 1)]
+    generator = torch.Generator().manual_seed(key % (1 << 63))
+    drawn = torch.randint(0, nbytes, (min(SAMPLE_BYTES, nbytes),), generator=generator)
+    return torch.unique(torch.cat([torch.tensor(ends, dtype=torch.int64), drawn]))
+
+
+def bucket_digest(
+    buffer: torch.Tensor,
+    verify: Verify,
+    *,
+    key: int = 0,
+    slots: Sequence[tuple[int, int]] = (),
+) -> int:
+    """The digest of a packed bucket, a signed int64.
+
+    Args:
+        buffer: the bucket's bytes, ``uint8``, contiguous, on any device.
+        verify: ``True`` (every byte) or ``"sample"`` (see the module docs).
+        key: the sample's seed; sender and receiver pass the same (e.g.
+            :func:`sample_key` of the version and bucket index).
+        slots: ``(offset, nbytes)`` of each tensor in the bucket, bytes.
+
+    Raises:
+        ValueError: ``verify`` is False (nothing to digest).
+    """
+    if verify is False:
+        raise ValueError("bucket_digest() needs verify=True or 'sample'")
+    flat = buffer.reshape(-1)
+    if verify == "sample" and flat.numel() > 0:
+        flat = flat[sample_positions(flat.numel(), key, slots).to(flat.device)]
+    host = flat.detach().cpu().contiguous()
+    value = xxhash.xxh3_64_intdigest(host.numpy().data, seed=flat.numel())
+    return value - _INT64 if value >= _INT64 // 2 else value
+
+
+def sample_key(version: int, bucket: int) -> int:
+    """The seed of the sample of ``bucket`` in the sync of ``version``: a fresh
+    sample every sync, so that a fault that stays put is met by a later one."""
+    return (version * 1_000_003 + bucket) % (1 << 63)
+
+
+# -- the test fault: one byte flipped in transit ------------------------------------
+
+# bucket index → byte offset, armed in a receiving process by a test.
+_ARMED: dict[int, int] = {}
+
+
+def arm_transit_fault(bucket: int, byte: int) -> None:
+    """Test hook: flip (XOR 0xFF) byte ``byte`` of bucket ``bucket`` the next time
+    this process receives it, before its copy and its check: a transport fault
+    on the receive path. One-shot."""
+    _ARMED[int(bucket)] = int(byte)
+
+
+def transit_fault(buffer: torch.Tensor, bucket: int) -> None:
+    """Apply the fault armed for ``bucket`` to its received ``uint8`` bytes (a no-op
+    unless a test armed one)."""
+    byte = _ARMED.pop(bucket, None)
+    if byte is not None:
+        flat = buffer.reshape(-1)
+        flat[byte] = flat[byte] ^ 0xFF
