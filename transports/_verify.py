@@ -56,7 +56,7 @@ def check_verify(verify: object) -> Verify:
         ValueError: anything else (before any byte moves).
     """
     if verify is True or verify is False or verify == "sample":
-        return verify  # type: ignore[return-value]
+        return verify
     raise ValueError(f"verify must be True, False or 'sample', got {verify!r}")
 
 
