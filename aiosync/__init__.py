@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from aiosync.engines.vllm.backend import VLLMGenerationBackend
     from aiosync.engines.vllm.server import VLLMServerBackend
     from aiosync.refit.fp8 import FP8RefitSource
+    from aiosync.refit.shared import SharedParameters, share_parameters
     from aiosync.transports.collective import (
         CollectiveWeightSynchronizer,
         SGLangCollectiveWeightSynchronizer,
@@ -111,6 +112,7 @@ __all__ = [
     "SGLangHTTPBackend",
     "SamplingParams",
     "ShardedWeightSynchronizer",
+    "SharedParameters",
     "SleepReporting",
     "StalenessStats",
     "SyncError",
@@ -130,6 +132,7 @@ __all__ = [
     "create_weight_synchronizer",
     "lora_adapter_name",
     "refit_if_stale",
+    "share_parameters",
 ]
 
 # Transports and engines load on first use: they import torch, zmq or httpx.
@@ -144,6 +147,8 @@ _LAZY: dict[str, str] = {
     "LoRAAdapterSynchronizer": "aiosync.transports.lora",
     "SGLangCollectiveWeightSynchronizer": "aiosync.transports.collective",
     "SGLangHTTPBackend": "aiosync.engines.sglang.backend",
+    "SharedParameters": "aiosync.refit.shared",
+    "share_parameters": "aiosync.refit.shared",
     "VLLMGenerationBackend": "aiosync.engines.vllm.backend",
     "VLLMServerBackend": "aiosync.engines.vllm.server",
 }

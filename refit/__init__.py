@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from .fp8 import FP8RefitSource
 from .kv_scales import kv_scales_to_tensors
 from .lora_source import LoRAAdapterRefitSource
+from .shared import SharedParameters, share_parameters
 from .torch_source import DTensorRefitSource
 
 __all__ = [
@@ -18,8 +19,10 @@ __all__ = [
     "FP8RefitSource",
     "LoRAAdapterRefitSource",
     "NNXRefitSource",
+    "SharedParameters",
     "kv_scales_to_tensors",
     "model_map_for",
+    "share_parameters",
 ]
 
 if TYPE_CHECKING:

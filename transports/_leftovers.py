@@ -8,6 +8,8 @@ aiosync's own entries whose creator is dead:
 
 * ``/dev/shm/aiosync-<pid>-<16 hex>``: IPC transport buckets (``ipc/_shm.py``);
 * ``/dev/shm/aiosync-http-<pid>-<16 hex>``: HTTP transport buckets (``http/_segment.py``);
+* ``/dev/shm/aiosync-params-<pid>-<16 hex>``: trainer tensors in shared memory
+  (``aiosync.refit.share_parameters``, ``aiosync/_arena.py``);
 * ``<tempdir>/aiosync-ipc-<pid>-<8 chars>/``: the IPC trainer's socket directory;
 * ``<tempdir>/aiosync-engine-<pid>-<8 chars>/``: the embedded engine's RPC socket directory;
 * ``<tempdir>/aiosync-sglang-<pid>-<8 chars>/``: ``serve_in_subprocess``'s config folder;
@@ -39,8 +41,8 @@ _log = logging.getLogger(__name__)
 
 #: Where POSIX shared memory lives on Linux.
 SHM_DIR = "/dev/shm"
-# Segment names as ipc/_shm.py and http/_segment.py create them.
-_SEGMENT_RE = re.compile(r"^aiosync-(?:http-)?(?P<pid>[1-9][0-9]*)-[0-9a-f]{16}$")
+# Segment names as ipc/_shm.py, http/_segment.py and aiosync/_arena.py create them.
+_SEGMENT_RE = re.compile(r"^aiosync-(?:http-|params-)?(?P<pid>[1-9][0-9]*)-[0-9a-f]{16}$")
 # Directories as tempfile.mkdtemp(prefix=dir_prefix(kind)) creates them (8 random
 # characters of tempfile's alphabet).
 _DIR_KINDS = ("ipc", "engine", "sglang", "sglang-config", "lora")

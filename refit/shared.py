@@ -1,0 +1,126 @@
+"""``share_parameters``: a CPU module's weights in named shared memory, for one-copy refits.
+
+A colocated IPC refit normally copies every byte twice: the trainer packs it into a
+shared bucket, the engine copies it out. When the trainer's own tensors live in named
+shared memory the engine can map them, and the refit is one copy (the IPC transport's
+direct mode, on by default: ``IPCWeightSynchronizer(direct=True)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import TracebackType
+
+import torch
+from torch import nn
+
+from aiosync._arena import Arena
+
+__all__ = ["SharedParameters", "share_parameters"]
+
+#: Each tensor starts on a multiple of this many bytes (cache lines; every dtype's alignment).
+_ALIGN = 64
+
+
+class SharedParameters:
+    """The arena holding a module's parameters and persistent buffers (see
+    :func:`share_parameters`). A context manager; :meth:`close` unlinks the arena's
+    name (the tensors stay valid and the module trains on; later refits pack them)."""
+
+    def __init__(self, arena: Arena, tensors: int) -> None:
+        self.arena = arena
+        #: How many tensors were re-homed.
+        self.tensors = tensors
+
+    @property
+    def name(self) -> str:
+        """The shared-memory segment's name (``/dev/shm/<name>``)."""
+        return self.arena.name
+
+    @property
+    def nbytes(self) -> int:
+        """The arena's size, bytes (the tensors' bytes plus alignment)."""
+        return self.arena.nbytes
+
+    def close(self) -> None:
+        """Unlink the segment's name. Idempotent; also done at interpreter exit."""
+        self.arena.close()
+
+    def __enter__(self) -> SharedParameters:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _tensors(module: nn.Module, buffers: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each distinct parameter (and persistent buffer), once, with a name for messages."""
+    seen: set[int] = set()
+    items: list[tuple[str, torch.Tensor]] = list(module.named_parameters())
+    if buffers:
+        for prefix, sub in module.named_modules():
+            for name, buf in sub._buffers.items():
+                if buf is not None and name not in sub._non_persistent_buffers_set:
+                    items.append((f"{prefix}.{name}" if prefix else name, buf))
+    for name, tensor in items:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            yield name, tensor
+
+
+def share_parameters(module: nn.Module, *, buffers: bool = True) -> SharedParameters:
+    """Move ``module``'s parameters (and persistent buffers) into one named shared-memory
+    arena, in place: each keeps its ``Parameter`` object (``p.data`` is re-pointed), so
+    an optimizer built before or after is unaffected, and tied parameters stay tied.
+
+    Call it once, after the module is on CPU in its training dtype and before the first
+    sync; what the optimizer allocates (its states) stays private. Direct mode relies
+    on the sync reading the tensors while no optimizer step runs: take the steps inside
+    :meth:`~aiosync.WeightSynchronizer.policy_update` (a sync waits for it, and it for
+    a sync), never beside a sync after a bare ``mark_stale()``.
+
+    Args:
+        module: a module whose tensors are dense CPU tensors (not DTensors: a sharded
+            trainer's gathered tensors are fresh allocations, packed as usual).
+        buffers: also move persistent buffers (those a checkpoint holds).
+
+    Returns:
+        The arena (:class:`SharedParameters`): ``close()`` it (or use ``with``) when the
+        trainer is done; the name is also unlinked at exit, and the next aiosync process
+        sweeps it after a SIGKILL.
+
+    Raises:
+        TypeError: a tensor is not on CPU, is a DTensor, or is sparse.
+        ValueError: the module has no tensors to share.
+        OSError: ``/dev/shm`` cannot hold the arena.
+    """
+    tensors = list(_tensors(module, buffers))
+    offsets: list[int] = []
+    total = 0
+    for name, tensor in tensors:
+        if hasattr(tensor, "placements") or tensor.layout != torch.strided:
+            raise TypeError(f"share_parameters needs dense tensors: {name!r} is {type(tensor)}")
+        if tensor.device.type != "cpu":
+            raise TypeError(f"share_parameters needs CPU tensors: {name!r} is on {tensor.device}")
+        total = -(-total // _ALIGN) * _ALIGN
+        offsets.append(total)
+        total += tensor.numel() * tensor.element_size()
+    if not tensors:
+        raise ValueError("the module has no parameters or persistent buffers to share")
+    arena = Arena(max(total, 1))
+    try:
+        with torch.no_grad():
+            for (_name, tensor), offset in zip(tensors, offsets, strict=True):
+                nbytes = tensor.numel() * tensor.element_size()
+                home = arena.tensor[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
+                home.copy_(tensor)
+                tensor.data = home
+    except BaseException:
+        arena.close()
+        raise
+    return SharedParameters(arena, len(tensors))
