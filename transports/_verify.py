@@ -38,6 +38,7 @@ __all__ = [
     "sample_key",
     "transit_fault",
     "verify_label",
+    "views_digest",
 ]
 
 Verify: TypeAlias = bool | Literal["sample"]
@@ -100,7 +101,52 @@ def bucket_digest(
     if verify == "sample" and flat.numel() > 0:
         flat = flat[sample_positions(flat.numel(), key, slots).to(flat.device)]
     host = flat.detach().cpu().contiguous()
-    value = xxhash.xxh3_64_intdigest(host.numpy().data, seed=flat.numel())
+    return _signed(xxhash.xxh3_64_intdigest(host.numpy().data, seed=buffer.numel()))
+
+
+def views_digest(views: Sequence[torch.Tensor], verify: Verify, *, key: int = 0) -> int:
+    """:func:`bucket_digest` of a bucket that was never packed (the IPC transport's
+    direct mode): the same digest over the tensors' bytes laid end to end, so a packed
+    bucket without padding and its tensors digest alike.
+
+    Args:
+        views: each tensor's bytes, ``uint8``, 1-D, contiguous, in slot order.
+        verify: ``True`` or ``"sample"``.
+        key: the sample's seed.
+
+    Raises:
+        ValueError: ``verify`` is False.
+    """
+    if verify is False:
+        raise ValueError("views_digest() needs verify=True or 'sample'")
+    sizes = [int(v.numel()) for v in views]
+    total = sum(sizes)
+    hasher = xxhash.xxh3_64(seed=total)
+    if verify is True:
+        parts: Sequence[torch.Tensor] = views
+    else:
+        offsets = [0]
+        for size in sizes:
+            offsets.append(offsets[-1] + size)
+        slots = list(zip(offsets, sizes, strict=False))
+        positions = (
+            sample_positions(total, key, slots) if total else torch.empty(0, dtype=torch.int64)
+        )
+        owner = torch.searchsorted(torch.tensor(offsets[1:]), positions, right=True)
+        counts = torch.bincount(owner, minlength=len(views)).tolist()
+        chunks = positions.split(counts)
+        parts = [
+            view[chunk.to(view.device) - offset]
+            for view, offset, chunk in zip(views, offsets[:-1], chunks, strict=True)
+        ]
+    for part in parts:
+        if part.numel():
+            hasher.update(part.detach().cpu().contiguous().numpy().data)
+    return _signed(hasher.intdigest())
+
+
+def _signed(value: int) -> int:
+    """An unsigned 64-bit digest as the int64 with the same bits."""
     return value - _INT64 if value >= _INT64 // 2 else value
 
 
