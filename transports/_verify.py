@@ -35,6 +35,7 @@ __all__ = [
     "arm_transit_fault",
     "bucket_digest",
     "check_verify",
+    "disarm_transit_faults",
     "sample_key",
     "transit_fault",
     "verify_label",
@@ -167,6 +168,11 @@ def arm_transit_fault(bucket: int, byte: int) -> None:
     this process receives it, before its copy and its check: a transport fault
     on the receive path. One-shot."""
     _ARMED[int(bucket)] = int(byte)
+
+
+def disarm_transit_faults() -> None:
+    """Test hook: drop every armed, not yet applied transit fault of this process."""
+    _ARMED.clear()
 
 
 def transit_fault(buffer: torch.Tensor, bucket: int) -> None:

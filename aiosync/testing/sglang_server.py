@@ -14,6 +14,7 @@ import datetime
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -32,6 +33,7 @@ from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
 import anyio
+import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file as safetensors_load_file
@@ -42,6 +44,7 @@ from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.errors import SyncError, TransportError
 from aiosync.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from aiosync.transports._leftovers import dir_prefix, sweep_leftovers
+from aiosync.transports._verify import arm_transit_fault, disarm_transit_faults, transit_fault
 from aiosync.transports.collective._custom_group import CustomGroup, join_custom_group
 from aiosync.transports.http import (
     FLATTENED_BUCKET,
@@ -272,6 +275,12 @@ class ServerState:
     #: The limit of a group's formation and of each of its broadcasts, seconds
     #: (``--weights-update-timeout-s``).
     weights_update_timeout_s: float = 120.0
+    #: The bucket index the next update request gets (``/update_weights_from_tensor``,
+    #: ``/update_weights_from_distributed``): its order in the current refit, from 0
+    #: at ``/begin_weight_update``, ``/flush_cache`` and ``/update_weight_version``
+    #: (a refit's start and end); the index the test fault
+    #: (``/_aiosync/arm_transit_fault``) names.
+    update_index: int = 0
     #: Taken by the three group routes for their whole run: SGLang's scheduler serves
     #: one request at a time, so a formation or a broadcast holds back the next group
     #: request (a destroy waits for a hung update) until it ends or times out.
@@ -307,6 +316,12 @@ class ServerState:
         for members in groups:
             for member in members:
                 member.close()
+
+    def take_update_index(self) -> int:
+        """The index of the update request now receiving, and count it."""
+        with self.lock:
+            index, self.update_index = self.update_index, self.update_index + 1
+        return index
 
     def take_fault(self, path: str) -> str | None:
         with self.lock:
@@ -481,6 +496,8 @@ class _Handler(BaseHTTPRequestHandler):
             ]
         if path == "/update_weights_from_tensor" and method == "POST":
             return self._update_weights_from_tensor(_object(data))
+        if path == "/get_weights_by_name":
+            return self._get_weights_by_name(data)
         if path == "/init_weights_update_group" and method == "POST":
             return self._init_weights_update_group(_object(data))
         if path == "/update_weights_from_distributed" and method == "POST":
@@ -505,6 +522,7 @@ class _Handler(BaseHTTPRequestHandler):
                 if not state.scheduler.flush():
                     raise _HTTPError(400, _FLUSH_TEXT)
                 state.cache.clear()
+                state.update_index = 0
             return _FLUSH_TEXT
         if path == "/release_memory_occupation":
             return self._release(_tags(data))
@@ -678,6 +696,9 @@ class _Handler(BaseHTTPRequestHandler):
         except TransportError as exc:
             raise _HTTPError(400, {"success": False, "message": str(exc)}) from exc
         self._times["decoded"] = time.monotonic()
+        # The test fault lands in what TP rank 0 received (its own private mapping),
+        # before the load copies it into the model: what SGLang's read-back reads.
+        _fault_in_transit(per_rank[0], state.take_update_index())
         try:
             with state.model_lock:
                 for rank, (runner, tensors) in enumerate(zip(state.ranks, per_rank, strict=True)):
@@ -911,6 +932,7 @@ class _Handler(BaseHTTPRequestHandler):
             except ValueError as exc:
                 raise _update_failure(str(exc)) from exc
             group = members
+            index = state.take_update_index()
 
             def receive(tp_rank: int) -> list[tuple[str, torch.Tensor]]:
                 return _receive_tensors(group[tp_rank], specs, bucketed)
@@ -922,6 +944,8 @@ class _Handler(BaseHTTPRequestHandler):
                 if isinstance(result, BaseException):
                     raise _update_failure(_on_rank(rank, result))
                 per_rank.append(result)
+            # The test fault lands in what TP rank 0 received, before its load.
+            _fault_in_transit(per_rank[0], index)
             with state.model_lock:
                 for rank, (runner, tensors) in enumerate(zip(state.ranks, per_rank, strict=True)):
                     try:
@@ -964,6 +988,7 @@ class _Handler(BaseHTTPRequestHandler):
                 raise _HTTPError(400, {"success": False, "message": _SESSION_OPEN})
             state.session_open = True
             state.pending_version = None
+            state.update_index = 0
         return {"success": True, "message": "Success"}
 
     def _end_weight_update(self, data: dict[str, Any]) -> Any:
@@ -992,11 +1017,37 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.state.scheduler.abort_all()
         with self.server.state.lock:
             self.server.state.weight_version = version
+            self.server.state.update_index = 0
         return {
             "success": True,
             "message": f"Weight version updated to {version}",
             "new_version": version,
         }
+
+    def _get_weights_by_name(self, data: Any) -> Any:
+        """SGLang's ``GetWeightsByNameReqInput``: ``name`` (str), ``truncate_size``
+        (default 100). GET or POST, as SGLang's route.
+
+        Answers 200 with TP rank 0's tensor as SGLang 0.5.23's
+        ``LlamaForCausalLM.get_weights_by_name`` gives it (:func:`_sglang_weight`):
+        ``.to(torch.float32).tolist()[:truncate_size]`` (the first ``truncate_size``
+        entries of the first dimension; NaN and infinities ``null``, as ``orjson``
+        writes them); 400 ``{"error": {"message": "Get parameter by name failed"}}``
+        where SGLang's method returns None (no such parameter, a 0-d tensor); 422 for
+        a malformed body.
+        """
+        state = self.server.state
+        body = data if isinstance(data, dict) else {}
+        name, truncate_size = body.get("name"), body.get("truncate_size", 100)
+        if not isinstance(name, str) or not _is_int(truncate_size):
+            raise _HTTPError(
+                422, {"detail": "name (str) is required; truncate_size must be an int"}
+            )
+        with state.model_lock:
+            rows = _sglang_weight(state.ranks, name, truncate_size)
+        if rows is None:
+            raise _error("Get parameter by name failed")
+        return rows
 
     def _load_lora_adapter(self, data: dict[str, Any]) -> Any:
         """SGLang's ``LoadLoRAAdapterReqInput``: ``lora_name``, ``lora_path`` (a PEFT
@@ -1131,12 +1182,30 @@ class _Handler(BaseHTTPRequestHandler):
             with state.lock:
                 state.faults[target] = _Fault(mode, count)
             return {"ok": True}
+        if path == "/_aiosync/arm_transit_fault" and method == "POST":
+            # Test-only: flip (XOR 0xFF) byte ``byte`` of the bucket of index ``bucket``
+            # (ServerState.update_index) when TP rank 0 next receives it, before its load.
+            spec = _object(data)
+            bucket, byte = spec.get("bucket"), spec.get("byte")
+            if not (
+                isinstance(bucket, int)
+                and isinstance(byte, int)
+                and _is_int(bucket)
+                and _is_int(byte)
+                and bucket >= 0
+                and byte >= 0
+            ):
+                raise _error("arm_transit_fault needs a bucket and a byte, ints >= 0")
+            arm_transit_fault(bucket, byte)
+            return {"ok": True}
         if path == "/_aiosync/reset" and method == "POST":
             with state.lock:
                 state.faults.clear()
                 state.log.clear()
                 state.session_open = False
                 state.pending_version = None
+                state.update_index = 0
+                disarm_transit_faults()
                 state.unhang.set()
                 state.unhang = threading.Event()
             return {"ok": True}
@@ -1274,6 +1343,156 @@ def _receive_tensors(
     return out
 
 
+def _fault_in_transit(tensors: Sequence[tuple[str, torch.Tensor]], bucket: int) -> None:
+    """Apply the test fault armed for ``bucket`` (:func:`transit_fault`, a no-op unless a
+    test armed one) to the bytes one TP rank received, before its load.
+
+    The received tensors are views of one buffer, back to back (a flattened bucket):
+    the fault is applied to those bytes in place. Otherwise (one broadcast per tensor)
+    to a copy of their bytes in order, copied back.
+    """
+    views = [tensor for _, tensor in tensors]
+    if not views:
+        return
+    span = _span(views)
+    if span is not None:
+        transit_fault(span, bucket)
+        return
+    raw = torch.cat([v.reshape(-1).view(torch.uint8) for v in views])
+    transit_fault(raw, bucket)
+    start = 0
+    for view in views:
+        size = view.numel() * view.element_size()
+        view.reshape(-1).view(torch.uint8).copy_(raw[start : start + size])
+        start += size
+
+
+def _span(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """A ``uint8`` view of the bytes ``views`` cover when they lie back to back, in order,
+    contiguous, in one storage; else None."""
+    storage = views[0].untyped_storage()
+    start = end = views[0].storage_offset() * views[0].element_size()
+    for view in views:
+        offset = view.storage_offset() * view.element_size()
+        if (
+            view.untyped_storage().data_ptr() != storage.data_ptr()
+            or not view.is_contiguous()
+            or offset != end
+        ):
+            return None
+        end = offset + view.numel() * view.element_size()
+    span = torch.empty(0, dtype=torch.uint8, device=views[0].device)
+    return span.set_(storage, start, (end - start,), (1,))
+
+
+# SGLang's LlamaForCausalLM.stacked_params_mapping: (checkpoint name part, shard id),
+# cut out of its fused qkv_proj / gate_up_proj.
+_STACKED = (
+    (".q_proj", "q"),
+    (".k_proj", "k"),
+    (".v_proj", "v"),
+    (".gate_proj", 0),
+    (".up_proj", 1),
+)
+# The dense layers LlamaForCausalLM fuses: its params_dict has no other stacked name.
+_FUSED_NAME = re.compile(
+    r"^model\.layers\.\d+\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.(weight|bias)$"
+)
+#: SGLang's vocabulary padding (``DEFAULT_VOCAB_PADDING_SIZE``) of the embedding and head.
+_VOCAB_PADDING = 64
+
+
+def _sglang_weight(ranks: Sequence[HFModelRunner], name: str, truncate_size: int) -> Any:
+    """What SGLang 0.5.23's ``/get_weights_by_name`` answers for ``name``; None where its
+    model's method returns None (a name it has no parameter for, a 0-d tensor).
+
+    ``LlamaForCausalLM.get_weights_by_name`` (``python/sglang/srt/models/llama.py``), on
+    the TP rank 0 of ``len(ranks)`` ranks, applied to whichever model this server
+    serves (SGLang's ``Qwen3ForCausalLM`` has no such method: a real Qwen3 server
+    answers 400 for every name):
+
+    * ``q_proj``/``k_proj``/``v_proj``: rank 0's fused ``qkv_proj`` (its rows of q, k
+      and v, laid out with the attention's ``head_dim``), narrowed at offsets computed
+      with ``hidden_size // num_attention_heads`` as the head size, as SGLang does (for
+      a model whose ``head_dim`` differs, k and v come back as other rows);
+    * ``gate_proj``/``up_proj``: rank 0's ``gate_up_proj`` halves,
+      ``intermediate_size // tp`` rows each;
+    * ``o_proj``/``down_proj``: every rank's columns gathered (whole);
+    * ``embed_tokens``/``lm_head``: rank 0's vocabulary shard, padded with zero rows to
+      a multiple of 64 (a tied ``lm_head`` is the embedding);
+    * anything else: the tensor as rank 0 holds it (the whole tensor).
+
+    Then ``.to(torch.float32).tolist()[:truncate_size]``, non-finite values ``None``.
+    """
+    try:
+        weight = _rank0_view(ranks, name)
+        rows = weight[:truncate_size].to(torch.float32)
+    except (AttributeError, KeyError, IndexError, RuntimeError, TypeError, ValueError):
+        return None
+    if bool(torch.isfinite(rows).all()):
+        return rows.tolist()
+    values = rows.numpy().astype(object)
+    values[~np.isfinite(rows.numpy())] = None
+    return values.tolist()
+
+
+def _rank0_view(ranks: Sequence[HFModelRunner], name: str) -> torch.Tensor:
+    """:func:`_sglang_weight`'s tensor before the truncation (raises where SGLang's does)."""
+    tp = len(ranks)
+    config = ranks[0].model.config
+    for shard, shard_id in _STACKED:
+        if shard not in name:
+            continue
+        if not _FUSED_NAME.match(name):
+            raise KeyError(name)  # no such entry in LlamaForCausalLM's params_dict
+        if shard_id in ("q", "k", "v"):
+            heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+            # Rank 0's shard of the fused layer: its heads of q, k and v (a kv head
+            # replicated when there are fewer kv heads than ranks).
+            q, k, v = (_hf_tensor(ranks[0], name.replace(shard, p)) for p in _QKV_PARTS)
+            local_kv = max(1, kv_heads // tp) * head_dim
+            fused = torch.cat([q[: heads // tp * head_dim], k[:local_kv], v[:local_kv]])
+            size_of = config.hidden_size // heads  # SGLang's get_weights_by_name
+            offset, size = {
+                "q": (0, heads // tp * size_of),
+                "k": (heads // tp * size_of, kv_heads // tp * size_of),
+                "v": ((heads // tp + kv_heads // tp) * size_of, kv_heads // tp * size_of),
+            }[str(shard_id)]
+            return fused.narrow(0, offset, size)
+        half = config.intermediate_size // tp
+        gate = _hf_tensor(ranks[0], name.replace(shard, ".gate_proj"))
+        up = _hf_tensor(ranks[0], name.replace(shard, ".up_proj"))
+        return torch.cat([gate[:half], up[:half]]).narrow(0, 0 if shard_id == 0 else half, half)
+    weight = _hf_tensor(ranks[0], name)
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        vocab = weight.shape[0]
+        per_rank = -(-vocab // _VOCAB_PADDING) * _VOCAB_PADDING // tp
+        if per_rank > vocab:
+            weight = torch.cat([weight, weight.new_zeros((per_rank - vocab, *weight.shape[1:]))])
+        return weight[:per_rank]
+    if tp > 1 and ("o_proj" in name or "down_proj" in name):
+        # Row-parallel: rank r holds columns r; SGLang all-gathers them (dim 1; a 1-D
+        # bias fails there, as in SGLang).
+        columns = weight.shape[1] // tp
+        parts = [_hf_tensor(ranks[r], name).narrow(1, r * columns, columns) for r in range(tp)]
+        return torch.cat(parts, dim=1)
+    return weight
+
+
+_QKV_PARTS = (".q_proj", ".k_proj", ".v_proj")
+
+
+def _hf_tensor(runner: HFModelRunner, name: str) -> torch.Tensor:
+    """Checkpoint tensor ``name`` of ``runner``'s model (KeyError: it has none)."""
+    try:
+        return runner.model.get_parameter(name).detach()
+    except AttributeError:
+        # Not a module path of the model (PEFT-wrapped layers, FP8 scales): the
+        # checkpoint view, a copy of every tensor (rare).
+        return runner.hf_state_dict()[name]
+
+
 def _object(data: Any) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise _error("the request body must be a JSON object")
@@ -1336,6 +1555,8 @@ def _summary(data: Any) -> dict[str, Any]:
         "lora_name",
         "lora_path",
         "selector",
+        "name",
+        "truncate_size",
     )
     for key in (*keys, "abort_all_requests", "group_name", "backend", "rank_offset", "world_size"):
         if key in data:

@@ -2,7 +2,8 @@
 
 The endpoints a refit makes (``/get_server_info``, ``/begin_weight_update``,
 ``/update_weights_from_tensor``, ``/end_weight_update``, ``/flush_cache``,
-``/update_weight_version``, ``/get_weight_version``; disaggregated:
+``/update_weight_version``, ``/get_weight_version``, ``/get_weights_by_name`` (the
+``verify`` read-back); disaggregated:
 ``/init_weights_update_group``, ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group``) live here;
 the engine's behaviour (memory saver, validity, generation) lives in
@@ -160,6 +161,45 @@ class SGLangClient:
             self._version_label = weight_version
             self._label_epoch += 1
         return str(answer.get("message", "")) if isinstance(answer, dict) else ""
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any] | None:
+        """POST ``/get_weights_by_name`` (SGLang's ``GetWeightsByNameReqInput``): what the
+        server holds of checkpoint tensor ``name``.
+
+        SGLang answers ``param.cpu().to(torch.float32).numpy().tolist()[:truncate_size]``
+        of its TP rank 0: the first ``truncate_size`` entries of the FIRST dimension
+        (rows of a matrix, elements of a vector), float32 values as JSON numbers (NaN
+        and infinities as ``null``); ``q_proj``/``k_proj``/``v_proj`` and
+        ``gate_proj``/``up_proj`` are its rows of the fused ``qkv_proj``/``gate_up_proj``;
+        with ``dp_size > 1`` one such list per DP rank. A read for tests and checks,
+        not a fast path (``docs/sglang-contract.md``).
+
+        Args:
+            name: HF checkpoint name, e.g. ``"model.embed_tokens.weight"``.
+            truncate_size: rows (first-dimension entries) to return; the tensor's
+                ``numel()`` returns all of them.
+
+        Returns:
+            The nested lists; None when the server cannot read the tensor: 400
+            (SGLang's ``"Get parameter by name failed"``: no such parameter, or a model
+            class without ``get_weights_by_name``, as Qwen3's) or 404 (a server, or a
+            router in front of it, without the route).
+
+        Raises:
+            TransportError: another non-2xx answer, a connection error, or an answer
+                that is not a list.
+            SyncTimeoutError: no answer within ``request_timeout_s``.
+        """
+        body = {"name": name, "truncate_size": truncate_size}
+        try:
+            answer = await self._post("/get_weights_by_name", body)
+        except TransportError as exc:
+            if http_status(exc) in (400, 404):
+                return None
+            raise
+        if not isinstance(answer, list):
+            raise TransportError(f"/get_weights_by_name {name!r} answered {str(answer)[:200]}")
+        return answer
 
     async def init_weights_update_group(
         self,

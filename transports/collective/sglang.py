@@ -9,9 +9,11 @@ weight-update session (``/begin_weight_update`` ... ``/end_weight_update``, wher
 has one), each single-dtype bucket travels as one uint8 broadcast of its tensors'
 bytes back to back, SGLang's ``load_format="flattened_bucket"``, while
 ``/update_weights_from_distributed`` with its names, dtypes and shapes is in flight
-on every server; the next bucket is packed meanwhile. Then ``/flush_cache`` and
-``/update_weight_version`` on every server, as the colocated HTTP transport does
-(the two share everything but the bytes' path: :class:`HTTPWeightSynchronizer`).
+on every server; the next bucket is packed meanwhile. Then ``verify``'s read-back
+through ``/get_weights_by_name`` (sampled tensors compared with what was sent, not a
+per-bucket digest: SGLang checks none), ``/flush_cache`` and ``/update_weight_version``
+on every server, as the colocated HTTP transport does (the two share everything but
+the bytes' path: :class:`HTTPWeightSynchronizer`).
 
 Endpoints as read in SGLang 0.5.23 (``python/sglang/srt/entrypoints/http_server.py``,
 ``managers/io_struct.py``, ``model_executor/model_runner.py``
@@ -36,9 +38,16 @@ from aiosync._fanout import each_named, most_telling
 from aiosync.errors import RefitMismatchError
 from aiosync.interfaces import InFlightPolicy, RefitSource, TrainCluster
 
+from .._verify import Verify
 from ..http import SGLangDistributedServer
+from ..http._readback import Expected
 from ..http._wire import FLATTENED_BUCKET, FlatBucket, group_flat
-from ..http.synchronizer import HTTPWeightSynchronizer, _kv_bucket, _pack_and_wait
+from ..http.synchronizer import (
+    HTTPWeightSynchronizer,
+    _kv_bucket,
+    _pack_and_keep,
+    _pack_and_wait,
+)
 from ._custom_group import CustomGroup, join_custom_group
 from ._group import open_store
 from .synchronizer import DIST_BACKENDS, DistBackend
@@ -77,11 +86,18 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
             bucket's broadcast, seconds.
         abort_all_requests, timeouts, sync_timeout_s, event_backlog, in_flight,
             initial_version, trace: as :class:`~aiosync.transports.http.HTTPWeightSynchronizer`.
+        verify: as :class:`~aiosync.transports.http.HTTPWeightSynchronizer` (default
+            ``"sample"``): after the last bucket's broadcast loaded, before the version
+            is labelled, tensors are READ BACK through each server's
+            ``/get_weights_by_name`` and compared with what was broadcast (the sampled
+            tensors' first rows kept from the packed buffers, or with ``True`` every
+            tensor re-read from the source); not a per-bucket digest, which SGLang
+            would not check. A difference raises :class:`~aiosync.RefitVerificationError`.
 
     Raises:
         TypeError: a server does not satisfy ``SGLangDistributedServer``.
-        ValueError: a bad ``dist_backend``, ``bucket_bytes`` or ``collective_timeout_s``;
-            no server or the same one twice.
+        ValueError: a bad ``dist_backend``, ``bucket_bytes``, ``collective_timeout_s``
+            or ``verify``; no server or the same one twice.
         NotImplementedError: ``train_cluster.world_size > 1``.
     """
 
@@ -103,6 +119,7 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
         in_flight: InFlightPolicy = "wait",
         initial_version: int = 0,
         trace: bool = False,
+        verify: Verify = "sample",
     ) -> None:
         cluster = train_cluster or TrainCluster()
         if cluster.world_size != 1:
@@ -133,6 +150,7 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
             in_flight=in_flight,
             initial_version=initial_version,
             trace=trace,
+            verify=verify,
         )
         self._distributed_servers()  # refused here, before anything is set up
         self.train_cluster = cluster
@@ -294,10 +312,12 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
         self,
         kv: Sequence[tuple[str, float]] = (),
         trace: list[dict[str, Any]] | None = None,
+        kept: list[Expected] | None = None,
     ) -> int:
         """Broadcast every bucket (then the KV-scale one, if ``kv``) while each server's
         ``/update_weights_from_distributed`` for it is in flight; returns the payload
-        bytes. The next bucket is packed while one travels (two buffers per dtype),
+        bytes. ``kept``: gets ``verify="sample"``'s tensors of each bucket as packed,
+        before it travels. The next bucket is packed while one travels (two buffers per dtype),
         and sent while the servers load the one before. Any
         failure or cancellation leaves the group broken (formed again by the
         next sync), so that no half-received broadcast is ever matched with
@@ -315,11 +335,13 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
 
         def buffer(bucket: FlatBucket) -> torch.Tensor:
             free = spare.setdefault(bucket.dtype, [])
-            flat = next((b for b in free if b.numel() >= bucket.numel), None)
-            if flat is None:
+            # By position: list.remove would compare tensors elementwise (and raise
+            # for two of different sizes).
+            fits = next((i for i, b in enumerate(free) if b.numel() >= bucket.numel), None)
+            if fits is None:
                 flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
             else:
-                free.remove(flat)
+                flat = free.pop(fits)
             return flat[: bucket.numel]
 
         async def produce() -> None:
@@ -331,7 +353,9 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
                         break
                     bucket, tensors = item
                     flat = buffer(bucket)
-                    await anyio.to_thread.run_sync(_pack_and_wait, bucket, tensors, flat)
+                    await anyio.to_thread.run_sync(
+                        _pack_and_keep, bucket, tensors, flat, None, kept, self._read_qkv
+                    )
                     del tensors
                     await send.send((bucket, flat))
                 if kv:

@@ -4,7 +4,8 @@
 - :mod:`.server` — :class:`SGLangServer`, the server contract the synchronizer
   drives (``aiosync.SGLangHTTPBackend`` satisfies it), and the optional
   :class:`SGLangManifestSource` (the manifest checked at ``init_communicator()``)
-  and :class:`SGLangWeightUpdateSession` (SGLang's begin/end weight-update session);
+  and :class:`SGLangWeightUpdateSession` (SGLang's begin/end weight-update session)
+  and :class:`SGLangWeightReader` (``/get_weights_by_name``, the ``verify`` read-back);
   :class:`SGLangDistributedServer`, a server that receives over a process group
   (:class:`aiosync.transports.collective.SGLangCollectiveWeightSynchronizer`).
 - The engine side is SGLang itself; a server that imitates it decodes each
@@ -21,6 +22,7 @@ from .server import (
     SGLangDistributedServer,
     SGLangManifestSource,
     SGLangServer,
+    SGLangWeightReader,
     SGLangWeightUpdateSession,
 )
 from .synchronizer import HTTPWeightSynchronizer
@@ -31,6 +33,7 @@ __all__ = [
     "SGLangDistributedServer",
     "SGLangManifestSource",
     "SGLangServer",
+    "SGLangWeightReader",
     "SGLangWeightUpdateSession",
     "decode_flattened_bucket",
     "use_file_system_sharing",

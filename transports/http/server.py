@@ -5,8 +5,9 @@ bookkeeping that keeps generation refused while the server holds a mix of two
 versions; :class:`aiosync.SGLangHTTPBackend` satisfies it, and so can any
 client a user already has. :class:`SGLangManifestSource` is optional (the
 manifest checked at ``init_communicator()``); :class:`SGLangWeightUpdateSession` is
-optional too (SGLang's ``/begin_weight_update`` ... ``/end_weight_update`` bracket).
-See ``docs/sglang.md`` and, for the endpoints as read in SGLang's sources,
+optional too (SGLang's ``/begin_weight_update`` ... ``/end_weight_update`` bracket),
+and so is :class:`SGLangWeightReader` (``/get_weights_by_name``: the ``verify``
+read-back). See ``docs/sglang.md`` and, for the endpoints as read in SGLang's sources,
 ``docs/sglang-contract.md``.
 """
 
@@ -22,6 +23,7 @@ __all__ = [
     "SGLangDistributedServer",
     "SGLangManifestSource",
     "SGLangServer",
+    "SGLangWeightReader",
     "SGLangWeightUpdateSession",
 ]
 
@@ -136,6 +138,24 @@ class SGLangWeightUpdateSession(Protocol):
 
     async def end_weight_update(self) -> None:
         """Close the session this object opened (nothing if none is open)."""
+        ...
+
+
+@runtime_checkable
+class SGLangWeightReader(Protocol):
+    """An SGLang server whose weights can be read back (``/get_weights_by_name``): what
+    the HTTP transports' ``verify`` check reads after the last bucket loaded.
+
+    A server object without it is not checked (``verify`` logs a warning naming it
+    once); the sync goes on as with ``verify=False`` for that server.
+    """
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any] | None:
+        """``POST /get_weights_by_name``: the first ``truncate_size`` rows (first
+        dimension) of checkpoint tensor ``name`` as the server holds it, float32 values
+        in nested lists (one list per DP rank when ``dp_size > 1``); None when the
+        server cannot read it (SGLang's 400, ``"Get parameter by name failed"``, or a
+        404: no such route)."""
         ...
 
 

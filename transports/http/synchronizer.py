@@ -4,7 +4,10 @@ The trainer streams its weights as single-dtype flattened buckets, one
 ``/update_weights_from_tensor`` per bucket and server, inside SGLang's weight-update
 session (``/begin_weight_update`` ... ``/end_weight_update``, where the server has
 it), then flushes the cache and sets the version label (``/update_weight_version``)
-only once all of it landed. The steps, the memory lifetimes and the failure rules:
+only once all of it landed. Before that label, ``verify`` reads tensors back through
+SGLang's own ``/get_weights_by_name`` and compares them with what was sent (a
+read-back of sampled tensors, not a per-bucket digest: SGLang checks none;
+:mod:`._readback`). The steps, the memory lifetimes and the failure rules:
 ``docs/sglang.md``; SGLang's endpoints as read in its sources: ``docs/sglang-contract.md``.
 """
 
@@ -20,11 +23,12 @@ import anyio
 import torch
 
 from aiosync._config import DEFAULT_BUCKET_BYTES, DEFAULT_EVENT_BACKLOG, Timeouts
-from aiosync._fanout import each_named, most_telling
+from aiosync._fanout import each_named, most_telling, named
 from aiosync._kv_scales import attention_layers, kv_scale_entries
-from aiosync.capabilities import engines_of
-from aiosync.errors import SyncError, TransportError
+from aiosync.capabilities import ConfigReporting, engines_of
+from aiosync.errors import RefitVerificationError, SyncError, TransportError
 from aiosync.interfaces import (
+    ConfigSource,
     InFlightPolicy,
     KVScales,
     RefitManifest,
@@ -32,7 +36,17 @@ from aiosync.interfaces import (
     WeightSynchronizer,
 )
 
+from .._verify import Verify, check_verify, verify_label
 from ..packing import compare_manifests
+from ._readback import (
+    Expected,
+    Unreadable,
+    first_difference,
+    keep_samples,
+    qkv_readable,
+    readable,
+    served_dtype,
+)
 from ._segment import SegmentPool
 from ._wire import (
     FLATTENED_BUCKET,
@@ -45,7 +59,12 @@ from ._wire import (
     plan_flat_buckets,
     serialize_flat,
 )
-from .server import SGLangManifestSource, SGLangServer, SGLangWeightUpdateSession
+from .server import (
+    SGLangManifestSource,
+    SGLangServer,
+    SGLangWeightReader,
+    SGLangWeightUpdateSession,
+)
 
 __all__ = ["HTTPWeightSynchronizer"]
 
@@ -85,12 +104,29 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             step-N checkpoint passes N); see :class:`~aiosync.WeightSynchronizer`.
         trace: record per-bucket timestamps of every sync into
             :attr:`last_trace`; off by default.
+        verify: check what each server holds after the last bucket loaded and
+            before the version is labelled: a READ-BACK through SGLang's own
+            ``/get_weights_by_name`` (a real SGLang server checks no digest a
+            trainer sends, so there is no per-bucket digest here). ``"sample"``
+            (default): the first rows (about 1024 elements) of the first and last
+            tensor of every bucket, kept from the packed bucket (a few KiB each);
+            ``True``: every tensor whole, re-read from the source (one tensor at a
+            time); ``False``: no check. A difference raises
+            :class:`~aiosync.RefitVerificationError` naming the server, the tensor
+            and its first differing element: the sync fails, the version is not
+            labelled, the server refuses to generate until a sync succeeds. Not
+            read back (SGLang's answer is not the checkpoint's tensor there): 0-d
+            tensors, the KV-cache scales, and ``q_proj``/``k_proj``/``v_proj``
+            unless the model's HF config (the trainer's or the server's) shows
+            ``head_dim == hidden_size // num_attention_heads``; a tensor the server
+            cannot read (SGLang's 400, no rows) and a server object without
+            :class:`SGLangWeightReader` are logged once and not checked.
 
     Raises:
         TypeError: ``generation`` (or one of its engines) does not satisfy
             :class:`SGLangServer`; the message names what it lacks.
-        ValueError: ``bucket_bytes`` is not positive, no server, or the same
-            server twice.
+        ValueError: ``bucket_bytes`` is not positive, no server, the same
+            server twice, or ``verify`` is not True, False or ``"sample"``.
     """
 
     def __init__(
@@ -107,10 +143,12 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         in_flight: InFlightPolicy = "wait",
         initial_version: int = 0,
         trace: bool = False,
+        verify: Verify = "sample",
     ) -> None:
         servers = _servers_of(generation)
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        verify = check_verify(verify)
         super().__init__(
             policy,
             generation,
@@ -123,8 +161,18 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         self.bucket_bytes = bucket_bytes
         self.device = None if device is None else torch.device(device)
         self.abort_all_requests = abort_all_requests
+        #: The read-back check of every sync (see the class docs); read at each sync.
+        self.verify: Verify = verify
         self._plan: tuple[FlatBucket, ...] = ()
         self._tp_sizes = [1] * len(servers)
+        # Per server (index of ``servers``), learnt at init: its DP ranks (each answers
+        # a read-back) and the dtype it holds the weights in (None: unknown).
+        self._dp_sizes = [1] * len(servers)
+        self._served_dtypes: list[torch.dtype | None] = [None] * len(servers)
+        # Whether SGLang reads q/k/v_proj back at the checkpoint's rows (_readback.py).
+        self._read_qkv = False
+        # What the read-back already warned about (server URL, reason): once each.
+        self._warned: set[tuple[str, str]] = set()
         # CPU bucket segments kept between buckets and syncs (see _segment.py); sized
         # at init_communicator(), emptied whenever a post was not answered.
         self._pool = SegmentPool(bucket_bytes)
@@ -139,7 +187,9 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         #: ``packed`` (its tensors read), ``pack_end`` (copied into the buffer),
         #: ``posted`` (the requests start) and ``answered`` (every server
         #: answered). ``phases``: ``start``, ``woken`` (weights resumed),
-        #: ``streamed`` (last bucket answered), ``flushed``, ``versioned``.
+        #: ``verified`` (the read-back done, inside the weight-update session; not
+        #: with ``verify=False``), ``streamed`` (last bucket answered and the session
+        #: ended), ``flushed``, ``versioned``.
         self.last_trace: dict[str, Any] | None = None
         # The base class listens for discards from now on; weights discarded before
         # this synchronizer existed count too.
@@ -186,13 +236,32 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         )
         self._pool.clear()
         self._pool = SegmentPool(max(segment_bytes, 1))
-        self._tp_sizes = await self._each(self._check_server)
+        facts = await self._each(self._check_server)
+        self._tp_sizes = [tp for tp, _, _ in facts]
+        self._dp_sizes = [dp for _, dp, _ in facts]
+        self._served_dtypes = [dtype for _, _, dtype in facts]
         # Same shapes, other computation (another rope_theta): refused before any bucket too.
         await self._check_model_configs()
+        self._read_qkv = await self._qkv_read_back() if self.verify is not False else False
         await super().init_communicator()
 
-    async def _check_server(self, server: SGLangServer) -> int:
-        """One server's part of :meth:`init_communicator`; returns its TP size."""
+    async def _qkv_read_back(self) -> bool:
+        """Whether the read-back may include q/k/v_proj (:func:`._readback.qkv_readable`
+        of the trainer's HF config, else of the first server's that reports one)."""
+        if isinstance(self.policy, ConfigSource):
+            config = await anyio.to_thread.run_sync(self.policy.hf_config)
+            if config is not None:
+                return qkv_readable(config)
+        for server in self.servers:
+            if isinstance(server, ConfigReporting):
+                config = await server.expected_config()
+                if config is not None:
+                    return qkv_readable(config)
+        return False
+
+    async def _check_server(self, server: SGLangServer) -> tuple[int, int, torch.dtype | None]:
+        """One server's part of :meth:`init_communicator`; returns its TP size, DP size
+        and the dtype it holds its weights in (None: not known)."""
         info = await server.server_info()
         server_saver = info.get("enable_memory_saver")
         if server_saver is not None and bool(server_saver) != server.enable_memory_saver:
@@ -207,7 +276,8 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             engine = await server.expected_manifest(info)
             if engine is not None:
                 _compare_unordered(self._trainer_manifest, engine)
-        return server.tp_size
+        dp = info.get("dp_size", 1)
+        return server.tp_size, dp if isinstance(dp, int) and dp >= 1 else 1, served_dtype(info)
 
     @property
     def _trainer_manifest(self) -> RefitManifest:
@@ -218,10 +288,19 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         kv = kv_scale_entries(kv_scales, attention_layers(self._trainer_manifest))
         rows: list[dict[str, Any]] | None = [] if self.trace else None
         phases: dict[str, float] = {"start": time.monotonic()}
+        verify = self.verify
+        # "sample": the sampled tensors' first rows, kept while packing (a few KiB per
+        # bucket); True re-reads the source instead (never a copy of the model).
+        kept: list[Expected] | None = [] if verify == "sample" else None
         async with self._refit_bracket():
             phases["woken"] = time.monotonic()
             async with self._weight_update_sessions():
-                nbytes = await self._send_buckets(kv, rows)
+                nbytes = await self._send_buckets(kv, rows, kept)
+                if verify is not False:
+                    # Inside the session: before /end_weight_update's post-processing,
+                    # which may lay a quantized model's weights out otherwise.
+                    await self._read_back(verify, kept or [])
+                    phases["verified"] = time.monotonic()
             phases["streamed"] = time.monotonic()
             await self._each(lambda server: server.flush_cache())
             phases["flushed"] = time.monotonic()
@@ -302,10 +381,13 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         self,
         kv: Sequence[tuple[str, float]] = (),
         trace: list[dict[str, Any]] | None = None,
+        kept: list[Expected] | None = None,
     ) -> int:
         """Stream every bucket to the servers, then the KV-scale bucket (if ``kv``);
         returns the payload bytes (of one server's copy). ``trace``: a list that
         gets one row per bucket (see :attr:`last_trace`); None records nothing.
+        ``kept``: a list that gets ``verify="sample"``'s tensors of each bucket as
+        packed (:func:`._readback.keep_samples`), taken in the packing thread.
 
         Two stages overlap: while the server loads bucket ``k`` the next one is
         gathered and packed. At most two buckets exist at a time (one in flight,
@@ -354,7 +436,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                     device = self.device or tensors[0][1].device
                     flat = allocate(bucket, device)
                     await anyio.to_thread.run_sync(
-                        _pack_and_wait, bucket, tensors, flat.tensor, row
+                        _pack_and_keep, bucket, tensors, flat.tensor, row, kept, self._read_qkv
                     )
                     del tensors
                     try:
@@ -406,6 +488,136 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                     flat.release()
                 pool.clear()
         return nbytes
+
+    async def _read_back(self, verify: Verify, kept: Sequence[Expected]) -> None:
+        """``verify``'s check: what each server holds, read back through
+        ``/get_weights_by_name``, against what the trainer sent.
+
+        ``"sample"``: the ``kept`` tensors' first rows. ``True``: every
+        :func:`._readback.readable` tensor whole (``truncate_size=numel``), re-read
+        from the source one at a time (this runs inside the sync, under the source
+        lock: the same version). Servers are read side by side, one request at a
+        time each (SGLang's scheduler serves them in turn).
+
+        Raises:
+            RefitVerificationError: a server holds something else than was sent
+                (the server, the tensor, its bucket and first differing element named).
+            TransportError, SyncTimeoutError: a read-back request failed.
+        """
+        readers: list[tuple[int, SGLangWeightReader]] = []
+        for index, server in enumerate(self.servers):
+            if isinstance(server, SGLangWeightReader):
+                readers.append((index, server))
+            else:
+                self._warn_once(
+                    index,
+                    "no get_weights_by_name",
+                    f"{type(server).__name__} cannot read weights back "
+                    "(no get_weights_by_name: SGLangWeightReader), so verify does not check it",
+                )
+        if not readers:
+            return
+        buckets = {slot.name: bucket.index for bucket in self._plan for slot in bucket.slots}
+        unread: list[dict[str, str]] = [{} for _ in self.servers]
+
+        async def check(position: int, reader: tuple[int, SGLangWeightReader]) -> None:
+            index, server = reader
+            for expected in kept:
+                await self._check_tensor(index, server, expected, verify, unread[index])
+
+        async def on_readers(
+            call: Callable[[int, tuple[int, SGLangWeightReader]], Awaitable[None]],
+        ) -> None:
+            try:
+                await each_named(readers, call, lambda p: self._label(readers[p][0]))
+            except RefitVerificationError as exc:
+                if len(readers) > 1:
+                    raise  # each_named named the server
+                raise named(exc, self._label(readers[0][0])) from exc
+
+        if verify == "sample":
+            await on_readers(check)
+        else:
+            # One tensor of the source at a time, read from every server.
+            async for expected in self._whole_tensors(buckets):
+
+                async def one(
+                    position: int,
+                    reader: tuple[int, SGLangWeightReader],
+                    expected: Expected = expected,
+                ) -> None:
+                    index, server = reader
+                    await self._check_tensor(index, server, expected, verify, unread[index])
+
+                await on_readers(one)
+        for index, names in enumerate(unread):
+            if names:
+                name, reason = next(iter(names.items()))
+                self._warn_once(
+                    index,
+                    "unreadable",
+                    f"{len(names)} tensor(s) could not be compared through "
+                    f"/get_weights_by_name and were not checked (first: {name!r}: {reason})",
+                )
+
+    async def _whole_tensors(self, buckets: Mapping[str, int]) -> AsyncIterator[Expected]:
+        """Every :func:`._readback.readable` tensor of the source, whole, on the host."""
+        weights = iter(self.policy.iter_weights())
+        while True:
+            item = await anyio.to_thread.run_sync(next, weights, None)
+            if item is None:
+                return
+            name, tensor = item
+            if not readable(name, tuple(tensor.shape), self._read_qkv):
+                continue
+            values = await anyio.to_thread.run_sync(_on_host, tensor)
+            yield Expected(name, buckets.get(name, -1), values)
+
+    async def _check_tensor(
+        self,
+        index: int,
+        server: SGLangWeightReader,
+        expected: Expected,
+        verify: Verify,
+        unread: dict[str, str],
+    ) -> None:
+        """Read ``expected``'s tensor back from server ``index`` (each DP rank) and compare.
+
+        Raises:
+            RefitVerificationError: it differs (the caller names the server).
+        """
+        truncate = expected.rows if verify == "sample" else expected.values.numel()
+        answer = await server.get_weights_by_name(expected.name, truncate_size=truncate)
+        if answer is None:
+            unread.setdefault(expected.name, "the server cannot read it (400 or 404)")
+            return
+        dp = self._dp_sizes[index] if index < len(self._dp_sizes) else 1
+        answers = answer if dp > 1 else [answer]
+        served = self._served_dtypes[index] if index < len(self._served_dtypes) else None
+        for rank, held in enumerate(answers):
+            try:
+                difference = await anyio.to_thread.run_sync(
+                    first_difference, expected.values, held, served
+                )
+            except Unreadable as exc:
+                unread.setdefault(expected.name, str(exc))
+                continue
+            if difference is None:
+                continue
+            dp_rank = f" (DP rank {rank})" if dp > 1 else ""
+            raise RefitVerificationError(
+                f"{expected.name!r} (bucket {expected.bucket}) read back through "
+                f"/get_weights_by_name{dp_rank} is not what the trainer sent: {difference} "
+                f"(verify={verify_label(verify)!r}; the version is not labelled)"
+            )
+
+    def _warn_once(self, index: int, kind: str, message: str) -> None:
+        """Log a read-back gap of server ``index``: a warning the first time per server
+        and ``kind``, then at debug level (it repeats every sync)."""
+        url = self.servers[index].base_url
+        level = logging.DEBUG if (url, kind) in self._warned else logging.WARNING
+        self._warned.add((url, kind))
+        _log.log(level, "%s: verify: %s", self._label(index), message)
 
     async def _post_bucket(self, bucket: FlatBucket, flat: FlatBuffer, sent: int) -> None:
         if sent == 1:
@@ -524,6 +736,26 @@ def _pack_and_wait(
         torch.cuda.current_stream(flat.device).synchronize()
     if row is not None:
         row["pack_end"] = time.monotonic()
+
+
+def _pack_and_keep(
+    bucket: FlatBucket,
+    tensors: list[tuple[str, torch.Tensor]],
+    flat: torch.Tensor,
+    row: dict[str, Any] | None,
+    kept: list[Expected] | None,
+    qkv: bool,
+) -> None:
+    """:func:`_pack_and_wait`, then (``kept`` not None) ``verify="sample"``'s tensors of
+    the bucket as packed, into ``kept`` (:func:`._readback.keep_samples`)."""
+    _pack_and_wait(bucket, tensors, flat, row)
+    if kept is not None:
+        kept.extend(keep_samples(bucket, flat, qkv))
+
+
+def _on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on the host (itself when it is there already)."""
+    return tensor.detach().cpu()
 
 
 def _row(bucket: FlatBucket, started: float) -> dict[str, Any]:

@@ -1,0 +1,269 @@
+"""``verify`` on the HTTP transports: a read-back through SGLang's ``/get_weights_by_name``.
+
+Both synchronizers that drive SGLang's HTTP API, against one real test-server process
+(TP=1): :class:`HTTPWeightSynchronizer` (colocated, ``/update_weights_from_tensor``)
+and :class:`SGLangCollectiveWeightSynchronizer` (a real gloo group on loopback,
+``/update_weights_from_distributed``). A test fault armed in the server
+(``/_aiosync/arm_transit_fault``) flips one byte of one bucket as TP rank 0 receives
+it, before the load: the corruption really reaches the server's weights, and only
+the read-back can tell.
+
+The tiny Qwen3 has ``head_dim`` 32, not ``hidden_size // num_attention_heads`` (16),
+so SGLang's ``get_weights_by_name`` would misplace k and v: q/k/v_proj are not read
+back, and the faults land in other tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import re
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from aiosync import (
+    RefitVerificationError,
+    SGLangCollectiveWeightSynchronizer,
+    SGLangHTTPBackend,
+    SyncError,
+    TrainCluster,
+)
+from aiosync.transports.http import HTTPWeightSynchronizer
+from aiosync.transports.http._wire import FlatBucket, FlatSlot
+
+from .conftest import PROMPTS, TestServer, _serve
+
+pytestmark = pytest.mark.slow
+
+# Several buckets of the tiny model (~0.4 MB in bf16).
+BUCKET_BYTES = 48 * 1024
+QKV = re.compile(r"\.[qkv]_proj\.")
+KINDS = ("http", "distributed")
+
+
+@pytest.fixture(scope="module")
+def verify_server(server_workdir: Path, dense_config: Path) -> Iterator[TestServer]:
+    """One TP=1 server for both transports; gloo on loopback (the server inherits it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GLOO_SOCKET_IFNAME", "lo")
+        yield from _serve(server_workdir, dense_config)
+
+
+@pytest.fixture
+def server(verify_server: TestServer) -> Iterator[TestServer]:
+    verify_server.reset()
+    yield verify_server
+    verify_server.reset()
+
+
+def _synchronizer(kind: str, trainer: Any, backend: SGLangHTTPBackend, **options: Any) -> Any:
+    if kind == "http":
+        return HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES, **options)
+    return SGLangCollectiveWeightSynchronizer(
+        trainer,
+        backend,
+        train_cluster=TrainCluster(master_addr="127.0.0.1"),
+        dist_backend="gloo",
+        bucket_bytes=BUCKET_BYTES,
+        collective_timeout_s=60.0,
+        **options,
+    )
+
+
+@contextlib.asynccontextmanager
+async def _driving(
+    kind: str,
+    server: TestServer,
+    trainer: Any,
+    backend_type: type[SGLangHTTPBackend] = SGLangHTTPBackend,
+    **options: Any,
+) -> AsyncIterator[tuple[SGLangHTTPBackend, Any]]:
+    """A backend of ``server`` and an initialized synchronizer of ``kind`` over it."""
+    async with (
+        backend_type(server.url) as backend,
+        _synchronizer(kind, trainer, backend, **options) as sync,
+    ):
+        yield backend, sync
+
+
+def _first_checked(plan: tuple[FlatBucket, ...]) -> tuple[FlatBucket, FlatSlot]:
+    """A bucket after the first, and its first tensor that is read back."""
+    for bucket in plan[1:]:
+        for slot in bucket.slots:
+            if not QKV.search(slot.name):
+                return bucket, slot
+    raise AssertionError("no bucket after the first has a tensor that is read back")
+
+
+def _largest_checked(plan: tuple[FlatBucket, ...]) -> tuple[FlatBucket, FlatSlot]:
+    """The largest tensor that is read back, and its bucket."""
+    return max(
+        ((b, s) for b in plan for s in b.slots if not QKV.search(s.name)),
+        key=lambda item: item[1].end - item[1].start,
+    )
+
+
+def _arm(server: TestServer, bucket: int, byte: int) -> None:
+    body = {"bucket": bucket, "byte": byte}
+    server.admin.post("/_aiosync/arm_transit_fault", json=body).raise_for_status()
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _corrupted(sent: torch.Tensor, byte: int) -> torch.Tensor:
+    """``sent`` with byte ``byte`` (of its own bytes) flipped, as the fault does."""
+    out = sent.clone()
+    raw = _bytes(out)
+    raw[byte] = raw[byte] ^ 0xFF
+    return out
+
+
+def _read_backs(server: TestServer) -> list[tuple[str, int]]:
+    return [
+        (e["name"], e["truncate_size"]) for e in server.log() if e["path"] == "/get_weights_by_name"
+    ]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_default_sample_catches_a_flipped_first_byte_and_the_next_sync_heals(
+    kind: str, server: TestServer, make_trainer: Any, state_equal: Any
+) -> None:
+    trainer = make_trainer(seed=41)
+    async with _driving(kind, server, trainer) as (backend, sync):
+        assert sync.verify == "sample"
+        await sync.mark_stale()
+        await sync.sync_weights()
+        bucket, slot = _first_checked(sync.plan)
+        itemsize = bucket.dtype.itemsize
+        # The tensor's first byte, in the bucket's bytes: always sampled.
+        _arm(server, bucket.index, slot.start * itemsize)
+        trainer.step(seed=1)
+        await sync.mark_stale()
+        with pytest.raises(RefitVerificationError) as caught:
+            await sync.sync_weights()
+        sent = trainer.expected()[slot.name]
+        held = server.state_dict()[slot.name]
+        # The cause: the fault reached the server's weights, at that one byte.
+        assert torch.equal(held, _corrupted(sent, 0))
+        first = (0,) * len(slot.shape)
+        message = str(caught.value)
+        assert server.url in message and repr(slot.name) in message
+        assert f"(bucket {bucket.index})" in message and "verify='sample'" in message
+        assert (
+            f"element {list(first)} is {float(held[first])!r} on the server, "
+            f"{float(sent[first])!r} in what the trainer sent"
+        ) in message
+        assert sync.weight_version == 1 and sync.is_stale
+        assert await backend.get_weight_version() == "1"  # not labelled
+        with pytest.raises(SyncError, match="holds no valid weights"):
+            await backend.generate(PROMPTS, max_new_tokens=2)
+
+        server.reset()
+        await sync.sync_weights()  # no fault armed: heals
+        assert sync.weight_version == 2 and not sync.is_stale
+        state_equal(server.state_dict(), trainer.expected())
+        assert await backend.get_weight_version() == "2"
+        assert len(await backend.generate(PROMPTS, max_new_tokens=2)) == len(PROMPTS)
+        # "sample" read back the first and last tensor of every bucket (q/k/v_proj
+        # left out), their first rows: 1024 elements' worth or all of them.
+        wanted = []
+        for b in sync.plan:
+            names = [s for s in b.slots if not QKV.search(s.name)]
+            for s in names[:1] + names[-1:] if len(names) > 1 else names:
+                per_row = math.prod(s.shape[1:])
+                wanted.append((s.name, min(s.shape[0], math.ceil(1024 / per_row))))
+        assert _read_backs(server) == wanted
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_verify_true_catches_a_flipped_byte_in_the_middle_of_a_tensor(
+    kind: str, server: TestServer, make_trainer: Any
+) -> None:
+    trainer = make_trainer(seed=42)
+    async with _driving(kind, server, trainer, verify=True) as (_backend, sync):
+        await sync.mark_stale()
+        await sync.sync_weights()
+        # Every tensor read back whole (truncate_size = numel), in the source's order;
+        # never q/k/v_proj.
+        assert _read_backs(server) == [
+            (name, tensor.numel())
+            for name, tensor in trainer.expected().items()
+            if not QKV.search(name)
+        ]
+        bucket, slot = _largest_checked(sync.plan)
+        itemsize = bucket.dtype.itemsize
+        numel = slot.end - slot.start
+        # An element in the middle, past any sampled rows, its high byte.
+        element = numel // 2 + 3
+        trainer.step(seed=2)
+        await sync.mark_stale()
+        server.reset()
+        _arm(server, bucket.index, (slot.start + element) * itemsize + 1)
+        with pytest.raises(RefitVerificationError) as caught:
+            await sync.sync_weights()
+        index = [int(i) for i in torch.unravel_index(torch.tensor(element), slot.shape)]
+        message = str(caught.value)
+        assert repr(slot.name) in message and f"element {index} is " in message
+        assert "verify='full'" in message and server.url in message
+        assert sync.weight_version == 1 and sync.is_stale
+        # The check stopped at that tensor, read whole.
+        assert _read_backs(server)[-1] == (slot.name, numel)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_verify_false_commits_the_corruption_silently(
+    kind: str, server: TestServer, make_trainer: Any
+) -> None:
+    trainer = make_trainer(seed=43)
+    async with _driving(kind, server, trainer, verify=False) as (backend, sync):
+        await sync.mark_stale()
+        await sync.sync_weights()
+        bucket, slot = _first_checked(sync.plan)
+        _arm(server, bucket.index, slot.start * bucket.dtype.itemsize)
+        trainer.step(seed=3)
+        await sync.mark_stale()
+        await sync.sync_weights()
+        assert sync.weight_version == 2 and not sync.is_stale
+        assert await backend.get_weight_version() == "2"
+        sent = trainer.expected()[slot.name]
+        held = server.state_dict()[slot.name]
+        # The server computes with a weight the trainer never sent: exactly one byte.
+        differing = (_bytes(held) != _bytes(sent)).nonzero().flatten().tolist()
+        assert differing == [0]
+        assert int(_bytes(held)[0]) == int(_bytes(sent)[0]) ^ 0xFF
+        assert _read_backs(server) == []
+
+
+class _Blind(SGLangHTTPBackend):
+    """A server object that cannot read weights back (no ``SGLangWeightReader``)."""
+
+    get_weights_by_name = None  # type: ignore[assignment]
+
+
+async def test_a_server_object_without_read_back_is_logged_and_not_checked(
+    server: TestServer, make_trainer: Any, state_equal: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    trainer = make_trainer(seed=44)
+    async with _driving("http", server, trainer, backend_type=_Blind) as (_backend, sync):
+        await sync.mark_stale()
+        with caplog.at_level(logging.WARNING):
+            await sync.sync_weights()
+    assert sync.weight_version == 1
+    state_equal(server.state_dict(), trainer.expected())
+    assert "_Blind cannot read weights back" in caplog.text and server.url in caplog.text
+    assert _read_backs(server) == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bad", ["full", 1, 0, None, "off"])
+def test_a_bad_verify_is_refused_at_construction(kind: str, bad: Any, make_trainer: Any) -> None:
+    backend = SGLangHTTPBackend("http://127.0.0.1:9")
+    with pytest.raises(ValueError, match="verify must be True, False or 'sample'"):
+        _synchronizer(kind, make_trainer(seed=45), backend, verify=bad)
