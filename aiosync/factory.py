@@ -84,7 +84,7 @@ def create_weight_synchronizer(
     trace: bool | None = None,
     dist_backend: Literal["nccl", "gloo"] | None = None,
     sharded: bool | None = None,
-    verify: bool | None = None,
+    verify: bool | Literal["sample"] | None = None,
     overlap: Literal["inplace", "staged"] | None = None,
     delta: bool | None = None,
     collective_timeout_s: float | None = None,
@@ -132,7 +132,10 @@ def create_weight_synchronizer(
             every member reports, one holds slices), unless ``verify`` or
             ``overlap`` (broadcast options) are given. Trainer ranks other than 0,
             which pass no engine, must say True or False (as rank 0 decides).
-        verify: per-bucket checksums; collective.
+        verify: what each receiver checks of what arrived: ``"sample"`` (the
+            transports' default: a digest of a sample of every bucket), ``True``
+            (every byte), ``False``; IPC, collective, HTTP (a read-back through
+            ``/get_weights_by_name``), LoRA.
         overlap: ``"inplace"`` or ``"staged"``; collective.
         delta: send only the elements whose bits changed since the last committed
             version (:mod:`aiosync.delta`); collective broadcast, IPC, shard-aware.

@@ -21,7 +21,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from .interfaces import RefitSource
 
@@ -74,6 +74,14 @@ class LoRAAdapter:
     refuses to generate until a load succeeds: it never serves a half-loaded
     adapter, nor silently falls back to the previous one.
 
+    Unless :attr:`verify` is False the engine checks the tensors it received
+    against :attr:`digests` before the adapter is made live
+    (:func:`aiosync.transports.lora.check_adapter_tensors`; an engine handed the
+    adapter as a folder checks the folder it wrote,
+    :func:`aiosync.transports.lora.check_saved_adapter`) and raises
+    :class:`~aiosync.errors.RefitVerificationError` naming the first tensor
+    that differs.
+
     Attributes:
         name: the engine-side adapter id, :func:`lora_adapter_name` of ``version``.
         version: the weight version the adapter carries (>= 1); vLLM's
@@ -81,12 +89,20 @@ class LoRAAdapter:
         tensors: ``{peft_name: tensor}`` on the CPU, contiguous, in the
             manifest's order and dtypes (names as in ``adapter_model.safetensors``).
         config: the adapter's ``adapter_config.json`` (JSON-able).
+        verify: how :attr:`digests` were computed (``"sample"``, ``True`` every
+            byte; see :mod:`aiosync.transports._verify`), or ``False``: nothing
+            to check.
+        digests: ``{peft_name: signed int64}``, the trainer's digest of each
+            tensor's bytes (tensor ``i`` of :attr:`tensors` sampled with
+            ``sample_key(version, i)``); empty with ``verify=False``.
     """
 
     name: str
     version: int
     tensors: Mapping[str, torch.Tensor]
     config: Mapping[str, Any] = field(default_factory=dict)
+    verify: bool | Literal["sample"] = False
+    digests: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:

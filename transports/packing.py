@@ -32,7 +32,6 @@ __all__ = [
     "Bucket",
     "BucketPlan",
     "TensorSlot",
-    "bucket_checksum",
     "compare_manifests",
     "dtype_from_name",
     "dtype_name",
@@ -409,29 +408,3 @@ def group_by_bucket(
     extra = next(it, None)
     if extra is not None:
         raise RefitMismatchError(f"source yielded {extra[0]!r}, which is not in the manifest")
-
-
-_CHECKSUM_CHUNK = 1 << 24
-_CHECKSUM_MOD = (1 << 61) - 1
-
-
-def bucket_checksum(buffer: torch.Tensor) -> int:
-    """A position-sensitive checksum of a ``uint8`` buffer, equal on CPU and CUDA.
-
-    Integer-only arithmetic, so sender and receiver agree bit for bit whatever
-    their devices. Used by verify mode to catch a transfer that "succeeded"
-    without changing the engine's weights.
-    """
-    flat = buffer.reshape(-1)
-    total = 0
-    for start in range(0, flat.numel(), _CHECKSUM_CHUNK):
-        chunk = flat[start : start + _CHECKSUM_CHUNK].to(torch.int64)
-        weights = (
-            torch.arange(
-                start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=chunk.device
-            )
-            % 65521
-            + 1
-        )
-        total = (total + int((chunk * weights).sum().item())) % _CHECKSUM_MOD
-    return (total + flat.numel()) % _CHECKSUM_MOD

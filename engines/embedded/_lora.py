@@ -140,6 +140,22 @@ class PeftAdapters:
             raise RefitMismatchError(f"adapter {name!r}: {type(exc).__name__}: {exc}") from exc
         self.model.eval()
 
+    def state_dict(self, name: str) -> dict[str, torch.Tensor]:
+        """Copies of adapter ``name``'s tensors as the model holds them, under PEFT's
+        saved names (``adapter_model.safetensors``: ``...lora_A.weight``
+        ``[r, in_features]``, ``...lora_B.weight`` ``[out_features, r]``), in the
+        model's dtype: what the forward pass applies.
+
+        Raises:
+            KeyError: ``name`` is not loaded.
+        """
+        from peft import get_peft_model_state_dict
+
+        if self._peft is None or name not in self._peft.peft_config:
+            raise KeyError(f"LoRA adapter {name!r} is not loaded (loaded: {self.names})")
+        state = get_peft_model_state_dict(self._peft, adapter_name=name)
+        return {key: tensor.detach().clone() for key, tensor in state.items()}
+
     def remove(self, name: str) -> None:
         """Remove adapter ``name`` (no error if absent); the last one restores the
         model's plain ``nn.Linear`` layers (``PeftModel.unload``, nothing merged)."""

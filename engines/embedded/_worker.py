@@ -37,6 +37,7 @@ import zmq.asyncio
 from aiosync.errors import SyncError
 from aiosync.layout import Part
 from aiosync.transports._wire import decode, encode, error_fields
+from aiosync.transports.lora import check_adapter_tensors
 from aiosync.transports.packing import dtype_from_name, dtype_name
 
 from .._gate import GenerationGate, RequestTicket
@@ -306,18 +307,27 @@ class EmbeddedWorker:
         return False
 
     def embedded_load_lora_adapter(
-        self, name: str, tensors: dict[str, list[Any]], config: dict[str, Any]
+        self,
+        name: str,
+        tensors: dict[str, list[Any]],
+        config: dict[str, Any],
+        check: dict[str, Any] | None = None,
     ) -> int:
         """Make LoRA adapter ``name`` the one every generation applies; returns its bytes.
 
         ``tensors`` is ``{peft_name: [dtype name, shape, raw bytes]}``
-        (:func:`tensor_to_wire`), ``config`` the ``adapter_config.json`` dict.
+        (:func:`tensor_to_wire`), ``config`` the ``adapter_config.json`` dict,
+        ``check`` (None: none) ``{"version", "verify", "digests"}``: the
+        trainer's per-tensor digests, compared with the decoded tensors before
+        they are loaded (:func:`aiosync.transports.lora.check_adapter_tensors`).
         The previous adapter is removed first (adapters replace each other, they
         never stack); the base weights are not touched. From the start of the
         load until it succeeds, generation refuses: after a failure no adapter
         is loaded and it keeps refusing until a load succeeds.
 
         Raises:
+            RefitVerificationError: a decoded tensor's digest differs from the
+                trainer's (nothing is loaded).
             SyncError: the base weights are not valid (discarded by a level-2
                 sleep, a failed full refit, a respawn): an adapter cannot restore
                 them; a full refit must land first (or sleep at level 1).
@@ -336,11 +346,29 @@ class EmbeddedWorker:
                 self.aiosync_lora_adapter = None
             runner.unload_all_lora_adapters()
             decoded = {key: tensor_from_wire(fields) for key, fields in tensors.items()}
+            # Before the load: a tensor that arrived otherwise than sent never goes live.
+            check_adapter_tensors(
+                decoded,
+                name=name,
+                version=int(check["version"]) if check else 0,
+                verify=check["verify"] if check else False,
+                digests=check["digests"] if check else {},
+            )
             runner.load_lora_adapter(name, decoded, config)
             with self._state_lock:
                 self.aiosync_lora_adapter = name
                 self._lora_refusal = None
         return sum(t.numel() * t.element_size() for t in decoded.values())
+
+    def embedded_lora_state_dict(self) -> dict[str, list[Any]]:
+        """The live LoRA adapter's tensors as the model applies them,
+        ``{peft_name: [dtype name, shape, raw bytes]}`` (tests; ``{}`` when no
+        adapter is live)."""
+        name = self.aiosync_lora_adapter
+        if name is None:
+            return {}
+        state = self.model_runner.model.lora_state_dict(name)
+        return {key: tensor_to_wire(tensor) for key, tensor in state.items()}
 
     def embedded_expected_manifest(self) -> list[list[Any]]:
         """The base model's checkpoint manifest, ``[[hf_name, shape, dtype name], ...]``

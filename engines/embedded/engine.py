@@ -558,8 +558,14 @@ class EmbeddedEngine(GenerateFromMeta):
         stack). From the call until it returns, and after it failed, :meth:`generate`
         refuses (:class:`~aiosync.errors.SyncError`) until a load succeeds: a
         half-loaded adapter is never served, nor the previous one silently.
+        Unless ``adapter.verify`` is False each worker checks the tensors it
+        decoded against ``adapter.digests`` before loading them
+        (:func:`aiosync.transports.lora.check_adapter_tensors`).
 
         Raises:
+            RefitVerificationError: a worker received a tensor otherwise than the
+                trainer sent it (names the worker, the adapter and the tensor);
+                no adapter is loaded.
             SyncError: a worker's base weights are not valid (a level-2 sleep, a
                 failed full refit, a respawned worker): an adapter cannot restore them.
             RefitMismatchError: the adapter does not fit the model (a target
@@ -574,10 +580,20 @@ class EmbeddedEngine(GenerateFromMeta):
                 "layers would need the same Megatron slicing as the base layers)"
             )
         wire = {name: tensor_to_wire(tensor) for name, tensor in adapter.tensors.items()}
+        # What each worker checks what it decodes against (None: nothing to check).
+        check = (
+            None
+            if adapter.verify is False
+            else {
+                "version": adapter.version,
+                "verify": adapter.verify,
+                "digests": dict(adapter.digests),
+            }
+        )
         self._lora_refusal = f"loading LoRA adapter {adapter.name!r} did not complete"
         self.lora_adapter = None
         await self.collective_rpc(
-            "embedded_load_lora_adapter", (adapter.name, wire, dict(adapter.config))
+            "embedded_load_lora_adapter", (adapter.name, wire, dict(adapter.config), check)
         )
         self.lora_adapter = adapter.name
         self._lora_refusal = None

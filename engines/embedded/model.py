@@ -486,6 +486,16 @@ class HFModelRunner:
         with self.lock:
             self._adapters.load(name, tensors, config)
 
+    def lora_state_dict(self, name: str) -> dict[str, torch.Tensor]:
+        """Copies of loaded adapter ``name``'s tensors as the model applies them
+        (:meth:`PeftAdapters.state_dict`: PEFT's saved names, the model's dtype).
+
+        Raises:
+            KeyError: ``name`` is not loaded.
+        """
+        with self.lock:
+            return self._adapters.state_dict(name)
+
     def unload_lora_adapter(self, name: str) -> None:
         """Remove adapter ``name``; no error if it is not loaded."""
         with self.lock:

@@ -3,6 +3,10 @@
 An adapter is written as a PEFT folder under ``/dev/shm`` (``aiosync-lora-<pid>-*``),
 loaded with ``/load_lora_adapter`` and the folder removed once the server answered;
 ``/generate`` then names it in ``lora_path``. Why the path endpoint: ``docs/sglang.md``.
+Unless ``adapter.verify`` is False the folder is read back and every tensor
+checked against the trainer's digests before the server is asked to load it
+(:func:`aiosync.transports.lora.check_saved_adapter`); the server's own read and
+copy are SGLang's.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import anyio.to_thread
 from aiosync.errors import RefitMismatchError, SyncTimeoutError, TransportError
 from aiosync.lora import LoRAAdapter
 from aiosync.transports._leftovers import SHM_DIR, dir_prefix
+from aiosync.transports.lora import check_saved_adapter
 
 __all__ = ["SGLangAdapters", "check_adapter_fits"]
 
@@ -72,6 +77,8 @@ class SGLangAdapters:
         """Load ``adapter`` (after :meth:`begin`), then unload every other one loaded.
 
         Raises:
+            RefitVerificationError: the folder written for the server, read back,
+                differs from the trainer's digests (the server is not asked).
             TransportError: the server refused the adapter (its ``error_message``
                 quoted), an unload failed, or the connection failed.
             SyncTimeoutError: no answer in time.
@@ -86,6 +93,8 @@ class SGLangAdapters:
         )
         try:
             await anyio.to_thread.run_sync(adapter.save, directory)
+            # What the server will read, checked before it reads it (verify=False: nothing).
+            await anyio.to_thread.run_sync(check_saved_adapter, directory, adapter)
             # Recorded first: a request that fails without an answer may have loaded it.
             self._names.append(name)
             body = {"lora_name": name, "lora_path": directory, "pinned": False}

@@ -2,7 +2,11 @@
 
 vLLM 0.32 reads adapters from a PEFT directory only (``LoRARequest.lora_path``);
 :meth:`~aiosync.engines.vllm.backend.VLLMGenerationBackend.load_lora_adapter`
-writes it under :data:`LORA_DIR_PARENT`. No vLLM import here: the worker
+writes it under :data:`LORA_DIR_PARENT` and, unless ``adapter.verify`` is False,
+reads it back and checks every tensor against the trainer's digests before
+vLLM is asked to load it (:func:`aiosync.transports.lora.check_saved_adapter`):
+what vLLM reads is what the trainer sent. vLLM's own read of the folder and its
+copy into its LoRA slots are vLLM's. No vLLM import here: the worker
 extension imports :data:`LORA_PAIR_NAME` inside vLLM's workers.
 """
 
@@ -23,6 +27,7 @@ import anyio.to_thread
 from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
 from aiosync.lora import LoRAAdapter
 from aiosync.transports._leftovers import dir_prefix
+from aiosync.transports.lora import check_saved_adapter
 
 if TYPE_CHECKING:
     from ._drivers import Driver
@@ -236,6 +241,8 @@ class AdapterSlot:
         )
         try:
             await anyio.to_thread.run_sync(adapter.save, folder)
+            # What vLLM will read, checked before it reads it (verify=False: nothing).
+            await anyio.to_thread.run_sync(check_saved_adapter, folder, adapter)
             # load_inplace: reload even if an adapter with this id is held (a retry
             # of the same version); generate() passes a request without it, or
             # vLLM would re-read the (removed) directory at every step.

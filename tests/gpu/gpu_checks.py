@@ -10,8 +10,8 @@ sizes, exact assertions). Needs one CUDA device; nothing is downloaded.
    IPC handles (the mechanism vLLM's and aiosync's colocated transports use),
    and a second process copies every tensor out of the mapped buffer into its
    own preallocated weights, acknowledging each bucket before its buffer is
-   reused. Bit-exactness: per-tensor :func:`aiosync.transports.packing.bucket_checksum`
-   of the receiver's weights equal the sender's (integer arithmetic, exact),
+   reused. Bit-exactness: per-tensor :func:`aiosync.transports._verify.bucket_digest`
+   (``verify=True``: XXH3 of every byte) of the receiver's weights equal the sender's,
    and in the small test every tensor is compared with ``torch.equal``.
    Throughput, GB/s (10^9 bytes/s), against a device-to-device copy of the
    same bytes in one process.
@@ -39,7 +39,8 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from aiosync.engines.embedded.configs import TINY_QWEN3
-from aiosync.transports.packing import BucketPlan, bucket_checksum, pack, plan_buckets, unpack
+from aiosync.transports._verify import bucket_digest
+from aiosync.transports.packing import BucketPlan, pack, plan_buckets, unpack
 
 __all__ = [
     "collective_refit",
@@ -102,7 +103,7 @@ def _random_weights(plan: BucketPlan, device: torch.device, seed: int) -> dict[s
 
 
 def _byte_checksum(t: torch.Tensor) -> int:
-    return bucket_checksum(t.detach().reshape(-1).view(torch.uint8))
+    return bucket_digest(t.detach().reshape(-1).view(torch.uint8), True)
 
 
 def _sync_device() -> None:

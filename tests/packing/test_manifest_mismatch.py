@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from aiosync import RefitMismatchError
+from aiosync.transports._verify import bucket_digest
 from aiosync.transports.packing import (
     BucketPlan,
-    bucket_checksum,
     compare_manifests,
     dtype_from_name,
     group_by_bucket,
@@ -140,16 +140,18 @@ def test_pack_refuses_a_short_out_buffer_before_copying() -> None:
     assert int(out.sum()) == 0
 
 
-def test_checksum_sees_a_changed_or_moved_byte() -> None:
+def test_full_digest_sees_a_changed_or_moved_byte() -> None:
     buffer = torch.arange(4096, dtype=torch.int64).to(torch.uint8)
-    base = bucket_checksum(buffer)
+    base = bucket_digest(buffer, True)
     changed = buffer.clone()
     changed[100] += 1
     swapped = buffer.clone()
     swapped[[1, 2]] = swapped[[2, 1]]
-    assert bucket_checksum(buffer.clone()) == base
-    assert bucket_checksum(changed) != base
-    assert bucket_checksum(swapped) != base
+    assert bucket_digest(buffer.clone(), True) == base
+    assert bucket_digest(changed, True) != base
+    assert bucket_digest(swapped, True) != base
+    # The same bytes but one fewer: another digest.
+    assert bucket_digest(buffer[:-1], True) != base
 
 
 def test_a_dtype_only_mismatch_names_both_dtypes_and_the_fix() -> None:

@@ -3,10 +3,17 @@
 Both follow the wire format of :mod:`aiosync.transports.collective._wire` and keep at
 least two buckets in flight: the source packs bucket ``k+1`` while bucket ``k``
 is on the wire, and a receiver posts the receive of bucket ``k+1`` before it
-loads bucket ``k``. Each loop ends with the vote (:meth:`SyncGroup.agree`), so
+loads bucket ``k``. Each loop ends with the vote (:func:`agree_sync`), so
 all ranks raise together or none does; the source's is :func:`vote_send`, apart
 from :func:`stream_buckets`, so that the synchronizer can fold the other trainer
 ranks' outcome in between.
+
+With ``verify`` (``"sample"`` or ``True``, :mod:`aiosync.transports._verify`) the
+source digests each bucket as it packs it and sends the digests in the trailer;
+each receiver digests what it received and compares before its vote, so a
+bucket that arrived otherwise than it was sent fails the sync on every rank
+(:class:`~aiosync.errors.RefitVerificationError`) before any worker counts its
+weights valid.
 """
 
 from __future__ import annotations
@@ -18,10 +25,17 @@ from typing import Any
 
 import torch
 
-from aiosync.errors import RefitMismatchError, SyncError, TransportError
+from aiosync.errors import (
+    RefitMismatchError,
+    RefitVerificationError,
+    SyncError,
+    SyncTimeoutError,
+    TransportError,
+)
 
-from ..packing import Bucket, BucketPlan, bucket_checksum, group_by_bucket, pack
-from ._group import STATUS_ERROR, STATUS_MISMATCH, STATUS_OK, SyncGroup
+from .._verify import Verify, bucket_digest, sample_key, transit_fault
+from ..packing import Bucket, BucketPlan, group_by_bucket, pack
+from ._group import STATUS_ERROR, STATUS_MISMATCH, STATUS_OK, STATUS_TIMEOUT, SyncGroup
 from ._wire import (
     decode_trailer,
     encode_trailer,
@@ -31,9 +45,13 @@ from ._wire import (
 )
 
 __all__ = [
+    "STATUS_VERIFY",
     "RotatingBuffers",
     "SendResult",
     "Tracer",
+    "WorkerNames",
+    "agree_sync",
+    "bucket_tensors",
     "receive_buckets",
     "send_buckets",
     "stream_buckets",
@@ -98,13 +116,89 @@ def _no_trace(event: str, index: int) -> None:
     """The default tracer: records nothing."""
 
 
+#: The vote of a receiver that received a bucket otherwise than the source sent it.
+STATUS_VERIFY = 4
+
+#: ``names(worker)``: how a message names inference worker ``worker`` (0-based, the
+#: engine's global worker rank), e.g. ``"engine 0 of 2 (EmbeddedEngine): engine worker 1"``.
+WorkerNames = Callable[[int], str]
+
+
+def _engine_worker(worker: int) -> str:
+    return f"engine worker {worker}"
+
+
 def _status_of(exc: BaseException) -> int:
-    return STATUS_MISMATCH if isinstance(exc, RefitMismatchError) else STATUS_ERROR
+    if isinstance(exc, RefitMismatchError):
+        return STATUS_MISMATCH
+    if isinstance(exc, RefitVerificationError):
+        return STATUS_VERIFY
+    return STATUS_ERROR
+
+
+def agree_sync(
+    group: SyncGroup, status: int, message: str = "", *, names: WorkerNames | None = None
+) -> None:
+    """A sync's vote (:meth:`SyncGroup.exchange`): raise the same error on every rank
+    if any rank failed (blocking).
+
+    A receiver's :data:`STATUS_VERIFY` message is named after the worker
+    (``names``; default ``"engine worker <rank>"``), the others after their
+    session rank, as :meth:`SyncGroup.agree` does.
+
+    Raises:
+        RefitMismatchError: a rank could not accept the weights.
+        RefitVerificationError: a receiver's bucket digests differ from the source's.
+        SyncTimeoutError: every failing rank reported a timeout.
+        TransportError: a rank reported another failure.
+    """
+    votes = group.exchange(status, message)
+    name = names or _engine_worker
+    problems: list[str] = []
+    codes: set[int] = set()
+    for rank, (code, _, text) in enumerate(votes):
+        if code == STATUS_OK:
+            continue
+        codes.add(code)
+        if code == STATUS_VERIFY and rank >= group.train_world_size:
+            problems.append(f"{name(rank - group.train_world_size)}: {text}")
+        else:
+            problems.append(f"{group.describe_rank(rank)}: {text}")
+    if not problems:
+        return
+    text = "; ".join(problems)
+    if STATUS_MISMATCH in codes:
+        raise RefitMismatchError(text)
+    if STATUS_VERIFY in codes:
+        raise RefitVerificationError(text)
+    if codes == {STATUS_TIMEOUT}:
+        raise SyncTimeoutError(text)
+    raise TransportError(text)
+
+
+def bucket_tensors(bucket: Bucket) -> str:
+    """``"'first.name' and 4 more"``: a bucket's tensors, for messages."""
+    if not bucket.slots:
+        return "no tensors"
+    first = repr(bucket.slots[0].name)
+    more = len(bucket.slots) - 1
+    return f"{first} and {more} more" if more else first
+
+
+def _digest(buf: torch.Tensor, bucket: Bucket, verify: Verify, version: int) -> int:
+    """The digest of ``bucket`` in the sync of ``version`` (``uint8`` bytes ``buf``)."""
+    return bucket_digest(
+        buf,
+        verify,
+        key=sample_key(version, bucket.index),
+        slots=[(s.offset, s.nbytes) for s in bucket.slots],
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class SendResult:
-    """What the source sent: payload bytes and, with verify, per-bucket checksums."""
+    """What the source sent: payload bytes and, unless verify is off, the per-bucket
+    digests (signed int64 each, bucket order)."""
 
     nbytes: int
     checksums: list[int]
@@ -124,14 +218,16 @@ def send_buckets(
     *,
     version: int,
     kv: list[tuple[str, float]],
-    verify: bool,
+    verify: Verify,
     cancelled: Callable[[], bool] = lambda: False,
     trace: Tracer | None = None,
+    names: WorkerNames | None = None,
 ) -> SendResult:
     """Source side: :func:`stream_buckets` then :func:`vote_send` (blocking).
 
     Raises:
         RefitMismatchError: the weights differ from the plan (on every rank).
+        RefitVerificationError: a receiver's bucket arrived otherwise than sent.
         TransportError, SyncTimeoutError: a collective failed (group broken).
     """
     sent, failure = stream_buckets(
@@ -145,21 +241,26 @@ def send_buckets(
         cancelled=cancelled,
         trace=trace,
     )
-    vote_send(group, failure)
+    vote_send(group, failure, names=names)
     return sent
 
 
-def vote_send(group: SyncGroup, failure: BaseException | None) -> None:
+def vote_send(
+    group: SyncGroup, failure: BaseException | None, *, names: WorkerNames | None = None
+) -> None:
     """The source's vote with the receivers after :func:`stream_buckets` (blocking).
 
+    ``names`` names a worker whose check of what it received failed (default
+    ``"engine worker <rank>"``).
+
     Raises:
-        The agreed error of :meth:`SyncGroup.agree` when any rank failed
+        The agreed error of :func:`agree_sync` when any rank failed
         (``failure`` itself if the vote was lost).
     """
     if failure is not None:
-        group.agree(_status_of(failure), f"source failed: {failure}")
-        raise failure  # agree() raised already unless the vote was lost
-    group.agree(STATUS_OK)
+        agree_sync(group, _status_of(failure), f"source failed: {failure}", names=names)
+        raise failure  # agree_sync() raised already unless the vote was lost
+    agree_sync(group, STATUS_OK, names=names)
 
 
 def stream_buckets(
@@ -170,7 +271,7 @@ def stream_buckets(
     *,
     version: int,
     kv: list[tuple[str, float]],
-    verify: bool,
+    verify: Verify,
     cancelled: Callable[[], bool] = lambda: False,
     trace: Tracer | None = None,
 ) -> tuple[SendResult, BaseException | None]:
@@ -186,7 +287,9 @@ def stream_buckets(
     overlaps the broadcast of bucket ``k``. On CUDA packing runs on a side
     stream that the broadcast waits for. If the source fails half-way (the
     stream differs from the plan) it still sends the remaining buckets, so no
-    receiver is left blocked, and returns that failure for the vote.
+    receiver is left blocked, and returns that failure for the vote. Unless
+    ``verify`` is False each bucket is digested right after it is packed (on
+    the side stream) and the digests travel in the trailer.
 
     Returns:
         ``(what was sent, the source's read failure or None)``.
@@ -199,7 +302,7 @@ def stream_buckets(
     group.wait(group.broadcast(header, what="broadcast of the sync header"), what="header")
     stream = _cuda_stream(group.device)
     # On CUDA every use of a bucket buffer (wait for its previous broadcast,
-    # pack, checksum, broadcast) is ordered on one side stream; the tensors come
+    # pack, digest, broadcast) is ordered on one side stream; the tensors come
     # from the caller's stream, which the side stream waits for before packing.
     main = torch.cuda.current_stream(group.device) if stream is not None else None
 
@@ -241,8 +344,8 @@ def stream_buckets(
         with on_side():
             if buf is None:
                 buf = buffers(bucket)  # after a failure: keep the receivers' loop going
-            if verify:
-                checksums.append(bucket_checksum(buf))
+            if verify is not False:
+                checksums.append(_digest(buf, bucket, verify, version))
             mark("broadcasting", bucket.index)
             work = group.broadcast(buf, what=f"broadcast of bucket {bucket.index}")
         pending[slot] = (work, buf, bucket.index)  # keeps a zero-copy source alive until sent
@@ -273,7 +376,7 @@ def receive_buckets(
     *,
     version: int,
     n_kv: int,
-    verify: bool,
+    verify: Verify,
     on_bucket: Callable[[Bucket, torch.Tensor], None] | None,
     trace: Tracer | None = None,
     refuse: BaseException | None = None,
@@ -289,11 +392,21 @@ def receive_buckets(
     the source is not left blocked), stops loading, and votes the failure.
     ``refuse``, when given, is such a failure from the start: nothing is loaded.
 
+    Each bucket goes through :func:`~aiosync.transports._verify.transit_fault`
+    as it lands (a test's fault, else nothing), then ``on_bucket``; unless
+    ``verify`` is False it is then digested (the bytes the weights were loaded
+    from: the buffer is not reused before the receive after the next) and, once
+    the trailer is in, compared with the source's digests before the vote; a
+    mismatch is what this rank votes even when ``on_bucket`` failed too.
+
     Returns:
-        ``(float32[n_kv] kv scales, this rank's per-bucket checksums)``.
+        ``(float32[n_kv] kv scales, this rank's per-bucket digests)``.
 
     Raises:
-        TransportError: bad header, checksum mismatch, or a rank's failure (every rank).
+        RefitVerificationError: a bucket's digest differs from the source's, on
+            this rank or another (every rank; names the worker, the bucket and
+            its first tensor).
+        TransportError: bad header, or a rank's failure (every rank).
         RefitMismatchError: a rank could not accept the weights (every rank).
         SyncTimeoutError: a collective ran past the group's timeout.
     """
@@ -316,8 +429,7 @@ def receive_buckets(
         buf = buffers[-1]
         group.wait(pending, what=f"receive of bucket {bucket.index}")
         mark("received", bucket.index)
-        if verify:
-            local.append(bucket_checksum(buf))
+        transit_fault(buf, bucket.index)  # a test's corruption, before anything reads it
         if bucket.index + 1 < len(plan.buckets):
             nxt = buffer_for(plan.buckets[bucket.index + 1])
             buffers = [buf, nxt]
@@ -329,20 +441,32 @@ def receive_buckets(
             except Exception as exc:
                 failure = exc
             mark("loaded", bucket.index)
+        if verify is not False:
+            # After the load: the digest covers the bytes the weights were copied from.
+            local.append(_digest(buf, bucket, verify, version))
     kv = torch.empty(0, dtype=torch.float32)
     remote: list[int] = []
     size = trailer_nbytes(n_kv, len(plan.buckets), verify)
     if size:
         trailer = torch.zeros(size, dtype=torch.uint8, device=group.device)
         group.wait(group.broadcast(trailer, what="receive of the trailer"), what="trailer")
-        kv, remote = decode_trailer(trailer, n_kv, len(plan.buckets) if verify else 0)
-    if failure is None and verify and local != remote:
+        kv, remote = decode_trailer(trailer, n_kv, 0 if verify is False else len(plan.buckets))
+    if verify is not False and local != remote:
         bad = next(i for i, (a, b) in enumerate(zip(local, remote, strict=True)) if a != b)
-        failure = TransportError(
-            f"checksum mismatch in bucket {bad}: received data differs from what the source sent"
+        # The cause even when loading failed too: corrupt bytes (a delta's indices)
+        # may be what made the load fail.
+        failure = RefitVerificationError(
+            f"bucket {bad} ({bucket_tensors(plan.buckets[bad])}) arrived with digest "
+            f"{local[bad]}, the trainer sent {remote[bad]} (verify={verify!r})"
         )
     if failure is not None:
-        group.agree(_status_of(failure), f"{type(failure).__name__}: {failure}")
+        # A verification failure's message is the worker's finding; the vote names it.
+        message = (
+            str(failure)
+            if isinstance(failure, RefitVerificationError)
+            else f"{type(failure).__name__}: {failure}"
+        )
+        agree_sync(group, _status_of(failure), message)
         raise failure
-    group.agree(STATUS_OK)
+    agree_sync(group, STATUS_OK)
     return kv, local

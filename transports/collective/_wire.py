@@ -4,8 +4,12 @@ One sync on the data group is::
 
     header   int64[5 + num_buckets]   magic, version, num_buckets, n_kv, verify, bucket nbytes...
     bucket 0 .. bucket n-1            uint8, the packed buckets (aiosync.transports.packing)
-    trailer  uint8[4*n_kv + 8*n_cs]   float32 KV scales, then int64 per-bucket checksums
-                                      (checksums only with verify; no trailer when both are empty)
+    trailer  uint8[4*n_kv + 8*n_cs]   float32 KV scales, then int64 per-bucket digests
+                                      (digests unless verify is off; no trailer when both are empty)
+
+The header's ``verify`` field is the mode (:func:`verify_code`: 0 off, 1 every
+byte, 2 a sample), so that every receiver digests what the source digested; the
+digests are :func:`aiosync.transports._verify.bucket_digest`'s.
 
 Both sides derive every size from the same digest-checked bucket plan, so two
 small broadcasts per sync carry all the metadata, whatever the number of
@@ -20,6 +24,7 @@ import torch
 from aiosync._kv_scales import attention_layers, kv_scale_entries
 from aiosync.errors import TransportError
 
+from .._verify import Verify
 from ..packing import BucketPlan
 
 __all__ = [
@@ -30,25 +35,32 @@ __all__ = [
     "kv_scale_entries",
     "trailer_nbytes",
     "validate_header",
+    "verify_code",
 ]
 
 _MAGIC = 0x6169_6F73_796E_6301  # "aiosync" + wire format 1
 
 
-def header_tensor(version: int, plan: BucketPlan, n_kv: int, verify: bool) -> torch.Tensor:
+def verify_code(verify: Verify) -> int:
+    """The header's ``verify`` field: 0 off, 1 every byte (``True``), 2 ``"sample"``."""
+    return 1 if verify is True else 0 if verify is False else 2
+
+
+def header_tensor(version: int, plan: BucketPlan, n_kv: int, verify: Verify) -> torch.Tensor:
     """The header the source sends: ``int64[5 + num_buckets]`` (CPU)."""
     sizes = [b.nbytes for b in plan.buckets]
-    return torch.tensor([_MAGIC, version, len(sizes), n_kv, int(verify), *sizes], dtype=torch.int64)
+    fields = [_MAGIC, version, len(sizes), n_kv, verify_code(verify), *sizes]
+    return torch.tensor(fields, dtype=torch.int64)
 
 
 def validate_header(
-    received: torch.Tensor, version: int, plan: BucketPlan, n_kv: int, verify: bool
+    received: torch.Tensor, version: int, plan: BucketPlan, n_kv: int, verify: Verify
 ) -> None:
     """Compare a received header with what this receiver expects.
 
     Raises:
         TransportError: the magic, version, bucket count, KV-scale count, verify
-            flag or a bucket's byte count differs (a no-op or corrupting
+            mode or a bucket's byte count differs (a no-op or corrupting
             communicator, or a protocol mismatch).
     """
     expected = header_tensor(version, plan, n_kv, verify)
@@ -63,13 +75,13 @@ def validate_header(
                 raise TransportError(f"sync header {what}: source sent {a}, expected {b}")
 
 
-def trailer_nbytes(n_kv: int, num_buckets: int, verify: bool) -> int:
+def trailer_nbytes(n_kv: int, num_buckets: int, verify: Verify) -> int:
     """Bytes of the trailer (0: no trailer is sent)."""
-    return 4 * n_kv + (8 * num_buckets if verify else 0)
+    return 4 * n_kv + (0 if verify is False else 8 * num_buckets)
 
 
 def encode_trailer(kv_values: list[float], checksums: list[int]) -> torch.Tensor:
-    """float32 KV scales then int64 checksums, as one ``uint8`` CPU tensor."""
+    """float32 KV scales then the int64 per-bucket digests, as one ``uint8`` CPU tensor."""
     parts = [
         torch.tensor(kv_values, dtype=torch.float32).view(torch.uint8),
         torch.tensor(checksums, dtype=torch.int64).view(torch.uint8),
@@ -80,7 +92,7 @@ def encode_trailer(kv_values: list[float], checksums: list[int]) -> torch.Tensor
 def decode_trailer(
     buffer: torch.Tensor, n_kv: int, num_checksums: int
 ) -> tuple[torch.Tensor, list[int]]:
-    """Inverse of :func:`encode_trailer`: ``(float32[n_kv] scales, checksums)``."""
+    """Inverse of :func:`encode_trailer`: ``(float32[n_kv] scales, digests)``."""
     raw = buffer.cpu()
     kv = raw[: 4 * n_kv].view(torch.float32).clone()
     checksums = raw[4 * n_kv : 4 * n_kv + 8 * num_checksums].view(torch.int64).tolist()

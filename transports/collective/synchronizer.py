@@ -13,6 +13,12 @@ Timeline of one sync (in-place)::
     trainer rank 0      header | pack 0 | pack 1, send 0 | pack 2, send 1 | ... | trailer | vote
     inference ranks     header | recv 0 | recv 1, load 0 | recv 2, load 1 | ... | trailer | vote
 
+With ``verify`` (default ``"sample"``) the source digests each bucket as it packs
+it, the trailer carries the digests, and every worker compares them with its own
+digests of what it received before the vote: a mismatch fails the vote on every
+rank as :class:`~aiosync.errors.RefitVerificationError`, so no worker counts its
+weights valid (``docs/reliability.md``).
+
 With ``overlap="staged"`` the workers receive into a staging area in a
 background thread while they keep generating, and pause generation only for
 the final copy into the live weights (``aiosync_collective_commit``).
@@ -36,6 +42,7 @@ import torch
 
 from aiosync._config import DEFAULT_BUCKET_BYTES, DEFAULT_EVENT_BACKLOG, Timeouts
 from aiosync._fanout import most_telling
+from aiosync.capabilities import WorkerDescribing
 from aiosync.delta import DeltaBaseline, patch_to_wire, wire_manifest
 from aiosync.errors import SyncError, SyncTimeoutError, TransportError
 from aiosync.interfaces import (
@@ -48,6 +55,7 @@ from aiosync.interfaces import (
     WeightSynchronizer,
 )
 
+from .._verify import Verify, check_verify
 from ..packing import BucketPlan, group_by_bucket, plan_buckets
 from ._group import STATUS_OK, SyncGroup, cancel_formation, create_sync_group, open_store
 from ._loops import RotatingBuffers, SendResult, stream_buckets, vote_send
@@ -127,8 +135,16 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             then raises TransportError.
         bucket_bytes: bucket size, bytes; default :func:`default_bucket_bytes`.
             Two buffers of this size are allocated on each side.
-        verify: the source sends per-bucket checksums and every receiver
-            compares them (catches a transfer that silently moved nothing).
+        verify: check every bucket each worker received against what the source
+            sent (:mod:`aiosync.transports._verify`): ``"sample"`` (the default)
+            digests every tensor's first and last byte plus 4096 positions drawn
+            afresh per sync and bucket, ``True`` every byte (about one more read
+            of the weights on each side), ``False`` nothing. The digests travel in
+            the trailer and each worker compares before the vote: a mismatch
+            fails the sync with :class:`~aiosync.errors.RefitVerificationError`
+            naming the worker, the bucket and its first tensor, before any worker
+            counts its weights valid (in-place: the engine refuses to generate
+            until a sync lands; staged: the live weights are left as they were).
         overlap: ``"inplace"`` (load each bucket as it lands) or ``"staged"``
             (receive everything into a staging copy while generating, then pause
             only for the final copy; costs one extra copy of the weights on each worker).
@@ -158,7 +174,8 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
 
     Raises:
         ValueError: an option is out of range, ``dist_backend`` is not
-            ``"nccl"``, ``"gloo"`` or None.
+            ``"nccl"``, ``"gloo"`` or None, or ``verify`` is not True, False
+            or ``"sample"``.
         TypeError: ``train_cluster`` is not a :class:`~aiosync.TrainCluster`.
     """
 
@@ -174,7 +191,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         inference_world_size: int,
         dist_backend: DistBackend | None = None,
         bucket_bytes: int | None = None,
-        verify: bool = False,
+        verify: Verify = "sample",
         overlap: Literal["inplace", "staged"] = "inplace",
         delta: bool = False,
         timeouts: Timeouts | None = None,
@@ -196,6 +213,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
                 dist_backend = backend
         if dist_backend is not None and dist_backend not in DIST_BACKENDS:
             raise ValueError(f"dist_backend must be 'nccl', 'gloo' or None, got {dist_backend!r}")
+        verify = check_verify(verify)
         if timeouts is not None and not isinstance(timeouts, Timeouts):
             raise TypeError(f"timeouts must be an aiosync.Timeouts, got {type(timeouts).__name__}")
         super().__init__(
@@ -235,7 +253,9 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         self.bucket_bytes = (
             bucket_bytes if bucket_bytes is not None else default_bucket_bytes(self.device)
         )
-        self.verify = verify
+        #: The per-bucket check (``True``, ``"sample"`` or ``False``); may be changed
+        #: between syncs.
+        self.verify: Verify = verify
         self.overlap = overlap
         #: What the workers hold, for delta syncs (None: ``delta=False``).
         self.delta_baseline: DeltaBaseline | None = DeltaBaseline() if delta else None
@@ -716,7 +736,8 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
                     await votes.read(failure)
                 except Exception as exc:
                     failure = exc
-            await self._in_thread(functools.partial(vote_send, group, failure), self.sync_timeout_s)
+            vote = functools.partial(vote_send, group, failure, names=self._describe_worker)
+            await self._in_thread(vote, self.sync_timeout_s)
             return sent
 
         if self.overlap == "inplace":
@@ -806,6 +827,8 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         # else: the abandoned thread destroys it when it returns.
 
     def _check_results(self, sent: SendResult, results: list[Any]) -> None:
+        # Not the digests: each worker compared them before its vote (a mismatch
+        # failed the sync there, before any worker counted its weights valid).
         if len(results) != self.inference_world_size:
             raise TransportError(
                 f"{len(results)} workers answered, inference_world_size is "
@@ -816,10 +839,14 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
                 raise TransportError(
                     f"inference rank {i} reports {res!r}, expected nbytes={sent.nbytes}"
                 )
-            if self.verify and list(res.get("checksums", ())) != sent.checksums:
-                raise TransportError(
-                    f"inference rank {i}: bucket checksums differ from the source's"
-                )
+
+    def _describe_worker(self, rank: int) -> str:
+        """How messages name engine worker ``rank`` (its global rank): the engine's
+        own words where it has them (a fleet: ``"engine 1 of 2 (EmbeddedEngine):
+        engine worker 3"``), else ``"engine worker <rank>"``."""
+        if isinstance(self.generation, WorkerDescribing):
+            return self.generation.describe_worker(rank)
+        return f"engine worker {rank}"
 
     # -- plumbing --------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from aiosync.delta import PatchModel, WeightPatch, finish_patches, patch_from_wi
 from aiosync.errors import OwnershipError, RefitMismatchError, SyncTimeoutError, TransportError
 
 from .._identity import WorkerIdentityMixin
+from .._verify import Verify
 from ..packing import Bucket, BucketPlan, compare_manifests, plan_buckets, unpack
 from ._group import (
     STATUS_MISMATCH,
@@ -244,19 +245,24 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         *,
         version: int,
         kv_names: list[str],
-        verify: bool = False,
+        verify: Verify = False,
         owner: str = "",
         delta: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Receive version ``version`` in place: each bucket is loaded as it lands.
 
         Sets :attr:`aiosync_weights_valid` False at the start and True only when
-        every bucket and the KV scales are loaded and every rank voted success.
+        every bucket and the KV scales are loaded and every rank voted success:
+        a bucket that arrived otherwise than the source sent it (``verify``) fails
+        the vote, so the weights stay invalid and the engine refuses to generate.
 
         Args:
             version: the weight version being sent (checked against the header).
             kv_names: engine names of the FP8 KV-cache scales sent at the end.
-            verify: the source sends per-bucket checksums; compare them.
+            verify: the source's mode (``True``, ``"sample"`` or ``False``,
+                :mod:`aiosync.transports._verify`; checked against the header):
+                digest each bucket received and compare with the source's digests
+                before the vote.
             owner: the token the group was formed with.
             delta: a delta sync: ``{"base": version the patches were computed
                 against, "patches": [[name, base, shape, encoding, k], ...],
@@ -268,13 +274,15 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
 
         Returns:
             ``{"version", "nbytes", "checksums", "pause_s", "kv_scales"}``:
-            payload bytes received, this rank's per-bucket checksums (verify
-            only), seconds generation was blocked, ``{name: value}``.
+            payload bytes received, this rank's per-bucket digests (empty with
+            ``verify=False``), seconds generation was blocked, ``{name: value}``.
 
         Raises:
             OwnershipError: the group belongs to another synchronizer.
+            RefitVerificationError: a bucket arrived otherwise than the source sent
+                it, on this worker or another (every rank raises).
             TransportError: a collective failed (the group is then destroyed),
-                bad header, checksum mismatch, or another rank failed.
+                bad header, or another rank failed.
             RefitMismatchError: the engine rejected a tensor (every rank raises).
             SyncTimeoutError: a collective ran past the group's timeout.
         """
@@ -385,7 +393,7 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         *,
         version: int,
         kv_names: list[str],
-        verify: bool = False,
+        verify: Verify = False,
         owner: str = "",
         delta: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
@@ -396,6 +404,9 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         NCCL), or a delta's wire buckets (``delta``: as for
         :meth:`aiosync_collective_receive`; a worker that does not hold its base
         refuses it, every rank failing at the vote, and nothing is written).
+        ``verify`` as for :meth:`aiosync_collective_receive`: the staged buckets
+        are checked before the vote, so a bucket that arrived otherwise than it
+        was sent fails the sync before the commit, the live weights untouched.
         :meth:`aiosync_collective_commit` then writes it in. Raises
         :class:`~aiosync.errors.OwnershipError` for a group of another owner.
         """
@@ -461,6 +472,8 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         Raises:
             OwnershipError: the group belongs to another synchronizer.
             TransportError: no staged receive, a different version, or it failed.
+            RefitVerificationError: the staged receive found a bucket that arrived
+                otherwise than it was sent (nothing is written).
             SyncTimeoutError: it did not finish within the group's timeout.
         """
         state = self._aiosync_collective_state(owner)

@@ -17,8 +17,11 @@ concurrently):
 
 1. worker → ``hello {sync_id, rank, digest}``: the trainer checks every digest
    against its plan before any data moves (:class:`RefitMismatchError`).
-2. trainer → ``data {sync_id, seq, bucket, handle}`` per bucket; worker →
-   ``ack {sync_id, seq}`` once its copies finished. Ping-pong: bucket ``k+1`` is
+2. trainer → ``data {sync_id, seq, bucket, handle}`` per bucket (with ``verify``
+   on, also ``verify``, ``key`` and ``digest``: the digest of the packed bucket,
+   :mod:`aiosync.transports._verify`); worker → ``ack {sync_id, seq}`` once its
+   copies finished and the digest of what it received matched
+   (:class:`~aiosync.errors.RefitVerificationError` otherwise). Ping-pong: bucket ``k+1`` is
    packed while the engine loads bucket ``k``; a buffer is reused only after
    every worker acknowledged the bucket it held. A bucket larger than the
    buffers (a lone oversized tensor) gets a buffer of its own, freed after its acks.
@@ -97,6 +100,7 @@ from aiosync.interfaces import (
 from .._identity import CPU_LABEL, device_identity
 from .._leftovers import dir_prefix, sweep_leftovers
 from .._ranks import OnTrainerRanks, TrainerRanks, drain
+from .._verify import Verify, bucket_digest, check_verify, sample_key
 from .._wire import decode, encode, error_fields, rebuild_error
 from ..packing import Bucket, BucketPlan, group_by_bucket, pack, plan_buckets
 from ._shm import EMPTY_HANDLE, SharedBuffer
@@ -130,6 +134,9 @@ DEFAULT_PIPELINE_BUCKETS = 8
 _MIN_PIPELINED_BUCKET_BYTES = 4 * 1024**2
 #: Limit of the workers' ``aiosync_ipc_release`` at shutdown, seconds (best effort).
 _RELEASE_TIMEOUT_S = 2.0
+#: How long a trainer that cannot reach a worker waits for the error the worker
+#: sent before it closed its socket (usually queued already), seconds.
+_WORKER_ERROR_GRACE_S = 1.0
 _log = logging.getLogger(__name__)
 
 #: What a sync in flight raises when ``shutdown()`` interrupts it.
@@ -218,10 +225,22 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
             gathers) and sends its workers the patches, and a sync is a delta
             only when every worker holds the base (else full everywhere: one
             choice, rank 0's, so that the ranks' gathers stay paired).
+        verify: check every bucket on arrival (:mod:`aiosync.transports._verify`):
+            ``"sample"`` (the default) digests, while packing, the first and last
+            byte of every tensor and 4096 positions drawn afresh per sync and
+            bucket (a cost that does not grow with the bucket), ``True`` every
+            byte (about one more read of the refit's bytes on each side),
+            ``False`` nothing. Each worker digests the same bytes of the shared
+            buffer after its copy out of it (a delta's patches alike); a
+            mismatch fails the sync with
+            :class:`~aiosync.errors.RefitVerificationError` naming the bucket
+            and its first tensor, the worker's weights stay invalid until a sync
+            lands. Read at each sync (``sync.verify = True`` takes effect at the next).
 
     Raises:
         ValueError: a non-positive size, fraction or timeout; group rank 0 of a
-            sharded trainer without ``generation``.
+            sharded trainer without ``generation``; ``verify`` is not ``True``,
+            ``False`` or ``"sample"``.
         TypeError: ``timeouts`` is not an :class:`~aiosync.Timeouts`.
     """
 
@@ -243,9 +262,11 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
         device_label: str | None = None,
         trace: bool = False,
         delta: bool = False,
+        verify: Verify = "sample",
     ) -> None:
         # Every check before the base class's __init__, which registers the
         # discard listener on the engine: a refused synchronizer leaves none behind.
+        verify = check_verify(verify)
         ranks = TrainerRanks(process_group)
         if ranks.is_driver and generation is None:
             raise ValueError("generation is None on the trainer rank that drives the engine")
@@ -295,6 +316,8 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
         self._sender: _BucketSender | None = None
         #: Whether each sync records :attr:`last_trace` (off by default).
         self.trace = trace
+        #: How each bucket is checked on arrival (``True``, ``False``, ``"sample"``).
+        self.verify: Verify = verify
         #: The timeline of the last sync made with :attr:`trace` on (None before
         #: one): ``{"clock": "time.monotonic", "trainer": [row per bucket],
         #: "workers": {global rank: [row per bucket]}}``, rows in send order,
@@ -463,9 +486,12 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
         nbytes = 0
         spec: dict[str, Any] | None = None
         try:
+            # Set since init: refused before anything moves (inside the try, so that a
+            # sharded trainer's ranks agree on the failure instead of one leaving).
+            verify = check_verify(self.verify)
             async with self._colocated_refit():
                 lanes, spec = await self._lanes(version, weights)
-                nbytes = await self._stream(sync_id, version, lanes, kv, spec)
+                nbytes = await self._stream(sync_id, version, lanes, kv, spec, verify=verify)
         except BaseException as exc:
             failed = exc
         try:
@@ -627,6 +653,8 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
         lanes: Sequence[_Lane],
         kv: list[tuple[str, float]],
         delta: dict[str, Any] | None = None,
+        *,
+        verify: Verify = False,
     ) -> int:
         assert self._sender is not None and self.plan is not None
         session: dict[str, Any] = {
@@ -666,7 +694,9 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
 
         async def send() -> None:
             nonlocal result
-            result = await sender.send_lanes(sync_id, lanes, kv, trainer_rows)
+            result = await sender.send_lanes(
+                sync_id, lanes, kv, trainer_rows, version=version, verify=verify
+            )
 
         try:
             async with anyio.create_task_group() as tg:
@@ -804,11 +834,16 @@ class _BucketSender:
         weights: Iterator[tuple[str, torch.Tensor]],
         kv: Sequence[tuple[str, float]] = (),
         trace: list[dict[str, Any]] | None = None,
+        *,
+        version: int = 0,
+        verify: Verify = "sample",
     ) -> int:
         """Stream every bucket of the plan, then the KV-cache scales ``kv`` (engine
         names, values), to the workers of global ``ranks``; returns the bytes sent.
         ``trace``: a list that gets one row of ``time.monotonic()`` timestamps per
         bucket (see :attr:`IPCWeightSynchronizer.last_trace`); None records nothing.
+        ``verify``: how each bucket's digest is computed (``False``: none is sent),
+        its sample seeded by ``version`` and the bucket's index (:func:`sample_key`).
 
         With no ranks (a sharded trainer's rank whose device holds no worker) the
         source is still iterated to its end: its gathers are collectives.
@@ -818,7 +853,8 @@ class _BucketSender:
                 (:meth:`aclose`), a worker is unreachable or sent garbage.
             SyncTimeoutError, RefitMismatchError: see the module docs.
         """
-        return await self.send_lanes(sync_id, [_Lane(self.plan, ranks, weights)], kv, trace)
+        lanes = [_Lane(self.plan, ranks, weights)]
+        return await self.send_lanes(sync_id, lanes, kv, trace, version=version, verify=verify)
 
     async def send_lanes(
         self,
@@ -826,6 +862,9 @@ class _BucketSender:
         lanes: Sequence[_Lane],
         kv: Sequence[tuple[str, float]] = (),
         trace: list[dict[str, Any]] | None = None,
+        *,
+        version: int = 0,
+        verify: Verify = "sample",
     ) -> int:
         """:meth:`send`, each lane's buckets (its own plan, e.g. a delta's wire plan)
         to its own workers, one lane after the other over the same buffers; one
@@ -838,7 +877,7 @@ class _BucketSender:
         with anyio.CancelScope() as scope:
             self._active = (scope, sync_id, ranks, ended)
             try:
-                return await self._send(sync_id, lanes, kv, trace)
+                return await self._send(sync_id, lanes, kv, trace, _Check(verify, version))
             finally:
                 self._active = None
                 ended.set()
@@ -850,6 +889,7 @@ class _BucketSender:
         lanes: Sequence[_Lane],
         kv: Sequence[tuple[str, float]],
         trace: list[dict[str, Any]] | None,
+        check: _Check,
     ) -> int:
         ranks = [rank for lane in lanes for rank in lane.ranks]
         if not ranks:
@@ -864,7 +904,7 @@ class _BucketSender:
                 await anyio.to_thread.run_sync(drain, lane.weights)
                 continue
             audience = {rank: peers[rank] for rank in lane.ranks}
-            nbytes += await self._send_lane(sync_id, lane, audience, stream, trace)
+            nbytes += await self._send_lane(sync_id, lane, audience, stream, trace, check)
         for seq in range(len(stream.audience)):
             await self._wait_acks(sync_id, stream, seq)
         end = {
@@ -873,7 +913,7 @@ class _BucketSender:
             "buckets": len(stream.audience),
             "kv_scales": [[name, value] for name, value in kv],
         }
-        await self._send_all(peers, encode(end))
+        await self._send_all(sync_id, peers, encode(end))
         done: set[int] = set()
         while len(done) < len(peers):
             rank, msg = await self._recv(sync_id, "the end of the refit")
@@ -888,9 +928,11 @@ class _BucketSender:
         peers: dict[int, bytes],
         stream: _Stream,
         trace: list[dict[str, Any]] | None,
+        check: _Check,
     ) -> int:
         """Pack and send every bucket of ``lane`` to ``peers``, numbering them on
-        from the buckets ``stream`` holds; returns the bytes packed."""
+        from the buckets ``stream`` holds (each with its digest, as ``check``
+        says); returns the bytes packed."""
         plan = lane.plan
         groups = group_by_bucket(lane.weights, plan)
         nbytes = 0
@@ -921,7 +963,7 @@ class _BucketSender:
                 # group_by_bucket): nothing to pack, and no 0-byte segment exists.
                 await anyio.to_thread.run_sync(self._read_and_pack, groups, None, None, last, row)
                 _stamp(row, "sent")
-                await self._send_all(peers, encode({**data, "handle": dict(EMPTY_HANDLE)}))
+                await self._send_all(sync_id, peers, encode({**data, "handle": dict(EMPTY_HANDLE)}))
                 continue
             transient: SharedBuffer | None = None
             group: list[tuple[str, torch.Tensor]] | None = None
@@ -936,24 +978,26 @@ class _BucketSender:
                 if previous is not None and not stream.acked(previous):
                     # Read the source while the workers still load the bucket that
                     # holds this buffer; pack once they acknowledged it.
-                    group = await anyio.to_thread.run_sync(
+                    group, _ = await anyio.to_thread.run_sync(
                         self._read_and_pack, groups, None, None, False, row
                     )
                     await self._wait_acks(sync_id, stream, previous)
                 buffer = self._buffers[slot]
                 stream.holder[slot] = seq
             try:
-                # One thread hop reads the source (unless read above), packs, and
-                # after the last bucket checks that the source ended.
-                await anyio.to_thread.run_sync(
-                    self._read_and_pack, groups, group, buffer, last, row, bucket
+                # One thread hop reads the source (unless read above), packs, digests,
+                # and after the last bucket checks that the source ended.
+                _, digest = await anyio.to_thread.run_sync(
+                    self._read_and_pack, groups, group, buffer, last, row, bucket, check
                 )
                 del group
                 handle = buffer.handle()
                 if transient is not None:
                     handle["transient"] = True
+                if digest is not None:
+                    data.update(check.fields(bucket, digest))
                 _stamp(row, "sent")
-                await self._send_all(peers, encode({**data, "handle": handle}))
+                await self._send_all(sync_id, peers, encode({**data, "handle": handle}))
                 nbytes += sum(s.nbytes for s in bucket.slots)
                 if transient is not None:
                     await self._wait_acks(sync_id, stream, seq)
@@ -973,22 +1017,28 @@ class _BucketSender:
         last: bool,
         row: dict[str, Any] | None,
         bucket: Bucket | None = None,
-    ) -> list[tuple[str, torch.Tensor]] | None:
+        check: _Check | None = None,
+    ) -> tuple[list[tuple[str, torch.Tensor]] | None, int | None]:
         """In a worker thread: read the next bucket's tensors from the source
         unless ``group`` holds them, pack them into ``buffer`` (None: return them
-        unpacked), and after the ``last`` bucket check that the source ended.
-        ``row`` gets ``pack_start``/``pack_end`` (``time.monotonic()``)."""
+        unpacked), digest the packed bucket as ``check`` says, and after the
+        ``last`` bucket check that the source ended. Returns ``(the tensors when
+        not packed, the digest when computed)``. ``row`` gets
+        ``pack_start``/``pack_end`` (``time.monotonic()``; the digest is inside)."""
         if row is not None and "pack_start" not in row:
             row["pack_start"] = time.monotonic()
         if group is None:
             _bucket, group = next(groups)
+        digest = None
         if buffer is not None:
             assert bucket is not None
             self._pack(bucket, group, buffer)
+            if check is not None:
+                digest = check.digest(bucket, buffer.tensor)
         if last:
             _exhaust(groups)
         _stamp(row, "pack_end")
-        return group if buffer is None else None
+        return (group if buffer is None else None), digest
 
     def _pack(
         self, bucket: Bucket, group: list[tuple[str, torch.Tensor]], buffer: SharedBuffer
@@ -1068,12 +1118,31 @@ class _BucketSender:
                 raise rebuild_error(msg, self.describe_worker(rank))
             return rank, msg
 
-    async def _send_all(self, peers: dict[int, bytes], payload: bytes) -> None:
+    async def _send_all(self, sync_id: str, peers: dict[int, bytes], payload: bytes) -> None:
         for rank, ident in peers.items():
             try:
                 await self._sock.send_multipart([ident, payload])
             except zmq.ZMQError as exc:
-                raise TransportError(f"engine worker {rank} is unreachable: {exc}") from exc
+                raise await self._why_unreachable(sync_id, rank, exc) from exc
+
+    async def _why_unreachable(self, sync_id: str, rank: int, exc: zmq.ZMQError) -> Exception:
+        """What to raise when worker ``rank`` of ``sync_id`` cannot be sent to.
+
+        A worker whose receive fails sends its error, then closes its socket; the
+        trainer may be sending it the next bucket by then. That error (e.g. a
+        :class:`~aiosync.errors.RefitVerificationError`) is the cause: it is still
+        queued on the socket, and returned if any worker's of this sync arrives
+        within :data:`_WORKER_ERROR_GRACE_S` seconds; else a :class:`TransportError`.
+        """
+        unreachable = TransportError(f"engine worker {rank} is unreachable: {exc}")
+        try:
+            with anyio.fail_after(min(_WORKER_ERROR_GRACE_S, self.timeout_s)):
+                while True:
+                    await self._recv(sync_id, "the error of an unreachable worker")
+        except (TimeoutError, SyncTimeoutError):
+            return unreachable
+        except Exception as error:  # the worker's, re-typed by _recv
+            return error
 
     def abort(self, sync_id: str, ranks: Sequence[int], reason: str) -> None:
         """Tell the workers of ``sync_id`` to stop waiting (best effort, never raises)."""
@@ -1147,6 +1216,36 @@ def _release(directory: str, buffers: Sequence[SharedBuffer]) -> None:
     for buffer in buffers:
         buffer.close()
     shutil.rmtree(directory, ignore_errors=True)
+
+
+class _Check(NamedTuple):
+    """How one sync digests its packed buckets (:mod:`aiosync.transports._verify`)."""
+
+    verify: Verify
+    #: The weight version sent: with the bucket's index, the sample's seed.
+    version: int
+
+    def digest(self, bucket: Bucket, buffer: torch.Tensor) -> int | None:
+        """The digest of ``bucket`` packed at the start of ``buffer`` (``uint8``,
+        at least ``bucket.nbytes`` bytes; padding between slots included, it is the
+        same memory the workers read); None with ``verify=False``."""
+        if self.verify is False:
+            return None
+        return bucket_digest(
+            buffer[: bucket.nbytes],
+            self.verify,
+            key=sample_key(self.version, bucket.index),
+            slots=[(s.offset, s.nbytes) for s in bucket.slots],
+        )
+
+    def fields(self, bucket: Bucket, digest: int) -> dict[str, Any]:
+        """What a ``data`` message carries for the worker's check: the mode, the
+        sample's seed and the digest (a signed int64)."""
+        return {
+            "verify": self.verify,
+            "key": sample_key(self.version, bucket.index),
+            "digest": digest,
+        }
 
 
 class _Lane(NamedTuple):

@@ -15,7 +15,10 @@ by name:
   message maps the buffer handle, unpacks zero-copy views and calls
   ``self.model_runner.model.load_weights(views)``, and acknowledges the bucket
   only after the copies finished (the trainer reuses a buffer only after every
-  worker's ack). On ``end`` it checks that every bucket arrived exactly once.
+  worker's ack) and, when the message carries a ``digest`` (the trainer's
+  ``verify``), the same digest of the bytes it copied matched
+  (:class:`~aiosync.errors.RefitVerificationError` otherwise, naming the bucket
+  and its first tensor). On ``end`` it checks that every bucket arrived exactly once.
   The worker keeps its mappings of the trainer's shared-memory (CPU) ping-pong
   buffers from one successful receive to the next of the same synchronizer: a
   fresh mapping pays a page fault per 4 KiB page on its first read, about as
@@ -71,12 +74,14 @@ from aiosync.delta import PatchModel, WeightPatch, finish_patches, patch_from_wi
 from aiosync.errors import (
     OwnershipError,
     RefitMismatchError,
+    RefitVerificationError,
     SyncError,
     SyncTimeoutError,
     TransportError,
 )
 
 from .._identity import WorkerIdentityMixin
+from .._verify import Verify, bucket_digest, check_verify, transit_fault
 from .._wire import decode, encode, error_fields
 from ..packing import Bucket, BucketPlan, compare_manifests, plan_buckets, unpack
 from ._shm import MappedBuffer, open_handle
@@ -185,9 +190,12 @@ class IPCWorkerMixin(WorkerIdentityMixin):
             another synchronizer is running on this worker; ``RefitMismatchError``:
             unknown digest, missing or duplicate buckets, a delta whose base is not
             the version this worker holds (both named; refused before anything is
-            written); ``TransportError``: a delta to a model without
-            ``apply_weight_patches``, malformed message, trainer
-            abort, the trainer went away (its process died: noticed at once);
+            written); ``RefitVerificationError``: a bucket's digest differs from
+            the one its data message carried (the bucket, its first tensor, both
+            digests and the mode named; the weights stay invalid);
+            ``TransportError``: a delta to a model without
+            ``apply_weight_patches``, malformed message, trainer abort, the
+            trainer went away (its process died: noticed at once);
             ``SyncTimeoutError``: nothing from the trainer in ``timeout_s`` seconds).
             When the session has ``"trace": True`` the reply also carries
             ``"trace"``: per bucket ``{"seq", "received", "load_start", "load_end",
@@ -521,6 +529,9 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                 buffer = mapped.get(key)
                 if buffer is None:
                     buffer = mapped[key] = open_handle(handle)
+                check = _check_fields(msg)
+                # The test fault (a no-op unless armed) lands in what the copy reads.
+                transit_fault(buffer.tensor[: bucket.nbytes], index)
                 self.aiosync_weights_valid = False
                 state.touched = sync_id
                 load_start = time.monotonic()
@@ -528,6 +539,9 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                     loaded = load(bucket, buffer.tensor)
                 if buffer.tensor.is_cuda:
                     torch.cuda.current_stream(buffer.tensor.device).synchronize()
+                if check is not None:
+                    # After the copy: what the weights took is what is digested.
+                    _verify_bucket(bucket, buffer.tensor, *check)
                 load_end = time.monotonic()
                 if handle.get("transient"):
                     mapped.pop(key).close()
@@ -760,6 +774,47 @@ def _data_fields(msg: Mapping[str, Any], num_buckets: int) -> tuple[int, int, di
     if not 0 <= index < num_buckets:
         raise RefitMismatchError(f"bucket {index} is not in the plan ({num_buckets} buckets)")
     return seq, index, handle
+
+
+def _check_fields(msg: Mapping[str, Any]) -> tuple[Verify, int, int] | None:
+    """A ``data`` message's ``(verify, key, digest)`` (None: the trainer sent no
+    digest, ``verify=False``).
+
+    Raises:
+        TransportError: a malformed mode, key or digest.
+    """
+    if msg.get("digest") is None:
+        return None
+    try:
+        verify = check_verify(msg.get("verify"))
+        key, digest = msg["key"], msg["digest"]
+        if verify is False or not isinstance(key, int) or not isinstance(digest, int):
+            raise ValueError(f"verify={verify!r}, key={key!r}, digest={digest!r}")
+    except (KeyError, ValueError) as exc:
+        raise TransportError(f"malformed data message: {exc}") from exc
+    return verify, key, digest
+
+
+def _verify_bucket(
+    bucket: Bucket, buffer: torch.Tensor, verify: Verify, key: int, sent: int
+) -> None:
+    """Compare the digest of ``bucket`` as received (the first ``bucket.nbytes``
+    bytes of ``buffer``, ``uint8``) with the trainer's ``sent``.
+
+    Raises:
+        RefitVerificationError: they differ (the bucket, its first tensor, both
+            digests and the mode named; the trainer names the worker).
+    """
+    slots = [(s.offset, s.nbytes) for s in bucket.slots]
+    received = bucket_digest(buffer[: bucket.nbytes], verify, key=key, slots=slots)
+    if received != sent:
+        names = repr(bucket.slots[0].name) if bucket.slots else "no tensor"
+        if len(bucket.slots) > 1:
+            names += f" and {len(bucket.slots) - 1} more"
+        raise RefitVerificationError(
+            f"bucket {bucket.index} ({names}) arrived with digest {received}, "
+            f"the trainer sent {sent} (verify={verify!r})"
+        )
 
 
 def _delta_ranks(delta: Mapping[str, Any]) -> set[int]:

@@ -11,11 +11,18 @@ One refit:
 1. iterate ``policy.iter_weights()`` (a worker thread), checking each tensor
    against the manifest (names, order, shapes, dtypes) and copying it to a CPU,
    contiguous tensor;
-2. build a :class:`~aiosync.LoRAAdapter` (``name``, ``version``, the tensors,
-   ``policy.lora_adapter_config()``) and ``await generation.load_lora_adapter(adapter)``
-   (each engine of a fleet concurrently). The engine unloads the adapter it
-   replaces and refuses to generate from the start of the load until one
-   succeeds (never a half-loaded adapter, never a silent fallback).
+2. unless ``verify=False``, digest each tensor in the same thread
+   (:func:`~aiosync.transports.lora.adapter_digests`: tensor ``i`` sampled with
+   ``sample_key(version, i)``, or every byte with ``verify=True``);
+3. build a :class:`~aiosync.LoRAAdapter` (``name``, ``version``, the tensors,
+   ``policy.lora_adapter_config()``, ``verify``, the digests) and ``await
+   generation.load_lora_adapter(adapter)`` (each engine of a fleet
+   concurrently). The engine unloads the adapter it replaces and refuses to
+   generate from the start of the load until one succeeds (never a
+   half-loaded adapter, never a silent fallback); it checks the digests
+   before the adapter goes live, a mismatch being
+   :class:`~aiosync.errors.RefitVerificationError` (the sync fails as any
+   failed load does).
 
 Versions, events, timeouts and discard epochs are the base class's, exactly as
 for full refits; the ``COMMITTED`` event's ``nbytes`` is the adapter's
@@ -38,6 +45,7 @@ or SGLang's memory saver without a CPU backup, make the next sync fail with
 
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -60,6 +68,8 @@ from aiosync.lora import (
 )
 
 from .._ranks import OnTrainerRanks, TrainerRanks
+from .._verify import Verify, check_verify
+from ._digests import adapter_digests
 from ._layout import AdaptedModule, adapted_modules, check_adapter_config, check_against_base
 
 __all__ = ["LoRAAdapterSynchronizer"]
@@ -96,12 +106,20 @@ class LoRAAdapterSynchronizer(OnTrainerRanks, WeightSynchronizer):
             agree (a small ``all_gather_object``, as the IPC transport does) once
             every rank has read the adapter, before rank 0 loads it (an adapter
             a rank failed to produce is never loaded), and once more on the load.
+        verify: the engines check each tensor they received against the
+            trainer's digest before the adapter goes live
+            (:mod:`aiosync.transports._verify`): ``"sample"`` (the default; each
+            tensor's first and last byte plus 4096 positions drawn afresh per sync
+            and tensor), ``True`` (every byte) or ``False`` (no digests). A
+            mismatch fails the sync with :class:`~aiosync.errors.RefitVerificationError`
+            naming the tensor and the engine, which then refuses to generate
+            until a sync lands. Which bytes each engine checks: ``docs/reliability.md``.
 
     Raises:
         TypeError: ``policy`` has no ``lora_adapter_config()``, or an engine has
             no ``load_lora_adapter`` (the message names it).
-        ValueError: no engine on group rank 0, the same engine twice, or a
-            timeout not finite and > 0.
+        ValueError: no engine on group rank 0, the same engine twice, a
+            timeout not finite and > 0, or ``verify`` not True, False or ``"sample"``.
     """
 
     supports_kv_scales: ClassVar[bool] = False
@@ -121,7 +139,9 @@ class LoRAAdapterSynchronizer(OnTrainerRanks, WeightSynchronizer):
         in_flight: InFlightPolicy = "wait",
         initial_version: int = 0,
         process_group: Any = None,
+        verify: Verify = "sample",
     ) -> None:
+        verify = check_verify(verify)
         if not callable(getattr(policy, "lora_adapter_config", None)):
             raise TypeError(
                 "LoRAAdapterSynchronizer refits a LoRA adapter: policy must be a "
@@ -146,6 +166,9 @@ class LoRAAdapterSynchronizer(OnTrainerRanks, WeightSynchronizer):
         self.policy: LoRAAdapterSource = policy
         #: The engines loaded, in fleet order (empty on the non-driving ranks).
         self.engines: tuple[Any, ...] = engines
+        #: The per-tensor check (``True``, ``"sample"`` or ``False``); may be
+        #: changed between syncs.
+        self.verify: Verify = verify
         self._ranks = ranks
         # The adapter's manifest with int dimensions, after init_communicator.
         self._adapter: RefitManifest = {}
@@ -219,9 +242,13 @@ class LoRAAdapterSynchronizer(OnTrainerRanks, WeightSynchronizer):
         weights = self.policy.iter_weights()
         failed: BaseException | None = None
         tensors: dict[str, torch.Tensor] = {}
+        digests: dict[str, int] = {}
+        verify = self.verify
         try:
-            keep = self._ranks.is_driver
-            tensors = await anyio.to_thread.run_sync(_collect, weights, self._adapter, keep)
+            read = functools.partial(
+                _read, weights, self._adapter, self._ranks.is_driver, verify, version
+            )
+            tensors, digests = await anyio.to_thread.run_sync(read)
         except BaseException as exc:
             failed = exc
         await self._ranks.agree(weights, failed)
@@ -229,20 +256,28 @@ class LoRAAdapterSynchronizer(OnTrainerRanks, WeightSynchronizer):
         nbytes = _manifest_nbytes(self._adapter)
         try:
             if self._ranks.is_driver:
-                nbytes = await self._load(version, tensors)
+                nbytes = await self._load(version, tensors, verify, digests)
         except BaseException as exc:
             failed = exc
         await self._ranks.agree(weights, failed)
         return nbytes
 
-    async def _load(self, version: int, tensors: dict[str, torch.Tensor]) -> int:
+    async def _load(
+        self,
+        version: int,
+        tensors: dict[str, torch.Tensor],
+        verify: Verify,
+        digests: dict[str, int],
+    ) -> int:
         for i, engine in enumerate(self.engines):
             if _invalid(engine):
                 raise SyncError(
                     f"{self._label(i)} holds no valid base weights (discarded, e.g. by the "
                     "memory saver without a CPU backup): an adapter-only refit cannot restore them"
                 )
-        adapter = LoRAAdapter(lora_adapter_name(version), version, tensors, dict(self._config))
+        adapter = LoRAAdapter(
+            lora_adapter_name(version), version, tensors, dict(self._config), verify, digests
+        )
         if isinstance(self.generation, LoRAEngine):  # one engine, or a fleet (it fans out)
             await self.generation.load_lora_adapter(adapter)
         else:
@@ -329,6 +364,19 @@ def _collect(
             f"the source ended {len(missing)} tensor(s) early; first missing: {missing[:3]}"
         )
     return out
+
+
+def _read(
+    weights: Iterator[tuple[str, torch.Tensor]],
+    manifest: RefitManifest,
+    keep: bool,
+    verify: Verify,
+    version: int,
+) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """:func:`_collect`, then (when ``keep``) the tensors' digests: ``({peft_name:
+    CPU tensor}, {peft_name: digest})`` (blocking)."""
+    tensors = _collect(weights, manifest, keep)
+    return tensors, adapter_digests(tensors, verify, version) if keep else {}
 
 
 def _manifest_nbytes(manifest: RefitManifest) -> int:
