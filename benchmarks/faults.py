@@ -9,6 +9,9 @@ after one healthy sync (version 1), during the sync of version 2:
 * ``engine killed``: SIGKILL of the engine worker (the HTTP server) mid-sync;
 * ``engine hangs``: SIGSTOP of it mid-sync (``sync_timeout_s`` = 5 s), SIGCONT after;
 * ``engine error``: HTTP only: the server answers 500 to ``/update_weights_from_tensor``;
+* ``corrupted in transit``: one byte of bucket 0 (its first tensor's first byte) flipped on the
+  receive path (the test hook ``aiosync_test_arm_transit_fault``; HTTP: the test server's
+  ``/_aiosync/arm_transit_fault``), under the default ``verify="sample"``;
 * ``cancelled``: the loop cancels ``sync_weights`` mid-sync;
 * ``weights discarded``: the engine discards its weights mid-sync (a level-2 sleep; SGLang:
   ``/release_memory_occupation``, the server started with ``--enable-memory-saver``);
@@ -58,6 +61,14 @@ what rank 0's engine does next, and whether the next sync lands bit-exact on eve
 worker: in the same processes where the trainer's own group survived, else ("after a
 restart") in a restarted job of both ranks; left behind counts the whole job's entries.
 
+The quarantine cells (transport ``ipc, fleet of 2`` and the like) run an
+``EngineFleet(on_engine_failure="quarantine", min_engines=1)`` of two engines (two
+embedded engines; two test servers for HTTP) and SIGKILL engine 1 (its worker; the server)
+mid-sync: the error column is what that ``sync_weights()`` raises ("none": it committed),
+"version kept, stale" reads as "committed on the survivor" (version 2, not stale, the survivor
+bit-exact), ``generate`` is the fleet's, and "next sync heals" that engine 1, respawned and
+``add_engine``-d, got the next sync whole and serves again (``ENGINE_JOINED``).
+
 Usage::
 
     python benchmarks/faults.py                 # every cell (several minutes)
@@ -96,10 +107,12 @@ from safetensors.torch import load as safetensors_load
 
 from aiosync import (
     EmbeddedEngine,
+    EngineFleet,
     HTTPWeightSynchronizer,
     IPCWeightSynchronizer,
     SGLangHTTPBackend,
     TrainCluster,
+    VersionEventKind,
     WeightSynchronizer,
     create_weight_synchronizer,
     refit_if_stale,
@@ -125,6 +138,7 @@ FAULTS = (
     "engine killed",
     "engine hangs",
     "engine error",
+    "corrupted in transit",
     "cancelled",
     "weights discarded",
     "second synchronizer",
@@ -154,6 +168,11 @@ SHARDED_FAULTS = {
 }
 #: The longest one job of rank processes may run before its cell counts as hung, seconds.
 JOB_LIMIT_S = 300.0
+#: The bucket and byte the ``corrupted in transit`` cells flip (a slot's first byte: always
+#: in the default ``"sample"`` check).
+TRANSIT_FAULT = (0, 0)
+#: The quarantine cells' fault.
+QUARANTINE_FAULT = "engine killed, quarantine"
 #: Cells that do not apply (no such fault on that transport), with the reason.
 NOT_APPLICABLE = {
     ("ipc", "engine error"): "workers answer typed errors, covered by the others",
@@ -279,6 +298,10 @@ class EngineUnderTest:
     async def wake(self) -> None:
         await self.engine.prepare_for_generation()
 
+    async def corrupt_in_transit(self) -> None:
+        """Arm the receive path to flip :data:`TRANSIT_FAULT` in the next sync."""
+        await self.engine.collective_rpc("aiosync_test_arm_transit_fault", args=TRANSIT_FAULT)
+
 
 class Embedded(EngineUnderTest):
     def __init__(self, transport: str, engine: EmbeddedEngine) -> None:
@@ -394,6 +417,12 @@ class HTTPServer(EngineUnderTest):
     async def reset(self) -> None:
         async with httpx.AsyncClient(base_url=self.url, timeout=60) as client:
             (await client.post("/_aiosync/reset")).raise_for_status()
+
+    async def corrupt_in_transit(self) -> None:
+        bucket, byte = TRANSIT_FAULT
+        async with httpx.AsyncClient(base_url=self.url, timeout=60) as client:
+            body = {"bucket": bucket, "byte": byte}
+            (await client.post("/_aiosync/arm_transit_fault", json=body)).raise_for_status()
 
     async def revive(self) -> None:
         self.stop()
@@ -521,6 +550,9 @@ async def _inject(
         assert isinstance(engine, HTTPServer)
         await engine.fault("error")
         fault_time.append(time.monotonic())  # from the first bucket on
+    elif fault == "corrupted in transit":
+        await engine.corrupt_in_transit()
+        fault_time.append(time.monotonic())  # from the start of the sync
     elif fault == "weights discarded":
         at(lambda: anyio.from_thread.run(engine.discard))
     elif fault == "cancelled":
@@ -928,6 +960,113 @@ def run_sharded() -> list[Cell]:
         ]
 
 
+# -- elastic fleets -------------------------------------------------------------
+
+
+def _fleet_synchronizer(transport: str, source: RefitSource, fleet: EngineFleet) -> Any:
+    if transport == "ipc":
+        return IPCWeightSynchronizer(source, fleet, bucket_bytes=BUCKET_BYTES, rpc_timeout_s=30)
+    if transport == "http":
+        return HTTPWeightSynchronizer(source, fleet, bucket_bytes=BUCKET_BYTES)
+    return create_weight_synchronizer(
+        source,
+        fleet,
+        colocated=False,
+        backend="embedded",
+        train_cluster=TrainCluster(master_port=_port()),
+        inference_world_size=2,
+        bucket_bytes=BUCKET_BYTES,
+        collective_timeout_s=10.0,
+        rpc_timeout_s=30.0,
+    )
+
+
+async def _events_so_far(events: Any) -> list[Any]:
+    """The events published so far (each buffered before the call that made it returned)."""
+    out = []
+    while True:
+        with anyio.move_on_after(0.5):
+            out.append(await events.__anext__())
+            continue
+        return out
+
+
+async def quarantine_cell(transport: str, seed: int) -> Cell:
+    """Run the :data:`QUARANTINE_FAULT` cell of ``transport``; see the module docs."""
+    cell = Cell(f"{transport}, fleet of 2", QUARANTINE_FAULT)
+    notes: list[str] = []
+    before = _aiosync_entries()
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            members: list[EngineUnderTest] = []
+            for _ in range(2):
+                if transport == "http":
+                    server = HTTPServer(Path(stack.enter_context(tempfile.TemporaryDirectory())))
+                    stack.callback(server.stop)
+                    members.append(server)
+                else:
+                    engine = EmbeddedEngine(
+                        dict(TINY_QWEN3), num_workers=1, seed=3, rpc_timeout_s=60
+                    )
+                    await stack.enter_async_context(engine)
+                    members.append(Embedded(transport, engine))
+            fleet = EngineFleet(
+                [m.engine for m in members], on_engine_failure="quarantine", min_engines=1
+            )
+            trainer = _trainer(seed)
+            source = FaultySource(trainer.model)
+            sync = _fleet_synchronizer(transport, source, fleet)
+            stack.push_async_callback(sync.shutdown)
+            events = await stack.enter_async_context(sync.subscribe())
+            await sync.init_communicator()
+            await sync.mark_stale()
+            await sync.sync_weights()
+            fault_time: list[float] = []
+
+            def kill() -> None:
+                fault_time.append(time.monotonic())
+                os.kill(members[1].pid(), signal.SIGKILL)
+
+            for step, scale in enumerate((1.25, 0.5)):
+                with torch.no_grad():
+                    for p in trainer.model.parameters():
+                        p.mul_(scale)
+                await sync.mark_stale()
+                if step == 0:
+                    source.hook = kill
+                    cell.error, cell.seconds = await _timed(fault_time, sync.sync_weights())
+                    cell.version_kept = (sync.weight_version, sync.is_stale) == (
+                        2,
+                        False,
+                    ) and await _matches(members[0], trainer.model)
+                    notes += [f"{k}: {_short(v, 70)}" for k, v in fleet.quarantined.items()]
+                    await fleet.prepare_for_generation()
+                    try:
+                        await fleet.generate(PROMPTS, max_new_tokens=2)
+                        cell.generate = "generated"
+                    except Exception as exc:
+                        cell.generate = type(exc).__name__
+                    await members[1].revive()
+                    fleet.add_engine(members[1].engine)
+                else:
+                    await sync.sync_weights()
+            seen = [(e.kind, e.engine) for e in await _events_so_far(events)]
+            quarantined = [e for kind, e in seen if kind is VersionEventKind.ENGINE_QUARANTINED]
+            joined = [e for kind, e in seen if kind is VersionEventKind.ENGINE_JOINED]
+            notes.append(f"ENGINE_QUARANTINED {quarantined}, ENGINE_JOINED {joined}")
+            exact = [await _matches(m, trainer.model) for m in members]
+            cell.heals = not sync.is_stale and all(exact) and len(joined) == 1
+    except Exception as exc:
+        notes.append(f"the cell stopped at {type(exc).__name__}: {_short(str(exc), 160)}")
+    finally:
+        left = sorted(_aiosync_entries() - before)
+        cell.left_behind = len(left)
+        if left:
+            notes.append("left: " + ", ".join(left))
+        cell.note = "; ".join(notes)
+    return cell
+
+
 # -- the run ------------------------------------------------------------------
 
 
@@ -962,6 +1101,8 @@ async def run(transports: tuple[str, ...]) -> list[Cell]:
                     continue
                 cell = await run_cell(engines[transport], fault, seed=100 + 10 * t_index + f_index)
                 cells.append(cell)
+    for t_index, transport in enumerate(transports):
+        cells.append(await quarantine_cell(transport, seed=200 + t_index))
     return cells
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +30,10 @@ from ._wire import FlatBucket
 
 __all__ = [
     "SAMPLE_ELEMENTS",
+    "SAMPLE_READS",
     "Expected",
     "Unreadable",
+    "choose_reads",
     "first_difference",
     "keep_samples",
     "qkv_readable",
@@ -44,6 +46,25 @@ __all__ = [
 #: tensor (its first rows: SGLang truncates a tensor's first dimension), or all of
 #: it when smaller.
 SAMPLE_ELEMENTS = 1024
+
+#: ``verify="sample"`` reads back at most this many tensors per server and sync: each
+#: read is an HTTP round trip through SGLang's scheduler (a few ms), so a cost that grew
+#: with the buckets would grow with the model.
+SAMPLE_READS = 16
+
+
+def choose_reads(kept: Sequence[Expected], version: int) -> list[Expected]:
+    """At most :data:`SAMPLE_READS` of ``kept`` (in plan order): always the first and the
+    last, the others spread evenly over the rest, shifted every version so that the
+    syncs of a run read every bucket in turn."""
+    if len(kept) <= SAMPLE_READS:
+        return list(kept)
+    inner = len(kept) - 2
+    picks = SAMPLE_READS - 2
+    shift = version % inner
+    chosen = {0, len(kept) - 1} | {1 + (shift + k * inner // picks) % inner for k in range(picks)}
+    return [kept[i] for i in sorted(chosen)]
+
 
 # The checkpoint names SGLang's get_weights_by_name cuts out of its fused qkv_proj:
 # at offsets computed with hidden_size // num_attention_heads as the head size.

@@ -41,6 +41,7 @@ from ..packing import compare_manifests
 from ._readback import (
     Expected,
     Unreadable,
+    choose_reads,
     first_difference,
     keep_samples,
     qkv_readable,
@@ -71,6 +72,9 @@ __all__ = ["HTTPWeightSynchronizer"]
 _log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+#: ``"sample"`` read-back requests in flight per server.
+_READS_IN_FLIGHT = 8
 
 
 class HTTPWeightSynchronizer(WeightSynchronizer):
@@ -109,7 +113,10 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             ``/get_weights_by_name`` (a real SGLang server checks no digest a
             trainer sends, so there is no per-bucket digest here). ``"sample"``
             (default): the first rows (about 1024 elements) of the first and last
-            tensor of every bucket, kept from the packed bucket (a few KiB each);
+            tensor of every bucket, kept from the packed bucket (a few KiB each),
+            of which at most 16 are read per server and sync (the first bucket's,
+            the last one's, and others spread over the rest, shifted each version:
+            a read is a round trip, so the cost stays fixed as the model grows);
             ``True``: every tensor whole, re-read from the source (one tensor at a
             time); ``False``: no check. A difference raises
             :class:`~aiosync.RefitVerificationError` naming the server, the tensor
@@ -299,7 +306,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                 if verify is not False:
                     # Inside the session: before /end_weight_update's post-processing,
                     # which may lay a quantized model's weights out otherwise.
-                    await self._read_back(verify, kept or [])
+                    await self._read_back(verify, choose_reads(kept or [], version))
                     phases["verified"] = time.monotonic()
             phases["streamed"] = time.monotonic()
             await self._each(lambda server: server.flush_cache())
@@ -497,7 +504,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         :func:`._readback.readable` tensor whole (``truncate_size=numel``), re-read
         from the source one at a time (this runs inside the sync, under the source
         lock: the same version). Servers are read side by side, one request at a
-        time each (SGLang's scheduler serves them in turn).
+        time each for ``True`` (whole tensors), a few at a time for ``"sample"``.
 
         Raises:
             RefitVerificationError: a server holds something else than was sent
@@ -521,9 +528,26 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         unread: list[dict[str, str]] = [{} for _ in self.servers]
 
         async def check(position: int, reader: tuple[int, SGLangWeightReader]) -> None:
+            # A few requests in flight per server: each is a small answer, and one at
+            # a time their round trips alone cost half a refit of a small model.
             index, server = reader
-            for expected in kept:
-                await self._check_tensor(index, server, expected, verify, unread[index])
+            limiter = anyio.CapacityLimiter(_READS_IN_FLIGHT)
+            failures: list[Exception | None] = [None] * len(kept)
+
+            async def one(i: int, expected: Expected) -> None:
+                async with limiter:
+                    try:
+                        await self._check_tensor(index, server, expected, verify, unread[index])
+                    except Exception as exc:
+                        failures[i] = exc
+
+            async with anyio.create_task_group() as tg:
+                for i, expected in enumerate(kept):
+                    tg.start_soon(one, i, expected)
+            # The first failure in the plan's order, whatever order the answers came in.
+            first = next((f for f in failures if f is not None), None)
+            if first is not None:
+                raise first
 
         async def on_readers(
             call: Callable[[int, tuple[int, SGLangWeightReader]], Awaitable[None]],
