@@ -50,7 +50,7 @@ SAMPLE_ELEMENTS = 1024
 #: ``verify="sample"`` reads back at most this many tensors per server and sync: each
 #: read is an HTTP round trip through SGLang's scheduler (a few ms), so a cost that grew
 #: with the buckets would grow with the model.
-SAMPLE_READS = 16
+SAMPLE_READS = 8
 
 
 def choose_reads(kept: Sequence[Expected], version: int) -> list[Expected]:

@@ -114,7 +114,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             trainer sends, so there is no per-bucket digest here). ``"sample"``
             (default): the first rows (about 1024 elements) of the first and last
             tensor of every bucket, kept from the packed bucket (a few KiB each),
-            of which at most 16 are read per server and sync (the first bucket's,
+            of which at most 8 are read per server and sync (the first bucket's,
             the last one's, and others spread over the rest, shifted each version:
             a read is a round trip, so the cost stays fixed as the model grows);
             ``True``: every tensor whole, re-read from the source (one tensor at a
