@@ -8,6 +8,9 @@ a preallocated copy. Measured in the same run:
   refit cannot beat: every byte is read and written once).
 * ``ipc``: ``IPCWeightSynchronizer.sync_weights()`` into the worker (pack into
   the shared ping-pong buffers, handles over ZMQ, ``load_weights`` copies out).
+* ``ipc direct``: the same sync with the trainer's tensors in named shared memory
+  (:func:`aiosync.refit.share_parameters`): no packing, the worker copies from the
+  trainer's own memory (direct mode); its bound is one ``copy_``, 1.00 of ``copy``.
 * ``bound: 2 copies ∥``: copy_ time over that of two ``copy_`` passes run at
   once in two threads, as the refit's pack and load run at once in two
   processes: no refit that copies every byte twice beats it where concurrent
@@ -141,16 +144,35 @@ def _bench_two_copies(source: FlatSource, repeats: int) -> float:
     return best
 
 
+def _share(source: FlatSource) -> Any:
+    """Re-home ``source``'s tensors into a shared-memory arena (direct mode); returns
+    the arena (:class:`aiosync.SharedParameters`), to be closed."""
+    from torch import nn
+
+    from aiosync.refit import share_parameters
+
+    holder = nn.Module()
+    for i, tensor in enumerate(source.tensors.values()):
+        holder.register_parameter(f"p{i}", nn.Parameter(tensor, requires_grad=False))
+    shared = share_parameters(holder)
+    source.tensors = {
+        name: p.detach() for name, p in zip(source.tensors, holder.parameters(), strict=True)
+    }
+    return shared
+
+
 async def _bench_ipc(
     source: FlatSource,
     spec: dict[str, int],
     bucket_bytes: int | None,
     repeats: int,
     trace: bool = False,
+    direct: bool = False,
 ) -> tuple[float, int, dict[str, Any] | None]:
     """Best seconds of ``repeats`` IPC syncs, the staging buffer's bytes (None:
     the synchronizer's default for the manifest), and (``trace``) the timeline of
-    one more sync (``IPCWeightSynchronizer.last_trace``), else None."""
+    one more sync (``IPCWeightSynchronizer.last_trace``), else None. ``direct``: the
+    source's tensors are in an arena (:func:`_share`) and direct mode is on."""
     from aiosync.engines.embedded.engine import EmbeddedEngine
     from aiosync.transports.ipc import IPCWeightSynchronizer
 
@@ -161,7 +183,8 @@ async def _bench_ipc(
         runner_factory=f"{__name__}.FlatModel",
         threads_per_worker=torch.get_num_threads(),
     )
-    async with engine, IPCWeightSynchronizer(source, engine, bucket_bytes=bucket_bytes) as sync:
+    sync_cm = IPCWeightSynchronizer(source, engine, bucket_bytes=bucket_bytes, direct=direct)
+    async with engine, sync_cm as sync:
         await sync.init_communicator()
         assert sync.plan is not None
         used_bucket_bytes = sync.plan.bucket_bytes
@@ -251,7 +274,7 @@ def main() -> None:
         total = int(size_gb * GB)
         spec = _spec(total, args.tensor_mb)
         nbytes = spec["count"] * spec["numel"] * 2
-        if _available_bytes() < 3.5 * nbytes + 2 * (bucket_bytes or nbytes // 8):
+        if _available_bytes() < 4.5 * nbytes + 2 * (bucket_bytes or nbytes // 8):
             rows.append({"size_gb": size_gb, "skipped": "not enough available memory"})
             continue
         source = FlatSource(spec)
@@ -260,8 +283,16 @@ def main() -> None:
         ipc_s, used_bucket_bytes, trace = asyncio.run(
             _bench_ipc(source, spec, bucket_bytes, repeats, args.trace)
         )
+        shared = _share(source)
+        try:
+            direct_s, _, _ = asyncio.run(
+                _bench_ipc(source, spec, bucket_bytes, repeats, direct=True)
+            )
+        finally:
+            shared.close()
         del source
         copy_gbps, ipc_gbps = nbytes / copy_s / GB, nbytes / ipc_s / GB
+        direct_gbps = nbytes / direct_s / GB
         row: dict[str, Any] = {
             "size_gb": size_gb,
             "bytes": nbytes,
@@ -270,6 +301,8 @@ def main() -> None:
             "copy_gbps": round(copy_gbps, 3),
             "ipc_gbps": round(ipc_gbps, 3),
             "ratio": round(ipc_gbps / copy_gbps, 3),
+            "ipc_direct_gbps": round(direct_gbps, 3),
+            "ratio_direct": round(direct_gbps / copy_gbps, 3),
             "bound_two_copies": round(copy_s / two_s, 3),
         }
         if trace is not None:
@@ -312,12 +345,15 @@ def _print_table(rows: list[dict[str, Any]], machine: Machine) -> None:
         "IPC GB/s",
         "IPC / copy_",
         "bound: 2 copies ∥",
+        "direct GB/s",
+        "direct / copy_",
+        "bound: 1 copy",
     )
     for column in columns:
         table.add_column(column, justify="right")
     for row in rows:
         if "skipped" in row:
-            table.add_row(f"{row['size_gb']:g}", "-", "-", "-", "-", "-", row["skipped"])
+            table.add_row(f"{row['size_gb']:g}", *["-"] * 8, row["skipped"])
             continue
         table.add_row(
             f"{row['bytes'] / GB:.3f}",
@@ -327,6 +363,9 @@ def _print_table(rows: list[dict[str, Any]], machine: Machine) -> None:
             f"{row['ipc_gbps']:.2f}",
             f"{row['ratio']:.2f}x",
             f"{row['bound_two_copies']:.2f}x",
+            f"{row['ipc_direct_gbps']:.2f}",
+            f"{row['ratio_direct']:.2f}x",
+            "1.00x",
         )
     Console().print(table)
     if (warning := machine.warning()) is not None:

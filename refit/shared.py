@@ -79,10 +79,12 @@ def share_parameters(module: nn.Module, *, buffers: bool = True) -> SharedParame
     an optimizer built before or after is unaffected, and tied parameters stay tied.
 
     Call it once, after the module is on CPU in its training dtype and before the first
-    sync; what the optimizer allocates (its states) stays private. Direct mode relies
-    on the sync reading the tensors while no optimizer step runs: take the steps inside
-    :meth:`~aiosync.WeightSynchronizer.policy_update` (a sync waits for it, and it for
-    a sync), never beside a sync after a bare ``mark_stale()``.
+    sync; what the optimizer allocates (its states) stays private. A view or a ``.data``
+    alias of a parameter taken before the call (an object that cached ``p.detach()``)
+    keeps the old memory and no longer sees the training: take such views after it.
+    Direct mode relies on the sync reading the tensors while no optimizer step runs:
+    take the steps inside :meth:`~aiosync.WeightSynchronizer.policy_update` (a sync
+    waits for it, and it for a sync), never beside a sync after a bare ``mark_stale()``.
 
     Args:
         module: a module whose tensors are dense CPU tensors (not DTensors: a sharded

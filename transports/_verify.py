@@ -38,6 +38,7 @@ __all__ = [
     "disarm_transit_faults",
     "sample_key",
     "transit_fault",
+    "transit_fault_armed",
     "verify_label",
     "views_digest",
 ]
@@ -168,6 +169,11 @@ def arm_transit_fault(bucket: int, byte: int) -> None:
     this process receives it, before its copy and its check: a transport fault
     on the receive path. One-shot."""
     _ARMED[int(bucket)] = int(byte)
+
+
+def transit_fault_armed(bucket: int) -> bool:
+    """Whether a test armed a transit fault for ``bucket`` in this process."""
+    return bucket in _ARMED
 
 
 def disarm_transit_faults() -> None:

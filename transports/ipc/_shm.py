@@ -44,9 +44,10 @@ from .._cuda_ipc import allocator_settings, ipc_shareable_allocations
 __all__ = ["EMPTY_HANDLE", "MappedBuffer", "SharedBuffer", "open_handle"]
 
 _NAME_PREFIX = "aiosync-"
-# What a segment name we created looks like; anything else in a handle is refused
-# so a forged message cannot make a receiver map an arbitrary segment.
-_NAME_RE = re.compile(r"^aiosync-[0-9]+-[0-9a-f]{16}$")
+# What a segment name we created looks like (a bucket's, or a trainer arena's of
+# direct mode: aiosync/_arena.py); anything else in a handle is refused so a forged
+# message cannot make a receiver map an arbitrary segment.
+_NAME_RE = re.compile(r"^aiosync-(?:params-)?[0-9]+-[0-9a-f]{16}$")
 
 #: The handle of a zero-byte buffer: no memory is shared, the receiver maps nothing.
 EMPTY_HANDLE: Mapping[str, Any] = {"kind": "empty", "nbytes": 0}

@@ -100,9 +100,10 @@ from aiosync.interfaces import (
 from .._identity import CPU_LABEL, device_identity
 from .._leftovers import dir_prefix, sweep_leftovers
 from .._ranks import OnTrainerRanks, TrainerRanks, drain
-from .._verify import Verify, bucket_digest, check_verify, sample_key
+from .._verify import Verify, bucket_digest, check_verify, sample_key, views_digest
 from .._wire import decode, encode, error_fields, rebuild_error
 from ..packing import Bucket, BucketPlan, group_by_bucket, pack, plan_buckets
+from ._direct import direct_refs
 from ._shm import EMPTY_HANDLE, SharedBuffer
 from ._votes import RankVotes, collective_error, own_process
 
@@ -236,6 +237,15 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
             :class:`~aiosync.errors.RefitVerificationError` naming the bucket
             and its first tensor, the worker's weights stay invalid until a sync
             lands. Read at each sync (``sync.verify = True`` takes effect at the next).
+            A direct bucket digests the tensors' own bytes, the same on both sides.
+        direct: one copy instead of two where the trainer's tensors live in named
+            shared memory (:func:`aiosync.refit.share_parameters`, CPU): a bucket
+            whose every tensor is such a view (contiguous, in the manifest's dtype)
+            is not packed; the workers map the trainer's memory (kept mapped between
+            syncs) and copy from it into their weights. Any other bucket is packed
+            (``transports/ipc/_direct.py``). Relies on the sync reading the tensors
+            while no optimizer step runs: step inside :meth:`policy_update`. Default
+            True (nothing changes for a trainer whose tensors are not shared).
 
     Raises:
         ValueError: a non-positive size, fraction or timeout; group rank 0 of a
@@ -263,6 +273,7 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
         trace: bool = False,
         delta: bool = False,
         verify: Verify = "sample",
+        direct: bool = True,
     ) -> None:
         # Every check before the base class's __init__, which registers the
         # discard listener on the engine: a refused synchronizer leaves none behind.
@@ -318,6 +329,8 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
         self.trace = trace
         #: How each bucket is checked on arrival (``True``, ``False``, ``"sample"``).
         self.verify: Verify = verify
+        #: Whether buckets of shared-memory tensors go unpacked (read at each sync).
+        self.direct = direct
         #: The timeline of the last sync made with :attr:`trace` on (None before
         #: one): ``{"clock": "time.monotonic", "trainer": [row per bucket],
         #: "workers": {global rank: [row per bucket]}}``, rows in send order,
@@ -676,6 +689,8 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
             session["trace"] = True
             trainer_rows = []
         sender = self._sender
+        # Direct mode maps CPU arenas only (CUDA tensors are packed, see _direct.py).
+        sender.direct = self.direct and self.device.type == "cpu"
         peers = [rank for lane in lanes for rank in lane.ranks]
         result = 0
         results: list[dict[str, Any]] = []
@@ -803,6 +818,8 @@ class _BucketSender:
         # Each worker's identity as last heard: a worker keeps its socket from one
         # sync to the next, so an abort must reach that identity too.
         self._known_idents: dict[int, bytes] = {}
+        #: Whether a bucket of arena tensors goes direct (set per sync by the synchronizer).
+        self.direct = False
         #: Names a worker in an error it sent (a fleet names its engine too).
         self.describe_worker: Callable[[int], str] = lambda rank: f"engine worker {rank}"
         # The send in flight: its cancel scope, its sync, and an event set when it ends.
@@ -965,8 +982,25 @@ class _BucketSender:
                 _stamp(row, "sent")
                 await self._send_all(sync_id, peers, encode({**data, "handle": dict(EMPTY_HANDLE)}))
                 continue
-            transient: SharedBuffer | None = None
             group: list[tuple[str, torch.Tensor]] | None = None
+            if self.direct:
+                # Whether a bucket goes direct depends on its tensors: read them first.
+                read, _ = await anyio.to_thread.run_sync(
+                    self._read_and_pack, groups, None, None, last, row
+                )
+                assert read is not None
+                group = read
+                refs = direct_refs(read)
+                if refs is not None:
+                    if check.verify is not False:
+                        own = await anyio.to_thread.run_sync(check.views_digest, bucket, read)
+                        data.update(check.fields(bucket, own))
+                    del group, read
+                    _stamp(row, "sent")
+                    await self._send_all(sync_id, peers, encode({**data, "direct": refs}))
+                    nbytes += sum(s.nbytes for s in bucket.slots)
+                    continue
+            transient: SharedBuffer | None = None
             if bucket.nbytes > fits:
                 transient = await anyio.to_thread.run_sync(
                     SharedBuffer.create, bucket.nbytes, self.device
@@ -978,9 +1012,10 @@ class _BucketSender:
                 if previous is not None and not stream.acked(previous):
                     # Read the source while the workers still load the bucket that
                     # holds this buffer; pack once they acknowledged it.
-                    group, _ = await anyio.to_thread.run_sync(
-                        self._read_and_pack, groups, None, None, False, row
-                    )
+                    if group is None:
+                        group, _ = await anyio.to_thread.run_sync(
+                            self._read_and_pack, groups, None, None, False, row
+                        )
                     await self._wait_acks(sync_id, stream, previous)
                 buffer = self._buffers[slot]
                 stream.holder[slot] = seq
@@ -1237,6 +1272,13 @@ class _Check(NamedTuple):
             key=sample_key(self.version, bucket.index),
             slots=[(s.offset, s.nbytes) for s in bucket.slots],
         )
+
+    def views_digest(self, bucket: Bucket, group: Sequence[tuple[str, torch.Tensor]]) -> int:
+        """The digest of a direct bucket: its tensors' own bytes, in slot order
+        (:func:`~aiosync.transports._verify.views_digest`; blocking)."""
+        assert self.verify is not False
+        views = [t.detach().reshape(-1).view(torch.uint8) for _name, t in group]
+        return views_digest(views, self.verify, key=sample_key(self.version, bucket.index))
 
     def fields(self, bucket: Bucket, digest: int) -> dict[str, Any]:
         """What a ``data`` message carries for the worker's check: the mode, the

@@ -81,9 +81,17 @@ from aiosync.errors import (
 )
 
 from .._identity import WorkerIdentityMixin
-from .._verify import Verify, bucket_digest, check_verify, transit_fault
+from .._verify import (
+    Verify,
+    bucket_digest,
+    check_verify,
+    transit_fault,
+    transit_fault_armed,
+    views_digest,
+)
 from .._wire import decode, encode, error_fields
-from ..packing import Bucket, BucketPlan, compare_manifests, plan_buckets, unpack
+from ..packing import Bucket, BucketPlan, compare_manifests, pack, plan_buckets, unpack
+from ._direct import direct_views
 from ._shm import MappedBuffer, open_handle
 
 __all__ = ["IPCWorkerMixin"]
@@ -507,8 +515,9 @@ class IPCWorkerMixin(WorkerIdentityMixin):
         one bucket (default: ``load_weights`` of its tensors) and returns the
         tensors it wrote. Returns ``(tensors, bytes)`` loaded."""
         load_weights = self.model_runner.model.load_weights  # type: ignore[attr-defined]
+        default_load = load
         if load is None:
-            load = self._aiosync_full_loader()
+            load = default_load = self._aiosync_full_loader()
         discards = self.aiosync_discard_epoch
         arrived = [0] * len(plan.buckets)
         tensors = nbytes = 0
@@ -516,7 +525,61 @@ class IPCWorkerMixin(WorkerIdentityMixin):
             msg = link.recv(state, sync_id, timeout_s)
             received = time.monotonic()
             kind = msg.get("t")
-            if kind == "data":
+            if kind == "data" and "direct" in msg:
+                seq, index = _direct_fields(msg, len(plan.buckets))
+                if device is not None and msg.get("device") != device:
+                    raise TransportError(
+                        f"a direct bucket of device {msg.get('device')} reached a worker on "
+                        f"device {device}: arenas are only mapped on their own device"
+                    )
+                if load is not default_load:
+                    raise TransportError("a direct bucket reached a worker applying patches")
+                senders.add(str(msg.get("device")))
+                bucket = plan.buckets[index]
+
+                def arena(name: str, size: int) -> torch.Tensor:
+                    handle = {"kind": "shm", "name": name, "nbytes": size}
+                    key = repr(sorted(handle.items()))
+                    if key not in mapped:
+                        mapped[key] = open_handle(handle)
+                    if keep is not None:
+                        keep.add(key)  # kept mapped while the trainer sends from it
+                    return mapped[key].tensor
+
+                views = direct_views(msg["direct"], bucket, arena)
+                if transit_fault_armed(index):
+                    # The test fault must not write into the trainer's own memory: it
+                    # lands in a private copy, which is then what is loaded.
+                    copy = torch.empty(bucket.nbytes, dtype=torch.uint8)
+                    pack(bucket, views, out=copy)
+                    transit_fault(copy, index)
+                    views = list(unpack(copy, bucket))
+                check = _check_fields(msg)
+                self.aiosync_weights_valid = False
+                state.touched = sync_id
+                load_start = time.monotonic()
+                with torch.no_grad():
+                    loaded = load_weights(views)
+                if check is not None:
+                    raw = [t.reshape(-1).view(torch.uint8) for _name, t in views]
+                    _verify_digest(bucket, views_digest(raw, check[0], key=check[1]), *check)
+                load_end = time.monotonic()
+                arrived[index] += 1
+                tensors += int(loaded) if isinstance(loaded, int) else len(bucket.slots)
+                nbytes += sum(slot.nbytes for slot in bucket.slots)
+                if trace is not None:
+                    trace.append(
+                        {
+                            "seq": seq,
+                            "received": received,
+                            "load_start": load_start,
+                            "load_end": load_end,
+                            "ack_sent": time.monotonic(),
+                            "direct": True,
+                        }
+                    )
+                link.sock.send(encode({"t": "ack", "sync_id": sync_id, "seq": seq}))
+            elif kind == "data":
                 seq, index, handle = _data_fields(msg, len(plan.buckets))
                 if device is not None and msg.get("device") != device:
                     raise TransportError(
@@ -541,7 +604,11 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                     torch.cuda.current_stream(buffer.tensor.device).synchronize()
                 if check is not None:
                     # After the copy: what the weights took is what is digested.
-                    _verify_bucket(bucket, buffer.tensor, *check)
+                    slots = [(s.offset, s.nbytes) for s in bucket.slots]
+                    received_digest = bucket_digest(
+                        buffer.tensor[: bucket.nbytes], check[0], key=check[1], slots=slots
+                    )
+                    _verify_digest(bucket, received_digest, *check)
                 load_end = time.monotonic()
                 if handle.get("transient"):
                     mapped.pop(key).close()
@@ -795,18 +862,24 @@ def _check_fields(msg: Mapping[str, Any]) -> tuple[Verify, int, int] | None:
     return verify, key, digest
 
 
-def _verify_bucket(
-    bucket: Bucket, buffer: torch.Tensor, verify: Verify, key: int, sent: int
-) -> None:
-    """Compare the digest of ``bucket`` as received (the first ``bucket.nbytes``
-    bytes of ``buffer``, ``uint8``) with the trainer's ``sent``.
+def _direct_fields(msg: Mapping[str, Any], num_buckets: int) -> tuple[int, int]:
+    try:
+        seq, index = int(msg["seq"]), int(msg["bucket"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise TransportError(f"malformed data message: {exc!r}") from exc
+    if not 0 <= index < num_buckets:
+        raise RefitMismatchError(f"bucket {index} is not in the plan ({num_buckets} buckets)")
+    return seq, index
+
+
+def _verify_digest(bucket: Bucket, received: int, verify: Verify, key: int, sent: int) -> None:
+    """Compare the digest of ``bucket`` as received with the trainer's ``sent``
+    (``key``: the sample's seed, unused here: the digest is computed).
 
     Raises:
         RefitVerificationError: they differ (the bucket, its first tensor, both
             digests and the mode named; the trainer names the worker).
     """
-    slots = [(s.offset, s.nbytes) for s in bucket.slots]
-    received = bucket_digest(buffer[: bucket.nbytes], verify, key=key, slots=slots)
     if received != sent:
         names = repr(bucket.slots[0].name) if bucket.slots else "no tensor"
         if len(bucket.slots) > 1:
