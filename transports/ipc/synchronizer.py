@@ -25,6 +25,11 @@ concurrently):
    packed while the engine loads bucket ``k``; a buffer is reused only after
    every worker acknowledged the bucket it held. A bucket larger than the
    buffers (a lone oversized tensor) gets a buffer of its own, freed after its acks.
+   In direct mode (``direct=True``, the default) a bucket whose every tensor lies in
+   a shared-memory arena of the trainer (:func:`aiosync.refit.share_parameters`)
+   travels as ``data {sync_id, seq, bucket, direct: [[arena, nbytes, offset], ...]}``
+   instead: no packing, the worker copies from the trainer's own memory
+   (``transports/ipc/_direct.py``).
 3. trainer → ``end {sync_id, buckets, kv_scales}`` once every worker acknowledged
    every bucket (``end`` commits: no worker may take it while another can still
    fail); each worker checks every manifest entry arrived exactly once, loads
