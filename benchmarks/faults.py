@@ -1153,6 +1153,28 @@ def main() -> None:
         print(json.dumps({"cells": [asdict(c) for c in cells], **machine.fields()}))
 
 
+_VERIFICATION = """
+## Verified refits
+
+Every transport checks what arrived by default (`verify="sample"`; `True`: every byte;
+`False`: nothing), and a mismatch fails the sync like any other fault (the
+`corrupted in transit` cells): `RefitVerificationError` naming the worker (the server),
+the bucket and its first tensor, the version kept, the engine refusing to generate, the
+next sync healing. IPC and the collective digest (XXH3) each bucket while packing and
+each receiver the same bytes after its copy out of them (the first and last byte of
+every tensor and 4096 positions drawn afresh per sync and bucket; `True`: every byte),
+before any worker commits (the collective: before the vote; with `overlap="staged"` the
+previous version stays live). LoRA adapters: a digest per tensor, checked by the embedded
+engine's workers before PEFT loads them, and for vLLM and SGLang on the adapter folder
+read back before the engine reads it. HTTP (SGLang checks no digest): a read-back through
+`/get_weights_by_name` before the version is labelled (`"sample"`: the first rows of at
+most 8 tensors per server and sync, the plan's first and last always, the rest rotating
+by version; `True`: every tensor whole, as JSON). `verify_engine()` checks the live
+weights against the trainer's, moving none (slime's `--check-weight-update-equal`).
+The cost of each check per transport is `benchmarks/verify.py`'s table.
+"""
+
+
 def _report(lines: list[str], machine: Machine) -> str:
     doc = (__doc__ or "").split("Usage::")[0].strip().splitlines()
     return "\n".join(
@@ -1174,6 +1196,8 @@ def _report(lines: list[str], machine: Machine) -> str:
             "(`tests/http/test_sglang_test_server_parent_death.py`), and the next aiosync process",
             "sweeps the dead trainer's `/dev/shm` segments and socket folders",
             "(`tests/ipc/test_leftovers.py`); `expandable_segments` (C20) waits for a GPU run.",
+            "",
+            *_VERIFICATION.strip().splitlines(),
             "",
         ]
     )
