@@ -883,14 +883,31 @@ def _healed(job: Job) -> bool:
     return exact and all(s is not None and s["after_heal"][2] is False for s in job.seen)
 
 
+@contextlib.contextmanager
+def _recording(cell: Cell) -> Iterator[list[str]]:
+    """The notes of a cell run inside: an error stops the cell and is noted (the cell
+    says where it stopped, not instead of what it saw), then what the run left behind
+    is counted and ``cell.note`` set."""
+    notes: list[str] = []
+    before = _aiosync_entries()
+    try:
+        yield notes
+    except Exception as exc:
+        notes.append(f"the cell stopped at {type(exc).__name__}: {_short(str(exc), 160)}")
+    finally:
+        left = sorted(_aiosync_entries() - before)
+        cell.left_behind = len(left)
+        if left:
+            notes.append("left: " + ", ".join(left))
+        cell.note = "; ".join(notes)
+
+
 def sharded_cell(transport: str, fault: str, workdir: Path) -> Cell:
     """Run one sharded cell: :data:`SHARDED_FAULTS` ``fault`` on rank 1 of the
     ``transport`` trainer; a restarted job heals where the processes cannot."""
     cell = Cell(f"{transport}, {RANKS} FSDP2 ranks", fault)
     scenario = SHARDED_FAULTS[fault]
-    notes: list[str] = []
-    before = _aiosync_entries()
-    try:
+    with _recording(cell) as notes:
         job = rank_job(transport, scenario, workdir)
         expected_codes = [
             -signal.SIGKILL if r == FAILED_RANK and scenario == "kill" else 0 for r in range(RANKS)
@@ -939,14 +956,6 @@ def sharded_cell(transport: str, fault: str, workdir: Path) -> Cell:
             restart = rank_job(transport, "heal", workdir)
             cell.heals = _healed(restart) and restart.codes == [0] * RANKS
             notes.append("healed after a restart of both ranks")
-    except Exception as exc:
-        notes.append(f"the cell stopped at {type(exc).__name__}: {_short(str(exc), 160)}")
-    finally:
-        left = sorted(_aiosync_entries() - before)
-        cell.left_behind = len(left)
-        if left:
-            notes.append("left: " + ", ".join(left))
-        cell.note = "; ".join(notes)
     return cell
 
 
@@ -994,9 +1003,7 @@ async def _events_so_far(events: Any) -> list[Any]:
 async def quarantine_cell(transport: str, seed: int) -> Cell:
     """Run the :data:`QUARANTINE_FAULT` cell of ``transport``; see the module docs."""
     cell = Cell(f"{transport}, fleet of 2", QUARANTINE_FAULT)
-    notes: list[str] = []
-    before = _aiosync_entries()
-    try:
+    with _recording(cell) as notes:
         async with contextlib.AsyncExitStack() as stack:
             members: list[EngineUnderTest] = []
             for _ in range(2):
@@ -1056,14 +1063,6 @@ async def quarantine_cell(transport: str, seed: int) -> Cell:
             notes.append(f"ENGINE_QUARANTINED {quarantined}, ENGINE_JOINED {joined}")
             exact = [await _matches(m, trainer.model) for m in members]
             cell.heals = not sync.is_stale and all(exact) and len(joined) == 1
-    except Exception as exc:
-        notes.append(f"the cell stopped at {type(exc).__name__}: {_short(str(exc), 160)}")
-    finally:
-        left = sorted(_aiosync_entries() - before)
-        cell.left_behind = len(left)
-        if left:
-            notes.append("left: " + ", ".join(left))
-        cell.note = "; ".join(notes)
     return cell
 
 
