@@ -163,13 +163,16 @@ async def test_keep_retracts_the_request_and_continues_it_on_new_weights(
     paths = [path for path, _ in log]
     start = len(paths) - 1 - paths[::-1].index("/begin_weight_update") - 1
     sync_paths = paths[start:]
-    # One weight-update session around the load, inside the retract pause.
-    assert sync_paths[:4] == [
+    # One weight-update session around the load and verify's read-back (the default
+    # "sample": /get_weights_by_name before the session ends), inside the retract pause.
+    session = sync_paths[: sync_paths.index("/end_weight_update") + 1]
+    assert session[:3] == [
         "/pause_generation",
         "/begin_weight_update",
         "/update_weights_from_tensor",
-        "/end_weight_update",
     ]
+    assert session[-1] == "/end_weight_update"
+    assert session[3:-1] and set(session[3:-1]) == {"/get_weights_by_name"}
     # The retracted request waits in the queue, so SGLang refuses the first flush
     # (sglang #33783): the backend aborts and requeues it, flushes, and continues it
     # on the new weights after the refit resumed generation.
