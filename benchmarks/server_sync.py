@@ -39,15 +39,13 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 from _machine import Machine, repeats_for
 from rich.console import Console
 from rich.table import Table
-from sglang_http import FULL, QUICK, _start_server
+from sglang_http import FULL, QUICK, _random_source, _start_server
 
 from aiosync import EmbeddedEngine, SGLangHTTPBackend, TrainCluster, WeightSynchronizer
-from aiosync.interfaces import RefitManifest
 from aiosync.testing import StateDictSource
 from aiosync.transports.collective import (
     CollectiveWeightSynchronizer,
@@ -108,12 +106,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = _start_server(config, Path(tmp), "--threads", "1")
         try:
-            raw = httpx.get(f"{url}/_aiosync/manifest", timeout=60).json()
-            manifest: RefitManifest = {
-                name: (tuple(shape), getattr(torch, dtype)) for name, shape, dtype in raw
-            }
-            source = StateDictSource.random(manifest)
-            nbytes = sum(t.numel() * t.element_size() for t in source.state_dict.values())
+            source, nbytes = _random_source(url)
             runs: list[tuple[str, Callable[[], Awaitable[float]]]] = [
                 (
                     "in process: collective (gloo) into EmbeddedEngine",
@@ -153,7 +146,7 @@ def main() -> None:
 
     base = rows[0][1]
     table = Table(
-        title=f"one sync, {nbytes / GB:.3f} GB bf16, {len(manifest)} tensors, "
+        title=f"one sync, {nbytes / GB:.3f} GB bf16, {len(source.state_dict)} tensors, "
         f"buckets of {BUCKET_BYTES // 2**20} MiB",
         caption=machine.caption(),
     )
@@ -169,7 +162,7 @@ def main() -> None:
         result = {
             "benchmark": "server_sync",
             "nbytes": nbytes,
-            "tensors": len(manifest),
+            "tensors": len(source.state_dict),
             "bucket_bytes": BUCKET_BYTES,
             "rows": [
                 {"path": label, "seconds": s, "ratio_to_in_process": s / base} for label, s in rows

@@ -134,6 +134,17 @@ def _start_server(
     return proc, f"http://127.0.0.1:{int(port_file.read_text())}"
 
 
+def _random_source(url: str) -> tuple[StateDictSource, int]:
+    """A source of random tensors of the test server's manifest (``/_aiosync/manifest``)
+    at ``url``, and its bytes: content does not change the bytes' path."""
+    raw = httpx.get(f"{url}/_aiosync/manifest", timeout=60).json()
+    manifest: RefitManifest = {
+        name: (tuple(shape), getattr(torch, dtype)) for name, shape, dtype in raw
+    }
+    source = StateDictSource.random(manifest)
+    return source, sum(t.numel() * t.element_size() for t in source.state_dict.values())
+
+
 def _bucket_bytes_for(manifest: RefitManifest, buckets: int) -> int:
     """The bucket size whose plan has the bucket count closest to ``buckets``."""
     total = sum(torch.Size(s).numel() * d.itemsize for s, d in manifest.values())

@@ -21,7 +21,7 @@ and end is printed beside the table: the figures count only as ratios on an idle
 
 Usage::
 
-    python benchmarks/verify.py            # ~0.29 GB, best of 3
+    python benchmarks/verify.py            # ~0.39 GB, best of 3
     python benchmarks/verify.py --quick    # ~31 MB, best of 2, < 1 minute
     python benchmarks/verify.py --json     # last stdout line: one JSON object
 """
@@ -39,15 +39,13 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 from _machine import Machine, repeats_for
 from rich.console import Console
 from rich.table import Table
-from sglang_http import FULL, QUICK, _start_server
+from sglang_http import FULL, QUICK, _random_source, _start_server
 
 from aiosync import EmbeddedEngine, SGLangHTTPBackend, TrainCluster, WeightSynchronizer
-from aiosync.interfaces import RefitManifest
 from aiosync.testing import StateDictSource
 from aiosync.transports.collective import CollectiveWeightSynchronizer
 from aiosync.transports.http import HTTPWeightSynchronizer
@@ -55,7 +53,7 @@ from aiosync.transports.ipc import IPCWeightSynchronizer
 
 GB = 1e9
 BUCKET_BYTES = 32 * 2**20
-#: ~0.29 GB of bf16 tensors (8 of FULL's 30 layers).
+#: ~0.39 GB of bf16 tensors (8 of FULL's 30 layers).
 MID = {**FULL, "num_hidden_layers": 8}
 MODES: tuple[bool | str, ...] = (False, "sample", True)
 
@@ -138,12 +136,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = _start_server(config, Path(tmp), "--threads", "1")
         try:
-            raw = httpx.get(f"{url}/_aiosync/manifest", timeout=60).json()
-            manifest: RefitManifest = {
-                name: (tuple(shape), getattr(torch, dtype)) for name, shape, dtype in raw
-            }
-            source = StateDictSource.random(manifest)
-            nbytes = sum(t.numel() * t.element_size() for t in source.state_dict.values())
+            source, nbytes = _random_source(url)
             runs: list[tuple[str, Callable[[], Awaitable[dict[str, float]]]]] = [
                 ("ipc", lambda: _embedded(config, source, machine.repeats, "ipc")),
                 ("collective", lambda: _embedded(config, source, machine.repeats, "collective")),
@@ -157,7 +150,7 @@ def main() -> None:
     machine.finish()
 
     table = Table(
-        title=f"one sync, {nbytes / GB:.3f} GB bf16, {len(manifest)} tensors, "
+        title=f"one sync, {nbytes / GB:.3f} GB bf16, {len(source.state_dict)} tensors, "
         f"buckets of {BUCKET_BYTES // 2**20} MiB",
         caption=machine.caption(),
     )
@@ -176,7 +169,7 @@ def main() -> None:
         result = {
             "benchmark": "verify",
             "nbytes": nbytes,
-            "tensors": len(manifest),
+            "tensors": len(source.state_dict),
             "bucket_bytes": BUCKET_BYTES,
             "rows": rows,
             **machine.fields(),
