@@ -95,8 +95,25 @@ def _second_slot(plan: BucketPlan) -> tuple[Bucket, TensorSlot]:
     return bucket, bucket.slots[1]
 
 
+def _unsampled_byte(plan: BucketPlan, version: int) -> tuple[Bucket, int]:
+    """A bucket and a byte in the second half of one of its tensors that the sample
+    of ``version`` leaves out (a bucket of at most ``SAMPLE_BYTES`` bytes has none)."""
+    for bucket in plan.buckets:
+        slots = [(s.offset, s.nbytes) for s in bucket.slots]
+        sampled = set(
+            sample_positions(bucket.nbytes, sample_key(version, bucket.index), slots).tolist()
+        )
+        for slot in bucket.slots:
+            for byte in range(slot.offset + slot.nbytes // 2, slot.offset + slot.nbytes - 1):
+                if byte not in sampled:
+                    return bucket, byte
+    raise AssertionError("every byte of the plan is sampled")
+
+
 def _names(bucket: Bucket) -> str:
     """How the error names the bucket's tensors."""
+    if len(bucket.slots) == 1:
+        return repr(bucket.slots[0].name)
     return f"{bucket.slots[0].name!r} and {len(bucket.slots) - 1} more"
 
 
@@ -169,20 +186,7 @@ async def test_full_verify_catches_a_flipped_byte_the_sample_would_miss(
         await sync.mark_stale()
         await sync.sync_weights()
         _perturb(trainer, seed=2)
-        bucket, slot = _second_slot(sync.plan)
-        # A byte inside the tensor that the sample of version 2 leaves out.
-        sampled = set(
-            sample_positions(
-                bucket.nbytes,
-                sample_key(2, bucket.index),
-                [(s.offset, s.nbytes) for s in bucket.slots],
-            ).tolist()
-        )
-        byte = next(
-            b
-            for b in range(slot.offset + slot.nbytes // 2, slot.offset + slot.nbytes - 1)
-            if b not in sampled
-        )
+        bucket, byte = _unsampled_byte(sync.plan, version=2)
         await _arm(verify_pool, FAULTY, bucket.index, byte)
         await sync.mark_stale()
         with pytest.raises(RefitVerificationError) as info:

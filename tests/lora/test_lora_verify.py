@@ -22,7 +22,12 @@ from lora_harness import CONFIG, ENGINE_SEED, NEW_TOKENS, PROMPTS, LoRATrainer
 from aiosync import LoRAAdapter, LoRAAdapterSynchronizer, RefitVerificationError, SyncError
 from aiosync.engines.embedded._worker import tensor_from_wire
 from aiosync.engines.embedded.engine import EmbeddedEngine
-from aiosync.transports._verify import arm_transit_fault, sample_key, sample_positions
+from aiosync.transports._verify import (
+    SAMPLE_BYTES,
+    arm_transit_fault,
+    sample_key,
+    sample_positions,
+)
 from aiosync.transports.lora import adapter_digests, check_saved_adapter
 
 #: The async tests share the module's engine, so its event loop.
@@ -59,11 +64,11 @@ async def _arm(engine: EmbeddedEngine, tensor: int, byte: int) -> None:
     await engine.collective_rpc("aiosync_test_arm_transit_fault", (tensor, byte))
 
 
-def _caught(name: str, version: int, mode: str) -> str:
-    """The error's text (a regex) for tensor :data:`TENSOR` named ``name``."""
+def _caught(name: str, version: int, mode: str, tensor: int = TENSOR) -> str:
+    """The error's text (a regex) for tensor ``tensor`` named ``name``."""
     return (
         rf"engine worker 0 \(embedded_load_lora_adapter\): LoRA adapter 'aiosync-v{version}': "
-        rf"tensor {TENSOR} \({re.escape(repr(name))}\) arrived with digest -?\d+, "
+        rf"tensor {tensor} \({re.escape(repr(name))}\) arrived with digest -?\d+, "
         rf"the trainer sent -?\d+ \(verify={re.escape(mode)}\)"
     )
 
@@ -102,21 +107,24 @@ async def test_sample_verify_by_default_catches_a_flipped_first_byte_and_the_nex
 
 
 @on_module_loop
-async def test_full_verify_catches_a_flipped_byte_the_sample_would_miss(
+async def test_full_verify_catches_a_flipped_middle_byte(
     engine: EmbeddedEngine, trainer: LoRATrainer
 ) -> None:
     async with LoRAAdapterSynchronizer(trainer.source, engine, verify=True) as sync:
         await sync.mark_stale()
         await sync.sync_weights()
         trainer.step(seed=22)
+        # A byte in the middle of the tensor. (The sample, too, covers every byte of
+        # a tensor of at most SAMPLE_BYTES bytes, as these are; tests/packing and
+        # tests/collective flip a byte that it leaves out of larger ones.)
         name, tensor = list(_adapter(trainer).items())[TENSOR]
         nbytes = tensor.numel() * tensor.element_size()
-        # A byte in the middle of the tensor that the sample of version 2 leaves out.
-        sampled = set(sample_positions(nbytes, sample_key(2, TENSOR), [(0, nbytes)]).tolist())
-        byte = next(b for b in range(nbytes // 2, nbytes - 1) if b not in sampled)
-        await _arm(engine, TENSOR, byte)
+        assert nbytes <= SAMPLE_BYTES
+        assert nbytes // 2 in sample_positions(nbytes, sample_key(2, TENSOR), [(0, nbytes)])
+        index = TENSOR
+        await _arm(engine, index, nbytes // 2)
         await sync.mark_stale()
-        with pytest.raises(RefitVerificationError, match=_caught(name, 2, "True")):
+        with pytest.raises(RefitVerificationError, match=_caught(name, 2, "True", index)):
             await sync.sync_weights()
         assert (sync.weight_version, sync.is_stale) == (1, True)
         await sync.sync_weights()

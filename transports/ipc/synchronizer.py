@@ -29,7 +29,9 @@ concurrently):
    a shared-memory arena of the trainer (:func:`aiosync.refit.share_parameters`)
    travels as ``data {sync_id, seq, bucket, direct: [[arena, nbytes, offset], ...]}``
    instead: no packing, the worker copies from the trainer's own memory
-   (``transports/ipc/_direct.py``).
+   (``transports/ipc/_direct.py``). It asks no ack (``ack: false``): no buffer
+   waits for it, so a run of direct buckets is read in one thread hop and sent at
+   once, and the trainer stays idle while the workers copy.
 3. trainer → ``end {sync_id, buckets, kv_scales}`` once every worker acknowledged
    every bucket (``end`` commits: no worker may take it while another can still
    fail); each worker checks every manifest entry arrived exactly once, loads
@@ -108,7 +110,7 @@ from .._ranks import OnTrainerRanks, TrainerRanks, drain
 from .._verify import Verify, bucket_digest, check_verify, sample_key, views_digest
 from .._wire import decode, encode, error_fields, rebuild_error
 from ..packing import Bucket, BucketPlan, group_by_bucket, pack, plan_buckets
-from ._direct import direct_refs
+from ._direct import DirectRef, direct_refs
 from ._shm import EMPTY_HANDLE, SharedBuffer
 from ._votes import RankVotes, collective_error, own_process
 
@@ -962,16 +964,19 @@ class _BucketSender:
         # A buffer fits the largest regular bucket of the plan it was made for; a
         # bigger bucket (an oversized tensor, a wire plan's) gets a buffer of its own.
         fits = min((b.nbytes for b in self._buffers), default=0)
-        for i, bucket in enumerate(plan.buckets):
+        # The next bucket's tensors when a direct run read them and they are not direct.
+        ahead: list[tuple[str, torch.Tensor]] | None = None
+        # Direct buckets read per thread hop: 1, 2, 4, ... so the first goes out at
+        # once and the trainer's digests keep ahead of the workers' copies.
+        batch = 1
+        i = 0
+        while i < count:
+            bucket = plan.buckets[i]
             seq = len(stream.audience)
             stream.audience.append(peers)
             # group_by_bucket yields the plan's buckets in order: ``bucket`` is known
             # before the source is read, so its buffer can be chosen first.
-            row: dict[str, Any] | None = None
-            if trace is not None and stream.rows is not None:
-                row = {"seq": seq, "bucket": bucket.index, "bytes": bucket.nbytes}
-                stream.rows[seq] = row
-                trace.append(row)
+            row = _trace_row(stream, trace, seq, bucket)
             last = i == count - 1
             data = {
                 "t": "data",
@@ -980,6 +985,7 @@ class _BucketSender:
                 "bucket": bucket.index,
                 "device": self.device_id,
             }
+            i += 1
             if bucket.nbytes == 0:
                 # Only zero-size tensors (already checked against their slots by
                 # group_by_bucket): nothing to pack, and no 0-byte segment exists.
@@ -987,24 +993,42 @@ class _BucketSender:
                 _stamp(row, "sent")
                 await self._send_all(sync_id, peers, encode({**data, "handle": dict(EMPTY_HANDLE)}))
                 continue
-            group: list[tuple[str, torch.Tensor]] | None = None
-            if self.direct:
-                # Whether a bucket goes direct depends on its tensors: read them first.
-                read, _ = await anyio.to_thread.run_sync(
-                    self._read_and_pack, groups, None, None, last, row
+            group, ahead = ahead, None
+            if self.direct and group is None:
+                # Whether a bucket goes direct depends on its tensors: read them first,
+                # and the direct buckets after it in the same thread hop (their refs
+                # copy nothing), so the trainer keeps off the CPUs the workers copy on.
+                run, group = await anyio.to_thread.run_sync(
+                    self._read_direct,
+                    groups,
+                    plan.buckets[i - 1 : i - 1 + batch],
+                    check,
+                    row,
+                    count - i + 1,
                 )
-                assert read is not None
-                group = read
-                refs = direct_refs(read)
-                if refs is not None:
-                    if check.verify is not False:
-                        own = await anyio.to_thread.run_sync(check.views_digest, bucket, read)
-                        data.update(check.fields(bucket, own))
-                    del group, read
+                batch *= 2
+                for k, direct in enumerate(run):
+                    if k:
+                        bucket, seq = plan.buckets[i], len(stream.audience)
+                        stream.audience.append(peers)
+                        row = _trace_row(stream, trace, seq, bucket)
+                        i += 1
+                    # Nothing waits on a direct bucket's ack (no buffer to free): the
+                    # worker sends none; its errors and ``done`` still come.
+                    stream.unacked.add(seq)
+                    message = {**data, "seq": seq, "bucket": bucket.index, "ack": False}
+                    if direct.digest is not None:
+                        message.update(check.fields(bucket, direct.digest))
+                    if row is not None:
+                        row.update(pack_start=direct.read_start, pack_end=direct.read_end)
                     _stamp(row, "sent")
-                    await self._send_all(sync_id, peers, encode({**data, "direct": refs}))
+                    message["direct"] = direct.refs
+                    await self._send_all(sync_id, peers, encode(message))
                     nbytes += sum(s.nbytes for s in bucket.slots)
+                if run:
+                    ahead = group  # the next bucket's (not direct), or None
                     continue
+                # This bucket is not direct: ``group`` holds its tensors, packed below.
             transient: SharedBuffer | None = None
             if bucket.nbytes > fits:
                 transient = await anyio.to_thread.run_sync(
@@ -1048,6 +1072,36 @@ class _BucketSender:
             # The source must be exhausted exactly at the plan's end.
             await anyio.to_thread.run_sync(_exhaust, groups)
         return nbytes
+
+    def _read_direct(
+        self,
+        groups: Iterator[tuple[Bucket, list[tuple[str, torch.Tensor]]]],
+        buckets: Sequence[Bucket],
+        check: _Check,
+        row: dict[str, Any] | None,
+        remaining: int,
+    ) -> tuple[list[_DirectBucket], list[tuple[str, torch.Tensor]] | None]:
+        """In a worker thread: read ``buckets[0]`` from the source and, while each
+        bucket read goes direct, the next non-empty ones of ``buckets``. Returns the
+        direct run (refs, digest, when it was read) and the tensors of the bucket
+        that ended it by not going direct (None otherwise). ``remaining``: the plan's
+        buckets from ``buckets[0]`` on; after its last the source is checked ended."""
+        run: list[_DirectBucket] = []
+        for k, bucket in enumerate(buckets):
+            if k and bucket.nbytes == 0:
+                break
+            start = time.monotonic()
+            _bucket, group = next(groups)
+            if k == remaining - 1:
+                _exhaust(groups)
+            refs = direct_refs(group)
+            if refs is None:
+                if k == 0 and row is not None:
+                    row["pack_start"] = start
+                return run, group
+            digest = None if check.verify is False else check.views_digest(bucket, group)
+            run.append(_DirectBucket(refs, digest, start, time.monotonic()))
+        return run, None
 
     def _read_and_pack(
         self,
@@ -1295,6 +1349,16 @@ class _Check(NamedTuple):
         }
 
 
+class _DirectBucket(NamedTuple):
+    """A bucket sent direct: where its tensors lie, its digest (None: not checked),
+    and when reading it from the source started and ended (``time.monotonic()``)."""
+
+    refs: list[DirectRef]
+    digest: int | None
+    read_start: float
+    read_end: float
+
+
 class _Lane(NamedTuple):
     """Buckets of one plan for some of the workers: every tensor (the refit's plan)
     or a delta's patches (their wire plan, :mod:`aiosync.delta`)."""
@@ -1318,10 +1382,25 @@ class _Stream:
     audience: list[dict[int, bytes]] = field(default_factory=list)
     #: The ranks that acknowledged each seq.
     acks: dict[int, set[int]] = field(default_factory=dict)
+    #: The seqs sent without asking for an ack (direct buckets).
+    unacked: set[int] = field(default_factory=set)
 
     def acked(self, seq: int) -> bool:
-        """Whether every worker bucket ``seq`` went to acknowledged it."""
-        return self.acks.get(seq, set()) >= set(self.audience[seq])
+        """Whether every worker bucket ``seq`` went to acknowledged it (or it asked none)."""
+        return seq in self.unacked or self.acks.get(seq, set()) >= set(self.audience[seq])
+
+
+def _trace_row(
+    stream: _Stream, trace: list[dict[str, Any]] | None, seq: int, bucket: Bucket
+) -> dict[str, Any] | None:
+    """A new trace row for bucket ``seq`` (recorded in ``trace`` and the stream);
+    None when not tracing."""
+    if trace is None or stream.rows is None:
+        return None
+    row = {"seq": seq, "bucket": bucket.index, "bytes": bucket.nbytes}
+    stream.rows[seq] = row
+    trace.append(row)
+    return row
 
 
 def _stamp(row: dict[str, Any] | None, key: str) -> None:

@@ -578,7 +578,8 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                             "direct": True,
                         }
                     )
-                link.sock.send(encode({"t": "ack", "sync_id": sync_id, "seq": seq}))
+                if msg.get("ack", True):
+                    link.sock.send(encode({"t": "ack", "sync_id": sync_id, "seq": seq}))
             elif kind == "data":
                 seq, index, handle = _data_fields(msg, len(plan.buckets))
                 if device is not None and msg.get("device") != device:
