@@ -4,13 +4,14 @@ Every transport that moves buckets takes ``verify``:
 
 - ``"sample"`` (the default): the sender digests a sample of each packed bucket,
   the receiver the same sample of what it received, after its copy out of it. The
-  sample is the first and last byte of every tensor slot plus
-  :data:`SAMPLE_BYTES` positions drawn afresh for every sync and bucket (seeded by
-  both), so its cost does not grow with the bucket. It always catches what a
-  transport bug does in bulk (a zeroed, stale, shifted, truncated or swapped
-  bucket or tensor); a lone flipped byte of an ``n``-byte bucket is caught with
-  probability about ``SAMPLE_BYTES / n`` per sync, and a fault that stays put
-  (a bad page) by one of the next syncs.
+  sample is the first and last byte of every tensor slot plus one position in
+  each of :data:`SAMPLE_BYTES` equal strides of the bucket, drawn afresh for every
+  sync and bucket (seeded by both), so its cost does not grow with the bucket. It
+  always catches what a transport bug does in bulk (a zeroed, stale, shifted,
+  truncated or swapped bucket or tensor); a lone flipped byte of an ``n``-byte
+  bucket is caught with probability ``SAMPLE_BYTES / n`` per sync (every byte of
+  a bucket of at most ``SAMPLE_BYTES``), and a fault that stays put (a bad page)
+  by one of the next syncs.
 - ``True``: the digest covers every byte (what the receiver received, copied to
   the host where it is on a GPU); costs about one read of the refit's bytes on
   each side (``benchmarks/verify.py``).

@@ -38,6 +38,12 @@ concurrently):
    the FP8 KV-cache scales (engine names, float32), sets its weights valid,
    answers ``done``.
 
+Inline (one worker, one trainer rank, no delta, a plan whose every bucket has a
+buffer of its own and of at most 16 MiB in all): the trainer packs every bucket
+first and sends its ``data`` messages and ``end`` inside the receive's session
+(``inline``); the worker loads them as if received, with no connection, hello or
+ack, and its reply is the ``done``: one round trip (``benchmarks/fixed_cost.py``).
+
 With ``delta=True`` (:mod:`aiosync.delta`) the trainer first asks every worker
 which version it holds whole (``aiosync_ipc_held_version``). The workers that
 hold the baseline's version get only the patches (their wire tensors, in a
@@ -146,6 +152,11 @@ _RELEASE_TIMEOUT_S = 2.0
 #: sent before it closed its socket (usually queued already), seconds.
 _WORKER_ERROR_GRACE_S = 1.0
 _log = logging.getLogger(__name__)
+
+#: The largest refit sent inside the receive's session (one worker, see
+#: ``_BucketSender.inlines``), bytes: its copy ends well within the 1 s a failed
+#: sync's invalidation waits for a receive still running.
+_INLINE_MAX_BYTES = 16 * 1024 * 1024
 
 #: What a sync in flight raises when ``shutdown()`` interrupts it.
 _SHUT_DOWN_MID_SYNC = "the IPC synchronizer was shut down during the sync"
@@ -714,14 +725,33 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
                 if trainer_rows is not None:
                     worker_rows[int(reply.get("rank", rank))] = list(reply.get("trace") or [])
 
+        # One worker, one trainer rank, a plan that fits the buffers without reusing
+        # one: the whole refit goes inside the receive's session, no connection, one
+        # round trip (the commit rule needs no ack: the one worker commits or not).
+        inline: list[dict[str, Any]] | None = None
+        plan = lanes[0].plan if len(lanes) == 1 else None
+        if (
+            not self._ranks.sharded
+            and delta is None
+            and len(peers) == 1
+            and plan is not None
+            and sender.inlines(plan)
+        ):
+            inline = []
+
         async def send() -> None:
             nonlocal result
             result = await sender.send_lanes(
-                sync_id, lanes, kv, trainer_rows, version=version, verify=verify
+                sync_id, lanes, kv, trainer_rows, version=version, verify=verify, inline=inline
             )
 
         try:
             async with anyio.create_task_group() as tg:
+                if inline is not None:
+                    await send()
+                    session["inline"] = inline
+                    await drive_receivers()
+                    return result
                 if self._ranks.is_driver:
                     tg.start_soon(drive_receivers)
                 tg.start_soon(send)
@@ -827,6 +857,8 @@ class _BucketSender:
         self._known_idents: dict[int, bytes] = {}
         #: Whether a bucket of arena tensors goes direct (set per sync by the synchronizer).
         self.direct = False
+        #: The messages of the inline sync running (see :meth:`send_lanes`), else None.
+        self._inline: list[dict[str, Any]] | None = None
         #: Names a worker in an error it sent (a fleet names its engine too).
         self.describe_worker: Callable[[int], str] = lambda rank: f"engine worker {rank}"
         # The send in flight: its cancel scope, its sync, and an event set when it ends.
@@ -889,11 +921,14 @@ class _BucketSender:
         *,
         version: int = 0,
         verify: Verify = "sample",
+        inline: list[dict[str, Any]] | None = None,
     ) -> int:
         """:meth:`send`, each lane's buckets (its own plan, e.g. a delta's wire plan)
         to its own workers, one lane after the other over the same buffers; one
         hello before and one ``end`` after, for every lane's workers. Returns the
-        bytes packed (each lane's once, however many workers read it)."""
+        bytes packed (each lane's once, however many workers read it). ``inline``
+        (a plan that :meth:`fits_without_reuse`, one worker): the messages go into
+        this list instead, ``end`` last, for the receive's session; nothing is sent."""
         if self._closed:
             raise TransportError("the IPC synchronizer was shut down")
         ended = anyio.Event()
@@ -901,7 +936,12 @@ class _BucketSender:
         with anyio.CancelScope() as scope:
             self._active = (scope, sync_id, ranks, ended)
             try:
-                return await self._send(sync_id, lanes, kv, trace, _Check(verify, version))
+                check = _Check(verify, version)
+                self._inline = inline
+                try:
+                    return await self._send(sync_id, lanes, kv, trace, check)
+                finally:
+                    self._inline = None
             finally:
                 self._active = None
                 ended.set()
@@ -920,7 +960,8 @@ class _BucketSender:
             for lane in lanes:
                 await anyio.to_thread.run_sync(drain, lane.weights)
             return 0
-        peers = await self._handshake(sync_id, ranks)
+        inline = self._inline is not None
+        peers = dict.fromkeys(ranks, b"") if inline else await self._handshake(sync_id, ranks)
         stream = _Stream(holder=[None] * len(self._buffers), rows={} if trace is not None else None)
         nbytes = 0
         for lane in lanes:
@@ -929,7 +970,7 @@ class _BucketSender:
                 continue
             audience = {rank: peers[rank] for rank in lane.ranks}
             nbytes += await self._send_lane(sync_id, lane, audience, stream, trace, check)
-        for seq in range(len(stream.audience)):
+        for seq in range(len(stream.audience) if not inline else 0):
             await self._wait_acks(sync_id, stream, seq)
         end = {
             "t": "end",
@@ -937,7 +978,9 @@ class _BucketSender:
             "buckets": len(stream.audience),
             "kv_scales": [[name, value] for name, value in kv],
         }
-        await self._send_all(sync_id, peers, encode(end))
+        await self._send_all(sync_id, peers, end)
+        if inline:
+            return nbytes  # the receive's reply is the worker's "done"
         done: set[int] = set()
         while len(done) < len(peers):
             rank, msg = await self._recv(sync_id, "the end of the refit")
@@ -991,7 +1034,7 @@ class _BucketSender:
                 # group_by_bucket): nothing to pack, and no 0-byte segment exists.
                 await anyio.to_thread.run_sync(self._read_and_pack, groups, None, None, last, row)
                 _stamp(row, "sent")
-                await self._send_all(sync_id, peers, encode({**data, "handle": dict(EMPTY_HANDLE)}))
+                await self._send_all(sync_id, peers, {**data, "handle": dict(EMPTY_HANDLE)})
                 continue
             group, ahead = ahead, None
             if self.direct and group is None:
@@ -1023,7 +1066,7 @@ class _BucketSender:
                         row.update(pack_start=direct.read_start, pack_end=direct.read_end)
                     _stamp(row, "sent")
                     message["direct"] = direct.refs
-                    await self._send_all(sync_id, peers, encode(message))
+                    await self._send_all(sync_id, peers, message)
                     nbytes += sum(s.nbytes for s in bucket.slots)
                 if run:
                     ahead = group  # the next bucket's (not direct), or None
@@ -1061,7 +1104,7 @@ class _BucketSender:
                 if digest is not None:
                     data.update(check.fields(bucket, digest))
                 _stamp(row, "sent")
-                await self._send_all(sync_id, peers, encode({**data, "handle": handle}))
+                await self._send_all(sync_id, peers, {**data, "handle": handle})
                 nbytes += sum(s.nbytes for s in bucket.slots)
                 if transient is not None:
                     await self._wait_acks(sync_id, stream, seq)
@@ -1141,6 +1184,20 @@ class _BucketSender:
         if buffer.tensor.is_cuda:
             torch.cuda.current_stream(buffer.tensor.device).synchronize()
 
+    def fits_without_reuse(self, plan: BucketPlan) -> bool:
+        """Whether every bucket of ``plan`` gets a buffer of its own: no buffer is
+        reused within a sync and none is made for it, so no bucket waits for an ack."""
+        fits = min((b.nbytes for b in self._buffers), default=0)
+        return len(plan.buckets) <= len(self._buffers) and all(
+            b.nbytes <= fits for b in plan.buckets
+        )
+
+    def inlines(self, plan: BucketPlan) -> bool:
+        """Whether a refit of ``plan`` to one worker goes inside its session: it
+        :meth:`fits_without_reuse` and is small (:data:`_INLINE_MAX_BYTES`), so
+        that a cancelled one ends on the worker before the invalidation's wait."""
+        return self.fits_without_reuse(plan) and plan.total_bytes <= _INLINE_MAX_BYTES
+
     async def _handshake(self, sync_id: str, ranks: Sequence[int]) -> dict[int, bytes]:
         """Wait for every worker's ``hello``; returns each rank's socket identity.
 
@@ -1212,7 +1269,14 @@ class _BucketSender:
                 raise rebuild_error(msg, self.describe_worker(rank))
             return rank, msg
 
-    async def _send_all(self, sync_id: str, peers: dict[int, bytes], payload: bytes) -> None:
+    async def _send_all(
+        self, sync_id: str, peers: dict[int, bytes], message: dict[str, Any]
+    ) -> None:
+        """Send ``message`` to every peer (or, in an inline sync, keep it for the session)."""
+        if self._inline is not None:
+            self._inline.append(message)
+            return
+        payload = encode(message)
         for rank, ident in peers.items():
             try:
                 await self._sock.send_multipart([ident, payload])

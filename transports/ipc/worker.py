@@ -189,7 +189,8 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                 version the patches were computed against, "patches": [[name,
                 base, shape, encoding, k], ...], "digest": their wire plan's,
                 "ranks": [the workers that get the patches]}``; the other
-                workers get every tensor.
+                workers get every tensor. ``"inline"``: the refit's messages
+                (``data``…, ``end``) themselves, loaded without a connection.
 
         Returns:
             ``{"ok": True, "rank", "tensors", "bytes", "delta"}`` (``bytes``: the
@@ -222,6 +223,9 @@ class IPCWorkerMixin(WorkerIdentityMixin):
             if delta is not None and not isinstance(delta, Mapping):
                 raise TypeError(f"delta is a {type(delta).__name__}, not a map")
             trace: list[dict[str, Any]] | None = [] if session.get("trace") else None
+            inline = session.get("inline")
+            if inline is not None and not isinstance(inline, list):
+                raise TypeError(f"inline is a {type(inline).__name__}, not a list")
             endpoints = session.get("endpoints")
             device = None
             if endpoints is not None:
@@ -262,6 +266,7 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                     owner,
                     version=version,
                     delta=delta,
+                    inline=inline,
                 )
                 if trace is not None:
                     reply["trace"] = trace
@@ -349,6 +354,7 @@ class IPCWorkerMixin(WorkerIdentityMixin):
         *,
         version: int | None = None,
         delta: Mapping[str, Any] | None = None,
+        inline: list[Any] | None = None,
     ) -> dict[str, Any]:
         rank = self.aiosync_worker_rank()
         # The base a delta may be applied to; from here until this receive fully
@@ -365,9 +371,10 @@ class IPCWorkerMixin(WorkerIdentityMixin):
         mapped = state.mapped
         keep: set[str] = set()
         succeeded = False
-        link: _TrainerLink | None = None
+        link: _TrainerLink | _InlineLink | None = None
         try:
-            link = state.reusable_link(endpoint)
+            # Inline: the whole refit came with the session (no connection, one round trip).
+            link = _InlineLink(inline) if inline is not None else state.reusable_link(endpoint)
             if link is None:
                 link = _TrainerLink.connect(endpoint, f"{sync_id}/{rank}")
             sock = link.sock
@@ -419,7 +426,9 @@ class IPCWorkerMixin(WorkerIdentityMixin):
             return {"ok": False, **fields}
         finally:
             state.drop_mappings(keep if succeeded else set())
-            if link is not None and succeeded and owner:
+            if isinstance(link, _InlineLink):
+                pass  # a kept connection stays as it was, for the next streamed sync
+            elif link is not None and succeeded and owner:
                 state.keep_link(link, endpoint)
             elif link is not None:
                 if state.link is link:
@@ -497,7 +506,7 @@ class IPCWorkerMixin(WorkerIdentityMixin):
     def _aiosync_load_buckets(
         self,
         state: _ReceiverState,
-        link: _TrainerLink,
+        link: _TrainerLink | _InlineLink,
         plan: BucketPlan,
         mapped: dict[str, MappedBuffer],
         sync_id: str,
@@ -739,6 +748,38 @@ def _compare_unordered(
     reordered = {name: engine[name] for name in trainer if name in engine}
     reordered.update((name, spec) for name, spec in engine.items() if name not in trainer)
     compare_manifests(trainer, reordered)
+
+
+class _Discard:
+    """The socket of an :class:`_InlineLink`: what the worker sends goes nowhere (the
+    trainer reads the outcome from the receive's reply)."""
+
+    def send(self, data: bytes, flags: int = 0) -> None:
+        del data, flags
+
+
+class _InlineLink:
+    """The messages of a refit the trainer sent inside the session (``inline``), in
+    the order the worker would have received them over its connection."""
+
+    def __init__(self, messages: list[Any]) -> None:
+        self.messages = list(messages)
+        self.sock = _Discard()
+
+    def recv(self, state: _ReceiverState, sync_id: str, timeout_s: float) -> dict[str, Any]:
+        """The next message.
+
+        Raises:
+            TransportError: the session's messages ended before ``end``, or one is
+                not a map.
+        """
+        del state, timeout_s
+        if not self.messages:
+            raise TransportError(f"refit {sync_id}: the session's messages ended before 'end'")
+        msg = self.messages.pop(0)
+        if not isinstance(msg, dict):
+            raise TransportError(f"malformed inline message {msg!r:.80}")
+        return msg
 
 
 class _TrainerLink:
