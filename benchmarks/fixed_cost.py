@@ -34,23 +34,23 @@ rank, one worker, one bucket, engine idle, one after the other:
    ``embedded_pause_generation`` RPC);
 2. ``prepare_for_generation(tags=["weights"])`` → ``embedded_wake``: 1 RPC,
    skipped when the engine's ``asleep_tags`` says the weights are awake;
-3. ``aiosync_ipc_receive``: the RPC request (1 message), then the worker,
-   over the ZMQ DEALER it keeps connected to the trainer's ROUTER (it opened
-   a fresh one with a socket monitor per sync before issue 16: about 0.14 ms
-   more on this machine, measured in one process), exchanges ``hello`` (worker →
-   trainer), ``data`` → ``ack`` (one per bucket), ``end`` → ``done``; the
-   worker's ``done`` and its RPC reply travel together (the trainer waits for
-   both, in parallel): 6 serial messages. ``end`` commits, so it waits for every
-   worker's acks: sent earlier, one engine of a fleet committed while another
-   was dying mid-bucket (tests/fleet caught it);
+3. ``aiosync_ipc_receive``: one manifest of 4 KiB to one worker from one
+   trainer rank is an inline sync (``transports/ipc/synchronizer.py``): the
+   trainer packs the bucket first and its ``data`` and ``end`` messages ride in
+   the RPC request; the worker loads them without touching its ZMQ DEALER and its
+   RPC reply is the ``done``: 2 serial messages. (Before, over the DEALER it keeps
+   connected to the trainer's ROUTER: ``hello`` (worker → trainer), ``data`` →
+   ``ack`` per bucket, ``end`` → ``done``: 6. ``end`` commits, so with several
+   workers it still waits for every worker's acks: sent earlier, one engine of a
+   fleet committed while another was dying mid-bucket (tests/fleet caught it).)
 4. ``prepare_for_generation(tags=["kv_cache"])`` → ``embedded_wake``: 1 RPC,
    skipped as 2.;
 5. ``on_weights_committed(version)`` (base class): no RPC while paused (the
    version travels with the next request, or with the resume of frozen ones);
 6. ``resume_generation()`` (base class): no RPC unless the workers were paused.
 
-That is 3 engine RPCs and 10 serial one-way messages (5 round trips), or,
-with ``asleep_tags``, 1 RPC and 6 messages (3 round trips). Each engine RPC
+That is 3 engine RPCs and 6 serial one-way messages (3 round trips), or,
+with ``asleep_tags``, 1 RPC and 2 messages (1 round trip; 6 and 3 before inline syncs). Each engine RPC
 also hops to a worker thread and back (the embedded worker's RPC pool); the
 trainer hops to a thread once per bucket to read the source and pack (it hopped
 three times before issue 16: read, pack, check the source ended). A ratio to
@@ -90,8 +90,8 @@ BUCKET_BYTES = 1 << 20
 RPCS_PER_SYNC = 3
 RPCS_PER_SYNC_AWAKE = 1
 #: Serial one-way messages between trainer and worker per sync (see the module docs).
-MESSAGES_PER_SYNC = 10
-MESSAGES_PER_SYNC_AWAKE = 6
+MESSAGES_PER_SYNC = 6
+MESSAGES_PER_SYNC_AWAKE = 2
 #: ... as round trips, the unit the RPC baseline measures.
 ROUND_TRIPS_PER_SYNC = MESSAGES_PER_SYNC / 2
 ROUND_TRIPS_PER_SYNC_AWAKE = MESSAGES_PER_SYNC_AWAKE / 2
