@@ -50,8 +50,8 @@ rank, one worker, one bucket, engine idle, one after the other:
 6. ``resume_generation()`` (base class): no RPC unless the workers were paused.
 
 That is 3 engine RPCs and 6 serial one-way messages (3 round trips), or,
-with ``asleep_tags``, 1 RPC and 2 messages (1 round trip; 6 and 3 before inline syncs). Each engine RPC
-also hops to a worker thread and back (the embedded worker's RPC pool); the
+with ``asleep_tags``, 1 RPC and 2 messages (1 round trip; 6 and 3 before inline
+syncs). Each engine RPC also hops to a worker thread and back (the embedded worker's RPC pool); the
 trainer hops to a thread once per bucket to read the source and pack (it hopped
 three times before issue 16: read, pack, check the source ended). A ratio to
 rpc near the round trips means the protocol costs what its messages do and
