@@ -38,8 +38,8 @@ concurrently):
    the FP8 KV-cache scales (engine names, float32), sets its weights valid,
    answers ``done``.
 
-Inline (one worker, one trainer rank, no delta, a plan whose every bucket has a
-buffer of its own and of at most 16 MiB in all): the trainer packs every bucket
+Inline (CPU, one worker, one trainer rank, no delta, a plan whose every bucket has
+a buffer of its own and of at most 16 MiB in all): the trainer packs every bucket
 first and sends its ``data`` messages and ``end`` inside the receive's session
 (``inline``); the worker loads them as if received, with no connection, hello or
 ack, and its reply is the ``done``: one round trip (``benchmarks/fixed_cost.py``).
@@ -728,10 +728,13 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
         # One worker, one trainer rank, a plan that fits the buffers without reusing
         # one: the whole refit goes inside the receive's session, no connection, one
         # round trip (the commit rule needs no ack: the one worker commits or not).
+        # CPU only: a CUDA handle is bytes, and a session may travel as JSON (vLLM's
+        # /collective_rpc).
         inline: list[dict[str, Any]] | None = None
         plan = lanes[0].plan if len(lanes) == 1 else None
         if (
-            not self._ranks.sharded
+            self.device.type == "cpu"
+            and not self._ranks.sharded
             and delta is None
             and len(peers) == 1
             and plan is not None
