@@ -1007,9 +1007,7 @@ class _BucketSender:
         groups = group_by_bucket(lane.weights, plan)
         nbytes = 0
         count = len(plan.buckets)
-        # A buffer fits the largest regular bucket of the plan it was made for; a
-        # bigger bucket (an oversized tensor, a wire plan's) gets a buffer of its own.
-        fits = min((b.nbytes for b in self._buffers), default=0)
+        fits = self._fits
         # The next bucket's tensors when a direct run read them and they are not direct.
         ahead: list[tuple[str, torch.Tensor]] | None = None
         # Direct buckets read per thread hop: 1, 2, 4, ... so the first goes out at
@@ -1187,12 +1185,18 @@ class _BucketSender:
         if buffer.tensor.is_cuda:
             torch.cuda.current_stream(buffer.tensor.device).synchronize()
 
+    @property
+    def _fits(self) -> int:
+        """The largest bucket a ping-pong buffer holds, bytes: a buffer fits the largest
+        regular bucket of the plan it was made for; a bigger bucket (an oversized
+        tensor, a wire plan's) gets a buffer of its own."""
+        return min((b.nbytes for b in self._buffers), default=0)
+
     def fits_without_reuse(self, plan: BucketPlan) -> bool:
         """Whether every bucket of ``plan`` gets a buffer of its own: no buffer is
         reused within a sync and none is made for it, so no bucket waits for an ack."""
-        fits = min((b.nbytes for b in self._buffers), default=0)
         return len(plan.buckets) <= len(self._buffers) and all(
-            b.nbytes <= fits for b in plan.buckets
+            b.nbytes <= self._fits for b in plan.buckets
         )
 
     def inlines(self, plan: BucketPlan) -> bool:
