@@ -42,6 +42,7 @@ from .generation import Generation, SamplingParams
 from .interfaces import (
     IN_FLIGHT_POLICIES,
     EngineWorkers,
+    GathersInto,
     GenerationBackend,
     InFlightPolicy,
     KVScales,
@@ -90,6 +91,7 @@ __all__ = [
     "EngineWorkers",
     "EventSubscription",
     "FP8RefitSource",
+    "GathersInto",
     "Generating",
     "Generation",
     "GenerationBackend",

@@ -20,7 +20,7 @@ import secrets
 import time
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, runtime_checkable
@@ -69,6 +69,7 @@ __all__ = [
     "RESUME_AFTER_FAILURE_TIMEOUT_S",
     "ConfigSource",
     "EngineWorkers",
+    "GathersInto",
     "GenerationBackend",
     "InFlightPolicy",
     "KVScales",
@@ -133,6 +134,24 @@ class RefitSource(Protocol):
     def offload_after_refit(self) -> None:
         """Colocated only: undo :meth:`offload_before_refit` after the refit, even on failure."""
         return None
+
+
+@runtime_checkable
+class GathersInto(Protocol):
+    """A refit source that gathers a sharded tensor straight into memory the transport
+    offers (``DTensorRefitSource`` does): the IPC sender offers its bucket's slot, so
+    the gather is the trainer's only copy of those bytes."""
+
+    def iter_weights_into(
+        self, destination: Callable[[str], torch.Tensor | None]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """:meth:`RefitSource.iter_weights`, except that a gathered tensor may be written
+        into ``destination(hf_name)``: a contiguous tensor of the manifest's shape and
+        dtype (called in the consumer's thread just before the gather), or None, when
+        the source allocates as ``iter_weights`` does. A yielded tensor that is that
+        destination holds the tensor's bytes already. Every rank gathers alike whatever
+        its destination answers: the collectives stay matched."""
+        ...
 
 
 @runtime_checkable

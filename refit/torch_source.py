@@ -3,18 +3,20 @@
 Works for a plain ``nn.Module``, a module whose parameters are DTensors
 (``distribute_tensor`` with any ``Shard``/``Replicate`` placements) and an
 FSDP2 (``fully_shard``) model, also under ``torch.compile``/DDP wrappers. One
-module tensor is gathered (``DTensor.full_tensor()``) at a time, so the model is
-never materialized twice.
+module tensor is gathered at a time (one all-gather of its equal row pieces, else
+``DTensor.full_tensor()``), so the model is never materialized twice; a transport
+may offer the memory to gather into (``iter_weights_into``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from aiosync.errors import RefitMismatchError
@@ -33,9 +35,15 @@ from ._torch_names import (
 )
 from ._torch_rules import _zero_copy_split
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 __all__ = ["DTensorRefitSource"]
 
 _log = logging.getLogger(__name__)
+
+# torch 2.13 renamed ``all_gather_into_tensor`` (deprecated there); torch >= 2.6 is supported.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +61,49 @@ class _Entry:
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
     return hasattr(tensor, "full_tensor") and hasattr(tensor, "placements")
+
+
+def _even_rows_group(tensor: Any) -> ProcessGroup | None:
+    """The group whose one all-gather of ``tensor``'s local pieces is its full value:
+    a DTensor sharded on dim 0 alone, over a 1-D mesh, in equal pieces (the rows divide
+    by the mesh's size); None for any other layout. Decided from the global layout
+    alone, so every rank decides alike."""
+    from torch.distributed.tensor import Shard  # loaded already: ``tensor`` is a DTensor
+
+    mesh = tensor.device_mesh
+    placements = tensor.placements
+    if mesh.ndim != 1 or len(placements) != 1 or tensor.dim() == 0:
+        return None
+    # ``type() is``: a subclass such as ``_StridedShard`` orders its pieces otherwise.
+    if type(placements[0]) is not Shard or placements[0].dim != 0:
+        return None
+    if tensor.shape[0] % mesh.size() != 0:
+        return None
+    group: ProcessGroup = mesh.get_group()
+    return group
+
+
+def _gather_rows(
+    tensor: Any,
+    group: ProcessGroup,
+    destination: Callable[[str], torch.Tensor | None] | None,
+    name: str,
+) -> torch.Tensor:
+    """``tensor``'s full value (see :func:`_even_rows_group`) by one all-gather, written
+    into ``destination(name)`` when that fits it (the IPC bucket's slot), else into a
+    new tensor: the same collective on every rank either way."""
+    local = tensor.to_local().contiguous()
+    shape = tuple(tensor.shape)
+    out = None if destination is None else destination(name)
+    if out is None or not (
+        tuple(out.shape) == shape
+        and out.dtype == local.dtype
+        and out.device == local.device
+        and out.is_contiguous()
+    ):
+        out = torch.empty(shape, dtype=local.dtype, device=local.device)
+    _all_gather_single(out, local, group=group)
+    return out
 
 
 def _hf_config_of(model: nn.Module) -> Any | None:
@@ -324,16 +375,32 @@ class DTensorRefitSource(RefitSource):
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, tensor)``: full, unsharded, manifest shape and dtype, in order.
 
-        One module tensor is gathered at a time (``full_tensor()``, a collective
-        on a sharded model: every rank must iterate). Tensors are on the
-        parameters' device. When no cast or gather is needed a yielded tensor is
-        a view of the live parameter (possibly non-contiguous): consume it before
-        the next optimizer step.
+        One module tensor is gathered at a time (a collective on a sharded model:
+        every rank must iterate). Tensors are on the parameters' device. When no
+        cast or gather is needed a yielded tensor is a view of the live parameter
+        (possibly non-contiguous): consume it before the next optimizer step.
 
         Raises:
             RefitMismatchError: the model changed since :meth:`prepare_refit_info`
                 (of a PEFT model: its active adapter, or an adapter merged in place).
         """
+        return self._weights(None)
+
+    def iter_weights_into(
+        self, destination: Callable[[str], torch.Tensor | None]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """:meth:`iter_weights`, gathering a sharded tensor into ``destination(hf_name)``
+        where it can (:class:`aiosync.interfaces.GathersInto`): a checkpoint tensor that
+        is a module tensor sharded on dim 0 in equal pieces over a 1-D mesh (FSDP2's
+        layout when the rows divide by the world) is one all-gather into it. Any other
+        tensor, or a destination of another shape, dtype or device, is gathered as
+        :meth:`iter_weights` does.
+        """
+        return self._weights(destination)
+
+    def _weights(
+        self, destination: Callable[[str], torch.Tensor | None] | None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         entries = self._entries()
         if self._peft is not None:
             self._peft.check_unchanged()
@@ -357,7 +424,11 @@ class DTensorRefitSource(RefitSource):
                 dtypes = {dtype for _, _, dtype in entry.outputs}
                 if len(dtypes) == 1 and full.dtype.is_floating_point:
                     full = full.to(dtypes.pop())
-                full = full.full_tensor()  # type: ignore[attr-defined]
+                group = _even_rows_group(full) if entry.mode == "plain" else None
+                if group is None:
+                    full = full.full_tensor()  # type: ignore[attr-defined]
+                else:
+                    full = _gather_rows(full, group, destination, entry.outputs[0][0])
             outputs = self._convert(entry, full)
             del full  # the outputs hold what they need
             for index, (name, shape, dtype) in enumerate(entry.outputs):

@@ -36,8 +36,10 @@ __all__ = [
     "dtype_from_name",
     "dtype_name",
     "group_by_bucket",
+    "in_place",
     "pack",
     "plan_buckets",
+    "slot_view",
     "unpack",
 ]
 
@@ -305,9 +307,22 @@ def _common_prefix(names: list[str], other: Mapping[str, object]) -> str:
     return ""
 
 
-def _slot_view(buffer: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
+def slot_view(buffer: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
+    """``slot``'s bytes of a flat ``uint8`` ``buffer`` as a tensor of its shape and dtype."""
     raw = buffer[slot.offset : slot.offset + slot.nbytes]
     return raw.view(dtype_from_name(slot.dtype)).view(slot.shape)
+
+
+def in_place(tensor: torch.Tensor, view: torch.Tensor) -> bool:
+    """Whether ``tensor`` is ``view``'s memory already (a source gathered into the slot):
+    same start, dtype, shape and strides, so packing it would copy it onto itself."""
+    return (
+        tensor.data_ptr() == view.data_ptr()
+        and tensor.dtype == view.dtype
+        and tensor.shape == view.shape
+        and tensor.stride() == view.stride()
+        and tensor.device == view.device
+    )
 
 
 def pack(
@@ -325,7 +340,8 @@ def pack(
             allocated on the first tensor's device when None.
 
     Returns:
-        ``out[:bucket.nbytes]``. Alignment padding is left as it was.
+        ``out[:bucket.nbytes]``. Alignment padding is left as it was; a tensor that
+        is its slot of ``out`` already (:func:`in_place`) is not copied.
 
     Raises:
         RefitMismatchError: a name, shape or dtype differs from the slot.
@@ -348,7 +364,9 @@ def pack(
         _check_tensor(slot, name, tensor)
         if out is None:
             out = torch.empty(bucket.nbytes, dtype=torch.uint8, device=tensor.device)
-        _slot_view(out, slot).copy_(tensor)
+        view = slot_view(out, slot)
+        if not in_place(tensor, view):
+            view.copy_(tensor)
     extra = next(it, None)
     if extra is not None:
         raise RefitMismatchError(f"bucket {bucket.index}: unexpected extra tensor {extra[0]!r}")
@@ -371,7 +389,7 @@ def unpack(buffer: torch.Tensor, bucket: Bucket) -> Iterator[tuple[str, torch.Te
             f"elements, need uint8 x {bucket.nbytes}"
         )
     for slot in bucket.slots:
-        yield slot.name, _slot_view(buffer, slot)
+        yield slot.name, slot_view(buffer, slot)
 
 
 def _check_tensor(slot: TensorSlot, name: str, tensor: torch.Tensor) -> None:

@@ -184,10 +184,21 @@ class FaultySource(RefitSource):
         return self.inner.prepare_refit_info()
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._faulty(self.inner.iter_weights())
+
+    def iter_weights_into(
+        self, destination: Callable[[str], torch.Tensor | None]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The inner source's gathers into ``destination`` (``GathersInto``), faulted alike."""
+        return self._faulty(self.inner.iter_weights_into(destination))
+
+    def _faulty(
+        self, weights: Iterator[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         fault = self.fault
         if self.one_shot:
             self.fault = None
-        for i, item in enumerate(self.inner.iter_weights()):
+        for i, item in enumerate(weights):
             if self.on_tensor is not None:
                 self.on_tensor(i)
             if fault is not None and (fault, i) in (("before", 0), ("between", self.between_at)):

@@ -4,7 +4,8 @@ Run as ``python _sharded_trainer.py RANK WORLD_SIZE PORT OUT_JSON``. The engine'
 workers stand for devices ``cpu:0`` and ``cpu:1``; trainer rank ``r`` is
 ``cpu:r``. Rank 0 holds the engine. Three syncs:
 
-1. a normal sync (every worker bit-exact, each fed by its own rank only);
+1. a normal sync (every worker bit-exact, each fed by its own rank only; each
+   rank gathers every tensor straight into its bucket, so packing copies nothing);
 2. worker 1 (rank 1's device) is killed mid-sync: every rank must fail alike;
 3. after respawning it and re-initialising on every rank, a sync heals all.
 
@@ -62,10 +63,19 @@ async def run(rank: int, world: int) -> dict[str, Any]:
         await sync.init_communicator()
         seen["peers"] = sync.peers
 
-        # 1. a normal sync
+        # 1. a normal sync, traced: what packing copied on this rank
+        sync.trace = True
         await sync.mark_stale()
         await sync.sync_weights()
+        sync.trace = False
         seen["after_ok"] = versions(sync)
+        assert sync.last_trace is not None and sync.plan is not None
+        rows = sync.last_trace["trainer"]
+        seen["packed"] = {
+            "buckets": [len(rows), len(sync.plan.buckets)],
+            "tensor_bytes": sync.plan.total_bytes,
+            "copied": sum(row["copied"] for row in rows),
+        }
         expected = full_state(source)  # all ranks gather
         if engine is not None:
             await engine.prepare_for_generation()

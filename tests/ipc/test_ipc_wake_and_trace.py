@@ -115,7 +115,7 @@ async def test_an_engine_whose_sleep_is_unknown_is_woken_around_every_sync(
         await h.assert_engine_equals(dense_engine, trainer)
 
 
-TRAINER_KEYS = {"seq", "bucket", "bytes", "pack_start", "pack_end", "sent", "acked"}
+TRAINER_KEYS = {"seq", "bucket", "bytes", "copied", "pack_start", "pack_end", "sent", "acked"}
 WORKER_KEYS = {"seq", "received", "load_start", "load_end", "ack_sent"}
 
 
@@ -149,6 +149,10 @@ async def test_a_traced_sync_records_every_bucket_on_both_sides_in_causal_order(
         assert [row["bucket"] for row in rows] == [b.index for b in sync.plan.buckets]
         assert [row["bytes"] for row in rows] == [b.nbytes for b in sync.plan.buckets]
         assert all(set(row) == TRAINER_KEYS for row in rows)
+        # A plain model's tensors are packed: every tensor byte is copied once.
+        assert [row["copied"] for row in rows] == [
+            sum(slot.nbytes for slot in b.slots) for b in sync.plan.buckets
+        ]
         assert list(trace["workers"]) == [0]
         loads = trace["workers"][0]
         assert [row["seq"] for row in loads] == list(range(count))

@@ -36,6 +36,18 @@ def test_each_rank_feeds_only_the_worker_on_its_device_bit_exact(
     assert [(x["tensors"], x["bytes"]) for x in receives] == [(25, 460544), (25, 460544)]
 
 
+def test_each_rank_gathers_into_its_buckets_and_packing_copies_no_byte(
+    ranks: list[dict[str, Any]],
+) -> None:
+    # FSDP2 shards every tensor of the tiny Qwen3 on dim 0 in equal halves: each rank's
+    # all-gather writes into the bucket's slot, the only trainer-side copy (bit-exact:
+    # the test above).
+    for r in ranks:
+        (traced, planned) = r["packed"]["buckets"]
+        assert traced == planned > 1
+        assert (r["packed"]["tensor_bytes"], r["packed"]["copied"]) == (460544, 0)
+
+
 def test_versions_agree_on_every_rank_after_success_failure_and_heal(
     ranks: list[dict[str, Any]],
 ) -> None:

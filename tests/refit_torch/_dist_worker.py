@@ -52,18 +52,35 @@ def _dtensor(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-def _save(out: Path, case: str, rank: int, source: DTensorRefitSource) -> None:
+def _save(out: Path, case: str, rank: int, source: DTensorRefitSource, into: bool = False) -> None:
+    """Stream ``source`` and save it; ``into``: through ``iter_weights_into``, offering a
+    new tensor of the manifest's shape and dtype for each name, but of the wrong dtype
+    (float64) for every third, and record the names whose yielded tensor is the offer."""
     manifest = source.prepare_refit_info()
     order: list[str] = []
     tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in source.iter_weights():
+    offers: dict[str, torch.Tensor] = {}
+
+    def destination(name: str) -> torch.Tensor:
+        shape, dtype = manifest[name]
+        wrong = list(manifest).index(name) % 3 == 2
+        offers[name] = torch.full(shape, -1.0, dtype=torch.float64 if wrong else dtype)
+        return offers[name]
+
+    stream = source.iter_weights_into(destination) if into else source.iter_weights()
+    gathered_into: list[str] = []
+    for name, tensor in stream:
         order.append(name)
         assert not hasattr(tensor, "placements"), f"{name} is still a DTensor"
+        if name in offers and tensor.data_ptr() == offers[name].data_ptr():
+            gathered_into.append(name)
         tensors[name] = tensor.contiguous().clone()
     save_file(tensors, str(out / f"{case}.rank{rank}.safetensors"))
     meta = {
         "manifest": [[n, list(s), str(d).removeprefix("torch.")] for n, (s, d) in manifest.items()],
         "order": order,
+        "offered": list(offers),
+        "gathered_into": gathered_into,
     }
     (out / f"{case}.rank{rank}.json").write_text(json.dumps(meta))
 
@@ -91,6 +108,10 @@ def main() -> None:
     for case, make in cases.items():
         _save(out, case, rank, make())
         dist.barrier()
+    # Gathered straight into the memory offered (as the IPC sender offers its bucket's).
+    source = DTensorRefitSource(_fsdp2(build_model("qwen3_tied"), mesh), dtype=torch.bfloat16)
+    _save(out, "fsdp2_qwen3_tied_bf16_into", rank, source, into=True)
+    dist.barrier()
     dist.destroy_process_group()
 
 

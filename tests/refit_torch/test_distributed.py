@@ -29,6 +29,7 @@ CASES: dict[str, tuple[str, torch.dtype | None]] = {
     "fsdp2_qwen3_next_bf16": ("qwen3_next", torch.bfloat16),
     "dtensor_qwen3_tied": ("qwen3_tied", None),
     "dtensor_qwen3_moe": ("qwen3_moe", None),
+    "fsdp2_qwen3_tied_bf16_into": ("qwen3_tied", torch.bfloat16),
 }
 
 
@@ -86,3 +87,15 @@ def test_sharded_moe_streams_per_expert_checkpoint_names(streamed: Path, case: s
                 assert f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight" in names
         assert f"model.layers.{layer}.mlp.experts.gate_up_proj" not in names
     assert "model.layers.1.mlp.gate_proj.weight" in names
+
+
+@pytest.mark.parametrize("rank", range(WORLD_SIZE))
+def test_fsdp2_gathers_into_the_memory_offered_where_it_fits_it(streamed: Path, rank: int) -> None:
+    # Every tensor of the tiny Qwen3 is sharded on dim 0 in equal halves: each offer of
+    # the manifest's dtype took the gather itself; the float64 offers (every third
+    # name) did not, and those tensors were gathered into new memory. The values are
+    # checked against save_pretrained above.
+    _, meta = _read(streamed, "fsdp2_qwen3_tied_bf16_into", rank)
+    order = meta["order"]
+    assert meta["offered"] == order
+    assert meta["gathered_into"] == [n for i, n in enumerate(order) if i % 3 != 2]

@@ -102,6 +102,7 @@ from aiosync.capabilities import DiscardNotifier, WorkerDescribing, engines_of
 from aiosync.delta import DeltaBaseline, WeightPatch, patch_to_wire, wire_manifest
 from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
 from aiosync.interfaces import (
+    GathersInto,
     InFlightPolicy,
     KVScales,
     RefitManifest,
@@ -115,7 +116,16 @@ from .._leftovers import dir_prefix, sweep_leftovers
 from .._ranks import OnTrainerRanks, TrainerRanks, drain
 from .._verify import Verify, bucket_digest, check_verify, sample_key, views_digest
 from .._wire import decode, encode, error_fields, rebuild_error
-from ..packing import Bucket, BucketPlan, group_by_bucket, pack, plan_buckets
+from ..packing import (
+    Bucket,
+    BucketPlan,
+    TensorSlot,
+    group_by_bucket,
+    in_place,
+    pack,
+    plan_buckets,
+    slot_view,
+)
 from ._direct import DirectRef, direct_refs
 from ._shm import EMPTY_HANDLE, SharedBuffer
 from ._votes import RankVotes, collective_error, own_process
@@ -353,8 +363,10 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
         #: one): ``{"clock": "time.monotonic", "trainer": [row per bucket],
         #: "workers": {global rank: [row per bucket]}}``, rows in send order,
         #: timestamps in seconds of ``time.monotonic()``. A trainer row is
-        #: ``{"seq", "bucket", "bytes", "pack_start", "pack_end", "sent", "acked"}``
-        #: (``sent``: the data message handed to the socket; ``acked``: the last
+        #: ``{"seq", "bucket", "bytes", "copied", "pack_start", "pack_end", "sent",
+        #: "acked"}`` (``copied``: the tensor bytes packing copied, 0 for a direct
+        #: bucket or one the source gathered into; ``sent``: the data message handed
+        #: to the socket; ``acked``: the last
         #: worker's ack received; packing spans the source's read too); a worker
         #: row ``{"seq", "received", "load_start", "load_end", "ack_sent"}``
         #: (``ack_sent``: the ack handed to the socket). Workers of the driving
@@ -505,7 +517,20 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
         kv = kv_scale_entries(kv_scales, attention_layers(self.plan.manifest()))
         self._syncs += 1
         sync_id = f"{version}-{self._session_token}-{self._syncs}"
-        weights: Iterator[tuple[str, torch.Tensor]] = self.policy.iter_weights()
+        # A sharded trainer's source gathers each tensor into the bucket's slot it is
+        # packed to, when it can: the gather is the trainer's only copy of it.
+        source, sender = self.policy, self._sender
+        weights: Iterator[tuple[str, torch.Tensor]]
+        gathers = False
+        if (
+            self._ranks.sharded
+            and self.delta_baseline is None
+            and sender is not None
+            and isinstance(source, GathersInto)
+        ):
+            weights, gathers = source.iter_weights_into(sender.destination), True
+        else:
+            weights = source.iter_weights()
         votes: RankVotes | None = None
         if self._ranks.sharded:
             # One vote per tensor: a rank whose source fails leaves the gathers
@@ -521,7 +546,7 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
             # sharded trainer's ranks agree on the failure instead of one leaving).
             verify = check_verify(self.verify)
             async with self._colocated_refit():
-                lanes, spec = await self._lanes(version, weights)
+                lanes, spec = await self._lanes(version, weights, gathers=gathers)
                 nbytes = await self._stream(sync_id, version, lanes, kv, spec, verify=verify)
         except BaseException as exc:
             failed = exc
@@ -553,15 +578,16 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
     # -- delta -----------------------------------------------------------------
 
     async def _lanes(
-        self, version: int, weights: Iterator[tuple[str, torch.Tensor]]
+        self, version: int, weights: Iterator[tuple[str, torch.Tensor]], *, gathers: bool = False
     ) -> tuple[list[_Lane], dict[str, Any] | None]:
         """What this sync sends to whom: every tensor to every worker, or (delta)
         the patches to the workers that hold the baseline and every tensor to the
-        others; and the workers' ``delta`` session entry (None: no patches)."""
+        others; and the workers' ``delta`` session entry (None: no patches).
+        ``gathers``: ``weights`` gathers into the sender's destination (no delta)."""
         assert self.plan is not None
         baseline = self.delta_baseline
         if baseline is None:
-            return [_Lane(self.plan, self.peers, weights)], None
+            return [_Lane(self.plan, self.peers, weights, gathers)], None
         self._sync_discards = dict(self._engine_discards)
         holders = await self._workers_holding_baseline() if self._ranks.is_driver else []
         if self._ranks.sharded:
@@ -862,6 +888,8 @@ class _BucketSender:
         self.direct = False
         #: The messages of the inline sync running (see :meth:`send_lanes`), else None.
         self._inline: list[dict[str, Any]] | None = None
+        # The slots and buffer of the bucket the source is reading (see destination).
+        self._into: tuple[dict[str, TensorSlot], torch.Tensor] | None = None
         #: Names a worker in an error it sent (a fleet names its engine too).
         self.describe_worker: Callable[[int], str] = lambda rank: f"engine worker {rank}"
         # The send in flight: its cancel scope, its sync, and an event set when it ends.
@@ -1034,11 +1062,13 @@ class _BucketSender:
                 # Only zero-size tensors (already checked against their slots by
                 # group_by_bucket): nothing to pack, and no 0-byte segment exists.
                 await anyio.to_thread.run_sync(self._read_and_pack, groups, None, None, last, row)
+                if row is not None:
+                    row["copied"] = 0
                 _stamp(row, "sent")
                 await self._send_all(sync_id, peers, {**data, "handle": dict(EMPTY_HANDLE)})
                 continue
             group, ahead = ahead, None
-            if self.direct and group is None:
+            if self.direct and group is None and not lane.gathers:
                 # Whether a bucket goes direct depends on its tensors: read them first,
                 # and the direct buckets after it in the same thread hop (their refs
                 # copy nothing), so the trainer keeps off the CPUs the workers copy on.
@@ -1064,7 +1094,7 @@ class _BucketSender:
                     if direct.digest is not None:
                         message.update(check.fields(bucket, direct.digest))
                     if row is not None:
-                        row.update(pack_start=direct.read_start, pack_end=direct.read_end)
+                        row.update(pack_start=direct.read_start, pack_end=direct.read_end, copied=0)
                     _stamp(row, "sent")
                     message["direct"] = direct.refs
                     await self._send_all(sync_id, peers, message)
@@ -1084,8 +1114,9 @@ class _BucketSender:
                 previous = stream.holder[slot]
                 if previous is not None and not stream.acked(previous):
                     # Read the source while the workers still load the bucket that
-                    # holds this buffer; pack once they acknowledged it.
-                    if group is None:
+                    # holds this buffer; pack once they acknowledged it. A source that
+                    # gathers into the buffer waits for it instead.
+                    if group is None and not lane.gathers:
                         group, _ = await anyio.to_thread.run_sync(
                             self._read_and_pack, groups, None, None, False, row
                         )
@@ -1162,14 +1193,30 @@ class _BucketSender:
         unpacked), digest the packed bucket as ``check`` says, and after the
         ``last`` bucket check that the source ended. Returns ``(the tensors when
         not packed, the digest when computed)``. ``row`` gets
-        ``pack_start``/``pack_end`` (``time.monotonic()``; the digest is inside)."""
+        ``pack_start``/``pack_end`` (``time.monotonic()``; the digest is inside) and
+        ``copied``, the bytes packing copied (a tensor gathered into its slot is not).
+        While the source reads a bucket for ``buffer`` it may gather into it
+        (:meth:`destination`)."""
         if row is not None and "pack_start" not in row:
             row["pack_start"] = time.monotonic()
         if group is None:
-            _bucket, group = next(groups)
+            if buffer is not None:
+                assert bucket is not None
+                # What :meth:`destination` offers while the source reads this bucket.
+                self._into = ({slot.name: slot for slot in bucket.slots}, buffer.tensor)
+            try:
+                _bucket, group = next(groups)
+            finally:
+                self._into = None
         digest = None
         if buffer is not None:
             assert bucket is not None
+            if row is not None:
+                row["copied"] = sum(
+                    slot.nbytes
+                    for slot, (_name, tensor) in zip(bucket.slots, group, strict=False)
+                    if not in_place(tensor, slot_view(buffer.tensor, slot))
+                )
             self._pack(bucket, group, buffer)
             if check is not None:
                 digest = check.digest(bucket, buffer.tensor)
@@ -1184,6 +1231,18 @@ class _BucketSender:
         pack(bucket, group, out=buffer.tensor)
         if buffer.tensor.is_cuda:
             torch.cuda.current_stream(buffer.tensor.device).synchronize()
+
+    def destination(self, name: str) -> torch.Tensor | None:
+        """Where a :class:`~aiosync.interfaces.GathersInto` source may gather tensor
+        ``name``: its slot of the buffer the bucket being read is packed into (a view of
+        the slot's shape and dtype), None when no buffer waits for it. Called in the
+        packing thread, from inside the source."""
+        into = self._into
+        if into is None:
+            return None
+        slots, buffer = into
+        slot = slots.get(name)
+        return None if slot is None else slot_view(buffer, slot)
 
     @property
     def _fits(self) -> int:
@@ -1439,6 +1498,9 @@ class _Lane(NamedTuple):
     ranks: Sequence[int]
     #: The plan's tensors, in order.
     weights: Iterator[tuple[str, torch.Tensor]]
+    #: Whether ``weights`` gathers into :meth:`_BucketSender.destination`: each bucket
+    #: is read once its buffer is free, and never direct (a gathered tensor is new).
+    gathers: bool = False
 
 
 @dataclass(eq=False)
