@@ -811,7 +811,7 @@ class WeightSynchronizer(ABC):
         """
         failed = True
         try:
-            await anyio.to_thread.run_sync(self.policy.offload_before_refit)
+            await self._offload_hook("offload_before_refit")
             await self._wake_engines("weights", engines)
             yield
             failed = False
@@ -819,13 +819,21 @@ class WeightSynchronizer(ABC):
             with anyio.CancelScope(shield=True):
                 limit = self.timeouts.after_failure_s if failed else self.timeouts.rpc_s
                 try:
-                    await anyio.to_thread.run_sync(self.policy.offload_after_refit)
+                    await self._offload_hook("offload_after_refit")
                     with anyio.fail_after(limit):
                         await self._wake_engines("kv_cache", engines)
                 except Exception:
                     if not failed:
                         raise
                     _log.exception("colocated refit: the clean-up after a failed sync also failed")
+
+    async def _offload_hook(self, name: str) -> None:
+        """Run the policy's offload hook ``name`` in a worker thread (it may move
+        gigabytes), unless it is :class:`RefitSource`'s own no-op: a thread hop each
+        way is a good part of a small sync's cost."""
+        if getattr(type(self.policy), name, None) is getattr(RefitSource, name):
+            return
+        await anyio.to_thread.run_sync(getattr(self.policy, name))
 
     async def _wake_engines(self, tag: str, engines: Sequence[Any] | None = None) -> None:
         """Wake ``tag`` (``"weights"``, ``"kv_cache"``) on each engine that may have released it.

@@ -89,6 +89,18 @@ def test_unpacked_views_digest_as_their_packed_bucket(verify: bool | str) -> Non
     )
 
 
+@pytest.mark.parametrize("nbytes", [1, 100, SAMPLE_BYTES])
+def test_a_bucket_of_at_most_the_sample_size_samples_and_digests_every_byte(nbytes: int) -> None:
+    buffer = _bucket(3)[:nbytes]
+    slots = [(0, nbytes)]
+    key = sample_key(7, 0)
+    assert sample_positions(nbytes, key, slots).tolist() == list(range(nbytes))
+    digest = bucket_digest(buffer, "sample", key=key, slots=slots)
+    assert digest == bucket_digest(buffer, True)
+    assert views_digest([buffer[: nbytes // 2], buffer[nbytes // 2 :]], "sample", key=key) == digest
+    assert bucket_digest(_flipped(buffer, nbytes // 2), "sample", key=key, slots=slots) != digest
+
+
 def test_the_transit_fault_flips_one_byte_once() -> None:
     buffer = _bucket()
     original = buffer.clone()
