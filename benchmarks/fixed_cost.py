@@ -52,8 +52,10 @@ rank, one worker, one bucket, engine idle, one after the other:
 That is 3 engine RPCs and 6 serial one-way messages (3 round trips), or,
 with ``asleep_tags``, 1 RPC and 2 messages (1 round trip; 6 and 3 before inline
 syncs). Each engine RPC also hops to a worker thread and back (the embedded worker's RPC pool); the
-trainer hops to a thread once per bucket to read the source and pack (it hopped
-three times before issue 16: read, pack, check the source ended). A ratio to
+trainer reads the source and packs an inline refit of at most 1 MiB on the event loop (a
+thread hop cost ~0.45 ms here, more than the copy), a bigger one in one thread hop per bucket
+(three before issue 16: read, pack, check the source ended), and the no-op offload hooks of
+``RefitSource`` run without a hop. A ratio to
 rpc near the round trips means the protocol costs what its messages do and
 nothing else. (Until the embedded engine kept an idle pause to itself, the
 base class's pause, version label and resume were an RPC each: 6 RPCs and 16 messages, 4 and 12
