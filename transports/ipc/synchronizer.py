@@ -1077,17 +1077,27 @@ class _BucketSender:
                 await self._send_all(sync_id, peers, {**data, "handle": dict(EMPTY_HANDLE)})
                 continue
             group, ahead = ahead, None
+            # The digest of a bucket packed in the direct read's hop (a 1-tuple), else None.
+            packed: tuple[int | None] | None = None
+            spare: SharedBuffer | None = None
             if self.direct and group is None and not lane.gathers:
                 # Whether a bucket goes direct depends on its tensors: read them first,
                 # and the direct buckets after it in the same thread hop (their refs
                 # copy nothing), so the trainer keeps off the CPUs the workers copy on.
-                run, group = await self._in_thread(
+                # A bucket that is not direct is packed in that hop too when its buffer
+                # is free (no second hop).
+                if bucket.nbytes <= fits:
+                    previous = stream.holder[seq % len(self._buffers)]
+                    if previous is None or stream.acked(previous):
+                        spare = self._buffers[seq % len(self._buffers)]
+                run, group, packed = await self._in_thread(
                     self._read_direct,
                     groups,
                     plan.buckets[i - 1 : i - 1 + batch],
                     check,
                     row,
                     count - i + 1,
+                    spare,
                 )
                 batch *= 2
                 for k, direct in enumerate(run):
@@ -1111,9 +1121,14 @@ class _BucketSender:
                 if run:
                     ahead = group  # the next bucket's (not direct), or None
                     continue
-                # This bucket is not direct: ``group`` holds its tensors, packed below.
+                # This bucket is not direct: packed into ``spare`` already, or ``group``
+                # holds its tensors, packed below.
             transient: SharedBuffer | None = None
-            if bucket.nbytes > fits:
+            if packed is not None:
+                assert spare is not None
+                buffer = spare
+                stream.holder[seq % len(self._buffers)] = seq
+            elif bucket.nbytes > fits:
                 transient = await anyio.to_thread.run_sync(
                     SharedBuffer.create, bucket.nbytes, self.device
                 )
@@ -1133,11 +1148,14 @@ class _BucketSender:
                 buffer = self._buffers[slot]
                 stream.holder[slot] = seq
             try:
-                # One thread hop reads the source (unless read above), packs, digests,
-                # and after the last bucket checks that the source ended.
-                _, digest = await self._in_thread(
-                    self._read_and_pack, groups, group, buffer, last, row, bucket, check
-                )
+                if packed is None:
+                    # One thread hop reads the source (unless read above), packs, digests,
+                    # and after the last bucket checks that the source ended.
+                    _, digest = await self._in_thread(
+                        self._read_and_pack, groups, group, buffer, last, row, bucket, check
+                    )
+                else:
+                    (digest,) = packed
                 del group
                 handle = buffer.handle()
                 if transient is not None:
@@ -1172,11 +1190,16 @@ class _BucketSender:
         check: _Check,
         row: dict[str, Any] | None,
         remaining: int,
-    ) -> tuple[list[_DirectBucket], list[tuple[str, torch.Tensor]] | None]:
+        spare: SharedBuffer | None = None,
+    ) -> tuple[
+        list[_DirectBucket], list[tuple[str, torch.Tensor]] | None, tuple[int | None] | None
+    ]:
         """In a worker thread: read ``buckets[0]`` from the source and, while each
         bucket read goes direct, the next non-empty ones of ``buckets``. Returns the
-        direct run (refs, digest, when it was read) and the tensors of the bucket
-        that ended it by not going direct (None otherwise). ``remaining``: the plan's
+        direct run (refs, digest, when it was read), the tensors of the bucket that
+        ended it by not going direct (None otherwise), and, when ``buckets[0]`` is not
+        direct and ``spare`` (a free buffer) is given, ``(its digest,)`` after packing
+        it into ``spare`` instead of returning its tensors. ``remaining``: the plan's
         buckets from ``buckets[0]`` on; after its last the source is checked ended."""
         run: list[_DirectBucket] = []
         for k, bucket in enumerate(buckets):
@@ -1190,10 +1213,13 @@ class _BucketSender:
             if refs is None:
                 if k == 0 and row is not None:
                     row["pack_start"] = start
-                return run, group
+                if k == 0 and spare is not None:
+                    _, digest = self._read_and_pack(groups, group, spare, False, row, bucket, check)
+                    return run, None, (digest,)
+                return run, group, None
             digest = None if check.verify is False else check.views_digest(bucket, group)
             run.append(_DirectBucket(refs, digest, start, time.monotonic()))
-        return run, None
+        return run, None, None
 
     def _read_and_pack(
         self,
