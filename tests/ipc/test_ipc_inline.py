@@ -5,7 +5,7 @@ to generate until the next sync lands."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
@@ -28,11 +28,8 @@ class _StopAfterReceive:
         self.engine = engine
         self.received = anyio.Event()
 
-    async def prepare_for_generation(self, tags: Sequence[str] | None = None) -> None:
-        await self.engine.prepare_for_generation(tags)
-
-    async def finish_generation(self) -> None:
-        await self.engine.finish_generation()
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
 
     async def collective_rpc(
         self,
