@@ -11,12 +11,13 @@ asserted here.
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from tests._support.net import free_ports
 
 
 def _rank(port: int, queue: Any, backend: str) -> None:
@@ -64,9 +65,7 @@ def _rank(port: int, queue: Any, backend: str) -> None:
 
 
 def _run(backend: str) -> dict[str, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    [port] = free_ports(1)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_rank, args=(port, queue, backend))
