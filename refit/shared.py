@@ -1,9 +1,10 @@
-"""``share_parameters``: a CPU module's weights in named shared memory, for one-copy refits.
+"""``share_parameters``: a module's weights in shared memory, for one-copy refits.
 
 A colocated IPC refit normally copies every byte twice: the trainer packs it into a
-shared bucket, the engine copies it out. When the trainer's own tensors live in named
-shared memory the engine can map them, and the refit is one copy (the IPC transport's
-direct mode, on by default: ``IPCWeightSynchronizer(direct=True)``).
+shared bucket, the engine copies it out. When the trainer's own tensors live in memory
+the engine can map (named shared memory on CPU, one CUDA-IPC-shareable allocation on a
+GPU) the engine copies straight out of it, and the refit is one copy (the IPC
+transport's direct mode, on by default: ``IPCWeightSynchronizer(direct=True)``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class SharedParameters:
 
     @property
     def name(self) -> str:
-        """The shared-memory segment's name (``/dev/shm/<name>``)."""
+        """The arena's name; on CPU the shared-memory segment's (``/dev/shm/<name>``)."""
         return self.arena.name
 
     @property
@@ -43,7 +44,8 @@ class SharedParameters:
         return self.arena.nbytes
 
     def close(self) -> None:
-        """Unlink the segment's name. Idempotent; also done at interpreter exit."""
+        """Stop sending refs of the arena (later refits pack its tensors); on CPU unlink
+        the segment's name. Idempotent; also done at interpreter exit."""
         self.arena.close()
 
     def __enter__(self) -> SharedParameters:
@@ -74,12 +76,15 @@ def _tensors(module: nn.Module, buffers: bool) -> Iterator[tuple[str, torch.Tens
 
 
 def share_parameters(module: nn.Module, *, buffers: bool = True) -> SharedParameters:
-    """Move ``module``'s parameters (and persistent buffers) into one named shared-memory
-    arena, in place: each keeps its ``Parameter`` object (``p.data`` is re-pointed), so
-    an optimizer built before or after is unaffected, and tied parameters stay tied.
+    """Move ``module``'s parameters (and persistent buffers) into one shared-memory arena,
+    in place: each keeps its ``Parameter`` object (``p.data`` is re-pointed), so an
+    optimizer built before or after is unaffected, and tied parameters stay tied.
 
-    Call it once, after the module is on CPU in its training dtype and before the first
-    sync; what the optimizer allocates (its states) stays private. A view or a ``.data``
+    On CPU the arena is a named POSIX shared-memory segment; on CUDA one allocation that
+    CUDA IPC can share (made with ``expandable_segments`` off, whatever the trainer's
+    setting), which needs the module's bytes once more while the tensors move.
+    Call it once, after the module is on its device in its training dtype and before the
+    first sync; what the optimizer allocates (its states) stays private. A view or a ``.data``
     alias of a parameter taken before the call (an object that cached ``p.detach()``)
     keeps the old memory and no longer sees the training: take such views after it.
     Direct mode relies on the sync reading the tensors while no optimizer step runs:
@@ -87,19 +92,23 @@ def share_parameters(module: nn.Module, *, buffers: bool = True) -> SharedParame
     waits for it, and it for a sync), never beside a sync after a bare ``mark_stale()``.
 
     Args:
-        module: a module whose tensors are dense CPU tensors (not DTensors: a sharded
-            trainer's gathered tensors are fresh allocations, packed as usual).
+        module: a module whose tensors are dense tensors on one device, CPU or one GPU
+            (not DTensors: a sharded trainer's gathered tensors are fresh allocations,
+            packed as usual).
         buffers: also move persistent buffers (those a checkpoint holds).
 
     Returns:
         The arena (:class:`SharedParameters`): ``close()`` it (or use ``with``) when the
-        trainer is done; the name is also unlinked at exit, and the next aiosync process
-        sweeps it after a SIGKILL.
+        trainer is done; a CPU name is also unlinked at exit, and the next aiosync process
+        sweeps it after a SIGKILL (CUDA memory dies with the process).
 
     Raises:
-        TypeError: a tensor is not on CPU, is a DTensor, or is sparse.
+        TypeError: a tensor is a DTensor or sparse, is on neither CPU nor CUDA, or
+            the tensors are on more than one device.
         ValueError: the module has no tensors to share.
         OSError: ``/dev/shm`` cannot hold the arena.
+        TransportError: CUDA memory cannot be made shareable (``expandable_segments``
+            on, and this torch cannot switch it off for the arena).
     """
     tensors = list(_tensors(module, buffers))
     offsets: list[int] = []
@@ -107,14 +116,21 @@ def share_parameters(module: nn.Module, *, buffers: bool = True) -> SharedParame
     for name, tensor in tensors:
         if hasattr(tensor, "placements") or tensor.layout != torch.strided:
             raise TypeError(f"share_parameters needs dense tensors: {name!r} is {type(tensor)}")
-        if tensor.device.type != "cpu":
-            raise TypeError(f"share_parameters needs CPU tensors: {name!r} is on {tensor.device}")
+        if tensor.device.type not in ("cpu", "cuda"):
+            raise TypeError(
+                f"share_parameters needs CPU or CUDA tensors: {name!r} is on {tensor.device}"
+            )
+        if tensor.device != tensors[0][1].device:
+            raise TypeError(
+                f"share_parameters needs the tensors on one device: {name!r} is on "
+                f"{tensor.device}, {tensors[0][0]!r} on {tensors[0][1].device}"
+            )
         total = -(-total // _ALIGN) * _ALIGN
         offsets.append(total)
         total += tensor.numel() * tensor.element_size()
     if not tensors:
         raise ValueError("the module has no parameters or persistent buffers to share")
-    arena = Arena(max(total, 1))
+    arena = Arena(max(total, 1), tensors[0][1].device)
     try:
         with torch.no_grad():
             for (_name, tensor), offset in zip(tensors, offsets, strict=True):

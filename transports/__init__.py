@@ -16,7 +16,8 @@ What every transport shares lives in the core (:class:`aiosync.WeightSynchronize
 :mod:`aiosync.capabilities`); what several share on the wire lives here:
 :mod:`aiosync.transports.packing` (bucket layout, manifest checks), ``_wire`` (msgpack
 frames, errors re-built from a worker), ``_ranks`` (a sharded trainer's ranks and their
-agreement), ``_identity`` and ``_cuda_ipc`` (device pairing), ``_leftovers`` (what dead
-processes left). Transports know the engine *contract* (the capability Protocols, the
-worker mixins, SGLang's HTTP API), never an adapter class from :mod:`aiosync.engines`.
+agreement), ``_identity`` (device pairing), ``_leftovers`` (what dead processes left);
+CUDA memory another process can map is the core's (``aiosync/_cuda_ipc.py``). Transports
+know the engine *contract* (the capability Protocols, the worker mixins, SGLang's HTTP
+API), never an adapter class from :mod:`aiosync.engines`.
 """

@@ -19,6 +19,10 @@ sizes, exact assertions). Needs one CUDA device; nothing is downloaded.
    same manifest into device buffers, GB/s, against the same D2D copy.
 3. **JAX→torch dlpack:** a JAX array on the GPU viewed by ``torch.from_dlpack``
    must share its memory (same device pointer) and values.
+4. **IPCWeightSynchronizer, packed and direct** (``ipc_sync.py``): the real synchronizer
+   into a worker process on the same GPU, AdamW steps between syncs; direct mode
+   (parameters in a ``share_parameters`` arena) against packing, GB/s and the ratio to a
+   device copy of the same bytes.
 """
 
 from __future__ import annotations
@@ -384,7 +388,7 @@ def _collective_worker_main(conn: Any, manifest_json: dict[str, Any], device: st
 
     worker = _Worker()
     while True:
-        method, kwargs = conn.recv()
+        method, args, kwargs = conn.recv()
         if method == "stop":
             worker.aiosync_collective_destroy()
             conn.send(("ok", None))
@@ -393,24 +397,27 @@ def _collective_worker_main(conn: Any, manifest_json: dict[str, Any], device: st
             if method == "checksums":
                 result: Any = {n: _byte_checksum(t) for n, t in weights.items()}
             else:
-                result = getattr(worker, method)(**kwargs)
+                result = getattr(worker, method)(*args, **kwargs)
             conn.send(("ok", result))
         except Exception as exc:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
 class _PipeEngine:
-    """aiosync.EngineWorkers over a pipe to one worker process (one RPC at a time)."""
+    """aiosync.EngineWorkers over a pipe to one worker process (one RPC at a time): each
+    call sends ``(method, args, kwargs)``, the worker answers ``("ok"|"error", result)``."""
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
         self._lock = threading.Lock()
 
-    def call(self, method: str, kwargs: dict[str, Any], timeout_s: float) -> Any:
+    def call(
+        self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], timeout_s: float
+    ) -> Any:
         from aiosync.errors import SyncTimeoutError, TransportError
 
         with self._lock:
-            self.conn.send((method, kwargs))
+            self.conn.send((method, args, kwargs))
             if not self.conn.poll(timeout_s):
                 raise SyncTimeoutError(f"{method} did not return within {timeout_s} s")
             status, result = self.conn.recv()
@@ -427,7 +434,9 @@ class _PipeEngine:
     ) -> list[Any]:
         import anyio.to_thread
 
-        call = functools.partial(self.call, method, dict(kwargs or {}), timeout_s or 120.0)
+        call = functools.partial(
+            self.call, method, tuple(args), dict(kwargs or {}), timeout_s or 120.0
+        )
         return [await anyio.to_thread.run_sync(call, abandon_on_cancel=True)]
 
 
@@ -492,8 +501,8 @@ def collective_refit(
 
     try:
         version = anyio.run(run)
-        remote = engine.call("checksums", {}, 120.0)
-        engine.call("stop", {}, 60.0)
+        remote = engine.call("checksums", (), {}, 120.0)
+        engine.call("stop", (), {}, 60.0)
     finally:
         proc.join(timeout=30)
         if proc.is_alive():
@@ -545,6 +554,9 @@ def main(argv: list[str] | None = None) -> int:
     packing = pack_throughput(manifest, bucket_bytes=bucket_bytes)
     baseline = d2d_copy_gbps(min(ipc["bytes"], bucket_bytes * 4))
     dl = dlpack_check()
+    from ipc_sync import compare  # it imports this module
+
+    sync = compare(manifest, bucket_bytes=bucket_bytes, rounds=args.rounds)
     if torch.cuda.device_count() >= 2:
         nccl: dict[str, Any] = collective_refit(manifest, bucket_bytes=bucket_bytes)
     else:
@@ -559,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
         "ipc_refit": ipc | {"ratio_vs_d2d": ipc["gbps_warm"] / baseline},
         "pack": packing | {"ratio_vs_d2d": packing["gbps"] / baseline},
         "dlpack": dl,
+        "ipc_sync": sync,
         "nccl_two_ranks": nccl,
     }
     rows = [
@@ -574,6 +587,22 @@ def main(argv: list[str] | None = None) -> int:
             f"{packing['gbps']:8.1f}",
             f"{packing['gbps'] / baseline:.2f}",
             "",
+        ),
+        *(
+            (
+                f"IPCWeightSynchronizer, {mode} ({sync[mode]['buckets']} buckets)",
+                f"{sync[mode]['gbps_warm']:8.1f}",
+                f"{sync[mode]['gbps_warm'] / sync['d2d_copy_gbps']:.2f}",
+                ("bit-exact" if sync[mode]["bit_exact"] else "MISMATCH")
+                + f", {sync[mode]['direct_buckets']} direct",
+            )
+            for mode in ("packed", "direct")
+        ),
+        (
+            "one copy_ per tensor (direct's bound)",
+            f"{sync['per_tensor_copy_gbps']:8.1f}",
+            f"{sync['per_tensor_copy_gbps'] / sync['d2d_copy_gbps']:.2f}",
+            f"direct at {sync['direct_vs_per_tensor_copy']:.2f} of it",
         ),
         (
             "JAX->torch dlpack",
@@ -605,7 +634,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(summary))
     dl_ok = dl["status"] != "ok" or (dl["zero_copy"] and dl["values_equal"])
-    ok = bool(nccl.get("bit_exact", True)) and ipc["bit_exact"] and dl_ok
+    synced = sync["packed"]["bit_exact"] and sync["direct"]["bit_exact"]
+    ok = bool(nccl.get("bit_exact", True)) and ipc["bit_exact"] and dl_ok and synced
     return 0 if ok else 1
 
 

@@ -2,6 +2,7 @@
 # Single-GPU validation, end to end, in well under 10 minutes on an H200:
 #   1. tests/gpu/gpu_checks.py: CUDA-IPC refit between two processes (bit-exact, GB/s
 #      against a device-to-device copy), pack() throughput on device, JAX->torch dlpack.
+#      The real IPCWeightSynchronizer, packed and direct (tests/gpu/ipc_sync.py).
 #   2. pytest -m gpu tests/gpu (the same contracts as exact assertions, small sizes).
 # Writes $OUT_DIR/gpu-summary.json and $OUT_DIR/gpu-table.md (OUT_DIR defaults to $OUT
 # when set, as on the device machine, else out/gpu). Needs torch with CUDA; jax is
@@ -34,14 +35,14 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
 
 start=$(date +%s)
 echo "== gpu_checks.py ${QUICK[*]:-}"
-timeout 360 "$PY" tests/gpu/gpu_checks.py --json "${QUICK[@]}" 2>"$OUT_DIR/gpu-checks.stderr" \
+timeout 300 "$PY" tests/gpu/gpu_checks.py --json "${QUICK[@]}" 2>"$OUT_DIR/gpu-checks.stderr" \
   | tee "$OUT_DIR/gpu-checks.log"
 checks_rc=${PIPESTATUS[0]}
 tail -n 1 "$OUT_DIR/gpu-checks.log" > "$OUT_DIR/gpu-checks.json"
 
 echo "== pytest -m gpu tests/gpu"
 if "$PY" -c "import pytest" 2>/dev/null; then
-  timeout 200 "$PY" -m pytest -m gpu tests/gpu -q -p no:cacheprovider \
+  timeout 300 "$PY" -m pytest -m gpu tests/gpu -q -p no:cacheprovider \
     -o addopts="" --import-mode=importlib --junitxml="$OUT_DIR/gpu-pytest.xml" 2>&1 | tee "$OUT_DIR/gpu-pytest.log"
   pytest_rc=${PIPESTATUS[0]}
 else
@@ -92,6 +93,14 @@ if checks:
         f"| CUDA-IPC refit, 2 processes, warm | {ipc['gbps_warm']:.1f} | {ipc['ratio_vs_d2d']:.2f} | "
         f"{'bit-exact' if ipc['bit_exact'] else 'MISMATCH'} (cold {ipc['cold_s']:.3f} s) |",
         f"| pack() on device | {pk['gbps']:.1f} | {pk['ratio_vs_d2d']:.2f} | |",
+        *(f"| IPCWeightSynchronizer {m}, AdamW between syncs | {checks['ipc_sync'][m]['gbps_warm']:.1f} | "
+          f"{checks['ipc_sync'][m]['ratio_vs_d2d']:.2f} | "
+          f"{'bit-exact' if checks['ipc_sync'][m]['bit_exact'] else 'MISMATCH'}, "
+          f"{checks['ipc_sync'][m]['direct_buckets']} of {checks['ipc_sync'][m]['buckets']} buckets direct |"
+          for m in ("packed", "direct") if "ipc_sync" in checks),
+        *([f"| one copy_ per tensor (direct's bound) | {checks['ipc_sync']['per_tensor_copy_gbps']:.1f} | "
+           f"{checks['ipc_sync']['per_tensor_copy_gbps'] / base:.2f} | direct at "
+           f"{checks['ipc_sync']['direct_vs_per_tensor_copy']:.2f} of it |"] if "ipc_sync" in checks else []),
         f"| JAX->torch dlpack | | | {dl['status']}"
         + (f": zero-copy={dl['zero_copy']}, values equal={dl['values_equal']}" if dl['status'] == 'ok'
            else f": {dl.get('reason', '')}") + " |",

@@ -119,7 +119,10 @@ def test_shared_buffers_are_ipc_shareable_with_expandable_segments(tmp_path: Pat
     script = tmp_path / "probe.py"
     script.write_text(_EXPANDABLE_PROBE)
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    # Prepended: the machine's own packages may come by PYTHONPATH too.
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH")) if p
+    )
     out = subprocess.run(
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
     )

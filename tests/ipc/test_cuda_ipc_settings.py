@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 _PROBE = """
 import torch
-from aiosync.transports._cuda_ipc import ipc_shareable_allocations
+from aiosync._cuda_ipc import ipc_shareable_allocations
 get = torch._C._accelerator_getAllocatorSettings
 seen = [get()]
 with ipc_shareable_allocations():

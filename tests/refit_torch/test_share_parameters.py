@@ -43,7 +43,7 @@ def test_parameters_move_in_place_and_train_as_before() -> None:
         assert {n: p for n, p in shared_model.named_parameters()} == before
         for name, p in shared_model.named_parameters():
             where = locate(p.detach())
-            assert where is not None and where[0] == shared.name, name
+            assert where is not None and where[0].name == shared.name, name
             assert torch.equal(p, dict(plain_model.named_parameters())[name])
         # AdamW steps (the optimizer built after) write into the arena, bit-exact
         # with the same steps on a private model.
@@ -69,8 +69,8 @@ def test_tied_parameters_stay_tied_and_buffers_move() -> None:
         assert shared.tensors == 6
 
 
-def test_only_dense_cpu_tensors_are_shared() -> None:
-    with pytest.raises(TypeError, match="CPU tensors: 'weight' is on meta"):
+def test_only_dense_cpu_or_cuda_tensors_are_shared() -> None:
+    with pytest.raises(TypeError, match="CPU or CUDA tensors: 'weight' is on meta"):
         share_parameters(nn.Linear(2, 2, bias=False, device="meta"))
     with pytest.raises(ValueError, match="no parameters"):
         share_parameters(nn.ReLU())

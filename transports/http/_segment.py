@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-from .._cuda_ipc import ipc_shareable_allocations
+from aiosync._cuda_ipc import ipc_shareable_allocations
 
 __all__ = [
     "SEGMENT_DIR",

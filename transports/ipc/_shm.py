@@ -20,7 +20,7 @@ With ``expandable_segments:True`` (``PYTORCH_CUDA_ALLOC_CONF``/``PYTORCH_ALLOC_C
 torch's caching allocator maps memory with the CUDA virtual-memory API, whose
 blocks ``cudaIpcGetMemHandle`` cannot share (case C20). The staging buffers are
 therefore allocated with the setting switched off for that one allocation and
-restored right after (``transports/_cuda_ipc.py``), as verl and NeMo-RL
+restored right after (``aiosync/_cuda_ipc.py``), as verl and NeMo-RL
 do; where torch cannot switch it, the allocation fails with a
 :class:`~aiosync.errors.TransportError` naming the setting, before any byte moves.
 """
@@ -37,9 +37,8 @@ from typing import Any
 
 import torch
 
+from aiosync._cuda_ipc import ipc_shareable_allocations, share_fields
 from aiosync.errors import TransportError
-
-from .._cuda_ipc import allocator_settings, ipc_shareable_allocations
 
 __all__ = ["EMPTY_HANDLE", "MappedBuffer", "SharedBuffer", "open_handle"]
 
@@ -115,38 +114,7 @@ class SharedBuffer:
     def _create_cuda(cls, nbytes: int, device: torch.device) -> SharedBuffer:
         with ipc_shareable_allocations():
             tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        storage = tensor.untyped_storage()
-        try:
-            (
-                _device_index,
-                handle,
-                size_bytes,
-                offset_bytes,
-                ref_counter_handle,
-                ref_counter_offset,
-                event_handle,
-                event_sync_required,
-            ) = storage._share_cuda_()
-        except RuntimeError as exc:
-            raise TransportError(
-                f"CUDA IPC cannot share a {nbytes}-byte staging buffer on {device} "
-                f"(allocator settings: {allocator_settings()!r}; expandable_segments "
-                f"memory is not shareable): {exc}"
-            ) from exc
-        uuid = str(torch.cuda.get_device_properties(tensor.device).uuid)
-        fields = {
-            "kind": "cuda",
-            "nbytes": nbytes,
-            "device_uuid": uuid,
-            "handle": bytes(handle),
-            "size_bytes": int(size_bytes),
-            "offset_bytes": int(offset_bytes),
-            "ref_counter_handle": bytes(ref_counter_handle),
-            "ref_counter_offset": int(ref_counter_offset),
-            "event_handle": bytes(event_handle) if event_handle else b"",
-            "event_sync_required": bool(event_sync_required),
-        }
-        return cls(tensor, fields, None)
+        return cls(tensor, share_fields(tensor), None)
 
     def handle(self) -> dict[str, Any]:
         """msgpack-safe fields naming this memory: ``{"kind": "shm"|"cuda", "nbytes", ...}``."""

@@ -28,7 +28,8 @@ concurrently):
    In direct mode (``direct=True``, the default) a bucket whose every tensor lies in
    a shared-memory arena of the trainer (:func:`aiosync.refit.share_parameters`)
    travels as ``data {sync_id, seq, bucket, direct: [[arena, nbytes, offset], ...]}``
-   instead: no packing, the worker copies from the trainer's own memory
+   (CUDA: ``[[arena fields, offset], ...]``, the arena's CUDA-IPC handle, the same
+   every sync) instead: no packing, the worker copies from the trainer's own memory
    (``transports/ipc/_direct.py``). It asks no ack (``ack: false``): no buffer
    waits for it, so a run of direct buckets is read in one thread hop and sent at
    once, and the trainer stays idle while the workers copy.
@@ -270,8 +271,9 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
             and its first tensor, the worker's weights stay invalid until a sync
             lands. Read at each sync (``sync.verify = True`` takes effect at the next).
             A direct bucket digests the tensors' own bytes, the same on both sides.
-        direct: one copy instead of two where the trainer's tensors live in named
-            shared memory (:func:`aiosync.refit.share_parameters`, CPU): a bucket
+        direct: one copy instead of two where the trainer's tensors live in a shared
+            arena (:func:`aiosync.refit.share_parameters`: named shared memory on CPU,
+            a CUDA-IPC-shareable allocation on the synchronizer's GPU): a bucket
             whose every tensor is such a view (contiguous, in the manifest's dtype)
             is not packed; the workers map the trainer's memory (kept mapped between
             syncs) and copy from it into their weights. Any other bucket is packed
@@ -737,8 +739,7 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
             session["trace"] = True
             trainer_rows = []
         sender = self._sender
-        # Direct mode maps CPU arenas only (CUDA tensors are packed, see _direct.py).
-        sender.direct = self.direct and self.device.type == "cpu"
+        sender.direct = self.direct
         peers = [rank for lane in lanes for rank in lane.ranks]
         result = 0
         results: list[dict[str, Any]] = []
@@ -1209,7 +1210,7 @@ class _BucketSender:
             _bucket, group = next(groups)
             if k == remaining - 1:
                 _exhaust(groups)
-            refs = direct_refs(group)
+            refs = direct_refs(group, self.device)
             if refs is None:
                 if k == 0 and row is not None:
                     row["pack_start"] = start
@@ -1217,6 +1218,10 @@ class _BucketSender:
                     _, digest = self._read_and_pack(groups, group, spare, False, row, bucket, check)
                     return run, None, (digest,)
                 return run, group, None
+            if self.device.type == "cuda":
+                # What the last optimizer step queued on the stream is written before
+                # a worker reads the trainer's memory.
+                torch.cuda.current_stream(self.device).synchronize()
             digest = None if check.verify is False else check.views_digest(bucket, group)
             run.append(_DirectBucket(refs, digest, start, time.monotonic()))
         return run, None, None

@@ -546,8 +546,7 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                 senders.add(str(msg.get("device")))
                 bucket = plan.buckets[index]
 
-                def arena(name: str, size: int) -> torch.Tensor:
-                    handle = {"kind": "shm", "name": name, "nbytes": size}
+                def arena(handle: Mapping[str, Any]) -> torch.Tensor:
                     key = repr(sorted(handle.items()))
                     if key not in mapped:
                         mapped[key] = open_handle(handle)
@@ -569,6 +568,11 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                 load_start = time.monotonic()
                 with torch.no_grad():
                     loaded = load_weights(views)
+                cuda = next((t.device for _n, t in views if t.is_cuda), None)
+                if cuda is not None:
+                    # The copy out of the trainer's memory is done before the reply
+                    # lets the trainer step again (nothing acks a direct bucket).
+                    torch.cuda.current_stream(cuda).synchronize()
                 if check is not None:
                     raw = [t.reshape(-1).view(torch.uint8) for _name, t in views]
                     _verify_digest(bucket, views_digest(raw, check[0], key=check[1]), *check)
