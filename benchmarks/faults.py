@@ -1170,7 +1170,7 @@ Every transport checks what arrived by default (`verify="sample"`; `True`: every
 the bucket and its first tensor, the version kept, the engine refusing to generate, the
 next sync healing. IPC and the collective digest (XXH3) each bucket while packing and
 each receiver the same bytes after its copy out of them (the first and last byte of
-every tensor and 4096 positions drawn afresh per sync and bucket; `True`: every byte),
+every tensor and 4096 bytes in runs of 8 drawn afresh per sync and bucket; `True`: every byte),
 before any worker commits (the collective: before the vote; with `overlap="staged"` the
 previous version stays live). LoRA adapters: a digest per tensor, checked by the embedded
 engine's workers before PEFT loads them, and for vLLM and SGLang on the adapter folder

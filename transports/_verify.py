@@ -4,14 +4,17 @@ Every transport that moves buckets takes ``verify``:
 
 - ``"sample"`` (the default): the sender digests a sample of each packed bucket,
   the receiver the same sample of what it received, after its copy out of it. The
-  sample is the first and last byte of every tensor slot plus one position in
-  each of :data:`SAMPLE_BYTES` equal strides of the bucket, drawn afresh for every
-  sync and bucket (seeded by both), so its cost does not grow with the bucket. It
-  always catches what a transport bug does in bulk (a zeroed, stale, shifted,
-  truncated or swapped bucket or tensor); a lone flipped byte of an ``n``-byte
-  bucket is caught with probability ``SAMPLE_BYTES / n`` per sync (every byte of
-  a bucket of at most ``SAMPLE_BYTES``), and a fault that stays put (a bad page)
-  by one of the next syncs.
+  sample is the first and last byte of every tensor slot plus a run of
+  :data:`SAMPLE_RUN` consecutive bytes at a random place in each of
+  ``SAMPLE_BYTES / SAMPLE_RUN`` equal strides of the bucket, drawn afresh for every
+  sync and bucket (seeded by both), so its cost does not grow with the bucket (runs,
+  not lone bytes: drawing and sorting 512 places costs a fraction of 4096, and a
+  bucket's digest is on every sync's path). It always catches what a transport bug
+  does in bulk (a zeroed, stale, shifted, truncated or swapped bucket or tensor, any
+  corrupted span of at least two strides); a lone flipped byte of an ``n``-byte
+  bucket is caught with probability ``SAMPLE_BYTES / n`` per sync (every byte of a
+  bucket of at most ``SAMPLE_BYTES``), and a fault that stays put (a bad page) by
+  one of the next syncs.
 - ``True``: the digest covers every byte (what the receiver received, copied to
   the host where it is on a GPU); costs about one read of the refit's bytes on
   each side (``benchmarks/verify.py``).
@@ -33,6 +36,7 @@ import xxhash
 
 __all__ = [
     "SAMPLE_BYTES",
+    "SAMPLE_RUN",
     "Verify",
     "arm_transit_fault",
     "bucket_digest",
@@ -47,9 +51,11 @@ __all__ = [
 
 Verify: TypeAlias = bool | Literal["sample"]
 
-#: Positions drawn at random per bucket in ``"sample"`` mode, besides the first
-#: and last byte of every tensor slot.
+#: Bytes drawn at random per bucket in ``"sample"`` mode, besides the first and
+#: last byte of every tensor slot.
 SAMPLE_BYTES = 4096
+#: They are drawn as runs of this many consecutive bytes, one run per stride.
+SAMPLE_RUN = 8
 
 _INT64 = 1 << 64
 
@@ -73,23 +79,36 @@ def verify_label(verify: Verify) -> str:
 def sample_positions(nbytes: int, key: int, slots: Sequence[tuple[int, int]]) -> torch.Tensor:
     """The sorted, distinct byte positions of an ``nbytes``-byte bucket that
     ``"sample"`` digests (int64, CPU): each slot's ``(offset, nbytes)`` first and
-    last byte, and one position drawn with seed ``key`` in each of
-    ``min(SAMPLE_BYTES, nbytes)`` equal strides of the bucket (a lone flipped byte
-    is then caught with probability ``SAMPLE_BYTES / nbytes`` exactly)."""
+    last byte, and a run of :data:`SAMPLE_RUN` bytes drawn with seed ``key`` in each
+    of ``SAMPLE_BYTES / SAMPLE_RUN`` equal strides of the bucket (a lone flipped byte
+    is then caught with probability ``SAMPLE_BYTES / nbytes`` exactly); every byte of
+    a bucket of at most ``SAMPLE_BYTES``."""
+    return torch.from_numpy(_positions(nbytes, key, slots))
+
+
+def _positions(nbytes: int, key: int, slots: Sequence[tuple[int, int]]) -> np.ndarray:
+    """:func:`sample_positions` as a numpy array: numpy's per-call cost is a fraction
+    of torch's, and this runs for every bucket of every sync on both sides."""
+    if nbytes <= SAMPLE_BYTES:
+        return np.arange(nbytes, dtype=np.int64)
     ends = np.array(
         [p for offset, size in slots if size > 0 for p in (offset, offset + size - 1)],
         dtype=np.int64,
     )
-    draws = min(SAMPLE_BYTES, nbytes)
+    runs = SAMPLE_BYTES // SAMPLE_RUN
     generator = torch.Generator().manual_seed(key % (1 << 63))
-    bounds = np.arange(draws + 1, dtype=np.int64) * nbytes // max(draws, 1)
-    unit = torch.rand(draws, dtype=torch.float64, generator=generator).numpy()
-    drawn = bounds[:-1] + (unit * (bounds[1:] - bounds[:-1])).astype(np.int64)
-    # numpy, not torch: sorting 4096 positions is ~5x faster here, and it is per bucket.
-    positions = np.sort(np.concatenate([ends, drawn]))
-    if positions.size:
-        positions = positions[np.concatenate([[True], positions[1:] != positions[:-1]])]
-    return torch.from_numpy(positions)
+    bounds = np.arange(runs + 1, dtype=np.int64) * nbytes // runs
+    # Each stride holds at least SAMPLE_RUN bytes (nbytes > SAMPLE_BYTES): a run fits.
+    room = bounds[1:] - bounds[:-1] - (SAMPLE_RUN - 1)
+    unit = torch.rand(runs, dtype=torch.float64, generator=generator).numpy()
+    starts = bounds[:-1] + (unit * room).astype(np.int64)
+    drawn = (starts[:, None] + _RUN).reshape(-1)
+    # Two sorted runs (drawn, ends): the stable sort (timsort) merges them in one pass.
+    positions = np.sort(np.concatenate([drawn, ends]), kind="stable")
+    return positions[np.concatenate([[True], positions[1:] != positions[:-1]])]
+
+
+_RUN = np.arange(SAMPLE_RUN, dtype=np.int64)
 
 
 def bucket_digest(
@@ -114,12 +133,15 @@ def bucket_digest(
     if verify is False:
         raise ValueError("bucket_digest() needs verify=True or 'sample'")
     flat = buffer.reshape(-1)
+    seed = flat.numel()
     # A bucket of at most SAMPLE_BYTES samples every byte (one per stride): its digest
     # is the whole buffer's, without drawing and gathering the positions (~30x dearer).
-    if verify == "sample" and flat.numel() > SAMPLE_BYTES:
-        flat = _take(flat, sample_positions(flat.numel(), key, slots))
+    if verify == "sample" and seed > SAMPLE_BYTES:
+        return _signed(
+            xxhash.xxh3_64_intdigest(_take(flat, _positions(seed, key, slots)).data, seed=seed)
+        )
     host = flat.detach().cpu().contiguous()
-    return _signed(xxhash.xxh3_64_intdigest(host.numpy().data, seed=buffer.numel()))
+    return _signed(xxhash.xxh3_64_intdigest(host.numpy().data, seed=seed))
 
 
 def views_digest(views: Sequence[torch.Tensor], verify: Verify, *, key: int = 0) -> int:
@@ -141,33 +163,28 @@ def views_digest(views: Sequence[torch.Tensor], verify: Verify, *, key: int = 0)
     total = sum(sizes)
     hasher = xxhash.xxh3_64(seed=total)
     if verify is True or total <= SAMPLE_BYTES:  # every byte (see bucket_digest)
-        parts: Sequence[torch.Tensor] = views
-    else:
-        offsets = [0]
-        for size in sizes:
-            offsets.append(offsets[-1] + size)
-        slots = list(zip(offsets, sizes, strict=False))
-        positions = (
-            sample_positions(total, key, slots) if total else torch.empty(0, dtype=torch.int64)
-        )
-        # positions is sorted: each view's share of it is one run, cut at the offsets.
-        cuts = np.searchsorted(positions.numpy(), offsets).tolist()
-        parts = [
-            _take(view, positions[lo:hi] - offset)
-            for view, offset, lo, hi in zip(views, offsets, cuts, cuts[1:], strict=False)
-        ]
-    for part in parts:
-        if part.numel():
-            hasher.update(part.detach().cpu().contiguous().numpy().data)
+        for view in views:
+            if view.numel():
+                hasher.update(view.detach().cpu().contiguous().numpy().data)
+        return _signed(hasher.intdigest())
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
+    positions = _positions(total, key, list(zip(offsets, sizes, strict=False)))
+    # positions is sorted: each view's share of it is one run, cut at the offsets.
+    cuts = np.searchsorted(positions, offsets).tolist()
+    for view, offset, lo, hi in zip(views, offsets, cuts, cuts[1:], strict=False):
+        if hi > lo:
+            hasher.update(_take(view, positions[lo:hi] - offset).data)
     return _signed(hasher.intdigest())
 
 
-def _take(view: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``view[positions]`` (indexing on the host through numpy when ``view`` is there:
-    a fraction of torch's per-call cost, paid for every tensor of every bucket)."""
+def _take(view: torch.Tensor, positions: np.ndarray) -> np.ndarray:
+    """The bytes of ``uint8`` ``view`` at ``positions``, on the host (indexed through
+    numpy where ``view`` is there: a fraction of torch's per-call cost)."""
     if view.is_cuda:
-        return view[positions.to(view.device)]
-    return torch.from_numpy(view.detach().numpy()[positions.numpy()])
+        return view[torch.from_numpy(positions).to(view.device)].cpu().numpy()
+    return view.detach().numpy()[positions]
 
 
 def _signed(value: int) -> int:

@@ -173,3 +173,43 @@ async def test_a_direct_sync_cancelled_mid_way_keeps_the_version_and_heals(
                 await dense_engine.generate(h.PROMPTS, max_new_tokens=1)
             await sync.sync_weights()
             await _holds_live(dense_engine, trainer.model)
+
+
+async def test_a_plan_of_more_buckets_than_buffers_rides_in_the_session_when_all_go_direct(
+    dense_engine: EmbeddedEngine, h: SimpleNamespace
+) -> None:
+    trainer = h.trainer_model(h.DENSE_TIED, seed=75)
+    with share_parameters(trainer.model):
+        source = h.TrainerSource(trainer.model, [])
+        async with IPCWeightSynchronizer(source, dense_engine, bucket_bytes=16384) as sync:
+            assert sync.plan is not None and len(sync.plan.buckets) > 2  # > the 2 buffers
+            await sync.mark_stale()
+            await sync.sync_weights()
+            assert sync.weight_version == 1
+            await _holds_live(dense_engine, trainer.model)
+            # The cause: only refs travel, inside the receive's session; the worker never
+            # connected, so it never said hello.
+            assert sync._sender is not None and sync._sender._known_idents == {}
+
+
+async def test_a_bucket_that_does_not_go_direct_streams_the_plan_over_the_socket(
+    dense_engine: EmbeddedEngine, h: SimpleNamespace
+) -> None:
+    trainer = h.trainer_model(h.DENSE_TIED, seed=76)
+    with share_parameters(trainer.model):
+        source = h.TrainerSource(trainer.model, [])
+        sync = IPCWeightSynchronizer(source, dense_engine, bucket_bytes=16384, trace=True)
+        async with sync:
+            assert sync.plan is not None
+            # A tensor of a middle bucket leaves the arena: the buckets read before it
+            # went direct, it and the rest stream (its bucket packed).
+            where = len(sync.plan.buckets) // 2
+            moved = sync.plan.buckets[where].slots[0].name
+            param = trainer.model.get_parameter(moved)
+            with torch.no_grad():
+                param.data = param.data.clone().mul_(2.0)
+            await sync.mark_stale()
+            await sync.sync_weights()
+            assert _direct_buckets(sync) == [[i != where for i in range(len(sync.plan.buckets))]]
+            await _holds_live(dense_engine, trainer.model)
+            assert sync._sender is not None and list(sync._sender._known_idents) == [0]

@@ -50,7 +50,8 @@ async def test_a_small_sync_to_one_worker_rides_in_the_session(
     dense_engine: EmbeddedEngine, h: SimpleNamespace
 ) -> None:
     trainer = h.trainer_model(h.DENSE_TIED, seed=71)
-    async with IPCWeightSynchronizer(h.TrainerSource(trainer.model, []), dense_engine) as sync:
+    source = h.TrainerSource(trainer.model, [])
+    async with IPCWeightSynchronizer(source, dense_engine, trace=True) as sync:
         await sync.init_communicator()
         assert sync.plan is not None and len(sync.plan.buckets) == 1
         await sync.mark_stale()
@@ -59,6 +60,11 @@ async def test_a_small_sync_to_one_worker_rides_in_the_session(
         await h.assert_engine_equals(dense_engine, trainer)
         # The cause: the worker never connected, so it never said hello.
         assert sync._sender is not None and sync._sender._known_idents == {}
+        # What an inline sync reports is this sync's, as a streamed one's.
+        (result,) = sync.last_worker_results
+        assert (result["ok"], result["tensors"]) == (True, sync.plan.num_tensors)
+        assert sync.last_trace is not None
+        assert [row["seq"] for row in sync.last_trace["workers"][0]] == [0]
 
 
 async def test_a_plan_of_more_buckets_than_buffers_streams_over_the_socket(

@@ -137,7 +137,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             Two buffers of this size are allocated on each side.
         verify: check every bucket each worker received against what the source
             sent (:mod:`aiosync.transports._verify`): ``"sample"`` (the default)
-            digests every tensor's first and last byte plus 4096 positions drawn
+            digests every tensor's first and last byte plus 4096 bytes in runs of 8 drawn
             afresh per sync and bucket, ``True`` every byte (about one more read
             of the weights on each side), ``False`` nothing. The digests travel in
             the trailer and each worker compares before the vote: a mismatch

@@ -172,6 +172,9 @@ _INLINE_MAX_BYTES = 16 * 1024 * 1024
 #: The largest inline refit read and packed on the event loop itself, bytes: its copy
 #: takes well under the thread hop it saves (~0.1 ms of a ~1 ms sync's cost here).
 _ON_LOOP_MAX_BYTES = 1024 * 1024
+#: The largest refit sent inside the receive's session when every bucket of it goes
+#: direct (only refs travel), bytes: one copy of it ends well within that 1 s too.
+_INLINE_DIRECT_MAX_BYTES = 256 * 1024 * 1024
 
 #: What a sync in flight raises when ``shutdown()`` interrupts it.
 _SHUT_DOWN_MID_SYNC = "the IPC synchronizer was shut down during the sync"
@@ -261,7 +264,7 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
             choice, rank 0's, so that the ranks' gathers stay paired).
         verify: check every bucket on arrival (:mod:`aiosync.transports._verify`):
             ``"sample"`` (the default) digests, while packing, the first and last
-            byte of every tensor and 4096 positions drawn afresh per sync and
+            byte of every tensor and 4096 bytes in runs of 8 drawn afresh per sync and
             bucket (a cost that does not grow with the bucket), ``True`` every
             byte (about one more read of the refit's bytes on each side),
             ``False`` nothing. Each worker digests the same bytes of the shared
@@ -763,32 +766,55 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
         # /collective_rpc).
         inline: list[dict[str, Any]] | None = None
         plan = lanes[0].plan if len(lanes) == 1 else None
-        if (
+        alone = (
             self.device.type == "cpu"
             and not self._ranks.sharded
             and delta is None
             and len(peers) == 1
             and plan is not None
-            and sender.inlines(plan)
-        ):
+        )
+        if alone and plan is not None and sender.inlines(plan):
             inline = []
+        # A larger plan goes inline too when every bucket of it goes direct: read the
+        # direct buckets first (their refs; the source's tensors are not copied).
+        ahead: _Ahead | None = None
+        read_ahead = (
+            alone
+            and inline is None
+            and sender.direct
+            and not lanes[0].gathers
+            and bool(lanes[0].plan.buckets)
+            and lanes[0].plan.buckets[0].nbytes > 0  # a 0-byte bucket is sent as such
+            and lanes[0].plan.total_bytes <= _INLINE_DIRECT_MAX_BYTES
+        )
 
         async def send() -> None:
             nonlocal result
             result = await sender.send_lanes(
-                sync_id, lanes, kv, trainer_rows, version=version, verify=verify, inline=inline
+                sync_id,
+                lanes,
+                kv,
+                trainer_rows,
+                version=version,
+                verify=verify,
+                inline=inline,
+                ahead=ahead,
             )
 
         try:
             async with anyio.create_task_group() as tg:
+                if read_ahead:
+                    ahead = await sender.read_ahead(lanes[0], verify, version)
+                    if ahead.complete:
+                        inline = []
                 if inline is not None:
                     await send()
                     session["inline"] = inline
                     await drive_receivers()
-                    return result
-                if self._ranks.is_driver:
-                    tg.start_soon(drive_receivers)
-                tg.start_soon(send)
+                else:
+                    if self._ranks.is_driver:
+                        tg.start_soon(drive_receivers)
+                    tg.start_soon(send)
         except BaseExceptionGroup as group:
             sender.abort(sync_id, peers, repr(group.exceptions[0]))
             if sender.closed:
@@ -960,13 +986,16 @@ class _BucketSender:
         version: int = 0,
         verify: Verify = "sample",
         inline: list[dict[str, Any]] | None = None,
+        ahead: _Ahead | None = None,
     ) -> int:
         """:meth:`send`, each lane's buckets (its own plan, e.g. a delta's wire plan)
         to its own workers, one lane after the other over the same buffers; one
         hello before and one ``end`` after, for every lane's workers. Returns the
         bytes packed (each lane's once, however many workers read it). ``inline``
-        (a plan that :meth:`fits_without_reuse`, one worker): the messages go into
-        this list instead, ``end`` last, for the receive's session; nothing is sent."""
+        (a plan that :meth:`fits_without_reuse`, or whose every bucket went direct;
+        one worker): the messages go into this list instead, ``end`` last, for the
+        receive's session; nothing is sent. ``ahead``: what :meth:`read_ahead` read
+        of the first lane."""
         if self._closed:
             raise TransportError("the IPC synchronizer was shut down")
         ended = anyio.Event()
@@ -977,7 +1006,7 @@ class _BucketSender:
                 check = _Check(verify, version)
                 self._inline = inline
                 try:
-                    return await self._send(sync_id, lanes, kv, trace, check)
+                    return await self._send(sync_id, lanes, kv, trace, check, ahead)
                 finally:
                     self._inline = None
             finally:
@@ -992,6 +1021,7 @@ class _BucketSender:
         kv: Sequence[tuple[str, float]],
         trace: list[dict[str, Any]] | None,
         check: _Check,
+        ahead: _Ahead | None = None,
     ) -> int:
         ranks = [rank for lane in lanes for rank in lane.ranks]
         if not ranks:
@@ -1010,7 +1040,8 @@ class _BucketSender:
                 await anyio.to_thread.run_sync(drain, lane.weights)
                 continue
             audience = {rank: peers[rank] for rank in lane.ranks}
-            nbytes += await self._send_lane(sync_id, lane, audience, stream, trace, check)
+            nbytes += await self._send_lane(sync_id, lane, audience, stream, trace, check, ahead)
+            ahead = None
         for seq in range(len(stream.audience) if not inline else 0):
             await self._wait_acks(sync_id, stream, seq)
         end = {
@@ -1037,12 +1068,14 @@ class _BucketSender:
         stream: _Stream,
         trace: list[dict[str, Any]] | None,
         check: _Check,
+        first: _Ahead | None = None,
     ) -> int:
         """Pack and send every bucket of ``lane`` to ``peers``, numbering them on
         from the buckets ``stream`` holds (each with its digest, as ``check``
-        says); returns the bytes packed."""
+        says), the first ones from ``first`` when given (:meth:`read_ahead`);
+        returns the bytes packed."""
         plan = lane.plan
-        groups = group_by_bucket(lane.weights, plan)
+        groups = group_by_bucket(lane.weights, plan) if first is None else first.groups
         nbytes = 0
         count = len(plan.buckets)
         fits = self._fits
@@ -1081,26 +1114,31 @@ class _BucketSender:
             # The digest of a bucket packed in the direct read's hop (a 1-tuple), else None.
             packed: tuple[int | None] | None = None
             spare: SharedBuffer | None = None
-            if self.direct and group is None and not lane.gathers:
-                # Whether a bucket goes direct depends on its tensors: read them first,
-                # and the direct buckets after it in the same thread hop (their refs
-                # copy nothing), so the trainer keeps off the CPUs the workers copy on.
-                # A bucket that is not direct is packed in that hop too when its buffer
-                # is free (no second hop).
-                if bucket.nbytes <= fits:
-                    previous = stream.holder[seq % len(self._buffers)]
-                    if previous is None or stream.acked(previous):
-                        spare = self._buffers[seq % len(self._buffers)]
-                run, group, packed = await self._in_thread(
-                    self._read_direct,
-                    groups,
-                    plan.buckets[i - 1 : i - 1 + batch],
-                    check,
-                    row,
-                    count - i + 1,
-                    spare,
-                )
-                batch *= 2
+            if first is not None or (self.direct and group is None and not lane.gathers):
+                if first is not None:
+                    # Read before the handshake (read_ahead): the lane's first buckets.
+                    run, group, packed = first.run, first.group, None
+                    first = None
+                else:
+                    # Whether a bucket goes direct depends on its tensors: read them
+                    # first, and the direct buckets after it in the same thread hop
+                    # (their refs copy nothing), so the trainer keeps off the CPUs the
+                    # workers copy on. A bucket that is not direct is packed in that
+                    # hop too when its buffer is free (no second hop).
+                    if bucket.nbytes <= fits:
+                        previous = stream.holder[seq % len(self._buffers)]
+                        if previous is None or stream.acked(previous):
+                            spare = self._buffers[seq % len(self._buffers)]
+                    run, group, packed = await self._in_thread(
+                        self._read_direct,
+                        groups,
+                        plan.buckets[i - 1 : i - 1 + batch],
+                        check,
+                        row,
+                        count - i + 1,
+                        spare,
+                    )
+                    batch *= 2
                 for k, direct in enumerate(run):
                     if k:
                         bucket, seq = plan.buckets[i], len(stream.audience)
@@ -1183,6 +1221,18 @@ class _BucketSender:
         if self._on_loop:
             return func(*args)
         return await anyio.to_thread.run_sync(func, *args)
+
+    async def read_ahead(self, lane: _Lane, verify: Verify, version: int) -> _Ahead:
+        """Read ``lane``'s buckets from its first while they go direct, in one thread
+        hop (the refs and digests :meth:`_read_direct` takes; nothing is copied), so
+        that a refit whose every bucket goes direct can travel inline. What was read
+        goes to :meth:`send_lanes` (``ahead=``), which sends it and reads on."""
+        groups = group_by_bucket(lane.weights, lane.plan)
+        buckets = lane.plan.buckets
+        run, group, _ = await anyio.to_thread.run_sync(
+            self._read_direct, groups, buckets, _Check(verify, version), None, len(buckets)
+        )
+        return _Ahead(groups, run, group, group is None and len(run) == len(buckets))
 
     def _read_direct(
         self,
@@ -1525,6 +1575,19 @@ class _Check(NamedTuple):
             "key": sample_key(self.version, bucket.index),
             "digest": digest,
         }
+
+
+class _Ahead(NamedTuple):
+    """What :meth:`_BucketSender.read_ahead` read of a lane before its sync started."""
+
+    #: The lane's ``group_by_bucket``, positioned after what was read.
+    groups: Iterator[tuple[Bucket, list[tuple[str, torch.Tensor]]]]
+    #: The direct buckets from the lane's first on.
+    run: list[_DirectBucket]
+    #: The tensors of the bucket after them, when it did not go direct (else None).
+    group: list[tuple[str, torch.Tensor]] | None
+    #: Whether every bucket of the lane went direct (the source is checked ended).
+    complete: bool
 
 
 class _DirectBucket(NamedTuple):

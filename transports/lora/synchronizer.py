@@ -109,7 +109,7 @@ class LoRAAdapterSynchronizer(OnTrainerRanks, WeightSynchronizer):
         verify: the engines check each tensor they received against the
             trainer's digest before the adapter goes live
             (:mod:`aiosync.transports._verify`): ``"sample"`` (the default; each
-            tensor's first and last byte plus 4096 positions drawn afresh per sync
+            tensor's first and last byte plus 4096 bytes in runs of 8 drawn afresh per sync
             and tensor), ``True`` (every byte) or ``False`` (no digests). A
             mismatch fails the sync with :class:`~aiosync.errors.RefitVerificationError`
             naming the tensor and the engine, which then refuses to generate
