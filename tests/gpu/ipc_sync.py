@@ -140,10 +140,12 @@ def ipc_sync_refit(
     moved: bool = False,
     fetch_weights: bool = False,
     device_name: str = "cuda:0",
+    verify: bool | str = False,
 ) -> dict[str, Any]:
     """Sync ``manifest``-shaped parameters ``rounds`` times (an AdamW step before each
     but the first) into a worker process on ``device_name`` (``"cpu"``: the harness's
-    own check, run without a GPU).
+    own check, run without a GPU). ``verify``: the synchronizer's (off by default: the
+    figures are the transfer's own).
 
     Returns:
         ``{"direct", "bytes", "buckets", "cold_s", "warm_s", "gbps_warm",
@@ -186,7 +188,7 @@ def ipc_sync_refit(
             bucket_bytes=bucket_bytes,
             direct=direct,
             trace=True,
-            verify=False,
+            verify=verify,  # type: ignore[arg-type]
             rpc_timeout_s=120,
             sync_timeout_s=300,
         )

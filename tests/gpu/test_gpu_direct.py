@@ -56,6 +56,43 @@ def test_cuda_parameter_moved_out_of_the_arena_is_packed_and_stays_bit_exact() -
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("verify", ["sample", True])
+def test_cuda_direct_and_packed_syncs_pass_their_digests(verify: str | bool) -> None:
+    # The digests of CUDA tensors (a sample gathered on the device, or every byte)
+    # agree on both sides: a mismatch would fail the sync with RefitVerificationError.
+    for direct in (True, False):
+        result = ipc_sync.ipc_sync_refit(
+            TINY, direct=direct, bucket_bytes=BUCKET_BYTES, fetch_weights=True, verify=verify
+        )
+        packed = 0 if direct else result["buckets"]
+        _check(result, packed=packed, copied=0 if direct else result["bytes"])
+
+
+@pytest.mark.gpu
+def test_a_cuda_tensor_digests_as_its_host_copy() -> None:
+    from aiosync.transports._verify import bucket_digest, views_digest
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    data = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda", generator=gen)
+    host = data.cpu()
+    slots = [(0, 1 << 19), (1 << 19, 1 << 19)]
+    for verify in ("sample", True):
+        assert bucket_digest(data, verify, key=5, slots=slots) == bucket_digest(  # type: ignore[arg-type]
+            host,
+            verify,
+            key=5,
+            slots=slots,  # type: ignore[arg-type]
+        )
+        halves = [data[: 1 << 19], data[1 << 19 :]]
+        assert views_digest(halves, verify, key=5) == bucket_digest(  # type: ignore[arg-type]
+            host,
+            verify,
+            key=5,
+            slots=slots,  # type: ignore[arg-type]
+        )
+
+
+@pytest.mark.gpu
 def test_cuda_packed_sync_is_bit_exact() -> None:
     result = ipc_sync.ipc_sync_refit(
         TINY, direct=False, bucket_bytes=BUCKET_BYTES, fetch_weights=True
