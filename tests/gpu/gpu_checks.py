@@ -387,15 +387,33 @@ def _collective_worker_main(conn: Any, manifest_json: dict[str, Any], device: st
         model_runner = SimpleNamespace(model=_Model())
 
     worker = _Worker()
+    serve_pipe(conn, worker, weights, on_stop=worker.aiosync_collective_destroy)
+
+
+def serve_pipe(
+    conn: Any,
+    worker: Any,
+    weights: dict[str, torch.Tensor],
+    on_stop: Any = None,
+) -> None:
+    """An engine worker process's loop: each ``(method, args, kwargs)`` from ``conn``
+    calls ``worker``'s method, answered ``("ok"|"error", result)``, until ``"stop"``
+    (after ``on_stop()``). ``"checksums"`` answers each of ``weights``'s
+    :func:`_byte_checksum`, ``"weights"`` their host copies."""
     while True:
         method, args, kwargs = conn.recv()
         if method == "stop":
-            worker.aiosync_collective_destroy()
+            if on_stop is not None:
+                on_stop()
             conn.send(("ok", None))
             return
         try:
             if method == "checksums":
+                if torch.cuda.is_initialized():
+                    torch.cuda.synchronize()
                 result: Any = {n: _byte_checksum(t) for n, t in weights.items()}
+            elif method == "weights":
+                result = {n: t.cpu() for n, t in weights.items()}
             else:
                 result = getattr(worker, method)(*args, **kwargs)
             conn.send(("ok", result))

@@ -47,6 +47,7 @@ from gpu_checks import (
     _PipeEngine,
     d2d_copy_gbps,
     qwen3_manifest,
+    serve_pipe,
 )
 
 __all__ = ["ipc_sync_refit"]
@@ -104,23 +105,7 @@ def _ipc_worker_main(conn: Any, manifest: Manifest, device_name: str) -> None:
         rank = 0
         model_runner = SimpleNamespace(model=_Model())
 
-    worker = _Worker()
-    while True:
-        method, args, kwargs = conn.recv()
-        if method == "stop":
-            conn.send(("ok", None))
-            return
-        try:
-            if method == "checksums":
-                _settle(device)
-                result: Any = {n: _byte_checksum(t) for n, t in weights.items()}
-            elif method == "weights":
-                result = {n: t.cpu() for n, t in weights.items()}
-            else:
-                result = getattr(worker, method)(*args, **kwargs)
-            conn.send(("ok", result))
-        except Exception as exc:
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    serve_pipe(conn, _Worker(), weights)
 
 
 def _adamw_step(params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
