@@ -84,9 +84,12 @@ def share_parameters(module: nn.Module, *, buffers: bool = True) -> SharedParame
     CUDA IPC can share (made with ``expandable_segments`` off, whatever the trainer's
     setting), which needs the module's bytes once more while the tensors move.
     Call it once, after the module is on its device in its training dtype and before the
-    first sync; what the optimizer allocates (its states) stays private. A view or a ``.data``
-    alias of a parameter taken before the call (an object that cached ``p.detach()``)
-    keeps the old memory and no longer sees the training: take such views after it.
+    first sync; what the optimizer allocates (its states) stays private. A view or a
+    ``.data`` alias of a parameter taken before the call (an object that cached
+    ``p.detach()``) keeps the old memory and no longer sees the training: take such views
+    after it (the embedded engine's ``HFModelRunner`` looks its tensors up again). Each
+    tensor gets a place of its own: a buffer that was a view of a parameter no longer
+    is; tied parameters (one ``Parameter`` object) stay tied.
     Direct mode relies on the sync reading the tensors while no optimizer step runs:
     take the steps inside :meth:`~aiosync.WeightSynchronizer.policy_update` (a sync
     waits for it, and it for a sync), never beside a sync after a bare ``mark_stale()``.
@@ -103,19 +106,23 @@ def share_parameters(module: nn.Module, *, buffers: bool = True) -> SharedParame
         sweeps it after a SIGKILL (CUDA memory dies with the process).
 
     Raises:
-        TypeError: a tensor is a DTensor or sparse, is on neither CPU nor CUDA, or
-            the tensors are on more than one device.
+        TypeError: ``module`` is not a module; a tensor is a DTensor or sparse, is on
+            neither CPU nor CUDA, or the tensors are on more than one device.
         ValueError: the module has no tensors to share.
         OSError: ``/dev/shm`` cannot hold the arena.
         TransportError: CUDA memory cannot be made shareable (``expandable_segments``
             on, and this torch cannot switch it off for the arena).
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"share_parameters needs a torch.nn.Module, got {type(module).__name__}")
     tensors = list(_tensors(module, buffers))
     offsets: list[int] = []
     total = 0
     for name, tensor in tensors:
-        if hasattr(tensor, "placements") or tensor.layout != torch.strided:
-            raise TypeError(f"share_parameters needs dense tensors: {name!r} is {type(tensor)}")
+        if hasattr(tensor, "placements"):
+            raise TypeError(f"share_parameters needs dense tensors: {name!r} is a DTensor")
+        if tensor.layout != torch.strided:
+            raise TypeError(f"share_parameters needs dense tensors: {name!r} is {tensor.layout}")
         if tensor.device.type not in ("cpu", "cuda"):
             raise TypeError(
                 f"share_parameters needs CPU or CUDA tensors: {name!r} is on {tensor.device}"

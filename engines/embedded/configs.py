@@ -16,7 +16,7 @@ __all__ = [
     "TINY_QWEN3_TIED",
 ]
 
-#: Dense Qwen3, untied head: 24 checkpoint tensors, ~0.2 M parameters.
+#: Dense Qwen3, untied head: 25 checkpoint tensors, ~0.2 M parameters.
 TINY_QWEN3: dict[str, Any] = {
     "model_type": "qwen3",
     "vocab_size": 128,

@@ -112,6 +112,8 @@ class HFModelRunner:
             else tensor_parallel.shard(model, self._manifest)
         )
         self._targets = _resolve_targets(model, self._manifest, self._layout)
+        # Where the model's tensors lived when the targets were resolved (_follow_model).
+        self._homes = _homes(model)
         #: ``"fp8"`` when the runner serves the FP8 checkpoint (None: the model's own).
         self.quantization = quantization
         # The FP8 tensors become the checkpoint this runner loads and reports;
@@ -126,11 +128,7 @@ class HFModelRunner:
         # them (a source that does not know about the tie) is accepted.
         self._aliases: dict[str, torch.Tensor] = {}
         self._alias_parts: dict[str, Part] = {}
-        tied: Mapping[str, str] = getattr(model, "all_tied_weights_keys", None) or {}
-        for target, source in tied.items():
-            if target not in self._targets and source in self._targets:
-                self._aliases[target] = self._targets[source]
-                self._alias_parts[target] = self._layout[source]
+        self._resolve_aliases()
         #: FP8 KV-cache scales received, ``{"model.layers.{i}.self_attn.{k,v}_scale": float}``.
         #: This reference engine has no FP8 KV cache; it records the scales that
         #: vLLM would load into its attention layers, so a refit can be checked.
@@ -261,6 +259,26 @@ class HFModelRunner:
         """
         return dict(self._layout)
 
+    def _resolve_aliases(self) -> None:
+        tied: Mapping[str, str] = getattr(self.model, "all_tied_weights_keys", None) or {}
+        for target, source in tied.items():
+            if target not in self._targets and source in self._targets:
+                self._aliases[target] = self._targets[source]
+                self._alias_parts[target] = self._layout[source]
+
+    def _follow_model(self) -> None:
+        """Resolve the targets again when the model's tensors moved since (``p.data``
+        re-pointed, as :func:`aiosync.share_parameters` does), so that the runner reads
+        and writes the tensors the model computes with. The FP8 checkpoint's tensors
+        are the runner's own and never move."""
+        if self._fp8 is not None:
+            return
+        homes = _homes(self.model)
+        if homes != self._homes:
+            self._targets = _resolve_targets(self.model, self._manifest, self._layout)
+            self._resolve_aliases()
+            self._homes = homes
+
     def _lookup(self, name: str) -> tuple[torch.Tensor, Part] | None:
         """The local tensor ``name`` lands in and the part of it held (a tied alias too)."""
         target = self._targets.get(name)
@@ -286,6 +304,7 @@ class HFModelRunner:
         """
         loaded = 0
         with self.lock, torch.no_grad():
+            self._follow_model()
             for name, tensor in weights:
                 found = self._lookup(name)
                 if found is None and self._load_kv_scale(name, tensor):
@@ -323,6 +342,8 @@ class HFModelRunner:
                 runner holds (a box meant for another worker).
         """
         checked: list[tuple[str, tuple[tuple[int, int], ...], torch.Tensor]] = []
+        with self.lock:
+            self._follow_model()
         for name, part, tensor in parts:
             found = self._lookup(name)
             if found is not None and part.shape != found[1].shape:
@@ -358,6 +379,7 @@ class HFModelRunner:
         """
         written = 0
         with self.lock, torch.no_grad():
+            self._follow_model()
             for name, box, tensor in boxes:
                 box = tuple((int(lo), int(hi)) for lo, hi in box)
                 found = self._lookup(name)
@@ -409,6 +431,8 @@ class HFModelRunner:
                 not the checkpoint's (:func:`aiosync.delta.apply_patch`).
         """
         resolved = []
+        with self.lock:
+            self._follow_model()
         for patch in patches:
             found = self._lookup(patch.name)
             if found is None:
@@ -442,12 +466,14 @@ class HFModelRunner:
         On a tensor-parallel rank, each tensor is the slice held
         (``weight_layout()[name].local_shape``), not the full tensor.
         """
-        with torch.no_grad():
+        with self.lock, torch.no_grad():
+            self._follow_model()
             return {name: self._targets[name].detach().clone() for name in self._manifest}
 
     def fill_(self, value: float) -> None:
         """Overwrite every weight with ``value`` (an engine that discarded its weights)."""
         with self.lock, torch.no_grad():
+            self._follow_model()
             for name in self._manifest:
                 self._targets[name].fill_(value)
 
@@ -745,6 +771,13 @@ def _overlap(
         (max(lo_a, lo_b), min(hi_a, hi_b)) for (lo_a, hi_a), (lo_b, hi_b) in zip(a, b, strict=True)
     )
     return None if any(lo >= hi for lo, hi in box) else box
+
+
+def _homes(model: torch.nn.Module) -> tuple[int, ...]:
+    """Where each parameter and buffer of ``model`` lives (its data pointer), in order."""
+    return tuple(t.data_ptr() for t in model.parameters()) + tuple(
+        t.data_ptr() for t in model.buffers()
+    )
 
 
 def _resolve_targets(

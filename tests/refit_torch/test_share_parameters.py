@@ -19,6 +19,7 @@ from aiosync import share_parameters
 from aiosync._arena import locate
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.model import HFModelRunner
+from aiosync.refit import DTensorRefitSource
 from aiosync.transports._leftovers import SHM_DIR, sweep_leftovers
 
 
@@ -74,6 +75,29 @@ def test_only_dense_cpu_or_cuda_tensors_are_shared() -> None:
         share_parameters(nn.Linear(2, 2, bias=False, device="meta"))
     with pytest.raises(ValueError, match="no parameters"):
         share_parameters(nn.ReLU())
+    with pytest.raises(TypeError, match=r"needs a torch\.nn\.Module, got Tensor"):
+        share_parameters(torch.ones(3))  # type: ignore[arg-type]
+    sparse = nn.Module()
+    sparse.p = nn.Parameter(torch.eye(2).to_sparse())
+    with pytest.raises(TypeError, match=r"'p' is torch\.sparse_coo"):
+        share_parameters(sparse)
+
+
+def test_the_embedded_runner_reads_and_writes_the_shared_tensors() -> None:
+    # HFModelRunner resolved its tensors before they moved: it follows them.
+    runner = HFModelRunner.from_config(dict(TINY_QWEN3), seed=6)
+    with share_parameters(runner.model):
+        with torch.no_grad():
+            for p in runner.model.parameters():
+                p.mul_(0.5)
+        live = dict(DTensorRefitSource(runner.model).iter_weights())
+        assert {n: torch.equal(t, live[n]) for n, t in runner.hf_state_dict().items()} == {
+            n: True for n in live
+        }
+        assert runner.load_weights([("model.norm.weight", torch.full((64,), 7.0))]) == 1
+        assert torch.equal(
+            runner.model.get_parameter("model.norm.weight").detach(), torch.full((64,), 7.0)
+        )
 
 
 _CHILD = textwrap.dedent(
