@@ -111,9 +111,11 @@ class HFModelRunner:
             if tensor_parallel is None
             else tensor_parallel.shard(model, self._manifest)
         )
-        self._targets = _resolve_targets(model, self._manifest, self._layout)
-        # Where the model's tensors lived when the targets were resolved (_follow_model).
-        self._homes = _homes(model)
+        # The model's own tensors by their names now (a LoRA adapter loaded later wraps
+        # modules and renames them; the objects stay), and where they live (_follow_model).
+        self._tensors = _named_tensors(model)
+        self._targets = _resolve_targets(model, self._tensors, self._manifest, self._layout)
+        self._homes = _homes(self._tensors)
         #: ``"fp8"`` when the runner serves the FP8 checkpoint (None: the model's own).
         self.quantization = quantization
         # The FP8 tensors become the checkpoint this runner loads and reports;
@@ -273,9 +275,11 @@ class HFModelRunner:
         are the runner's own and never move."""
         if self._fp8 is not None:
             return
-        homes = _homes(self.model)
+        homes = _homes(self._tensors)
         if homes != self._homes:
-            self._targets = _resolve_targets(self.model, self._manifest, self._layout)
+            self._targets = _resolve_targets(
+                self.model, self._tensors, self._manifest, self._layout
+            )
             self._resolve_aliases()
             self._homes = homes
 
@@ -773,24 +777,28 @@ def _overlap(
     return None if any(lo >= hi for lo, hi in box) else box
 
 
-def _homes(model: torch.nn.Module) -> tuple[int, ...]:
-    """Where each parameter and buffer of ``model`` lives (its data pointer), in order."""
-    return tuple(t.data_ptr() for t in model.parameters()) + tuple(
-        t.data_ptr() for t in model.buffers()
-    )
+def _named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s parameters and buffers by name (the objects, ties under every name)."""
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
+    return tensors
+
+
+def _homes(tensors: Mapping[str, torch.Tensor]) -> tuple[int, ...]:
+    """Where each of ``tensors`` lives (its data pointer), in order."""
+    return tuple(t.data_ptr() for t in tensors.values())
 
 
 def _resolve_targets(
     model: PreTrainedModel,
+    named: Mapping[str, torch.Tensor],
     manifest: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
     layout: Mapping[str, Part],
 ) -> dict[str, torch.Tensor]:
     """``{checkpoint name: view of the in-memory tensor it is loaded into}``, each of
-    the shape of the part held (``layout[name].local_shape``)."""
-    tensors: dict[str, torch.Tensor] = {
-        name: t.detach() for name, t in model.named_parameters(remove_duplicate=False)
-    }
-    tensors.update((name, t.detach()) for name, t in model.named_buffers(remove_duplicate=False))
+    the shape of the part held (``layout[name].local_shape``); ``named``: the model's
+    tensors by name (:func:`_named_tensors`)."""
+    tensors = {name: t.detach() for name, t in named.items()}
     targets: dict[str, torch.Tensor] = {}
     for name, (_, dtype) in manifest.items():
         shape = layout[name].local_shape
