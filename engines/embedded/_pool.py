@@ -1,7 +1,11 @@
 """The embedded engine's worker processes and their RPC: :class:`WorkerPool`.
 
-Workers are ``spawn``ed processes (:func:`~aiosync.engines.embedded._worker.run_worker`)
-that connect to one ZMQ ROUTER socket, ``ipc://`` in a private (0700) directory
+Workers are processes (:func:`~aiosync.engines.embedded._worker.run_worker`) forked
+by multiprocessing's forkserver, which imports torch, transformers and the worker once
+(:func:`worker_context`), so a worker or a respawn starts in a fraction of a second
+instead of paying those imports again; each is still its own process, with
+``spawn``'s semantics (a fresh ``__main__`` import, the parent's environment). They
+connect to one ZMQ ROUTER socket, ``ipc://`` in a private (0700) directory
 (``aiosync-engine-<pid>-*`` in the temp dir; :meth:`WorkerPool.open` first removes
 what dead aiosync processes left, :mod:`aiosync.transports._leftovers`), and
 answer msgpack maps. No reader task runs in the background: whoever waits for a
@@ -46,7 +50,7 @@ _WORKER_NAME = "aiosync-embedded-"
 # A worker whose bootstrap re-ran a script that starts an engine exits with this code.
 _EXIT_UNGUARDED_MAIN = 87
 _UNGUARDED_MAIN = (
-    "the worker re-ran the main script (multiprocessing's spawn imports it again in every "
+    "the worker re-ran the main script (multiprocessing imports it again in every "
     "worker) and the script started an engine there: put the code that starts the engine under "
     "'if __name__ == \"__main__\":'"
 )
@@ -109,11 +113,13 @@ class WorkerPool:
             SyncTimeoutError: the workers were not ready within ``timeout_s``.
         """
         if multiprocessing.current_process().name.startswith(_WORKER_NAME):
-            # spawn re-runs the parent's main script in each worker before the worker
-            # starts; a script without a __main__ guard gets here. Exit with a code
-            # the parent turns into the fix, instead of multiprocessing's bootstrap error.
+            # A worker's start re-runs the parent's main script before the worker
+            # runs; a script without a __main__ guard gets here. Exit with a code the
+            # parent turns into the fix, instead of multiprocessing's bootstrap error;
+            # at once, as a forkserver's child turns a SystemExit here into code 1.
             sys.stderr.write(f"aiosync: {_UNGUARDED_MAIN}\n")
-            raise SystemExit(_EXIT_UNGUARDED_MAIN)
+            sys.stderr.flush()
+            os._exit(_EXIT_UNGUARDED_MAIN)
         self.started = True
         self._loop = asyncio.get_running_loop()
         self.dir = await anyio.to_thread.run_sync(_private_dir)
@@ -146,11 +152,14 @@ class WorkerPool:
         return ranks
 
     async def _spawn(self, ranks: Sequence[int], weights_valid: bool) -> None:
-        context = multiprocessing.get_context("spawn")
+        context = worker_context()
+        # A forkserver's children inherit its environment, not ours at start time:
+        # each worker takes ours, as a spawned one would.
+        environ = dict(os.environ)
         procs = {
             rank: context.Process(
-                target=self._target,
-                args=self._worker_args(rank, weights_valid),
+                target=_in_environment,
+                args=(environ, self._target, self._worker_args(rank, weights_valid)),
                 name=f"{_WORKER_NAME}{rank}",
                 daemon=True,
             )
@@ -164,7 +173,8 @@ class WorkerPool:
                 for proc in procs.values():
                     proc.start()
 
-        # Starting a spawned process blocks (fork-exec, pickling its arguments).
+        # Starting a process blocks (a forkserver round trip or fork-exec, pickling its
+        # arguments).
         await anyio.to_thread.run_sync(start_all)
         assert self._loop is not None
         for rank, proc in procs.items():
@@ -373,6 +383,43 @@ class WorkerPool:
                 fut.set_exception(error)
 
 
+#: What the workers' forkserver imports once: a worker forked from it finds them loaded.
+#: A module that is not installed is skipped (the forkserver ignores its ImportError).
+PRELOAD = (
+    "torch",
+    "transformers",
+    "aiosync.engines.embedded._worker",
+    "aiosync.engines.embedded.model",
+)
+
+
+def worker_context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context that starts engine workers.
+
+    Linux's and macOS's ``forkserver``, its preload set to :data:`PRELOAD` (torch,
+    transformers, the worker) so that a worker starts as a fork of a warm
+    interpreter: the forkserver pays those imports once per process, on the first
+    start. The preload is multiprocessing's one setting for the process; a
+    forkserver that is already running keeps its own. Where there is no
+    forkserver, ``spawn``.
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOAD))
+    return context
+
+
+def _in_environment(
+    environ: dict[str, str], target: Callable[..., None], args: tuple[Any, ...]
+) -> None:
+    """Run ``target(*args)`` with ``environ`` as the process's environment (the
+    parent's when it started the worker)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    target(*args)
+
+
 # Held while __main__.__file__ may be hidden: two engines starting in two threads
 # must not restore each other's view of it.
 _MAIN_FILE_LOCK = threading.Lock()
@@ -383,8 +430,8 @@ def _main_without_missing_file() -> Iterator[None]:
     """Hide ``__main__.__file__`` while processes start if it names no file
     (``python - < script.py`` sets it to ``'<stdin>'``).
 
-    spawn re-imports the parent's main module in every child from that path, and a
-    path that is no file kills the child (``FileNotFoundError: '<cwd>/<stdin>'``)
+    spawn and forkserver re-import the parent's main module in every child from that
+    path, and a path that is no file kills the child (``FileNotFoundError: '<cwd>/<stdin>'``)
     before the worker runs. The workers need nothing from ``__main__`` (their entry
     point and arguments are aiosync's), so they start as under ``python -c``, where
     spawn leaves ``__main__`` alone. A main run as a module (``python -m``) or from a

@@ -247,7 +247,7 @@ async def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path: Path) 
     last = proc.stderr.decode().strip().splitlines()[-1]
     assert last.startswith("aiosync.errors.TransportError: engine worker 0 died: process ")
     assert last.endswith(
-        "exited with code 87: the worker re-ran the main script (multiprocessing's spawn imports "
+        "exited with code 87: the worker re-ran the main script (multiprocessing imports "
         "it again in every worker) and the script started an engine there: put the code that "
         "starts the engine under 'if __name__ == \"__main__\":'"
     )
