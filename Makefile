@@ -1,6 +1,10 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   — create/reuse .venv, install, run the async GRPO example (the main job)
 #   make test   — create/reuse .venv, install, run ruff, mypy and the test suite
+#                 (JOBS pytest-xdist workers, one test file per worker at a time;
+#                 JOBS=1 runs it serially in one process)
+#   make test-profile — the suite with a JUnit report, then its slowest tests and
+#                 the time per folder (tests/_support/timing.py)
 VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
@@ -8,8 +12,16 @@ BIN := $(VENV)/bin
 # torch range does not pull a multi-GB CUDA build.
 TORCH_CPU ?= torch==2.13.0
 EXTRAS ?= dev,jax,embedded,ray
+# Test processes: most tests wait on other processes (engine workers, servers,
+# rank scripts) much of the time, so 3 keep CI's 2 cores busy.
+JOBS ?= 3
+ifeq ($(JOBS),1)
+PYTEST_JOBS :=
+else
+PYTEST_JOBS := -n $(JOBS) --dist loadfile
+endif
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test test-profile lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -29,10 +41,14 @@ lint: setup
 	$(BIN)/mypy
 
 test: lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q $(PYTEST_JOBS)
+
+test-profile: setup
+	$(BIN)/pytest -q $(PYTEST_JOBS) --junitxml=.pytest-report.xml || true
+	$(BIN)/python -m tests._support.timing .pytest-report.xml
 
 bench: setup
 	for b in benchmarks/*.py; do $(BIN)/python $$b --quick || exit 1; done
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .pytest-report.xml

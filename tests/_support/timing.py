@@ -59,9 +59,7 @@ def read_report(path: str) -> list[TestTime]:
                 (i for i, p in enumerate(parts) if p.startswith(("test_", "_"))),
                 default=len(parts) - 1,
             )
-            nodeid = "::".join(
-                ["/".join(parts[: cut + 1]) + ".py", *parts[cut + 1 :], name]
-            )
+            nodeid = "::".join(["/".join(parts[: cut + 1]) + ".py", *parts[cut + 1 :], name])
         times.append(TestTime(nodeid, float(case.get("time", 0.0))))
     return times
 
