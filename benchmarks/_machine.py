@@ -16,8 +16,9 @@ from typing import Any, TextIO
 
 #: Repeats of a full run (the best is kept): one slow outlier cannot win a minimum of 3.
 FULL_REPEATS = 3
-#: Repeats of a ``--quick`` run: enough to drop the cold first run, and under a minute.
-QUICK_REPEATS = 2
+#: Repeats of a ``--quick`` run: a smoke test (the suite runs every benchmark's),
+#: seconds, whose figures are not evidence.
+QUICK_REPEATS = 1
 
 
 def repeats_for(quick: bool, requested: int | None = None) -> int:

@@ -21,7 +21,7 @@ layers that give >= 10,000 tensors (26 of 48 layers, 33.6 GB). Tensors of one
 shape share one random source tensor (and one target on the receiver) so memory
 stays at a few GB; the bytes on the wire are the full manifest's.
 
-Each time is the best of ``--repeat`` runs (at least 3; 2 when ``--quick``),
+Each time is the best of ``--repeat`` runs (at least 3; 1 when ``--quick``),
 after one warm-up; the 1-minute load average at start and end is recorded
 (``_machine``).
 
@@ -390,7 +390,7 @@ def _fmt(row: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small manifests, 2 repeats (<1 min)")
+    parser.add_argument("--quick", action="store_true", help="small manifests, 1 repeat")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument(
         "--bucket-mb", type=int, default=512, help="bucket size, MiB (512: the CPU default)"

@@ -19,7 +19,7 @@ delta  the same transport with ``delta=True``; after its first (full) refit each
        (:mod:`aiosync.delta`), diffing included in its time
 
 Each phase: one untimed refit (full: nothing on the workers to patch), one untimed
-warm-up step + refit, then ``--repeat`` timed ones (at least 3; 2 with
+warm-up step + refit, then ``--repeat`` timed ones (at least 3; 1 with
 ``--quick``), an optimizer step (``sync.policy_update()``) before each. A refit's
 time is the wall time of ``sync_weights()``; its bytes are its COMMITTED event's
 ``nbytes``, and the event's ``delta`` says whether it was a delta. After the
@@ -296,7 +296,7 @@ def _fmt(row: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a 2.4 MB model, 2 repeats (<1 min)")
+    parser.add_argument("--quick", action="store_true", help="a 2.4 MB model, 1 repeat")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--hidden-size", type=int, default=None, help="1024 (256 quick)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (6; 2 quick)")

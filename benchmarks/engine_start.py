@@ -125,7 +125,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one repeat, seconds")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     args = parser.parse_args()
-    repeats = 1 if args.quick else repeats_for(False, args.repeats)
+    repeats = repeats_for(args.quick, args.repeats)
     machine = Machine(repeats)
     samples = asyncio.run(_measure(repeats))
     machine.finish()

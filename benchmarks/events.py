@@ -7,7 +7,7 @@ synchronizer and driver (so the same yields between events), the same
 consumer code, one stream per subscriber with the hub's buffer
 (``DEFAULT_EVENT_BACKLOG``), the same event object sent with ``send_nowait``.
 The ratio therefore shows what the hub adds. The two sides alternate
-(``--repeats`` runs each, at least 3; 2 when ``--quick``), each run in a fresh
+(``--repeats`` runs each, at least 3; 1 when ``--quick``), each run in a fresh
 event loop after a full garbage collection, so load drift hits both alike; the
 run with the lowest p99 is kept per side. The 1-minute load average at start
 and end is recorded (``_machine``).
@@ -195,7 +195,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--subscribers", type=int, default=1000)
     parser.add_argument("--syncs", type=int, default=200)
-    parser.add_argument("--quick", action="store_true", help="20 syncs, 2 repeats")
+    parser.add_argument("--quick", action="store_true", help="20 syncs, 1 repeat")
     parser.add_argument("--repeats", type=int, default=3, help="runs per side (lowest p99 kept)")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     args = parser.parse_args()

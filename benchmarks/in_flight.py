@@ -17,7 +17,7 @@ generating while the buckets land, and pauses only for the final copy):
 On a 2-core CPU machine the refit's own copies compete with generation for the
 cores, so the ratio measures that too; on GPUs the broadcast and the copies use
 other resources than decoding. The baselines and the refit runs alternate, and
-each figure is the best of ``--repeats`` (at least 3; 2 with ``--quick``); the
+each figure is the best of ``--repeats`` (at least 3; 1 with ``--quick``); the
 1-minute load average at start and end is recorded (``_machine``).
 
 Usage::

@@ -31,7 +31,7 @@ and every worker keeps its Megatron TP part of each tensor:
                vote, as :class:`~aiosync.transports.sharded.ShardedWeightSynchronizer`
                runs one sync.
 
-Figures per (T, TP): seconds (best of ``--repeat``, at least 3; 2 with
+Figures per (T, TP): seconds (best of ``--repeat``, at least 3; 1 with
 ``--quick``, after one warm-up run whose result every worker checks byte for
 byte); the *link limit*, the least time any schedule needs on these links:
 the bytes of the busiest link (the busiest worker's download or the busiest

@@ -30,7 +30,7 @@ Both send bf16 (the engine's dtype; the adapter's fp32 tensors are cast).
    the cut model's config, or the script fails. ``--quick`` measures a tiny
    Qwen3 (hidden size 256, 2 layers) instead.
 
-Times are ms per refit, the best of ``--repeats`` (at least 3; 2 when
+Times are ms per refit, the best of ``--repeats`` (at least 3; 1 when
 ``--quick``); ratios are merged / adapter, for bytes and for time. The embedded
 engine applies an adapter with PEFT (``get_peft_model`` on every load), so its
 adapter time is the reference engine's, not vLLM's; the 1-minute load average

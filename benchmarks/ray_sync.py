@@ -12,7 +12,7 @@ local Ray cluster on loopback):
   every engine call of the sync is one more hop (driver -> actor -> workers).
 
 For each transport (IPC, colocated: shared memory; the collective broadcast
-over gloo) and size: best seconds of ``--repeats`` syncs (at least 3; 2 with
+over gloo) and size: best seconds of ``--repeats`` syncs (at least 3; 1 with
 ``--quick``), ``mark_stale()`` outside the timing, after a warm-up sync, and
 the ratio ``ray actor / in process``; plus one ``collective_rpc`` round trip
 each way, the fixed cost of the actor hop. The bytes never cross Ray (the

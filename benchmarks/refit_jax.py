@@ -19,7 +19,7 @@ few layers (the output says how many). In one process it measures:
   best of 3 after a warm-up: the cost per tensor must not grow with the tensor count.
 
 Ratios are throughputs relative to the baseline (1.0 = as fast as a memcpy).
-Each run is the best of ``--repeats`` (at least 3; 2 when ``--quick``); the
+Each run is the best of ``--repeats`` (at least 3; 1 when ``--quick``); the
 1-minute load average at start and end is recorded (``_machine``).
 
 Usage: ``python benchmarks/refit_jax.py [--quick] [--json] [--layers N] [--experts E]``.
@@ -122,7 +122,7 @@ def _manifest_cost(layers: int) -> tuple[float, int]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="1 layer, 32 experts, 2 repeats")
+    parser.add_argument("--quick", action="store_true", help="1 layer, 32 experts, 1 repeat")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 2)")
     parser.add_argument("--experts", type=int, default=None, help="experts (default 128)")

@@ -15,7 +15,7 @@ this measures, in one process:
   ~18,900 checkpoint tensors) built on the meta device, against a quarter of its
   layers: the cost per tensor must not grow with the tensor count.
 
-Refit and baseline times are the best of ``--repeats`` (at least 3; 2 when
+Refit and baseline times are the best of ``--repeats`` (at least 3; 1 when
 ``--quick``); the 1-minute load average at start and end is recorded (``_machine``).
 
 Usage: ``python benchmarks/refit_torch.py [--quick] [--json] [--device cpu|cuda]``.

@@ -12,7 +12,7 @@ not change the bytes' path) is synced three ways, measured in one run:
   the same server: SGLang's weight-update group (gloo over loopback, the server's
   worker a real member) and ``/update_weights_from_distributed`` per bucket.
 
-Each row: best seconds of ``--repeats`` syncs (at least 3; 2 with ``--quick``)
+Each row: best seconds of ``--repeats`` syncs (at least 3; 1 with ``--quick``)
 after one warm-up, ``mark_stale()`` outside the timing, and the ratio to the
 baseline. The load average at start and end is printed beside the table
 (``_machine``): the figures count only as ratios, on an idle machine. The remote

@@ -25,7 +25,7 @@ measures:
   the extra time per extra request, ms, next to one ``/get_weight_version``
   round trip (mean of 50).
 
-Refit and memcpy times are the best of ``--repeats`` (at least 3; 2 when
+Refit and memcpy times are the best of ``--repeats`` (at least 3; 1 when
 ``--quick``), after one warm-up; the 1-minute load average at start and end is
 recorded (``_machine``).
 

@@ -12,7 +12,7 @@ Each worker receives the whole manifest, so "delivered" bytes grow with the
 workers. ``time / baseline`` should stay near 1 where the copies run in
 parallel (the paired design), and "delivered GB/s" should not fall as ranks
 grow. On a 2-core CPU machine the engines' copies compete for the same cores;
-on GPUs each pair has its own device. Best of ``--repeats`` (at least 3; 2 when
+on GPUs each pair has its own device. Best of ``--repeats`` (at least 3; 1 when
 ``--quick``); the 1-minute load average at start and end is printed with the
 figures (``_machine``; take them on an idle machine).
 

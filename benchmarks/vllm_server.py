@@ -11,7 +11,7 @@ two ways, measured in one run:
 
 For each transport (IPC: the server is on this host; the collective broadcast over
 gloo, as for a server on another host): best seconds of ``--repeats`` syncs (at
-least 3; 2 with ``--quick``) after one warm-up, ``mark_stale()`` outside the
+least 3; 1 with ``--quick``) after one warm-up, ``mark_stale()`` outside the
 timing, and the ratio ``vllm serve / in process``.
 
 vLLM comes from ``.venv-vllm`` (``bash .ci/vllm.sh`` makes it; run

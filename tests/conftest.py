@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
+
+from tests._support.launch import start_script
 
 # Tests never download: models are built from small configs.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -31,7 +31,8 @@ SpawnRanks = Callable[[Path, int, Callable[[int], Sequence[str]]], None]
 def spawn_ranks() -> SpawnRanks:
     """Run ``python script RANK WORLD_SIZE PORT *extra(RANK)`` for every rank at once
     (real processes of a torch.distributed group meeting at 127.0.0.1:PORT, a free
-    port) and wait; fail with the log of any rank that did not exit 0."""
+    port; :func:`tests._support.launch.start_script`) and wait; fail with the log of
+    any rank that did not exit 0."""
 
     def run(script: Path, world_size: int, extra: Callable[[int], Sequence[str]]) -> None:
         with socket.socket() as s:
@@ -42,15 +43,11 @@ def spawn_ranks() -> SpawnRanks:
             "PYTHONPATH": os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")]),
         }
         with tempfile.TemporaryDirectory(prefix="aiosync-ranks-") as folder:
-            outs = [open(Path(folder) / f"rank{r}.log", "w+") for r in range(world_size)]  # noqa: SIM115
+            logs = [Path(folder) / f"rank{r}.log" for r in range(world_size)]
+            # Forked from the forkserver that preloaded torch and aiosync (each rank a
+            # process of its own), not a fresh interpreter importing them again.
             procs = [
-                subprocess.Popen(
-                    [sys.executable, str(script), str(r), str(world_size), str(port), *extra(r)],
-                    env=env,
-                    stdout=outs[r],
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                )
+                start_script(script, [str(r), str(world_size), str(port), *extra(r)], logs[r], env)
                 for r in range(world_size)
             ]
             try:
@@ -58,23 +55,19 @@ def spawn_ranks() -> SpawnRanks:
                 # each waiting out its own timeouts (the run's limit is 600 s).
                 deadline = time.monotonic() + 600
                 failed_at: float | None = None
-                while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-                    if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+                while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+                    if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
                         failed_at = time.monotonic()
                     if failed_at is not None and time.monotonic() > failed_at + _GRACE_S:
                         break
                     time.sleep(0.2)
             finally:
                 for p in procs:
-                    if p.poll() is None:
+                    if p.is_alive():
                         p.kill()
-                    p.wait()
-                logs = []
-                for out in outs:
-                    out.seek(0)
-                    logs.append(out.read())
-                    out.close()
+                    p.join()
+                texts = [log.read_text() if log.exists() else "" for log in logs]
         for r, p in enumerate(procs):
-            assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-4000:]}"
+            assert p.exitcode == 0, f"rank {r} failed (exit code {p.exitcode}):\n{texts[r][-4000:]}"
 
     return run
