@@ -1,15 +1,16 @@
-"""Run a script as its own process without a fresh interpreter's imports.
+"""Run a script or a module as its own process without a fresh interpreter's imports.
 
-``python script.py ARGS`` pays torch's, transformers' and aiosync's imports
-(seconds of CPU on 2 cores) in every rank a test starts. :func:`start_script`
-instead forks the script's process from the forkserver the embedded engine's
-workers come from (:func:`aiosync.engines.embedded._pool.worker_context`, which
-preloaded those modules) and runs the file there as ``__main__``, as the
-interpreter would: ``sys.argv``, the script's folder first on ``sys.path``, the
-given environment, stdout and stderr into a log file, an exit code (0, a
+``python script.py ARGS`` (or ``python -m module ARGS``) pays torch's,
+transformers' and aiosync's imports (seconds of CPU on 2 cores) in every rank
+or server a test starts. :func:`start_script` and :func:`start_module` instead
+fork the process from the forkserver the embedded engine's workers come from
+(:func:`aiosync.engines.embedded._pool.worker_context`, which preloaded those
+modules) and run the file or module there as ``__main__``, as the interpreter
+would: ``sys.argv``, the script's folder first on ``sys.path``, the given
+environment, stdout and stderr into a log file, an exit code (0, a
 ``SystemExit``'s, or 1 with the traceback in the log), the ``atexit`` handlers
-at the end. Each script is still a process of its own: SIGKILL it, and what it
-held is the kernel's to release.
+at the end. Each is still a process of its own: SIGKILL it, and what it held
+is the kernel's to release.
 """
 
 from __future__ import annotations
@@ -24,36 +25,59 @@ from pathlib import Path
 
 from aiosync.engines.embedded._pool import worker_context
 
-__all__ = ["start_script"]
+__all__ = ["start_module", "start_script"]
 
 
 def start_script(
-    script: Path, argv: Sequence[str], log: Path, env: Mapping[str, str]
+    script: Path, argv: Sequence[str], log: Path | None, env: Mapping[str, str]
 ) -> BaseProcess:
-    """Start ``script`` with ``argv`` (``sys.argv[1:]``) in a new process; return it.
+    """Start ``python script ARGV`` in a new process; return it.
 
-    Its stdout and stderr are appended to ``log``; ``env`` is its whole environment.
-    ``exitcode`` is the script's exit status once it ended.
+    Its stdout and stderr are appended to ``log`` (None: this process's, as the
+    forkserver got them); ``env`` is its whole environment. ``exitcode`` is the
+    script's exit status once it ended.
     """
+    return _start(str(script), False, argv, log, env)
+
+
+def start_module(
+    module: str, argv: Sequence[str], log: Path | None, env: Mapping[str, str]
+) -> BaseProcess:
+    """Start ``python -m module ARGV`` in a new process; return it (see :func:`start_script`)."""
+    return _start(module, True, argv, log, env)
+
+
+def _start(
+    target: str, is_module: bool, argv: Sequence[str], log: Path | None, env: Mapping[str, str]
+) -> BaseProcess:
     # Not a daemon: a daemonic process may not start processes (an engine's workers).
     proc = worker_context().Process(
-        target=_run, args=(str(script), list(argv), str(log), dict(env)), daemon=False
+        target=_run,
+        args=(target, is_module, list(argv), None if log is None else str(log), dict(env)),
+        daemon=False,
     )
     proc.start()
     return proc
 
 
-def _run(script: str, argv: list[str], log: str, env: dict[str, str]) -> None:
+def _run(
+    target: str, is_module: bool, argv: list[str], log: str | None, env: dict[str, str]
+) -> None:
     os.environ.clear()
     os.environ.update(env)
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.argv = [script, *argv]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    if log is not None:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     try:
-        runpy.run_path(script, run_name="__main__")
+        if is_module:
+            sys.argv = [target, *argv]
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [target, *argv]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+            runpy.run_path(target, run_name="__main__")
     finally:
         # An interpreter runs these at exit; a multiprocessing child leaves by os._exit.
         atexit._run_exitfuncs()

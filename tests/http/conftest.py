@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -28,6 +26,7 @@ from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.interfaces import RefitManifest, RefitSource
 from aiosync.refit import DTensorRefitSource
+from tests._support.launch import start_module
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,16 +39,15 @@ API_KEY = "test-key-123"
 
 
 class TestServer:
-    """A ``python -m aiosync.testing.sglang_server`` process and an admin client."""
+    """A ``python -m aiosync.testing.sglang_server`` process and an admin client.
+
+    ``proc`` is a ``multiprocessing`` process (``pid``, ``kill()``, ``join()``)."""
 
     __test__ = False
 
     def __init__(self, workdir: Path, config: Path, *extra: str) -> None:
         port_file = workdir / f"port-{os.getpid()}-{time.monotonic_ns()}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "aiosync.testing.sglang_server",
+        argv = [
             "--port",
             "0",
             "--port-file",
@@ -62,13 +60,15 @@ class TestServer:
             "bfloat16",
             *extra,
         ]
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.api_key = extra[extra.index("--api-key") + 1] if "--api-key" in extra else None
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env)
+        # ``python -m aiosync.testing.sglang_server ARGV``, forked from the preloaded
+        # forkserver (its own process, without a fresh interpreter's imports).
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = start_module("aiosync.testing.sglang_server", argv, None, env)
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
         while not port_file.exists():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"test server exited with {self.proc.returncode}")
+            if not self.proc.is_alive():
+                raise RuntimeError(f"test server exited with {self.proc.exitcode}")
             if time.monotonic() > deadline:
                 self.proc.kill()
                 raise RuntimeError("test server did not start in time")
@@ -115,11 +115,10 @@ class TestServer:
     def close(self) -> None:
         self.admin.close()
         self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
+        self.proc.join(30)
+        if self.proc.is_alive():
             self.proc.kill()
-            self.proc.wait()
+            self.proc.join()
 
 
 class Trainer(RefitSource):

@@ -6,7 +6,6 @@ with the next sync and serves only once it committed."""
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +44,8 @@ async def test_a_server_killed_mid_sync_is_quarantined_and_a_new_one_joins(
             def kill(name: str) -> None:
                 if name == names[len(names) // 2]:
                     trainer.on_tensor = None
-                    servers[1].proc.send_signal(signal.SIGKILL)
-                    servers[1].proc.wait()
+                    servers[1].proc.kill()
+                    servers[1].proc.join()
 
             trainer.step(seed=71)
             trainer.on_tensor = kill

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -267,8 +266,8 @@ async def test_a_server_killed_mid_sync_is_quarantined_the_group_reformed_and_a_
             def kill(name: str) -> None:
                 if name == names[len(names) // 2]:
                     trainer.on_tensor = None
-                    second.proc.send_signal(signal.SIGKILL)
-                    second.proc.wait()
+                    second.proc.kill()
+                    second.proc.join()
 
             trainer.step(seed=99)
             trainer.on_tensor = kill
