@@ -301,7 +301,10 @@ class WorkerPool:
         try:
             for rank, args, kwargs in calls:
                 if rank in self._dead:
-                    raise TransportError(f"engine worker {rank} is dead: {self._dead[rank]}")
+                    raise TransportError(
+                        f"engine worker {rank} is dead: {self._dead[rank]}; "
+                        "EmbeddedEngine.respawn_dead_workers() starts a new one"
+                    )
                 call_id = next(self._ids)
                 fut: asyncio.Future[dict[str, Any]] = self._loop.create_future()
                 self._pending[call_id] = (rank, fut)

@@ -146,6 +146,9 @@ async def test_dead_worker_fails_calls_with_transport_error_and_can_be_respawned
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(TransportError, match="worker 0"):
             await engine.collective_rpc("embedded_status", timeout_s=60)
+        # Known dead: the next call fails before sending, and says how to heal.
+        with pytest.raises(TransportError, match=r"worker 0 is dead: .*respawn_dead_workers\(\)"):
+            await engine.collective_rpc("embedded_status", timeout_s=60)
         assert await engine.respawn_dead_workers() == [0]
     finally:
         engine.remove_weights_discarded_listener(listener)
