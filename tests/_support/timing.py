@@ -40,26 +40,25 @@ def read_report(path: str) -> list[TestTime]:
     """Every ``<testcase>`` of a JUnit XML report, as pytest ids.
 
     pytest writes ``classname="tests.ipc.test_x"`` (plus ``.Class``) and
-    ``name="test_y[param]"``; the module part becomes a path again.
+    ``name="test_y[param]"``; the module part becomes a path again. A module
+    skipped whole counts as one entry named by its path.
     """
     times = []
     for case in ET.parse(path).getroot().iter("testcase"):
-        file = case.get("file")
         classname = case.get("classname", "")
         name = case.get("name", "")
-        if file:
-            # With a class, the classname's last part names it.
-            module = file.removesuffix(".py").replace("/", ".")
-            rest = classname.removeprefix(module).lstrip(".")
-            nodeid = "::".join(p for p in (file, rest, name) if p)
-        else:
-            parts = classname.split(".")
-            # The module is the last part starting with test_ (or _): a class may follow.
-            cut = max(
-                (i for i, p in enumerate(parts) if p.startswith(("test_", "_"))),
-                default=len(parts) - 1,
-            )
-            nodeid = "::".join(["/".join(parts[: cut + 1]) + ".py", *parts[cut + 1 :], name])
+        if not classname:
+            # A module skipped whole (a missing optional dependency): its dotted name.
+            classname, name = name, ""
+        parts = classname.split(".")
+        # The module is the last part that names a file (``test_*`` or a ``_helper``);
+        # a class may follow it.
+        cut = max(
+            (i for i, p in enumerate(parts) if p.startswith(("test_", "_"))),
+            default=len(parts) - 1,
+        )
+        module = "/".join(parts[: cut + 1]) + ".py"
+        nodeid = "::".join(p for p in (module, *parts[cut + 1 :], name) if p)
         times.append(TestTime(nodeid, float(case.get("time", 0.0))))
     return times
 
@@ -96,14 +95,16 @@ def main(argv: list[str] | None = None) -> None:
         )
         return
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    console = Console(width=max(120, Console().width))
+    # Wide enough for whole test ids: the table is read in logs and notes.
+    console = Console(width=max(200, Console().width))
     top = Table(title=f"{len(slowest)} slowest of {len(times)} tests ({total:.0f} s in all)")
     top.add_column("s", justify="right")
-    top.add_column("test")
+    top.add_column("test", overflow="fold")
     for t in slowest:
-        top.add_row(f"{t.seconds:.1f}", t.nodeid)
+        top.add_row(f"{t.seconds:.1f}", escape(t.nodeid))  # "[param]" is not markup
     console.print(top)
     per = Table(title="time per folder (summed over its tests)")
     for column in ("folder", "tests", "s", "share"):
