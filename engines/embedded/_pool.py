@@ -24,12 +24,14 @@ import functools
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.spawn
 import os
 import shutil
 import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any, cast
 
@@ -154,8 +156,8 @@ class WorkerPool:
     async def _spawn(self, ranks: Sequence[int], weights_valid: bool) -> None:
         context = worker_context()
         # A forkserver's children inherit its environment, not ours at start time:
-        # each worker takes ours, as a spawned one would.
-        environ = dict(os.environ)
+        # each worker takes ours, as a spawned one does by itself.
+        environ = dict(os.environ) if isinstance(context, ForkServerContext) else None
         procs = {
             rank: context.Process(
                 target=_in_environment,
@@ -396,17 +398,23 @@ PRELOAD = (
 )
 
 
-def worker_context() -> multiprocessing.context.BaseContext:
+def worker_context() -> ForkServerContext | SpawnContext:
     """The multiprocessing context that starts engine workers.
 
     Linux's and macOS's ``forkserver``, its preload set to :data:`PRELOAD` (torch,
     transformers, the worker) so that a worker starts as a fork of a warm
     interpreter: the forkserver pays those imports once per process, on the first
     start. The preload is multiprocessing's one setting for the process; a
-    forkserver that is already running keeps its own. Where there is no
-    forkserver, ``spawn``.
+    forkserver that is already running keeps its own.
+
+    ``spawn`` where there is no forkserver, and where the process set its own
+    executable (``multiprocessing.set_executable``: a wrapper that enters a
+    network namespace or sets variables must wrap every worker's start, as it
+    does under spawn, not only the forkserver's).
     """
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    if "forkserver" not in multiprocessing.get_all_start_methods() or (
+        os.fsdecode(multiprocessing.spawn.get_executable()) != sys.executable
+    ):
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(PRELOAD))
@@ -414,12 +422,13 @@ def worker_context() -> multiprocessing.context.BaseContext:
 
 
 def _in_environment(
-    environ: dict[str, str], target: Callable[..., None], args: tuple[Any, ...]
+    environ: dict[str, str] | None, target: Callable[..., None], args: tuple[Any, ...]
 ) -> None:
-    """Run ``target(*args)`` with ``environ`` as the process's environment (the
-    parent's when it started the worker)."""
-    os.environ.clear()
-    os.environ.update(environ)
+    """Run ``target(*args)`` with ``environ`` (the parent's when it started the
+    worker; None: the one the process has) as the process's environment."""
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     target(*args)
 
 
