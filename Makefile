@@ -1,8 +1,8 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   — create/reuse .venv, install, run the async GRPO example (the main job)
 #   make test   — create/reuse .venv, install, run ruff, mypy and the test suite
-#                 (JOBS pytest-xdist workers, a test file, or an xdist_group such as
-#                 tests/ray, to one worker; JOBS=1 runs it serially in one process)
+#                 (JOBS pytest-xdist processes, each given whole test modules, the
+#                 Ray tests to one of them: tests/conftest.py; JOBS=1: serially)
 #   make test-profile — the suite with a JUnit report, then its slowest tests and
 #                 the time per folder (tests/_support/timing.py)
 VENV ?= .venv
@@ -18,7 +18,7 @@ JOBS ?= 3
 ifeq ($(JOBS),1)
 PYTEST_JOBS :=
 else
-PYTEST_JOBS := -n $(JOBS) --dist loadgroup
+PYTEST_JOBS := -n $(JOBS)
 endif
 
 .PHONY: setup demo test test-profile lint bench clean

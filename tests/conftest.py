@@ -8,6 +8,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,26 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _REPO = Path(__file__).resolve().parents[1]
 #: How long the other ranks may take to end once one rank failed, seconds.
 _GRACE_S = 30.0
+
+
+#: Folders whose tests share one session resource, so one test process runs them
+#: all under ``make test``'s ``-n N``: the Ray tests and their Ray cluster.
+_ONE_PROCESS_FOLDERS = ("tests/ray/",)
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``-n N`` hands whole test modules to the test processes (their module
+    fixtures, engines, servers and worker pools, start once), and each folder of
+    :data:`_ONE_PROCESS_FOLDERS` to one process."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return next((f for f in _ONE_PROCESS_FOLDERS if module.startswith(f)), module)
+
+    return ByModule(config, log)
 
 
 #: What :func:`spawn_ranks` returns: ``run(script, world_size, extra)``.

@@ -30,15 +30,10 @@ ENGINE_SEED = 3
 PROMPTS = [[1, 2, 3, 4], [5, 6], [7, 8, 9], [10]]
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    missing = importlib.util.find_spec("ray") is None
-    for item in items:
-        if "tests/ray/" in str(item.path).replace(os.sep, "/"):
-            # One test process runs them all (make test's --dist loadgroup): one Ray
-            # cluster for the suite, not one per process.
-            item.add_marker(pytest.mark.xdist_group("ray"))
-            if missing:
+    if importlib.util.find_spec("ray") is None:
+        for item in items:
+            if "tests/ray/" in str(item.path).replace(os.sep, "/"):
                 item.add_marker(pytest.mark.skip(reason=NO_RAY))
 
 
