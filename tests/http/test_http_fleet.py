@@ -83,9 +83,7 @@ async def test_one_sync_refits_both_servers_bit_exact_and_both_report_its_versio
         await sync.init_communicator()
         # Scales a sync does not name stay as they were (an earlier test's, on these
         # session-wide servers): layer 1's are set, the rest unchanged.
-        scales = [
-            [{**rank, **LAYER_1_SCALES} for rank in server.kv_scales()] for server in servers
-        ]
+        scales = [[{**rank, **LAYER_1_SCALES} for rank in server.kv_scales()] for server in servers]
         for step in range(2):
             await sync.mark_stale()
             await sync.sync_weights(kv_scales={1: 0.25})
