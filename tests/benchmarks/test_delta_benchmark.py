@@ -7,7 +7,6 @@ goal columns follow from its own figures. No test asserts a time.
 from __future__ import annotations
 
 import inspect
-import json
 import math
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 
 from aiosync import IPCWeightSynchronizer
+from tests._support.bench import assert_table_then_json
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "delta.py"
 LEARNING_RATES = [1e-6, 1e-5, 1e-4]
@@ -33,9 +33,7 @@ def figures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         timeout=600,
         cwd=tmp_path_factory.mktemp("delta"),
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    figures: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
-    return figures
+    return assert_table_then_json(out)
 
 
 def test_a_row_per_transport_and_learning_rate_ipc_once_it_takes_delta(

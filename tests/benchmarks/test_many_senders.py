@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from tests._support.bench import assert_table_then_json
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "many_senders.py"
 QUICK_CONFIGS = {(1, 1), (1, 2), (2, 1), (2, 2)}
 
@@ -40,9 +42,11 @@ def _run(
 
 @pytest.fixture(scope="module")
 def figures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    _, figures = _run(tmp_path_factory.mktemp("many_senders"))
+    out, figures = _run(tmp_path_factory.mktemp("many_senders"))
     if "skipped" in figures:
         pytest.skip(f"benchmarks/many_senders.py: {figures['skipped']}")
+    # What every benchmark prints (tests/benchmarks/test_benchmark_scripts.py leaves it here).
+    assert assert_table_then_json(out) == figures
     return figures
 
 

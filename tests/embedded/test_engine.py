@@ -254,3 +254,19 @@ async def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path: Path) 
         "it again in every worker) and the script started an engine there: put the code that "
         "starts the engine under 'if __name__ == \"__main__\":'"
     )
+
+
+async def test_a_worker_takes_the_environment_its_engine_had_when_it_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Workers fork from a forkserver started with the first engine (at the latest,
+    # here): a variable set after it reaches the later engine's worker only because
+    # each worker takes its parent's environment, as a spawned process does.
+    reader = "tests._support.extensions.EnvironmentReader"
+    name = "AIOSYNC_TEST_WORKER_ENVIRONMENT"
+    monkeypatch.delenv(name, raising=False)
+    async with EmbeddedEngine(DENSE, worker_extension_cls=reader) as first:
+        monkeypatch.setenv(name, "second")
+        async with EmbeddedEngine(DENSE, worker_extension_cls=reader) as second:
+            assert await first.collective_rpc("read_environment", (name,)) == [None]
+            assert await second.collective_rpc("read_environment", (name,)) == ["second"]
