@@ -8,6 +8,7 @@ test-only routes (``/_aiosync/...``) and fault injection: ``docs/sglang-test-ser
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import copy
 import datetime
@@ -226,6 +227,10 @@ class _Scheduler:
             return len(self.tickets) - waiting, waiting, sum(t.tokens for t in self.tickets)
 
 
+#: Request-log entries a server keeps (:attr:`ServerState.log_limit`): ~400 refits.
+LOG_LIMIT = 10_000
+
+
 @dataclass
 class ServerState:
     """Everything the handlers share; guarded by ``lock`` (the model by ``model_lock``)."""
@@ -260,7 +265,10 @@ class ServerState:
     cache: dict[tuple[tuple[int, ...], int, str | None, bool], tuple[list[int], list[float]]] = (
         field(default_factory=dict)
     )
-    log: list[dict[str, Any]] = field(default_factory=list)
+    #: The request log (``GET /_aiosync/log``), oldest first: the last ``log_limit``
+    #: entries (a refit adds ~24), so a long run against the server stays bounded.
+    log: collections.deque[dict[str, Any]] = field(init=False)
+    log_limit: int = LOG_LIMIT
     faults: dict[str, _Fault] = field(default_factory=dict)
     unhang: threading.Event = field(default_factory=threading.Event)
     #: Tensor-parallel ranks 1.. (rank 0 is ``runner``), copies of ``runner`` unless
@@ -289,6 +297,9 @@ class ServerState:
     def __post_init__(self) -> None:
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.log_limit < 1:
+            raise ValueError(f"log_limit must be >= 1, got {self.log_limit}")
+        self.log = collections.deque(maxlen=self.log_limit)
         if self.weights_update_timeout_s <= 0:
             raise ValueError(
                 f"weights_update_timeout_s must be > 0, got {self.weights_update_timeout_s}"

@@ -166,3 +166,24 @@ def test_arming_the_transit_fault_takes_a_bucket_and_a_byte(
     for body in ({"bucket": 0}, {"bucket": -1, "byte": 0}, {"bucket": 0, "byte": "1"}):
         response = httpx.post(f"{url}/_aiosync/arm_transit_fault", json=body, timeout=30.0)
         assert response.status_code == 400, body
+
+
+def test_the_request_log_keeps_only_its_last_entries() -> None:
+    runner = HFModelRunner.from_config(TINY_QWEN3, seed=1, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="log_limit must be >= 1, got 0"):
+        ServerState(runner=runner, log_limit=0)
+    state = ServerState(runner=runner, log_limit=2)
+    server = make_server(state)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        for name in (f"{LAYER}.mlp.up_proj.weight", f"{LAYER}.mlp.down_proj.weight", "lm_head"):
+            _read(url, {"name": name, "truncate_size": 1})
+        log = httpx.get(f"{url}/_aiosync/log", timeout=30.0).json()
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    # The oldest of three reads is gone; the last two stay, in order.
+    assert [entry["name"] for entry in log] == [f"{LAYER}.mlp.down_proj.weight", "lm_head"]
