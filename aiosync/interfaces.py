@@ -789,7 +789,8 @@ class WeightSynchronizer(ABC):
                         f"the engine did not resume generation within {limit} s after the sync"
                     ) from exc
                 raise
-            _log.exception("resuming generation after a failed sync")
+            # A secondary failure: the sync's own error carries the story; one line here.
+            _log.error("resuming generation after a failed sync: %s: %s", type(exc).__name__, exc)
         return time.perf_counter() - paused_at
 
     @contextlib.asynccontextmanager

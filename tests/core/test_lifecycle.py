@@ -284,6 +284,27 @@ async def test_the_engine_is_paused_labelled_once_and_resumed(source: ArraySourc
     assert engine.versions == [1]  # the failed sync labelled nothing
 
 
+class UnresumableEngine(PausingEngine):
+    async def resume_generation(self) -> None:
+        raise ConnectionError("engine gone")
+
+
+async def test_a_failed_resume_after_a_failed_sync_is_one_log_line_and_the_sync_error_raises(
+    source: ArraySource, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = UnresumableEngine()
+    async with CopySynchronizer(source, engine) as sync:
+        sync.fail_after_entries = 0
+        await sync.mark_stale()
+        with pytest.raises(RuntimeError, match="link dropped after 0 entries"):
+            await sync.sync_weights()
+    [record] = [r for r in caplog.records if "resuming generation" in r.getMessage()]
+    assert record.getMessage() == (
+        "resuming generation after a failed sync: ConnectionError: engine gone"
+    )
+    assert record.exc_info is None  # a secondary failure: no second traceback
+
+
 def test_timeouts_keywords_override_their_field_and_bad_limits_are_refused() -> None:
     t = Timeouts(sync_s=60, after_failure_s=1)
     assert t.with_keywords(rpc_timeout_s=5) == Timeouts(sync_s=60, rpc_s=5, after_failure_s=1)
