@@ -8,6 +8,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -174,3 +175,25 @@ async def test_starting_a_synchronizer_sweeps_real_segments_and_socket_dirs_of_d
                 shutil.rmtree(path)
             elif path.exists():
                 path.unlink()
+
+
+_EXITS_WITHOUT_CLOSE = """
+from aiosync.transports.ipc._shm import SharedBuffer
+kept = SharedBuffer.create(4096)
+kept.tensor.fill_(7)
+print(kept.handle()["name"])
+# No close(), no shutdown(): the interpreter exits holding the buffer.
+"""
+
+
+def test_a_trainer_that_exits_without_closing_its_buffers_unlinks_them() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _EXITS_WITHOUT_CLOSE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    name = out.stdout.strip()
+    assert name.startswith("aiosync-")
+    assert not os.path.exists(os.path.join(SHM_DIR, name))

@@ -32,6 +32,7 @@ import mmap
 import os
 import re
 import secrets
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,6 +62,15 @@ def _posix() -> Any:
     return _posixshmem
 
 
+def _unlink_segment(name: str, owner: int) -> None:
+    # Only the creating process unlinks: a forked child inherits the buffer objects
+    # (and their exit handlers), not the segments.
+    if os.getpid() != owner:
+        return
+    with contextlib.suppress(FileNotFoundError):
+        _posix().shm_unlink("/" + name)
+
+
 class SharedBuffer:
     """A flat ``uint8`` buffer of ``nbytes`` bytes that other processes can map.
 
@@ -78,6 +88,13 @@ class SharedBuffer:
         self._handle = handle
         self._mmap = mm
         self._closed = False
+        # A CPU segment's name goes at close(), or when this buffer is collected or the
+        # interpreter exits without one (a trainer that never called shutdown()).
+        self._unlink = (
+            weakref.finalize(self, _unlink_segment, handle["name"], os.getpid())
+            if handle["kind"] == "shm"
+            else None
+        )
 
     @classmethod
     def create(cls, nbytes: int, device: torch.device | str = "cpu") -> SharedBuffer:
@@ -125,9 +142,8 @@ class SharedBuffer:
         if self._closed:
             return
         self._closed = True
-        if self._handle["kind"] == "shm":
-            with contextlib.suppress(FileNotFoundError):
-                _posix().shm_unlink("/" + self._handle["name"])
+        if self._unlink is not None:
+            self._unlink()
         del self.tensor
         if self._mmap is not None:
             # A view may still reference the mapping; it is then unmapped when collected.
