@@ -723,17 +723,6 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         )
 
         async def local() -> SendResult:
-            try:
-                return await send_and_vote()
-            except BaseException:
-                if group.broken:
-                    # A collective failed here: abort the group now rather than once the
-                    # workers' RPC returned, so that their pending receives fail at once
-                    # (each then answers it) instead of at the group's timeout.
-                    self._drop_engine_group()
-                raise
-
-        async def send_and_vote() -> SendResult:
             if read:  # a delta: the patches are in hand, every rank read its part
                 sent, failure = await self._in_thread(stream, self.sync_timeout_s)
             else:
