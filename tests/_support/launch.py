@@ -70,12 +70,11 @@ def _run(
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
+    sys.argv = [target, *argv]
     try:
         if is_module:
-            sys.argv = [target, *argv]
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
-            sys.argv = [target, *argv]
             sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
             runpy.run_path(target, run_name="__main__")
     finally:

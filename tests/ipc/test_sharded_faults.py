@@ -52,10 +52,11 @@ def _job(out: Path, world: int, scenario: str) -> tuple[list[int | None], list[d
     files = [out / f"{r}.log" for r in range(world)]
     # Each rank a process of its own, forked from the preloaded forkserver.
     procs = [
-        start_script(script, [str(r), str(world), str(port), str(out / f"{r}.json"), scenario],
-                     files[r], env)
+        start_script(
+            script, [str(r), str(world), str(port), str(out / f"{r}.json"), scenario], files[r], env
+        )
         for r in range(world)
-    ]  # fmt: skip
+    ]
     codes: list[int | None] = []
     deadline = time.monotonic() + _JOB_LIMIT_S
     for p in procs:
