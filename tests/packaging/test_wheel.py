@@ -7,7 +7,6 @@ distributions; the repository's folders of those names reach the wheel only as
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -20,19 +19,13 @@ pytestmark = pytest.mark.slow
 
 _REPO = Path(__file__).resolve().parents[2]
 _LINKED = ("transports", "refit", "engines")
-_SKIP = shutil.ignore_patterns(
-    ".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis", "out"
-)
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Build from a copy (symlinks kept), so the test leaves no build/ or egg-info behind.
-    src = tmp_path_factory.mktemp("src") / "aiosync"
-    shutil.copytree(_REPO, src, symlinks=True, ignore=_SKIP)
+def wheel(clone: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(src)],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(clone)],
         check=True,
         capture_output=True,
         timeout=600,
@@ -46,6 +39,8 @@ def test_aiosync_symlinks_point_at_the_top_level_folders() -> None:
         link = _REPO / "aiosync" / name
         assert link.is_symlink(), f"aiosync/{name} must be a symlink to ../{name}"
         assert link.readlink() == Path("..") / name
+    # The package folder setuptools builds and installs from (pyproject: package-dir).
+    assert (_REPO / "src" / "aiosync").readlink() == Path("..") / "aiosync"
 
 
 def test_wheel_has_only_aiosync_at_top_level(wheel: Path) -> None:
