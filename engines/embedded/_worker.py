@@ -75,6 +75,8 @@ class EmbeddedWorker:
             adapter-only refit's ``aiosync-v{version}``), None for the base model.
         aiosync_gate: the :class:`GenerationGate` of its requests (pause/resume).
         aiosync_weight_version: the weight version its tokens are labelled with.
+        aiosync_weight_commit: which of the engine's commits that version is
+            (its count of ``on_weights_committed`` calls; 0: never synced).
     """
 
     def __init__(
@@ -101,6 +103,9 @@ class EmbeddedWorker:
         self.aiosync_gate = GenerationGate()
         #: The synchronizer's weight version of the weights held (None: never synced).
         self.aiosync_weight_version: int | None = None
+        #: The engine's commit that labelled them (0: none): labels are ordered by
+        #: it, not by version, since a new owner's versions may be lower (case C27).
+        self.aiosync_weight_commit = 0
         # What a sleep took away and a wake of "weights" gives back, as vLLM does:
         # level 1 offloads the weights (a copy here), level 2 keeps only the
         # buffers the checkpoint does not carry (rotary caches), since a refit
@@ -130,12 +135,14 @@ class EmbeddedWorker:
         ignore_eos: bool = False,
         top_p: float = 1.0,
         logprobs: bool = False,
-        weight_version: int | None = None,
+        weight_label: list[int] | None = None,
     ) -> list[dict[str, Any]]:
         """Generate for ``prompts``, one token per step; per prompt ``{"token_ids",
-        "aborted", "versions", "logprobs", "finish_reason"}`` (``versions``: the
-        engine's weight version each token was computed with, None before the
-        first sync; ``logprobs``: with ``logprobs``, each token's
+        "aborted", "versions", "commits", "logprobs", "finish_reason"}`` (``versions``:
+        the engine's weight version each token was computed with, None before the
+        first sync; ``commits``: the engine's commit that labelled it, 0 before
+        the first, which tells two owners' weights apart under one version number;
+        ``logprobs``: with ``logprobs``, each token's
         ``log_softmax(logits)[token]`` before temperature and top-p, else None;
         ``finish_reason``: ``"abort"``, ``"stop"`` (ended on an EOS token) or
         ``"length"``).
@@ -147,7 +154,7 @@ class EmbeddedWorker:
         LoRA load in flight stops the request with :class:`SyncError` rather than
         mixing versions.
 
-        ``weight_version``: the engine's version when the call was sent
+        ``weight_label``: the engine's ``[commit, version]`` when the call was sent
         (:meth:`embedded_set_weight_version`; the engine sends it with each call
         rather than an RPC of its own after each sync).
 
@@ -156,18 +163,22 @@ class EmbeddedWorker:
                 loading, or the engine discarded them), asleep, or a LoRA adapter
                 load is in flight or failed (at admission or before a step).
         """
-        self.embedded_set_weight_version(weight_version)
+        self.embedded_set_weight_version(weight_label)
         runner: HFModelRunner = self.model_runner.model
         generator = runner.make_generator(seed)
         results: list[dict[str, Any]] = []
         for prompt in prompts:
             versions: list[int | None] = []
+            commits: list[int] = []
 
-            def before_forward(versions: list[int | None] = versions) -> str | None:
+            def before_forward(
+                versions: list[int | None] = versions, commits: list[int] = commits
+            ) -> str | None:
                 # Under the model's lock: nothing loads into the weights meanwhile.
                 with self._state_lock:
                     self._check_can_generate()
                     versions.append(self.aiosync_weight_version)
+                    commits.append(self.aiosync_weight_commit)
                     return self.aiosync_lora_adapter
 
             with self.aiosync_gate.request() as ticket:
@@ -196,6 +207,7 @@ class EmbeddedWorker:
                     "token_ids": out.token_ids,
                     "aborted": out.aborted,
                     "versions": versions,
+                    "commits": commits,
                     "logprobs": list(out.logprobs) if logprobs else None,
                     "finish_reason": finish,
                 }
@@ -235,24 +247,29 @@ class EmbeddedWorker:
         """
         return self.aiosync_gate.pause(mode)
 
-    def embedded_resume_generation(self, weight_version: int | None = None) -> None:
+    def embedded_resume_generation(self, weight_label: list[int] | None = None) -> None:
         """Admit requests again and let frozen ones continue, their next tokens
-        labelled ``weight_version`` (:meth:`embedded_set_weight_version`). Idempotent."""
-        self.embedded_set_weight_version(weight_version)
+        labelled ``weight_label`` (:meth:`embedded_set_weight_version`). Idempotent."""
+        self.embedded_set_weight_version(weight_label)
         self.aiosync_gate.resume()
 
-    def embedded_set_weight_version(self, version: int | None) -> None:
-        """Label the tokens computed from now on with weight ``version``.
+    def embedded_set_weight_version(self, label: list[int] | None) -> None:
+        """Label the tokens computed from now on with ``label``, the engine's
+        ``[commit, version]`` (its count of commits, and the committing
+        synchronizer's ``weight_version``).
 
-        Versions only grow: a request sent before a sync but admitted after it
-        carries the older version, which must not relabel newer weights. None
-        (the engine had no version yet) changes nothing.
+        The latest commit wins, whatever its version: a restarted trainer's
+        versions start again at 0 and must label the weights it committed (case
+        C27), while a request sent before a sync but admitted after it carries an
+        older commit, which must not relabel newer weights. None (the engine had
+        no version yet) changes nothing.
         """
+        if label is None:
+            return
+        commit, version = (int(x) for x in label)
         with self._state_lock:
-            if version is not None and (
-                self.aiosync_weight_version is None or version > self.aiosync_weight_version
-            ):
-                self.aiosync_weight_version = version
+            if commit > self.aiosync_weight_commit:
+                self.aiosync_weight_commit, self.aiosync_weight_version = commit, version
 
     def _logged_load(self, weights: Any) -> int:
         """The runner's ``load_weights``, recorded in :meth:`embedded_lifecycle`."""
@@ -436,7 +453,7 @@ class EmbeddedWorker:
             self._asleep -= waking
             return sorted(self._asleep)
 
-    def embedded_status(self, weight_version: int | None = None) -> dict[str, Any]:
+    def embedded_status(self, weight_label: list[int] | None = None) -> dict[str, Any]:
         """``{"rank", "pid", "weights_valid", "asleep", "kv_scales", "lora_adapter",
         "lora_loaded", "lora_valid", "paused", "requests", "weight_version"}``:
         ``lora_adapter`` is the adapter generations apply (None: the base model),
@@ -444,8 +461,8 @@ class EmbeddedWorker:
         adapter load is in flight or after one failed; ``paused`` the pause mode in
         force (None: running), ``requests`` the decode steps each running request
         has started, ``weight_version`` the version its tokens are labelled with
-        (after taking the engine's, as :meth:`embedded_generate_with_meta`)."""
-        self.embedded_set_weight_version(weight_version)
+        (after taking the engine's label, as :meth:`embedded_generate_with_meta`)."""
+        self.embedded_set_weight_version(weight_label)
         return {
             "rank": self.rank,
             "pid": os.getpid(),

@@ -227,6 +227,9 @@ class EmbeddedEngine(GenerateFromMeta):
         #: The synchronizer's ``weight_version`` of the weights every worker holds;
         #: None before the first sync (the engine's own initial weights).
         self.weight_version: int | None = None
+        # How many commits labelled the workers' weights: the workers order labels
+        # by it, since a new owner's versions may be lower than the last (case C27).
+        self._commits = 0
         #: The LoRA adapter every generation applies (:meth:`load_lora_adapter`);
         #: None: the base model.
         self.lora_adapter: str | None = None
@@ -463,6 +466,10 @@ class EmbeddedEngine(GenerateFromMeta):
         synchronizer once a sync landed on every worker); the workers label the
         tokens they compute from now on with it (:meth:`generate_with_meta`).
 
+        ``version`` is the committing synchronizer's, whether or not it is higher
+        than the last: a restarted trainer (versions from 0) that committed owns
+        the labels from then on (case C27).
+
         While a pause is in force (a sync's) no RPC is made: the label reaches the
         workers with :meth:`resume_generation` if requests are frozen there, else
         with the next request (:meth:`generate_with_meta`, :meth:`status`), before
@@ -472,8 +479,9 @@ class EmbeddedEngine(GenerateFromMeta):
             TransportError, SyncTimeoutError: as :meth:`collective_rpc`.
         """
         self.weight_version = version
+        self._commits += 1
         if not self._gate.paused:
-            await self.collective_rpc("embedded_set_weight_version", (version,))
+            await self.collective_rpc("embedded_set_weight_version", (self._label(),))
 
     async def pause_generation(self, mode: InFlightPolicy, clear_cache: bool = True) -> None:
         """Pause generation on every worker (the in-flight policy, decode-step granularity).
@@ -521,7 +529,7 @@ class EmbeddedEngine(GenerateFromMeta):
                 engine then stays paused; call it again).
         """
         if self._workers_paused:
-            await self.collective_rpc("embedded_resume_generation", (self.weight_version,))
+            await self.collective_rpc("embedded_resume_generation", (self._label(),))
             self._workers_paused = False
         self._gate.resume()
 
@@ -722,7 +730,7 @@ class EmbeddedEngine(GenerateFromMeta):
             "ignore_eos": sampling.ignore_eos,
             "top_p": sampling.top_p,
             "logprobs": sampling.logprobs,
-            "weight_version": self.weight_version,
+            "weight_label": self._label(),
         }
         calls = []
         for replica in range(self.num_workers):
@@ -742,7 +750,11 @@ class EmbeddedEngine(GenerateFromMeta):
         for the base model; ``lora_loaded``: every adapter its model holds;
         ``paused``: the pause mode in force, None when running; ``requests``: the
         decode steps each running request has started)."""
-        return await self.collective_rpc("embedded_status", (self.weight_version,))
+        return await self.collective_rpc("embedded_status", (self._label(),))
+
+    def _label(self) -> list[int] | None:
+        """``[commit, version]`` the workers label tokens with (None: never synced)."""
+        return None if self.weight_version is None else [self._commits, self.weight_version]
 
     async def weight_layouts(self) -> list[Layout]:
         """What each worker holds of each checkpoint tensor, one
@@ -777,18 +789,21 @@ class EmbeddedGeneration(Generation):
     Attributes:
         versions: per token, the engine's ``weight_version`` when the token was
             computed (None: before the first sync); ``len(versions) == len(token_ids)``.
-            ``first_version``, ``last_version`` and ``version_change_at`` are
-            derived from it.
+            ``first_version`` and ``last_version`` are derived from it;
+            ``version_change_at`` from the commits that labelled the tokens, so
+            that two owners' weights under one version number still count as a
+            change (a restarted trainer's version 1 is not the first run's).
     """
 
     versions: list[int | None] = field(default_factory=list)
 
     @classmethod
     def from_reply(cls, reply: Mapping[str, Any]) -> EmbeddedGeneration:
-        """From a worker's ``{"token_ids", "aborted", "versions", "logprobs",
-        "finish_reason"}`` (``embedded_generate_with_meta``)."""
+        """From a worker's ``{"token_ids", "aborted", "versions", "commits",
+        "logprobs", "finish_reason"}`` (``embedded_generate_with_meta``)."""
         versions = [None if v is None else int(v) for v in reply["versions"]]
-        first, last, change = version_span(versions)
+        first, last, _ = version_span(versions)
+        _, _, change = version_span([int(c) for c in reply["commits"]])
         logprobs = reply.get("logprobs")
         return cls(
             token_ids=[int(t) for t in reply["token_ids"]],

@@ -99,7 +99,7 @@ class SGLangGeneration(Generation):
         Versions: ``meta_info.weight_version`` (SGLang's ``"default"`` before any
         update is None) is ``last_version``. SGLang does not say which version
         computed each token, so when a refit landed between request and answer
-        (``spanned``, or ``submitted_version`` older) ``first_version`` is
+        (``spanned``, or ``submitted_version`` another label) ``first_version`` is
         ``submitted_version`` (None: the initial weights; counted as spanning
         both, the cautious side) and ``version_change_at`` None. A server that
         labels every token (``meta_info.aiosync_token_versions``, the test
@@ -135,9 +135,9 @@ class SGLangGeneration(Generation):
         else:
             last = parse_version(meta_info.get("weight_version"))
             first, change = last, None
-            if token_ids and submitted_version is not None and last is not None:
-                first = min(submitted_version, last)
-            elif token_ids and spanned:
+            # Not min(submitted, last): a restarted trainer's versions start again
+            # at 0, so a newer label may be a lower number (case C27).
+            if token_ids and (spanned or (submitted_version is not None and last is not None)):
                 first = submitted_version
             if not token_ids:
                 first = last = None

@@ -157,6 +157,15 @@ async def test_an_answer_labelled_newer_than_the_request_spans_both_versions() -
     assert (initial.first_version, initial.last_version) == (None, None)
 
 
+async def test_an_answer_labelled_by_a_restarted_trainers_lower_version_spans_both() -> None:
+    # Case C27: the request went in under the previous owner's 4; a restarted
+    # trainer (versions from 0) committed 2 before the answer. Versions need not grow.
+    answer = {"output_ids": [5, 6], "meta_info": {"weight_version": "2"}}
+    result = SGLangGeneration.from_answer(answer, submitted_version=4, spanned=True)
+    assert (result.first_version, result.last_version, result.version_change_at) == (4, 2, None)
+    assert result.spans_versions is True
+
+
 async def test_every_engine_takes_one_generation_signature() -> None:
     # generate_with_meta(prompts, params=None, **keywords) on every engine: one
     # SamplingParams, or its fields as keywords, resolved by one adapter.
