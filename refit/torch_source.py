@@ -29,6 +29,7 @@ from ._torch_names import (
     _dedup_tied,
     _hf_checkpoint_order,
     _hf_reverter,
+    _same_tensor,
     _strip_wrapper_prefixes,
     _tied_aliases,
     _unwrap,
@@ -221,6 +222,9 @@ class DTensorRefitSource(RefitSource):
         self._tied = _tied_aliases(inner)
         self._plan: tuple[_Entry, ...] | None = None
         self._broken_ties: dict[str, str] = {}
+        # The ties the plan relies on (the tied name left out of the manifest):
+        # ``(tied name, its module key, source name, its module key)``.
+        self._held_ties: tuple[tuple[str, str, str, str], ...] = ()
         self._offloaded: list[tuple[dict[str, Any], str, torch.device]] = []
 
     # -- manifest -------------------------------------------------------------
@@ -256,6 +260,11 @@ class DTensorRefitSource(RefitSource):
                 source,
             )
         self._broken_ties = broken
+        self._held_ties = tuple(
+            (name, by_key[name], source, by_key[source])
+            for name, source in self._tied.items()
+            if name in by_key and source in by_key and name not in broken
+        )
         return [(by_key[key], key, t) for key, t in kept]
 
     def _build_plan(self) -> tuple[_Entry, ...]:
@@ -382,7 +391,9 @@ class DTensorRefitSource(RefitSource):
 
         Raises:
             RefitMismatchError: the model changed since :meth:`prepare_refit_info`
-                (of a PEFT model: its active adapter, or an adapter merged in place).
+                (of a PEFT model: its active adapter, or an adapter merged in place;
+                a tie the manifest relies on was broken: :meth:`check_ties`),
+                at the first ``next()`` for a tie, before any tensor is yielded.
         """
         return self._weights(None)
 
@@ -398,6 +409,42 @@ class DTensorRefitSource(RefitSource):
         """
         return self._weights(destination)
 
+    def check_ties(self, live: Mapping[str, Any] | None = None) -> None:
+        """Check that every tie the manifest relies on still holds (case C37).
+
+        The manifest leaves a tied name out (``lm_head.weight`` when it is
+        ``model.embed_tokens.weight``); a trainer that unties it afterwards
+        (``load_state_dict(..., assign=True)``, a new ``Parameter``,
+        ``param.data = ...``) would train a head no sync sends. Called at the
+        start of every stream (:meth:`iter_weights`, the shard-aware
+        transport's layouts): a pointer compare per tie.
+
+        Args:
+            live: the model's ``state_dict(keep_vars=True)``, if already at hand.
+
+        Raises:
+            RefitMismatchError: a tied tensor no longer aliases its source,
+                naming both (nothing is streamed).
+        """
+        self._entries()  # the plan, and with it the ties it relies on
+        if not self._held_ties:
+            return
+        if live is None:
+            live = self.model.state_dict(keep_vars=True)
+        for name, module_key, source, source_key in self._held_ties:
+            tied, origin = live.get(module_key), live.get(source_key)
+            if not isinstance(tied, torch.Tensor) or not isinstance(origin, torch.Tensor):
+                continue  # vanished: the stream names it
+            if not _same_tensor(tied, origin):
+                raise RefitMismatchError(
+                    f"{name} is no longer tied to {source}: the manifest leaves {name} out "
+                    "(the config ties it), but the model now holds a tensor of its own "
+                    "(untied after the manifest was built, e.g. by load_state_dict(..., "
+                    "assign=True) or param.data = ...), which no sync would send. Re-tie "
+                    "it (model.tie_weights()) before syncing, or set tie_word_embeddings="
+                    "False on both sides and build the synchronizer again"
+                )
+
     def _weights(
         self, destination: Callable[[str], torch.Tensor | None] | None
     ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -405,6 +452,7 @@ class DTensorRefitSource(RefitSource):
         if self._peft is not None:
             self._peft.check_unchanged()
         live = self.model.state_dict(keep_vars=True)
+        self.check_ties(live)
         # Everything below works on detached tensors, so no autograd graph is
         # built. ``torch.no_grad()`` is not held across the ``yield``: the grad
         # mode is thread-local and a consumer may resume this generator from a

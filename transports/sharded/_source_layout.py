@@ -123,6 +123,7 @@ def _entries_and_tensors(source: DTensorRefitSource) -> Iterator[tuple[Any, torc
     through its private ``_entries()`` until it offers a public accessor.
     """
     live = source.model.state_dict(keep_vars=True)
+    source.check_ties(live)  # a tie broken since the manifest: refused, as iter_weights does
     for entry in source._entries():
         tensor = live.get(entry.module_key)
         if not isinstance(tensor, torch.Tensor):
