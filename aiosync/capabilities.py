@@ -17,7 +17,7 @@ collective drive the workers), :class:`Generating` (the rollout loop) and
 :class:`ConfigReporting` (checks before a sync), :class:`LayoutReporting` (the
 shard-aware transport) and :class:`EngineSet` (a fleet), :class:`ElasticEngines`
 (a fleet that sets failed engines aside) and :class:`HealthReporting` (how it
-tells them).
+tells them), :class:`RestartReporting` (a server restarted behind its URL).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ __all__ = [
     "LayoutReporting",
     "ManifestReporting",
     "PausableEngine",
+    "RestartReporting",
     "SleepReporting",
     "ValidityReporting",
     "VersionedEngine",
@@ -239,6 +240,23 @@ class HealthReporting(Protocol):
     async def check_health(self) -> None:
         """Return if healthy; raise (e.g. :class:`~aiosync.errors.TransportError`
         naming the dead worker) if not."""
+        ...
+
+
+@runtime_checkable
+class RestartReporting(Protocol):
+    """An engine in a process the synchronizer neither started nor watches (a server
+    reached by URL) that can tell whether that process was restarted since it last
+    saw it: a restarted server holds fresh weights, whatever label it answers under.
+    :func:`~aiosync.refit_if_stale` asks it before reading ``is_stale``."""
+
+    async def check_restarted(self) -> bool:
+        """Ask the engine; if it was restarted, run the weights-discarded listeners
+        (:class:`DiscardNotifier`: the synchronizer turns stale) and return True.
+
+        Raises:
+            TransportError, SyncTimeoutError: the engine did not answer.
+        """
         ...
 
 

@@ -47,6 +47,7 @@ from .capabilities import (
     InFlightPolicy,
     LayoutReporting,
     PausableEngine,
+    RestartReporting,
     SleepReporting,
     VersionedEngine,
     WorkerDescribing,
@@ -1011,12 +1012,33 @@ async def _wake(engine: Engine, tag: str) -> None:
         await engine.prepare_for_generation([tag])
 
 
+async def _check_restarts(generation: object) -> None:
+    """Ask every :class:`~aiosync.capabilities.RestartReporting` engine behind
+    ``generation`` whether it was restarted (a restart runs the discard listeners, so
+    ``is_stale`` reads True after this). An engine that does not answer is left to the
+    sync or the generation that needs it (logged here): the probe only learns."""
+    engines = [e for e in engines_of(generation) if isinstance(e, RestartReporting)]
+
+    async def ask(engine: RestartReporting) -> None:
+        try:
+            await engine.check_restarted()
+        except Exception as exc:
+            _log.warning("refit_if_stale: could not ask %r whether it restarted: %s", engine, exc)
+
+    async with anyio.create_task_group() as tg:
+        for engine in engines:
+            tg.start_soon(ask, engine)
+
+
 async def refit_if_stale(
     sync: WeightSynchronizer, generation: GenerationBackend | None = None
 ) -> bool:
     """The loop's handshake before generating.
 
-    If ``sync.is_stale``: ``await sync.sync_weights()`` then
+    First asks each engine that can tell (:class:`~aiosync.capabilities.RestartReporting`:
+    an SGLang server reached by URL) whether it was restarted since it was synced (a
+    restarted server holds fresh weights: the synchronizer turns stale). Then, if
+    ``sync.is_stale``: ``await sync.sync_weights()`` then
     ``await generation.prepare_for_generation()``. Returns whether it refit.
     Errors of ``sync_weights`` propagate and ``prepare_for_generation`` is
     then not called, so the engine never generates with half-updated weights.
@@ -1045,6 +1067,7 @@ async def refit_if_stale(
             f"generation must be an engine with prepare_for_generation, got "
             f"{type(generation).__name__}; for a fleet pass sync.generation (or omit it)"
         )
+    await _check_restarts(generation)
     if not sync.is_stale:
         return False
     await sync.sync_weights()

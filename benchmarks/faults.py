@@ -42,7 +42,7 @@ A's weights bit-exact; the note says what B's attempt and A's ``refit_if_stale``
 claim on an engine is kept per engine object, within one process (two trainer
 processes on one engine are the ``second synchronizer`` cells). For ``restarted trainer``
 the error is what the restarted loop's refits raise, and "version kept, stale" means
-that the engine's label (``generate_with_meta``'s version; SGLang: ``/get_weight_version``)
+that the engine's label (``generate_with_meta``'s version; SGLang: ``/model_info``)
 continues at 4 after the step. In one process the closed synchronizer's claim on the
 engine remains, so the new one starts stale and its first refit re-syncs version 3; a
 restarted process starts without that claim.
@@ -399,7 +399,7 @@ class HTTPServer(EngineUnderTest):
 
     async def label(self) -> object:
         async with httpx.AsyncClient(base_url=self.url, timeout=60) as client:
-            response = await client.get("/get_weight_version")
+            response = await client.get("/model_info")
             response.raise_for_status()
             return response.json()["weight_version"]
 

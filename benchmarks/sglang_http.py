@@ -22,7 +22,7 @@ measures:
   fault, and the page tables torn down after), and both at once (``bound: pack
   ∥ load from a fresh mapping``: a pipelined refit without any request);
 * **per-request overhead**: the same refit cut into ~1, 10 and 100 buckets;
-  the extra time per extra request, ms, next to one ``/get_weight_version``
+  the extra time per extra request, ms, next to one ``/model_info``
   round trip (mean of 50).
 
 Refit and memcpy times are the best of ``--repeats`` (at least 3; 1 when

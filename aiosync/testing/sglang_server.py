@@ -242,6 +242,10 @@ class ServerState:
     weights_cpu_backup: bool = False
     model_path: str = ""
     weight_version: str | None = "default"
+    #: SGLang's ``tokenizer_manager.startup_time`` (``time.time()`` when the server
+    #: started), reported by ``/server_info``: a server restarted on the same URL
+    #: reports another one.
+    startup_time: float = field(default_factory=time.time)
     enable_lora: bool = False
     max_lora_rank: int | None = None
     lora_target_modules: list[str] | None = None
@@ -460,16 +464,19 @@ class _Handler(BaseHTTPRequestHandler):
         state = self.server.state
         if path in ("/health", "/health_generate"):
             return None
-        if path == "/get_model_info" and method == "GET":
+        if path in ("/model_info", "/get_model_info") and method == "GET":
+            # SGLang 0.5.23: /model_info (/get_model_info its deprecated alias) is where
+            # the label lives; there is no /get_weight_version.
             return {
                 "model_path": state.model_path,
                 "tokenizer_path": None,
                 "is_generation": True,
                 "weight_version": state.weight_version,
             }
-        if path == "/get_server_info" and method == "GET":
+        if path in ("/server_info", "/get_server_info") and method == "GET":
             return {
                 "model_path": state.model_path,
+                "startup_time": state.startup_time,
                 # SGLang reports its --dtype; this server's is the model's own.
                 "dtype": str(next(state.runner.model.parameters()).dtype).removeprefix("torch."),
                 "revision": None,
@@ -486,8 +493,6 @@ class _Handler(BaseHTTPRequestHandler):
                 "weight_version": state.weight_version,
                 "version": "aiosync-test-server",
             }
-        if path == "/get_weight_version" and method == "GET":
-            return {"weight_version": state.weight_version}
         if path == "/generate" and method == "POST":
             return self._generate(_object(data))
         if path == "/pause_generation" and method == "POST":

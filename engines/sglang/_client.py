@@ -2,7 +2,7 @@
 
 The endpoints a refit makes (``/get_server_info``, ``/begin_weight_update``,
 ``/update_weights_from_tensor``, ``/end_weight_update``, ``/flush_cache``,
-``/update_weight_version``, ``/get_weight_version``, ``/get_weights_by_name`` (the
+``/update_weight_version``, ``/model_info`` (the label), ``/get_weights_by_name`` (the
 ``verify`` read-back); disaggregated:
 ``/init_weights_update_group``, ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group``) live here;
@@ -377,7 +377,7 @@ class SGLangClient:
         self, new_version: str, *, abort_all_requests: bool = False
     ) -> None:
         """POST ``/update_weight_version``: the server reports ``new_version`` from now on
-        (``/get_weight_version``, ``meta_info.weight_version``); the weights are untouched.
+        (``/model_info``, ``meta_info.weight_version``); the weights are untouched.
 
         Args:
             new_version: the label, e.g. ``str(sync.weight_version)``.
@@ -406,15 +406,17 @@ class SGLangClient:
         await self._request("GET", "/health")
 
     async def get_weight_version(self) -> str | None:
-        """``/get_weight_version``: the ``weight_version`` of the last completed update.
+        """``GET /model_info``'s ``weight_version``: the label of the last completed update
+        (SGLang's ``"default"``, or its ``--weight-version``, before any). SGLang 0.5.23
+        has no ``/get_weight_version``: the label is reported by ``/model_info``.
 
         Raises:
             TransportError: the request failed, or the answer has no ``weight_version``.
             SyncTimeoutError: no answer within ``request_timeout_s``.
         """
-        answer = await self._request("GET", "/get_weight_version")
+        answer = await self._request("GET", "/model_info")
         if not isinstance(answer, dict) or "weight_version" not in answer:
-            raise TransportError(f"/get_weight_version answered {str(answer)[:200]}")
+            raise TransportError(f"/model_info answered {str(answer)[:200]}")
         version = answer["weight_version"]
         return None if version is None else str(version)
 

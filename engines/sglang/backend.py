@@ -49,6 +49,7 @@ if TYPE_CHECKING:
         HealthReporting,
         ManifestReporting,
         PausableEngine,
+        RestartReporting,
         SleepReporting,
         ValidityReporting,
     )
@@ -170,6 +171,11 @@ class SGLangHTTPBackend(GenerateFromMeta, SGLangClient):
         self._pause_ended: anyio.Event | None = None
         # How many times a "keep" flush aborted the retracted requests to requeue them.
         self._requeues = 0
+        # The server's startup_time (/get_server_info) when this backend first saw it:
+        # another one is another process on the same URL (C38). None: not seen yet.
+        self._startup_time: object = None
+        # How many restarts this backend noticed.
+        self._restarts = 0
 
     @property
     def hf_config(self) -> PretrainedConfig | Mapping[str, Any] | str | os.PathLike[str] | None:
@@ -225,6 +231,90 @@ class SGLangHTTPBackend(GenerateFromMeta, SGLangClient):
         """For the synchronizer: a complete set of weights landed on the server."""
         self._weights_valid = True
         self._invalid_reason = ""
+
+    # -- a server restarted behind its URL (C38) -------------------------------------
+
+    async def server_info(self) -> dict[str, Any]:
+        """``/get_server_info`` (see :meth:`SGLangClient.server_info`); a ``startup_time``
+        other than the one first seen means the server was restarted (see
+        :meth:`check_restarted`)."""
+        info = await super().server_info()
+        started = info.get("startup_time")
+        if started is not None:
+            previous, self._startup_time = self._startup_time, started
+            if previous is not None and started != previous:
+                self._restarted(f"/server_info reports startup_time {started!r}, was {previous!r}")
+        return info
+
+    async def check_restarted(self) -> bool:
+        """Whether the server was restarted since this backend last saw it
+        (:class:`~aiosync.capabilities.RestartReporting`; :func:`~aiosync.refit_if_stale`
+        asks before it reads ``is_stale``).
+
+        A restarted SGLang server holds fresh weights (its checkpoint's, or random ones)
+        under its launch label (``"default"``). Two signs, from two cheap GETs: its
+        ``startup_time`` (``/get_server_info``) differs from the one first seen, or
+        ``/model_info``'s ``weight_version`` is not the label this backend last set
+        (read only when no label was set in between). On either the weights count as
+        discarded: generation refuses and the listeners run (the synchronizer turns
+        stale), as for a memory-saver release.
+
+        Returns:
+            True when it was restarted (and the listeners ran).
+
+        Raises:
+            TransportError, SyncTimeoutError: the server did not answer.
+        """
+        restarts, epoch, ours = self._restarts, self._label_epoch, self._version_label
+        await self.server_info()
+        if self._restarts != restarts:
+            return True
+        if ours is None:
+            return False
+        label = await self.get_weight_version()
+        if self._label_epoch == epoch and self._restarts == restarts and label != ours:
+            self._restarted(
+                f"/model_info reports weight_version {label!r}, not {ours!r}, the label "
+                "this backend set"
+            )
+            return True
+        return self._restarts != restarts
+
+    def _restarted(self, sign: str) -> None:
+        """The server is another process than the one synced: what this backend knew of
+        the old one (its label, released regions) is void; its weights are not ours."""
+        self._restarts += 1
+        self._version_label = None
+        self._released.clear()
+        logger.warning("%s was restarted (%s): its weights count as discarded", self.base_url, sign)
+        self._discard_weights(
+            f"the server was restarted ({sign}), so it holds its own fresh weights, not "
+            "the synced ones"
+        )
+
+    def _check_labels(self, items: Sequence[Any], ours: str | None) -> None:
+        """Refuse ``/generate`` answers labelled otherwise than this backend set the
+        server: computed by a restarted (or otherwise relabelled) server's weights.
+
+        Raises:
+            SyncError: an answer's ``meta_info.weight_version`` is not ``ours``.
+        """
+        if ours is None:
+            return
+        for item in items:
+            meta = item.get("meta_info") if isinstance(item, Mapping) else None
+            label = meta.get("weight_version") if isinstance(meta, Mapping) else None
+            if label is not None and str(label) != ours:
+                self._restarted(
+                    f"it answered /generate under weight_version {str(label)!r}, not "
+                    f"{ours!r}, the label this backend set"
+                )
+                raise SyncError(
+                    f"{self.base_url} answered /generate under weight_version "
+                    f"{str(label)!r}, not {ours!r}: the server was restarted (or relabelled "
+                    "by another client) and computed it with other weights; the answer "
+                    "is dropped; sync_weights() before generate()"
+                )
 
     def _discard_weights(self, reason: str) -> None:
         self._weights_valid = False
@@ -324,7 +414,8 @@ class SGLangHTTPBackend(GenerateFromMeta, SGLangClient):
         self._check_can_generate()
         lora_name = self._adapters.active
         body = generate_body(prompts, sampling, sampling_params, lora_name=lora_name)
-        submitted = parse_version(self._version_label)
+        label = self._version_label
+        submitted = parse_version(label)
         epoch, requeues = self._label_epoch, self._requeues
         answer = await self._post("/generate", body, timeout_s=self.generate_timeout_s)
         items = answer if isinstance(answer, list) else [answer]
@@ -336,6 +427,8 @@ class SGLangHTTPBackend(GenerateFromMeta, SGLangClient):
         # the refit, so its tokens may come from both versions (SGLang labels only
         # the answer): never report it as one version.
         spanned = self._label_epoch != epoch
+        if not spanned:
+            self._check_labels(items, label)
         generations = [
             SGLangGeneration.from_answer(
                 item, logprobs=sampling.logprobs, submitted_version=submitted, spanned=spanned
@@ -662,5 +755,6 @@ if TYPE_CHECKING:
         ManifestReporting,
         ConfigReporting,
         HealthReporting,
+        RestartReporting,
     ]:
-        return (b, b, b, b, b, b, b, b, b)
+        return (b, b, b, b, b, b, b, b, b, b)

@@ -301,7 +301,7 @@ async def test_malicious_pickle_is_rejected_and_weights_unchanged(
     assert response.json()["success"] is False
     assert "forbidden global" in response.json()["message"]
     assert "system" in response.json()["message"]
-    assert server.admin.get("/get_weight_version").json()["weight_version"] != "666"
+    assert server.admin.get("/model_info").json()["weight_version"] != "666"
     state_equal(server.state_dict(), before)
 
 
