@@ -600,8 +600,7 @@ async def run(args: argparse.Namespace) -> RunReport:
     if args.fp8:  # quantized per 128 x 128 block, the rest in --dtype
         source = FP8RefitSource(source, dtype=getattr(torch, args.dtype))
     P, G, L = args.prompts_per_step, args.group_size, args.digits
-    console = Console(stderr=True, quiet=args.quiet, width=None if sys.stderr.isatty() else 110)
-    log_every = max(1, args.steps // 10)
+    console = make_console(args.quiet)
     metrics = _Metrics(args.metrics_port)
 
     async with open_engine(args, config, model) as engine:
@@ -725,22 +724,14 @@ async def run(args: argparse.Namespace) -> RunReport:
                         group = Group(prompt, completions, rewards, behaviour)
                         buffer.add(group, versions=versions)
 
-            progress = Progress(
-                BarColumn(bar_width=20),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                TextColumn("{task.fields[info]}"),
-                console=console,
-                disable=not console.is_terminal,
-            )
+            progress = StepLog(console, args.steps)
             async with buffer, anyio.create_task_group() as tg:
                 tg.start_soon(follow_refits)
                 tg.start_soon(rollouts)
                 if args.in_flight is not None:
                     tg.start_soon(refitter)
                 with progress:
-                    task = progress.add_task("train", total=args.steps, info="")
-                    for step in range(args.steps):
+                    for _ in range(args.steps):
                         batch = await buffer.pop_batch(P)
                         # On-policy: one version made every token, the one being trained.
                         onpolicy = [
@@ -773,17 +764,7 @@ async def run(args: argparse.Namespace) -> RunReport:
                             # the new version stale on exit.
                             async with weights_lock, sync.policy_update():
                                 await anyio.to_thread.run_sync(trainer.step)
-                        # The policy version counts optimizer steps, ppo_epochs per batch
-                        # (step): after 60 steps of 2, v120.
-                        info = (
-                            f"reward {step_reward:.3f}  policy v{sync.policy_version} "
-                            f"({args.ppo_epochs} optimizer steps/batch)  "
-                            f"weights v{sync.weight_version}  refit {last['gbps']:.3f} GB/s "
-                            f"{last['seconds']:.3f} s  clip {stats['clip_frac']:.2f}"
-                        )
-                        progress.update(task, advance=1, info=info)
-                        if not console.is_terminal and (step + 1) % log_every == 0:
-                            console.print(f"step {step + 1:>4}/{args.steps}  {info}")
+                        progress.step(step_info(step_reward, sync, args.ppo_epochs, last, stats))
                 # The final policy goes to the engine too, then a greedy evaluation.
                 async with weights_lock:
                     if await refit_if_stale(sync, engine):
@@ -812,6 +793,65 @@ async def run(args: argparse.Namespace) -> RunReport:
     report.seconds = time.perf_counter() - started
     _print_summary(console, report, histogram_text)
     return report
+
+
+def make_console(quiet: bool = False) -> Console:
+    """The run's console, on stderr. Off a terminal (a pipe, a file, a CI log) no line
+    is wrapped: rich would break lines at 80 columns (or ``$COLUMNS``)."""
+    console = Console(stderr=True, quiet=quiet)
+    console.soft_wrap = not console.is_terminal
+    return console
+
+
+class StepLog:
+    """Training progress on ``console``: a bar on a terminal; elsewhere a line
+    ``step N/steps  info`` every tenth of the run (every step in a run of < 20)."""
+
+    def __init__(self, console: Console, steps: int) -> None:
+        self.console, self.steps, self.done = console, steps, 0
+        self.every = max(1, steps // 10)
+        self.bar = Progress(
+            BarColumn(bar_width=20),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[info]}"),
+            console=console,
+            disable=not console.is_terminal,
+        )
+        self.task = self.bar.add_task("train", total=steps, info="")
+
+    def __enter__(self) -> StepLog:
+        self.bar.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.bar.stop()
+
+    def step(self, info: str) -> None:
+        """One more step done; ``info``: its one-line summary."""
+        self.done += 1
+        self.bar.update(self.task, advance=1, info=info)
+        if not self.console.is_terminal and self.done % self.every == 0:
+            self.console.print(f"step {self.done:>4}/{self.steps}  {info}")
+
+
+def step_info(
+    reward: float,
+    sync: WeightSynchronizer,
+    ppo_epochs: int,
+    last_refit: dict[str, float],
+    stats: dict[str, float],
+) -> str:
+    """A training step in one line: the batch's mean reward, the versions, the last
+    refit's GB/s and seconds (``last_refit``) and the last optimizer step's clip fraction."""
+    # The policy version counts optimizer steps, ppo_epochs per batch (step): after
+    # 60 steps of 2, v120.
+    return (
+        f"reward {reward:.3f}  policy v{sync.policy_version} "
+        f"({ppo_epochs} optimizer steps/batch)  "
+        f"weights v{sync.weight_version}  refit {last_refit['gbps']:.3f} GB/s "
+        f"{last_refit['seconds']:.3f} s  clip {stats['clip_frac']:.2f}"
+    )
 
 
 def refit_line(version: int, nbytes: int, delta: bool, report: RunReport) -> str:

@@ -48,7 +48,6 @@ import ray.cloudpickle
 import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import async_grpo as grpo
@@ -75,8 +74,21 @@ LOCAL_CLUSTER: dict[str, Any] = {
 }
 
 
+#: How often the driver asks the trainer actor for the steps it finished (seconds).
+STEP_POLL_S = 0.5
+
+
 class TrainerActor:
     """The trainer as a Ray actor: policy, optimizer, synchronizer and the GRPO loop."""
+
+    def __init__(self) -> None:
+        #: One line per training step done (:func:`async_grpo.step_info`), for the driver.
+        self.steps: list[str] = []
+
+    async def progress(self, since: int) -> list[str]:
+        """The lines of the steps done after the first ``since``. An async actor answers
+        this while ``train`` runs: its heavy work runs in threads."""
+        return self.steps[since:]
 
     async def train(
         self, args: argparse.Namespace, engines: list[Any]
@@ -135,6 +147,7 @@ class TrainerActor:
             )
             refit_events = sync.subscribe()
             weights_lock = anyio.Lock()
+            last = {"gbps": 0.0, "seconds": 0.0}
             gaps = grpo._LogprobGaps()
             loss_stats: list[dict[str, float]] = []
             await check_engine()
@@ -153,6 +166,7 @@ class TrainerActor:
                                 "delta": int(ev.delta),
                             }
                         )
+                        last.update(gbps=gbps, seconds=ev.duration_s)
                     elif ev.kind is VersionEventKind.FAILED:
                         report.refit_failures += 1
 
@@ -206,6 +220,9 @@ class TrainerActor:
                         loss_stats.append(stats)
                         async with weights_lock, sync.policy_update():
                             await anyio.to_thread.run_sync(trainer.step)
+                    self.steps.append(
+                        grpo.step_info(report.rewards[-1], sync, args.ppo_epochs, last, stats)
+                    )
                 # The final policy goes to the engine too, then a greedy evaluation.
                 async with weights_lock:
                     if await refit_if_stale(sync, engine):
@@ -249,8 +266,11 @@ async def run(args: argparse.Namespace) -> grpo.RunReport:
         trainer_options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement_group=group, placement_group_bundle_index=0
         )
+    console = grpo.make_console(args.quiet)
     engines: list[RayEngine] = []
     trainer: Any = None
+    where = "colocated" if args.colocated else "anywhere in the cluster"
+    console.print(f"starting {args.engines} engine actor(s) and the trainer actor ({where})")
     try:
         for _ in range(args.engines):
             engines.append(
@@ -264,7 +284,17 @@ async def run(args: argparse.Namespace) -> grpo.RunReport:
                 )
             )
         trainer = ray.remote(TrainerActor).options(**trainer_options).remote()
-        data, histogram = await trainer.train.remote(args, [e.actor for e in engines])
+        train = trainer.train.remote(args, [e.actor for e in engines])
+        with grpo.StepLog(console, args.steps) as log:
+            while True:  # the trainer's steps as they finish, until train() returns
+                ready, _ = await anyio.to_thread.run_sync(
+                    lambda: ray.wait([train], timeout=STEP_POLL_S)
+                )
+                for line in await trainer.progress.remote(log.done):
+                    log.step(line)
+                if ready:
+                    break
+        data, histogram = await train
     finally:
         if trainer is not None:
             ray.kill(trainer)
@@ -274,7 +304,6 @@ async def run(args: argparse.Namespace) -> grpo.RunReport:
             remove_placement_group(group)
     report = grpo.RunReport(**data)
     report.seconds = time.perf_counter() - started
-    console = Console(stderr=True, quiet=args.quiet, width=None if sys.stderr.isatty() else 110)
     grpo._print_summary(console, report, histogram)
     return report
 

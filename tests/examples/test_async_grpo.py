@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -120,6 +121,20 @@ def test_async_grpo_not_colocated_collective_with_tight_staleness(tmp_path: Path
     assert report["synchronizer"] == "CollectiveWeightSynchronizer"
     assert report["max_staleness"] == 1
     assert_run_invariants(report)
+
+
+def test_async_grpo_log_off_a_terminal_is_one_whole_line_per_step(tmp_path: Path) -> None:
+    # stderr is a pipe here, as in a CI log or `2> run.log`: no progress bar, a line
+    # per step, and no line wrapped at any width.
+    report, lines = run_example_logged(tmp_path, "--colocated", "--steps", "2")
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [re.split(" {2,}", line)[:4] for line in steps] == [
+        ["step", f"{n}/2", f"reward {r:.3f}", f"policy v{2 * n} (2 optimizer steps/batch)"]
+        for n, r in enumerate(report["rewards"], start=1)
+    ]
+    assert all(re.search(r"  clip \d\.\d\d$", line) for line in steps), steps
+    (summary,) = [line for line in lines if line.startswith("off-policy correction")]
+    assert summary.endswith(f"IS-truncated {report['is_truncated_frac']:.3f}"), summary
 
 
 @pytest.mark.parametrize(

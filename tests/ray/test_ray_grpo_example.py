@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -60,6 +61,13 @@ def test_the_ray_example_trains_and_every_refit_lands_on_the_engine_actors(
     assert report["onpolicy_tokens"] > 0
     assert report["onpolicy_logprob_diff_max"] < ONPOLICY_LOGPROB_ATOL
     lines = proc.stderr.splitlines()
+    # The driver shows the trainer actor's progress as it goes (stderr is a pipe here:
+    # a whole line per step, as examples/async_grpo.py prints).
+    steps = [re.split(" {2,}", line)[:4] for line in lines if line.startswith("step ")]
+    assert steps == [
+        ["step", f"{n}/4", f"reward {r:.3f}", f"policy v{2 * n} (2 optimizer steps/batch)"]
+        for n, r in enumerate(report["rewards"], start=1)
+    ], proc.stderr[-2000:]
     summary = f"{synchronizer} (embedded, Ray actors, {where}): 4 steps in "
     assert any(line.startswith(summary) for line in lines), proc.stderr[-2000:]
     assert any(
