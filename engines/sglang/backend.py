@@ -163,6 +163,10 @@ class SGLangHTTPBackend(GenerateFromMeta, SGLangClient):
         # loading into them, until a whole sync landed.
         self._weights_valid = True
         self._invalid_reason = ""
+        # Discards seen (_discard_weights), and how many there were when the load in
+        # progress began: one in between voids that load (note_weights_loaded).
+        self._discards = 0
+        self._discards_at_load = 0
         self._listeners: list[Callable[[], None]] = []
         # The SGLang pause mode this backend put the server in (None: not paused).
         self._pause_mode: str | None = None
@@ -222,13 +226,21 @@ class SGLangHTTPBackend(GenerateFromMeta, SGLangClient):
         in flight.
         """
         self._weights_valid = False
+        self._discards_at_load = self._discards
         self._invalid_reason = (
             "a sync began loading new weights and did not complete (failed, timed out "
             "or cancelled), so the server may hold a mix of two versions"
         )
 
     def note_weights_loaded(self) -> None:
-        """For the synchronizer: a complete set of weights landed on the server."""
+        """For the synchronizer: a complete set of weights landed on the server.
+
+        Unless the server discarded its weights after :meth:`note_weights_loading` (a
+        release while the sync flushed): then they stay invalid, with the discard's
+        reason, as the synchronizer (which fails that sync) says too.
+        """
+        if self._discards != self._discards_at_load:
+            return
         self._weights_valid = True
         self._invalid_reason = ""
 
@@ -317,6 +329,7 @@ class SGLangHTTPBackend(GenerateFromMeta, SGLangClient):
                 )
 
     def _discard_weights(self, reason: str) -> None:
+        self._discards += 1
         self._weights_valid = False
         self._invalid_reason = reason
         for listener in list(self._listeners):

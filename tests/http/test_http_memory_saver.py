@@ -165,3 +165,48 @@ async def test_weights_released_mid_sync_fail_it_and_the_server_refuses_until_a_
         assert await backend.generate(prompts, max_new_tokens=3) == trainer.reference_generate(
             prompts, 3
         )
+
+
+class _ReleasesDuringTheFlush(SGLangHTTPBackend):
+    """A backend whose first ``flush_cache`` of a sync is preceded by a real release of
+    the server's memory (the loop's ``finish_generation`` racing the sync's flush)."""
+
+    armed = False
+
+    async def flush_cache(self, timeout_s: float | None = None) -> int:
+        if self.armed:
+            self.armed = False
+            await self.finish_generation()
+        return await super().flush_cache(timeout_s)
+
+
+async def test_weights_released_during_the_flush_keep_the_backend_refusing_until_a_sync(
+    server: Any, make_trainer: Any, state_equal: Any, prompts: list[list[int]]
+) -> None:
+    """The sync's last bucket landed, then the server released (discarded) its weights
+    while the sync flushed: the sync fails and the backend itself refuses to generate on
+    the woken NaN weights, not only ``sync.is_stale`` (as the embedded engine does)."""
+    trainer = make_trainer(seed=71)
+    async with _ReleasesDuringTheFlush(server.url, enable_memory_saver=True) as backend:
+        sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
+        await sync.init_communicator()
+        await sync.mark_stale()
+        await sync.sync_weights()
+        trainer.step(seed=72)
+        await sync.mark_stale()
+        backend.armed = True
+        with pytest.raises(SyncError, match="discarded its weights while version 2"):
+            await sync.sync_weights()
+        assert (sync.weight_version, sync.is_stale) == (1, True)
+        await backend.prepare_for_generation()
+        assert all(math.isnan(t.float().flatten()[0]) for t in server.state_dict().values())
+        assert not backend.weights_valid
+        with pytest.raises(SyncError, match="not re-synced"):
+            await backend.generate(prompts, max_new_tokens=2)
+
+        await refit_if_stale(sync, backend)
+        assert (sync.weight_version, sync.is_stale, backend.weights_valid) == (2, False, True)
+        state_equal(server.state_dict(), trainer.expected())
+        assert await backend.generate(prompts, max_new_tokens=3) == trainer.reference_generate(
+            prompts, 3
+        )

@@ -106,4 +106,3 @@ async def test_a_generate_answered_by_a_restarted_server_is_refused_and_turns_th
             prompts, 3
         )
         await sync.shutdown()
-
