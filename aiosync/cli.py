@@ -34,6 +34,7 @@ from ._model_shapes import MODEL_CONFIGS
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
+    from rich.console import Console
     from rich.table import Table
 
 __all__ = ["LATENCY_BOUND_BYTES", "BenchRow", "main"]
@@ -54,6 +55,21 @@ _SERVER_START_TIMEOUT_S = 300.0
 LATENCY_BOUND_BYTES = 64 * 1024 * 1024
 #: Packages ``aiosync info`` reports.
 _PACKAGES = ("aiosync", "torch", "transformers", "vllm", "sglang", "jax", "flax", "numpy")
+#: The layout width, in columns, off a terminal: wider than anything printed here, so
+#: no line is wrapped and a table takes its natural width.
+_UNWRAPPED_COLUMNS = 10_000
+
+
+def _stdout_console() -> Console:
+    """stdout's console: a terminal's own width; off a terminal (a pipe, a file, a CI log)
+    rich would lay out at ``$COLUMNS`` or 80 columns and break lines, so nothing wraps."""
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:
+        console.soft_wrap = True
+        console.width = _UNWRAPPED_COLUMNS
+    return console
 
 
 # -- info ----------------------------------------------------------------------
@@ -130,10 +146,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info))
         return 0
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = _stdout_console()
     console.print(f"python {info['python']} on {info['platform']}")
     versions = Table("package", "version", title="packages")
     for name, version in info["versions"].items():
@@ -402,10 +417,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"rows": [asdict(r) for r in rows], "plot": args.plot}))
         return 0
-    from rich.console import Console
-
     title = f"aiosync bench: {args.model}-shaped manifests (median of {args.repeats})"
-    Console(width=None if sys.stdout.isatty() else 120).print(_bench_table(rows, title))
+    _stdout_console().print(_bench_table(rows, title))
     if args.plot:
         print(f"plot written to {args.plot}")
     return 0

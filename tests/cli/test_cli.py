@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -14,10 +15,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def aiosync(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def aiosync(
+    *args: str, timeout: float = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     exe = shutil.which("aiosync")
     cmd = [exe] if exe else [sys.executable, "-m", "aiosync.cli"]
-    return subprocess.run([*cmd, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [*cmd, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def last_json(stdout: str) -> dict[str, Any]:
@@ -42,6 +47,19 @@ def test_info_table_lists_transports() -> None:
     proc = aiosync("info")
     assert proc.returncode == 0, proc.stderr
     assert "collective" in proc.stdout and "POSIX shared memory" in proc.stdout
+
+
+def test_info_off_a_terminal_wraps_no_line() -> None:
+    # stdout is a pipe. Off a terminal rich lays out at $COLUMNS (else 80) columns;
+    # COLUMNS=40 makes the platform line and the transports table wider than that.
+    proc = aiosync("info", env={**os.environ, "COLUMNS": "40"})
+    assert proc.returncode == 0, proc.stderr
+    info = last_json(aiosync("info", "--json").stdout)
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"python {info['python']} on {info['platform']}"
+    rows = [[c.strip() for c in line.strip("│").split("│")] for line in lines if "│" in line]
+    want = [[n, "yes" if t["runs"] else "no", t["why"]] for n, t in info["transports"].items()]
+    assert [r for r in rows if r[0] in info["transports"]] == want
 
 
 @pytest.mark.slow
