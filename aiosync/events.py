@@ -76,6 +76,9 @@ class WeightVersionEvent:
             tensor (``COMMITTED``), else False.
         engine: the fleet member concerned (``ENGINE_QUARANTINED``,
             ``ENGINE_JOINED``: ``"engine 1 of 3 (EmbeddedEngine)"``), else None.
+        unverified: the checkpoint tensors a ``verify=True`` check of this sync did
+            not compare, as ``"name: why"`` in the source's order (``COMMITTED``; the
+            HTTP transports: what SGLang's read-back cannot return), else empty.
     """
 
     kind: VersionEventKind
@@ -90,6 +93,7 @@ class WeightVersionEvent:
     pause_s: float = 0.0
     delta: bool = False
     engine: str | None = None
+    unverified: tuple[str, ...] = ()
 
 
 class EventSubscription:
@@ -217,6 +221,7 @@ class _EventHub:
         pause_s: float = 0.0,
         delta: bool = False,
         engine: str | None = None,
+        unverified: tuple[str, ...] = (),
     ) -> WeightVersionEvent:
         policy, weight = self._versions()
         event = WeightVersionEvent(
@@ -232,6 +237,7 @@ class _EventHub:
             pause_s,
             delta,
             engine,
+            unverified,
         )
         for sub in self._behind:
             sub._missed += 1

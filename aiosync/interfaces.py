@@ -232,10 +232,13 @@ class Transferred:
     Attributes:
         nbytes: payload bytes moved to the workers.
         delta: they were delta patches (:mod:`aiosync.delta`), not every tensor.
+        unverified: ``"name: why"`` of each tensor the sync's ``verify=True`` check
+            could not compare (published in the ``COMMITTED`` event).
     """
 
     nbytes: int
     delta: bool = False
+    unverified: tuple[str, ...] = ()
 
 
 class WeightSynchronizer(ABC):
@@ -700,6 +703,7 @@ class WeightSynchronizer(ABC):
                 duration_s=time.perf_counter() - start,
                 pause_s=pause_s,
                 delta=isinstance(moved, Transferred) and moved.delta,
+                unverified=moved.unverified if isinstance(moved, Transferred) else (),
             )
             fleet = self._elastic()
             for label in fleet.take_joined() if fleet is not None else ():

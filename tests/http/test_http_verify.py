@@ -223,6 +223,37 @@ async def test_verify_true_catches_a_flipped_byte_in_the_middle_of_a_tensor(
 
 
 @pytest.mark.parametrize("kind", KINDS)
+async def test_verify_true_names_every_tensor_it_did_not_compare_in_the_committed_event(
+    kind: str, server: TestServer, make_trainer: Any
+) -> None:
+    """C33: a server that never applied ``q_proj`` (one byte of it flipped on arrival)
+    commits, since SGLang's read-back cannot return q/k/v of a model whose ``head_dim``
+    is not ``hidden_size // num_attention_heads``; but never silently: the COMMITTED
+    event names exactly the tensors the check did not compare, and why."""
+    trainer = make_trainer(seed=44)
+    async with _driving(kind, server, trainer, verify=True) as (_backend, sync):
+        target = next(
+            (b, s) for b in sync.plan for s in b.slots if s.name.endswith("q_proj.weight")
+        )
+        _arm(server, target[0].index, target[1].start * target[0].dtype.itemsize + 1)
+        async with sync.subscribe() as events:
+            await sync.mark_stale()
+            await sync.sync_weights()
+            committed = [e async for e in _until_committed(events)][-1]
+        skipped = [name for name in trainer.expected() if QKV.search(name)]
+        assert [entry.split(":", 1)[0] for entry in committed.unverified] == skipped
+        assert all("hidden_size // num_attention_heads" in entry for entry in committed.unverified)
+        assert server.state_dict()[target[1].name].ne(trainer.expected()[target[1].name]).any()
+
+
+async def _until_committed(events: Any) -> AsyncIterator[Any]:
+    async for event in events:
+        yield event
+        if event.kind.value == "committed":
+            return
+
+
+@pytest.mark.parametrize("kind", KINDS)
 async def test_verify_false_commits_the_corruption_silently(
     kind: str, server: TestServer, make_trainer: Any
 ) -> None:

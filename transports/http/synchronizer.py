@@ -33,6 +33,7 @@ from aiosync.interfaces import (
     KVScales,
     RefitManifest,
     RefitSource,
+    Transferred,
     WeightSynchronizer,
 )
 
@@ -127,7 +128,10 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             unless the model's HF config (the trainer's or the server's) shows
             ``head_dim == hidden_size // num_attention_heads``; a tensor the server
             cannot read (SGLang's 400, no rows) and a server object without
-            :class:`SGLangWeightReader` are logged once and not checked.
+            :class:`SGLangWeightReader` are logged once and not checked. With
+            ``True`` every source tensor not compared is named, with why, in the
+            ``COMMITTED`` event's ``unverified`` (and a warning): a commit never
+            hides a tensor the check skipped (Qwen3: all q/k/v_proj).
 
     Raises:
         TypeError: ``generation`` (or one of its engines) does not satisfy
@@ -291,7 +295,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         """The source's manifest read at :meth:`init_communicator` (empty before)."""
         return self._manifest or {}
 
-    async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
+    async def _transfer(self, version: int, kv_scales: KVScales | None) -> Transferred:
         kv = kv_scale_entries(kv_scales, attention_layers(self._trainer_manifest))
         rows: list[dict[str, Any]] | None = [] if self.trace else None
         phases: dict[str, float] = {"start": time.monotonic()}
@@ -299,6 +303,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         # "sample": the sampled tensors' first rows, kept while packing (a few KiB per
         # bucket); True re-reads the source instead (never a copy of the model).
         kept: list[Expected] | None = [] if verify == "sample" else None
+        unverified: tuple[str, ...] = ()
         async with self._refit_bracket():
             phases["woken"] = time.monotonic()
             async with self._weight_update_sessions():
@@ -306,7 +311,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                 if verify is not False:
                     # Inside the session: before /end_weight_update's post-processing,
                     # which may lay a quantized model's weights out otherwise.
-                    await self._read_back(verify, choose_reads(kept or [], version))
+                    unverified = await self._read_back(verify, choose_reads(kept or [], version))
                     phases["verified"] = time.monotonic()
             phases["streamed"] = time.monotonic()
             await self._each(lambda server: server.flush_cache())
@@ -321,7 +326,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                 server.note_weights_loaded()
         if rows is not None:
             self.last_trace = {"buckets": rows, "phases": phases}
-        return nbytes
+        return Transferred(nbytes, unverified=unverified)
 
     def _refit_bracket(self) -> contextlib.AbstractAsyncContextManager[None]:
         """Around a sync's transfer: offload the trainer, wake the servers' weights;
@@ -496,7 +501,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                 pool.clear()
         return nbytes
 
-    async def _read_back(self, verify: Verify, kept: Sequence[Expected]) -> None:
+    async def _read_back(self, verify: Verify, kept: Sequence[Expected]) -> tuple[str, ...]:
         """``verify``'s check: what each server holds, read back through
         ``/get_weights_by_name``, against what the trainer sent.
 
@@ -505,6 +510,12 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         from the source one at a time (this runs inside the sync, under the source
         lock: the same version). Servers are read side by side, one request at a
         time each for ``True`` (whole tensors), a few at a time for ``"sample"``.
+
+        Returns:
+            ``verify=True``: ``"name: why"`` of every source tensor not compared on
+            some server (not :func:`._readback.readable`, or a server could not read
+            it back), in the source's order, for the ``COMMITTED`` event (also logged);
+            ``"sample"`` claims only its sample: empty.
 
         Raises:
             RefitVerificationError: a server holds something else than was sent
@@ -522,9 +533,13 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                     f"{type(server).__name__} cannot read weights back "
                     "(no get_weights_by_name: SGLangWeightReader), so verify does not check it",
                 )
-        if not readers:
-            return
         buckets = {slot.name: bucket.index for bucket in self._plan for slot in bucket.slots}
+        if not readers:
+            if verify is not True:
+                return ()
+            return tuple(
+                f"{name}: no server can read weights back" for name in self._manifest or {}
+            )
         unread: list[dict[str, str]] = [{} for _ in self.servers]
 
         async def check(position: int, reader: tuple[int, SGLangWeightReader]) -> None:
@@ -559,11 +574,13 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                     raise  # each_named named the server
                 raise named(exc, self._label(readers[0][0])) from exc
 
+        # verify=True: what was not compared, by name (the source's order), and why.
+        skipped: dict[str, str] = {}
         if verify == "sample":
             await on_readers(check)
         else:
             # One tensor of the source at a time, read from every server.
-            async for expected in self._whole_tensors(buckets):
+            async for expected in self._whole_tensors(buckets, skipped):
 
                 async def one(
                     position: int,
@@ -583,9 +600,34 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                     f"{len(names)} tensor(s) could not be compared through "
                     f"/get_weights_by_name and were not checked (first: {name!r}: {reason})",
                 )
+        if verify is not True:
+            return ()
+        for index, names in enumerate(unread):
+            where = f" on {self._label(index)}" if len(self.servers) > 1 else ""
+            for name, reason in names.items():
+                skipped.setdefault(name, f"{reason}{where}")
+        for index, server in enumerate(self.servers):
+            if not isinstance(server, SGLangWeightReader):
+                for name in self._manifest or {}:
+                    skipped.setdefault(name, f"{self._label(index)} cannot read weights back")
+        order = list(self._manifest or skipped)
+        unverified = tuple(
+            f"{name}: {skipped[name]}" for name in sorted(skipped, key=_position(order))
+        )
+        if unverified:
+            _log.warning(
+                "verify=True did not compare %d tensor(s) (named in the COMMITTED event's "
+                "unverified): %s",
+                len(unverified),
+                "; ".join(unverified),
+            )
+        return unverified
 
-    async def _whole_tensors(self, buckets: Mapping[str, int]) -> AsyncIterator[Expected]:
-        """Every :func:`._readback.readable` tensor of the source, whole, on the host."""
+    async def _whole_tensors(
+        self, buckets: Mapping[str, int], skipped: dict[str, str]
+    ) -> AsyncIterator[Expected]:
+        """Every :func:`._readback.readable` tensor of the source, whole, on the host;
+        the others go into ``skipped`` (``{name: why}``)."""
         weights = iter(self.policy.iter_weights())
         while True:
             item = await anyio.to_thread.run_sync(next, weights, None)
@@ -593,6 +635,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                 return
             name, tensor = item
             if not readable(name, tuple(tensor.shape), self._read_qkv):
+                skipped[name] = _unreadable_reason(name, tuple(tensor.shape))
                 continue
             values = await anyio.to_thread.run_sync(_on_host, tensor)
             yield Expected(name, buckets.get(name, -1), values)
@@ -705,6 +748,23 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
 
 async def _none() -> None:
     return None
+
+
+def _position(order: Sequence[str]) -> Callable[[str], int]:
+    """A sort key: a name's index in ``order`` (names outside it last)."""
+    index = {name: i for i, name in enumerate(order)}
+    return lambda name: index.get(name, len(index))
+
+
+def _unreadable_reason(name: str, shape: tuple[int, ...]) -> str:
+    """Why :func:`._readback.readable` leaves ``name`` out of the read-back."""
+    if not shape or 0 in shape:
+        return "a 0-d or empty tensor (SGLang's read-back slices the first dimension)"
+    return (
+        "SGLang's /get_weights_by_name cuts q/k/v_proj out of the fused qkv_proj with "
+        "hidden_size // num_attention_heads as the head size, not this model's head_dim, "
+        "so its answer is not this tensor"
+    )
 
 
 def _servers_of(generation: Any) -> tuple[SGLangServer, ...]:
