@@ -828,10 +828,14 @@ class WeightSynchronizer(ABC):
                     await self._offload_hook("offload_after_refit")
                     with anyio.fail_after(limit):
                         await self._wake_engines("kv_cache", engines)
-                except Exception:
+                except Exception as exc:
                     if not failed:
                         raise
-                    _log.exception("colocated refit: the clean-up after a failed sync also failed")
+                    _log.error(  # secondary: the block's own error carries the traceback
+                        "colocated refit: the clean-up after a failed sync also failed: %s: %s",
+                        type(exc).__name__,
+                        exc,
+                    )
 
     async def _offload_hook(self, name: str) -> None:
         """Run the policy's offload hook ``name`` in a worker thread (it may move

@@ -468,8 +468,13 @@ class VLLMServerBackend(GenerateFromMeta):
             with anyio.CancelScope(shield=True), anyio.move_on_after(self.rpc_timeout_s):
                 try:
                     await self.resume_generation()
-                except SyncError:
-                    _log.exception("resuming %s after a failed pause", self.base_url)
+                except SyncError as resume_exc:  # secondary: the pause's error has the traceback
+                    _log.error(
+                        "resuming %s after a failed pause: %s: %s",
+                        self.base_url,
+                        type(resume_exc).__name__,
+                        resume_exc,
+                    )
             if isinstance(exc, TimeoutError) and not isinstance(exc, SyncError):
                 raise SyncTimeoutError(
                     f"pause_generation({mode!r}) of {self.base_url} did not complete within "

@@ -250,6 +250,27 @@ async def test_after_a_failure_the_kv_wake_is_bounded_by_after_failure_s() -> No
         assert (sync.is_stale, sync.weight_version) == (True, 0)
 
 
+class OffloadFailsSource(AttentionSource):
+    def offload_after_refit(self) -> None:
+        raise RuntimeError("trainer offload broke")
+
+
+async def test_a_failed_clean_up_after_a_failed_sync_is_one_log_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with ColocatedSync(OffloadFailsSource(), SleepyEngine(None)) as sync:
+        sync.fail_after_entries = 1
+        await sync.mark_stale()
+        with pytest.raises(RuntimeError, match="link dropped after 1 entries"):
+            await sync.sync_weights()
+    [record] = [r for r in caplog.records if "clean-up after a failed sync" in r.getMessage()]
+    assert record.getMessage() == (
+        "colocated refit: the clean-up after a failed sync also failed: "
+        "RuntimeError: trainer offload broke"
+    )
+    assert record.exc_info is None  # a secondary failure: no second traceback
+
+
 class PausingEngine(RecordingEngine):
     def __init__(self) -> None:
         super().__init__()

@@ -467,7 +467,7 @@ async def test_a_session_whose_trainer_socket_is_gone_fails_at_once(
 
 
 async def test_engine_killed_mid_sync_raises_transport_error_and_respawned_engine_syncs(
-    dense_engine: EmbeddedEngine, h: SimpleNamespace
+    dense_engine: EmbeddedEngine, h: SimpleNamespace, caplog: pytest.LogCaptureFixture
 ) -> None:
     sync = await _synced(dense_engine, h, seed=28)
     pid = dense_engine.pids[0]
@@ -481,6 +481,12 @@ async def test_engine_killed_mid_sync_raises_transport_error_and_respawned_engin
     with pytest.raises(TransportError, match="died"):
         await sync.sync_weights()
     assert (sync.weight_version, sync.is_stale) == (1, True)
+    # Invalidating the dead worker fails too: a secondary failure, one line, no traceback.
+    [record] = [r for r in caplog.records if "invalidating the workers" in r.getMessage()]
+    assert record.getMessage().startswith(
+        "IPC: invalidating the workers after a failed sync failed: TransportError: "
+    ), record.getMessage()
+    assert "\n" not in record.getMessage() and record.exc_info is None
     with pytest.raises(TransportError, match="dead"):
         await dense_engine.generate(h.PROMPTS, max_new_tokens=2)
     assert await dense_engine.respawn_dead_workers() == [0]

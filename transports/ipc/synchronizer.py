@@ -709,8 +709,12 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
                     await self.generation.collective_rpc(
                         "aiosync_ipc_invalidate", (sync_id, True), timeout_s=limit
                     )
-            except Exception:
-                _log.exception("IPC: invalidating the workers after a failed sync failed")
+            except Exception as exc:  # secondary: the sync's own error has the traceback
+                _log.error(
+                    "IPC: invalidating the workers after a failed sync failed: %s: %s",
+                    type(exc).__name__,
+                    exc,
+                )
 
     async def _stream(
         self,
