@@ -879,6 +879,11 @@ class WeightSynchronizer(ABC):
         failed (or was cancelled) after :meth:`_transfer` started. Called before the
         engine resumes; must not block. A delta baseline advances or is dropped here."""
 
+    def _live_check_failed(self) -> None:  # noqa: B027 (a hook)
+        """A transport's hook: :meth:`verify_engine` found a worker's live weights
+        differ from the trainer's. A delta transport drops its baseline here, so that
+        the next sync is full (patches applied to corrupted weights keep the corruption)."""
+
     async def verify_engine(self) -> dict[str, int]:
         """Check that every worker computes with what the trainer holds, moving no weights.
 
@@ -896,7 +901,9 @@ class WeightSynchronizer(ABC):
 
         Raises:
             RefitVerificationError: a worker's tensor differs (the first one named,
-                with the worker), or a worker lacks a tensor.
+                with the worker), or a worker lacks a tensor. The synchronizer is then
+                stale (:attr:`is_stale`) and its next sync is a full one, also with
+                ``delta=True``: it rewrites every tensor, healing the corruption.
             TypeError: the engine has no ``collective_rpc`` (:class:`EngineWorkers`).
             NotImplementedError: a sharded trainer (every rank holds a shard).
         """
@@ -921,6 +928,10 @@ class WeightSynchronizer(ABC):
             mismatch = await anyio.to_thread.run_sync(self._first_mismatch, held, layouts)
         if mismatch is not None:
             rank, what = mismatch
+            # The engine does not hold weight_version: stale until a sync lands, and no
+            # delta may build on what it holds (the transport drops its baseline).
+            self._invalidate_engine_weights()
+            self._live_check_failed()
             who = (
                 generation.describe_worker(rank)
                 if isinstance(generation, WorkerDescribing)

@@ -797,6 +797,12 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         else:
             baseline.invalidate()
 
+    def _live_check_failed(self) -> None:
+        # A worker's weights are not the baseline's version any more: every worker
+        # gets every tensor at the next sync, which heals it and stages a new baseline.
+        if self.delta_baseline is not None:
+            self.delta_baseline.invalidate()
+
     async def _wake_weights(self) -> None:
         """Wake the engine's weights before any byte is loaded into them.
 

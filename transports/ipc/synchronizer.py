@@ -683,6 +683,12 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
         else:
             baseline.invalidate()
 
+    def _live_check_failed(self) -> None:
+        # A worker's weights are not the baseline's version any more: every worker
+        # gets every tensor at the next sync, which heals it and stages a new baseline.
+        if self.delta_baseline is not None:
+            self.delta_baseline.invalidate()
+
     def _engine_discarded(self, key: int) -> None:
         """The engine of ``id()`` ``key`` dropped its workers' weights (a listener, delta only)."""
         self._engine_discards[key] = self._engine_discards.get(key, 0) + 1
