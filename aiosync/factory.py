@@ -130,8 +130,13 @@ def create_weight_synchronizer(
             shard-aware one when the engine reports its layout (``weight_layouts()``)
             and some worker holds slices (``tensor_parallel_size > 1``; a fleet:
             every member reports, one holds slices), unless ``verify`` or
-            ``overlap`` (broadcast options) are given. Trainer ranks other than 0,
-            which pass no engine, must say True or False (as rank 0 decides).
+            ``overlap`` (broadcast options) are given or the shard-aware transport
+            cannot send the source's shards as held
+            (:func:`~aiosync.transports.sharded.shard_refusal`: a merged PEFT LoRA
+            weight, a fused tensor cut along another dim than its experts'; an
+            explicit ``sharded=True`` is refused then, ``RefitMismatchError``).
+            Trainer ranks other than 0, which pass no engine, must say True or
+            False (as rank 0 decides).
         verify: what each receiver checks of what arrived: ``"sample"`` (the
             transports' default: a digest of a sample of every bucket), ``True``
             (every byte), ``False``; IPC, collective, HTTP (a read-back through
@@ -222,8 +227,10 @@ def create_weight_synchronizer(
         if backend == "sglang":
             sharded = False
         if sharded is None:
-            sharded = _holds_slices(generation) and not any(
-                name in given for name in _BROADCAST_ONLY
+            sharded = (
+                _holds_slices(generation)
+                and not any(name in given for name in _BROADCAST_ONLY)
+                and _shards_sendable(policy)
             )
         if sharded:
             return _build(_SHARDED_TRANSPORT, policy, _fleet_of(generation), given)
@@ -257,6 +264,15 @@ def _holds_slices(generation: Any) -> bool:
     engines = engines_of(generation)
     reporting = all(isinstance(e, LayoutReporting) and e.layout_refusal is None for e in engines)
     return reporting and any(e.tensor_parallel_size > 1 for e in engines)
+
+
+def _shards_sendable(policy: RefitSource) -> bool:
+    """Whether the shard-aware transport can send ``policy``'s shards as they are held
+    (:func:`aiosync.transports.sharded.shard_refusal`); decided before it is picked,
+    so that a source it would refuse takes the broadcast. Imported only here, where
+    the engine already reports its layout (the trainer has torch)."""
+    module = importlib.import_module(_SHARDED_TRANSPORT[0])
+    return module.shard_refusal(policy) is None
 
 
 def _fleet_of(generation: Any) -> Any:

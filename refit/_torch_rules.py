@@ -36,18 +36,23 @@ class _ExpertSplit:
     pattern: re.Pattern[str]
     templates: tuple[str, ...]
 
-    def split(self, key: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]] | None:
+    def split(
+        self, key: str, tensor: torch.Tensor, first_expert: int = 0
+    ) -> Iterator[tuple[str, torch.Tensor]] | None:
         match = self.pattern.fullmatch(key)
         parts = len(self.templates)
         if match is None or tensor.dim() < 2 or tensor.shape[1] % parts:
             return None
-        return self._views(match.group("prefix"), tensor)
+        return self._views(match.group("prefix"), tensor, first_expert)
 
-    def _views(self, prefix: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    def _views(
+        self, prefix: str, tensor: torch.Tensor, first_expert: int
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         rows = tensor.shape[1] // len(self.templates)
         for j, template in enumerate(self.templates):
             for e in range(tensor.shape[0]):
-                yield template.format(prefix=prefix, e=e), tensor[e, j * rows : (j + 1) * rows]
+                name = template.format(prefix=prefix, e=first_expert + e)
+                yield name, tensor[e, j * rows : (j + 1) * rows]
 
 
 _RULES: tuple[_ExpertSplit, ...] = (
@@ -62,10 +67,17 @@ _RULES: tuple[_ExpertSplit, ...] = (
 )
 
 
-def _zero_copy_split(key: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]] | None:
-    """Lazy ``(checkpoint_name, view)`` pairs for a fused tensor a rule knows, else None."""
+def _zero_copy_split(
+    key: str, tensor: torch.Tensor, first_expert: int = 0
+) -> Iterator[tuple[str, torch.Tensor]] | None:
+    """Lazy ``(checkpoint_name, view)`` pairs for a fused tensor a rule knows, else None.
+
+    ``tensor`` may be a run of whole experts cut along dim 0 (an FSDP2 rank's
+    chunk of ``[E, ...]``): its row ``i`` is expert ``first_expert + i``, and
+    the names say so (the shard-aware transport sends each rank's experts).
+    """
     for rule in _RULES:
-        views = rule.split(key, tensor)
+        views = rule.split(key, tensor, first_expert)
         if views is not None:
             return views
     return None

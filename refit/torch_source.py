@@ -511,6 +511,21 @@ class DTensorRefitSource(RefitSource):
         assert self._reverter is not None
         return iter(self._reverter(entry.key, full).items())
 
+    def _convert_chunk(
+        self, entry: _Entry, chunk: torch.Tensor, first_row: int
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint tensors held in rows ``[first_row, first_row + len(chunk))``
+        of a fused tensor a zero-copy rule splits (an FSDP2 rank's chunk of
+        ``[E, ...]``: whole experts), as views named with their global expert index.
+
+        Only for ``entry.mode == "views"`` (the rule agreed with transformers'
+        reversal when the plan was built).
+        """
+        assert entry.mode == "views", entry
+        views = _zero_copy_split(entry.key, chunk, first_row)
+        assert views is not None  # checked on meta when the plan was built
+        return views
+
     # -- colocated offload ----------------------------------------------------
 
     def offload_before_refit(self) -> None:

@@ -2,7 +2,7 @@
 
 - :mod:`._source_layout` — what each trainer rank holds (:func:`dtensor_layouts`,
   :func:`single_rank_layouts`, :func:`replicated_layouts`) and a sender's local
-  tensors (:func:`local_tensor_fn`).
+  tensors (:func:`local_tensor_fn`); :func:`shard_refusal` says what it cannot send.
 - :mod:`._plan` — :func:`make_plan`: the deterministic many-senders plan (boxes,
   replicas balanced over senders, per-pair buckets, a digest every rank compares).
 - :mod:`._p2p` — :func:`run_plan`: its point-to-point executor over a
@@ -33,6 +33,7 @@ from ._source_layout import (
     local_tensor_fn,
     manifest_dtypes,
     replicated_layouts,
+    shard_refusal,
     single_rank_layouts,
 )
 from .synchronizer import ShardedWeightSynchronizer
@@ -59,5 +60,6 @@ __all__ = [
     "manifest_dtypes",
     "replicated_layouts",
     "run_plan",
+    "shard_refusal",
     "single_rank_layouts",
 ]

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from aiosync.errors import RefitMismatchError
 from aiosync.layout import Layout, Part, even_chunks
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ __all__ = [
     "local_tensor_fn",
     "manifest_dtypes",
     "replicated_layouts",
+    "shard_refusal",
     "single_rank_layouts",
 ]
 
@@ -145,11 +147,15 @@ def dtensor_layout(source: DTensorRefitSource, rank: int) -> Layout:
         source: the trainer's refit source.
         rank: a global rank of the trainer's default group (its sender index).
 
+    Fused MoE experts (``mlp.experts.gate_up_proj [E, 2*Im, H]``, ``down_proj
+    [E, H, Im]``) sharded along the expert dim (FSDP2's ``Shard(0)``) are held
+    as whole experts: a rank whose chunk is experts ``[a, b)`` holds
+    ``mlp.experts.{e}.*_proj.weight`` whole for ``a <= e < b``, and nothing of
+    the others.
+
     Raises:
-        ValueError: a sharded module tensor that the checkpoint splits or merges
-            (fused MoE experts, a merged PEFT LoRA weight): its local chunk is
-            not one part of one HF tensor; or a placement that is not one
-            contiguous range (see ``_dtensor_part``).
+        RefitMismatchError: a DTensor whose local chunk is not made of whole HF
+            tensors or one part of one (:func:`shard_refusal` names it).
     """
     layout: dict[str, Part] = {}
     for entry, tensor in _entries_and_tensors(source):
@@ -162,26 +168,82 @@ def dtensor_layout(source: DTensorRefitSource, rank: int) -> Layout:
         if part is None or part.is_whole:
             for name, shape, _ in entry.outputs:
                 layout[name] = Part.whole(shape)
-        else:
+        elif entry.mode == "plain":
             layout[entry.outputs[0][0]] = part
+        else:
+            # Whole experts [start, start + length): the names of this rank's rows.
+            shapes = {name: shape for name, shape, _ in entry.outputs}
+            rows = torch.empty(part.local_shape, device="meta")
+            for name, _ in source._convert_chunk(entry, rows, part.start):
+                layout[name] = Part.whole(shapes[name])
     return layout
 
 
+def _local_refusal(entry: Any, tensor: Any) -> str | None:
+    """Why a DTensor's local chunk cannot be sent as parts of HF tensors; None if it can.
+
+    A plain tensor cut anywhere is one part of one HF tensor; a fused tensor a
+    zero-copy rule splits per expert, cut along the expert dim only, is whole
+    experts. Decided from the placements, so every rank decides alike.
+    """
+    from torch.distributed.tensor import Shard
+
+    names = [n for n, _, _ in entry.outputs][:3]
+    if entry.merge is not None:
+        return (
+            f"{entry.key}: a merged PEFT LoRA weight (becomes {names} through a merge, which "
+            "gathers the adapter: a collective)"
+        )
+    dims = set()
+    for placement in tensor.placements:
+        if placement.is_replicate():
+            continue
+        if type(placement) is not Shard:
+            return f"{entry.key}: placement {placement} is not a contiguous chunk"
+        dims.add(placement.dim % max(tensor.dim(), 1))
+    if not dims or entry.mode == "plain" or (entry.mode == "views" and dims == {0}):
+        return None
+    return (
+        f"{entry.key}: sharded along dim(s) {sorted(dims)}, it becomes {names} in the "
+        "checkpoint through a split its shards cannot be cut into (only fused experts cut "
+        "along the expert dim are)"
+    )
+
+
 def _check_local(entry: Any, tensor: Any) -> None:
-    """Refuse a DTensor whose local chunk is not one part of one HF tensor.
+    """Refuse a DTensor whose local chunk is not whole HF tensors or one part of one.
 
     Raises:
-        ValueError: a merged PEFT LoRA weight (its merge gathers the adapter,
-            a collective), or a sharded module tensor that the checkpoint splits
-            (fused MoE experts).
+        RefitMismatchError: see :func:`_local_refusal`.
     """
-    sharded = not all(p.is_replicate() for p in tensor.placements)
-    if entry.merge is not None or (sharded and entry.mode != "plain"):
-        raise ValueError(
-            f"{entry.key}: a DTensor that becomes {[n for n, _, _ in entry.outputs][:3]} in the "
-            "checkpoint through a merge or a split: its local chunk is not one part of one HF "
-            "tensor (stream it with DTensorRefitSource.iter_weights instead)"
+    reason = _local_refusal(entry, tensor)
+    if reason is not None:
+        raise RefitMismatchError(
+            f"the shard-aware transport cannot send {reason}: use the broadcast "
+            "(sharded=False), which gathers it"
         )
+
+
+def shard_refusal(source: Any) -> str | None:
+    """Why the shard-aware transport cannot send ``source``'s shards as they are held
+    (the first such tensor, named, and the reason), or None when it can.
+
+    What the factory asks before it picks the shard-aware path, and what
+    :class:`~aiosync.transports.sharded.ShardedWeightSynchronizer` refuses; the same
+    on every rank (placements and the checkpoint mapping only; nothing is gathered).
+    None for any source other than a :class:`~aiosync.refit.DTensorRefitSource`
+    (its full tensors are sent, from one rank).
+    """
+    from aiosync.refit.torch_source import DTensorRefitSource
+
+    if not isinstance(source, DTensorRefitSource):
+        return None
+    for entry, tensor in _entries_and_tensors(source):
+        if _is_dtensor(tensor):
+            reason = _local_refusal(entry, tensor)
+            if reason is not None:
+                return reason
+    return None
 
 
 def dtensor_layouts(source: DTensorRefitSource, world_size: int) -> list[Layout]:
@@ -208,6 +270,7 @@ def local_tensor_fn(source: DTensorRefitSource) -> Callable[[str], torch.Tensor]
         for name, _, _ in entry.outputs:
             by_name[name] = (entry, tensor)
     converted: dict[str, torch.Tensor] = {}
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
     def local(name: str) -> torch.Tensor:
         if name in converted:
@@ -215,15 +278,22 @@ def local_tensor_fn(source: DTensorRefitSource) -> Callable[[str], torch.Tensor]
         entry, tensor = by_name[name]
         dtype = next(d for n, _, d in entry.outputs if n == name)
         held = tensor.detach()
+        part: Part | None = None
         if _is_dtensor(held):
             _check_local(entry, held)
+            part = _dtensor_part(entry.key, held, rank)
             held = held.to_local()  # type: ignore[attr-defined]
         if entry.mode == "plain" and entry.merge is None:
             return held.to(dtype).contiguous()
-        # Held whole: the source's own conversion (a merge, a fused split) applies.
-        if entry.merge is not None:
-            held = entry.merge.merged(held)
-        for out_name, out in source._convert(entry, held):
+        if part is not None and not part.is_whole:
+            # This rank's whole experts of a fused tensor cut along the expert dim.
+            outputs = source._convert_chunk(entry, held, part.start)
+        else:
+            # Held whole: the source's own conversion (a merge, a fused split) applies.
+            if entry.merge is not None:
+                held = entry.merge.merged(held)
+            outputs = source._convert(entry, held)
+        for out_name, out in outputs:
             out_dtype = next(d for n, _, d in entry.outputs if n == out_name)
             converted[out_name] = out.to(out_dtype).contiguous()
         return converted.pop(name)

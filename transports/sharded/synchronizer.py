@@ -65,6 +65,7 @@ from ._source_layout import (
     dtensor_layouts,
     local_tensor_fn,
     manifest_dtypes,
+    shard_refusal,
     single_rank_layouts,
 )
 from .worker import (
@@ -118,6 +119,10 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
             patches, is a full one. ``data_plane="torch"`` only.
 
     Raises:
+        RefitMismatchError: a trainer tensor whose shards are not whole HF tensors
+            or parts of one (:func:`~aiosync.transports.sharded.shard_refusal`
+            names it: a merged PEFT LoRA weight, a fused tensor cut along another
+            dim than its experts'), before anything is built.
         ValueError, TypeError: as for the broadcast; an unknown ``data_plane``,
             ``"mooncake"`` with NCCL, or ``delta`` with ``"mooncake"``.
         TransportError: ``data_plane="mooncake"`` where Mooncake cannot run (the
@@ -150,6 +155,13 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
         data_plane: DataPlane = "torch",
         delta: bool = False,
     ) -> None:
+        # Before the base class registers anything on the engine: every rank refuses alike.
+        refusal = shard_refusal(policy)
+        if refusal is not None:
+            raise RefitMismatchError(
+                f"the shard-aware transport cannot send {refusal}: use the broadcast "
+                "(sharded=False), which gathers it"
+            )
         super().__init__(
             policy,
             generation,
