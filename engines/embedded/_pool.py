@@ -56,6 +56,8 @@ _UNGUARDED_MAIN = (
     "worker) and the script started an engine there: put the code that starts the engine under "
     "'if __name__ == \"__main__\":'"
 )
+#: How to heal, in every error that reports a dead worker.
+RESPAWN_HINT = "EmbeddedEngine.respawn_dead_workers() starts a new one"
 
 #: One ``run_worker`` call per rank: ``(rank, weights_valid) -> args``.
 WorkerArgs = Callable[[int, bool], tuple[Any, ...]]
@@ -230,7 +232,7 @@ class WorkerPool:
         error = TransportError(f"engine worker {rank} died: {reason}")
         if rank < len(self._ready) and not self._ready[rank].done():
             self._ready[rank].set_exception(error)
-        self._fail_pending(rank, error)
+        self._fail_pending(rank, TransportError(f"{error}; {RESPAWN_HINT}"))
 
     async def close(self, timeout_s: float) -> None:
         """Stop the workers (killing any that do not exit in ``timeout_s``), remove
@@ -304,8 +306,7 @@ class WorkerPool:
             for rank, args, kwargs in calls:
                 if rank in self._dead:
                     raise TransportError(
-                        f"engine worker {rank} is dead: {self._dead[rank]}; "
-                        "EmbeddedEngine.respawn_dead_workers() starts a new one"
+                        f"engine worker {rank} is dead: {self._dead[rank]}; {RESPAWN_HINT}"
                     )
                 call_id = next(self._ids)
                 fut: asyncio.Future[dict[str, Any]] = self._loop.create_future()

@@ -50,7 +50,7 @@ from aiosync.transports.packing import dtype_from_name
 
 from .._gate import AdmissionGate
 from .._generate import GenerateFromMeta
-from ._pool import WorkerPool
+from ._pool import RESPAWN_HINT, WorkerPool
 from ._tp import TPSpec, check_tensor_parallel, endpoints_for, open_tp_store
 from ._worker import run_worker, tensor_from_wire, tensor_to_wire
 
@@ -393,7 +393,7 @@ class EmbeddedEngine(GenerateFromMeta):
         dead = self._pool.dead
         if dead:
             reasons = "; ".join(f"worker {r}: {self._pool.why_dead(r)}" for r in dead)
-            raise TransportError(f"engine worker(s) {dead} died ({reasons})")
+            raise TransportError(f"engine worker(s) {dead} died ({reasons}); {RESPAWN_HINT}")
 
     async def __aenter__(self) -> Self:
         return await self.start()
