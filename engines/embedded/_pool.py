@@ -319,12 +319,17 @@ class WorkerPool:
                     raise TransportError(f"engine worker {rank} unreachable: {exc}") from exc
             try:
                 with anyio.fail_after(timeout):
-                    await self._settle([fut for _, _, fut in futures])
+                    await self._settle([fut for _, _, fut in futures], fail_fast=True)
             except TimeoutError as exc:
                 late = [rank for rank, _, f in futures if not f.done()]
                 raise SyncTimeoutError(
                     f"{method} did not return within {timeout} s on engine worker(s) {late}"
                 ) from exc
+            # A worker that died fails the call now, naming it: the others may be
+            # waiting for it (a collective receive), and their replies are dropped.
+            for _, _, fut in futures:
+                if _failed(fut):
+                    raise cast("Exception", fut.exception())
             replies = [fut.result() for _, _, fut in futures]
         finally:
             for _, call_id, _ in futures:
@@ -336,14 +341,19 @@ class WorkerPool:
             results.append(reply.get("result"))
         return results
 
-    async def _settle(self, futures: Sequence[asyncio.Future[dict[str, Any]]]) -> None:
+    async def _settle(
+        self, futures: Sequence[asyncio.Future[dict[str, Any]]], *, fail_fast: bool = False
+    ) -> None:
         """Read replies until every one of ``futures`` is done (by a reply read
-        here or by another waiter, or failed by a worker's death)."""
+        here or by another waiter, or failed by a worker's death); with
+        ``fail_fast``, until one failed."""
         assert self._sock is not None
         while not self._sock.closed:  # close() failed every pending future
             self._drain()
             pending = [f for f in futures if not f.done()]
             if not pending:
+                return
+            if fail_fast and any(_failed(f) for f in futures):
                 return
             # Waiting for the socket consumes nothing: another waiter may read
             # the reply first, and a cancelled wait loses none.
@@ -387,6 +397,11 @@ class WorkerPool:
         for worker, fut in list(self._pending.values()):
             if (rank is None or worker == rank) and not fut.done():
                 fut.set_exception(error)
+
+
+def _failed(future: asyncio.Future[Any]) -> bool:
+    """Whether ``future`` ended with an exception (a worker's death, the pool's close)."""
+    return future.done() and not future.cancelled() and future.exception() is not None
 
 
 #: What the workers' forkserver imports once: a worker forked from it finds them loaded.

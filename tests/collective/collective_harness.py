@@ -231,6 +231,7 @@ class WorkerPool:
                         self._replies[i][reply[0]] = reply
                         continue
                 except (EOFError, OSError) as exc:
+                    self._procs[i].join(5)  # reaped: is_alive() says so from now on
                     raise TransportError(f"worker {i} died during {method}") from exc
             waited += 0.05
             if deadline is not None and waited > deadline:
@@ -279,21 +280,32 @@ class Workers:
         results: dict[int, Any] = {}
         errors: dict[int, BaseException] = {}
 
-        async def one(rank: int, i: int) -> None:
+        async def one(rank: int, i: int, scope: anyio.CancelScope) -> None:
             try:
                 results[rank] = await self.pool.call_with_timeout(
                     i, method, kwargs or {}, timeout_s
                 )
             except Exception as exc:
                 errors[rank] = exc
+                if not self.pool.is_alive(i):
+                    # As vLLM's executor: a dead worker fails the call at once (the
+                    # others may be waiting for it in a collective).
+                    scope.cancel()
 
         async with anyio.create_task_group() as tg:
             for rank, i in enumerate(self.indices):
-                tg.start_soon(one, rank, i)
+                tg.start_soon(one, rank, i, tg.cancel_scope)
         self.last_errors = errors
         if errors:
+            # A mismatch first (the cause is the data), then a dead worker (the others'
+            # errors may be its echoes), then rank order.
             ranked = sorted(
-                errors.items(), key=lambda kv: (not isinstance(kv[1], RefitMismatchError), kv[0])
+                errors.items(),
+                key=lambda kv: (
+                    not isinstance(kv[1], RefitMismatchError),
+                    self.pool.is_alive(self.indices[kv[0]]),
+                    kv[0],
+                ),
             )
             raise ranked[0][1]
         return [results[r] for r in range(len(self.indices))]

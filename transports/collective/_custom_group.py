@@ -31,7 +31,7 @@ from torch._C._distributed_c10d import BroadcastOptions
 
 from aiosync.errors import SyncError, TransportError
 
-from ._group import _make_backend, _wrap, teardown
+from ._group import _make_backend, _release, _wrap
 
 __all__ = ["CustomGroup", "custom_group_store", "join_custom_group"]
 
@@ -95,10 +95,12 @@ class CustomGroup:
             raise _wrap(exc, what) from exc
 
     def close(self) -> None:
-        """Tear the backend down (aborted when broken, so that peers fail at once) and
-        drop the store. Idempotent; never raises."""
-        pg, self.pg, self.store = self.pg, None, None
-        teardown(pg, broken=self.broken)
+        """Tear the backend down (aborted when broken; then released in a daemon
+        thread, as a gloo backend with a pending broadcast blocks its destructor until
+        that times out) and drop the store. Idempotent; never raises; never blocks on
+        a peer."""
+        backends, self.pg, self.store = [self.pg], None, None
+        _release(backends, broken=self.broken)
         self.broken = True
 
 

@@ -24,6 +24,14 @@ Every blocking call here has the group's timeout (seconds). Failures surface as
 :class:`~aiosync.errors.TransportError` (a peer died, the connection closed) or
 :class:`~aiosync.errors.SyncTimeoutError` and mark the group :attr:`SyncGroup.broken`.
 
+A group can be aborted (:meth:`SyncGroup.abort`): the reason goes under the
+session's ``aborted`` key, and every rank waiting in a gloo collective of it
+looks for that key (and whether trainer rank 0, which serves the store, still
+answers) every 0.1 s, so it gives up at once with a
+:class:`~aiosync.errors.TransportError` quoting the reason (a dead engine worker,
+named) or saying that trainer rank 0 is gone, instead of sitting out the
+group's timeout: gloo itself notices neither.
+
 Forming a group is cancellable: a rank whose own part failed (a bad
 ``GLOO_SOCKET_IFNAME``, a backend that raised, a bad argument) writes the reason
 under the session's ``formation-failed`` key (:func:`cancel_formation`), and
@@ -73,6 +81,11 @@ _DIGEST_BYTES = 32  # SHA-256 of the bucket plan
 _CANCEL_KEY = "formation-failed"
 #: Longest pause between two looks at the store while a rank waits in a rendezvous, seconds.
 _RENDEZVOUS_POLL_S = 0.05
+#: The session's key whose presence aborts its groups (:meth:`SyncGroup.abort`).
+_ABORT_KEY = "aborted"
+#: How long a rank waits on a gloo collective before it looks again whether the group
+#: was aborted or trainer rank 0 (its store) is gone, seconds.
+_WATCH_S = 0.1
 
 
 def _describe(rank: int, train_world_size: int) -> str:
@@ -91,7 +104,10 @@ def _wrap(exc: BaseException, what: str) -> SyncError:
 class _NothingSent:
     """The work handle of a broadcast that moved nothing (an empty tensor)."""
 
-    def wait(self) -> bool:
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
         return True
 
 
@@ -110,6 +126,9 @@ class SyncGroup:
         device: where bucket buffers live (``cuda:N`` for nccl, ``cpu`` for gloo).
         timeout_s: limit of every collective and store wait, seconds.
         broken: a collective failed; the group must be destroyed and formed again.
+        collective_failed: a collective of this rank failed, or gave up because the
+            group was aborted or trainer rank 0 is gone (not: a vote that agreed on
+            a failure).
     """
 
     rank: int
@@ -123,6 +142,7 @@ class SyncGroup:
     data: Any | None
     session: str
     broken: bool = False
+    collective_failed: bool = False
     #: The store the gloo groups met over; held because the groups hold its
     #: C++ half, whose Python methods vanish with the Python object.
     rendezvous: Any = None
@@ -145,10 +165,10 @@ class SyncGroup:
         try:
             yield
         except SyncError:
-            self.broken = True
+            self.broken = self.collective_failed = True
             raise
         except Exception as exc:
-            self.broken = True
+            self.broken = self.collective_failed = True
             raise _wrap(exc, what) from exc
 
     # -- data group ------------------------------------------------------------
@@ -174,9 +194,62 @@ class SyncGroup:
             return self.data.broadcast([tensor], opts)
 
     def wait(self, work: Any, *, what: str) -> None:
-        """Wait for a handle from :meth:`broadcast` (on CUDA: the current stream waits)."""
+        """Wait for a handle from :meth:`broadcast` (on CUDA: the current stream waits).
+
+        Raises:
+            TransportError: the collective failed, the group was aborted (the
+                reason quoted: a dead engine worker, a failed rank) or trainer
+                rank 0 is gone (see :meth:`_finish`).
+            SyncTimeoutError: the collective ran past the group's timeout.
+        """
         with self._guard(what):
+            self._finish(work, what, sliced=self.backend == "gloo")
+
+    def _finish(self, work: Any, what: str, *, sliced: bool) -> None:
+        """Wait for ``work``; on gloo (``sliced``) in slices of :data:`_WATCH_S`, between
+        which this rank looks whether the group was aborted and whether trainer rank 0,
+        which serves the session's store, still answers.
+
+        gloo notices neither a peer that died (a receiver waits for bytes a starved
+        or dead rank never sends; the source for a receive a dead rank never posts)
+        nor a group torn down elsewhere: its ``abort()`` closes no connection. Without
+        the look every rank would sit out the whole timeout. An NCCL wait only makes
+        the current stream wait (it does not block).
+
+        Raises:
+            TransportError: the group was aborted (its reason quoted), or the store
+                stopped answering (trainer rank 0 died).
+        """
+        if not sliced:
             work.wait()
+            return
+        pause = datetime.timedelta(seconds=_WATCH_S)
+        while True:
+            try:
+                work.wait(pause)
+                return
+            except RuntimeError:
+                if work.is_completed():
+                    work.wait()  # done meanwhile, or failed: its own outcome
+                    return
+            self._watch(what)
+
+    def _watch(self, what: str) -> None:
+        """Raise if this group was aborted or its store (trainer rank 0) is gone."""
+        store = self.store
+        if store is None:
+            raise TransportError(f"{what}: the sync group was destroyed")
+        try:
+            aborted = store.check([_ABORT_KEY])
+            reason = store.get(_ABORT_KEY).decode(errors="replace") if aborted else ""
+        except Exception as exc:  # DistNetworkError, DistStoreError: the server is gone
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise TransportError(
+                f"{what}: trainer rank 0 is gone: the sync group's store it serves "
+                f"stopped answering ({text})"
+            ) from exc
+        if aborted:
+            raise TransportError(f"{what}: the sync group was aborted: {reason}")
 
     # -- control group ---------------------------------------------------------
 
@@ -206,7 +279,8 @@ class SyncGroup:
                 self.store.set(key + str(self.rank), message)
             opts = AllgatherOptions()
             opts.timeout = datetime.timedelta(seconds=self.timeout_s)
-            self.ctrl.allgather([outs], [payload], opts).wait()
+            work = self.ctrl.allgather([outs], [payload], opts)
+            self._finish(work, "control all-gather", sliced=True)
             result = []
             for rank, out in enumerate(outs):
                 code = int(out[0])
@@ -239,7 +313,8 @@ class SyncGroup:
             self.store.set(key + str(self.rank), json.dumps(obj))
             opts = AllgatherOptions()
             opts.timeout = datetime.timedelta(seconds=self.timeout_s)
-            self.ctrl.allgather([outs], [token], opts).wait()
+            work = self.ctrl.allgather([outs], [token], opts)
+            self._finish(work, "control all-gather", sliced=True)
             return [
                 obj if rank == self.rank else json.loads(self.store.get(key + str(rank)))
                 for rank in range(self.world_size)
@@ -280,18 +355,35 @@ class SyncGroup:
 
     # -- teardown --------------------------------------------------------------
 
-    def destroy(self) -> None:
-        """Tear down both groups and drop the store. Idempotent; never raises.
+    def abort(self, reason: str) -> None:
+        """Make every rank waiting in a collective of this session give up: each raises
+        :class:`~aiosync.errors.TransportError` quoting ``reason`` within
+        :data:`_WATCH_S` (gloo; see :meth:`_finish`). The first reason written is kept
+        (it names the cause; later ones are its echoes). Marks the group broken.
+        Never raises: a store that is gone has no one waiting on it."""
+        self.broken = True
+        store = self.store
+        if store is not None:
+            with contextlib.suppress(Exception):
+                store.compare_set(_ABORT_KEY, "", reason)
 
-        A broken group is aborted (pending collectives fail at once on the
-        peers), a healthy one shut down gracefully.
+    def destroy(self) -> None:
+        """Tear down both groups and drop the store. Idempotent; never raises; never
+        blocks on a peer.
+
+        A healthy group is shut down gracefully. A broken one is aborted
+        (:meth:`abort`: the peers still waiting in it give up at once) and its
+        backends are released in a daemon thread: a gloo group whose collective is
+        still pending blocks its destructor until that collective times out.
         """
-        for pg in (self.data, self.ctrl):
-            teardown(pg, broken=self.broken)
+        if self.broken and self.store is not None:
+            self.abort(f"{self.describe_rank(self.rank)} left the broken sync group")
+        backends = [self.data, self.ctrl]
         self.data = None
         self.ctrl = None
         self.store = None
         self.rendezvous = None
+        _release(backends, broken=self.broken)
         self.broken = True
 
 
@@ -380,8 +472,13 @@ def cancel_formation(store: dist.Store, session: str, reason: str) -> None:
 
 
 def teardown(pg: Any, *, broken: bool) -> None:
-    """Tear down backend ``pg`` (None: nothing): aborted when ``broken`` (pending
-    collectives fail at once on the peers), else shut down gracefully. Never raises."""
+    """Tear down backend ``pg`` (None: nothing): aborted when ``broken``, else shut
+    down gracefully. Never raises.
+
+    NCCL's abort fails the pending collectives on the peers; gloo's (torch 2.13)
+    closes no connection, so its peers learn of it from :meth:`SyncGroup.abort`'s
+    key instead. Release broken groups with :func:`_release`: dropping a gloo
+    backend blocks until its pending collectives time out."""
     if pg is None:
         return
     try:
@@ -391,6 +488,23 @@ def teardown(pg: Any, *, broken: bool) -> None:
             pg.shutdown()
     except Exception:  # teardown of a group whose peers are gone
         pass
+
+
+def _release(backends: list[Any], *, broken: bool) -> None:
+    """Tear down ``backends`` (:func:`teardown`) and drop them; a broken group's in a
+    daemon thread, which its destructor may block until a pending collective times
+    out. Takes the caller's only references (it empties the list)."""
+    if not broken:
+        for pg in backends:
+            teardown(pg, broken=False)
+        backends.clear()
+        return
+
+    def release() -> None:
+        while backends:
+            teardown(backends.pop(), broken=True)
+
+    threading.Thread(target=release, name="aiosync-release-group", daemon=True).start()
 
 
 def _make_backend(

@@ -42,7 +42,7 @@ import torch
 
 from aiosync._config import DEFAULT_BUCKET_BYTES, DEFAULT_EVENT_BACKLOG, Timeouts
 from aiosync._fanout import most_telling
-from aiosync.capabilities import WorkerDescribing
+from aiosync.capabilities import HealthReporting, WorkerDescribing
 from aiosync.delta import DeltaBaseline, patch_to_wire, wire_manifest
 from aiosync.errors import SyncError, SyncTimeoutError, TransportError
 from aiosync.interfaces import (
@@ -722,30 +722,62 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             cancelled=self._abandoned.is_set,
         )
 
+        # The workers' RPC's failure, when it failed (in place: it runs beside local()).
+        remote_failure: list[Exception] = []
+        remote_done = anyio.Event()
+
+        async def remote() -> list[Any]:
+            try:
+                return await self._rpc("aiosync_collective_receive", kwargs, self.sync_timeout_s)
+            except Exception as exc:
+                remote_failure.append(exc)
+                raise
+            finally:
+                remote_done.set()
+
+        async def explained(exc: BaseException) -> BaseException:
+            """The cause in place of a collective's failure here: gloo words a dead
+            peer as "Connection reset by peer", naming no worker, whereas the engine
+            knows which worker died (its health check, else its RPC's error)."""
+            if self.overlap != "inplace" or not group.collective_failed:
+                return exc
+            group.abort(f"trainer rank 0 failed: {type(exc).__name__}: {exc}")
+            with anyio.move_on_after(self.timeouts.after_failure_s):
+                await remote_done.wait()
+            cause = await self._dead_worker() or (remote_failure[0] if remote_failure else None)
+            if cause is None:
+                return exc
+            cause.add_note(f"meanwhile on trainer rank 0: {exc!r}")
+            return cause
+
         async def local() -> SendResult:
             if read:  # a delta: the patches are in hand, every rank read its part
-                sent, failure = await self._in_thread(stream, self.sync_timeout_s)
+                try:
+                    sent, failure = await self._in_thread(stream, self.sync_timeout_s)
+                except BaseException as exc:
+                    raise await explained(exc) from None
             else:
                 try:
                     async with votes.watching():
                         sent, failure = await self._in_thread(stream, self.sync_timeout_s)
                 except BaseException as exc:
+                    exc = await explained(exc)
                     await votes.read(exc)  # raises: the source failed
-                    raise
+                    raise exc from None
                 try:
                     await votes.read(failure)
                 except Exception as exc:
                     failure = exc
             vote = functools.partial(vote_send, group, failure, names=self._describe_worker)
-            await self._in_thread(vote, self.sync_timeout_s)
+            try:
+                await self._in_thread(vote, self.sync_timeout_s)
+            except BaseException as exc:
+                raise await explained(exc) from None
             return sent
 
         if self.overlap == "inplace":
             await self._wake_weights()
-            sent, results = await self._both(
-                local,
-                lambda: self._rpc("aiosync_collective_receive", kwargs, self.sync_timeout_s),
-            )
+            sent, results = await self._both(local, remote, group=group)
         else:
             await self._rpc("aiosync_collective_stage", kwargs, self.rpc_timeout_s)
             sent = await local()
@@ -756,6 +788,22 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         self._check_results(sent, results)
         self.last_worker_results = results
         return Transferred(sent.nbytes, delta="delta" in kwargs)
+
+    async def _dead_worker(self) -> Exception | None:
+        """The engine's word on a worker that died (its
+        :class:`~aiosync.capabilities.HealthReporting` check, bounded by
+        ``timeouts.after_failure_s``; a fleet names the engine); None: all alive, or
+        the engine cannot tell."""
+        if not isinstance(self.generation, HealthReporting):
+            return None
+        try:
+            with anyio.fail_after(self.timeouts.after_failure_s):
+                await self.generation.check_health()
+        except TimeoutError:
+            return None
+        except Exception as exc:
+            return exc
+        return None
 
     # -- delta -----------------------------------------------------------------
 
@@ -933,10 +981,19 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             raise
 
     async def _both(
-        self, local: Callable[[], Awaitable[_T]], remote: Callable[[], Awaitable[list[Any]]]
+        self,
+        local: Callable[[], Awaitable[_T]],
+        remote: Callable[[], Awaitable[list[Any]]],
+        *,
+        group: SyncGroup | None = None,
     ) -> tuple[_T, list[Any]]:
         """Run this rank's side and the workers' RPC together; neither cancels the other
         (each is bounded by its own timeout), so every rank reaches its vote.
+
+        With ``group`` (a sync), the first side to fail aborts it
+        (:meth:`SyncGroup.abort`): when the workers' RPC failed (an engine worker
+        died: the engine says which), this rank and the surviving workers stop
+        waiting in its collectives at once instead of at the group's timeout.
 
         Raises:
             The more telling of the two errors (:func:`~aiosync._fanout.most_telling`;
@@ -950,6 +1007,9 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
                 results[key] = await fn()
             except Exception as exc:
                 errors[key] = exc
+                if group is not None:
+                    who = "trainer rank 0" if key == "local" else "the engine's workers"
+                    group.abort(f"{who} failed: {type(exc).__name__}: {exc}")
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(run, "local", local)
