@@ -1,12 +1,17 @@
 """The block-wise FP8 checkpoint layout: which tensors it quantizes, and the quantizer.
 
-The layout of the Qwen3-FP8 and DeepSeek-V3 checkpoints and of transformers'
-``FineGrainedFP8Config`` (``quant_method "fp8"``, ``weight_block_size [128, 128]``):
-every quantized linear weight as ``<module>.weight`` (``float8_e4m3fn``, the weight's
-shape) followed by ``<module>.weight_scale_inv`` (``float32``, ``[ceil(out/128),
-ceil(in/128)]``), everything else in bf16.
+The layout of the Qwen3-FP8 checkpoints and of transformers' ``FineGrainedFP8Config``
+(``quant_method "fp8"``, ``weight_block_size [128, 128]``): every quantized linear
+weight as ``<module>.weight`` (``float8_e4m3fn``, the weight's shape) followed by
+``<module>.weight_scale_inv`` (``float32``, ``[out/128, in/128]``), everything else in
+bf16. A linear weight whose shape is not whole blocks stays bf16, without a scale of
+its own: transformers 5.25's quantizer (``Fp8Quantize._quantize_one``) passes it
+through (the released Qwen3-FP8 checkpoints have no such weight: every dim there is a
+multiple of 128). ``save_pretrained`` of such a model still writes a
+``weight_scale_inv`` beside it, uninitialized memory that ``FP8Linear`` never reads
+(its forward takes a weight of more than one byte as it is); a refit does not send it.
 
-The quantizer (:func:`quantize_fp8_blocks`) is transformers 5.24's own
+The quantizer (:func:`quantize_fp8_blocks`) is transformers 5.24's own (unchanged in 5.25)
 (``integrations/finegrained_fp8.py``, ``Fp8Quantize._quantize_one``), op for op, so its
 tensors are bit-identical to transformers'. The dequantizer
 (:func:`dequantize_fp8_blocks`) is what ``from_pretrained`` of such a checkpoint
@@ -71,15 +76,22 @@ def _converts(module: str, patterns: Sequence[str]) -> bool:
 
 
 def _is_quantized(
-    name: str, shape: Sequence[int], dtype: torch.dtype, patterns: Sequence[str]
+    name: str,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    patterns: Sequence[str],
+    block_size: tuple[int, int],
 ) -> bool:
     """Whether checkpoint tensor ``name`` is an FP8 linear weight: a 2-D floating
-    ``<module>.weight`` whose module no pattern of ``patterns`` excludes."""
+    ``<module>.weight`` whose module no pattern of ``patterns`` excludes, made of whole
+    ``block_size`` blocks (transformers' ``Fp8Quantize`` leaves any other bf16)."""
     return (
         name.endswith(_WEIGHT)
         and len(shape) == 2
         and dtype.is_floating_point
         and dtype.itemsize > 1
+        and shape[0] % block_size[0] == 0
+        and shape[1] % block_size[1] == 0
         and _converts(name.removesuffix(_WEIGHT), patterns)
     )
 
@@ -109,10 +121,12 @@ def fp8_manifest(
     """The FP8 checkpoint's manifest of a model whose (unquantized) checkpoint is ``manifest``.
 
     In ``manifest``'s order, each quantized weight (a 2-D floating ``<module>.weight``,
-    its module not matched by ``modules_to_not_convert``, transformers' patterns) becomes
+    its module not matched by ``modules_to_not_convert``, transformers' patterns, its
+    shape whole ``block_size`` blocks, as transformers' ``Fp8Quantize`` requires) becomes
     ``<module>.weight`` ``(out, in) float8_e4m3fn`` immediately followed by
-    ``<module>.weight_scale_inv`` ``(ceil(out/bm), ceil(in/bn)) float32``; every other
-    floating tensor gets ``dtype`` (None: its own); non-floating ones keep theirs.
+    ``<module>.weight_scale_inv`` ``(out/bm, in/bn) float32``; every other floating
+    tensor (a linear weight that is not whole blocks included, without a scale) gets
+    ``dtype`` (None: its own); non-floating ones keep theirs.
 
     Raises:
         ValueError: ``block_size`` is not two positive ints.
@@ -127,7 +141,7 @@ def fp8_manifest(
                 f"{name} is already {tensor_dtype}: the source is quantized; wrap its "
                 "unquantized source instead"
             )
-        if _is_quantized(name, shape, tensor_dtype, modules_to_not_convert):
+        if _is_quantized(name, shape, tensor_dtype, modules_to_not_convert, block):
             scale = fp8_scale_name(name)
             if scale in manifest:
                 raise RefitMismatchError(f"{scale} is already in the source's manifest")
@@ -152,12 +166,13 @@ def quantize_fp8_blocks(
     transformers 5.24's ``Fp8Quantize._quantize_one`` ops in its order (bit for
     bit the same tensors), and ``weight_fp8 * weight_scale_inv`` dequantizes.
 
-    A shape that is not a multiple of the block (an edge block) is quantized as
-    the checkpoint layout has it (DeepSeek-V3; ``FP8Linear``'s scale grid): the
-    grid is ``ceil(rows/bm) x ceil(cols/bn)`` and an edge block's ``amax`` is
-    that of its real elements. That equals transformers' quantizer applied to the
-    weight zero-padded to whole blocks, then cropped (transformers itself
-    leaves such a weight unquantized).
+    A shape that is not a multiple of the block (an edge block) is quantized on
+    ``FP8Linear``'s ``ceil(rows/bm) x ceil(cols/bn)`` scale grid (DeepSeek-V3's
+    checkpoints' layout), an edge block's ``amax`` that of its real elements:
+    transformers' quantizer applied to the weight zero-padded to whole blocks,
+    then cropped. transformers itself leaves such a weight unquantized, and so
+    does :func:`fp8_manifest` (what :class:`~aiosync.refit.FP8RefitSource` and the
+    embedded engine follow): this function never meets one there.
 
     Args:
         weight: ``(out, in)`` floating tensor, any device (the result is on it).

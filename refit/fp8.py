@@ -1,14 +1,17 @@
 """FP8 refits: the block-wise FP8 checkpoint of a model, streamed from any refit source.
 
 :class:`FP8RefitSource` wraps a :class:`~aiosync.interfaces.RefitSource` and yields
-what an FP8 checkpoint of the model holds, in the layout of the Qwen3-FP8 and
-DeepSeek-V3 checkpoints and of transformers' ``FineGrainedFP8Config`` (``quant_method
-"fp8"``, ``weight_block_size [128, 128]``): every quantized linear weight as
-``<module>.weight`` (``float8_e4m3fn``, the weight's shape) followed by
-``<module>.weight_scale_inv`` (``float32``, ``[ceil(out/128), ceil(in/128)]``),
-everything else in bf16.
+what an FP8 checkpoint of the model holds, in the layout of the Qwen3-FP8 checkpoints
+and of transformers' ``FineGrainedFP8Config`` (``quant_method "fp8"``,
+``weight_block_size [128, 128]``): every quantized linear weight as ``<module>.weight``
+(``float8_e4m3fn``, the weight's shape) followed by ``<module>.weight_scale_inv``
+(``float32``, ``[out/128, in/128]``), everything else in bf16, a linear weight whose
+shape is not whole blocks included (transformers leaves it unquantized; see
+:mod:`aiosync.fp8`). Bit for bit what transformers writes, except the
+``weight_scale_inv`` it writes beside such a bf16 weight (uninitialized memory no
+loader reads), which is not sent.
 
-The quantizer (:func:`quantize_fp8_blocks`) is transformers 5.24's own
+The quantizer (:func:`quantize_fp8_blocks`) is transformers 5.24's own (unchanged in 5.25)
 (``integrations/finegrained_fp8.py``, ``Fp8Quantize._quantize_one``), op for op, so its
 tensors are bit-identical to transformers'. The dequantizer
 (:func:`dequantize_fp8_blocks`) is what ``from_pretrained`` of such a checkpoint
@@ -55,10 +58,10 @@ class FP8RefitSource(RefitSource):
     """A refit source yielding the FP8 checkpoint of what ``source`` yields.
 
     For each tensor of ``source`` in its order: a quantized weight (see
-    :func:`fp8_manifest`: 2-D floating ``<module>.weight``, module not in
-    ``modules_to_not_convert``) is yielded as ``<module>.weight``
+    :func:`fp8_manifest`: 2-D floating ``<module>.weight`` of whole blocks, module
+    not in ``modules_to_not_convert``) is yielded as ``<module>.weight``
     (``float8_e4m3fn``) then ``<module>.weight_scale_inv`` (``float32``
-    ``[ceil(out/bm), ceil(in/bn)]``), quantized by :func:`quantize_fp8_blocks`
+    ``[out/bm, in/bn]``), quantized by :func:`quantize_fp8_blocks`
     (transformers' quantizer, bit for bit) on the tensor's device, from the
     tensor as the source yields it (fp32 master weights quantize from fp32; give
     the source ``dtype=torch.bfloat16`` to quantize what a bf16 model's

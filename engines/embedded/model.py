@@ -227,6 +227,10 @@ class HFModelRunner:
         for file in sorted(folder.glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    if name not in self._manifest and _scale_of_unquantized(name, self._manifest):
+                        # transformers writes one beside a weight it left bf16 (not whole
+                        # blocks): uninitialized memory its FP8Linear never reads.
+                        continue
                     tensor = handle.get_tensor(name)
                     spec = missing.pop(name, None)
                     # An FP8 weight is loaded as stored (a bf16 one there is refused).
@@ -877,6 +881,16 @@ def _check_quantization(quantization: object, tensor_parallel: bool) -> None:
         )
 
 
+def _scale_of_unquantized(
+    name: str, manifest: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+) -> bool:
+    """Whether ``name`` is the ``weight_scale_inv`` of a weight the FP8 checkpoint
+    holds unquantized (``manifest``: the runner's FP8 one)."""
+    suffix = ".weight_scale_inv"
+    weight = name.removesuffix(suffix) + ".weight"
+    return name.endswith(suffix) and weight in manifest and manifest[weight][1] != FP8_DTYPE
+
+
 def _is_fp8_folder(folder: Path) -> bool:
     """Whether ``folder``'s config.json declares a block-wise FP8 checkpoint."""
     config = folder / "config.json"
@@ -893,7 +907,8 @@ class _FP8Weights:
     The checkpoint is :func:`aiosync.refit.fp8.fp8_manifest` of the model's own (the
     rule :class:`~aiosync.refit.FP8RefitSource` quantizes by): each linear weight
     ``<module>.weight`` ``float8_e4m3fn`` followed by ``<module>.weight_scale_inv``
-    ``float32 [ceil(out/128), ceil(in/128)]``; every other tensor in the model's
+    ``float32 [out/128, in/128]`` (a weight that is not whole blocks stays
+    unquantized, as transformers leaves it); every other tensor in the model's
     dtype. This object holds the two FP8 tensors of each pair (1 byte per weight
     plus the scales); they are the runner's load targets, so a refit, a box of a
     shard-aware transport, a delta patch of the FP8 bytes and ``hf_state_dict``

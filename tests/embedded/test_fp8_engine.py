@@ -148,12 +148,11 @@ async def test_an_unquantized_trainer_is_refused_at_init_naming_a_tensor(
 
 
 def test_pairs_load_in_any_order_and_bucket_and_match_transformers(tmp_path: Path) -> None:
-    # TINY_QWEN3's weights are all smaller than one block: one edge block each.
-    source = trainer_source(TINY_QWEN3)
-    tensors = write_fp8_checkpoint(tmp_path, TINY_QWEN3, source)
-    assert tensors["model.layers.0.mlp.down_proj.weight_scale_inv"].shape == (1, 1)
+    source = trainer_source(BLOCKS)
+    tensors = write_fp8_checkpoint(tmp_path, BLOCKS, source)
+    assert tensors["model.layers.0.mlp.down_proj.weight_scale_inv"].shape == (2, 3)
     runner = HFModelRunner.from_config(
-        TINY_QWEN3, seed=ENGINE_SEED, dtype="bfloat16", quantization="fp8"
+        BLOCKS, seed=ENGINE_SEED, dtype="bfloat16", quantization="fp8"
     )
     items = list(tensors.items())
     scales = [(n, t) for n, t in items if n.endswith("_scale_inv")]
@@ -166,7 +165,7 @@ def test_pairs_load_in_any_order_and_bucket_and_match_transformers(tmp_path: Pat
     tokens = runner.generate(PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     assert tokens == transformers_greedy(tmp_path)
     # A half-done refit (new scales only) followed by a whole one serves the whole one.
-    other = dict(trainer_source(TINY_QWEN3).iter_weights())
+    other = dict(trainer_source(BLOCKS).iter_weights())
     runner.load_weights([(n, torch.ones_like(t)) for n, t in scales])
     runner.generate([[1]], max_new_tokens=1)
     runner.load_weights(other.items())
@@ -174,10 +173,10 @@ def test_pairs_load_in_any_order_and_bucket_and_match_transformers(tmp_path: Pat
 
 
 def test_a_delta_of_the_fp8_bytes_lands_as_a_full_load_of_them() -> None:
-    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=TRAINER_SEED, dtype="bfloat16")
+    trainer = HFModelRunner.from_config(BLOCKS, seed=TRAINER_SEED, dtype="bfloat16")
     source = FP8RefitSource(DTensorRefitSource(trainer.model))
     baseline = DeltaBaseline()
-    runner = HFModelRunner.from_config(TINY_QWEN3, dtype="bfloat16", quantization="fp8")
+    runner = HFModelRunner.from_config(BLOCKS, dtype="bfloat16", quantization="fp8")
     runner.load_weights(baseline.stage_full(1, source.iter_weights()))
     baseline.commit()
     with torch.no_grad():  # an optimizer step that moves a few weights
@@ -191,7 +190,7 @@ def test_a_delta_of_the_fp8_bytes_lands_as_a_full_load_of_them() -> None:
     assert "model.layers.0.mlp.up_proj.weight" not in patched
     runner.apply_weight_patches(patches)
     assert same_tensors(runner.hf_state_dict(), new)
-    full = HFModelRunner.from_config(TINY_QWEN3, dtype="bfloat16", quantization="fp8")
+    full = HFModelRunner.from_config(BLOCKS, dtype="bfloat16", quantization="fp8")
     full.load_weights(new.items())
     tokens = full.generate(PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     assert runner.generate(PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True) == tokens
@@ -199,10 +198,10 @@ def test_a_delta_of_the_fp8_bytes_lands_as_a_full_load_of_them() -> None:
 
 
 def test_a_load_of_the_wrong_dtype_names_the_tensor() -> None:
-    runner = HFModelRunner.from_config(TINY_QWEN3, dtype="bfloat16", quantization="fp8")
+    runner = HFModelRunner.from_config(BLOCKS, dtype="bfloat16", quantization="fp8")
     name = "model.layers.1.mlp.up_proj.weight"
-    with pytest.raises(RefitMismatchError, match=rf"{name}: model \(128, 64\) torch.float8"):
-        runner.load_weights([(name, torch.zeros(128, 64, dtype=torch.bfloat16))])
+    with pytest.raises(RefitMismatchError, match=rf"{name}: model \(384, 256\) torch.float8"):
+        runner.load_weights([(name, torch.zeros(384, 256, dtype=torch.bfloat16))])
 
 
 def test_fp8_is_refused_where_it_is_not_supported() -> None:

@@ -199,9 +199,14 @@ def test_manifest_is_transformers_fp8_model_state_dict_for_dense_qwen3() -> None
     ids=["qwen3", "qwen3_moe", "qwen3_next"],
 )
 def test_quantized_weights_are_those_transformers_converts(config: dict[str, Any]) -> None:
-    manifest = FP8RefitSource(DTensorRefitSource(hf_model(config))).prepare_refit_info()
+    # 32 x 32 blocks: most weights are whole blocks, some (Qwen3-Next's 48-row shared
+    # expert, the 1-row shared_expert_gate) are not.
+    block = (32, 32)
+    manifest = FP8RefitSource(
+        DTensorRefitSource(hf_model(config)), block_size=block
+    ).prepare_refit_info()
     fp8_model = hf_model(config, device="meta")
-    quantizer = FineGrainedFP8HfQuantizer(FineGrainedFP8Config())
+    quantizer = FineGrainedFP8HfQuantizer(FineGrainedFP8Config(weight_block_size=list(block)))
     skip = quantizer.get_modules_to_not_convert(fp8_model, None, fp8_model._keep_in_fp32_modules)
     replace_with_fp8_linear(fp8_model, skip, quantizer.quantization_config)
     modules = dict(fp8_model.named_modules())
@@ -212,16 +217,24 @@ def test_quantized_weights_are_those_transformers_converts(config: dict[str, Any
             return isinstance(modules[module.split(".experts.")[0] + ".experts"], FP8Experts)
         return isinstance(modules.get(module), FP8Linear)
 
+    def quantized_by_transformers(name: str) -> bool:
+        """transformers' Fp8Quantize (on load) quantizes it, rather than passing it through."""
+        shape = manifest[name][0]
+        out = Fp8Quantize(quantizer)._quantize_one(name, torch.ones(shape, dtype=torch.bfloat16))
+        return out[name].dtype == FP8
+
     weights = [n for n in manifest if n.endswith(".weight")]
     ours = {n for n in weights if manifest[n][1] == FP8}
-    assert ours == {n for n in weights if converted(n)}
+    assert ours == {n for n in weights if converted(n) and quantized_by_transformers(n)}
     assert ours and all(manifest[n][1] == torch.bfloat16 for n in set(weights) - ours)
     for name in ours:
         rows, cols = manifest[name][0]
         assert manifest[name.removesuffix("weight") + "weight_scale_inv"] == (
-            (-(-rows // 128), -(-cols // 128)),
+            (rows // block[0], cols // block[1]),
             torch.float32,
         )
+    scales = {n.removesuffix("_scale_inv") for n in manifest if n.endswith("weight_scale_inv")}
+    assert scales == ours
 
 
 class ManifestOnly(RefitSource):
@@ -260,7 +273,9 @@ def test_modules_to_not_convert_are_transformers_patterns() -> None:
         "model.layers.2.step": ((8, 8), torch.int64),
     }
     out = fp8_manifest(
-        manifest, modules_to_not_convert=[*DEFAULT_MODULES_TO_NOT_CONVERT, "model.layers.1"]
+        manifest,
+        block_size=(1, 8),
+        modules_to_not_convert=[*DEFAULT_MODULES_TO_NOT_CONVERT, "model.layers.1"],
     )
     assert [n for n, (_, d) in out.items() if d == FP8] == [
         "model.layers.11.mlp.up_proj.weight",
@@ -306,7 +321,7 @@ def test_source_refuses_what_it_cannot_wrap_or_stream() -> None:
         FP8RefitSource(ManifestOnly({"a.weight": ((4, 4), FP8)})).prepare_refit_info()
     clash = ManifestOnly({"a.weight": ((4, 4), f32), "a.weight_scale_inv": ((1, 1), f32)})
     with pytest.raises(RefitMismatchError, match=r"a\.weight_scale_inv is already"):
-        FP8RefitSource(clash).prepare_refit_info()
+        FP8RefitSource(clash, block_size=(2, 2)).prepare_refit_info()
     liar = ManifestOnly({"a.weight": ((4, 4), f32)}, stream={"a.weight": ((4, 5), f32)})
     with pytest.raises(RefitMismatchError, match=r"yielded a\.weight \(4, 5\)"):
         list(FP8RefitSource(liar).iter_weights())
@@ -323,4 +338,96 @@ def test_a_non_finite_weight_is_refused_by_name() -> None:
             yield "a.weight", torch.full((4, 4), float("nan"))
 
     with pytest.raises(ValueError, match=r"a\.weight: FP8 quantization of a weight holding inf"):
-        list(FP8RefitSource(Broken({"a.weight": ((4, 4), torch.float32)})).iter_weights())
+        broken = Broken({"a.weight": ((4, 4), torch.float32)})
+        list(FP8RefitSource(broken, block_size=(2, 2)).iter_weights())
+
+
+# -- case C45: dims that are not multiples of the block -----------------------------
+
+#: q_proj/o_proj ``[128, 128]`` tile in 128 x 128 blocks; k_proj/v_proj ``[64, 128]``,
+#: gate/up ``[192, 128]`` and down ``[128, 192]`` do not.
+ODD: dict[str, Any] = {
+    "model_type": "qwen3",
+    "vocab_size": 128,
+    "hidden_size": 128,
+    "intermediate_size": 192,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+}
+UNTILED = ("self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def transformers_fp8_checkpoint(
+    model: torch.nn.Module, folder: Any, monkeypatch: pytest.MonkeyPatch
+) -> dict[str, torch.Tensor]:
+    """What transformers writes for ``model`` quantized with ``FineGrainedFP8Config()``:
+    ``save_pretrained`` (bf16), ``from_pretrained(..., quantization_config=...)`` (its
+    ``Fp8Quantize`` on load), ``save_pretrained`` again; the tensors read back.
+
+    transformers quantizes on the fly only with a GPU: its environment check is
+    skipped here (the quantizer itself is transformers' own, pure torch on a CPU).
+    """
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda *a, **k: None)
+    model.save_pretrained(folder / "bf16")
+    quantized = AutoModelForCausalLM.from_pretrained(
+        folder / "bf16", quantization_config=FineGrainedFP8Config(), dtype=torch.bfloat16
+    )
+    quantized.save_pretrained(folder / "fp8")
+    return load_file(str(folder / "fp8" / "model.safetensors"))
+
+
+def test_a_weight_that_does_not_tile_stays_bf16_as_in_transformers_fp8_checkpoint(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(5)
+    model = hf_model(ODD)
+    disk = transformers_fp8_checkpoint(model, tmp_path, monkeypatch)
+    source = FP8RefitSource(DTensorRefitSource(model))
+    manifest = source.prepare_refit_info()
+    layer = "model.layers.0"
+    assert manifest[f"{layer}.self_attn.q_proj.weight"] == ((128, 128), FP8)
+    assert manifest[f"{layer}.self_attn.q_proj.weight_scale_inv"] == ((1, 1), torch.float32)
+    for module in UNTILED:
+        # transformers' Fp8Quantize leaves it bf16: no FP8 bytes, no scale of its own.
+        assert manifest[f"{layer}.{module}.weight"][1] == torch.bfloat16, module
+        assert disk[f"{layer}.{module}.weight"].dtype == torch.bfloat16, module
+        assert f"{layer}.{module}.weight_scale_inv" not in manifest, module
+    streamed = dict(source.iter_weights())
+    assert list(streamed) == list(manifest)
+    # Every tensor of the refit is the checkpoint's, bit for bit.
+    for name, tensor in streamed.items():
+        assert disk[name].dtype == tensor.dtype and torch.equal(bits(disk[name]), bits(tensor)), (
+            name
+        )
+    # What the checkpoint holds besides: a weight_scale_inv next to each bf16 weight,
+    # uninitialized memory transformers' FP8Linear never reads (its forward takes a
+    # weight of more than one byte as it is).
+    assert set(disk) - set(streamed) == {f"{layer}.{m}.weight_scale_inv" for m in UNTILED}
+
+
+def test_the_engine_loads_transformers_fp8_checkpoint_as_the_refit_delivers_it(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aiosync.engines.embedded.model import HFModelRunner
+
+    torch.manual_seed(6)
+    model = hf_model(ODD)
+    transformers_fp8_checkpoint(model, tmp_path, monkeypatch)
+    from_disk = HFModelRunner.from_config(tmp_path / "fp8", dtype="bfloat16", quantization="fp8")
+    refit = HFModelRunner.from_config(ODD, seed=9, dtype="bfloat16", quantization="fp8")
+    source = FP8RefitSource(DTensorRefitSource(model))
+    assert refit.expected_manifest() == from_disk.expected_manifest() == source.prepare_refit_info()
+    refit.load_weights(source.iter_weights())
+    held, loaded = refit.hf_state_dict(), from_disk.hf_state_dict()
+    assert list(held) == list(loaded)
+    assert all(torch.equal(bits(held[n]), bits(loaded[n])) for n in held)
+    prompts = [[1, 2, 3], [7, 8]]
+    tokens = refit.generate(prompts, max_new_tokens=6, ignore_eos=True)
+    assert from_disk.generate(prompts, max_new_tokens=6, ignore_eos=True) == tokens
+    # The untiled weights compute as the bf16 checkpoint holds them.
+    k_proj = "model.layers.0.self_attn.k_proj.weight"
+    assert torch.equal(refit.model.get_parameter(k_proj), model.get_parameter(k_proj))
