@@ -42,7 +42,7 @@ import bisect
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast, runtime_checkable
 
 import anyio
 
@@ -245,6 +245,38 @@ class EngineFleet(GenerateFromMeta):
             self._joining.discard(id(engine))
         self._membership_changed()
         return labels
+
+    async def check_health(self) -> None:
+        """Check every engine in the sync that can tell
+        (:class:`~aiosync.capabilities.HealthReporting`), concurrently; the others
+        count as healthy.
+
+        Raises:
+            Whatever the first failing engine's ``check_health`` raised (e.g.
+            :class:`~aiosync.errors.TransportError` naming its dead worker), naming
+            the engine.
+        """
+
+        async def check(i: int, engine: Any) -> None:
+            if isinstance(engine, HealthReporting):
+                await engine.check_health()
+
+        await self._on_each(check)
+
+    async def _unhealthy(self, engines: Sequence[Any]) -> Exception | None:
+        """The first of ``engines`` to fail its health check (bounded by
+        ``probe_timeout_s``), its error naming it; None: none failed."""
+        for engine in engines:
+            if not isinstance(engine, HealthReporting):
+                continue
+            try:
+                with anyio.fail_after(self.probe_timeout_s):
+                    await engine.check_health()
+            except TimeoutError:
+                continue
+            except Exception as exc:
+                return cast("Exception", named(exc, self._name(engine)))
+        return None
 
     def _membership_changed(self) -> None:
         self.membership_epoch += 1
@@ -530,7 +562,15 @@ class EngineFleet(GenerateFromMeta):
             out: list[Generation] = await engine.generate_with_meta(parts[i], sampling, **extras)
             return out
 
-        outs = await each_named(serving, run, lambda i: self._name(serving[i]))
+        try:
+            outs = await each_named(serving, run, lambda i: self._name(serving[i]))
+        except Exception as exc:
+            # A member's dead worker is the cause the others' refusals (weights left
+            # invalid by the sync it failed) only echo: name it.
+            dead = await self._unhealthy(serving)
+            if dead is not None:
+                raise dead from exc
+            raise
         merged: list[Generation | None] = [None] * len(prompts)
         for i, out in enumerate(outs):
             merged[i::n] = out
@@ -602,5 +642,6 @@ if TYPE_CHECKING:
         RespawningEngine,
         LoRAEngine,
         ElasticEngines,
+        HealthReporting,
     ]:
-        return (f, f, f, f, f, f, f, f, f, f, f, f, f)
+        return (f, f, f, f, f, f, f, f, f, f, f, f, f, f)

@@ -709,7 +709,11 @@ class EmbeddedEngine(GenerateFromMeta):
     @contextlib.asynccontextmanager
     async def _admitted(self, timeout_s: float) -> AsyncIterator[float]:
         """Admit one generate call: wait while paused, then count it as running
-        until the block ends. Yields what is left of ``timeout_s``, seconds."""
+        until the block ends. Yields what is left of ``timeout_s``, seconds.
+
+        A dead worker is refused before the wait (:meth:`check_health`): a pause
+        whose resume failed on it would never be lifted."""
+        await self.check_health()
         async with self._gate.shared(timeout_s) as remaining_s:
             self._pool.check_running()
             try:

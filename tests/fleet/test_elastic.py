@@ -24,6 +24,7 @@ from aiosync import (
     EngineFleet,
     SyncError,
     TrainCluster,
+    TransportError,
     VersionEventKind,
     create_weight_synchronizer,
 )
@@ -150,6 +151,41 @@ async def test_an_engine_killed_mid_sync_is_quarantined_and_the_others_commit(
         await fleet.prepare_for_generation()
         expected = trainer.generate(PROMPTS, max_new_tokens=4)
         assert await fleet.generate(PROMPTS, max_new_tokens=4) == expected
+
+
+async def test_a_default_fleet_names_a_member_killed_mid_sync_and_refuses_to_generate_at_once(
+    engines: list[EmbeddedEngine],
+) -> None:
+    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=63)
+    source = HookedSource(trainer.model)
+    fleet = EngineFleet(engines[:2])  # on_engine_failure="fail"
+    sync = create_weight_synchronizer(
+        source,
+        fleet,
+        backend="embedded",
+        colocated=False,
+        train_cluster=TrainCluster(master_port=_port()),
+        inference_world_size=2,
+        collective_timeout_s=10.0,
+        rpc_timeout_s=30.0,
+    )
+    async with sync:
+        await sync.mark_stale()
+        await sync.sync_weights()
+        _kill_at(source, engines[1], index=5)
+        await sync.mark_stale()
+        with pytest.raises(TransportError) as failed:
+            await sync.sync_weights()
+        # The message itself names the engine and its dead worker (not gloo's
+        # "Connection reset by peer" with the engine in a note).
+        assert str(failed.value).startswith(
+            "engine 1 of 2 (EmbeddedEngine): engine worker(s) [0] died"
+        )
+        assert (sync.weight_version, sync.is_stale) == (1, True)
+        # At once, naming it: a 5 s limit would otherwise end in SyncTimeoutError.
+        with pytest.raises(TransportError, match=r"engine 1 of 2 \(EmbeddedEngine\): .*died"):
+            await fleet.generate(PROMPTS, max_new_tokens=2, timeout_s=5.0)
+    assert await engines[1].respawn_dead_workers() == [0]
 
 
 async def test_below_min_engines_the_sync_fails_and_nothing_is_set_aside(
