@@ -12,6 +12,7 @@ import collections
 import contextlib
 import copy
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -297,6 +298,9 @@ class ServerState:
     #: one request at a time, so a formation or a broadcast holds back the next group
     #: request (a destroy waits for a hung update) until it ends or times out.
     group_lock: threading.Lock = field(default_factory=threading.Lock)
+    #: ``/weights_checker``'s snapshots, ``{TP rank: {name: copy}}`` (``"snapshot"``
+    #: takes one, ``"compare"`` drops it).
+    weight_snapshots: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
@@ -540,6 +544,8 @@ class _Handler(BaseHTTPRequestHandler):
                 state.cache.clear()
                 state.update_index = 0
             return _FLUSH_TEXT
+        if path == "/weights_checker":
+            return self._weights_checker(data)
         if path == "/release_memory_occupation":
             return self._release(_tags(data))
         if path == "/resume_memory_occupation":
@@ -1065,6 +1071,70 @@ class _Handler(BaseHTTPRequestHandler):
             raise _error("Get parameter by name failed")
         return rows
 
+    def _weights_checker(self, data: Any) -> Any:
+        """SGLang 0.5.23's ``CheckWeightsReqInput`` (GET or POST, body optional):
+        ``action`` (default ``"checksum"``; ``"snapshot"``, ``"reset_tensors"``,
+        ``"compare"``), ``allow_quant_error`` (bool), ``skip_tensor_list`` (substrings of
+        names left out), ``selector`` (``"target"``, ``"draft"``, ``"all"``: no draft model
+        here). SGLang's ``WeightChecker`` over each TP rank's ``named_parameters()`` and
+        ``named_buffers()`` (this server's: the HF names; SGLang's: its own, the fused
+        ``qkv_proj``/``gate_up_proj``), the rotary caches skipped.
+
+        * ``snapshot``: each rank copies its tensors (SGLang: into host memory);
+        * ``compare``: each rank compares its tensors with its snapshot, bit for bit,
+          then drops the snapshot; a rank without one fails (an ``assert``: message
+          ``""``). Only TP rank 0 answers an SGLang scheduler request, so only its
+          outcome comes back;
+        * ``reset_tensors``: each rank overwrites its tensors with random values;
+        * ``checksum``: each rank hashes each tensor (``tensor_hash``: on CPU the first
+          8 bytes of its bytes' SHA-256, big-endian, as 16 hex digits; on GPU a Triton
+          hash), all ranks gathered.
+
+        Answers 200 ``{"success": true, "message": "Success."}`` plus, for
+        ``checksum``, ``"ranks"`` (one ``ChecksumInfo`` per TP rank: ``checksums``
+        ``{name: hex}``, ``per_gpu_checksum``, ``parallelism_info``) and
+        ``"per_engine_checksum"``; 400 ``{"success": false, "message": ...}`` on
+        failure (a compare's names each differing tensor: ``"check tensor equality
+        failed:\\nname=N max_abs_err=... "``); 422 for a malformed body.
+        """
+        state = self.server.state
+        body = {} if data is None else data
+        action = body.get("action", "checksum") if isinstance(body, dict) else None
+        skip = body.get("skip_tensor_list") if isinstance(body, dict) else None
+        if not (
+            isinstance(body, dict)
+            and isinstance(action, str)
+            and isinstance(body.get("allow_quant_error", False), bool)
+            and (skip is None or (isinstance(skip, list) and all(isinstance(x, str) for x in skip)))
+            and body.get("selector", "all") in ("target", "draft", "all")
+        ):
+            raise _HTTPError(
+                422,
+                {
+                    "detail": "action (str), allow_quant_error (bool), skip_tensor_list "
+                    "(list of str), selector ('target', 'draft' or 'all')"
+                },
+            )
+        if body.get("selector", "all") == "draft":
+            # No draft runner: SGLang's check_weights merges nothing and succeeds.
+            return {"success": True, "message": "Success."}
+        with state.model_lock:
+            try:
+                ranks = [
+                    _check_weights(state, rank, runner, action, skip or [])
+                    for rank, runner in enumerate(state.ranks)
+                ]
+            except _CheckFailed as exc:
+                raise _HTTPError(400, {"success": False, "message": str(exc)}) from exc
+        answer: dict[str, Any] = {"success": True, "message": "Success."}
+        if action == "checksum":
+            answer["ranks"] = ranks
+            engine = hashlib.sha256()
+            for info in ranks:
+                engine.update(str((info or {}).get("per_gpu_checksum")).encode())
+            answer["per_engine_checksum"] = engine.hexdigest()
+        return answer
+
     def _load_lora_adapter(self, data: dict[str, Any]) -> Any:
         """SGLang's ``LoadLoRAAdapterReqInput``: ``lora_name``, ``lora_path`` (a PEFT
         adapter folder, read now), ``pinned``. Answers ``LoRAUpdateOutput``."""
@@ -1213,6 +1283,28 @@ class _Handler(BaseHTTPRequestHandler):
             ):
                 raise _error("arm_transit_fault needs a bucket and a byte, ints >= 0")
             arm_transit_fault(bucket, byte)
+            return {"ok": True}
+        if path == "/_aiosync/corrupt" and method == "POST":
+            # Test-only: a live weight changed behind every transport's back: element
+            # ``index`` of TP rank ``rank``'s tensor ``name`` (HF name) gets ``delta`` added.
+            spec = _object(data)
+            name, index = spec.get("name"), spec.get("index", 0)
+            rank, delta = spec.get("rank", 0), spec.get("delta", 1.0)
+            if not (
+                isinstance(name, str)
+                and _is_int(index)
+                and _is_int(rank)
+                and 0 <= rank < len(state.ranks)
+                and isinstance(delta, (int, float))
+            ):
+                raise _error("corrupt needs a name, an index >= 0 and a rank of this server")
+            with state.model_lock:
+                try:
+                    weight = state.ranks[rank].model.get_parameter(name)
+                except AttributeError as exc:
+                    raise _error(f"no parameter {name!r}") from exc
+                with torch.no_grad():
+                    weight.view(-1)[index] += delta
             return {"ok": True}
         if path == "/_aiosync/reset" and method == "POST":
             with state.lock:
@@ -1507,6 +1599,82 @@ def _hf_tensor(runner: HFModelRunner, name: str) -> torch.Tensor:
         # Not a module path of the model (PEFT-wrapped layers, FP8 scales): the
         # checkpoint view, a copy of every tensor (rare).
         return runner.hf_state_dict()[name]
+
+
+class _CheckFailed(Exception):
+    """A ``/weights_checker`` action failed on a rank (SGLang's message)."""
+
+
+#: SGLang 0.5.23's ``_NON_PERSISTENT_BUFFER_PATTERNS`` (``utils/weight_checker.py``):
+#: never reset, compared or hashed.
+_UNCHECKED = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis", "expert_mask_gpu")
+
+
+def _check_weights(
+    state: ServerState, rank: int, runner: HFModelRunner, action: str, skip: Sequence[str]
+) -> dict[str, Any] | None:
+    """One TP rank's ``WeightChecker.handle`` (SGLang 0.5.23): returns its
+    ``ChecksumInfo`` for ``checksum``, else None; raises :class:`_CheckFailed`."""
+    model = runner.model
+    tensors = {
+        name: t.data
+        for name, t in [*model.named_parameters(), *model.named_buffers()]
+        if not any(p in name for p in (*_UNCHECKED, *skip))
+    }
+    if action == "snapshot":
+        state.weight_snapshots[rank] = {name: t.detach().clone() for name, t in tensors.items()}
+        return None
+    if action == "reset_tensors":
+        with torch.no_grad():
+            for t in tensors.values():
+                t.copy_(torch.rand(t.shape, dtype=torch.float32).to(t.dtype))
+        return None
+    if action == "compare":
+        snapshot = state.weight_snapshots.get(rank)
+        if snapshot is None:
+            raise _CheckFailed("")  # SGLang's bare ``assert self._snapshot_tensors is not None``
+        errors = []
+        for name, actual in tensors.items():
+            expect = snapshot[name]
+            if torch.equal(expect.view(torch.uint8), actual.view(torch.uint8)):
+                continue
+            diff = (expect.float() - actual.float()).abs()
+            errors.append(
+                f"name={name} max_abs_err={float(diff.max())} mean_abs_err={float(diff.mean())} "
+                f"num_exceed={int((diff > 0).sum())} expect={_raw(expect)} actual={_raw(actual)} "
+            )
+        del state.weight_snapshots[rank]
+        # Only TP rank 0 answers SGLang's scheduler requests: another rank's outcome is lost.
+        if errors and rank == 0:
+            raise _CheckFailed("check tensor equality failed:\n" + "\n".join(errors))
+        return None
+    if action == "checksum":
+        checksums = {name: _tensor_hash(t) for name, t in tensors.items()}
+        overall = hashlib.sha256()
+        for name in sorted(checksums):
+            overall.update(name.encode())
+            overall.update(checksums[name].encode())
+        placement = {"tp_rank": rank, "tp_size": state.tp_size, "dp_rank": 0, "dp_size": 1}
+        return {
+            "checksums": checksums,
+            "per_gpu_checksum": overall.hexdigest(),
+            "parallelism_info": [
+                {"role": "target", **placement, "pp_rank": 0, "pp_size": 1}
+                | {"rank": rank, "size": state.tp_size}
+            ],
+        }
+    raise _CheckFailed(f"Unsupported action={action!r}")
+
+
+def _tensor_hash(tensor: torch.Tensor) -> str:
+    """SGLang's ``f"{tensor_hash(t):016x}"`` on a CPU tensor (``mm_utils.tensor_hash``)."""
+    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return f"{int.from_bytes(hashlib.sha256(raw).digest()[:8], 'big'):016x}"
+
+
+def _raw(tensor: torch.Tensor) -> str:
+    """SGLang's ``repr(RawComparable)``."""
+    return f"raw(shape={tuple(tensor.shape)} dtype={tensor.dtype})"
 
 
 def _object(data: Any) -> dict[str, Any]:

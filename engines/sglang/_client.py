@@ -3,7 +3,7 @@
 The endpoints a refit makes (``/get_server_info``, ``/begin_weight_update``,
 ``/update_weights_from_tensor``, ``/end_weight_update``, ``/flush_cache``,
 ``/update_weight_version``, ``/model_info`` (the label), ``/get_weights_by_name`` (the
-``verify`` read-back); disaggregated:
+``verify`` read-back), ``/weights_checker`` (``verify_engine()``'s checksums); disaggregated:
 ``/init_weights_update_group``, ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group``) live here;
 the engine's behaviour (memory saver, validity, generation) lives in
@@ -199,6 +199,45 @@ class SGLangClient:
             raise
         if not isinstance(answer, list):
             raise TransportError(f"/get_weights_by_name {name!r} answered {str(answer)[:200]}")
+        return answer
+
+    async def check_weights(
+        self,
+        action: str,
+        *,
+        skip_tensor_list: Sequence[str] | None = None,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any] | None:
+        """POST ``/weights_checker`` (SGLang 0.5.23's ``CheckWeightsReqInput``,
+        ``selector="target"``): ``action`` is ``"checksum"`` (every TP rank hashes each of
+        its tensors: SGLang's parameter names, fused ``qkv_proj``/``gate_up_proj``; a GPU
+        Triton hash on GPU), ``"snapshot"``, ``"compare"`` or ``"reset_tensors"``.
+
+        Returns:
+            The answer, ``{"success": bool, "message": str}`` plus, for ``checksum``,
+            ``"ranks"`` (one ``{"checksums": {name: hex}, "per_gpu_checksum",
+            "parallelism_info": [...]}`` per TP rank and DP rank) and
+            ``"per_engine_checksum"``; a refusal (SGLang's 400: a failed compare names
+            each differing tensor in ``message``) is returned with ``success`` false.
+            None: the server has no ``/weights_checker`` (404: before SGLang 0.5.23).
+
+        Raises:
+            TransportError: another non-2xx answer, a connection error, or not an object.
+            SyncTimeoutError: no answer within ``timeout_s`` (default ``request_timeout_s``).
+        """
+        body: dict[str, Any] = {"action": action, "selector": "target"}
+        if skip_tensor_list is not None:
+            body["skip_tensor_list"] = list(skip_tensor_list)
+        try:
+            answer = await self._post("/weights_checker", body, timeout_s=timeout_s)
+        except TransportError as exc:
+            if http_status(exc) == 404:
+                return None
+            if http_status(exc) == 400:
+                return {"success": False, "message": vars(exc).get("server_message", str(exc))}
+            raise
+        if not isinstance(answer, dict):
+            raise TransportError(f"/weights_checker {action!r} answered {str(answer)[:200]}")
         return answer
 
     async def init_weights_update_group(
@@ -460,6 +499,7 @@ class SGLangClient:
                 f"{where}: HTTP {response.status_code}: {_server_message(response)}"
             )
             vars(error)["http_status"] = response.status_code
+            vars(error)["server_message"] = _server_message(response)
             raise error
         if not response.content:
             return None

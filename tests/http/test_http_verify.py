@@ -315,3 +315,99 @@ def test_the_sample_reads_a_fixed_number_per_sync_and_every_bucket_in_turn() -> 
         seen |= set(names)
     assert seen == {e.name for e in kept}
     assert choose_reads(kept[:5], 3) == kept[:5]
+
+
+# -- verify_engine(): the live weights, moving none (C34) ----------------------------------
+
+LIVE = "model.layers.1.mlp.down_proj.weight"
+
+
+def _corrupt(server: TestServer, name: str, index: int) -> None:
+    """One element of a live weight written behind the transport's back (+1.0)."""
+    body = {"name": name, "index": index}
+    server.admin.post("/_aiosync/corrupt", json=body).raise_for_status()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_verify_engine_names_a_live_tensor_changed_after_the_sync_and_the_next_sync_heals(
+    kind: str, server: TestServer, make_trainer: Any, state_equal: Any
+) -> None:
+    """C34: the read-back of every tensor SGLang can return, against the trainer's source;
+    q/k/v_proj (not readable on this model) are named as not compared, not passed."""
+    trainer = make_trainer(seed=47)
+    async with _driving(kind, server, trainer, verify=False) as (_backend, sync):
+        await sync.mark_stale()
+        await sync.sync_weights()
+        names = list(trainer.expected())
+        skipped = [name for name in names if QKV.search(name)]
+        report = await sync.verify_engine()
+        assert report == {
+            "workers": 1,
+            "tensors": len(names) - len(skipped),
+            "unverified": len(skipped),
+            "checksummed": 0,
+            "version": 1,
+        }
+        assert [entry.split(":", 1)[0] for entry in sync.live_unverified] == skipped
+        _corrupt(server, LIVE, 17)
+        with pytest.raises(
+            RefitVerificationError,
+            match=rf"'{LIVE}' .* is not what the trainer sent: element \[0, 17\]",
+        ) as info:
+            await sync.verify_engine()
+        assert "verify_engine()" in str(info.value) and server.url in str(info.value)
+        assert (sync.weight_version, sync.is_stale) == (1, True)
+        await sync.mark_stale()
+        await sync.sync_weights()
+        state_equal(server.state_dict(), trainer.expected())
+        assert (await sync.verify_engine())["version"] == 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_verify_engine_with_recorded_checksums_finds_a_qkv_tensor_changed_since_the_commit(
+    kind: str, server: TestServer, make_trainer: Any
+) -> None:
+    """C34: ``record_checksums=True`` keeps every server tensor's ``/weights_checker``
+    checksum at each commit; a later change of a tensor no read-back can return (q_proj
+    of a model whose head_dim is not hidden_size // num_attention_heads) is named."""
+    trainer = make_trainer(seed=48)
+    target = next(name for name in trainer.expected() if QKV.search(name))
+    async with _driving(kind, server, trainer, verify=False, record_checksums=True) as (_b, sync):
+        await sync.mark_stale()
+        await sync.sync_weights()
+        report = await sync.verify_engine()
+        answer = server.admin.post("/weights_checker", json={"action": "checksum"}).json()
+        assert (
+            report["checksummed"]
+            == len(answer["ranks"][0]["checksums"])
+            > len(trainer.expected()) // 2
+        )
+        assert report["version"] == 1
+        # Each unverified tensor is still named, with what covered it instead.
+        assert all("unchanged since the commit of version 1" in e for e in sync.live_unverified)
+        _corrupt(server, target, 5)
+        with pytest.raises(
+            RefitVerificationError,
+            match=rf"{re.escape(target)} \(TP rank 0\) changed since the commit of version 1",
+        ):
+            await sync.verify_engine()
+        assert sync.is_stale
+        await sync.mark_stale()
+        await sync.sync_weights()
+        assert (await sync.verify_engine())["version"] == 2
+    checks = [e for e in server.log() if e["path"] == "/weights_checker"]
+    assert checks and all(e["status"] in (200, 400) for e in checks)
+
+
+async def test_verify_engine_refuses_to_pass_when_it_can_compare_nothing(
+    server: TestServer, make_trainer: Any
+) -> None:
+    """A server object that can neither read back nor checksum: verify_engine() says it
+    checked nothing instead of passing."""
+    trainer = make_trainer(seed=49)
+    async with _driving("http", server, trainer, backend_type=_Blind, verify=False) as (_b, sync):
+        await sync.mark_stale()
+        await sync.sync_weights()
+        with pytest.raises(SyncError, match="compared nothing"):
+            await sync.verify_engine()
+        assert not sync.is_stale

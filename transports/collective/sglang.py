@@ -93,6 +93,8 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
             tensors' first rows kept from the packed buffers, or with ``True`` every
             tensor re-read from the source); not a per-bucket digest, which SGLang
             would not check. A difference raises :class:`~aiosync.RefitVerificationError`.
+        record_checksums: as :class:`~aiosync.transports.http.HTTPWeightSynchronizer`
+            (``verify_engine()`` then also finds a server tensor changed since the commit).
 
     Raises:
         TypeError: a server does not satisfy ``SGLangDistributedServer``.
@@ -120,6 +122,7 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
         initial_version: int = 0,
         trace: bool = False,
         verify: Verify = "sample",
+        record_checksums: bool = False,
     ) -> None:
         cluster = train_cluster or TrainCluster()
         if cluster.world_size != 1:
@@ -151,6 +154,7 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
             initial_version=initial_version,
             trace=trace,
             verify=verify,
+            record_checksums=record_checksums,
         )
         self._distributed_servers()  # refused here, before anything is set up
         self.train_cluster = cluster

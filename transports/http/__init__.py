@@ -5,7 +5,8 @@
   drives (``aiosync.SGLangHTTPBackend`` satisfies it), and the optional
   :class:`SGLangManifestSource` (the manifest checked at ``init_communicator()``)
   and :class:`SGLangWeightUpdateSession` (SGLang's begin/end weight-update session)
-  and :class:`SGLangWeightReader` (``/get_weights_by_name``, the ``verify`` read-back);
+  and :class:`SGLangWeightReader` (``/get_weights_by_name``, the ``verify`` read-back)
+  and :class:`SGLangWeightChecker` (``/weights_checker``, ``verify_engine()``'s checksums);
   :class:`SGLangDistributedServer`, a server that receives over a process group
   (:class:`aiosync.transports.collective.SGLangCollectiveWeightSynchronizer`).
 - The engine side is SGLang itself; a server that imitates it decodes each
@@ -22,6 +23,7 @@ from .server import (
     SGLangDistributedServer,
     SGLangManifestSource,
     SGLangServer,
+    SGLangWeightChecker,
     SGLangWeightReader,
     SGLangWeightUpdateSession,
 )
@@ -33,6 +35,7 @@ __all__ = [
     "SGLangDistributedServer",
     "SGLangManifestSource",
     "SGLangServer",
+    "SGLangWeightChecker",
     "SGLangWeightReader",
     "SGLangWeightUpdateSession",
     "decode_flattened_bucket",

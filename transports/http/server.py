@@ -7,7 +7,8 @@ client a user already has. :class:`SGLangManifestSource` is optional (the
 manifest checked at ``init_communicator()``); :class:`SGLangWeightUpdateSession` is
 optional too (SGLang's ``/begin_weight_update`` ... ``/end_weight_update`` bracket),
 and so is :class:`SGLangWeightReader` (``/get_weights_by_name``: the ``verify``
-read-back). See ``docs/sglang.md`` and, for the endpoints as read in SGLang's sources,
+read-back), and :class:`SGLangWeightChecker` (``/weights_checker``: ``verify_engine()``'s
+checksums). See ``docs/sglang.md`` and, for the endpoints as read in SGLang's sources,
 ``docs/sglang-contract.md``.
 """
 
@@ -23,6 +24,7 @@ __all__ = [
     "SGLangDistributedServer",
     "SGLangManifestSource",
     "SGLangServer",
+    "SGLangWeightChecker",
     "SGLangWeightReader",
     "SGLangWeightUpdateSession",
 ]
@@ -156,6 +158,25 @@ class SGLangWeightReader(Protocol):
         in nested lists (one list per DP rank when ``dp_size > 1``); None when the
         server cannot read it (SGLang's 400, ``"Get parameter by name failed"``, or a
         404: no such route)."""
+        ...
+
+
+@runtime_checkable
+class SGLangWeightChecker(Protocol):
+    """An SGLang server with SGLang's own weight checker (``/weights_checker``, 0.5.23):
+    :meth:`~aiosync.transports.http.HTTPWeightSynchronizer.verify_engine` records its
+    per-tensor checksums at each commit (``record_checksums=True``) and compares them
+    later, naming any tensor that changed since."""
+
+    async def check_weights(
+        self,
+        action: str,
+        *,
+        skip_tensor_list: Sequence[str] | None = None,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any] | None:
+        """``POST /weights_checker {action, selector: "target"}``: SGLang's answer
+        (``success`` false for a refusal); None: the server has no such route (404)."""
         ...
 
 

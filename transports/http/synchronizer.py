@@ -64,6 +64,7 @@ from ._wire import (
 from .server import (
     SGLangManifestSource,
     SGLangServer,
+    SGLangWeightChecker,
     SGLangWeightReader,
     SGLangWeightUpdateSession,
 )
@@ -132,6 +133,13 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             ``True`` every source tensor not compared is named, with why, in the
             ``COMMITTED`` event's ``unverified`` (and a warning): a commit never
             hides a tensor the check skipped (Qwen3: all q/k/v_proj).
+        record_checksums: at each commit (after the flush, before the label) ask every
+            server's ``/weights_checker`` (SGLang 0.5.23) for the checksum of each tensor
+            of each TP rank, and keep them: :meth:`verify_engine` then also finds any
+            server tensor changed since that commit, the fused ones included (one
+            request per server and sync; the server hashes all its weights, on GPU a
+            Triton pass over them). A server without the route (404) is warned about
+            once and has no record. Off by default.
 
     Raises:
         TypeError: ``generation`` (or one of its engines) does not satisfy
@@ -155,6 +163,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         initial_version: int = 0,
         trace: bool = False,
         verify: Verify = "sample",
+        record_checksums: bool = False,
     ) -> None:
         servers = _servers_of(generation)
         if bucket_bytes <= 0:
@@ -174,6 +183,16 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         self.abort_all_requests = abort_all_requests
         #: The read-back check of every sync (see the class docs); read at each sync.
         self.verify: Verify = verify
+        #: Record every server's ``/weights_checker`` checksums at each commit (class docs).
+        self.record_checksums = record_checksums
+        # The checksums recorded at the last commit, {server URL: {(rank, name): hex}},
+        # and that commit's version; emptied when a sync starts (the weights change).
+        self._checksums: dict[str, dict[tuple[str, str], str]] = {}
+        self._checksum_version = initial_version
+        #: What the last :meth:`verify_engine` did not compare with the trainer's
+        #: weights, as ``"name: why"`` (and, where recorded checksums covered it,
+        #: since when it is known unchanged).
+        self.live_unverified: tuple[str, ...] = ()
         self._plan: tuple[FlatBucket, ...] = ()
         self._tp_sizes = [1] * len(servers)
         # Per server (index of ``servers``), learnt at init: its DP ranks (each answers
@@ -304,6 +323,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         # bucket); True re-reads the source instead (never a copy of the model).
         kept: list[Expected] | None = [] if verify == "sample" else None
         unverified: tuple[str, ...] = ()
+        self._checksums = {}
         async with self._refit_bracket():
             phases["woken"] = time.monotonic()
             async with self._weight_update_sessions():
@@ -316,6 +336,16 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             phases["streamed"] = time.monotonic()
             await self._each(lambda server: server.flush_cache())
             phases["flushed"] = time.monotonic()
+            if self.record_checksums:
+                # What the servers hold of this version as they will compute with it
+                # (after the session's post-processing): verify_engine()'s reference.
+                recorded = await self._each_indexed(self._server_checksums)
+                self._checksums = {
+                    server.base_url: sums
+                    for server, sums in zip(self.servers, recorded, strict=True)
+                    if sums is not None
+                }
+                self._checksum_version = version
             # Only now: the whole version landed and no KV of the old one survives.
             label = str(version)
             await self._each(
@@ -501,7 +531,162 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                 pool.clear()
         return nbytes
 
-    async def _read_back(self, verify: Verify, kept: Sequence[Expected]) -> tuple[str, ...]:
+    async def verify_engine(self) -> dict[str, int]:
+        """Check the servers' live weights against the trainer's, moving no weights.
+
+        Two checks, under the sync lock and the source lock (a running sync ends first):
+
+        * the READ-BACK: every tensor SGLang's ``/get_weights_by_name`` returns as the
+          checkpoint holds it (:func:`._readback.readable`), read whole from every
+          server and compared with what the source yields now, exactly as
+          ``verify=True``; what it cannot return (q/k/v_proj of a model whose
+          ``head_dim`` is not ``hidden_size // num_attention_heads``, 0-d tensors, a
+          tensor the server answers 400 for: every tensor of a real Qwen3 server) is
+          named in :attr:`live_unverified` with why, and logged;
+        * with ``record_checksums=True``: every server's ``/weights_checker`` checksum
+          of each tensor of each TP rank, against those recorded at the last commit: a
+          tensor changed since (any tensor, fused ones included) is named. This says
+          the weights did not change since the commit, not that the commit held the
+          trainer's tensors: SGLang's checksum is of its own, fused, sharded and
+          post-processed tensors (a Triton hash on GPU), which a trainer cannot
+          recompute.
+
+        Returns:
+            ``{"workers": servers, "tensors": tensors read back and compared (summed
+            over servers), "unverified": source tensors not compared with the trainer's
+            (:attr:`live_unverified`), "checksummed": server tensors whose checksum
+            matched the recorded one (summed over TP ranks and servers), "version":
+            weight_version}``.
+
+        Raises:
+            RefitVerificationError: a server holds a tensor other than the trainer's, or
+                one changed since the commit (the server, the tensor and, for the
+                checksums, the TP rank named). The synchronizer is then stale
+                (:attr:`is_stale`): the next sync rewrites every tensor.
+            SyncError: nothing could be compared (no server reads back or checksums).
+            TransportError, SyncTimeoutError: a request failed.
+        """
+        self._check_open()
+        async with self._lock, self._source_lock:
+            version = self._weight_version
+            mismatch: RefitVerificationError | None = None
+            checksummed, unchanged = 0, False
+            tally = [0]
+            unverified: tuple[str, ...] = ()
+            try:
+                checksummed, unchanged = await self._check_checksums()
+                verdict = (
+                    f"(verify_engine(): the live weights against the trainer's version "
+                    f"{self._policy_version}, labelled {version})"
+                )
+                unverified = await self._read_back(True, (), verdict=verdict, tally=tally)
+            except RefitVerificationError as exc:
+                mismatch = exc
+        if mismatch is not None:
+            # The servers do not hold weight_version: stale until a sync lands.
+            self._invalidate_engine_weights()
+            self._live_check_failed()
+            raise mismatch
+        if unchanged:
+            since = (
+                f"; unchanged since the commit of version {self._checksum_version} "
+                "(/weights_checker checksums), never compared with the trainer's"
+            )
+            unverified = tuple(entry + since for entry in unverified)
+        self.live_unverified = unverified
+        if tally[0] == 0 and checksummed == 0:
+            raise SyncError(
+                "verify_engine() compared nothing: no server reads these tensors back "
+                "(/get_weights_by_name) and no checksums were recorded at the last commit "
+                "(record_checksums=True, a server with /weights_checker)"
+            )
+        return {
+            "workers": len(self.servers),
+            "tensors": tally[0],
+            "unverified": len(unverified),
+            "checksummed": checksummed,
+            "version": version,
+        }
+
+    async def _server_checksums(
+        self, index: int, server: SGLangServer
+    ) -> dict[tuple[str, str], str] | None:
+        """Server ``index``'s ``/weights_checker`` checksums, ``{(rank, name): hex}``
+        (rank: ``"TP rank r"``, with the DP rank when there are several); None: it
+        has no checker (warned once).
+
+        Raises:
+            TransportError: the server refused or answered without ``ranks``.
+        """
+        if not isinstance(server, SGLangWeightChecker):
+            self._warn_once(
+                index, "no weights_checker", f"{type(server).__name__} has no check_weights"
+            )
+            return None
+        answer = await server.check_weights("checksum")
+        if answer is None:
+            self._warn_once(
+                index, "no weights_checker", "no /weights_checker (404): no checksums recorded"
+            )
+            return None
+        ranks = answer.get("ranks")
+        if not answer.get("success") or not isinstance(ranks, list):
+            raise TransportError(
+                f"{self._label(index)}: /weights_checker checksum failed: {answer.get('message')}"
+            )
+        sums: dict[tuple[str, str], str] = {}
+        for position, info in enumerate(ranks):
+            places = info.get("parallelism_info") or [{}]
+            place = places[0] if isinstance(places, list) and places else {}
+            where = f"TP rank {place.get('tp_rank', position)}"
+            if int(place.get("dp_size", 1) or 1) > 1:
+                where += f", DP rank {place.get('dp_rank')}"
+            for name, digest in (info.get("checksums") or {}).items():
+                sums[(where, str(name))] = str(digest)
+        return sums
+
+    async def _check_checksums(self) -> tuple[int, bool]:
+        """The checksums recorded at the last commit against the servers' now: returns
+        how many matched and whether every server in the sync had a record.
+
+        Raises:
+            RefitVerificationError: a tensor's checksum differs or it is gone (named).
+        """
+        if not self._checksums:
+            return 0, False
+        servers = self.servers
+        recorded = [self._checksums.get(server.base_url) for server in servers]
+
+        async def now(index: int, server: SGLangServer) -> dict[tuple[str, str], str] | None:
+            if recorded[index] is None:
+                return None
+            return await self._server_checksums(index, server)
+
+        current = await self._each_indexed(now)
+        matched = 0
+        for index, (then, held) in enumerate(zip(recorded, current, strict=True)):
+            if then is None:
+                continue
+            for (where, name), digest in then.items():
+                found = None if held is None else held.get((where, name))
+                if found != digest:
+                    what = "is gone" if found is None else f"now {found}"
+                    raise RefitVerificationError(
+                        f"{self._label(index)}: {name} ({where}) changed since the commit of "
+                        f"version {self._checksum_version} (/weights_checker checksum "
+                        f"{digest} then, {what}; verify_engine())"
+                    )
+                matched += 1
+        return matched, all(r is not None for r in recorded)
+
+    async def _read_back(
+        self,
+        verify: Verify,
+        kept: Sequence[Expected],
+        *,
+        verdict: str | None = None,
+        tally: list[int] | None = None,
+    ) -> tuple[str, ...]:
         """``verify``'s check: what each server holds, read back through
         ``/get_weights_by_name``, against what the trainer sent.
 
@@ -510,6 +695,8 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         from the source one at a time (this runs inside the sync, under the source
         lock: the same version). Servers are read side by side, one request at a
         time each for ``True`` (whole tensors), a few at a time for ``"sample"``.
+        ``verdict`` ends a mismatch's message (default: the sync's); ``tally[0]`` counts
+        the tensors compared (per server).
 
         Returns:
             ``verify=True``: ``"name: why"`` of every source tensor not compared on
@@ -552,7 +739,9 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             async def one(i: int, expected: Expected) -> None:
                 async with limiter:
                     try:
-                        await self._check_tensor(index, server, expected, verify, unread[index])
+                        await self._check_tensor(
+                            index, server, expected, verify, unread[index], verdict
+                        )
                     except Exception as exc:
                         failures[i] = exc
 
@@ -588,7 +777,11 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                     expected: Expected = expected,
                 ) -> None:
                     index, server = reader
-                    await self._check_tensor(index, server, expected, verify, unread[index])
+                    await self._check_tensor(
+                        index, server, expected, verify, unread[index], verdict
+                    )
+                    if tally is not None and expected.name not in unread[index]:
+                        tally[0] += 1
 
                 await on_readers(one)
         for index, names in enumerate(unread):
@@ -616,9 +809,10 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         )
         if unverified:
             _log.warning(
-                "verify=True did not compare %d tensor(s) (named in the COMMITTED event's "
-                "unverified): %s",
+                "%s did not compare %d tensor(s) (named in %s): %s",
+                "verify=True" if verdict is None else "verify_engine()",
                 len(unverified),
+                "the COMMITTED event's unverified" if verdict is None else "live_unverified",
                 "; ".join(unverified),
             )
         return unverified
@@ -647,6 +841,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         expected: Expected,
         verify: Verify,
         unread: dict[str, str],
+        verdict: str | None = None,
     ) -> None:
         """Read ``expected``'s tensor back from server ``index`` (each DP rank) and compare.
 
@@ -675,7 +870,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
             raise RefitVerificationError(
                 f"{expected.name!r} (bucket {expected.bucket}) read back through "
                 f"/get_weights_by_name{dp_rank} is not what the trainer sent: {difference} "
-                f"(verify={verify_label(verify)!r}; the version is not labelled)"
+                + (verdict or f"(verify={verify_label(verify)!r}; the version is not labelled)")
             )
 
     def _warn_once(self, index: int, kind: str, message: str) -> None:
