@@ -13,6 +13,7 @@ wake bracket, timeouts. The engine's optional capabilities are the Protocols of
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import numbers
@@ -20,7 +21,7 @@ import secrets
 import time
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, runtime_checkable
@@ -648,12 +649,15 @@ class WeightSynchronizer(ABC):
             try:
                 with anyio.fail_after(self.timeouts.sync_s):
                     pausable = self._pausable()
+                    pause: Callable[[], Awaitable[None]] | None = None
                     if pausable is not None:
                         # Set before the call: a pause that fails half-way (some
                         # engines of a fleet paused) is resumed all the same.
                         paused_at = time.perf_counter()
-                        await pausable.pause_generation(policy, clear_cache=True)
-                    moved = await self._elastic_transfer(version, kv_scales)
+                        pause = functools.partial(
+                            pausable.pause_generation, policy, clear_cache=True
+                        )
+                    moved = await self._elastic_transfer(version, kv_scales, pause)
                 if self._discards != discards:
                     raise SyncError(
                         f"the engine discarded its weights while version {version} was being "
@@ -720,17 +724,31 @@ class WeightSynchronizer(ABC):
             return None
         return self.generation if isinstance(self.generation, ElasticEngines) else None
 
-    async def _elastic_transfer(self, version: int, kv_scales: KVScales | None) -> Any:
-        """:meth:`_transfer`, re-initialized first when the fleet's membership changed,
+    async def _elastic_transfer(
+        self,
+        version: int,
+        kv_scales: KVScales | None,
+        pause: Callable[[], Awaitable[None]] | None = None,
+    ) -> Any:
+        """``pause()`` (the engine's ``pause_generation``; None: no pause), then
+        :meth:`_transfer`, re-initialized first when the fleet's membership changed,
         and, when a failure made the fleet quarantine engines
         (``on_engine_failure="quarantine"``), again over the engines left: each round
-        sets at least one engine aside, so this ends."""
+        sets at least one engine aside, so this ends.
+
+        A failed pause is such a failure too: an engine that died between syncs
+        fails the pause before any byte moves (case C29), and is set aside like
+        one that dies during the transfer; the pause is then made again on the
+        engines left (a fleet's failed pause cancelled theirs)."""
         fleet = self._elastic()
         while True:
-            if fleet is not None and fleet.membership_epoch != self._membership_seen:
-                await self._membership_changed()
-                self._membership_seen = fleet.membership_epoch
             try:
+                if pause is not None:
+                    await pause()
+                    pause = None  # the engines stay paused through later rounds
+                if fleet is not None and fleet.membership_epoch != self._membership_seen:
+                    await self._membership_changed()
+                    self._membership_seen = fleet.membership_epoch
                 return await self._transfer(version, kv_scales)
             except Exception as exc:
                 if fleet is None:

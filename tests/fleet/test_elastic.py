@@ -9,7 +9,9 @@ fails as without quarantine.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import re
 import signal
 import socket
 from collections.abc import AsyncIterator
@@ -151,6 +153,60 @@ async def test_an_engine_killed_mid_sync_is_quarantined_and_the_others_commit(
         await fleet.prepare_for_generation()
         expected = trainer.generate(PROMPTS, max_new_tokens=4)
         assert await fleet.generate(PROMPTS, max_new_tokens=4) == expected
+
+
+def _options(transport: str, workers: int) -> dict[str, Any]:
+    """The synchronizer's options for ``transport`` over a fleet of ``workers`` workers."""
+    if transport == "ipc":
+        return {"colocated": True, "device": "cpu", "rpc_timeout_s": 10.0}
+    return {
+        "colocated": False,
+        "train_cluster": TrainCluster(master_port=_port()),
+        "inference_world_size": workers,
+        "collective_timeout_s": 10.0,
+        "rpc_timeout_s": 30.0,
+    }
+
+
+@pytest.mark.parametrize("transport", ["ipc", "collective"])
+async def test_an_engine_dead_between_syncs_is_quarantined_and_the_others_commit_and_serve(
+    engines: list[EmbeddedEngine], transport: str
+) -> None:
+    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=64)
+    source = HookedSource(trainer.model)
+    fleet = EngineFleet(engines, on_engine_failure="quarantine", min_engines=2)
+    sync = create_weight_synchronizer(source, fleet, backend="embedded", **_options(transport, 3))
+    async with sync, sync.subscribe() as events:
+        await sync.mark_stale()
+        await sync.sync_weights()
+        # It dies serving: the fleet's generate fails at once, naming it.
+        serving = asyncio.create_task(
+            fleet.generate(PROMPTS, max_new_tokens=2000, ignore_eos=True, timeout_s=60.0)
+        )
+        with anyio.fail_after(60):
+            while not (await engines[1].status())[0]["requests"]:
+                await anyio.sleep(0.01)
+        os.kill(engines[1].pids[0], signal.SIGKILL)
+        with pytest.raises(TransportError, match=rf"^{re.escape(VICTIM)}: .*died"):
+            await serving
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.mul_(1.5)
+        await sync.mark_stale()
+        await sync.sync_weights()  # engine 1 is set aside; 0 and 2 commit
+        assert (sync.weight_version, sync.is_stale) == (2, False)
+        assert list(fleet.quarantined) == [VICTIM]
+        assert "engine worker(s) [0] died" in fleet.quarantined[VICTIM]
+        assert fleet.serving == [engines[0], engines[2]]
+        seen = await _drain(events)
+        assert (VersionEventKind.ENGINE_QUARANTINED, 2, VICTIM) in seen
+        assert seen[-1][:2] == (VersionEventKind.COMMITTED, 2)
+        assert await _holds([engines[0], engines[2]], trainer) == [True, True]
+        await fleet.prepare_for_generation()
+        expected = trainer.generate(PROMPTS, max_new_tokens=4)
+        # A 5 s limit: a pause left on a member would end in SyncTimeoutError.
+        assert await fleet.generate(PROMPTS, max_new_tokens=4, timeout_s=5.0) == expected
+    assert await engines[1].respawn_dead_workers() == [0]
 
 
 async def test_a_default_fleet_names_a_member_killed_mid_sync_and_refuses_to_generate_at_once(
