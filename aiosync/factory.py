@@ -137,10 +137,10 @@ def create_weight_synchronizer(
             explicit ``sharded=True`` is refused then, ``RefitMismatchError``).
             Trainer ranks other than 0, which pass no engine, must say True or
             False (as rank 0 decides).
-        verify: what each receiver checks of what arrived: ``"sample"`` (the
-            transports' default: a digest of a sample of every bucket), ``True``
-            (every byte), ``False``; IPC, collective, HTTP (a read-back through
-            ``/get_weights_by_name``), LoRA.
+        verify: what each receiver checks of what arrived: ``True`` (every byte;
+            the IPC and collective default), ``"sample"`` (a digest of a sample of
+            every bucket; the HTTP and LoRA default), ``False``; IPC, collective,
+            HTTP (a read-back through ``/get_weights_by_name``), LoRA.
         overlap: ``"inplace"`` or ``"staged"``; collective.
         delta: send only the elements whose bits changed since the last committed
             version (:mod:`aiosync.delta`); collective broadcast, IPC, shard-aware.

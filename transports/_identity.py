@@ -155,11 +155,12 @@ class WorkerIdentityMixin:
 
     # -- verification: what is live ------------------------------------------------
 
-    def aiosync_test_arm_transit_fault(self, bucket: int, byte: int) -> None:
-        """Test hook: flip byte ``byte`` of bucket ``bucket`` the next time this worker
-        receives it, before its copy and its ``verify`` check (see
-        :func:`aiosync.transports._verify.arm_transit_fault`). One-shot."""
-        arm_transit_fault(bucket, byte)
+    def aiosync_test_arm_transit_fault(self, bucket: int, byte: int, mask: int = 0xFF) -> None:
+        """Test hook: XOR byte ``byte`` of bucket ``bucket`` with ``mask`` (default: flip
+        all 8 bits) the next time this worker receives it, before its copy and its
+        ``verify`` check (see :func:`aiosync.transports._verify.arm_transit_fault`).
+        One-shot."""
+        arm_transit_fault(bucket, byte, mask)
 
     def aiosync_weight_digests(self, names: Sequence[str] | None = None) -> dict[str, list[Any]]:
         """``{hf_name: [shape, dtype name, sha256 hex]}`` of the weights live on this

@@ -2,7 +2,7 @@
 
 Every transport that moves buckets takes ``verify``:
 
-- ``"sample"`` (the default): the sender digests a sample of each packed bucket,
+- ``"sample"``: the sender digests a sample of each packed bucket,
   the receiver the same sample of what it received, after its copy out of it. The
   sample is the first and last byte of every tensor slot plus a run of
   :data:`SAMPLE_RUN` consecutive bytes at a random place in each of
@@ -15,14 +15,18 @@ Every transport that moves buckets takes ``verify``:
   bucket is caught with probability ``SAMPLE_BYTES / n`` per sync (every byte of a
   bucket of at most ``SAMPLE_BYTES``), and a fault that stays put (a bad page) by
   one of the next syncs.
-- ``True``: the digest covers every byte (what the receiver received, copied to
-  the host where it is on a GPU); costs about one read of the refit's bytes on
-  each side (``benchmarks/verify.py``).
+- ``True`` (the default of the IPC and collective transports): every byte, by the
+  block-sum digest (:class:`aiosync._digest.BlockDigest`): certain to catch any change
+  confined to one 64-bit word (a lone flipped bit or byte anywhere), and bulk faults
+  unless their weighted sums cancel exactly. The sender digests each chunk of a bucket
+  as it packs it (:func:`~aiosync.transports.packing.pack`, 1 MiB at a time, still in
+  cache) and an IPC worker each tensor as its ``load_weights`` took it, so it costs a
+  few percent of a sync (``benchmarks/verify.py``); on a GPU it runs as device kernels.
 - ``False``: no check.
 
-The digest is xxHash's XXH3-64 (the ``xxhash`` library) of the sampled bytes or
-of the whole bucket, as a signed int64 (it travels in int64 tensors): equal on
-every device, since it is computed on host bytes.
+``"sample"``'s digest is xxHash's XXH3-64 (the ``xxhash`` library) of the sampled
+bytes, as a signed int64 (it travels in int64 tensors): equal on every device, since
+it is computed on host bytes. Both digests are computed the same way on every side.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ import numpy as np
 import torch
 import xxhash
 
+from aiosync._digest import BlockDigest
+
 __all__ = [
     "SAMPLE_BYTES",
     "SAMPLE_RUN",
@@ -43,6 +49,7 @@ __all__ = [
     "check_verify",
     "disarm_transit_faults",
     "sample_key",
+    "slots_digest",
     "transit_fault",
     "transit_fault_armed",
     "verify_label",
@@ -134,9 +141,11 @@ def bucket_digest(
         raise ValueError("bucket_digest() needs verify=True or 'sample'")
     flat = buffer.reshape(-1)
     seed = flat.numel()
+    if verify is True:
+        return slots_digest(flat, slots or [(0, seed)])
     # A bucket of at most SAMPLE_BYTES samples every byte (one per stride): its digest
     # is the whole buffer's, without drawing and gathering the positions (~30x dearer).
-    if verify == "sample" and seed > SAMPLE_BYTES:
+    if seed > SAMPLE_BYTES:
         return _signed(
             xxhash.xxh3_64_intdigest(_take(flat, _positions(seed, key, slots)).data, seed=seed)
         )
@@ -144,15 +153,27 @@ def bucket_digest(
     return _signed(xxhash.xxh3_64_intdigest(host.numpy().data, seed=seed))
 
 
-def views_digest(views: Sequence[torch.Tensor], verify: Verify, *, key: int = 0) -> int:
+def views_digest(
+    views: Sequence[torch.Tensor],
+    verify: Verify,
+    *,
+    key: int = 0,
+    offsets: Sequence[int] | None = None,
+) -> int:
     """:func:`bucket_digest` of a bucket that was never packed (the IPC transport's
-    direct mode): the same digest over the tensors' bytes laid end to end, so a packed
-    bucket without padding and its tensors digest alike.
+    direct mode), over the tensors' own bytes.
+
+    ``"sample"`` lays the views end to end (a packed bucket without padding and its
+    tensors digest alike); ``True`` places view ``i`` at byte ``offsets[i]`` of the
+    bucket (default: end to end, each rounded up to 8 bytes), so that the views digest
+    as the bucket packed at those offsets.
 
     Args:
         views: each tensor's bytes, ``uint8``, 1-D, contiguous, in slot order.
         verify: ``True`` or ``"sample"``.
         key: the sample's seed.
+        offsets: ``True`` only: each view's byte offset in the bucket (multiples of 8:
+            a plan's slot offsets).
 
     Raises:
         ValueError: ``verify`` is False.
@@ -160,9 +181,19 @@ def views_digest(views: Sequence[torch.Tensor], verify: Verify, *, key: int = 0)
     if verify is False:
         raise ValueError("views_digest() needs verify=True or 'sample'")
     sizes = [int(v.numel()) for v in views]
+    if verify is True:
+        if offsets is None:
+            ends = [0]
+            for size in sizes:
+                ends.append(ends[-1] + -(-size // 8) * 8)
+            offsets = ends[:-1]
+        digest = BlockDigest()
+        for view, offset in zip(views, offsets, strict=True):
+            digest.add(offset, view.detach())
+        return digest.value()
     total = sum(sizes)
     hasher = xxhash.xxh3_64(seed=total)
-    if verify is True or total <= SAMPLE_BYTES:  # every byte (see bucket_digest)
+    if total <= SAMPLE_BYTES:  # every byte (see bucket_digest)
         for view in views:
             if view.numel():
                 hasher.update(view.detach().cpu().contiguous().numpy().data)
@@ -177,6 +208,16 @@ def views_digest(views: Sequence[torch.Tensor], verify: Verify, *, key: int = 0)
         if hi > lo:
             hasher.update(_take(view, positions[lo:hi] - offset).data)
     return _signed(hasher.intdigest())
+
+
+def slots_digest(buffer: torch.Tensor, slots: Sequence[tuple[int, int]]) -> int:
+    """``verify=True``'s digest of a packed bucket: :class:`~aiosync._digest.BlockDigest`
+    of each slot's ``(offset, nbytes)`` bytes of ``uint8`` ``buffer`` (any device; the
+    padding between slots is not read)."""
+    digest = BlockDigest()
+    for offset, nbytes in slots:
+        digest.add(offset, buffer[offset : offset + nbytes])
+    return digest.value()
 
 
 def _take(view: torch.Tensor, positions: np.ndarray) -> np.ndarray:
@@ -200,15 +241,22 @@ def sample_key(version: int, bucket: int) -> int:
 
 # -- the test fault: one byte flipped in transit ------------------------------------
 
-# bucket index → byte offset, armed in a receiving process by a test.
-_ARMED: dict[int, int] = {}
+# bucket index → (byte offset, XOR mask), armed in a receiving process by a test.
+_ARMED: dict[int, tuple[int, int]] = {}
 
 
-def arm_transit_fault(bucket: int, byte: int) -> None:
-    """Test hook: flip (XOR 0xFF) byte ``byte`` of bucket ``bucket`` the next time
-    this process receives it, before its copy and its check: a transport fault
-    on the receive path. One-shot."""
-    _ARMED[int(bucket)] = int(byte)
+def arm_transit_fault(bucket: int, byte: int, mask: int = 0xFF) -> None:
+    """Test hook: XOR byte ``byte`` of bucket ``bucket`` with ``mask`` (default 0xFF:
+    every bit; ``0x40`` of a bf16's high byte: its exponent's top bit, ~0.01 becomes
+    ~1e36) the next time this process receives it, before its copy and its check: a
+    transport fault on the receive path. One-shot.
+
+    Raises:
+        ValueError: ``mask`` is not 1 to 255.
+    """
+    if not 0 < int(mask) < 256:
+        raise ValueError(f"mask must flip 1 to 8 bits of a byte (1..255), got {mask}")
+    _ARMED[int(bucket)] = (int(byte), int(mask))
 
 
 def transit_fault_armed(bucket: int) -> bool:
@@ -224,7 +272,8 @@ def disarm_transit_faults() -> None:
 def transit_fault(buffer: torch.Tensor, bucket: int) -> None:
     """Apply the fault armed for ``bucket`` to its received ``uint8`` bytes (a no-op
     unless a test armed one)."""
-    byte = _ARMED.pop(bucket, None)
-    if byte is not None:
+    armed = _ARMED.pop(bucket, None)
+    if armed is not None:
+        byte, mask = armed
         flat = buffer.reshape(-1)
-        flat[byte] = flat[byte] ^ 0xFF
+        flat[byte] = flat[byte] ^ mask

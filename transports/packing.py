@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from aiosync._config import PACK_ALIGNMENT_BYTES
+from aiosync._digest import CHUNK_BYTES, BlockDigest
 from aiosync.errors import RefitMismatchError
 
 __all__ = [
@@ -329,6 +330,8 @@ def pack(
     bucket: Bucket,
     tensors: Iterable[tuple[str, torch.Tensor]],
     out: torch.Tensor | None = None,
+    *,
+    digest: BlockDigest | None = None,
 ) -> torch.Tensor:
     """Copy ``tensors`` (in slot order) into a flat ``uint8`` buffer.
 
@@ -338,6 +341,10 @@ def pack(
             any strides (non-contiguous tensors are copied element-wise).
         out: a ``uint8`` buffer of at least ``bucket.nbytes`` bytes to reuse;
             allocated on the first tensor's device when None.
+        digest: when given, every slot's packed bytes are added to it (``verify=True``,
+            :class:`~aiosync._digest.BlockDigest`). In host memory a contiguous tensor
+            is copied and digested 1 MiB at a time, each chunk while it is still in the
+            core's cache: the digest then costs a fraction of a second read.
 
     Returns:
         ``out[:bucket.nbytes]``. Alignment padding is left as it was; a tensor that
@@ -365,7 +372,11 @@ def pack(
         if out is None:
             out = torch.empty(bucket.nbytes, dtype=torch.uint8, device=tensor.device)
         view = slot_view(out, slot)
-        if not in_place(tensor, view):
+        if digest is not None:
+            _pack_digesting(
+                out[slot.offset : slot.offset + slot.nbytes], slot, tensor, view, digest
+            )
+        elif not in_place(tensor, view):
             view.copy_(tensor)
     extra = next(it, None)
     if extra is not None:
@@ -375,10 +386,53 @@ def pack(
     return out[: bucket.nbytes]
 
 
-def unpack(buffer: torch.Tensor, bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
+def _pack_digesting(
+    raw: torch.Tensor,
+    slot: TensorSlot,
+    tensor: torch.Tensor,
+    view: torch.Tensor,
+    digest: BlockDigest,
+) -> None:
+    """Copy ``tensor`` into ``view`` (``raw``: its ``uint8`` bytes) and add them to
+    ``digest``: in host memory chunk by chunk (cut at multiples of
+    :data:`~aiosync._digest.CHUNK_BYTES` of the bucket's offsets), each chunk summed
+    while the copy left it in cache; on a GPU the whole slot, then its digest."""
+    if raw.is_cuda or tensor.device != raw.device or not tensor.is_contiguous():
+        if not in_place(tensor, view):
+            view.copy_(tensor)
+        digest.add(slot.offset, raw)
+        return
+    if in_place(tensor, view) or slot.nbytes == 0:
+        digest.add(slot.offset, raw)
+        return
+    # numpy's copy of a host chunk: a plain memcpy, which leaves the chunk in cache.
+    source = tensor.detach().reshape(-1).view(torch.uint8).numpy()
+    target = raw.numpy()
+    start = 0
+    while start < slot.nbytes:
+        stop = min(
+            slot.nbytes,
+            (slot.offset + start) // CHUNK_BYTES * CHUNK_BYTES + CHUNK_BYTES - slot.offset,
+        )
+        chunk = target[start:stop]
+        chunk[...] = source[start:stop]
+        digest.add_host(slot.offset + start, chunk)
+        start = stop
+
+
+def unpack(
+    buffer: torch.Tensor, bucket: Bucket, *, digest: BlockDigest | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, view)`` for each slot: zero-copy views into ``buffer``.
 
     The views alias ``buffer``: consume (load) them before the buffer is reused.
+
+    Args:
+        digest: when given, each slot's bytes are added to it once the consumer asks
+            for the next view (or for the end): after a loader that copies each tensor
+            as it gets it took them, while they are still in cache. It then holds one
+            piece per slot (:attr:`~aiosync._digest.BlockDigest.pieces`) only when the
+            consumer read every view.
 
     Raises:
         RefitMismatchError: the buffer is not ``uint8`` or is smaller than the bucket.
@@ -390,6 +444,8 @@ def unpack(buffer: torch.Tensor, bucket: Bucket) -> Iterator[tuple[str, torch.Te
         )
     for slot in bucket.slots:
         yield slot.name, slot_view(buffer, slot)
+        if digest is not None:
+            digest.add(slot.offset, buffer[slot.offset : slot.offset + slot.nbytes])
 
 
 def _check_tensor(slot: TensorSlot, name: str, tensor: torch.Tensor) -> None:

@@ -127,8 +127,26 @@ async def _assert_bit_exact(
             assert torch.equal(got[name], tensor), (i, name)
 
 
-async def _arm(pool: WorkerPool, worker: int, bucket: int, byte: int) -> None:
-    await pool.call(worker, "aiosync_test_arm_transit_fault", bucket=bucket, byte=byte)
+async def _arm(pool: WorkerPool, worker: int, bucket: int, byte: int, mask: int = 0xFF) -> None:
+    await pool.call(worker, "aiosync_test_arm_transit_fault", bucket=bucket, byte=byte, mask=mask)
+
+
+def _unsampled_exponent(plan: BucketPlan, version: int) -> tuple[Bucket, TensorSlot, int]:
+    """A bucket, one of its float tensors and the byte of that tensor holding an
+    element's top exponent bits (bit 6 of its last byte, little-endian), which the
+    sample of ``version`` leaves out: a flip there is invisible to ``"sample"``."""
+    for bucket in plan.buckets:
+        slots = [(s.offset, s.nbytes) for s in bucket.slots]
+        sampled = set(
+            sample_positions(bucket.nbytes, sample_key(version, bucket.index), slots).tolist()
+        )
+        for slot in bucket.slots:
+            size = torch.empty(0, dtype=getattr(torch, slot.dtype)).element_size()
+            middle = slot.offset + slot.nbytes // 2 // size * size + size - 1
+            for byte in range(middle, slot.offset + slot.nbytes - 1, size):
+                if byte not in sampled:
+                    return bucket, slot, byte
+    raise AssertionError("every byte of the plan is sampled")
 
 
 def _raw(tensor: torch.Tensor) -> torch.Tensor:
@@ -136,13 +154,12 @@ def _raw(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("overlap", ["inplace", "staged"])
-async def test_sample_verify_by_default_catches_a_flipped_first_byte_and_the_next_sync_heals(
+async def test_sample_verify_catches_a_flipped_first_byte_and_the_next_sync_heals(
     verify_pool: WorkerPool, overlap: str
 ) -> None:
     trainer = _trainer(seed=300)
     workers = await verify_pool.view([0, 1])
-    async with _sync(trainer, workers, overlap=overlap) as sync:
-        assert sync.verify == "sample"
+    async with _sync(trainer, workers, overlap=overlap, verify="sample") as sync:
         await sync.mark_stale()
         await sync.sync_weights()
         v1 = _checkpoint(trainer)
@@ -172,6 +189,41 @@ async def test_sample_verify_by_default_catches_a_flipped_first_byte_and_the_nex
             await verify_pool.call(FAULTY, "test_generate", prompts=PROMPTS, max_new_tokens=1)
 
         await sync.sync_weights()  # no fault armed: it lands
+        assert (sync.weight_version, sync.is_stale) == (2, False)
+    await _assert_bit_exact(verify_pool, [0, 1], _checkpoint(trainer))
+
+
+@pytest.mark.parametrize("overlap", ["inplace", "staged"])
+async def test_the_default_check_catches_one_flipped_exponent_bit_and_the_next_sync_heals(
+    verify_pool: WorkerPool, overlap: str
+) -> None:
+    trainer = _trainer(seed=305)
+    workers = await verify_pool.view([0, 1])
+    async with _sync(trainer, workers, overlap=overlap) as sync:  # the default verify
+        assert sync.verify is True
+        await sync.mark_stale()
+        await sync.sync_weights()
+        _perturb(trainer, seed=5)
+        bucket, slot, byte = _unsampled_exponent(sync.plan, version=2)
+        sent = _checkpoint(trainer)[slot.name].reshape(-1)
+        element = (byte - slot.offset) // sent.element_size()
+        # The flip makes the element ~1e37 or more (a weight the engine would serve).
+        flipped = _raw(sent.clone()).clone()
+        flipped[byte - slot.offset] ^= 0x40
+        assert abs(float(flipped.view(sent.dtype)[element])) > 1e30
+        await _arm(verify_pool, FAULTY, bucket.index, byte, mask=0x40)
+        await sync.mark_stale()
+        with pytest.raises(RefitVerificationError) as info:
+            await sync.sync_weights()
+        message = str(info.value)
+        assert re.search(
+            rf"engine worker {FAULTY}: bucket {bucket.index} \({re.escape(_names(bucket))}\) "
+            r"arrived with digest -?\d+, the trainer sent -?\d+ \(verify=True\)",
+            message,
+        ), message
+        assert "engine worker 0:" not in message
+        assert (sync.weight_version, sync.is_stale) == (1, True)
+        await sync.sync_weights()  # one-shot fault: this one lands
         assert (sync.weight_version, sync.is_stale) == (2, False)
     await _assert_bit_exact(verify_pool, [0, 1], _checkpoint(trainer))
 

@@ -18,6 +18,7 @@ import torch
 
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.errors import RefitVerificationError, SyncError
+from aiosync.transports._verify import sample_key, sample_positions
 from aiosync.transports.ipc import IPCWeightSynchronizer
 from aiosync.transports.packing import Bucket, TensorSlot
 
@@ -60,8 +61,8 @@ def _target(sync: IPCWeightSynchronizer) -> tuple[Bucket, TensorSlot]:
     return bucket, bucket.slots[SLOT]
 
 
-async def _arm(engine: EmbeddedEngine, bucket: int, byte: int) -> None:
-    await engine.collective_rpc("aiosync_test_arm_transit_fault", (bucket, byte))
+async def _arm(engine: EmbeddedEngine, bucket: int, byte: int, mask: int = 0xFF) -> None:
+    await engine.collective_rpc("aiosync_test_arm_transit_fault", (bucket, byte, mask))
 
 
 async def _fails_caught_then_heals(
@@ -90,15 +91,36 @@ async def _fails_caught_then_heals(
     assert [s["weights_valid"] for s in await engine.status()] == [True]
 
 
-async def test_default_sample_catches_a_flipped_first_byte_of_a_tensor_and_heals(
+async def test_sample_catches_a_flipped_first_byte_of_a_tensor_and_heals(
     dense_engine: EmbeddedEngine, h: SimpleNamespace
 ) -> None:
-    async with await _synchronizer(dense_engine, h, seed=41) as sync:
-        assert sync.verify == "sample"
+    async with await _synchronizer(dense_engine, h, seed=41, verify="sample") as sync:
         bucket, slot = _target(sync)
         # A slot's first byte is always in the sample: the catch is certain.
         await _arm(dense_engine, bucket.index, slot.offset)
         await _fails_caught_then_heals(sync, dense_engine, h, "'sample'")
+
+
+async def test_the_default_check_catches_one_flipped_exponent_bit_the_sample_misses(
+    dense_engine: EmbeddedEngine, h: SimpleNamespace
+) -> None:
+    async with await _synchronizer(dense_engine, h, seed=46) as sync:  # the default verify
+        assert sync.verify is True
+        bucket, slot = _target(sync)
+        size = torch.empty(0, dtype=getattr(torch, slot.dtype)).element_size()
+        element = slot.nbytes // size // 2 + 1
+        # The last byte of a middle element (little-endian): bit 6 is its exponent's top.
+        byte = slot.offset + element * size + size - 1
+        sampled = sample_positions(
+            bucket.nbytes, sample_key(1, bucket.index), [(s.offset, s.nbytes) for s in bucket.slots]
+        )
+        assert byte not in set(sampled.tolist())  # "sample" would let it through
+        sent = sync.trainer.hf_state_dict()[slot.name].reshape(-1)  # type: ignore[attr-defined]
+        flipped = sent.clone()
+        flipped.view(torch.uint8)[element * size + size - 1] ^= 0x40
+        assert abs(float(flipped[element])) > 1e30  # a weight the engine would serve
+        await _arm(dense_engine, bucket.index, byte, mask=0x40)
+        await _fails_caught_then_heals(sync, dense_engine, h, "True")
 
 
 async def test_full_verify_catches_a_flipped_byte_in_the_middle_of_a_tensor(
@@ -153,7 +175,7 @@ async def test_a_delta_sync_verifies_its_patch_buckets_and_the_next_sync_heals(
         # Bucket 0 of the full plan starts with the embedding: this is the patch's.
         assert re.fullmatch(
             r"engine worker 0( \(aiosync_ipc_receive\))?: bucket 0 \('model\.norm\.weight.*\) "
-            r"arrived with digest -?\d+, the trainer sent -?\d+ \(verify='sample'\)",
+            r"arrived with digest -?\d+, the trainer sent -?\d+ \(verify=True\)",
             str(info.value),
         )
         assert (sync.weight_version, sync.is_stale) == (1, True)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from aiosync._digest import BlockDigest
 from aiosync.errors import (
     RefitMismatchError,
     RefitVerificationError,
@@ -323,6 +324,8 @@ def stream_buckets(
                 group.wait(pending.pop(slot)[0], what=f"broadcast of bucket {bucket.index - 2}")
             mark("sent", bucket.index - 2)
         buf: torch.Tensor | None = None
+        # verify=True: the bucket is digested as it is packed (each chunk in cache).
+        blocks: BlockDigest | None = None
         if failure is None:
             try:
                 _, tensors = next(groups)  # gathers run on the caller's stream
@@ -335,7 +338,8 @@ def stream_buckets(
                     buf = _zero_copy(bucket, tensors, group.device)
                     if buf is None:
                         buf = buffers(bucket)
-                        pack(bucket, tensors, out=buf)
+                        blocks = BlockDigest() if verify is True else None
+                        pack(bucket, tensors, out=buf, digest=blocks)
                 mark("packed", bucket.index)
             except SyncError as exc:
                 failure = exc
@@ -345,7 +349,10 @@ def stream_buckets(
             if buf is None:
                 buf = buffers(bucket)  # after a failure: keep the receivers' loop going
             if verify is not False:
-                checksums.append(_digest(buf, bucket, verify, version))
+                if blocks is not None and failure is None:
+                    checksums.append(blocks.value())
+                else:  # "sample", a zero-copy bucket, or after a failed pack
+                    checksums.append(_digest(buf, bucket, verify, version))
             mark("broadcasting", bucket.index)
             work = group.broadcast(buf, what=f"broadcast of bucket {bucket.index}")
         pending[slot] = (work, buf, bucket.index)  # keeps a zero-copy source alive until sent

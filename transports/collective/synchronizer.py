@@ -13,8 +13,8 @@ Timeline of one sync (in-place)::
     trainer rank 0      header | pack 0 | pack 1, send 0 | pack 2, send 1 | ... | trailer | vote
     inference ranks     header | recv 0 | recv 1, load 0 | recv 2, load 1 | ... | trailer | vote
 
-With ``verify`` (default ``"sample"``) the source digests each bucket as it packs
-it, the trailer carries the digests, and every worker compares them with its own
+With ``verify`` (default ``True``: every byte) the source digests each bucket as it
+packs it, the trailer carries the digests, and every worker compares them with its own
 digests of what it received before the vote: a mismatch fails the vote on every
 rank as :class:`~aiosync.errors.RefitVerificationError`, so no worker counts its
 weights valid (``docs/reliability.md``).
@@ -136,10 +136,11 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         bucket_bytes: bucket size, bytes; default :func:`default_bucket_bytes`.
             Two buffers of this size are allocated on each side.
         verify: check every bucket each worker received against what the source
-            sent (:mod:`aiosync.transports._verify`): ``"sample"`` (the default)
-            digests every tensor's first and last byte plus 4096 bytes in runs of 8 drawn
-            afresh per sync and bucket, ``True`` every byte (about one more read
-            of the weights on each side), ``False`` nothing. The digests travel in
+            sent (:mod:`aiosync.transports._verify`): ``True`` (the default) digests
+            every byte (the block-sum digest, taken while packing, each chunk in cache:
+            any single flipped bit is caught), ``"sample"`` every tensor's first and
+            last byte plus 4096 bytes in runs of 8 drawn afresh per sync and bucket,
+            ``False`` nothing. The digests travel in
             the trailer and each worker compares before the vote: a mismatch
             fails the sync with :class:`~aiosync.errors.RefitVerificationError`
             naming the worker, the bucket and its first tensor, before any worker
@@ -191,7 +192,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         inference_world_size: int,
         dist_backend: DistBackend | None = None,
         bucket_bytes: int | None = None,
-        verify: Verify = "sample",
+        verify: Verify = True,
         overlap: Literal["inplace", "staged"] = "inplace",
         delta: bool = False,
         timeouts: Timeouts | None = None,

@@ -97,6 +97,7 @@ import zmq
 import zmq.asyncio
 
 from aiosync._config import DEFAULT_EVENT_BACKLOG, Timeouts
+from aiosync._digest import BlockDigest
 from aiosync._fanout import most_telling, named
 from aiosync._kv_scales import attention_layers, kv_scale_entries
 from aiosync.capabilities import DiscardNotifier, WorkerDescribing, engines_of
@@ -263,12 +264,13 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
             only when every worker holds the base (else full everywhere: one
             choice, rank 0's, so that the ranks' gathers stay paired).
         verify: check every bucket on arrival (:mod:`aiosync.transports._verify`):
-            ``"sample"`` (the default) digests, while packing, the first and last
-            byte of every tensor and 4096 bytes in runs of 8 drawn afresh per sync and
-            bucket (a cost that does not grow with the bucket), ``True`` every
-            byte (about one more read of the refit's bytes on each side),
-            ``False`` nothing. Each worker digests the same bytes of the shared
-            buffer after its copy out of it (a delta's patches alike); a
+            ``True`` (the default) digests every byte (the block-sum digest: any
+            single flipped bit is caught), while packing, each chunk in cache, and
+            each worker each tensor as ``load_weights`` took it; ``"sample"`` the
+            first and last byte of every tensor and 4096 bytes in runs of 8 drawn
+            afresh per sync and bucket (a cost that does not grow with the bucket);
+            ``False`` nothing. Each worker digests the bytes of the shared
+            buffer after its copy out of them (a delta's patches alike); a
             mismatch fails the sync with
             :class:`~aiosync.errors.RefitVerificationError` naming the bucket
             and its first tensor, the worker's weights stay invalid until a sync
@@ -309,7 +311,7 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
         device_label: str | None = None,
         trace: bool = False,
         delta: bool = False,
-        verify: Verify = "sample",
+        verify: Verify = True,
         direct: bool = True,
     ) -> None:
         # Every check before the base class's __init__, which registers the
@@ -966,7 +968,7 @@ class _BucketSender:
         trace: list[dict[str, Any]] | None = None,
         *,
         version: int = 0,
-        verify: Verify = "sample",
+        verify: Verify = True,
     ) -> int:
         """Stream every bucket of the plan, then the KV-cache scales ``kv`` (engine
         names, values), to the workers of global ``ranks``; returns the bytes sent.
@@ -994,7 +996,7 @@ class _BucketSender:
         trace: list[dict[str, Any]] | None = None,
         *,
         version: int = 0,
-        verify: Verify = "sample",
+        verify: Verify = True,
         inline: list[dict[str, Any]] | None = None,
         ahead: _Ahead | None = None,
     ) -> int:
@@ -1325,8 +1327,12 @@ class _BucketSender:
                     for slot, (_name, tensor) in zip(bucket.slots, group, strict=False)
                     if not in_place(tensor, slot_view(buffer.tensor, slot))
                 )
-            self._pack(bucket, group, buffer)
-            if check is not None:
+            # verify=True: digested as it is packed, each chunk while still in cache.
+            blocks = BlockDigest() if check is not None and check.verify is True else None
+            self._pack(bucket, group, buffer, blocks)
+            if blocks is not None:
+                digest = blocks.value()
+            elif check is not None:
                 digest = check.digest(bucket, buffer.tensor)
         if last:
             _exhaust(groups)
@@ -1334,9 +1340,13 @@ class _BucketSender:
         return (group if buffer is None else None), digest
 
     def _pack(
-        self, bucket: Bucket, group: list[tuple[str, torch.Tensor]], buffer: SharedBuffer
+        self,
+        bucket: Bucket,
+        group: list[tuple[str, torch.Tensor]],
+        buffer: SharedBuffer,
+        digest: BlockDigest | None = None,
     ) -> None:
-        pack(bucket, group, out=buffer.tensor)
+        pack(bucket, group, out=buffer.tensor, digest=digest)
         if buffer.tensor.is_cuda:
             torch.cuda.current_stream(buffer.tensor.device).synchronize()
 
@@ -1571,11 +1581,16 @@ class _Check(NamedTuple):
         )
 
     def views_digest(self, bucket: Bucket, group: Sequence[tuple[str, torch.Tensor]]) -> int:
-        """The digest of a direct bucket: its tensors' own bytes, in slot order
-        (:func:`~aiosync.transports._verify.views_digest`; blocking)."""
+        """The digest of a direct bucket: its tensors' own bytes, in slot order, at
+        their slots' offsets (:func:`~aiosync.transports._verify.views_digest`; blocking)."""
         assert self.verify is not False
         views = [t.detach().reshape(-1).view(torch.uint8) for _name, t in group]
-        return views_digest(views, self.verify, key=sample_key(self.version, bucket.index))
+        return views_digest(
+            views,
+            self.verify,
+            key=sample_key(self.version, bucket.index),
+            offsets=[slot.offset for slot in bucket.slots],
+        )
 
     def fields(self, bucket: Bucket, digest: int) -> dict[str, Any]:
         """What a ``data`` message carries for the worker's check: the mode, the

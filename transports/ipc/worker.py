@@ -63,13 +63,14 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from aiosync._digest import BlockDigest
 from aiosync.delta import PatchModel, WeightPatch, finish_patches, patch_from_wire, wire_manifest
 from aiosync.errors import (
     OwnershipError,
@@ -97,6 +98,10 @@ from ._shm import MappedBuffer, open_handle
 __all__ = ["IPCWorkerMixin"]
 
 _log = logging.getLogger(__name__)
+
+#: Writes one bucket into the weights (its tensors, or a delta's patches) and returns
+#: the tensors written; may add each tensor's bytes to the ``verify=True`` digest given.
+_Loader = Callable[[Bucket, torch.Tensor, BlockDigest | None], int]
 
 #: Plans a worker remembers (one per trainer configuration it was initialised with).
 _MAX_PLANS = 4
@@ -435,20 +440,21 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                     state.link, state.link_endpoint = None, ""
                 link.close()
 
-    def _aiosync_full_loader(self) -> Callable[[Bucket, torch.Tensor], int]:
-        """The bucket loader of a full sync: ``load_weights`` of every tensor;
-        returns the tensors loaded."""
+    def _aiosync_full_loader(self) -> _Loader:
+        """The bucket loader of a full sync: ``load_weights`` of every tensor, each
+        added to the digest (when given) once ``load_weights`` took it; returns the
+        tensors loaded."""
         load_weights = self.model_runner.model.load_weights  # type: ignore[attr-defined]
 
-        def load(bucket: Bucket, buffer: torch.Tensor) -> int:
-            loaded = load_weights(unpack(buffer, bucket))
+        def load(bucket: Bucket, buffer: torch.Tensor, digest: BlockDigest | None) -> int:
+            loaded = load_weights(unpack(buffer, bucket, digest=digest))
             return int(loaded) if isinstance(loaded, int) else len(bucket.slots)
 
         return load
 
     def _aiosync_patch_loader(
         self, plan: BucketPlan, delta: Mapping[str, Any], held: int | None
-    ) -> tuple[BucketPlan, Callable[[Bucket, torch.Tensor], int], PatchModel]:
+    ) -> tuple[BucketPlan, _Loader, PatchModel]:
         """The wire plan of a delta sync against ``plan``, the bucket loader that
         applies its patches (returns the patches applied), and the model it writes.
 
@@ -481,7 +487,8 @@ class IPCWorkerMixin(WorkerIdentityMixin):
         # A sparse patch is two wire tensors (where, values), maybe in two buckets.
         partial: dict[str, dict[str, torch.Tensor]] = {}
 
-        def load(bucket: Bucket, buffer: torch.Tensor) -> int:
+        def load(bucket: Bucket, buffer: torch.Tensor, digest: BlockDigest | None) -> int:
+            # The digest is taken after the patches are written (few bytes: not fused).
             ready: list[WeightPatch] = []
             waiting: dict[str, dict[str, torch.Tensor]] = {}
             for name, tensor in unpack(buffer, bucket):
@@ -515,14 +522,15 @@ class IPCWorkerMixin(WorkerIdentityMixin):
         senders: set[str],
         trace: list[dict[str, Any]] | None = None,
         keep: set[str] | None = None,
-        load: Callable[[Bucket, torch.Tensor], int] | None = None,
+        load: _Loader | None = None,
     ) -> tuple[int, int]:
         """Load every bucket until ``end``; ``senders`` collects the devices the
         buffers came from, ``trace`` (when not None) one row of timestamps per
         bucket, ``keep`` the keys in ``mapped`` of the shared-memory ping-pong
         buffers worth keeping for the next receive, ``load(bucket, buffer)`` writes
         one bucket (default: ``load_weights`` of its tensors) and returns the
-        tensors it wrote. Returns ``(tensors, bytes)`` loaded."""
+        tensors it wrote, adding each tensor's bytes to the ``verify=True`` digest it
+        is given once loaded, if it can. Returns ``(tensors, bytes)`` loaded."""
         load_weights = self.model_runner.model.load_weights  # type: ignore[attr-defined]
         default_load = load
         if load is None:
@@ -563,19 +571,27 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                     transit_fault(copy, index)
                     views = list(unpack(copy, bucket))
                 check = _check_fields(msg)
+                blocks = BlockDigest() if check is not None and check[0] is True else None
                 self.aiosync_weights_valid = False
                 state.touched = sync_id
                 load_start = time.monotonic()
                 with torch.no_grad():
-                    loaded = load_weights(views)
+                    loaded = load_weights(
+                        views if blocks is None else _digesting(views, bucket, blocks)
+                    )
                 cuda = next((t.device for _n, t in views if t.is_cuda), None)
                 if cuda is not None:
                     # The copy out of the trainer's memory is done before the reply
                     # lets the trainer step again (nothing acks a direct bucket).
                     torch.cuda.current_stream(cuda).synchronize()
                 if check is not None:
-                    raw = [t.reshape(-1).view(torch.uint8) for _name, t in views]
-                    _verify_digest(bucket, views_digest(raw, check[0], key=check[1]), *check)
+                    if blocks is not None and blocks.pieces == len(bucket.slots):
+                        received_digest = blocks.value()
+                    else:  # "sample", or a loader that did not take every tensor
+                        raw = [t.reshape(-1).view(torch.uint8) for _name, t in views]
+                        offsets = [slot.offset for slot in bucket.slots]
+                        received_digest = views_digest(raw, check[0], key=check[1], offsets=offsets)
+                    _verify_digest(bucket, received_digest, *check)
                 load_end = time.monotonic()
                 arrived[index] += 1
                 tensors += int(loaded) if isinstance(loaded, int) else len(bucket.slots)
@@ -607,21 +623,26 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                 if buffer is None:
                     buffer = mapped[key] = open_handle(handle)
                 check = _check_fields(msg)
+                # verify=True: each tensor is digested as soon as it is loaded (in cache).
+                blocks = BlockDigest() if check is not None and check[0] is True else None
                 # The test fault (a no-op unless armed) lands in what the copy reads.
                 transit_fault(buffer.tensor[: bucket.nbytes], index)
                 self.aiosync_weights_valid = False
                 state.touched = sync_id
                 load_start = time.monotonic()
                 with torch.no_grad():
-                    loaded = load(bucket, buffer.tensor)
+                    loaded = load(bucket, buffer.tensor, blocks)
                 if buffer.tensor.is_cuda:
                     torch.cuda.current_stream(buffer.tensor.device).synchronize()
                 if check is not None:
                     # After the copy: what the weights took is what is digested.
-                    slots = [(s.offset, s.nbytes) for s in bucket.slots]
-                    received_digest = bucket_digest(
-                        buffer.tensor[: bucket.nbytes], check[0], key=check[1], slots=slots
-                    )
+                    if blocks is not None and blocks.pieces == len(bucket.slots):
+                        received_digest = blocks.value()
+                    else:  # "sample", or a loader that digested nothing (patches)
+                        slots = [(s.offset, s.nbytes) for s in bucket.slots]
+                        received_digest = bucket_digest(
+                            buffer.tensor[: bucket.nbytes], check[0], key=check[1], slots=slots
+                        )
                     _verify_digest(bucket, received_digest, *check)
                 load_end = time.monotonic()
                 if handle.get("transient"):
@@ -660,6 +681,16 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                 raise TransportError(f"the trainer aborted the refit: {msg.get('reason', '')}")
             else:
                 raise TransportError(f"unexpected message type {kind!r}")
+
+
+def _digesting(
+    views: list[tuple[str, torch.Tensor]], bucket: Bucket, digest: BlockDigest
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``views`` (a direct bucket's tensors, in slot order), each added to ``digest`` at
+    its slot's offset once the loader asks for the next: after its copy, in cache."""
+    for slot, (name, tensor) in zip(bucket.slots, views, strict=True):
+        yield name, tensor
+        digest.add(slot.offset, tensor.detach().reshape(-1).view(torch.uint8))
 
 
 class _ReceiverState:
