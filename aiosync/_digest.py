@@ -70,7 +70,9 @@ class BlockDigest:
 
     def __init__(self) -> None:
         self._acc = 0
-        self._device_acc: torch.Tensor | None = None
+        # Added on a GPU: each run's sums (int64, on the device) and (first weight, count).
+        self._device_sums: list[torch.Tensor] = []
+        self._device_weights: list[tuple[int, int]] = []
         # Host whole blocks: each one's sum at its block index, weighed once in value().
         self._sums = np.zeros(0, dtype=np.int64)
         self.pieces = 0
@@ -136,27 +138,25 @@ class BlockDigest:
             raise ValueError(f"BlockDigest: a piece must start at a multiple of 8, got {offset}")
 
     def _add_device_bytes(self, offset: int, raw: torch.Tensor) -> None:
-        """:meth:`add` on a GPU: the same sums as CUDA kernels, kept on the device."""
+        """:meth:`add` on a GPU: one row-sum kernel per run of whole blocks, one sum per
+        partial block, their results kept on the device and weighed in :meth:`value`
+        (kernel launches, not bytes, are a small tensor's cost there)."""
         n = raw.numel()
         if n == 0:
             return
         head = min(n, -offset % BLOCK_BYTES)
         if head:
-            self._add_device(_device_sum(raw[:head]) * (offset // 4 + 1))
+            self._device_sums.append(_device_sum(raw[:head]).view(1))
+            self._device_weights.append((offset // 4 + 1, 1))
             offset, raw, n = offset + head, raw[head:], n - head
         whole = n - n % BLOCK_BYTES
         if whole:
             count = whole // BLOCK_BYTES
-            sums = _device_words(raw[:whole]).view(count, _BLOCK_WORDS).sum(dim=1)
-            index = _index(count, raw.device)
-            base = offset // 4 + 1
-            self._add_device((sums * index).sum() * _STRIDE + sums.sum() * base)
+            self._device_sums.append(_device_words(raw[:whole]).view(count, _BLOCK_WORDS).sum(1))
+            self._device_weights.append((offset // 4 + 1, count))
         if whole < n:
-            self._add_device(_device_sum(raw[whole:]) * ((offset + whole) // 4 + 1))
-
-    def _add_device(self, part: torch.Tensor) -> None:
-        # Kept on the device: one host sync per bucket, in value().
-        self._device_acc = part if self._device_acc is None else self._device_acc + part
+            self._device_sums.append(_device_sum(raw[whole:]).view(1))
+            self._device_weights.append(((offset + whole) // 4 + 1, 1))
 
     def value(self) -> int:
         """The digest so far, a signed int64 (synchronizes with a CUDA device)."""
@@ -164,10 +164,20 @@ class BlockDigest:
         blocks = self._sums.size
         if blocks:
             # sum_b (STRIDE b + 1) S_b; a block no piece covered holds 0.
-            index = _index(blocks, torch.device("cpu")).numpy()
-            total += _STRIDE * int(np.dot(self._sums, index)) + int(np.add.reduce(self._sums))
-        if self._device_acc is not None:
-            total += int(self._device_acc)
+            weighted = int(np.dot(self._sums, _index(blocks)))
+            total += _STRIDE * weighted + int(np.add.reduce(self._sums))
+        if self._device_sums:
+            # One weighing for every piece added on the device: block j of a run
+            # starting at weight w weighs w + STRIDE j (built on the host, one copy in).
+            sums = torch.cat(self._device_sums)
+            weights = np.concatenate(
+                [
+                    base + _STRIDE * np.arange(count, dtype=np.int64)
+                    for base, count in self._device_weights
+                ]
+            )
+            on_device = torch.from_numpy(weights).to(sums.device)
+            total += int((sums * on_device).sum())
         total &= _MASK
         return total - (1 << 64) if total >> 63 else total
 
@@ -203,14 +213,12 @@ def _device_sum(raw: torch.Tensor) -> torch.Tensor:
     return _device_words(raw).sum()
 
 
-_INDEX: dict[torch.device, torch.Tensor] = {}
+_INDEX = np.arange(1024, dtype=np.int64)
 
 
-def _index(count: int, device: torch.device) -> torch.Tensor:
-    """``int64[count]`` ``0, 1, ...`` on ``device`` (cached, grown to the largest
-    range of blocks seen)."""
-    index = _INDEX.get(device)
-    if index is None or index.numel() < count:
-        size = max(count, 2 * (0 if index is None else index.numel()), 1024)
-        index = _INDEX[device] = torch.arange(size, device=device)
-    return index[:count]
+def _index(count: int) -> np.ndarray:
+    """``int64[count]`` ``0, 1, ...`` (cached, grown to the largest bucket seen)."""
+    global _INDEX
+    if _INDEX.size < count:
+        _INDEX = np.arange(max(count, 2 * _INDEX.size), dtype=np.int64)
+    return _INDEX[:count]

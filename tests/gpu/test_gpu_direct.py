@@ -139,3 +139,25 @@ def test_the_same_harness_on_cpu_syncs_out_of_a_shared_memory_arena(moved: bool)
         device_name="cpu",
     )
     _check(result, packed=int(moved), copied=_embedding_bucket_bytes() if moved else 0)
+
+
+@pytest.mark.gpu
+def test_the_full_digest_runs_on_the_device_without_copying_to_the_host() -> None:
+    # verify=True's digest of CUDA bytes: row sums as kernels, weighed in one kernel at
+    # value(); no byte is copied to the host before value() reads the one result.
+    from torch.profiler import ProfilerActivity, profile
+
+    from aiosync._digest import BlockDigest
+    from aiosync.transports._verify import bucket_digest
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, device="cuda", generator=gen)
+    slots = [(0, 1000), (1024, (1 << 20) + 13), ((1 << 20) + 4096, 2 << 20)]
+    digest = BlockDigest()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for offset, nbytes in slots:
+            digest.add(offset, data[offset : offset + nbytes])
+        torch.cuda.synchronize()
+    copies = [e.name for e in prof.events() if "Memcpy" in e.name and "DtoH" in e.name]
+    assert copies == []
+    assert digest.value() == bucket_digest(data.cpu(), True, slots=slots)

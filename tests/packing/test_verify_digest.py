@@ -232,3 +232,14 @@ def test_the_transit_fault_can_flip_a_single_bit() -> None:
     assert int(buffer[9]) == int(original[9]) ^ 0x40
     with pytest.raises(ValueError, match="mask must flip 1 to 8 bits"):
         arm_transit_fault(0, 9, 0x100)
+
+
+def test_the_device_path_weighs_the_same_sums() -> None:
+    # What a GPU runs (torch kernels, sums kept on the device, weighed once in value()),
+    # exercised on host tensors: the same digest as the host path and the definition.
+    buffer = _bucket(16)[:BLOCK_NBYTES]
+    digest = BlockDigest()
+    for offset, nbytes in BLOCK_SLOTS:
+        digest._add_device_bytes(offset, buffer[offset : offset + nbytes])
+    assert digest.value() == bucket_digest(buffer, True, slots=BLOCK_SLOTS)
+    assert digest.value() == _reference(buffer, BLOCK_SLOTS)
