@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import socket
 import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
@@ -35,7 +37,7 @@ import torch.distributed as dist
 
 from aiosync._config import DEFAULT_BUCKET_BYTES, DEFAULT_EVENT_BACKLOG, Timeouts
 from aiosync._fanout import each_named, most_telling
-from aiosync.errors import RefitMismatchError
+from aiosync.errors import OwnershipError, RefitMismatchError, TransportError
 from aiosync.interfaces import InFlightPolicy, RefitSource, TrainCluster
 
 from .._verify import Verify
@@ -50,6 +52,18 @@ from ..http.synchronizer import (
 )
 from ._custom_group import CustomGroup, join_custom_group
 from ._group import open_store
+from ._sglang_groups import (
+    CancellableStore,
+    GroupRecord,
+    holder_gone,
+    process_start,
+    read_record,
+    records_dir,
+    records_of,
+    remove_record,
+    server_restarted,
+    write_record,
+)
 from .synchronizer import DIST_BACKENDS, DistBackend
 
 __all__ = ["DEFAULT_GROUP_NAME", "SGLangCollectiveWeightSynchronizer"]
@@ -222,12 +236,17 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
         world = 1 + ranks
         offsets = [1 + sum(self._tp_sizes[:i]) for i in range(len(self._tp_sizes))]
         servers = self._distributed_servers()
+        started = await self._reclaim_dead_groups(servers)
         joined: list[CustomGroup] = []
+        # The trainer's side of the rendezvous, ended at once when a server refuses.
+        rendezvous = CancellableStore(store, self.collective_timeout_s)
+        # The servers that answered: only their groups of this name are ours to destroy.
+        formed: list[SGLangDistributedServer] = []
 
         def join() -> None:
             joined.append(
                 join_custom_group(
-                    store,
+                    rendezvous,
                     group_name=name,
                     rank=0,
                     world_size=world,
@@ -237,29 +256,49 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
             )
 
         async def init(index: int, server: SGLangDistributedServer) -> None:
-            await server.init_weights_update_group(
-                master_address=cluster.master_addr,
-                master_port=int(store.port),
-                rank_offset=offsets[index],
-                world_size=world,
-                group_name=name,
-                backend=self.dist_backend,
-                timeout_s=self.collective_timeout_s + self.timeouts.rpc_s,
-            )
+            try:
+                await server.init_weights_update_group(
+                    master_address=cluster.master_addr,
+                    master_port=int(store.port),
+                    rank_offset=offsets[index],
+                    world_size=world,
+                    group_name=name,
+                    backend=self.dist_backend,
+                    timeout_s=self.collective_timeout_s + self.timeouts.rpc_s,
+                )
+            except TransportError as exc:
+                if _ALREADY_CREATED not in str(exc):
+                    raise
+                raise _held_elsewhere(server, name, started[index]) from exc
+            formed.append(server)
 
-        self._joined, self._joined_name = servers, name
+        self._joined_name = name
         try:
             async with anyio.create_task_group() as tg:
                 # The backend's constructor blocks until every rank joined; a server
-                # that refuses cancels the wait (the thread ends at its timeout).
+                # that refuses cancels the task group, and the rendezvous with it.
                 tg.start_soon(lambda: anyio.to_thread.run_sync(join, abandon_on_cancel=True))
                 tg.start_soon(lambda: each_named(servers, init, self._label))
         except BaseExceptionGroup as group:
-            _close_later(joined)
+            await self._abandon_formation(rendezvous, joined, formed)
             raise most_telling(group) from None
         except BaseException:
-            _close_later(joined)
+            await self._abandon_formation(rendezvous, joined, formed)
             raise
+        self._joined = servers
+        for server, server_started in zip(servers, started, strict=True):
+            write_record(
+                GroupRecord(
+                    url=server.base_url,
+                    group_name=name,
+                    host=socket.gethostname(),
+                    pid=os.getpid(),
+                    started=process_start(os.getpid()),
+                    master_address=cluster.master_addr,
+                    master_port=int(store.port),
+                    server_started=server_started,
+                )
+            )
         (self._group,) = joined
         _log.info(
             "weight-update group %r formed: %d ranks (trainer + %s), store %s:%d",
@@ -269,6 +308,62 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
             cluster.master_addr,
             store.port,
         )
+
+    async def _abandon_formation(
+        self,
+        rendezvous: CancellableStore,
+        joined: list[CustomGroup],
+        formed: Sequence[SGLangDistributedServer],
+    ) -> None:
+        """A formation failed: end this process's rendezvous now, and have the servers
+        that formed the group (none when one refused: a group forms only whole) leave
+        it; never a server that did not answer, whose group of this name may be
+        another trainer's."""
+        rendezvous.cancel()
+        _close_later(joined)
+        self._joined = tuple(formed)
+        await self._leave_group(failed=True)
+
+    async def _reclaim_dead_groups(
+        self, servers: Sequence[SGLangDistributedServer]
+    ) -> list[float | None]:
+        """Destroy every group on ``servers`` whose record says its trainer is dead
+        (:func:`._sglang_groups.holder_gone`), so that a trainer restarted after a
+        killed one forms its group on the first try; returns each server's
+        ``startup_time`` (None: not reported)."""
+        started: list[float | None] = [None] * len(servers)
+
+        async def reclaim(index: int, server: SGLangDistributedServer) -> None:
+            records = records_of(server.base_url)
+            # Asked every formation: the record this one writes keeps it.
+            info = await server.server_info()
+            now = info.get("startup_time")
+            started[index] = float(now) if isinstance(now, (int, float)) else None
+            for record in records:
+                if record.pid == os.getpid() and record.host == socket.gethostname():
+                    continue  # this process's own (another synchronizer's, or ours)
+                restarted = server_restarted(record, started[index])
+                if not restarted and not holder_gone(record):
+                    continue
+                if not restarted:
+                    try:
+                        with anyio.fail_after(self.timeouts.rpc_s):
+                            await server.destroy_weights_update_group(
+                                record.group_name, timeout_s=self.timeouts.rpc_s
+                            )
+                    except TransportError as exc:
+                        if _NO_SUCH_GROUP not in str(exc):
+                            raise
+                    _log.warning(
+                        "%s: reclaimed weight-update group %r of a dead trainer (%s)",
+                        self._label(index),
+                        record.group_name,
+                        record.describe(),
+                    )
+                remove_record(server.base_url, record.group_name)
+
+        await each_named(servers, reclaim, self._label)
+        return started
 
     async def _leave_group(self, *, failed: bool) -> None:
         """Every server that joined leaves the group (``/destroy_weights_update_group``,
@@ -285,6 +380,8 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
             try:
                 with anyio.fail_after(limit):
                     await server.destroy_weights_update_group(self._joined_name, timeout_s=limit)
+                # Gone from the server: no later trainer is to reclaim it.
+                remove_record(server.base_url, self._joined_name, pid=os.getpid())
             except Exception as exc:
                 # Labelled by URL: after a quarantine ``self.servers`` no longer holds it.
                 where = f"SGLang server {index} of the old group ({server.base_url})"
@@ -471,6 +568,38 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
             "weight_version": self.weight_version,
         }
         return f"SGLangCollectiveWeightSynchronizer({info})"
+
+
+#: SGLang's refusal of a group name it holds (torch's ``_new_process_group_helper``).
+_ALREADY_CREATED = "group name has already been created"
+#: SGLang's answer to destroying a group it does not hold.
+_NO_SUCH_GROUP = "does not exist"
+
+
+def _held_elsewhere(
+    server: SGLangDistributedServer, name: str, server_started: float | None
+) -> OwnershipError:
+    """The error of a formation ``server`` refused because it holds group ``name``:
+    who holds it, from the record, and why it is left alone."""
+    where = f"SGLang server {server.base_url}"
+    record = read_record(server.base_url, name)
+    if record is None or server_restarted(record, server_started):
+        return OwnershipError(
+            f"{where} holds weight-update group {name!r} for another trainer, and there is "
+            f"no record of its holder on this host ({records_dir()}): a trainer on another "
+            "host, or one whose record is gone, is never torn down from here. Use another "
+            f"group_name, or destroy the group once its holder is gone "
+            f"(SGLangHTTPBackend.destroy_weights_update_group({name!r}))"
+        )
+    if holder_gone(record):
+        return OwnershipError(
+            f"{where}: weight-update group {name!r} was held by {record.describe()}, which "
+            "died since this formation began; the next init_communicator() reclaims it"
+        )
+    return OwnershipError(
+        f"{where} holds weight-update group {name!r} for a live trainer, "
+        f"{record.describe()}: left alone (use another group_name to run beside it)"
+    )
 
 
 def _close_later(groups: Sequence[CustomGroup]) -> None:
