@@ -14,9 +14,10 @@ version then refuses to generate until a sync succeeds.
 
 **Elastic fleets** (``on_engine_failure="quarantine"``). After a failed sync the
 synchronizer asks the fleet which members failed (:meth:`EngineFleet.set_aside_failed`):
-each engine in the sync is checked (:class:`~aiosync.capabilities.HealthReporting`,
-else one short worker RPC); the ones that fail are *quarantined*: no more syncs,
-no generate calls. If at least ``min_engines`` remain, the synchronizer re-forms
+each engine in the sync is probed (its :class:`~aiosync.capabilities.HealthReporting`
+check, then one round trip to every worker, within ``probe_timeout_s``: a hung
+worker fails it as a dead one does); the ones that fail are *quarantined*: no more
+syncs, no generate calls. If at least ``min_engines`` remain, the synchronizer re-forms
 its transport over them and syncs them again within the same ``sync_weights()``
 (``weight_version`` then means "live on every engine in service"); below it the
 sync fails as with ``"fail"``. :meth:`EngineFleet.add_engine` (a new engine, or a
@@ -104,7 +105,9 @@ class EngineFleet(GenerateFromMeta):
             ``"quarantine"`` (see the module docs).
         min_engines: with ``"quarantine"``, the fewest engines in service a sync
             may commit on (>= 1).
-        probe_timeout_s: limit of the check of one engine after a failed sync, seconds.
+        probe_timeout_s: limit of the probe of one engine after a failed sync (its
+            health check and a round trip to every worker), seconds; an engine
+            that does not answer within it is set aside as hung.
 
     Raises:
         ValueError: no engine, the same engine twice, an unknown
@@ -212,12 +215,11 @@ class EngineFleet(GenerateFromMeta):
         async def check(i: int, engine: Any) -> None:
             try:
                 with anyio.fail_after(self.probe_timeout_s):
-                    if isinstance(engine, HealthReporting):
-                        await engine.check_health()
-                    elif isinstance(engine, EngineWorkers):
-                        await engine.collective_rpc(
-                            "aiosync_device_identity", timeout_s=self.probe_timeout_s
-                        )
+                    await self._probe(engine)
+            except TimeoutError as exc:
+                # A hung engine (a stopped worker, a frozen server) answers nothing.
+                detail = f" ({type(exc).__name__}: {exc})" if str(exc) else ""
+                reasons[i] = f"did not answer its probe within {self.probe_timeout_s} s{detail}"
             except Exception as exc:
                 reasons[i] = f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc)
 
@@ -245,6 +247,32 @@ class EngineFleet(GenerateFromMeta):
             self._joining.discard(id(engine))
         self._membership_changed()
         return labels
+
+    async def _probe(self, engine: Any) -> None:
+        """One engine's probe after a failed sync: its own check
+        (:class:`~aiosync.capabilities.HealthReporting`: workers alive, server
+        answering), then a round trip to every worker (``aiosync_device_identity``,
+        :class:`~aiosync.capabilities.EngineWorkers`): a stopped or hung worker
+        passes the first (its process lives) but not the second (case C35).
+
+        Raises:
+            TimeoutError: a worker did not answer within ``probe_timeout_s``.
+            TransportError: a worker (or the engine's process) is dead.
+            Whatever the engine's ``check_health`` raises.
+        """
+        if isinstance(engine, HealthReporting):
+            await engine.check_health()
+        if isinstance(engine, EngineWorkers):
+            try:
+                await engine.collective_rpc(
+                    "aiosync_device_identity", timeout_s=self.probe_timeout_s
+                )
+            except (TimeoutError, TransportError):
+                raise
+            except Exception:
+                # Every worker answered, if with an error (one without aiosync's
+                # worker methods): each is alive, which is all the probe asks.
+                return
 
     async def check_health(self) -> None:
         """Check every engine in the sync that can tell

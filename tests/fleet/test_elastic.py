@@ -10,6 +10,7 @@ fails as without quarantine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -207,6 +208,58 @@ async def test_an_engine_dead_between_syncs_is_quarantined_and_the_others_commit
         # A 5 s limit: a pause left on a member would end in SyncTimeoutError.
         assert await fleet.generate(PROMPTS, max_new_tokens=4, timeout_s=5.0) == expected
     assert await engines[1].respawn_dead_workers() == [0]
+
+
+@pytest.mark.parametrize("transport", ["ipc", "collective"])
+async def test_an_engine_hung_mid_sync_fails_its_probe_and_is_quarantined_named(
+    engines: list[EmbeddedEngine], transport: str
+) -> None:
+    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=65)
+    source = HookedSource(trainer.model)
+    fleet = EngineFleet(engines, on_engine_failure="quarantine", min_engines=2, probe_timeout_s=2.0)
+    # Short limits: the stopped worker makes the sync wait for one of them.
+    options = {**_options(transport, 3), "rpc_timeout_s": 4.0}
+    if transport == "collective":
+        options["collective_timeout_s"] = 4.0
+    sync = create_weight_synchronizer(source, fleet, backend="embedded", **options)
+    hung = engines[1].pids[0]
+
+    def stop(i: int) -> None:
+        if i == 5:
+            source.on_tensor = lambda i: None
+            os.kill(hung, signal.SIGSTOP)
+
+    try:
+        async with sync, sync.subscribe() as events:
+            await sync.mark_stale()
+            await sync.sync_weights()
+            with torch.no_grad():
+                for p in trainer.model.parameters():
+                    p.mul_(1.5)
+            source.on_tensor = stop
+            await sync.mark_stale()
+            await sync.sync_weights()  # engine 1 does not answer its probe: set aside
+            assert (sync.weight_version, sync.is_stale) == (2, False)
+            # The hung engine is named, not a healthy one that waited for it.
+            assert list(fleet.quarantined) == [VICTIM]
+            assert "did not answer its probe within 2.0 s" in fleet.quarantined[VICTIM]
+            assert fleet.serving == [engines[0], engines[2]]
+            seen = await _drain(events)
+            assert [e for k, _, e in seen if k is VersionEventKind.ENGINE_QUARANTINED] == [VICTIM]
+            assert seen[-1][:2] == (VersionEventKind.COMMITTED, 2)
+            assert await _holds([engines[0], engines[2]], trainer) == [True, True]
+            await fleet.prepare_for_generation()
+            expected = trainer.generate(PROMPTS, max_new_tokens=4)
+            assert await fleet.generate(PROMPTS, max_new_tokens=4, timeout_s=5.0) == expected
+    finally:
+        # Never leave a stopped process behind; its engine gets a fresh worker.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(hung, signal.SIGCONT)
+            os.kill(hung, signal.SIGKILL)
+        with anyio.fail_after(30):
+            while not engines[1].processes[0].exitcode:
+                await anyio.sleep(0.05)
+        await engines[1].respawn_dead_workers()
 
 
 async def test_a_default_fleet_names_a_member_killed_mid_sync_and_refuses_to_generate_at_once(
