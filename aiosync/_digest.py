@@ -108,6 +108,14 @@ class BlockDigest:
         n = raw.size
         if n == 0:
             return
+        if not (offset | n) % BLOCK_BYTES and n <= CHUNK_BYTES:
+            # A packer's chunk of whole blocks (the common case): one numpy call.
+            first, count = offset // BLOCK_BYTES, n // BLOCK_BYTES
+            if self._sums.size < first + count:
+                self._grow(first + count)
+            words = raw.view(np.int64).reshape(count, _BLOCK_WORDS)
+            np.add.reduce(words, axis=1, out=self._sums[first : first + count])
+            return
         head = min(n, -offset % BLOCK_BYTES)
         if head:  # a slot's start inside a block (or all of a slot within one)
             self._acc += (offset // 4 + 1) * _host_sum(raw[:head])
@@ -116,9 +124,7 @@ class BlockDigest:
         if whole:
             first, count = offset // BLOCK_BYTES, whole // BLOCK_BYTES
             if self._sums.size < first + count:
-                grown = np.zeros(max(first + count, 2 * self._sums.size), dtype=np.int64)
-                grown[: self._sums.size] = self._sums
-                self._sums = grown
+                self._grow(first + count)
             out = self._sums[first : first + count]
             words = raw[:whole].view(np.int64)
             if count <= _NUMPY_BLOCKS:
@@ -131,6 +137,12 @@ class BlockDigest:
                 torch.sum(rows, dim=1, out=torch.from_numpy(out))
         if whole < n:  # a slot's end inside a block
             self._acc += ((offset + whole) // 4 + 1) * _host_sum(raw[whole:])
+
+    def _grow(self, blocks: int) -> None:
+        """Room for the sums of ``blocks`` blocks (at least; doubling)."""
+        grown = np.zeros(max(blocks, 2 * self._sums.size), dtype=np.int64)
+        grown[: self._sums.size] = self._sums
+        self._sums = grown
 
     def _check(self, offset: int) -> None:
         self.pieces += 1
