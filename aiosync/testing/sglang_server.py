@@ -67,6 +67,80 @@ _SGLANG_MODULE = {
     "up_proj": "gate_up_proj",
 }
 _FAULT_MODES = ("error", "hang", "drop", "busy")
+#: The prefix of this server's own routes (fault injection, inspection): not SGLang's.
+AIOSYNC_ROUTE_PREFIX = "/_aiosync/"
+
+
+@dataclass(frozen=True)
+class ServedRoute:
+    """One of SGLang's routes as this server serves it: the methods it answers
+    (SGLang 0.5.23's, ``http_server.py``) and the body fields its handler reads
+    (fields of the route's request class in SGLang's ``io_struct.py``)."""
+
+    methods: frozenset[str]
+    fields: frozenset[str] = frozenset()
+
+
+def _served(methods: str, *fields: str) -> ServedRoute:
+    return ServedRoute(frozenset(methods.split()), frozenset(fields))
+
+
+#: Every SGLang route this server serves; any other path but :data:`AIOSYNC_ROUTE_PREFIX`'s
+#: answers 404 (another method 405), and a handler reading a body field not named here
+#: fails (500). ``tests/contracts/`` checks the table against SGLang 0.5.23's sources.
+SGLANG_ROUTES: dict[str, ServedRoute] = {
+    "/health": _served("GET"),
+    "/health_generate": _served("GET"),
+    "/model_info": _served("GET"),
+    "/get_model_info": _served("GET"),
+    "/server_info": _served("GET"),
+    "/get_server_info": _served("GET"),
+    "/v1/loads": _served("GET"),
+    "/generate": _served("POST", "input_ids", "sampling_params", "return_logprob", "lora_path"),
+    "/pause_generation": _served("POST", "mode"),
+    "/continue_generation": _served("POST"),
+    "/flush_cache": _served("GET POST"),
+    "/begin_weight_update": _served("POST", "selector"),
+    "/end_weight_update": _served("POST"),
+    "/update_weights_from_tensor": _served(
+        "POST",
+        "serialized_named_tensors",
+        "load_format",
+        "flush_cache",
+        "abort_all_requests",
+        "weight_version",
+    ),
+    "/init_weights_update_group": _served(
+        "POST",
+        "master_address",
+        "master_port",
+        "rank_offset",
+        "world_size",
+        "group_name",
+        "backend",
+    ),
+    "/update_weights_from_distributed": _served(
+        "POST",
+        "names",
+        "dtypes",
+        "shapes",
+        "group_name",
+        "load_format",
+        "flush_cache",
+        "abort_all_requests",
+        "weight_version",
+    ),
+    "/destroy_weights_update_group": _served("POST", "group_name"),
+    "/update_weight_version": _served("POST", "new_version", "abort_all_requests"),
+    "/get_weights_by_name": _served("GET POST", "name", "truncate_size"),
+    "/weights_checker": _served(
+        "GET POST", "action", "selector", "skip_tensor_list", "allow_quant_error"
+    ),
+    "/release_memory_occupation": _served("GET POST", "tags"),
+    "/resume_memory_occupation": _served("GET POST", "tags"),
+    "/load_lora_adapter": _served("POST", "lora_name", "lora_path", "pinned"),
+    "/unload_lora_adapter": _served("POST", "lora_name"),
+}
 # A hung request gives up on its own after this long (seconds), so a test
 # that forgot to reset never leaves a thread behind for good.
 _HANG_LIMIT_S = 600.0
@@ -466,6 +540,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _route(self, method: str, path: str, data: Any) -> Any:
         state = self.server.state
+        served = SGLANG_ROUTES.get(path)
+        if served is None:
+            raise _HTTPError(404, {"detail": "Not Found"})
+        if method not in served.methods:
+            raise _HTTPError(405, {"detail": "Method Not Allowed"})
+        if isinstance(data, dict):
+            data = _DeclaredBody(data, path, served.fields)
         if path in ("/health", "/health_generate"):
             return None
         if path in ("/model_info", "/get_model_info") and method == "GET":
@@ -504,16 +585,23 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/continue_generation" and method == "POST":
             state.scheduler.resume()
             return {"message": "Generation continued successfully.", "status": "ok"}
-        if path == "/get_load" and method == "GET":
-            running, waiting, tokens = state.scheduler.load()
-            return [
-                {
-                    "dp_rank": 0,
-                    "num_reqs": running + waiting,
-                    "num_waiting_reqs": waiting,
-                    "num_tokens": tokens,
-                }
-            ]
+        if path == "/v1/loads" and method == "GET":
+            # SGLang 0.5.23's /v1/loads (entrypoints/v1_loads.py; it has no /get_load):
+            # one LoadSnapshot per DP rank under "loads", its core fields flat.
+            running, waiting, _ = state.scheduler.load()
+            return {
+                "timestamp": datetime.datetime.now(datetime.UTC).isoformat(),
+                "version": "aiosync-test-server",
+                "accelerator": "cpu",
+                "num_accelerators": 1,
+                "loads": [
+                    {
+                        "dp_rank": 0,
+                        "num_running_reqs": running,
+                        "num_waiting_reqs": waiting,
+                    }
+                ],
+            }
         if path == "/update_weights_from_tensor" and method == "POST":
             return self._update_weights_from_tensor(_object(data))
         if path == "/get_weights_by_name":
@@ -1237,6 +1325,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _admin(self, method: str, path: str, data: Any) -> Any:
         state = self.server.state
+        if path == "/_aiosync/load" and method == "GET":
+            # What tests wait on: SGLang's /v1/loads has no count of generated tokens.
+            running, waiting, tokens = state.scheduler.load()
+            return {"running": running, "waiting": waiting, "generated_tokens": tokens}
         if path == "/_aiosync/log" and method == "GET":
             with state.lock:
                 return list(state.log)
@@ -1675,6 +1767,32 @@ def _tensor_hash(tensor: torch.Tensor) -> str:
 def _raw(tensor: torch.Tensor) -> str:
     """SGLang's ``repr(RawComparable)``."""
     return f"raw(shape={tuple(tensor.shape)} dtype={tensor.dtype})"
+
+
+class _DeclaredBody(dict[str, Any]):
+    """A request body whose handler may read only the fields its route declares
+    (:data:`SGLANG_ROUTES`): reading another is this server's defect (an
+    ``AssertionError``, answered 500), so the table is what the handlers read."""
+
+    def __init__(self, data: dict[str, Any], path: str, fields: frozenset[str]) -> None:
+        super().__init__(data)
+        self._path, self._fields = path, fields
+
+    def _declared(self, key: object) -> None:
+        if key not in self._fields:
+            raise AssertionError(f"the test server reads {key!r} of {self._path}, undeclared")
+
+    def __getitem__(self, key: str) -> Any:
+        self._declared(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        self._declared(key)
+        return super().__contains__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self._declared(key)
+        return super().get(key, default)
 
 
 def _object(data: Any) -> dict[str, Any]:

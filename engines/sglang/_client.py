@@ -21,10 +21,14 @@ import httpx
 
 from aiosync.errors import SyncTimeoutError, TransportError
 
+from .._routes import Route, check_request
+
 __all__ = [
     "DEFAULT_FLUSH_TIMEOUT_S",
     "FLUSH_BACKOFF_INITIAL_S",
     "FLUSH_BACKOFF_MAX_S",
+    "ROUTES",
+    "SESSION_SELECTOR",
     "SGLangClient",
     "http_status",
 ]
@@ -37,6 +41,70 @@ FLUSH_BACKOFF_INITIAL_S: float = 0.05
 FLUSH_BACKOFF_MAX_S: float = 2.0
 # Connecting to a local server never legitimately takes long.
 _CONNECT_TIMEOUT_S = 10.0
+#: The ``selector`` of the weight-update session (SGLang 0.5.23's
+#: ``BeginWeightUpdateReqInput``: ``"target" | "draft" | "all"``, its only field):
+#: ``"all"``, as the ``selector`` every ``update_weights_from_*`` loads with (SGLang's
+#: default, which aiosync keeps), so ``/end_weight_update`` finalizes every runner
+#: (the target model and a speculative draft model) the updates loaded.
+SESSION_SELECTOR = "all"
+
+
+def _route(method: str, *body: str) -> Route:
+    return Route(method, frozenset(body))
+
+
+#: Every route this client (and :class:`~aiosync.SGLangHTTPBackend`, its LoRA
+#: adapters, the disaggregated synchronizer through it) calls: the method and the
+#: body fields it sends, each a field of the route's request class in SGLang 0.5.23's
+#: ``io_struct.py``. :meth:`SGLangClient._request` refuses anything else;
+#: ``tests/contracts/`` checks the table against the released wheel's sources.
+ROUTES: dict[str, Route] = {
+    "/health": _route("GET"),
+    "/get_server_info": _route("GET"),
+    "/model_info": _route("GET"),
+    "/v1/loads": _route("GET"),
+    "/generate": _route("POST", "input_ids", "sampling_params", "return_logprob", "lora_path"),
+    "/pause_generation": _route("POST", "mode"),
+    "/continue_generation": _route("POST"),
+    "/flush_cache": _route("POST"),
+    "/begin_weight_update": _route("POST", "selector"),
+    "/end_weight_update": _route("POST"),
+    "/update_weights_from_tensor": _route(
+        "POST",
+        "serialized_named_tensors",
+        "load_format",
+        "flush_cache",
+        "abort_all_requests",
+        "weight_version",
+    ),
+    "/init_weights_update_group": _route(
+        "POST",
+        "master_address",
+        "master_port",
+        "rank_offset",
+        "world_size",
+        "group_name",
+        "backend",
+    ),
+    "/update_weights_from_distributed": _route(
+        "POST",
+        "names",
+        "dtypes",
+        "shapes",
+        "group_name",
+        "load_format",
+        "flush_cache",
+        "abort_all_requests",
+    ),
+    "/destroy_weights_update_group": _route("POST", "group_name"),
+    "/update_weight_version": _route("POST", "new_version", "abort_all_requests"),
+    "/get_weights_by_name": _route("POST", "name", "truncate_size"),
+    "/weights_checker": _route("POST", "action", "selector", "skip_tensor_list"),
+    "/release_memory_occupation": _route("POST", "tags"),
+    "/resume_memory_occupation": _route("POST", "tags"),
+    "/load_lora_adapter": _route("POST", "lora_name", "lora_path", "pinned"),
+    "/unload_lora_adapter": _route("POST", "lora_name"),
+}
 
 
 class SGLangClient:
@@ -325,8 +393,9 @@ class SGLangClient:
         return self._session_routes
 
     async def begin_weight_update(self) -> bool:
-        """POST ``/begin_weight_update`` (body ``{}``: SGLang's defaults ``selector="all"``,
-        ``sync_base=True``): open the session every ``update_weights_from_*`` asserts.
+        """POST ``/begin_weight_update {"selector": "all"}`` (:data:`SESSION_SELECTOR`; the
+        request's only field in SGLang 0.5.23): open the session every
+        ``update_weights_from_*`` asserts.
 
         Returns:
             True when a session is now open; False on a server without the
@@ -351,7 +420,7 @@ class SGLangClient:
                 "session is open (another sync through it is in flight)"
             )
         try:
-            answer = await self._post("/begin_weight_update", {})
+            answer = await self._post("/begin_weight_update", {"selector": SESSION_SELECTOR})
         except TransportError as exc:
             if self._session_routes is None and http_status(exc) == 404:
                 self._session_routes = False
@@ -359,7 +428,7 @@ class SGLangClient:
             if http_status(exc) != 400 or "already open" not in str(exc):
                 raise
             await self._post("/end_weight_update", {})
-            answer = await self._post("/begin_weight_update", {})
+            answer = await self._post("/begin_weight_update", {"selector": SESSION_SELECTOR})
         self._session_routes = True
         _check_success("/begin_weight_update", answer)
         self._session_open = True
@@ -476,7 +545,10 @@ class SGLangClient:
         Raises:
             SyncTimeoutError: no answer within ``timeout_s`` (default ``request_timeout_s``).
             TransportError: a connection error, a 401 or another non-2xx answer.
+            RuntimeError: a route, method or body field outside :data:`ROUTES`
+                (an aiosync defect), before anything is sent.
         """
+        check_request(ROUTES, method, path, body)
         limit = self.request_timeout_s if timeout_s is None else timeout_s
         timeout = httpx.Timeout(limit, connect=min(limit, _CONNECT_TIMEOUT_S))
         where = f"{method} {self.base_url}{path}"

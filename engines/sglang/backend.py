@@ -69,7 +69,7 @@ logger = logging.getLogger(__name__)
 #: The memory regions SGLang's memory saver releases/resumes by tag, in wake order.
 MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")
 
-#: How often :meth:`SGLangHTTPBackend.pause_generation` polls ``/get_load`` while
+#: How often :meth:`SGLangHTTPBackend.pause_generation` polls ``/v1/loads`` while
 #: waiting for running requests (``"wait"``), seconds.
 WAIT_POLL_S: float = 0.05
 #: Limit for one ``/generate`` call, seconds (rollouts are long).
@@ -527,7 +527,7 @@ class SGLangHTTPBackend(GenerateFromMeta, SGLangClient):
 
         * ``"abort"``: ``{"mode": "abort"}``: ended now, answered with the tokens
           they have and ``finish_reason`` ``abort`` (:attr:`SGLangGeneration.aborted`).
-        * ``"wait"``: SGLang has no such mode: poll ``/get_load`` until no request
+        * ``"wait"``: SGLang has no such mode: poll ``/v1/loads`` until no request
           runs (every :data:`WAIT_POLL_S` seconds), then ``{"mode": "in_place"}``
           with nothing left to freeze; a request admitted between the two is let
           finish (``/continue_generation``) and the wait starts over.
@@ -632,13 +632,17 @@ class SGLangHTTPBackend(GenerateFromMeta, SGLangClient):
         return 1 + await super().flush_cache(timeout_s)
 
     async def _requests_in_flight(self) -> int:
-        """Requests the server holds (running or waiting), from ``/get_load``."""
-        load = await self._request("GET", "/get_load")
-        ranks = load if isinstance(load, list) else [load]
+        """Requests the server holds (running or waiting, every DP rank), from
+        ``GET /v1/loads`` (SGLang 0.5.23 has no ``/get_load``): the sum of each
+        rank's ``num_running_reqs`` and ``num_waiting_reqs`` under ``loads``."""
+        answer = await self._request("GET", "/v1/loads")
         try:
-            return sum(int(rank["num_reqs"]) for rank in ranks)
+            return sum(
+                int(rank["num_running_reqs"]) + int(rank["num_waiting_reqs"])
+                for rank in answer["loads"]
+            )
         except (KeyError, TypeError, ValueError) as exc:
-            raise TransportError(f"/get_load answered {str(load)[:200]}") from exc
+            raise TransportError(f"/v1/loads answered {str(answer)[:200]}") from exc
 
     # -- checks before a refit ------------------------------------------------------
 

@@ -53,6 +53,7 @@ from aiosync.generation import Generation, SamplingParams, parse_version, sampli
 
 from .._gate import AdmissionGate
 from .._generate import GenerateFromMeta
+from .._routes import Route, check_request
 from ._dp import WEIGHT_RPCS
 from ._drivers import rebuild_worker_error
 
@@ -72,6 +73,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_GENERATE_TIMEOUT_S",
+    "ROUTES",
     "SERVER_DEV_MODE_ENV",
     "VLLMServerBackend",
 ]
@@ -90,28 +92,53 @@ _CONNECT_TIMEOUT_S = 10.0
 _VLLM_WORKER_SUFFIX = re.compile(r"', please check the stack trace above for the root cause\.?$")
 #: The tags ``/wake_up`` accepts (vLLM's ``wake_up(tags)``).
 _WAKE_TAGS = frozenset({"weights", "kv_cache", "scheduling"})
-# The dev-mode routes this backend uses: a 404 there names the missing flag.
-_DEV_ROUTES = frozenset(
-    {
-        "/collective_rpc",
-        "/pause",
-        "/resume",
-        "/is_paused",
-        "/reset_prefix_cache",
-        "/sleep",
-        "/wake_up",
-        "/is_sleeping",
-        "/server_info",
-        "/update_weight_version",
-        "/weight_info",
-        "/get_world_size",
-        "/init_weight_transfer_engine",
-        "/start_weight_update",
-        "/update_weights",
-        "/finish_weight_update",
-        "/shutdown_weight_transfer_engine",
-    }
-)
+
+
+def _route(method: str, body: tuple[str, ...] = (), query: tuple[str, ...] = ()) -> Route:
+    return Route(method, frozenset(body), frozenset(query))
+
+
+#: Every route this backend calls: the method, the body fields and the query parameters
+#: it sends (vLLM 0.32.0 and 0.34.0 serve them alike). :meth:`VLLMServerBackend._request`
+#: refuses anything else; ``tests/contracts/`` checks the table against vLLM 0.34.0's
+#: routers and ``tests/vllm/`` against a live server's ``/openapi.json``.
+ROUTES: dict[str, Route] = {
+    "/health": _route("GET"),
+    "/v1/completions": _route(
+        "POST",
+        (
+            "model",
+            "prompt",
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "seed",
+            "logprobs",
+            "ignore_eos",
+            "return_token_ids",
+            "stream",
+        ),
+    ),
+    "/collective_rpc": _route("POST", ("method", "args", "kwargs")),
+    "/pause": _route("POST", query=("mode", "clear_cache")),
+    "/resume": _route("POST"),
+    "/is_paused": _route("GET"),
+    "/reset_prefix_cache": _route("POST", query=("reset_running_requests",)),
+    "/sleep": _route("POST", query=("level",)),
+    "/wake_up": _route("POST", query=("tags",)),
+    "/is_sleeping": _route("GET"),
+    "/server_info": _route("GET", query=("config_format",)),
+    "/update_weight_version": _route("POST", ("new_version",)),
+    "/weight_info": _route("GET"),
+    "/get_world_size": _route("GET", query=("include_dp",)),
+    "/init_weight_transfer_engine": _route("POST", ("init_info",)),
+    "/start_weight_update": _route("POST"),
+    "/update_weights": _route("POST", ("update_info",)),
+    "/finish_weight_update": _route("POST", ("weight_version",)),
+    "/shutdown_weight_transfer_engine": _route("POST"),
+}
+# The routes served only with VLLM_SERVER_DEV_MODE=1: a 404 there names the missing flag.
+_DEV_ROUTES = frozenset(ROUTES) - {"/health", "/v1/completions"}
 
 
 @dataclass
@@ -237,7 +264,10 @@ class VLLMServerBackend(GenerateFromMeta):
             SyncTimeoutError: no answer within ``timeout_s`` (default ``rpc_timeout_s``).
             TransportError: a connection error, a 401 or another non-2xx answer
                 (``http_status`` set on the error for the latter).
+            RuntimeError: a route, method, body field or query parameter outside
+                :data:`ROUTES` (an aiosync defect), before anything is sent.
         """
+        check_request(ROUTES, method, path, body, params)
         limit = self.rpc_timeout_s if timeout_s is None else timeout_s
         where = f"{method} {self.base_url}{path}"
         try:
@@ -741,6 +771,7 @@ class VLLMServerBackend(GenerateFromMeta):
         choices = [_Choice() for _ in prompts]
         started = [False] * len(prompts)
         epoch = self._version_epoch
+        check_request(ROUTES, "POST", "/v1/completions", body)
         where = f"POST {self.base_url}/v1/completions"
         limit = self.generate_timeout_s
 

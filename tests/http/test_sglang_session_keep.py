@@ -203,8 +203,8 @@ async def test_session_left_open_by_a_dead_trainer_is_ended_before_the_sync(
 async def _running(server: TestServer, count: int) -> None:
     """Until ``count`` requests decode (each has a token)."""
     while True:
-        load = server.admin.get("/get_load").json()[0]
-        if load["num_reqs"] == count and load["num_tokens"] >= count:
+        load = server.admin.get("/_aiosync/load").json()
+        if load["running"] + load["waiting"] == count and load["generated_tokens"] >= count:
             return
         await anyio.sleep(0.01)
 
@@ -247,7 +247,8 @@ async def test_keep_under_load_requeues_through_the_refused_flush_and_serves_new
         # The rest is what the new weights alone compute from prompt + tokens so far.
         head = [*prompts[i], *generation.token_ids[:split]]
         assert generation.token_ids[split : split + 8] == reference([head], 8)[0]
-    assert server.admin.get("/get_load").json()[0]["num_reqs"] == 0
+    load = server.admin.get("/_aiosync/load").json()
+    assert (load["running"], load["waiting"]) == (0, 0)
     await backend.aclose()
     await sync.shutdown()
 
@@ -301,8 +302,8 @@ async def test_concurrent_generates_of_two_lengths_leave_nothing_running(
         async with anyio.create_task_group() as tg:
             for i in range(8):
                 tg.start_soon(generate, 3 if i % 2 else 9)
-        load = (await client.get("/get_load")).json()[0]
-        assert (load["num_reqs"], load["num_waiting_reqs"]) == (0, 0)
+        load = (await client.get("/_aiosync/load")).json()
+        assert (load["running"], load["waiting"]) == (0, 0)
         assert (await client.post("/flush_cache")).status_code == 200
     assert all(e["status"] == 200 for e in server.log() if e["path"] == "/generate")
 

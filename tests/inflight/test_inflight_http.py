@@ -2,7 +2,7 @@
 while a refit runs, for each in-flight policy (SGLang's ``/pause_generation`` modes).
 
 Each test syncs OLD, starts a LONG greedy ``/generate``, waits until the server
-reports tokens generated (``/get_load``), then syncs NEW, and checks the exact
+reports tokens generated (``/_aiosync/load``), then syncs NEW, and checks the exact
 tokens and the per-token version labels against transformers.
 """
 
@@ -40,7 +40,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 @dataclass
 class HTTPEnv(InflightEnv):
-    """The test server's backend (``/generate``) and an admin client (``/get_load``)."""
+    """The test server's backend (``/generate``) and an admin client (``/_aiosync/load``)."""
 
     backend: SGLangHTTPBackend
     admin: httpx.AsyncClient
@@ -62,8 +62,8 @@ async def env() -> AsyncIterator[HTTPEnv]:
 async def _mid_request(admin: httpx.AsyncClient, at_least: int = 30) -> None:
     with anyio.fail_after(120):
         while True:
-            (load,) = (await admin.get("/get_load")).json()
-            if load["num_reqs"] == 1 and load["num_tokens"] >= at_least:
+            load = (await admin.get("/_aiosync/load")).json()
+            if load["running"] + load["waiting"] == 1 and load["generated_tokens"] >= at_least:
                 return
             await anyio.sleep(0.005)
 

@@ -279,6 +279,43 @@ async def streamed_at_least(backend: VLLMServerBackend, count: int) -> None:
         await anyio.sleep(0.005)
 
 
+# -- the contract: the server's own OpenAPI schema ------------------------------------
+
+#: Routes whose handler reads the raw request, so the schema declares nothing of
+#: what they take: ``/collective_rpc`` its JSON body, ``/wake_up`` its ``tags`` query.
+_UNDECLARED = {"/collective_rpc": "body", "/wake_up": "query"}
+
+
+def _schema(spec: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
+    ref = node.get("$ref")
+    return spec["components"]["schemas"][ref.rsplit("/", 1)[-1]] if ref else node
+
+
+async def test_every_route_the_backend_calls_is_in_the_servers_openapi(server: Server) -> None:
+    """Each route of :data:`aiosync.engines.vllm.server.ROUTES` with its method, query
+    parameters and body fields, as the running server's ``/openapi.json`` declares
+    them (the machine check of ``tests/contracts/`` against the live release)."""
+    from aiosync.engines.vllm.server import ROUTES
+
+    async with httpx.AsyncClient(base_url=server.url) as client:
+        spec = (await client.get("/openapi.json")).json()
+    problems = []
+    for path, route in sorted(ROUTES.items()):
+        operation = spec["paths"].get(path, {}).get(route.method.lower())
+        if operation is None:
+            problems.append(f"{route.method} {path}: not served")
+            continue
+        query = {p["name"] for p in operation.get("parameters", []) if p["in"] == "query"}
+        if _UNDECLARED.get(path) != "query" and not route.query <= query:
+            problems.append(f"{path}: query {sorted(route.query - query)}")
+        content = operation.get("requestBody", {}).get("content", {})
+        body = _schema(spec, content.get("application/json", {}).get("schema", {}))
+        fields = set(body.get("properties", {}))
+        if _UNDECLARED.get(path) != "body" and not route.body <= fields:
+            problems.append(f"{path}: body {sorted(route.body - fields)}")
+    assert problems == []
+
+
 # -- generation, versions, the workers ------------------------------------------------
 
 
