@@ -11,7 +11,8 @@ after one healthy sync (version 1), during the sync of version 2:
 * ``engine error``: HTTP only: the server answers 500 to ``/update_weights_from_tensor``;
 * ``corrupted in transit``: one byte of bucket 0 (its first tensor's first byte) flipped on the
   receive path (the test hook ``aiosync_test_arm_transit_fault``; HTTP: the test server's
-  ``/_aiosync/arm_transit_fault``), under the default ``verify="sample"``;
+  ``/_aiosync/arm_transit_fault``), under each transport's default ``verify`` (IPC and the
+  collective: ``True``, HTTP: ``"sample"``);
 * ``cancelled``: the loop cancels ``sync_weights`` mid-sync;
 * ``weights discarded``: the engine discards its weights mid-sync (a level-2 sleep; SGLang:
   ``/release_memory_occupation``, the server started with ``--enable-memory-saver``);
@@ -1164,15 +1165,22 @@ def main() -> None:
 _VERIFICATION = """
 ## Verified refits
 
-Every transport checks what arrived by default (`verify="sample"`; `True`: every byte;
-`False`: nothing), and a mismatch fails the sync like any other fault (the
-`corrupted in transit` cells): `RefitVerificationError` naming the worker (the server),
-the bucket and its first tensor, the version kept, the engine refusing to generate, the
-next sync healing. IPC and the collective digest (XXH3) each bucket while packing and
-each receiver the same bytes after its copy out of them (the first and last byte of
-every tensor and 4096 bytes in runs of 8 drawn afresh per sync and bucket; `True`: every byte),
-before any worker commits (the collective: before the vote; with `overlap="staged"` the
-previous version stays live). LoRA adapters: a digest per tensor, checked by the embedded
+Every transport checks what arrived by default, and a mismatch fails the sync like any
+other fault (the `corrupted in transit` cells): `RefitVerificationError` naming the worker
+(the server), the bucket and its first tensor, the version kept, the engine refusing to
+generate, the next sync healing. Each mode means the same on IPC and the collective:
+`True` (their default) digests every byte of every bucket (`aiosync/_digest.py`: the
+64-bit word sums of each 4 KiB piece of a tensor, odd-weighted by position, modulo 2^64),
+certain to catch any change confined to one 64-bit word (a single flipped bit: an exponent
+bit that makes a weight 1e37) and bulk faults (a zeroed, stale, shifted or swapped tensor)
+unless their weighted sums cancel exactly; the trainer digests each bucket while packing it
+(256 KiB at a time, still in cache), an IPC worker each tensor as `load_weights` took it, a
+collective worker the bucket after loading it, a GPU as device kernels. `"sample"` digests
+(XXH3) the first and last byte of every tensor and 4096 bytes in runs of 8 drawn afresh per
+sync and bucket: bulk faults always, a lone flipped byte of an `n`-byte bucket with
+probability 4096 / `n` per sync. `False` checks nothing. Either check runs before any worker
+commits (the collective: before the vote; with `overlap="staged"` the previous version stays
+live). LoRA adapters: a digest per tensor, checked by the embedded
 engine's workers before PEFT loads them, and for vLLM and SGLang on the adapter folder
 read back before the engine reads it. HTTP (SGLang checks no digest): a read-back through
 `/get_weights_by_name` before the version is labelled (`"sample"`: the first rows of at
