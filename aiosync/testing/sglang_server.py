@@ -690,16 +690,19 @@ class _Handler(BaseHTTPRequestHandler):
             elif out and not ignore_eos and out[-1] in state.runner.eos_ids():
                 # SGLang's FINISH_MATCHED_TOKEN.
                 finish = {"type": "stop", "matched": out[-1]}
+            # A cached answer was computed by the weights now live (a flush clears it).
+            labels = versions if cached is None else [state.weight_version] * len(out)
+            spans = _weight_version_spans(labels, state.weight_version)
             meta_info: dict[str, Any] = {
                 "id": uuid.uuid4().hex,
                 "finish_reason": finish,
                 "prompt_tokens": len(prompt),
                 "completion_tokens": len(out),
                 "cached_tokens": len(prompt) if cached is not None else 0,
-                "weight_version": state.weight_version,
-                # Test-server only: the weight version label each token was
-                # computed under (SGLang reports only the answer's).
-                "aiosync_token_versions": versions,
+                # SGLang 0.5.23 (utils/weight_versions.py): the label of each run of
+                # output tokens, and the answer's label is the last run's.
+                "weight_versions": spans,
+                "weight_version": spans[-1]["version"],
                 # Test-server only: a retracted request was recomputed on top of
                 # prefix KV of other weights (no flush between retract and resume).
                 "aiosync_stale_kv": stale,
@@ -1767,6 +1770,21 @@ def _tensor_hash(tensor: torch.Tensor) -> str:
 def _raw(tensor: torch.Tensor) -> str:
     """SGLang's ``repr(RawComparable)``."""
     return f"raw(shape={tuple(tensor.shape)} dtype={tensor.dtype})"
+
+
+def _weight_version_spans(
+    labels: Sequence[str | None], current: str | None
+) -> list[dict[str, Any]]:
+    """SGLang 0.5.23's ``meta_info["weight_versions"]`` for output tokens computed under
+    ``labels`` (one each): ``{"version", "start", "end"}`` per run of one label, token
+    positions ``[start, end)``; no token: one empty span of the ``current`` label."""
+    spans: list[dict[str, Any]] = []
+    for index, label in enumerate(labels):
+        if spans and spans[-1]["version"] == label:
+            spans[-1]["end"] = index + 1
+        else:
+            spans.append({"version": label, "start": index, "end": index + 1})
+    return spans or [{"version": current, "start": 0, "end": 0}]
 
 
 class _DeclaredBody(dict[str, Any]):

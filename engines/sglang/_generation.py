@@ -13,7 +13,7 @@ from typing import Any
 from aiosync.errors import TransportError
 from aiosync.generation import Generation, SamplingParams, parse_version, version_span
 
-__all__ = ["SGLangGeneration", "continued", "generate_body"]
+__all__ = ["SGLangGeneration", "continued", "generate_body", "token_labels", "version_spans"]
 
 
 def generate_body(
@@ -62,8 +62,9 @@ class SGLangGeneration(Generation):
     from ``output_ids``; ``logprobs`` from ``meta_info.output_token_logprobs``
     (``[[logprob, token_id, text], ...]``, asked with ``return_logprob``);
     ``finish_reason`` from ``meta_info.finish_reason.type`` (``"stop"``,
-    ``"length"``, ``"abort"``); the versions from ``meta_info.weight_version``
-    (see :meth:`SGLangGeneration.from_answer`).
+    ``"length"``, ``"abort"``); the versions from ``meta_info.weight_versions``
+    (SGLang 0.5.23's per-token spans), else ``meta_info.weight_version`` (see
+    :meth:`SGLangGeneration.from_answer`).
 
     Attributes:
         meta_info: SGLang's ``meta_info`` as the server answered it (``finish_reason``,
@@ -96,14 +97,20 @@ class SGLangGeneration(Generation):
     ) -> SGLangGeneration:
         """From one ``/generate`` answer ``{"output_ids", "meta_info"}``.
 
-        Versions: ``meta_info.weight_version`` (SGLang's ``"default"`` before any
-        update is None) is ``last_version``. SGLang does not say which version
-        computed each token, so when a refit landed between request and answer
-        (``spanned``, or ``submitted_version`` another label) ``first_version`` is
-        ``submitted_version`` (None: the initial weights; counted as spanning
-        both, the cautious side) and ``version_change_at`` None. A server that
-        labels every token (``meta_info.aiosync_token_versions``, the test
-        server) gives exact ones.
+        Versions: SGLang 0.5.23 answers ``meta_info.weight_versions``, the label
+        each run of output tokens was computed under (``[{"version", "start",
+        "end"}]``, token positions ``[start, end)`` covering every output token;
+        ``sglang/srt/utils/weight_versions.py``): ``first_version``,
+        ``last_version`` and ``version_change_at`` (the first token of another
+        version) are exact, as on vLLM (labels parsed by
+        :func:`~aiosync.generation.parse_version`: SGLang's ``"default"`` before any
+        update is None). An older server answers only ``meta_info.weight_version``
+        (the answer's): that is ``last_version``, and when a refit landed between
+        request and answer (``spanned``, or ``submitted_version`` another label)
+        ``first_version`` is ``submitted_version`` (None: the initial weights;
+        counted as spanning both, the cautious side) and ``version_change_at``
+        None. Spans that do not cover the output tokens exactly are ignored (the
+        older server's rules apply).
 
         Args:
             item: the answer (one element of a batch answer).
@@ -129,8 +136,8 @@ class SGLangGeneration(Generation):
         values: list[float] | None = None
         if logprobs:
             values = _output_logprobs(meta_info.get("output_token_logprobs"), token_ids)
-        labels = meta_info.get("aiosync_token_versions")
-        if isinstance(labels, list) and len(labels) == len(token_ids):
+        labels = token_labels(meta_info, len(token_ids))
+        if labels is not None:
             first, last, change = version_span([parse_version(v) for v in labels])
         else:
             last = parse_version(meta_info.get("weight_version"))
@@ -157,9 +164,10 @@ def continued(first: SGLangGeneration, rest: SGLangGeneration) -> SGLangGenerati
     """One request answered in two parts: ``first`` (aborted part-way) and ``rest`` (its
     continuation from the prompt plus ``first``'s tokens), as one generation.
 
-    Tokens, logprobs, and the per-token version labels where the server gives
-    them, are joined; ``finish_reason`` is ``rest``'s; ``meta_info`` is ``rest``'s
-    with ``prompt_tokens`` and ``completion_tokens`` of the whole request and
+    Tokens, logprobs, and the version spans where the server gives them
+    (``weight_versions``, ``rest``'s shifted past ``first``'s tokens), are joined;
+    ``finish_reason`` is ``rest``'s; ``meta_info`` is ``rest``'s with
+    ``prompt_tokens`` and ``completion_tokens`` of the whole request and
     ``aiosync_continued_at`` (``len(first.token_ids)``). The versions: ``first``'s
     tokens are its own, ``rest``'s its own, so ``version_change_at`` is exact
     unless ``first`` itself spanned a refit without saying where.
@@ -172,15 +180,20 @@ def continued(first: SGLangGeneration, rest: SGLangGeneration) -> SGLangGenerati
     meta["prompt_tokens"] = first.meta_info.get("prompt_tokens", meta.get("prompt_tokens"))
     meta["completion_tokens"] = len(tokens)
     meta["aiosync_continued_at"] = len(first.token_ids)
-    for key in ("aiosync_token_versions", "output_token_logprobs"):
-        a, b = first.meta_info.get(key), rest.meta_info.get(key)
-        if isinstance(a, list) and isinstance(b, list):
-            meta[key] = [*a, *b]
-        else:
-            meta.pop(key, None)
-    labels = meta.get("aiosync_token_versions")
+    a, b = first.meta_info.get("output_token_logprobs"), rest.meta_info.get("output_token_logprobs")
+    if isinstance(a, list) and isinstance(b, list):
+        meta["output_token_logprobs"] = [*a, *b]
+    else:
+        meta.pop("output_token_logprobs", None)
+    head = token_labels(first.meta_info, len(first.token_ids))
+    tail = token_labels(rest.meta_info, len(rest.token_ids))
+    labels = None if head is None or tail is None else [*head, *tail]
+    if labels is not None:
+        meta["weight_versions"] = version_spans(labels, meta.get("weight_version"))
+    else:
+        meta.pop("weight_versions", None)
     change: int | None
-    if isinstance(labels, list) and len(labels) == len(tokens):
+    if labels is not None:
         first_v, last_v, change = version_span([parse_version(v) for v in labels])
     elif not first.token_ids or not rest.token_ids:
         whole = rest if rest.token_ids else first
@@ -205,6 +218,41 @@ def continued(first: SGLangGeneration, rest: SGLangGeneration) -> SGLangGenerati
         finish_reason=rest.finish_reason,
         meta_info=meta,
     )
+
+
+def token_labels(meta_info: Mapping[str, Any], count: int) -> list[Any] | None:
+    """The version label of each of ``count`` output tokens, from SGLang's
+    ``meta_info["weight_versions"]`` (``[{"version", "start", "end"}]``, consecutive
+    ``[start, end)`` runs from 0); None when absent or not covering exactly ``count``
+    tokens (an older server, or an answer this reading does not trust)."""
+    spans = meta_info.get("weight_versions")
+    if not isinstance(spans, list) or not spans:
+        return None
+    labels: list[Any] = []
+    for span in spans:
+        start = span.get("start") if isinstance(span, dict) else None
+        end = span.get("end") if isinstance(span, dict) else None
+        if (
+            not isinstance(start, int)
+            or not isinstance(end, int)
+            or not start == len(labels) <= end
+        ):
+            return None
+        labels.extend([span.get("version")] * (end - start))
+    return labels if len(labels) == count else None
+
+
+def version_spans(labels: Sequence[Any], current: Any = None) -> list[dict[str, Any]]:
+    """``labels`` (one per output token) as SGLang's ``weight_versions``: one
+    ``{"version", "start", "end"}`` per run of equal labels; no token: one empty
+    span of ``current`` (as SGLang answers a request that made none)."""
+    spans: list[dict[str, Any]] = []
+    for index, label in enumerate(labels):
+        if spans and spans[-1]["version"] == label:
+            spans[-1]["end"] = index + 1
+        else:
+            spans.append({"version": label, "start": index, "end": index + 1})
+    return spans or [{"version": current, "start": 0, "end": 0}]
 
 
 def _output_logprobs(entries: Any, token_ids: list[int]) -> list[float]:

@@ -102,6 +102,8 @@ async def test_greedy_logprobs_and_version_come_back_in_sglangs_shape(
             "length",
             "1",
         )
+        # SGLang 0.5.23's per-token spans: every token computed under "1".
+        assert result.meta_info["weight_versions"] == [{"version": "1", "start": 0, "end": STEPS}]
 
 
 async def test_logprobs_are_not_asked_unless_wanted(env: SimpleNamespace) -> None:

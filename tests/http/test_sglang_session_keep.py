@@ -278,7 +278,9 @@ async def test_keep_sync_failing_on_its_flush_never_resumes_on_half_loaded_weigh
     for generation in results.values():
         # Ended with the tokens the old weights made; nothing after the buckets loaded.
         assert generation.aborted and 0 < len(generation.token_ids) < KEEP_TOKENS
-        assert set(generation.meta_info["aiosync_token_versions"]) == {"default"}
+        assert generation.meta_info["weight_versions"] == [
+            {"version": "default", "start": 0, "end": len(generation.token_ids)}
+        ]
     assert not backend.weights_valid
     assert ("/end_weight_update", 200) in _paths(server)
     server.reset()
@@ -335,6 +337,43 @@ def test_a_request_kept_across_a_commit_spans_versions_without_token_labels() ->
     assert spanned.spans_versions
     alone = SGLangGeneration.from_answer(answer, submitted_version=None)
     assert (alone.first_version, alone.last_version, alone.spans_versions) == (1, 1, False)
+
+
+def test_sglangs_per_token_version_spans_give_the_exact_change_as_on_vllm() -> None:
+    # SGLang 0.5.23's answer to a request kept across a refit from "1" to "2" after 3 tokens.
+    spans = [{"version": "1", "start": 0, "end": 3}, {"version": "2", "start": 3, "end": 5}]
+    answer = {"output_ids": [5, 6, 7, 8, 9], "meta_info": {"weight_versions": spans,
+              "weight_version": "2"}}  # fmt: skip
+    kept = SGLangGeneration.from_answer(answer, submitted_version=1, spanned=True)
+    assert (kept.first_version, kept.last_version, kept.version_change_at) == (1, 2, 3)
+    # Spans that do not cover the output tokens are not trusted: the scalar's rules apply.
+    short = {"output_ids": [5, 6, 7, 8, 9, 10], "meta_info": answer["meta_info"]}
+    fallback = SGLangGeneration.from_answer(short, submitted_version=1, spanned=True)
+    assert (fallback.first_version, fallback.last_version) == (1, 2)
+    assert fallback.version_change_at is None and fallback.spans_versions
+    # No token: SGLang's one empty span of the label now.
+    empty = {"output_ids": [], "meta_info": {"weight_versions": [{"version": "2", "start": 0,
+             "end": 0}], "weight_version": "2"}}  # fmt: skip
+    none = SGLangGeneration.from_answer(empty)
+    assert (none.first_version, none.last_version, none.version_change_at) == (None, None, None)
+
+
+def test_continued_generation_joins_version_spans_shifted_past_the_first_part() -> None:
+    first = SGLangGeneration.from_answer(
+        {"output_ids": [1, 2, 3], "meta_info": {"weight_version": "2", "finish_reason":
+         {"type": "abort"}, "weight_versions": [{"version": "2", "start": 0, "end": 3}]}},
+    )  # fmt: skip
+    rest = SGLangGeneration.from_answer(
+        {"output_ids": [4, 5], "meta_info": {"weight_version": "3", "finish_reason":
+         {"type": "length"}, "weight_versions": [{"version": "2", "start": 0, "end": 1},
+         {"version": "3", "start": 1, "end": 2}]}},
+    )  # fmt: skip
+    joined = continued(first, rest)
+    assert joined.meta_info["weight_versions"] == [
+        {"version": "2", "start": 0, "end": 4},
+        {"version": "3", "start": 4, "end": 5},
+    ]
+    assert (joined.first_version, joined.last_version, joined.version_change_at) == (2, 3, 4)
 
 
 def test_continued_generation_joins_parts_with_the_exact_version_change() -> None:

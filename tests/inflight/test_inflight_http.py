@@ -85,7 +85,11 @@ async def _run_during_request(env: HTTPEnv, call: Any) -> tuple[SGLangGeneration
         await _mid_request(env.admin)
         outcome = await call()
     (result,) = results
-    return result, list(result.meta_info["aiosync_token_versions"]), outcome
+    # SGLang's spans ([{"version", "start", "end"}], runs of output tokens) per token.
+    spans = result.meta_info["weight_versions"]
+    labels = [span["version"] for span in spans for _ in range(span["start"], span["end"])]
+    assert len(labels) == len(result.token_ids)
+    return result, labels, outcome
 
 
 async def test_wait_finishes_the_request_on_old_weights_before_the_refit(
