@@ -1,7 +1,8 @@
 """``VLLMServerBackend``: a remote ``vllm serve``, reached by URL, as a full aiosync engine.
 
 The server's HTTP API as the training loop and the transports use it (contracts
-read from vLLM 0.32.0's sources, ``docs/vllm-server.md``):
+read from vLLM 0.32.0's sources and checked against 0.34.0's, ``docs/vllm-server.md``;
+every route, body field and query parameter in :data:`ROUTES`):
 
 * generation: ``POST /v1/completions`` with token-id prompts, streamed
   (``vllm/entrypoints/openai/completion/protocol.py``: ``prompt`` as lists of
