@@ -26,15 +26,16 @@ import os
 import subprocess
 import sys
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
 import pytest
 
-from aiosync import VLLMServerBackend
+from aiosync import SamplingParams, VLLMServerBackend
 from aiosync.engines.sglang._client import ROUTES as SGLANG_CLIENT_ROUTES
 from aiosync.engines.sglang._client import SGLangClient
+from aiosync.engines.sglang._generation import generate_body
 from aiosync.engines.vllm.server import ROUTES as VLLM_CLIENT_ROUTES
 from aiosync.testing.sglang_server import AIOSYNC_ROUTE_PREFIX, SGLANG_ROUTES
 
@@ -44,6 +45,7 @@ CACHE = Path(os.environ.get("AIOSYNC_CONTRACTS_CACHE", Path.home() / ".cache/aio
 DOWNLOAD_TIMEOUT_S = 300
 HTTP_SERVER = "sglang/srt/entrypoints/http_server.py"
 IO_STRUCT = "sglang/srt/managers/io_struct.py"
+SAMPLING_PARAMS = "sglang/srt/sampling/sampling_params.py"
 _ROUTE_METHODS = {"get", "post", "put", "delete", "head", "patch"}
 
 
@@ -181,9 +183,15 @@ def _included_modules(tree: ast.Module) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def sglang_routes() -> dict[str, Released]:
+def sglang_wheel() -> Path:
+    """SGLang 0.5.23's released wheel (a zip of its sources)."""
+    return _sglang_wheel()
+
+
+@pytest.fixture(scope="module")
+def sglang_routes(sglang_wheel: Path) -> dict[str, Released]:
     """SGLang 0.5.23's HTTP routes, read from its wheel."""
-    with zipfile.ZipFile(_sglang_wheel()) as wheel:
+    with zipfile.ZipFile(sglang_wheel) as wheel:
         io_fields = _class_fields(ast.parse(wheel.read(IO_STRUCT)))
         server = ast.parse(wheel.read(HTTP_SERVER))
         routes = _fastapi_routes(server, io_fields)
@@ -239,6 +247,26 @@ def test_every_route_and_field_the_sglang_client_sends_is_in_the_release(
 ) -> None:
     table = {p: (frozenset({r.method}), r.body) for p, r in SGLANG_CLIENT_ROUTES.items()}
     assert _mismatches(table, sglang_routes) == []
+
+
+def test_every_sampling_parameter_the_sglang_client_sends_is_in_the_release(
+    sglang_wheel: Path,
+) -> None:
+    """``/generate``'s ``sampling_params`` as :func:`generate_body` builds them with every
+    option set: each a field of 0.5.23's ``SamplingParams`` (``sampling_params.py``)."""
+    params = SamplingParams(max_tokens=4, temperature=0.5, top_p=0.9, seed=3, ignore_eos=True)
+    body = generate_body([[1, 2]], replace(params, logprobs=True), lora_name="adapter")
+    assert set(body) == SGLANG_CLIENT_ROUTES["/generate"].body
+    with zipfile.ZipFile(sglang_wheel) as wheel:
+        fields = _class_fields(ast.parse(wheel.read(SAMPLING_PARAMS)))["SamplingParams"]
+    assert set(body["sampling_params"]) == {
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "ignore_eos",
+        "sampling_seed",
+    }
+    assert set(body["sampling_params"]) <= fields
 
 
 def test_every_route_the_sglang_test_server_serves_is_sglangs_or_its_own(
