@@ -657,7 +657,9 @@ class WeightSynchronizer(ABC):
                         pause = functools.partial(
                             pausable.pause_generation, policy, clear_cache=True
                         )
-                    moved = await self._elastic_transfer(version, kv_scales, pause)
+                    moved, discards = await self._elastic_transfer(
+                        version, kv_scales, pause, discards
+                    )
                 if self._discards != discards:
                     raise SyncError(
                         f"the engine discarded its weights while version {version} was being "
@@ -728,8 +730,9 @@ class WeightSynchronizer(ABC):
         self,
         version: int,
         kv_scales: KVScales | None,
-        pause: Callable[[], Awaitable[None]] | None = None,
-    ) -> Any:
+        pause: Callable[[], Awaitable[None]] | None,
+        discards: int,
+    ) -> tuple[Any, int]:
         """``pause()`` (the engine's ``pause_generation``; None: no pause), then
         :meth:`_transfer`, re-initialized first when the fleet's membership changed,
         and, when a failure made the fleet quarantine engines
@@ -739,7 +742,13 @@ class WeightSynchronizer(ABC):
         A failed pause is such a failure too: an engine that died between syncs
         fails the pause before any byte moves (case C29), and is set aside like
         one that dies during the transfer; the pause is then made again on the
-        engines left (a fleet's failed pause cancelled theirs)."""
+        engines left (a fleet's failed pause cancelled theirs).
+
+        Returns :meth:`_transfer`'s result and the count of discard notices
+        (``_discards``) the round that moved it started from: ``discards`` unless
+        a round set engines aside. The next round moves every tensor to every
+        engine left, so a notice heard before it (the dead engine's own above
+        all) is no reason to fail it (case C36)."""
         fleet = self._elastic()
         while True:
             try:
@@ -749,7 +758,7 @@ class WeightSynchronizer(ABC):
                 if fleet is not None and fleet.membership_epoch != self._membership_seen:
                     await self._membership_changed()
                     self._membership_seen = fleet.membership_epoch
-                return await self._transfer(version, kv_scales)
+                return await self._transfer(version, kv_scales), discards
             except Exception as exc:
                 if fleet is None:
                     raise
@@ -763,6 +772,7 @@ class WeightSynchronizer(ABC):
                     self._events.publish(
                         VersionEventKind.ENGINE_QUARANTINED, version, error=reason, engine=label
                     )
+                discards = self._discards
 
     async def _membership_changed(self) -> None:
         """The fleet's engines changed (a quarantine, an ``add_engine``): set the

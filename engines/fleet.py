@@ -40,6 +40,7 @@ member (an error naming the member that lacks it, before any member is called).
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import fields
@@ -147,12 +148,8 @@ class EngineFleet(GenerateFromMeta):
         self._assigning = anyio.Lock()
         # Why generate() refuses on account of a LoRA adapter load across the fleet.
         self._lora_refusal: str | None = None
-        # A member engine that replaces a worker (its own ``respawn_dead_workers``)
-        # reports the discarded weights: the new worker lacks its rank offset, so
-        # the ranks are assigned again on the next collective_rpc.
         for engine in self.members:
-            if isinstance(engine, DiscardNotifier):
-                engine.add_weights_discarded_listener(self._forget_ranks)
+            self._relay_discards(engine)
 
     def __len__(self) -> int:
         return len(self.engines)
@@ -189,10 +186,7 @@ class EngineFleet(GenerateFromMeta):
             raise ValueError(f"{self._name(engine)} is already in the fleet")
         if not any(e is engine for e in self.members):
             self.members.append(engine)
-            if isinstance(engine, DiscardNotifier):
-                engine.add_weights_discarded_listener(self._forget_ranks)
-                for listener in self._listeners:
-                    engine.add_weights_discarded_listener(listener)
+            self._relay_discards(engine)
         self._quarantined.pop(id(engine), None)
         self._joining.add(id(engine))
         self._membership_changed()
@@ -502,20 +496,36 @@ class EngineFleet(GenerateFromMeta):
         await self._on_each(lambda i, e: e.finish_generation())
 
     def add_weights_discarded_listener(self, listener: Callable[[], None]) -> None:
-        """Register ``listener`` with every engine that reports discarded weights
-        (and with every engine added later)."""
+        """Call ``listener()`` whenever an engine that reports discarded weights (one
+        in the fleet now or added later) drops them, unless it is quarantined
+        (:meth:`_discarded`)."""
         self._listeners.append(listener)
-        for engine in self.members:
-            if isinstance(engine, DiscardNotifier):
-                engine.add_weights_discarded_listener(listener)
 
     def remove_weights_discarded_listener(self, listener: Callable[[], None]) -> None:
         """Undo :meth:`add_weights_discarded_listener`."""
         if listener in self._listeners:
             self._listeners.remove(listener)
-        for engine in self.members:
-            if isinstance(engine, DiscardNotifier):
-                engine.remove_weights_discarded_listener(listener)
+
+    def _relay_discards(self, engine: Any) -> None:
+        """Hear ``engine``'s discard notices (once per member, for good)."""
+        if isinstance(engine, DiscardNotifier):
+            engine.add_weights_discarded_listener(functools.partial(self._discarded, engine))
+
+    def _discarded(self, engine: Any) -> None:
+        """Member ``engine`` dropped its weights (a level-2 sleep, a respawned worker,
+        its actor's death): the ranks are assigned again on the next
+        :meth:`collective_rpc` (a new worker lacks its offset), and the fleet's
+        listeners (its synchronizer) are told.
+
+        A quarantined engine's notice is dropped: no sync reaches it and it serves
+        nothing, so its weights are no one's, and its death seen late or the
+        respawn that heals it must neither fail the sync that set it aside nor
+        make the engines in service stale (case C36)."""
+        if id(engine) in self._quarantined:
+            return
+        self._forget_ranks()
+        for listener in list(self._listeners):
+            listener()
 
     async def load_lora_adapter(self, adapter: LoRAAdapter) -> None:
         """Load ``adapter`` into every engine concurrently (each ``load_lora_adapter``).

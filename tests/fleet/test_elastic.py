@@ -207,7 +207,9 @@ async def test_an_engine_dead_between_syncs_is_quarantined_and_the_others_commit
         expected = trainer.generate(PROMPTS, max_new_tokens=4)
         # A 5 s limit: a pause left on a member would end in SyncTimeoutError.
         assert await fleet.generate(PROMPTS, max_new_tokens=4, timeout_s=5.0) == expected
-    assert await engines[1].respawn_dead_workers() == [0]
+        # Healing the quarantined engine discards its weights: none the fleet serves.
+        assert await engines[1].respawn_dead_workers() == [0]
+        assert (sync.weight_version, sync.is_stale) == (2, False)
 
 
 @pytest.mark.parametrize("transport", ["ipc", "collective"])

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from aiosync import Generation, SamplingParams
+from aiosync import Generation, SamplingParams, TransportError
 from aiosync.capabilities import (
     DiscardNotifier,
     Engine,
@@ -110,18 +110,39 @@ def test_asleep_tags_are_unknown_unless_every_member_reports() -> None:
     assert EngineFleet([_Full(frozenset({"weights"})), _Bare()]).asleep_tags is None
 
 
-def test_discard_listeners_go_to_the_notifying_members_and_come_off_again() -> None:
-    full = _Full()
-    fleet = EngineFleet([full, _Bare()])
-    assert len(full.listeners) == 1  # the fleet's own: it renumbers worker ranks
+class _Dead(_Full):
+    """A member whose health check fails (its worker died)."""
 
-    def listener() -> None:
-        pass
+    async def check_health(self) -> None:
+        raise TransportError("engine worker(s) [0] died")
 
-    fleet.add_weights_discarded_listener(listener)
-    assert full.listeners[-1] is listener
-    fleet.remove_weights_discarded_listener(listener)
-    assert listener not in full.listeners
+
+async def test_discard_notices_reach_the_fleets_listeners_unless_quarantined() -> None:
+    well, dead = _Full(), _Dead()
+    fleet = EngineFleet([well, dead, _Bare()], on_engine_failure="quarantine")
+    heard: list[str] = []
+
+    def second() -> None:
+        heard.append("second")
+
+    fleet.add_weights_discarded_listener(lambda: heard.append("first"))
+    fleet.add_weights_discarded_listener(second)
+    (notify,) = well.listeners  # one relay per member, whatever listens to the fleet
+    notify()
+    assert heard == ["first", "second"]
+    fleet.remove_weights_discarded_listener(second)
+    assert await fleet.set_aside_failed(TransportError("the sync failed")) == [
+        (
+            "engine 1 of 3 (_Dead)",
+            "TransportError: engine worker(s) [0] died "
+            "(after the sync failed with TransportError('the sync failed'))",
+        )
+    ]
+    heard.clear()
+    for engine in (well, dead):
+        for notify in engine.listeners:
+            notify()
+    assert heard == ["first"]  # the quarantined member's notice reaches no one
 
 
 async def test_respawn_asks_only_the_members_that_respawn() -> None:

@@ -183,8 +183,8 @@ async def test_a_fleet_forwards_each_members_discards_and_shutdown_removes_them(
     ) as sync:
         assert isinstance(sync.generation, EngineFleet)
         listener = sync._invalidate_engine_weights
-        # Registered once, on the fleet, which registers it with every member.
-        assert [_listens(e, listener) for e in engines] == [1, 1]
+        # Registered once, on the fleet, which relays every member's notices to it.
+        assert [_listens(e, listener) for e in engines] == [0, 0]
         await sync.mark_stale()
         await sync.sync_weights()
         await _discard(engines[1], base_wire)
@@ -192,4 +192,6 @@ async def test_a_fleet_forwards_each_members_discards_and_shutdown_removes_them(
         await sync.sync_weights()
         assert (sync.weight_version, sync.is_stale) == (1, False)
         assert [e.lora_adapter for e in engines] == ["aiosync-v1"] * 2
-    assert [_listens(e, listener) for e in engines] == [0, 0]
+    # Shut down, it hears no member's discards any more.
+    await _discard(engines[0], base_wire)
+    assert (sync.weight_version, sync.is_stale) == (1, False)

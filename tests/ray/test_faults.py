@@ -162,3 +162,65 @@ async def test_a_lost_actor_without_relaunch_names_the_way_out(
         assert discarded == [1]  # its weights went with it, once
         with pytest.raises(TransportError, match="cannot launch another"):
             await engine.respawn_dead_workers()
+
+
+async def test_a_fleet_quarantines_an_actor_killed_mid_sync_and_labels_its_survivor(
+    ray_cluster: Any, h: SimpleNamespace
+) -> None:
+    from aiosync import EngineFleet, VersionEventKind
+    from aiosync.ray import EngineSpec, launch_engine
+
+    ray = ray_cluster
+    spec = EngineSpec.embedded(TINY_QWEN3, seed=h.ENGINE_SEED, rpc_timeout_s=30)
+    engines = [await launch_engine(spec, colocated=True, num_gpus=0, num_cpus=0) for _ in "ab"]
+    fleet = EngineFleet(engines, on_engine_failure="quarantine", probe_timeout_s=10.0)
+    trainer = h.trainer_model(23)
+    source = HookedSource(trainer.model)
+    sync = create_weight_synchronizer(
+        source,
+        fleet,
+        colocated=True,
+        backend="embedded",
+        bucket_bytes=16 * 1024,
+        sync_timeout_s=SYNC_TIMEOUT_S,
+        rpc_timeout_s=30,
+    )
+    victim = "engine 1 of 2 (RayEngine)"
+    try:
+        async with sync, sync.subscribe() as events:
+            await sync.mark_stale()
+            await sync.sync_weights()
+            h.advance(trainer.model)
+            await sync.mark_stale()
+
+            def kill(i: int) -> None:
+                if i == 6:  # buckets have moved
+                    source.on_tensor = lambda i: None
+                    ray.kill(engines[1].actor, no_restart=True)
+
+            source.on_tensor = kill
+            # The dead actor's discard notice does not fail the sync it was set aside from.
+            await sync.sync_weights()
+            assert (sync.policy_version, sync.weight_version, sync.is_stale) == (2, 2, False)
+            assert list(fleet.quarantined) == [victim]
+            assert "died" in fleet.quarantined[victim]
+            assert fleet.serving == [engines[0]]
+            seen = []
+            async for event in events:
+                seen.append((event.kind, event.version, event.engine))
+                if event.version == 2 and event.kind in (
+                    VersionEventKind.COMMITTED,
+                    VersionEventKind.FAILED,
+                ):
+                    break
+            assert (VersionEventKind.ENGINE_QUARANTINED, 2, victim) in seen
+            assert seen[-1][:2] == (VersionEventKind.COMMITTED, 2)
+            # The survivor holds version 2 and labels what it computes with it.
+            await h.assert_engine_equals(engines[0], trainer)
+            want = trainer.generate(h.PROMPTS, max_new_tokens=3, ignore_eos=True)
+            outs = await fleet.generate_with_meta(h.PROMPTS, max_new_tokens=3, ignore_eos=True)
+            assert [g.token_ids for g in outs] == want
+            assert [g.versions for g in outs] == [[2, 2, 2]] * len(h.PROMPTS)
+    finally:
+        for engine in engines:
+            await engine.shutdown()
