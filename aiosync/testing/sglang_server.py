@@ -1093,8 +1093,16 @@ class _Handler(BaseHTTPRequestHandler):
         return {"success": True, "message": "Succeeded to destroy custom process group."}
 
     def _begin_weight_update(self, data: dict[str, Any]) -> Any:
-        """SGLang's ``BeginWeightUpdateReqInput`` (``selector``, ``sync_base``): opens the
+        """SGLang 0.5.23's ``BeginWeightUpdateReqInput`` (``selector``: ``"target" | "draft" |
+        "all"``, its only field; another value is SGLang's validation error, 400): opens the
         session; a second ``begin`` is refused (400), as SGLang's ``begin_weight_update``."""
+        selector = data.get("selector", "all")
+        if selector not in ("target", "draft", "all"):
+            # SGLang's RequestValidationError handler: an ErrorResponse, 400.
+            message = f"selector: Input should be 'target', 'draft' or 'all', got {selector!r}"
+            raise _HTTPError(
+                400, {"object": "error", "message": message, "type": "Bad Request", "code": 400}
+            )
         state = self.server.state
         with state.lock:
             if state.session_open:

@@ -130,6 +130,12 @@ def test_session_rules_and_messages_are_sglangs(server: TestServer) -> None:
     assert refused.json() == {"success": False, "message": OUTSIDE_SESSION}
     ended = admin.post("/end_weight_update", json={})
     assert (ended.status_code, ended.json()["message"]) == (400, NO_SESSION)
+    # BeginWeightUpdateReqInput.selector is "target" | "draft" | "all": another is
+    # SGLang's validation error (400, ErrorResponse), and no session opens.
+    bad = admin.post("/begin_weight_update", json={"selector": "experts"})
+    assert (bad.status_code, bad.json()["object"], bad.json()["code"]) == (400, "error", 400)
+    assert "selector" in bad.json()["message"]
+    assert admin.post("/end_weight_update", json={}).status_code == 400
     assert admin.post("/begin_weight_update", json={}).json() == {
         "success": True,
         "message": "Success",
