@@ -85,3 +85,50 @@ async def test_a_server_killed_mid_sync_is_quarantined_and_a_new_one_joins(
             await backend.aclose()
         for server in [*servers, *([joined] if joined is not None else [])]:
             server.close()
+
+
+async def test_a_server_dead_between_syncs_is_quarantined_and_the_other_commits_and_serves(
+    server_workdir: Path,
+    dense_config: Path,
+    make_trainer: Any,
+    state_equal: Any,
+    prompts: list[list[int]],
+) -> None:
+    servers = [TestServer(server_workdir, dense_config) for _ in range(2)]
+    backends = [SGLangHTTPBackend(s.url) for s in servers]
+    fleet = EngineFleet(backends, on_engine_failure="quarantine", probe_timeout_s=10.0)
+    trainer = make_trainer(seed=73)
+    sync = create_weight_synchronizer(
+        trainer, fleet, colocated=True, backend="sglang", bucket_bytes=64 * 1024
+    )
+    try:
+        async with sync, sync.subscribe() as events:
+            await sync.mark_stale()
+            await sync.sync_weights()
+            servers[1].proc.kill()
+            servers[1].proc.join()
+            trainer.step(seed=74)
+            await sync.mark_stale()
+            # Its pause fails (nothing answers): it is set aside, server 0 commits.
+            await sync.sync_weights()
+            assert (sync.weight_version, sync.is_stale) == (2, False)
+            victim = "engine 1 of 2 (SGLangHTTPBackend)"
+            assert list(fleet.quarantined) == [victim]
+            assert "ConnectError" in fleet.quarantined[victim]
+            assert fleet.serving == [backends[0]]
+            seen = []
+            async for event in events:
+                seen.append((event.kind, event.version, event.engine))
+                if event.kind is VersionEventKind.COMMITTED and event.version == 2:
+                    break
+            assert (VersionEventKind.ENGINE_QUARANTINED, 2, victim) in seen
+            state_equal(servers[0].state_dict(), trainer.expected())
+            assert await backends[0].get_weight_version() == "2"
+            assert await fleet.generate(prompts, max_new_tokens=4) == trainer.reference_generate(
+                prompts, 4
+            )
+    finally:
+        for backend in backends:
+            await backend.aclose()
+        for server in servers:
+            server.close()
