@@ -3,8 +3,11 @@ engines. An engine whose worker is SIGKILLed mid-sync is set aside and the same
 ``sync_weights()`` commits on the other two (bit-exact, generating the trainer's greedy
 tokens), over IPC and over the collective (the group re-formed over the survivors, global
 ranks contiguous again); the event stream names the engine. Respawned and added back, it
-joins with a full sync and serves only once that committed. Below ``min_engines`` the sync
-fails as without quarantine.
+joins with a full sync and serves only once that committed. An engine that died between
+syncs (serving) fails the pause and is set aside likewise; one whose worker is stopped
+(SIGSTOP) mid-sync fails its probe (no answer within ``probe_timeout_s``) and is set aside,
+named, not the healthy engine that waited for it. Below ``min_engines`` the sync fails as
+without quarantine.
 """
 
 from __future__ import annotations

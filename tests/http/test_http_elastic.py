@@ -2,7 +2,8 @@
 ``EngineFleet(on_engine_failure="quarantine")``. One server SIGKILLed mid-sync fails its
 health check (``GET /health``), is set aside, and the same ``sync_weights()`` commits on
 the other (bit-exact, its version reported); a new server added with ``add_engine`` joins
-with the next sync and serves only once it committed."""
+with the next sync and serves only once it committed. A server dead before a sync fails
+the pause and is set aside as well."""
 
 from __future__ import annotations
 
