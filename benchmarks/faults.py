@@ -63,12 +63,21 @@ worker: in the same processes where the trainer's own group survived, else ("aft
 restart") in a restarted job of both ranks; left behind counts the whole job's entries.
 
 The quarantine cells (transport ``ipc, fleet of 2`` and the like) run an
-``EngineFleet(on_engine_failure="quarantine", min_engines=1)`` of two engines (two
-embedded engines; two test servers for HTTP) and SIGKILL engine 1 (its worker; the server)
-mid-sync: the error column is what that ``sync_weights()`` raises ("none": it committed),
-"version kept, stale" reads as "committed on the survivor" (version 2, not stale, the survivor
-bit-exact), ``generate`` is the fleet's, and "next sync heals" that engine 1, respawned and
-``add_engine``-d, got the next sync whole and serves again (``ENGINE_JOINED``).
+``EngineFleet(on_engine_failure="quarantine", min_engines=1, probe_timeout_s=2)`` of two
+engines (two embedded engines; two test servers for HTTP) and strike engine 1 (its worker;
+the server): SIGKILL mid-sync; SIGKILL between two syncs, while the fleet generates (an
+embedded engine once engine 1 runs the request; the note says what that generate raised),
+then the sync; SIGSTOP mid-sync (what waits on it gives up after 5 s: the RPCs, the
+collective, an HTTP request), SIGCONT and SIGKILL once the sync returned. The error
+column is what that ``sync_weights()`` raises ("none": it committed), "version kept,
+stale" reads as "committed on the survivor" (version 2, not stale, the survivor
+bit-exact), ``generate`` is the fleet's, and "next sync heals" that engine 1, respawned
+and ``add_engine``-d, got the next sync whole and serves again (``ENGINE_JOINED``); the
+note gives the reason engine 1 was set aside for. The Ray cell (transport ``ipc, fleet of 2
+Ray engines``) is the SIGKILL cell with each embedded engine in a Ray actor
+(``aiosync.ray.launch_engine``, a local cluster of 2 CPUs) and actor 1 ``ray.kill``-ed;
+the note also gives the versions the survivor labels its tokens with, and the heal
+launches a new actor.
 
 Usage::
 
@@ -172,8 +181,17 @@ JOB_LIMIT_S = 300.0
 #: The bucket and byte the ``corrupted in transit`` cells flip (a slot's first byte: always
 #: in the default ``"sample"`` check).
 TRANSIT_FAULT = (0, 0)
-#: The quarantine cells' fault.
-QUARANTINE_FAULT = "engine killed, quarantine"
+#: The quarantine cells' faults, on engine 1 of a fleet of 2.
+QUARANTINE_FAULTS = (
+    "engine killed, quarantine",
+    "engine dies between syncs, quarantine",
+    "engine hangs (SIGSTOP) mid-sync, quarantine",
+)
+#: ``probe_timeout_s`` of the quarantine cells' fleets, seconds.
+PROBE_TIMEOUT_S = 2.0
+#: The Ray quarantine cell's transport and fault.
+RAY_TRANSPORT = "ipc, fleet of 2 Ray engines"
+RAY_FAULT = "Ray engine killed mid-sync, quarantine"
 #: Cells that do not apply (no such fault on that transport), with the reason.
 NOT_APPLICABLE = {
     ("ipc", "engine error"): "workers answer typed errors, covered by the others",
@@ -355,8 +373,9 @@ class HTTPServer(EngineUnderTest):
 
     transport = "http"
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, request_timeout_s: float | None = None) -> None:
         self.workdir = workdir
+        self.request_timeout_s = request_timeout_s
         self.config = workdir / "config.json"
         self.config.write_text(json.dumps(TINY_QWEN3))
         self.proc: subprocess.Popen[bytes] | None = None
@@ -390,7 +409,10 @@ class HTTPServer(EngineUnderTest):
                 raise RuntimeError("the SGLang test server did not start")
             time.sleep(0.1)
         self.url = f"http://127.0.0.1:{int(port_file.read_text())}"
-        self.engine = SGLangHTTPBackend(self.url, enable_memory_saver=True)
+        limits = (
+            {} if self.request_timeout_s is None else {"request_timeout_s": self.request_timeout_s}
+        )
+        self.engine = SGLangHTTPBackend(self.url, enable_memory_saver=True, **limits)
 
     def synchronizer(self, source: RefitSource, initial_version: int = 0) -> WeightSynchronizer:
         assert self.engine is not None
@@ -981,9 +1003,14 @@ def run_sharded() -> list[Cell]:
 # -- elastic fleets -------------------------------------------------------------
 
 
-def _fleet_synchronizer(transport: str, source: RefitSource, fleet: EngineFleet) -> Any:
+def _fleet_synchronizer(
+    transport: str, source: RefitSource, fleet: EngineFleet, *, hang: bool
+) -> Any:
+    """A synchronizer of ``fleet``; with ``hang``, what waits on a hung engine (the RPCs,
+    the collective) gives up after :data:`HANG_TIMEOUT_S`."""
     if transport == "ipc":
-        return IPCWeightSynchronizer(source, fleet, bucket_bytes=BUCKET_BYTES, rpc_timeout_s=30)
+        limit = HANG_TIMEOUT_S if hang else 30.0
+        return IPCWeightSynchronizer(source, fleet, bucket_bytes=BUCKET_BYTES, rpc_timeout_s=limit)
     if transport == "http":
         return HTTPWeightSynchronizer(source, fleet, bucket_bytes=BUCKET_BYTES)
     return create_weight_synchronizer(
@@ -994,9 +1021,37 @@ def _fleet_synchronizer(transport: str, source: RefitSource, fleet: EngineFleet)
         train_cluster=TrainCluster(master_port=_port()),
         inference_world_size=2,
         bucket_bytes=BUCKET_BYTES,
-        collective_timeout_s=10.0,
+        collective_timeout_s=HANG_TIMEOUT_S if hang else 10.0,
         rpc_timeout_s=30.0,
     )
+
+
+async def _kill_serving(members: list[EngineUnderTest], fleet: EngineFleet) -> str:
+    """SIGKILL engine 1 of ``members`` between two syncs, while the fleet generates (an
+    embedded engine: once engine 1 runs a request); returns what that generate raised."""
+    generating = asyncio.ensure_future(fleet.generate(PROMPTS, max_new_tokens=200, ignore_eos=True))
+    if isinstance(members[1], Embedded):
+        with anyio.fail_after(60):
+            while not (await members[1].engine.status())[0]["requests"]:
+                await anyio.sleep(0.01)
+    os.kill(members[1].pid(), signal.SIGKILL)
+    try:
+        await generating
+    except Exception as exc:
+        return type(exc).__name__
+    return "none"
+
+
+async def _end_hung(member: EngineUnderTest) -> None:
+    """Kill the stopped engine (SIGCONT first) and, for an embedded one, wait until it
+    knows its worker is dead."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(member.pid(), signal.SIGCONT)
+        os.kill(member.pid(), signal.SIGKILL)
+    if isinstance(member, Embedded):
+        with anyio.fail_after(60):
+            while not member.engine._pool.dead:
+                await anyio.sleep(0.05)
 
 
 async def _events_so_far(events: Any) -> list[Any]:
@@ -1009,15 +1064,20 @@ async def _events_so_far(events: Any) -> list[Any]:
         return out
 
 
-async def quarantine_cell(transport: str, seed: int) -> Cell:
-    """Run the :data:`QUARANTINE_FAULT` cell of ``transport``; see the module docs."""
-    cell = Cell(f"{transport}, fleet of 2", QUARANTINE_FAULT)
+async def quarantine_cell(transport: str, fault: str, seed: int) -> Cell:
+    """Run the quarantine cell of ``fault`` (:data:`QUARANTINE_FAULTS`) on ``transport``;
+    see the module docs."""
+    cell = Cell(f"{transport}, fleet of 2", fault)
+    hang = "SIGSTOP" in fault
     with _recording(cell) as notes:
         async with contextlib.AsyncExitStack() as stack:
             members: list[EngineUnderTest] = []
             for _ in range(2):
                 if transport == "http":
-                    server = HTTPServer(Path(stack.enter_context(tempfile.TemporaryDirectory())))
+                    server = HTTPServer(
+                        Path(stack.enter_context(tempfile.TemporaryDirectory())),
+                        request_timeout_s=HANG_TIMEOUT_S if hang else None,
+                    )
                     stack.callback(server.stop)
                     members.append(server)
                 else:
@@ -1027,11 +1087,14 @@ async def quarantine_cell(transport: str, seed: int) -> Cell:
                     await stack.enter_async_context(engine)
                     members.append(Embedded(transport, engine))
             fleet = EngineFleet(
-                [m.engine for m in members], on_engine_failure="quarantine", min_engines=1
+                [m.engine for m in members],
+                on_engine_failure="quarantine",
+                min_engines=1,
+                probe_timeout_s=PROBE_TIMEOUT_S,
             )
             trainer = _trainer(seed)
             source = FaultySource(trainer.model)
-            sync = _fleet_synchronizer(transport, source, fleet)
+            sync = _fleet_synchronizer(transport, source, fleet, hang=hang)
             stack.push_async_callback(sync.shutdown)
             events = await stack.enter_async_context(sync.subscribe())
             await sync.init_communicator()
@@ -1039,9 +1102,9 @@ async def quarantine_cell(transport: str, seed: int) -> Cell:
             await sync.sync_weights()
             fault_time: list[float] = []
 
-            def kill() -> None:
+            def strike() -> None:
                 fault_time.append(time.monotonic())
-                os.kill(members[1].pid(), signal.SIGKILL)
+                os.kill(members[1].pid(), signal.SIGSTOP if hang else signal.SIGKILL)
 
             for step, scale in enumerate((1.25, 0.5)):
                 with torch.no_grad():
@@ -1049,8 +1112,17 @@ async def quarantine_cell(transport: str, seed: int) -> Cell:
                         p.mul_(scale)
                 await sync.mark_stale()
                 if step == 0:
-                    source.hook = kill
-                    cell.error, cell.seconds = await _timed(fault_time, sync.sync_weights())
+                    if "between syncs" in fault:
+                        await fleet.prepare_for_generation()
+                        fault_time.append(time.monotonic())
+                        notes.append(f"its generate: {await _kill_serving(members, fleet)}")
+                    else:
+                        source.hook = strike
+                    try:
+                        cell.error, cell.seconds = await _timed(fault_time, sync.sync_weights())
+                    finally:
+                        if hang:
+                            await _end_hung(members[1])
                     cell.version_kept = (sync.weight_version, sync.is_stale) == (
                         2,
                         False,
@@ -1072,6 +1144,95 @@ async def quarantine_cell(transport: str, seed: int) -> Cell:
             notes.append(f"ENGINE_QUARANTINED {quarantined}, ENGINE_JOINED {joined}")
             exact = [await _matches(m, trainer.model) for m in members]
             cell.heals = not sync.is_stale and all(exact) and len(joined) == 1
+    return cell
+
+
+async def ray_quarantine_cell(seed: int) -> Cell:
+    """The :data:`RAY_FAULT` cell: two embedded engines in Ray actors (a local cluster
+    of 2 CPUs) behind a quarantining fleet; actor 1 is ``ray.kill``-ed mid-sync. See the
+    module docs."""
+    cell = Cell(RAY_TRANSPORT, RAY_FAULT)
+    # Ray takes the loopback address as the node's (read when ray is first imported).
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    try:
+        import ray
+
+        from aiosync.ray import EngineSpec, launch_engine
+    except ImportError:
+        return Cell(RAY_TRANSPORT, RAY_FAULT, error="n/a", note="Ray is not installed")
+    ray.init(num_cpus=2, object_store_memory=80 * 1024 * 1024, include_dashboard=False)
+    try:
+        with _recording(cell) as notes:
+            spec = EngineSpec.embedded(dict(TINY_QWEN3), seed=3, rpc_timeout_s=60)
+            engines = [
+                await launch_engine(spec, colocated=True, num_gpus=0, num_cpus=0) for _ in range(2)
+            ]
+            async with contextlib.AsyncExitStack() as stack:
+                for engine in engines:
+                    stack.push_async_callback(engine.shutdown)
+                    _OURS.update([engine.info.pid, *engine.pids])
+                fleet = EngineFleet(
+                    engines,
+                    on_engine_failure="quarantine",
+                    min_engines=1,
+                    probe_timeout_s=PROBE_TIMEOUT_S,
+                )
+                trainer = _trainer(seed)
+                source = FaultySource(trainer.model)
+                sync = IPCWeightSynchronizer(
+                    source, fleet, bucket_bytes=BUCKET_BYTES, rpc_timeout_s=30
+                )
+                stack.push_async_callback(sync.shutdown)
+                events = await stack.enter_async_context(sync.subscribe())
+                await sync.init_communicator()
+                await sync.mark_stale()
+                await sync.sync_weights()
+                fault_time: list[float] = []
+
+                def kill() -> None:
+                    fault_time.append(time.monotonic())
+                    ray.kill(engines[1].actor, no_restart=True)
+
+                with torch.no_grad():
+                    for p in trainer.model.parameters():
+                        p.mul_(1.25)
+                await sync.mark_stale()
+                source.hook = kill
+                cell.error, cell.seconds = await _timed(fault_time, sync.sync_weights())
+                expected = dict(DTensorRefitSource(trainer.model).iter_weights())
+                (state,) = await engines[0].hf_state_dicts()
+                cell.version_kept = (sync.weight_version, sync.is_stale) == (2, False) and all(
+                    torch.equal(state[n], t) for n, t in expected.items()
+                )
+                notes += [f"{k}: {_short(v, 70)}" for k, v in fleet.quarantined.items()]
+                await fleet.prepare_for_generation()
+                try:
+                    outs = await fleet.generate_with_meta(PROMPTS, max_new_tokens=2)
+                    labels = sorted({v for g in outs for v in g.versions})
+                    cell.generate = "generated"
+                    notes.append(f"the survivor labels its tokens {labels}")
+                except Exception as exc:
+                    cell.generate = type(exc).__name__
+                await engines[1].respawn_dead_workers()  # a new actor
+                _OURS.update([engines[1].info.pid, *engines[1].pids])
+                fleet.add_engine(engines[1])
+                with torch.no_grad():
+                    for p in trainer.model.parameters():
+                        p.mul_(0.5)
+                await sync.mark_stale()
+                await sync.sync_weights()
+                seen = [(e.kind, e.engine) for e in await _events_so_far(events)]
+                quarantined = [e for kind, e in seen if kind is VersionEventKind.ENGINE_QUARANTINED]
+                joined = [e for kind, e in seen if kind is VersionEventKind.ENGINE_JOINED]
+                notes.append(f"ENGINE_QUARANTINED {quarantined}, ENGINE_JOINED {joined}")
+                expected = dict(DTensorRefitSource(trainer.model).iter_weights())
+                states = [s for e in engines for s in await e.hf_state_dicts()]
+                exact = all(
+                    torch.equal(state[n], t) for state in states for n, t in expected.items()
+                )
+                cell.heals = not sync.is_stale and exact and len(joined) == 1
+    finally:
+        ray.shutdown()
     return cell
 
 
@@ -1111,7 +1272,9 @@ async def run(transports: tuple[str, ...]) -> list[Cell]:
                 cells.append(cell)
     for t_index, transport in enumerate(transports):
         if transport != "ipc direct":  # a fleet's handshake and commit: those of ipc
-            cells.append(await quarantine_cell(transport, seed=200 + t_index))
+            for f_index, fault in enumerate(QUARANTINE_FAULTS):
+                seed = 200 + 10 * t_index + f_index
+                cells.append(await quarantine_cell(transport, fault, seed=seed))
     return cells
 
 
@@ -1150,6 +1313,7 @@ def main() -> None:
     start = time.monotonic()
     cells = asyncio.run(run(transports))
     if not args.quick:
+        cells.append(asyncio.run(ray_quarantine_cell(seed=290)))
         cells += run_sharded()
     machine.finish()
     lines = table(cells)
