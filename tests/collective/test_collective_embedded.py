@@ -159,3 +159,54 @@ async def test_a_drifted_engine_config_is_refused_before_any_worker_joins() -> N
         assert sync.weight_version == 0
         [after] = await engine.hf_state_dicts()
         assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+@pytest.mark.parametrize("overlap", ["inplace", "staged"])
+async def test_a_worker_killed_mid_broadcast_fails_the_sync_at_once_named(overlap: str) -> None:
+    import os
+    import signal
+
+    from aiosync import TransportError
+    from tests._support.sources import HookedSource
+
+    trainer = HFModelRunner.from_config(dict(QWEN3), seed=203)
+    source = HookedSource(trainer.model)
+    async with EmbeddedEngine(dict(QWEN3), num_workers=2, seed=7, rpc_timeout_s=60) as engine:
+        sync = create_weight_synchronizer(
+            source,
+            engine,
+            colocated=False,
+            backend="embedded",
+            train_cluster=TrainCluster(master_port=_port()),
+            inference_world_size=2,
+            bucket_bytes=16 * 1024,
+            overlap=overlap,
+            # Short: a trainer that waited for the dead worker would fail with gloo's
+            # timeout (SyncTimeoutError, "Timed out waiting 10000ms"), naming no one.
+            collective_timeout_s=10.0,
+            rpc_timeout_s=30.0,
+        )
+        async with sync:
+            await sync.mark_stale()
+            await sync.sync_weights()
+
+            def kill(i: int) -> None:
+                if i == 6:  # staged: the stage RPC returned; nothing is in flight
+                    source.on_tensor = lambda i: None
+                    os.kill(engine.pids[1], signal.SIGKILL)
+
+            with torch.no_grad():
+                for p in trainer.model.parameters():
+                    p.mul_(1.5)
+            source.on_tensor = kill
+            await sync.mark_stale()
+            with pytest.raises(TransportError) as failed:
+                await sync.sync_weights()
+            assert str(failed.value).startswith("engine worker(s) [1] died"), failed.value
+            assert (sync.weight_version, sync.is_stale) == (1, True)
+            assert await engine.respawn_dead_workers() == [1]
+            await sync.init_communicator()
+            await sync.sync_weights()
+            expected = trainer.hf_state_dict()
+            for state in await engine.hf_state_dicts():
+                assert all(torch.equal(state[n], t) for n, t in expected.items())

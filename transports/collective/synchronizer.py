@@ -21,7 +21,10 @@ weights valid (``docs/reliability.md``).
 
 With ``overlap="staged"`` the workers receive into a staging area in a
 background thread while they keep generating, and pause generation only for
-the final copy into the live weights (``aiosync_collective_commit``).
+the final copy into the live weights (``aiosync_collective_commit``). No RPC
+of theirs is in flight meanwhile, so the source asks the engine every 0.25 s
+whether a worker died (its ``check_health``) and, if one did, aborts the group and
+fails the sync naming it, as the in-place receive's RPC would.
 """
 
 from __future__ import annotations
@@ -80,6 +83,12 @@ _log = logging.getLogger(__name__)
 
 #: Cap of the GPU default bucket size, bytes (NeMo-RL's choice).
 _MAX_GPU_BUCKET_BYTES = 5 * 1024**3
+#: With ``overlap="staged"``, how often the source asks the engine whether a worker
+#: died while it sends (its ``check_health``), seconds.
+_ENGINE_WATCH_S = 0.25
+#: How long a staged source whose collective failed waits for the engine to report a
+#: dead worker (the cause it names in place of gloo's error), seconds.
+_DEATH_NOTICE_S = 1.0
 
 
 def default_bucket_bytes(device: torch.device) -> int:
@@ -736,10 +745,40 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             finally:
                 remote_done.set()
 
+        # Staged: what the engine's watch (watch() below) found dead while this rank sent.
+        watched: list[Exception] = []
+
+        async def watch() -> None:
+            """Staged: no RPC of the workers is in flight while this rank sends, so
+            nothing would see one die (gloo waits for it, or words it "Read error",
+            naming no one). Ask the engine (its health check) every
+            :data:`_ENGINE_WATCH_S`; on a dead worker abort the group, naming it."""
+            while True:
+                await anyio.sleep(_ENGINE_WATCH_S)
+                dead = await self._dead_worker()
+                if dead is not None:
+                    watched.append(dead)
+                    group.abort(f"{type(dead).__name__}: {dead}")
+                    return
+
         async def explained(exc: BaseException) -> BaseException:
             """The cause in place of a collective's failure here: gloo words a dead
             peer as "Connection reset by peer", naming no worker, whereas the engine
             knows which worker died (its health check, else its RPC's error)."""
+            if self.overlap == "staged" and group.collective_failed:
+                # gloo may hear of a death (a closed socket) before the engine does (the
+                # process's exit, seen on the event loop): give it a moment.
+                with anyio.move_on_after(_DEATH_NOTICE_S):
+                    while not watched:
+                        dead = await self._dead_worker()
+                        if dead is not None:
+                            watched.append(dead)
+                            break
+                        await anyio.sleep(0.02)
+                if not watched:
+                    return exc
+                watched[0].add_note(f"meanwhile on trainer rank 0: {exc!r}")
+                return watched[0]
             if self.overlap != "inplace" or not group.collective_failed:
                 return exc
             group.abort(f"trainer rank 0 failed: {type(exc).__name__}: {exc}")
@@ -781,7 +820,16 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             sent, results = await self._both(local, remote, group=group)
         else:
             await self._rpc("aiosync_collective_stage", kwargs, self.rpc_timeout_s)
-            sent = await local()
+            failure: Exception | None = None
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch)
+                try:
+                    sent = await local()
+                except Exception as exc:
+                    failure = exc
+                tg.cancel_scope.cancel()
+            if failure is not None:
+                raise failure
             await self._wake_weights()
             results = await self._rpc(
                 "aiosync_collective_commit", {"version": version}, self.rpc_timeout_s
