@@ -225,6 +225,10 @@ class EngineFleet(GenerateFromMeta):
             return []
         left = [e for e in self.serving if all(e is not f for f, _ in failed)]
         if len(left) < self.min_engines:
+            # The sync fails with ``error``, which may name a healthy engine (one
+            # that waited for the hung one): say which failed the probe.
+            failed_probe = "; ".join(f"{self._name(e)}: {why}" for e, why in failed)
+            error.add_note(f"failed the fleet's probe after it: {failed_probe}")
             _log.warning(
                 "engine fleet: %d engine(s) failed their check after a failed sync, which "
                 "would leave %d in service (min_engines=%d): the sync fails",

@@ -316,8 +316,13 @@ async def test_below_min_engines_the_sync_fails_and_nothing_is_set_aside(
         await sync.sync_weights()
         _kill_at(source, engines[2], index=5)
         await sync.mark_stale()
-        with pytest.raises(SyncError):
+        with pytest.raises(SyncError) as failed:
             await sync.sync_weights()
+        # The error says which engine failed the probe, whichever engine it names.
+        assert (
+            "failed the fleet's probe after it: engine 2 of 3 (EmbeddedEngine): "
+            "TransportError: engine worker(s) [0] died"
+        ) in "\n".join(failed.value.__notes__)
         assert (sync.weight_version, sync.is_stale) == (1, True)
         assert fleet.quarantined == {} and fleet.serving == engines
         assert await engines[2].respawn_dead_workers() == [0]
