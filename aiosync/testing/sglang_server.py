@@ -1372,20 +1372,27 @@ class _Handler(BaseHTTPRequestHandler):
                 state.faults[target] = _Fault(mode, count)
             return {"ok": True}
         if path == "/_aiosync/arm_transit_fault" and method == "POST":
-            # Test-only: flip (XOR 0xFF) byte ``byte`` of the bucket of index ``bucket``
-            # (ServerState.update_index) when TP rank 0 next receives it, before its load.
+            # Test-only: flip (XOR ``mask``, default 0xFF: every bit) byte ``byte`` of the
+            # bucket of index ``bucket`` (ServerState.update_index) when TP rank 0 next
+            # receives it, before its load.
             spec = _object(data)
-            bucket, byte = spec.get("bucket"), spec.get("byte")
+            bucket, byte, mask = spec.get("bucket"), spec.get("byte"), spec.get("mask", 0xFF)
             if not (
                 isinstance(bucket, int)
                 and isinstance(byte, int)
+                and isinstance(mask, int)
                 and _is_int(bucket)
                 and _is_int(byte)
+                and _is_int(mask)
                 and bucket >= 0
                 and byte >= 0
+                and 0 < mask < 256
             ):
-                raise _error("arm_transit_fault needs a bucket and a byte, ints >= 0")
-            arm_transit_fault(bucket, byte)
+                raise _error(
+                    "arm_transit_fault needs a bucket and a byte, ints >= 0, and an optional "
+                    "mask of 1 to 255"
+                )
+            arm_transit_fault(bucket, byte, mask)
             return {"ok": True}
         if path == "/_aiosync/corrupt" and method == "POST":
             # Test-only: a live weight changed behind every transport's back: element

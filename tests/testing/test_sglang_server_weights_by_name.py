@@ -23,6 +23,7 @@ import torch
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.testing.sglang_server import ServerState, make_server
+from aiosync.transports._verify import transit_fault
 
 FAILED = {"error": {"message": "Get parameter by name failed"}}
 LAYER = "model.layers.0"
@@ -166,6 +167,29 @@ def test_arming_the_transit_fault_takes_a_bucket_and_a_byte(
     for body in ({"bucket": 0}, {"bucket": -1, "byte": 0}, {"bucket": 0, "byte": "1"}):
         response = httpx.post(f"{url}/_aiosync/arm_transit_fault", json=body, timeout=30.0)
         assert response.status_code == 400, body
+
+
+def test_an_armed_transit_fault_flips_only_the_bits_of_its_mask(
+    tp1: tuple[str, ServerState],
+) -> None:
+    url, _ = tp1
+    for mask in (0, 256, "64"):
+        body = {"bucket": 7, "byte": 0, "mask": mask}
+        response = httpx.post(f"{url}/_aiosync/arm_transit_fault", json=body, timeout=30.0)
+        assert response.status_code == 400, body
+    body = {"bucket": 7, "byte": 5, "mask": 0x40}  # one exponent bit (the fault matrix's)
+    httpx.post(f"{url}/_aiosync/arm_transit_fault", json=body, timeout=30.0).raise_for_status()
+    received = torch.full((16,), 0x81, dtype=torch.uint8)
+    transit_fault(received, 7)  # what TP rank 0 does to bucket 7 as it arrives
+    expected = torch.full((16,), 0x81, dtype=torch.uint8)
+    expected[5] = 0xC1
+    assert torch.equal(received, expected)
+    # Without a mask the whole byte flips, as before.
+    body = {"bucket": 7, "byte": 2}
+    httpx.post(f"{url}/_aiosync/arm_transit_fault", json=body, timeout=30.0).raise_for_status()
+    transit_fault(received, 7)
+    expected[2] = 0x7E
+    assert torch.equal(received, expected)
 
 
 def test_the_request_log_keeps_only_its_last_entries() -> None:
