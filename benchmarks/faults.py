@@ -13,6 +13,9 @@ after one healthy sync (version 1), during the sync of version 2:
   receive path (the test hook ``aiosync_test_arm_transit_fault``; HTTP: the test server's
   ``/_aiosync/arm_transit_fault``), under each transport's default ``verify`` (IPC and the
   collective: ``True``, HTTP: ``"sample"``);
+* ``one bit flipped in transit``: the same, but one bit: the exponent's top bit of a middle
+  element of bucket 0's tensor (``model.embed_tokens.weight``, its element 4097 becomes
+  ~1e38), under the same default ``verify``;
 * ``cancelled``: the loop cancels ``sync_weights`` mid-sync;
 * ``weights discarded``: the engine discards its weights mid-sync (a level-2 sleep; SGLang:
   ``/release_memory_occupation``, the server started with ``--enable-memory-saver``);
@@ -23,7 +26,21 @@ after one healthy sync (version 1), during the sync of version 2:
   ``refit_if_stale``;
 * ``restarted trainer``: A syncs versions 1–3 and shuts down (its process ending); a new
   synchronizer with ``initial_version=3`` on the same weights inits, refits if stale, then
-  takes a training step (``policy_update``) and refits.
+  takes a training step (``policy_update``) and refits;
+* ``live weight corrupted``: after version 1 committed, one element of a live engine weight
+  (``model.layers.1.mlp.down_proj.weight``) gets 1.0 added behind the transport's back (the
+  embedded workers' ``embedded_load_state_dict``; the test server's ``/_aiosync/corrupt``),
+  then the loop calls ``verify_engine()``;
+* ``server restarted``: HTTP only: after version 1 committed, the test server is restarted on
+  the same port (its own seeded weights, SGLang's ``"default"`` label); the loop generates,
+  then calls ``refit_if_stale``.
+
+The two cells between syncs read the columns so: the error is what ``verify_engine()``
+(``server restarted``: the first ``generate``) raises, seconds from the fault to it,
+"version kept, stale" that the synchronizer reports version 1 with ``is_stale`` true
+afterwards, and "next sync heals" that the next ``sync_weights()`` (``server restarted``:
+``refit_if_stale``, which must re-sync) lands every tensor bit-exact (and a
+``verify_engine()`` after it passes).
 
 Columns: the exception the training loop gets (``Cancelled``: the cancellation
 itself), seconds from the fault to it, whether ``weight_version`` stayed 1 with
@@ -79,6 +96,14 @@ Ray engines``) is the SIGKILL cell with each embedded engine in a Ray actor
 the note also gives the versions the survivor labels its tokens with, and the heal
 launches a new actor.
 
+The tied cells (their own table: the matrix's model is untied) run the tiny Qwen3 with
+``tie_word_embeddings`` on its own engine per transport: after version 1 the trainer
+unties ``lm_head`` by ``load_state_dict(..., assign=True)`` of its own cloned state dict
+(a resume from a checkpoint that holds both names) and takes a step; the sync of version
+2 must be refused naming ``lm_head.weight`` before any byte moves ("version kept, stale"
+also requires the engine's weights untouched), and after ``model.tie_weights()`` the next
+sync heals.
+
 Usage::
 
     python benchmarks/faults.py                 # every cell (several minutes)
@@ -127,7 +152,8 @@ from aiosync import (
     create_weight_synchronizer,
     refit_if_stale,
 )
-from aiosync.engines.embedded.configs import TINY_QWEN3
+from aiosync.engines.embedded._worker import tensor_to_wire
+from aiosync.engines.embedded.configs import TINY_QWEN3, TINY_QWEN3_TIED
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.interfaces import RefitManifest, RefitSource
 from aiosync.refit import DTensorRefitSource, share_parameters
@@ -149,12 +175,24 @@ FAULTS = (
     "engine hangs",
     "engine error",
     "corrupted in transit",
+    "one bit flipped in transit",
     "cancelled",
     "weights discarded",
     "second synchronizer",
     "sequential takeover",
     "restarted trainer",
+    "live weight corrupted",
+    "server restarted",
 )
+#: The cells whose fault strikes between two syncs, after version 1 (no sync of version 2).
+BETWEEN_SYNCS = ("live weight corrupted", "server restarted")
+#: The live weight the ``live weight corrupted`` cells change, the element and what is added.
+CORRUPTED = ("model.layers.1.mlp.down_proj.weight", 17, 1.0)
+#: Bucket, byte and mask of the ``one bit flipped in transit`` cells: bucket 0 holds
+#: ``model.embed_tokens.weight`` alone (128 x 64 float32, 32 KiB); byte 16391 is the high
+#: byte of its element 4097 (little-endian, a middle row: not among the first rows HTTP's
+#: ``"sample"`` reads back), 0x40 that byte's top exponent bit.
+BIT_FLIP = (0, 16391, 0x40)
 #: The cells about which synchronizer owns the engine (:func:`run_owner_cell`).
 OWNER_FAULTS = ("sequential takeover", "restarted trainer")
 #: The version the trainer of the ``restarted trainer`` cell had reached (its checkpoint).
@@ -192,6 +230,8 @@ PROBE_TIMEOUT_S = 2.0
 #: The Ray quarantine cell's transport and fault.
 RAY_TRANSPORT = "ipc, fleet of 2 Ray engines"
 RAY_FAULT = "Ray engine killed mid-sync, quarantine"
+#: The tied cells' fault (their own table, on engines of the tied model).
+TIE_FAULT = "tie broken"
 #: Cells that do not apply (no such fault on that transport), with the reason.
 NOT_APPLICABLE = {
     ("ipc", "engine error"): "workers answer typed errors, covered by the others",
@@ -199,6 +239,13 @@ NOT_APPLICABLE = {
     **{
         ("ipc direct", fault): "the handshake and commit of ipc: only the data messages differ"
         for fault in ("mismatch", "engine error", "second synchronizer", *OWNER_FAULTS)
+    },
+    **{
+        (transport, "server restarted"): (
+            "an embedded engine's restart is a respawned worker (the `engine killed` cell's "
+            "heal); weights lost between syncs: `weights discarded`"
+        )
+        for transport in ("ipc", "ipc direct", "collective")
     },
 }
 #: What a cell's outcome means, where the table alone would not say.
@@ -209,6 +256,19 @@ EXPLAINED = {
         "and the other turns stale; across processes nothing tells them: give each server "
         "exactly one trainer"
     ),
+    ("http", "one bit flipped in transit"): (
+        'HTTP\'s default verify="sample" reads back the first rows of at most 8 tensors per '
+        "server and sync: one bit of a middle row commits unseen; verify=True reads every "
+        "tensor back whole, verify_engine() (record_checksums=True: SGLang's own checksums) "
+        "finds it after"
+    ),
+    **{
+        (transport, "live weight corrupted"): (
+            "a delta synchronizer's next sync is full (the worker no longer holds the "
+            "baseline: tests/delta, C32)"
+        )
+        for transport in TRANSPORTS
+    },
 }
 
 
@@ -321,9 +381,20 @@ class EngineUnderTest:
     async def wake(self) -> None:
         await self.engine.prepare_for_generation()
 
-    async def corrupt_in_transit(self) -> None:
-        """Arm the receive path to flip :data:`TRANSIT_FAULT` in the next sync."""
-        await self.engine.collective_rpc("aiosync_test_arm_transit_fault", args=TRANSIT_FAULT)
+    async def corrupt_in_transit(self, bucket: int, byte: int, mask: int = 0xFF) -> None:
+        """Arm the receive path to XOR byte ``byte`` of bucket ``bucket`` with ``mask`` in
+        the next sync."""
+        await self.engine.collective_rpc(
+            "aiosync_test_arm_transit_fault", args=(bucket, byte, mask)
+        )
+
+    async def corrupt_live(self) -> None:
+        """Add :data:`CORRUPTED`'s value to its element of the live weight, behind the
+        transport's back."""
+        name, index, delta = CORRUPTED
+        bad = (await self.weights())[name].clone()
+        bad.view(-1)[index] += delta
+        await self.engine.collective_rpc("embedded_load_state_dict", ({name: tensor_to_wire(bad)},))
 
 
 class Embedded(EngineUnderTest):
@@ -373,16 +444,29 @@ class HTTPServer(EngineUnderTest):
 
     transport = "http"
 
-    def __init__(self, workdir: Path, request_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        request_timeout_s: float | None = None,
+        config: dict[str, Any] = TINY_QWEN3,
+    ) -> None:
         self.workdir = workdir
         self.request_timeout_s = request_timeout_s
         self.config = workdir / "config.json"
-        self.config.write_text(json.dumps(TINY_QWEN3))
+        self.config.write_text(json.dumps(config))
         self.proc: subprocess.Popen[bytes] | None = None
         self.engine: SGLangHTTPBackend | None = None
         self._start()
 
-    def _start(self) -> None:
+    def _start(self, port: int = 0) -> None:
+        """Start the server (on ``port``; 0: a free one) and a new backend of it."""
+        self._spawn(port)
+        limits = (
+            {} if self.request_timeout_s is None else {"request_timeout_s": self.request_timeout_s}
+        )
+        self.engine = SGLangHTTPBackend(self.url, enable_memory_saver=True, **limits)
+
+    def _spawn(self, port: int) -> None:
         port_file = self.workdir / f"port-{time.monotonic_ns()}"
         self.proc = subprocess.Popen(
             [
@@ -390,7 +474,7 @@ class HTTPServer(EngineUnderTest):
                 "-m",
                 "aiosync.testing.sglang_server",
                 "--port",
-                "0",
+                str(port),
                 "--port-file",
                 str(port_file),
                 "--model-config",
@@ -409,10 +493,6 @@ class HTTPServer(EngineUnderTest):
                 raise RuntimeError("the SGLang test server did not start")
             time.sleep(0.1)
         self.url = f"http://127.0.0.1:{int(port_file.read_text())}"
-        limits = (
-            {} if self.request_timeout_s is None else {"request_timeout_s": self.request_timeout_s}
-        )
-        self.engine = SGLangHTTPBackend(self.url, enable_memory_saver=True, **limits)
 
     def synchronizer(self, source: RefitSource, initial_version: int = 0) -> WeightSynchronizer:
         assert self.engine is not None
@@ -445,11 +525,23 @@ class HTTPServer(EngineUnderTest):
         async with httpx.AsyncClient(base_url=self.url, timeout=60) as client:
             (await client.post("/_aiosync/reset")).raise_for_status()
 
-    async def corrupt_in_transit(self) -> None:
-        bucket, byte = TRANSIT_FAULT
+    async def corrupt_in_transit(self, bucket: int, byte: int, mask: int = 0xFF) -> None:
         async with httpx.AsyncClient(base_url=self.url, timeout=60) as client:
-            body = {"bucket": bucket, "byte": byte}
+            body = {"bucket": bucket, "byte": byte, "mask": mask}
             (await client.post("/_aiosync/arm_transit_fault", json=body)).raise_for_status()
+
+    async def corrupt_live(self) -> None:
+        name, index, delta = CORRUPTED
+        async with httpx.AsyncClient(base_url=self.url, timeout=60) as client:
+            body = {"name": name, "index": index, "delta": delta}
+            (await client.post("/_aiosync/corrupt", json=body)).raise_for_status()
+
+    def restart(self) -> None:
+        """Kill the server and start a fresh one on the same port; the backend stays (the
+        loop's, which must notice)."""
+        port = int(self.url.rsplit(":", 1)[1])
+        self.stop()
+        self._spawn(port)
 
     async def revive(self) -> None:
         self.stop()
@@ -510,11 +602,14 @@ async def run_cell(engine: EngineUnderTest, fault: str, seed: int) -> Cell:
         await sync.init_communicator()
         await sync.mark_stale()
         await sync.sync_weights()
-        with torch.no_grad():
-            for p in trainer.model.parameters():
-                p.mul_(1.25)
-        await sync.mark_stale()
-        await _inject(engine, fault, sync, source, fault_time, cell, others)
+        if fault in BETWEEN_SYNCS:
+            await _between_syncs(engine, fault, sync, fault_time, cell)
+        else:
+            with torch.no_grad():
+                for p in trainer.model.parameters():
+                    p.mul_(1.25)
+            await sync.mark_stale()
+            await _inject(engine, fault, sync, source, fault_time, cell, others)
         if fault != "second synchronizer":
             cell.version_kept = sync.weight_version == 1 and sync.is_stale
         cell.generate = await engine.generate() if fault != "second synchronizer" else "—"
@@ -531,10 +626,20 @@ async def run_cell(engine: EngineUnderTest, fault: str, seed: int) -> Cell:
             await engine.wake()
         if isinstance(engine, HTTPServer):
             await engine.reset()
-        if fault == "second synchronizer":
+        if fault == "one bit flipped in transit" and cell.error == "none":
+            await _committed_corruption(engine, sync, trainer.model, cell)
+        if fault == "second synchronizer" or not sync.is_stale:
             await sync.mark_stale()
-        await sync.sync_weights()
-        cell.heals = not sync.is_stale and await _matches(engine, trainer.model)
+        if fault == "server restarted":
+            # The loop's own call: it must see the restart and re-sync.
+            resynced = await refit_if_stale(sync, engine.engine)
+            cell.note = _noted(cell.note, f"refit_if_stale returned {resynced}")
+        else:
+            resynced = True
+            await sync.sync_weights()
+        cell.heals = resynced and not sync.is_stale and await _matches(engine, trainer.model)
+        if fault in BETWEEN_SYNCS and cell.heals:
+            await sync.verify_engine()  # raises (noted: the cell stops) if it did not heal
         return cell
     except Exception as exc:
         # The cell stopped here: say so beside what it means, not instead of it.
@@ -582,8 +687,11 @@ async def _inject(
         await engine.fault("error")
         fault_time.append(time.monotonic())  # from the first bucket on
     elif fault == "corrupted in transit":
-        await engine.corrupt_in_transit()
+        await engine.corrupt_in_transit(*TRANSIT_FAULT)
         fault_time.append(time.monotonic())  # from the start of the sync
+    elif fault == "one bit flipped in transit":
+        await engine.corrupt_in_transit(*BIT_FLIP)
+        fault_time.append(time.monotonic())
     elif fault == "weights discarded":
         at(lambda: anyio.from_thread.run(engine.discard))
     elif fault == "cancelled":
@@ -602,6 +710,56 @@ async def _inject(
         if fault == "engine hangs":
             os.kill(engine.pid(), signal.SIGCONT)
             sync.timeouts = limits
+
+
+def _noted(note: str, more: str) -> str:
+    return f"{note}; {more}" if note else more
+
+
+async def _between_syncs(
+    engine: EngineUnderTest,
+    fault: str,
+    sync: WeightSynchronizer,
+    fault_time: list[float],
+    cell: Cell,
+) -> None:
+    """Strike ``fault`` (:data:`BETWEEN_SYNCS`) after version 1 committed; fill
+    ``cell.error/seconds`` with what the loop's next call raises (its message noted)."""
+    if fault == "live weight corrupted":
+        await engine.corrupt_live()
+        fault_time.append(time.monotonic())
+        error = await _error_of(sync.verify_engine())
+    else:
+        assert isinstance(engine, HTTPServer) and engine.engine is not None
+        await anyio.to_thread.run_sync(engine.restart)
+        fault_time.append(time.monotonic())
+        error = await _error_of(engine.engine.generate(PROMPTS, max_new_tokens=2))
+    if isinstance(error, BaseException):
+        cell.error, cell.seconds = type(error).__name__, time.monotonic() - fault_time[0]
+        cell.note = _noted(cell.note, f"“{_short(str(error), 120)}”")
+    else:
+        cell.error = "none"
+
+
+async def _committed_corruption(
+    engine: EngineUnderTest, sync: WeightSynchronizer, model: torch.nn.Module, cell: Cell
+) -> None:
+    """A corrupted sync committed: note which tensors the engine holds differently from
+    the trainer and what ``verify_engine()`` then says."""
+    state = await engine.weights()
+    expected = dict(DTensorRefitSource(model).iter_weights())
+    wrong = []
+    for name, tensor in expected.items():
+        want = tensor.to(state[name].dtype)
+        if not torch.equal(state[name], want):
+            (where,) = (state[name] != want).reshape(-1).nonzero()[:1].tolist()
+            index = where[0]
+            held, sent = state[name].reshape(-1)[index].item(), want.reshape(-1)[index].item()
+            count = int((state[name] != want).sum())
+            wrong.append(f"{name}: {count} element(s), [{index}] = {held:.3g} for {sent:.3g}")
+    cell.note = _noted(cell.note, "committed; the engine holds " + ("; ".join(wrong) or "it all"))
+    check = await _outcome(sync.verify_engine())
+    cell.note = _noted(cell.note, f"verify_engine() then: {check}")
 
 
 async def _second_synchronizer(
@@ -1240,18 +1398,20 @@ async def ray_quarantine_cell(seed: int) -> Cell:
 
 
 @contextlib.asynccontextmanager
-async def _engines(transports: tuple[str, ...]) -> AsyncIterator[dict[str, EngineUnderTest]]:
+async def _engines(
+    transports: tuple[str, ...], config: dict[str, Any] = TINY_QWEN3
+) -> AsyncIterator[dict[str, EngineUnderTest]]:
     engines: dict[str, EngineUnderTest] = {}
     async with contextlib.AsyncExitStack() as stack:
         for transport in transports:
             if transport == "http":
                 workdir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-                server = HTTPServer(workdir)
+                server = HTTPServer(workdir, config=config)
                 stack.callback(server.stop)
                 engines[transport] = server
             else:
                 engine = EmbeddedEngine(
-                    dict(TINY_QWEN3), num_workers=1, seed=3, sleep_level=2, rpc_timeout_s=60
+                    dict(config), num_workers=1, seed=3, sleep_level=2, rpc_timeout_s=60
                 )
                 await stack.enter_async_context(engine)
                 await engine.start()
@@ -1259,11 +1419,18 @@ async def _engines(transports: tuple[str, ...]) -> AsyncIterator[dict[str, Engin
         yield engines
 
 
-async def run(transports: tuple[str, ...]) -> list[Cell]:
+async def run(transports: tuple[str, ...], faults: frozenset[str] | None = None) -> list[Cell]:
+    """The matrix's and the quarantine cells of ``transports`` (only ``faults``, if given)."""
     cells: list[Cell] = []
-    async with _engines(transports) as engines:
-        for t_index, transport in enumerate(transports):
+    if faults is not None and not faults & set(FAULTS):
+        transports_of_matrix: tuple[str, ...] = ()
+    else:
+        transports_of_matrix = transports
+    async with _engines(transports_of_matrix) as engines:
+        for t_index, transport in enumerate(transports_of_matrix):
             for f_index, fault in enumerate(FAULTS):
+                if faults is not None and fault not in faults:
+                    continue
                 reason = NOT_APPLICABLE.get((transport, fault))
                 if reason is not None:
                     cells.append(Cell(transport, fault, error="n/a", note=reason))
@@ -1273,9 +1440,65 @@ async def run(transports: tuple[str, ...]) -> list[Cell]:
     for t_index, transport in enumerate(transports):
         if transport != "ipc direct":  # a fleet's handshake and commit: those of ipc
             for f_index, fault in enumerate(QUARANTINE_FAULTS):
+                if faults is not None and fault not in faults:
+                    continue
                 seed = 200 + 10 * t_index + f_index
                 cells.append(await quarantine_cell(transport, fault, seed=seed))
     return cells
+
+
+async def tie_cell(engine: EngineUnderTest, seed: int) -> Cell:
+    """The :data:`TIE_FAULT` cell on ``engine`` (one of the tied model); see the module docs."""
+    cell = Cell(engine.transport, TIE_FAULT)
+    with _recording(cell) as notes:
+        model: Any = HFModelRunner.from_config(dict(TINY_QWEN3_TIED), seed=seed).model
+        async with contextlib.AsyncExitStack() as stack:
+            if engine.transport == "ipc direct":
+                stack.enter_context(share_parameters(model))
+            sync = engine.synchronizer(FaultySource(model))
+            stack.push_async_callback(sync.shutdown)
+            await sync.init_communicator()
+            await sync.mark_stale()
+            await sync.sync_weights()
+            untouched = await engine.weights()
+            # A resume from a checkpoint that holds both names: two tensors of their own.
+            model.load_state_dict(
+                {k: v.detach().clone() for k, v in model.state_dict().items()}, assign=True
+            )
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(1.25)
+            await sync.mark_stale()
+            start = time.monotonic()
+            error = await _error_of(sync.sync_weights())
+            if isinstance(error, BaseException):
+                cell.error, cell.seconds = type(error).__name__, time.monotonic() - start
+                notes.append(f"“{_short(str(error), 120)}”")
+            else:
+                cell.error = "none"
+            now = await engine.weights()
+            kept = set(now) == set(untouched) and all(
+                torch.equal(now[n], t) for n, t in untouched.items()
+            )
+            changed = sorted(n for n, t in untouched.items() if not torch.equal(now.get(n), t))
+            notes.append(
+                "the engine's weights untouched: "
+                + ("yes" if kept else f"**no** ({len(changed)} changed: {', '.join(changed[:2])}…)")
+            )
+            cell.version_kept = kept and (sync.weight_version, sync.is_stale) == (1, True)
+            cell.generate = await engine.generate()
+            model.tie_weights()
+            if isinstance(engine, HTTPServer):
+                await engine.reset()
+            await sync.sync_weights()
+            cell.heals = not sync.is_stale and await _matches(engine, model)
+    return cell
+
+
+async def run_ties(transports: tuple[str, ...]) -> list[Cell]:
+    """The tied cells, one engine of the tied model per transport."""
+    async with _engines(transports, TINY_QWEN3_TIED) as engines:
+        return [await tie_cell(engines[t], seed=300 + 10 * i) for i, t in enumerate(transports)]
 
 
 def _yes(value: bool | None) -> str:
@@ -1307,23 +1530,37 @@ def main() -> None:
     )
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     parser.add_argument("--write", type=Path, help="write the Markdown report to this file")
+    parser.add_argument(
+        "--faults",
+        help="only these faults, comma-separated (names as in the table's fault column; "
+        "a partial run, not for --write)",
+    )
     args = parser.parse_args()
+    every = {*FAULTS, *QUARANTINE_FAULTS, RAY_FAULT, *SHARDED_FAULTS, TIE_FAULT}
+    faults = None if args.faults is None else frozenset(f.strip() for f in args.faults.split(","))
+    if faults is not None and not faults <= every:
+        parser.error(f"unknown faults {sorted(faults - every)}; known: {sorted(every)}")
+    if faults is not None and args.write is not None:
+        parser.error("--write takes the whole matrix: leave --faults out")
     transports = ("ipc",) if args.quick else TRANSPORTS
     machine = Machine(repeats=1)
     start = time.monotonic()
-    cells = asyncio.run(run(transports))
-    if not args.quick:
+    cells = asyncio.run(run(transports, faults))
+    if not args.quick and (faults is None or RAY_FAULT in faults):
         cells.append(asyncio.run(ray_quarantine_cell(seed=290)))
+    if not args.quick and (faults is None or faults & set(SHARDED_FAULTS)):
         cells += run_sharded()
+    ties = asyncio.run(run_ties(transports)) if faults is None or TIE_FAULT in faults else []
     machine.finish()
-    lines = table(cells)
+    lines, tie_lines = table(cells), table(ties)
     print("\n".join(lines))
-    print(f"\n{len(cells)} cells in {time.monotonic() - start:.0f} s")
+    print("\n".join(["", *tie_lines]))
+    print(f"\n{len(cells) + len(ties)} cells in {time.monotonic() - start:.0f} s")
     machine.report(statistic="one run")
     if args.write is not None:
-        args.write.write_text(_report(lines, machine))
+        args.write.write_text(_report(lines, tie_lines, machine))
     if args.json:
-        print(json.dumps({"cells": [asdict(c) for c in cells], **machine.fields()}))
+        print(json.dumps({"cells": [asdict(c) for c in [*cells, *ties]], **machine.fields()}))
 
 
 _VERIFICATION = """
@@ -1355,7 +1592,7 @@ The cost of each check per transport is `benchmarks/verify.py`'s table.
 """
 
 
-def _report(lines: list[str], machine: Machine) -> str:
+def _report(lines: list[str], tie_lines: list[str], machine: Machine) -> str:
     doc = (__doc__ or "").split("Usage::")[0].strip().splitlines()
     return "\n".join(
         [
@@ -1369,6 +1606,10 @@ def _report(lines: list[str], machine: Machine) -> str:
             *lines,
             "",
             f"Last run: {machine.caption('one run')}; seconds to error are indicative.",
+            "",
+            "The tied cells (the tiny Qwen3 with `tie_word_embeddings`; see above):",
+            "",
+            *tie_lines,
             "",
             "Outside this matrix (they kill the whole trainer, or need a GPU), each a test:",
             "a SIGKILLed trainer ends the engine workers' receive within ~0.1 s",
