@@ -85,11 +85,13 @@ class _BareFanout(_EventHub):
         error: str | None = None,
         pause_s: float = 0.0,
         delta: bool = False,
+        engine: str | None = None,
+        unverified: tuple[str, ...] = (),
     ) -> WeightVersionEvent:
         policy, weight = self._versions()
         event = WeightVersionEvent(
             kind, version, time.time(), policy, weight, nbytes, duration_s, error,
-            pause_s=pause_s, delta=delta,
+            pause_s=pause_s, delta=delta, engine=engine, unverified=unverified,
         )  # fmt: skip
         for send in self.sends:
             try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -13,6 +12,7 @@ from typing import Any
 import pytest
 
 from tests._support.launch import start_script
+from tests._support.net import free_port
 
 # Tests never download: models are built from small configs.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -56,9 +56,7 @@ def spawn_ranks() -> SpawnRanks:
     any rank that did not exit 0."""
 
     def run(script: Path, world_size: int, extra: Callable[[int], Sequence[str]]) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
+        port = free_port()
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")]),

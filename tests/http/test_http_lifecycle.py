@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from aiosync import (
+    EngineFleet,
     RefitMismatchError,
     SamplingParams,
     SGLangHTTPBackend,
@@ -131,17 +132,22 @@ async def test_every_server_of_a_fleet_or_a_list_loses_its_listener_on_shutdown(
         plain = HTTPWeightSynchronizer(trainer, [first, second])
         syncs = (fleet, plain)
 
-        def theirs(backend: SGLangHTTPBackend) -> list[Any]:
-            # The fleet keeps a listener of its own (it forgets worker ranks).
-            return [f.__self__ for f in backend._listeners if getattr(f, "__self__", None) in syncs]
+        def theirs(notifier: Any) -> list[Any]:
+            return [
+                f.__self__ for f in notifier._listeners if getattr(f, "__self__", None) in syncs
+            ]
 
-        # Once each: through the fleet, and on each item of the plain list.
-        assert theirs(first) == theirs(second) == [fleet, plain]
+        # The plain list's synchronizer listens on each server; the fleet's on its fleet,
+        # which relays its members' notices (unless quarantined: case C36).
+        members = fleet.generation
+        assert isinstance(members, EngineFleet)
+        assert theirs(first) == theirs(second) == [plain]
+        assert theirs(members) == [fleet]
         second._discard_weights("test: one server dropped its weights")
         assert fleet._engine_dirty and plain._engine_dirty
         await fleet.shutdown()
         await plain.shutdown()
-        assert theirs(first) == theirs(second) == []
+        assert theirs(first) == theirs(second) == theirs(members) == []
 
 
 async def test_sampling_params_and_the_keyword_form_are_the_same_request(
