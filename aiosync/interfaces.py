@@ -75,6 +75,7 @@ __all__ = [
     "GenerationBackend",
     "InFlightPolicy",
     "KVScales",
+    "Preflight",
     "RefitManifest",
     "RefitSource",
     "TrainCluster",
@@ -153,6 +154,25 @@ class GathersInto(Protocol):
         the source allocates as ``iter_weights`` does. A yielded tensor that is that
         destination holds the tensor's bytes already. Every rank gathers alike whatever
         its destination answers: the collectives stay matched."""
+        ...
+
+
+@runtime_checkable
+class Preflight(Protocol):
+    """A refit source that can tell, moving nothing, that a sync of it would be wrong
+    (``DTensorRefitSource``: a tie the manifest relies on was broken, case C37).
+
+    ``sync_weights`` calls :meth:`preflight` before it pauses the engine or moves a
+    byte, so a refused sync leaves every engine exactly as it was. A sharded trainer's
+    ranks run the same check at the start of their streams instead, where their
+    votes keep them agreed."""
+
+    def preflight(self) -> None:
+        """Raise if a sync of this source must not start.
+
+        Raises:
+            RefitMismatchError: the source no longer matches its manifest.
+        """
         ...
 
 
@@ -648,6 +668,11 @@ class WeightSynchronizer(ABC):
             paused_at: float | None = None
             try:
                 with anyio.fail_after(self.timeouts.sync_s):
+                    if isinstance(self.policy, Preflight) and not self._sharded():
+                        # Before the pause and the first byte: a broken source leaves
+                        # every engine as it was, serving (a sharded trainer's ranks
+                        # check at their streams' start, where their votes agree).
+                        self.policy.preflight()
                     pausable = self._pausable()
                     pause: Callable[[], Awaitable[None]] | None = None
                     if pausable is not None:

@@ -303,6 +303,9 @@ class FaultySource(RefitSource):
         old, new = self.rename
         return {new if n == old else n: spec for n, spec in manifest.items()}
 
+    def preflight(self) -> None:
+        self.inner.preflight()
+
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for i, item in enumerate(self.inner.iter_weights()):
             if i == FAULT_AT and self.hook is not None:

@@ -409,6 +409,15 @@ class DTensorRefitSource(RefitSource):
         """
         return self._weights(destination)
 
+    def preflight(self) -> None:
+        """:class:`~aiosync.interfaces.Preflight`: :meth:`check_ties`, which
+        ``sync_weights`` runs before it pauses the engine or moves a byte.
+
+        Raises:
+            RefitMismatchError: a tie the manifest relies on was broken.
+        """
+        self.check_ties()
+
     def check_ties(self, live: Mapping[str, Any] | None = None) -> None:
         """Check that every tie the manifest relies on still holds (case C37).
 

@@ -10,6 +10,7 @@ the source re-checks the tie at every sync and refuses with a
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -17,11 +18,12 @@ import pytest
 import torch
 from torch import nn
 
-from aiosync import RefitMismatchError, share_parameters
+from aiosync import RefitMismatchError, TrainCluster, create_weight_synchronizer, share_parameters
 from aiosync.engines.embedded.configs import TINY_QWEN3_TIED
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.refit import DTensorRefitSource
 from aiosync.transports.ipc import IPCWeightSynchronizer
+from tests._support.net import free_port
 
 BuildModel = Callable[..., nn.Module]
 HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
@@ -79,7 +81,26 @@ def test_a_tie_broken_after_the_manifest_is_refused_naming_it(
     assert torch.equal(streamed[EMBED], model.model.embed_tokens.weight)
 
 
-async def test_an_untied_shared_trainer_never_commits_a_head_the_engine_lacks() -> None:
+def _synchronizer(transport: str, model: Any, engine: EmbeddedEngine) -> Any:
+    source = DTensorRefitSource(model)
+    if transport == "ipc":
+        return IPCWeightSynchronizer(source, engine, rpc_timeout_s=60)
+    return create_weight_synchronizer(
+        source,
+        engine,
+        colocated=False,
+        backend="embedded",
+        train_cluster=TrainCluster(master_port=free_port()),
+        inference_world_size=1,
+        overlap=transport.removeprefix("collective "),
+        collective_timeout_s=60.0,
+    )
+
+
+@pytest.mark.parametrize("transport", ["ipc", "collective inplace", "collective staged"])
+async def test_an_untied_trainer_never_commits_a_head_and_the_engine_keeps_serving(
+    transport: str,
+) -> None:
     from tests._support.inflight import hf_greedy
 
     config = dict(TINY_QWEN3_TIED)
@@ -87,19 +108,27 @@ async def test_an_untied_shared_trainer_never_commits_a_head_the_engine_lacks() 
         from aiosync.engines.embedded.model import HFModelRunner
 
         model: Any = HFModelRunner.from_config(config, seed=7).model.float().eval()
-        with share_parameters(model):
-            sync = IPCWeightSynchronizer(DTensorRefitSource(model), engine, rpc_timeout_s=60)
-            async with sync:
+        with share_parameters(model) if transport == "ipc" else contextlib.nullcontext():
+            async with _synchronizer(transport, model, engine) as sync:
                 await sync.mark_stale()
                 await sync.sync_weights()
-                assert await engine.generate([PROMPT], max_new_tokens=6) == [
-                    hf_greedy(model, PROMPT, 6)
-                ]
+                tokens = hf_greedy(model, PROMPT, 6)
+                assert await engine.generate([PROMPT], max_new_tokens=6) == [tokens]
+                held = await engine.hf_state_dicts()
                 _assign_a_checkpoint(model)
                 await sync.mark_stale()
                 with pytest.raises(RefitMismatchError, match=f"{HEAD} is no longer tied"):
                     await sync.sync_weights()
                 assert (sync.weight_version, sync.is_stale) == (1, True)
+                # Refused before the pause and the first byte (the collective once
+                # broadcast filler buckets after its source failed, into live weights):
+                # the engine holds version 1 exactly and serves it.
+                now = await engine.hf_state_dicts()
+                assert [list(s) for s in now] == [list(s) for s in held]
+                assert all(
+                    torch.equal(a[n], b[n]) for a, b in zip(now, held, strict=True) for n in a
+                )
+                assert await engine.generate([PROMPT], max_new_tokens=6) == [tokens]
                 # Re-tied (the head takes the embedding's values), the next sync heals.
                 model.tie_weights()
                 await sync.sync_weights()
