@@ -422,7 +422,7 @@ async def _trio_round_trip() -> tuple[int, bool]:
 
 
 def test_the_core_runs_on_trio() -> None:
-    # The README's claim: the core (base class, events) is anyio and runs on trio;
+    # docs/loop.md's claim: the core (base class, events) is anyio and runs on trio;
     # the transports that use pyzmq's asyncio sockets need asyncio.
     pytest.importorskip("trio")
     assert anyio.run(_trio_round_trip, backend="trio") == (1, True)
