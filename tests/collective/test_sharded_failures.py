@@ -103,7 +103,9 @@ def test_a_rank_sigkilled_mid_sync_is_named_by_every_survivor_and_the_survivors_
     tmp_path: Path,
 ) -> None:
     seen, codes = _run(tmp_path, 3, "kill", failed=2)
-    assert codes == [0, 0, -signal.SIGKILL]
+    assert codes == [0, 0, -signal.SIGKILL], [
+        (tmp_path / f"{r}.log").read_text()[-3000:] for r in range(2)
+    ]
     assert seen[2] is None
     failures = [s["failure"] for s in seen[:2]]
     assert failures[0] == failures[1]

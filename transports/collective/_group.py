@@ -373,8 +373,8 @@ class SyncGroup:
 
         A healthy group is shut down gracefully. A broken one is aborted
         (:meth:`abort`: the peers still waiting in it give up at once) and its
-        backends are released in a daemon thread: a gloo group whose collective is
-        still pending blocks its destructor until that collective times out.
+        backends are released in a thread of their own: a gloo group whose collective
+        is still pending blocks its destructor until that collective times out.
         """
         if self.broken and self.store is not None:
             self.abort(f"{self.describe_rank(self.rank)} left the broken sync group")
@@ -492,8 +492,9 @@ def teardown(pg: Any, *, broken: bool) -> None:
 
 def _release(backends: list[Any], *, broken: bool) -> None:
     """Tear down ``backends`` (:func:`teardown`) and drop them; a broken group's in a
-    daemon thread, which its destructor may block until a pending collective times
-    out. Takes the caller's only references (it empties the list)."""
+    thread of their own, which their destructor may block until a pending collective
+    times out (the process's exit waits for it). Takes the caller's only references
+    (it empties the list)."""
     if not broken:
         for pg in backends:
             teardown(pg, broken=False)
@@ -504,7 +505,10 @@ def _release(backends: list[Any], *, broken: bool) -> None:
         while backends:
             teardown(backends.pop(), broken=True)
 
-    threading.Thread(target=release, name="aiosync-release-group", daemon=True).start()
+    # Not a daemon: the interpreter's exit waits for the release. A daemon thread still
+    # inside gloo's destructor when the process exits aborts it ("terminate called
+    # without an active exception": its threads are torn down under it).
+    threading.Thread(target=release, name="aiosync-release-group").start()
 
 
 def _make_backend(
