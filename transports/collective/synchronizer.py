@@ -740,8 +740,11 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             try:
                 return await self._rpc("aiosync_collective_receive", kwargs, self.sync_timeout_s)
             except Exception as exc:
-                remote_failure.append(exc)
-                raise
+                # A fleet's RPC may fail first on a healthy engine, whose worker's
+                # collective lost the dead peer: name the dead one if it shows.
+                cause = await self._death_behind(exc)
+                remote_failure.append(cause)
+                raise cause from None
             finally:
                 remote_done.set()
 
@@ -837,6 +840,19 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         self._check_results(sent, results)
         self.last_worker_results = results
         return Transferred(sent.nbytes, delta="delta" in kwargs)
+
+    async def _death_behind(self, exc: Exception) -> Exception:
+        """The dead worker's error in place of ``exc`` (with ``exc`` as a note) if the
+        engine reports one within :data:`_DEATH_NOTICE_S`; else ``exc``. A worker's
+        death reaches its peers' sockets before its engine sees the process exit."""
+        with anyio.move_on_after(_DEATH_NOTICE_S):
+            while True:
+                dead = await self._dead_worker()
+                if dead is not None:
+                    dead.add_note(f"meanwhile the engine's workers: {exc!r}")
+                    return dead
+                await anyio.sleep(0.02)
+        return exc
 
     async def _dead_worker(self) -> Exception | None:
         """The engine's word on a worker that died (its
