@@ -16,12 +16,19 @@ reconnect every sync):
 * ``sync_awake``: the same into the engine itself, which reports
   ``asleep_tags`` (what it put to sleep, kept locally): the synchronizer skips
   the two wake RPCs of an awake engine.
-* ``rpc`` (baseline): one ``engine.collective_rpc("embedded_status")`` round
-  trip, the floor of any engine RPC (msgpack over the engine's ZMQ socket,
-  one hop to a worker thread and back).
+* ``rpc``: one ``engine.collective_rpc("embedded_status")`` round trip, the
+  floor of any engine RPC (msgpack over the engine's ZMQ socket, one hop to a
+  worker thread and back).
+* ``zmq_rtt`` (baseline): one bare pyzmq round trip of a 64-byte message, the
+  engine's socket kinds over the same transport: a blocking ``ROUTER`` bound
+  on ``ipc://`` in this process, a blocking ``DEALER`` echoing it in a child
+  process (``python -c``), no asyncio, no msgpack, no thread hop. What any
+  engine RPC here cannot go below.
 
-Median and p90 of ``--syncs`` samples each (50; ``--quick``: 10), in ms, and
-the ratios to rpc (medians).
+Each sample is one ``zmq_rtt``, one ``rpc`` and one sync, one after the
+other (so a change of load hits all three alike). Best, median and p90 of
+``--syncs`` samples each (50; ``--quick``: 10), in ms, and the ratios of the
+medians to rpc and to zmq_rtt.
 
 Process round trips per sync, read from the code (``interfaces.py``'s
 ``WeightSynchronizer.sync_weights``, ``transports/ipc/synchronizer.py``,
@@ -74,11 +81,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from typing import Any
 
 import torch
+import zmq
 from _machine import Machine
 from ipc import FlatModel, FlatSource  # the weights-only model and source of the IPC benchmark
 
@@ -97,6 +109,21 @@ MESSAGES_PER_SYNC_AWAKE = 2
 #: ... as round trips, the unit the RPC baseline measures.
 ROUND_TRIPS_PER_SYNC = MESSAGES_PER_SYNC / 2
 ROUND_TRIPS_PER_SYNC_AWAKE = MESSAGES_PER_SYNC_AWAKE / 2
+#: The bare round trip's message, bytes (about an ``embedded_status`` request's size).
+ZMQ_RTT_BYTES = 64
+#: The echo end of the bare round trip: a blocking DEALER in a child process.
+_ECHO = """
+import sys, zmq
+ctx = zmq.Context()
+sock = ctx.socket(zmq.DEALER)
+sock.setsockopt(zmq.LINGER, 0)
+sock.connect(sys.argv[1])
+sock.send(b"ready")
+while (msg := sock.recv()) != b"stop":
+    sock.send(msg)
+sock.close()
+ctx.term()
+"""
 
 
 class PointModel(FlatModel):
@@ -121,15 +148,46 @@ class SilentSleepEngine:
         return getattr(self.engine, name)
 
 
+class BareRoundTrip:
+    """A bare pyzmq round trip (``zmq_rtt``): a blocking ROUTER bound on ``ipc://``
+    here, a blocking DEALER echoing each message in a child process."""
+
+    def __init__(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="aiosync-bench-rtt-")
+        endpoint = f"ipc://{self._dir}/rtt.sock"
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(endpoint)
+        self._child = subprocess.Popen([sys.executable, "-c", _ECHO, endpoint])
+        self._peer, _ready = self._sock.recv_multipart()
+        self._message = b"x" * ZMQ_RTT_BYTES
+
+    def sample(self) -> float:
+        """One round trip, seconds."""
+        start = time.perf_counter()
+        self._sock.send_multipart([self._peer, self._message])
+        self._sock.recv_multipart()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self._sock.send_multipart([self._peer, b"stop"])
+        self._child.wait(10)
+        self._sock.close()
+        self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
 def _percentile(values: list[float], q: float) -> float:
     """The ``q`` quantile (0..1) of ``values``, nearest rank."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _measure(samples: int) -> tuple[list[float], list[float], list[float]]:
-    """``(sync seconds, sync_awake seconds, rpc seconds)``: ``samples`` syncs of each
-    kind, one kind after the other, each sync interleaved with one RPC."""
+async def _measure(samples: int) -> tuple[list[float], list[float], list[float], list[float]]:
+    """``(sync seconds, sync_awake seconds, rpc seconds, zmq_rtt seconds)``: ``samples``
+    syncs of each kind, one kind after the other, each sync interleaved with one
+    bare round trip and one RPC."""
     from aiosync.engines.embedded.engine import EmbeddedEngine
     from aiosync.transports.ipc import IPCWeightSynchronizer
 
@@ -144,32 +202,40 @@ async def _measure(samples: int) -> tuple[list[float], list[float], list[float]]
     syncs: list[float] = []
     awake: list[float] = []
     rpcs: list[float] = []
+    rtts: list[float] = []
+    bare = BareRoundTrip()
     # A small staging buffer: its size changes the memory taken at init, not a sync's cost.
     sync = IPCWeightSynchronizer(source, SilentSleepEngine(engine), bucket_bytes=BUCKET_BYTES)
     sync_awake = IPCWeightSynchronizer(source, engine, bucket_bytes=BUCKET_BYTES)
-    async with engine, sync, sync_awake:
-        # One synchronizer after the other, not alternating: a worker keeps its
-        # connection and buffer mappings for one synchronizer at a time.
-        for each, out in ((sync, syncs), (sync_awake, awake)):
-            await each.init_communicator()
-            for _ in range(3):  # warm-up: maps the shared buffers, connects, caches
-                await each.mark_stale()
-                await each.sync_weights()
-                await engine.collective_rpc("embedded_status")
-            for _ in range(samples):
-                start = time.perf_counter()
-                await engine.collective_rpc("embedded_status")
-                rpcs.append(time.perf_counter() - start)
-                await each.mark_stale()
-                start = time.perf_counter()
-                await each.sync_weights()
-                out.append(time.perf_counter() - start)
-    return syncs, awake, rpcs
+    try:
+        async with engine, sync, sync_awake:
+            # One synchronizer after the other, not alternating: a worker keeps its
+            # connection and buffer mappings for one synchronizer at a time.
+            for each, out in ((sync, syncs), (sync_awake, awake)):
+                await each.init_communicator()
+                for _ in range(3):  # warm-up: maps the shared buffers, connects, caches
+                    bare.sample()
+                    await each.mark_stale()
+                    await each.sync_weights()
+                    await engine.collective_rpc("embedded_status")
+                for _ in range(samples):
+                    rtts.append(bare.sample())
+                    start = time.perf_counter()
+                    await engine.collective_rpc("embedded_status")
+                    rpcs.append(time.perf_counter() - start)
+                    await each.mark_stale()
+                    start = time.perf_counter()
+                    await each.sync_weights()
+                    out.append(time.perf_counter() - start)
+    finally:
+        bare.close()
+    return syncs, awake, rpcs, rtts
 
 
 def _summary(seconds: list[float]) -> dict[str, float]:
-    """Median and p90, ms."""
+    """Best, median and p90, ms."""
     return {
+        "best_ms": round(1e3 * min(seconds), 4),
         "median_ms": round(1e3 * statistics.median(seconds), 4),
         "p90_ms": round(1e3 * _percentile(seconds, 0.9), 4),
     }
@@ -184,12 +250,17 @@ def main() -> None:
     samples = 10 if args.quick else max(3, args.syncs)
     torch.set_num_threads(1)  # a 4 KiB pack needs no OpenMP team spinning on shared cores
     machine = Machine(samples)
-    sync_s, awake_s, rpc_s = asyncio.run(_measure(samples))
+    sync_s, awake_s, rpc_s, rtt_s = asyncio.run(_measure(samples))
     machine.finish()
     sync, awake, rpc = _summary(sync_s), _summary(awake_s), _summary(rpc_s)
+    rtt = _summary(rtt_s)
     ratio = round(sync["median_ms"] / rpc["median_ms"], 3)
     ratio_awake = round(awake["median_ms"] / rpc["median_ms"], 3)
-    _print_table(sync, awake, rpc, ratio, ratio_awake, machine)
+    vs_rtt = {
+        name: round(each["median_ms"] / rtt["median_ms"], 3)
+        for name, each in (("rpc", rpc), ("sync", sync), ("sync_awake", awake))
+    }
+    _print_table(sync, awake, rpc, rtt, ratio, ratio_awake, vs_rtt, machine)
     if args.json:
         print(
             json.dumps(
@@ -199,8 +270,13 @@ def main() -> None:
                     "sync": sync,
                     "sync_awake": awake,
                     "rpc": rpc,
+                    "zmq_rtt": rtt,
+                    "zmq_rtt_bytes": ZMQ_RTT_BYTES,
                     "ratio_sync_vs_rpc": ratio,
                     "ratio_sync_awake_vs_rpc": ratio_awake,
+                    "ratio_rpc_vs_zmq_rtt": vs_rtt["rpc"],
+                    "ratio_sync_vs_zmq_rtt": vs_rtt["sync"],
+                    "ratio_sync_awake_vs_zmq_rtt": vs_rtt["sync_awake"],
                     "rpcs_per_sync": RPCS_PER_SYNC,
                     "rpcs_per_sync_awake": RPCS_PER_SYNC_AWAKE,
                     "round_trips_per_sync": ROUND_TRIPS_PER_SYNC,
@@ -217,8 +293,10 @@ def _print_table(
     sync: dict[str, float],
     awake: dict[str, float],
     rpc: dict[str, float],
+    rtt: dict[str, float],
     ratio: float,
     ratio_awake: float,
+    vs_rtt: dict[str, float],
     machine: Machine,
 ) -> None:
     from rich.console import Console
@@ -226,24 +304,27 @@ def _print_table(
 
     table = Table(
         title=f"fixed cost of one IPC sync ({TENSOR_BYTES} B tensor, embedded engine, 1 worker)",
-        caption=machine.caption("median, p90"),
+        caption=machine.caption("best, median, p90"),
     )
-    for column in ("measure", "median ms", "p90 ms", "/ rpc", "round trips"):
+    for column in ("measure", "best ms", "median ms", "p90 ms", "/ zmq_rtt", "/ rpc", "trips"):
         table.add_column(column, justify="right")
+
+    def times(each: dict[str, float]) -> tuple[str, str, str]:
+        return f"{each['best_ms']:.3f}", f"{each['median_ms']:.3f}", f"{each['p90_ms']:.3f}"
+
+    table.add_row("zmq_rtt", *times(rtt), "1", "", "1")
+    table.add_row("rpc", *times(rpc), f"{vs_rtt['rpc']:.1f}x", "1", "1")
     table.add_row(
-        "one RPC (embedded_status)", f"{rpc['median_ms']:.3f}", f"{rpc['p90_ms']:.3f}", "1", "1"
-    )
-    table.add_row(
-        "one sync (IPC)",
-        f"{sync['median_ms']:.3f}",
-        f"{sync['p90_ms']:.3f}",
+        "sync",
+        *times(sync),
+        f"{vs_rtt['sync']:.1f}x",
         f"{ratio:.2f}x",
         f"{ROUND_TRIPS_PER_SYNC:g}",
     )
     table.add_row(
-        "one sync, engine reports asleep_tags",
-        f"{awake['median_ms']:.3f}",
-        f"{awake['p90_ms']:.3f}",
+        "sync_awake",
+        *times(awake),
+        f"{vs_rtt['sync_awake']:.1f}x",
         f"{ratio_awake:.2f}x",
         f"{ROUND_TRIPS_PER_SYNC_AWAKE:g}",
     )
@@ -251,7 +332,8 @@ def _print_table(
     print(
         f"a sync makes {RPCS_PER_SYNC} engine RPCs and {MESSAGES_PER_SYNC} serial one-way "
         f"messages ({RPCS_PER_SYNC_AWAKE} and {MESSAGES_PER_SYNC_AWAKE} when the engine reports "
-        "it is awake): / rpc near the round trips means the messages are the whole cost"
+        "it is awake): / rpc near the round trips means the messages are the whole cost; "
+        f"zmq_rtt: one {ZMQ_RTT_BYTES}-byte message to a child process and back, no asyncio"
     )
     if (warning := machine.warning()) is not None:
         print(warning)
