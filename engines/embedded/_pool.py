@@ -8,12 +8,16 @@ instead of paying those imports again; each is still its own process, with
 connect to one ZMQ ROUTER socket, ``ipc://`` in a private (0700) directory
 (``aiosync-engine-<pid>-*`` in the temp dir; :meth:`WorkerPool.open` first removes
 what dead aiosync processes left, :mod:`aiosync.transports._leftovers`), and
-answer msgpack maps. No reader task runs in the background: whoever waits for a
-reply reads the socket (:meth:`WorkerPool._settle`) and hands every reply to its
-caller's future, so concurrent calls share the reading. A worker that dies
+answer msgpack maps. The socket is a plain (blocking) pyzmq socket used only
+without blocking, from the event loop: a request is sent at once, and the loop
+watches the socket's file descriptor (``add_reader``), reading every reply that
+came and handing it to its caller's future (:meth:`WorkerPool._drain`), so no
+task reads in the background and concurrent calls share the reading. (pyzmq's
+asyncio sockets cost a poll future, a selector registration and a wait per
+reply: most of an RPC's time, ``benchmarks/fixed_cost.py``.) A worker that dies
 fails its pending calls at once (its process sentinel is watched on the loop).
 
-Requires an asyncio event loop (pyzmq's asyncio sockets).
+Requires an asyncio event loop.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import math
 import multiprocessing
 import multiprocessing.spawn
 import os
@@ -38,7 +43,6 @@ from typing import Any, cast
 import anyio
 import anyio.to_thread
 import zmq
-import zmq.asyncio
 
 from aiosync.errors import SyncError, SyncTimeoutError, TransportError
 from aiosync.transports._leftovers import dir_prefix, sweep_leftovers
@@ -91,8 +95,10 @@ class WorkerPool:
         self._ids = itertools.count()
         self._ready: list[asyncio.Future[dict[str, Any]]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._sock: zmq.Socket[bytes] | None = None
+        # The socket's file descriptor, watched on the loop (None: not yet, or no more).
+        self._fd: int | None = None
         self.dir: str | None = None
         self.endpoint = ""
         self.started = False
@@ -128,11 +134,15 @@ class WorkerPool:
         self._loop = asyncio.get_running_loop()
         self.dir = await anyio.to_thread.run_sync(_private_dir)
         self.endpoint = f"ipc://{self.dir}/rpc.sock"
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(self.endpoint)
+        fd = self._sock.getsockopt(zmq.FD)
+        assert isinstance(fd, int)
+        self._fd = fd
+        self._loop.add_reader(fd, self._drain)
         self._ready = [self._loop.create_future() for _ in range(self.num_workers)]
         await self._spawn(range(self.num_workers), weights_valid=True)
         await self._wait_ready(range(self.num_workers), timeout_s)
@@ -191,8 +201,7 @@ class WorkerPool:
     async def _wait_ready(self, ranks: Iterable[int], timeout_s: float) -> None:
         ranks = list(ranks)
         try:
-            with anyio.fail_after(timeout_s):
-                await self._settle([self._ready[rank] for rank in ranks])
+            await self._settle([self._ready[rank] for rank in ranks], timeout_s=timeout_s)
         except TimeoutError as exc:
             raise SyncTimeoutError(f"engine workers not ready within {timeout_s} s") from exc
         for rank in ranks:
@@ -244,8 +253,8 @@ class WorkerPool:
             for rank, proc in enumerate(self.procs):
                 if proc.is_alive() and rank not in self._dead:
                     with contextlib.suppress(zmq.ZMQError):
-                        await self._sock.send_multipart(
-                            [f"w{rank}".encode(), encode({"t": "shutdown"})]
+                        self._sock.send_multipart(
+                            [f"w{rank}".encode(), encode({"t": "shutdown"})], zmq.NOBLOCK
                         )
         for proc in self.procs:
             await anyio.to_thread.run_sync(proc.join, timeout_s)
@@ -262,6 +271,10 @@ class WorkerPool:
                 ready.set_exception(closed)
             if not ready.cancelled():
                 ready.exception()  # retrieved: a start failure was already reported
+        if self._fd is not None and self._loop is not None:
+            with contextlib.suppress(ValueError, OSError):
+                self._loop.remove_reader(self._fd)
+            self._fd = None
         if self._sock is not None:
             self._sock.close(linger=0)
         if self._ctx is not None:
@@ -314,12 +327,13 @@ class WorkerPool:
                 futures.append((rank, call_id, fut))
                 msg = {"id": call_id, "method": method, "args": args, "kwargs": kwargs}
                 try:
-                    await self._sock.send_multipart([f"w{rank}".encode(), encode(msg)])
+                    await self._send([f"w{rank}".encode(), encode(msg)])
                 except zmq.ZMQError as exc:
                     raise TransportError(f"engine worker {rank} unreachable: {exc}") from exc
             try:
-                with anyio.fail_after(timeout):
-                    await self._settle([fut for _, _, fut in futures], fail_fast=True)
+                await self._settle(
+                    [fut for _, _, fut in futures], fail_fast=True, timeout_s=timeout
+                )
             except TimeoutError as exc:
                 late = [rank for rank, _, f in futures if not f.done()]
                 raise SyncTimeoutError(
@@ -341,39 +355,89 @@ class WorkerPool:
             results.append(reply.get("result"))
         return results
 
-    async def _settle(
-        self, futures: Sequence[asyncio.Future[dict[str, Any]]], *, fail_fast: bool = False
-    ) -> None:
-        """Read replies until every one of ``futures`` is done (by a reply read
-        here or by another waiter, or failed by a worker's death); with
-        ``fail_fast``, until one failed."""
-        assert self._sock is not None
-        while not self._sock.closed:  # close() failed every pending future
-            self._drain()
-            pending = [f for f in futures if not f.done()]
-            if not pending:
-                return
-            if fail_fast and any(_failed(f) for f in futures):
-                return
-            # Waiting for the socket consumes nothing: another waiter may read
-            # the reply first, and a cancelled wait loses none.
-            readable: asyncio.Future[Any] = asyncio.ensure_future(self._sock.poll())  # POLLIN
-            try:
-                await asyncio.wait([readable, *pending], return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                readable.cancel()
+    async def _send(self, frames: list[bytes]) -> None:
+        """Send ``frames`` without blocking the loop, then read what came meanwhile.
 
-    def _drain(self) -> None:
-        """Hand every reply the socket holds now to its future (no wait)."""
+        A send may take the socket's readiness signal for replies already queued
+        (ZMQ's file descriptor tells of a change, not of a state): reading here
+        keeps none of them waiting for a signal that will not come.
+
+        Raises:
+            zmq.ZMQError: the worker is unreachable (``ROUTER_MANDATORY``: not
+                connected, or gone).
+        """
         assert self._sock is not None
         while True:
             try:
-                # DONTWAIT: pyzmq answers with a future already done.
-                done = cast("asyncio.Future[list[bytes]]", self._sock.recv_multipart(zmq.DONTWAIT))
-                frames = done.result()
+                self._sock.send_multipart(frames, zmq.NOBLOCK)
+                break
             except zmq.Again:
-                return
-            self._route(frames)
+                # The worker's queue is full (1,000 requests unread): a rare wait.
+                await asyncio.sleep(0.001)
+        self._drain()
+
+    async def _settle(
+        self,
+        futures: Sequence[asyncio.Future[dict[str, Any]]],
+        *,
+        fail_fast: bool = False,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Wait until every one of ``futures`` is done (by a reply that
+        :meth:`_drain` read, or failed by a worker's death or the pool's close);
+        with ``fail_fast``, until one failed. The futures themselves are never
+        cancelled (another waiter may share them).
+
+        Raises:
+            TimeoutError: not settled within ``timeout_s`` seconds (None or inf: no limit).
+        """
+
+        def settled() -> bool:
+            if fail_fast and any(_failed(f) for f in futures):
+                return True
+            return all(f.done() for f in futures)
+
+        if settled():
+            return
+        assert self._loop is not None
+        waiter: asyncio.Future[None] = self._loop.create_future()
+
+        def check(_: object = None) -> None:
+            if not waiter.done() and settled():
+                waiter.set_result(None)
+
+        def expire() -> None:
+            if not waiter.done():
+                waiter.set_exception(TimeoutError())
+
+        for future in futures:
+            future.add_done_callback(check)
+        timer = (
+            None
+            if timeout_s is None or math.isinf(timeout_s)
+            else self._loop.call_later(max(0.0, timeout_s), expire)
+        )
+        try:
+            await waiter
+        finally:
+            if timer is not None:
+                timer.cancel()
+            for future in futures:
+                future.remove_done_callback(check)
+
+    def _drain(self) -> None:
+        """Hand every reply the socket holds now to its future (no wait): the loop's
+        reader of the socket, and after every send."""
+        sock = self._sock
+        if sock is None or sock.closed:
+            return
+        try:
+            while cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                self._route(sock.recv_multipart(zmq.NOBLOCK))
+        except zmq.Again:
+            return
+        except zmq.ZMQError as exc:  # the context is being terminated
+            _log.debug("embedded engine: reading replies: %s", exc)
 
     def _route(self, frames: list[bytes]) -> None:
         if len(frames) != 2 or not frames[0].startswith(b"w"):

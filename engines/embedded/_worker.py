@@ -6,7 +6,10 @@ mixins (``AiosyncWorkerExtension`` by default) are among its bases, so their
 ``aiosync_*`` methods are callable through ``collective_rpc``.
 
 Each RPC runs in a thread of a small pool, so a long-running one (a receiver
-waiting for the trainer's buckets) does not block the others.
+waiting for the trainer's buckets) does not block the others. The process's main
+thread alone touches the socket, in a plain blocking loop (no asyncio): it reads
+requests and hands them to the pool, and sends the replies that the pool's
+threads queue, woken by a pipe (:class:`_Replies`).
 
 With tensor parallelism (``_tp.py``) the worker is one rank of a replica: rank
 0 (the driver) serves generate requests for the replica, the others (followers)
@@ -16,7 +19,7 @@ RPC (loads, sleeps, status) for its own slice.
 
 from __future__ import annotations
 
-import asyncio
+import collections
 import contextlib
 import functools
 import importlib
@@ -29,10 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-import anyio
 import torch
 import zmq
-import zmq.asyncio
 
 from aiosync.errors import SyncError
 from aiosync.layout import Part
@@ -609,7 +610,7 @@ def run_worker(
 ) -> None:
     """Process entry point: connect to ``endpoint``, build the worker, serve until told to stop."""
     torch.set_num_threads(threads)
-    ctx = zmq.asyncio.Context()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, f"w{rank}".encode())
     sock.setsockopt(zmq.LINGER, 1000)
@@ -629,44 +630,102 @@ def run_worker(
             tensor_parallel,
             quantization,
         )
-        asyncio.run(_main(sock, rank, build))
+        _serve(sock, rank, build)
     finally:
         sock.close()
         ctx.term()
 
 
-async def _main(sock: zmq.asyncio.Socket, rank: int, build: Callable[[], EmbeddedWorker]) -> None:
+def _serve(sock: zmq.Socket[bytes], rank: int, build: Callable[[], EmbeddedWorker]) -> None:
+    """Build the worker (in a thread of its own), say ``ready``, then serve requests
+    until told to ``shutdown`` or the parent is gone; the requests still running
+    then are not answered."""
     try:
-        worker = await asyncio.to_thread(build)
+        with ThreadPoolExecutor(1, thread_name_prefix=f"build{rank}") as builder:
+            worker = builder.submit(build).result()
     except Exception as exc:
         _log.exception("embedded worker %d failed to start", rank)
-        await sock.send(encode({"t": "failed", **error_fields(exc)}))
+        sock.send(encode({"t": "failed", **error_fields(exc)}))
         return
-    await sock.send(encode({"t": "ready", "pid": os.getpid()}))
+    sock.send(encode({"t": "ready", "pid": os.getpid()}))
     parent = multiprocessing.parent_process()
-    with ThreadPoolExecutor(_RPC_THREADS, thread_name_prefix=f"rpc{rank}") as pool:
-        async with anyio.create_task_group() as requests:
+    replies = _Replies()
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(replies.fd, zmq.POLLIN)
+    try:
+        with ThreadPoolExecutor(_RPC_THREADS, thread_name_prefix=f"rpc{rank}") as pool:
             while True:
-                if not await sock.poll(_PARENT_POLL_MS):
+                ready = dict(poller.poll(_PARENT_POLL_MS))
+                if not ready:
                     if parent is not None and not parent.is_alive():
                         break
                     continue
-                try:
-                    msg = decode(await sock.recv())
-                except Exception:
-                    _log.exception("worker %d: dropping a malformed request", rank)
-                    continue
-                if msg.get("t") == "shutdown":
-                    await sock.send(encode({"t": "bye"}))
+                if replies.fd in ready:
+                    for payload in replies.take():
+                        sock.send(payload)
+                if sock in ready and not _take_requests(sock, rank, worker, pool, replies):
                     break
-                requests.start_soon(_handle, worker, sock, msg, pool)
-            # Leaving: the requests still running are not answered.
-            requests.cancel_scope.cancel()
+    finally:
+        replies.close()
 
 
-async def _handle(
-    worker: EmbeddedWorker, sock: zmq.asyncio.Socket, msg: dict[str, Any], pool: ThreadPoolExecutor
-) -> None:
+def _take_requests(
+    sock: zmq.Socket[bytes],
+    rank: int,
+    worker: EmbeddedWorker,
+    pool: ThreadPoolExecutor,
+    replies: _Replies,
+) -> bool:
+    """Hand every request the socket holds now to the pool; False once told to shut down."""
+    while True:
+        try:
+            raw = sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return True
+        try:
+            msg = decode(raw)
+        except Exception:
+            _log.exception("worker %d: dropping a malformed request", rank)
+            continue
+        if msg.get("t") == "shutdown":
+            sock.send(encode({"t": "bye"}))
+            return False
+        pool.submit(_handle, worker, msg, replies)
+
+
+class _Replies:
+    """Replies the pool's threads made, for the main thread to send: a queue and a
+    pipe whose read end the main thread polls with the socket (one byte a reply)."""
+
+    def __init__(self) -> None:
+        self._queue: collections.deque[bytes] = collections.deque()
+        self.fd, self._wake = os.pipe()
+        os.set_blocking(self.fd, False)
+
+    def put(self, payload: bytes) -> None:
+        """Queue ``payload`` and wake the main thread (any thread)."""
+        self._queue.append(payload)
+        with contextlib.suppress(OSError):  # closed: the worker is leaving
+            os.write(self._wake, b"\0")
+
+    def take(self) -> list[bytes]:
+        """Every queued reply, oldest first (main thread)."""
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self.fd, 4096):
+                pass
+        taken = []
+        while self._queue:
+            taken.append(self._queue.popleft())
+        return taken
+
+    def close(self) -> None:
+        os.close(self.fd)
+        os.close(self._wake)
+
+
+def _handle(worker: EmbeddedWorker, msg: dict[str, Any], replies: _Replies) -> None:
+    """Run one request (in a pool thread) and queue its reply."""
     call_id = msg.get("id")
     try:
         method = msg["method"]
@@ -675,9 +734,8 @@ async def _handle(
         fn = getattr(worker, method)
         args = msg.get("args") or []
         kwargs = msg.get("kwargs") or {}
-        call = functools.partial(fn, *args, **kwargs)
-        result = await asyncio.get_running_loop().run_in_executor(pool, call)
+        result = fn(*args, **kwargs)
         payload = encode({"id": call_id, "ok": True, "result": result})
     except Exception as exc:
         payload = encode({"id": call_id, "ok": False, **error_fields(exc)})
-    await sock.send(payload)
+    replies.put(payload)
