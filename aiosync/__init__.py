@@ -17,17 +17,21 @@ from ._config import (
     Timeouts,
 )
 from .capabilities import (
+    IN_FLIGHT_POLICIES,
     DiscardNotifier,
     ElasticEngines,
     Engine,
     EngineSet,
+    EngineWorkers,
     Generating,
     HealthReporting,
+    InFlightPolicy,
     PausableEngine,
     SleepReporting,
     VersionedEngine,
     WorkerDescribing,
 )
+from .cluster import TrainCluster
 from .errors import (
     OwnershipError,
     RefitMismatchError,
@@ -39,22 +43,10 @@ from .errors import (
 from .events import EventSubscription, VersionEventKind, WeightVersionEvent
 from .factory import KNOWN_BACKENDS, create_weight_synchronizer
 from .generation import Generation, SamplingParams
-from .interfaces import (
-    IN_FLIGHT_POLICIES,
-    EngineWorkers,
-    GathersInto,
-    GenerationBackend,
-    InFlightPolicy,
-    KVScales,
-    Preflight,
-    RefitManifest,
-    RefitSource,
-    TrainCluster,
-    WeightSynchronizer,
-    refit_if_stale,
-)
 from .lora import LoRAAdapter, LoRAAdapterSource, lora_adapter_name
 from .replay import ReplaySample, StalenessStats, VersionedReplayBuffer
+from .sources import GathersInto, Preflight, RefitManifest, RefitSource
+from .synchronizer import GenerationBackend, KVScales, WeightSynchronizer, refit_if_stale
 
 if TYPE_CHECKING:
     from aiosync.engines.embedded.engine import EmbeddedEngine

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ._config import Timeouts
 from .capabilities import InFlightPolicy, LayoutReporting, engines_of
-from .interfaces import RefitSource, WeightSynchronizer
+from .sources import RefitSource
+from .synchronizer import WeightSynchronizer
 
 if TYPE_CHECKING:
     import torch

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from aiosync.errors import RefitMismatchError
-from aiosync.interfaces import RefitManifest
+from aiosync.sources import RefitManifest
 
 __all__ = [
     "DEFAULT_MODULES_TO_NOT_CONVERT",

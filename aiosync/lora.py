@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from .interfaces import RefitSource
+from .sources import RefitSource
 
 if TYPE_CHECKING:
     import torch

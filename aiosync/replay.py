@@ -39,7 +39,7 @@ import anyio
 import anyio.abc
 
 from .events import EventSubscription, VersionEventKind, WeightVersionEvent
-from .interfaces import WeightSynchronizer
+from .synchronizer import WeightSynchronizer
 
 __all__ = ["STAMPS", "ReplaySample", "StalenessStats", "Stamp", "VersionedReplayBuffer"]
 

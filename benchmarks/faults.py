@@ -155,8 +155,8 @@ from aiosync import (
 from aiosync.engines.embedded._worker import tensor_to_wire
 from aiosync.engines.embedded.configs import TINY_QWEN3, TINY_QWEN3_TIED
 from aiosync.engines.embedded.model import HFModelRunner
-from aiosync.interfaces import RefitManifest, RefitSource
 from aiosync.refit import DTensorRefitSource, share_parameters
+from aiosync.sources import RefitManifest, RefitSource
 from aiosync.transports._leftovers import SHM_DIR
 
 # The table reports each failure; the transports' own logging of it is noise here.

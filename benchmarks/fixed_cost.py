@@ -30,7 +30,7 @@ other (so a change of load hits all three alike). Best, median and p90 of
 ``--syncs`` samples each (50; ``--quick``: 10), in ms, and the ratios of the
 medians to rpc and to zmq_rtt.
 
-Process round trips per sync, read from the code (``interfaces.py``'s
+Process round trips per sync, read from the code (``synchronizer.py``'s
 ``WeightSynchronizer.sync_weights``, ``transports/ipc/synchronizer.py``,
 ``transports/ipc/worker.py``, ``engines/embedded/engine.py``), one trainer
 rank, one worker, one bucket, engine idle, one after the other:

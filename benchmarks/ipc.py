@@ -57,7 +57,7 @@ from typing import Any
 import torch
 from _machine import Machine, repeats_for
 
-from aiosync.interfaces import RefitManifest, RefitSource
+from aiosync.sources import RefitManifest, RefitSource
 
 GB = 1e9
 MiB = 1024**2

@@ -69,7 +69,7 @@ from rich.table import Table
 
 from aiosync import SGLangHTTPBackend
 from aiosync._config import DEFAULT_BUCKET_BYTES
-from aiosync.interfaces import RefitManifest
+from aiosync.sources import RefitManifest
 from aiosync.testing import StateDictSource
 from aiosync.transports.http import HTTPWeightSynchronizer
 from aiosync.transports.http._segment import Segment

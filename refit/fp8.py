@@ -1,6 +1,6 @@
 """FP8 refits: the block-wise FP8 checkpoint of a model, streamed from any refit source.
 
-:class:`FP8RefitSource` wraps a :class:`~aiosync.interfaces.RefitSource` and yields
+:class:`FP8RefitSource` wraps a :class:`~aiosync.sources.RefitSource` and yields
 what an FP8 checkpoint of the model holds, in the layout of the Qwen3-FP8 checkpoints
 and of transformers' ``FineGrainedFP8Config`` (``quant_method "fp8"``,
 ``weight_block_size [128, 128]``): every quantized linear weight as ``<module>.weight``
@@ -40,7 +40,7 @@ from aiosync.fp8 import (
     fp8_scale_name,
     quantize_fp8_blocks,
 )
-from aiosync.interfaces import ConfigSource, RefitManifest, RefitSource
+from aiosync.sources import ConfigSource, RefitManifest, RefitSource
 
 __all__ = [
     "DEFAULT_MODULES_TO_NOT_CONVERT",
@@ -195,7 +195,7 @@ class FP8RefitSource(RefitSource):
         }
 
     def hf_config(self) -> Any | None:
-        """The wrapped source's HF config (:class:`~aiosync.interfaces.ConfigSource`),
+        """The wrapped source's HF config (:class:`~aiosync.sources.ConfigSource`),
         for the transports' config check; None when it has none."""
         if isinstance(self.source, ConfigSource):
             return self.source.hf_config()

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from aiosync.errors import RefitMismatchError
-from aiosync.interfaces import RefitManifest
 from aiosync.lora import LoRAAdapterSource
+from aiosync.sources import RefitManifest
 
 from ._peft import (
     active_adapter,
@@ -193,7 +193,7 @@ class LoRAAdapterRefitSource(LoRAAdapterSource):
     def hf_config(self) -> Any | None:
         """The base model's HF config (a transformers ``PretrainedConfig``): the
         adapter is applied to the engine's base model, so the transports compare
-        the two at init (:class:`aiosync.interfaces.ConfigSource`). None: the base
+        the two at init (:class:`aiosync.sources.ConfigSource`). None: the base
         model holds no HF config."""
         return _hf_config_of(self._peft.get_base_model())
 

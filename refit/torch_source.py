@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from aiosync.errors import RefitMismatchError
-from aiosync.interfaces import RefitManifest, RefitSource
+from aiosync.sources import RefitManifest, RefitSource
 
 from ._peft import LoraMerge, MergedPeft, find_peft_model
 from ._torch_names import (
@@ -371,7 +371,7 @@ class DTensorRefitSource(RefitSource):
 
     def hf_config(self) -> Any | None:
         """The model's HF config (a transformers ``PretrainedConfig``), which the
-        transports compare with each engine's at init (:class:`aiosync.interfaces.ConfigSource`).
+        transports compare with each engine's at init (:class:`aiosync.sources.ConfigSource`).
 
         Of a PEFT model: its base model's config (the merged refit sends the base
         model's checkpoint). None for a module that holds no HF config (a plain
@@ -401,7 +401,7 @@ class DTensorRefitSource(RefitSource):
         self, destination: Callable[[str], torch.Tensor | None]
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """:meth:`iter_weights`, gathering a sharded tensor into ``destination(hf_name)``
-        where it can (:class:`aiosync.interfaces.GathersInto`): a checkpoint tensor that
+        where it can (:class:`aiosync.sources.GathersInto`): a checkpoint tensor that
         is a module tensor sharded on dim 0 in equal pieces over a 1-D mesh (FSDP2's
         layout when the rows divide by the world) is one all-gather into it. Any other
         tensor, or a destination of another shape, dtype or device, is gathered as
@@ -410,7 +410,7 @@ class DTensorRefitSource(RefitSource):
         return self._weights(destination)
 
     def preflight(self) -> None:
-        """:class:`~aiosync.interfaces.Preflight`: :meth:`check_ties`, which
+        """:class:`~aiosync.sources.Preflight`: :meth:`check_ties`, which
         ``sync_weights`` runs before it pauses the engine or moves a byte.
 
         Raises:

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import ray
 
-from aiosync.interfaces import TrainCluster
+from aiosync.cluster import TrainCluster
 
 __all__ = ["SyncGroupAddress", "sync_group_address"]
 

@@ -14,7 +14,7 @@ from types import MappingProxyType
 import torch
 
 from aiosync.errors import RefitMismatchError
-from aiosync.interfaces import RefitManifest, RefitSource
+from aiosync.sources import RefitManifest, RefitSource
 
 __all__ = ["StateDictSource"]
 

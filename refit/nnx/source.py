@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from aiosync.interfaces import RefitManifest, RefitSource
+from aiosync.sources import RefitManifest, RefitSource
 
 from .convert import as_torch_dtype
 from .table import ModelMap
@@ -61,7 +61,7 @@ class NNXRefitSource(RefitSource):
     def hf_config(self) -> Any | None:
         """The HF config the model map was built from (``model_map_for(config)``
         records it), which the transports compare with each engine's at init
-        (:class:`aiosync.interfaces.ConfigSource`); None: the map has none."""
+        (:class:`aiosync.sources.ConfigSource`); None: the map has none."""
         return self.model_map.hf_config
 
     def update_state(self, state: Any) -> None:

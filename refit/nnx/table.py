@@ -21,7 +21,7 @@ from typing import Any, Literal
 import torch
 
 from aiosync.errors import RefitMismatchError
-from aiosync.interfaces import RefitManifest
+from aiosync.sources import RefitManifest
 
 from .convert import as_torch_dtype, jax_to_torch, to_torch, torch_dtype_of, torch_to_jax
 from .transforms import (

@@ -34,8 +34,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.engine import EmbeddedEngine
-from aiosync.interfaces import RefitManifest, RefitSource
 from aiosync.refit import DTensorRefitSource
+from aiosync.sources import RefitManifest, RefitSource
 
 __all__ = [
     "ADVANCE",

@@ -17,8 +17,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from aiosync.engines.embedded.configs import TINY_QWEN3
-from aiosync.interfaces import RefitManifest, RefitSource
 from aiosync.refit import DTensorRefitSource
+from aiosync.sources import RefitManifest, RefitSource
 
 CONFIG: dict[str, Any] = dict(TINY_QWEN3)
 #: The engine's own init (never a trainer's): a sync must change every tensor.

@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterator
 import torch
 
 from aiosync import RefitSource
-from aiosync.interfaces import RefitManifest
 from aiosync.refit import DTensorRefitSource
+from aiosync.sources import RefitManifest
 
 __all__ = ["HookedSource"]
 

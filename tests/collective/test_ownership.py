@@ -18,8 +18,8 @@ from collective_harness import QWEN3
 from aiosync import OwnershipError, TrainCluster, create_weight_synchronizer
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
-from aiosync.interfaces import WeightSynchronizer
 from aiosync.refit.torch_source import DTensorRefitSource
+from aiosync.synchronizer import WeightSynchronizer
 
 pytestmark = pytest.mark.slow
 

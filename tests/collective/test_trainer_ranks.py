@@ -13,8 +13,8 @@ from collective_harness import QWEN3, RecordingWorkers, WorkerPool
 
 from aiosync import RefitMismatchError, TrainCluster
 from aiosync.engines.embedded.model import HFModelRunner
-from aiosync.interfaces import RefitManifest, RefitSource
 from aiosync.refit.torch_source import DTensorRefitSource
+from aiosync.sources import RefitManifest, RefitSource
 from aiosync.transports.collective import CollectiveWeightSynchronizer
 
 pytestmark = pytest.mark.slow

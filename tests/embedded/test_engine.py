@@ -14,11 +14,12 @@ import pytest
 import pytest_asyncio
 import torch
 
+from aiosync.capabilities import EngineWorkers
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.errors import SyncError, SyncTimeoutError, TransportError
-from aiosync.interfaces import EngineWorkers, GenerationBackend
+from aiosync.synchronizer import GenerationBackend
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -24,8 +24,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.model import HFModelRunner
-from aiosync.interfaces import RefitManifest, RefitSource
 from aiosync.refit import DTensorRefitSource
+from aiosync.sources import RefitManifest, RefitSource
 from tests._support.launch import start_module
 
 REPO = Path(__file__).resolve().parents[2]

@@ -25,7 +25,7 @@ from aiosync.engines.sglang._manifest import (
     engine_dtype,
     load_hf_config,
 )
-from aiosync.interfaces import RefitManifest, RefitSource
+from aiosync.sources import RefitManifest, RefitSource
 from aiosync.transports.http import HTTPWeightSynchronizer
 
 pytestmark = pytest.mark.slow

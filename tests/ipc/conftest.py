@@ -18,8 +18,8 @@ import torch
 from aiosync.engines.embedded.configs import TINY_QWEN3_MOE, TINY_QWEN3_TIED
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
-from aiosync.interfaces import RefitManifest, RefitSource
 from aiosync.refit import DTensorRefitSource
+from aiosync.sources import RefitManifest, RefitSource
 
 MOE = TINY_QWEN3_MOE
 DENSE_TIED = TINY_QWEN3_TIED

@@ -98,7 +98,7 @@ def test_script_beside_the_clone_imports_the_installed_package(python: Path, clo
     assert _run_beside_clone(python, clone, _PROBE) == [
         str(package / "__init__.py"),
         str(package / "transports" / "packing.py"),
-        "aiosync.interfaces",
+        "aiosync.synchronizer",
         "[]",
     ]
 

@@ -13,9 +13,9 @@ jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 nnx = pytest.importorskip("flax.nnx")
 
-from aiosync.interfaces import RefitSource  # noqa: E402
 from aiosync.refit.nnx import NNXRefitSource, model_map_for  # noqa: E402
 from aiosync.refit.nnx.convert import jax_to_torch, torch_to_numpy  # noqa: E402
+from aiosync.sources import RefitSource  # noqa: E402
 
 
 @pytest.fixture(scope="module")

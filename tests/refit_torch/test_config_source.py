@@ -1,5 +1,5 @@
 """The trainer's side of the config check: each refit source reports the HF config
-its model computes with (``aiosync.interfaces.ConfigSource``), and a drift that keeps
+its model computes with (``aiosync.sources.ConfigSource``), and a drift that keeps
 the shapes (another ``rope_theta``, ``rms_norm_eps``) is refused against it."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from torch import nn
 
 from aiosync._hf_config import compare_hf_configs
 from aiosync.errors import RefitMismatchError
-from aiosync.interfaces import ConfigSource
 from aiosync.refit import DTensorRefitSource
+from aiosync.sources import ConfigSource
 
 transformers = pytest.importorskip("transformers")
 

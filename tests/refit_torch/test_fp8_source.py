@@ -20,7 +20,6 @@ from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQu
 
 from aiosync.engines.embedded.configs import TINY_QWEN3, TINY_QWEN3_MOE, TINY_QWEN3_NEXT
 from aiosync.errors import RefitMismatchError
-from aiosync.interfaces import RefitManifest, RefitSource
 from aiosync.refit import DTensorRefitSource, FP8RefitSource
 from aiosync.refit.fp8 import (
     DEFAULT_MODULES_TO_NOT_CONVERT,
@@ -28,6 +27,7 @@ from aiosync.refit.fp8 import (
     fp8_manifest,
     quantize_fp8_blocks,
 )
+from aiosync.sources import RefitManifest, RefitSource
 
 FP8 = torch.float8_e4m3fn
 

@@ -37,8 +37,10 @@ import torch.distributed as dist
 
 from aiosync._config import DEFAULT_BUCKET_BYTES, DEFAULT_EVENT_BACKLOG, Timeouts
 from aiosync._fanout import each_named, most_telling
+from aiosync.capabilities import InFlightPolicy
+from aiosync.cluster import TrainCluster
 from aiosync.errors import OwnershipError, RefitMismatchError, TransportError
-from aiosync.interfaces import InFlightPolicy, RefitSource, TrainCluster
+from aiosync.sources import RefitSource
 
 from .._verify import Verify
 from ..http import SGLangDistributedServer

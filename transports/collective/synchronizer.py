@@ -45,18 +45,12 @@ import torch
 
 from aiosync._config import DEFAULT_BUCKET_BYTES, DEFAULT_EVENT_BACKLOG, Timeouts
 from aiosync._fanout import most_telling
-from aiosync.capabilities import HealthReporting, WorkerDescribing
+from aiosync.capabilities import EngineWorkers, HealthReporting, InFlightPolicy, WorkerDescribing
+from aiosync.cluster import TrainCluster
 from aiosync.delta import DeltaBaseline, patch_to_wire, wire_manifest
 from aiosync.errors import SyncError, SyncTimeoutError, TransportError
-from aiosync.interfaces import (
-    EngineWorkers,
-    InFlightPolicy,
-    KVScales,
-    RefitSource,
-    TrainCluster,
-    Transferred,
-    WeightSynchronizer,
-)
+from aiosync.sources import RefitSource
+from aiosync.synchronizer import KVScales, Transferred, WeightSynchronizer
 
 from .._verify import Verify, check_verify
 from ..packing import BucketPlan, group_by_bucket, plan_buckets

@@ -25,17 +25,10 @@ import torch
 from aiosync._config import DEFAULT_BUCKET_BYTES, DEFAULT_EVENT_BACKLOG, Timeouts
 from aiosync._fanout import each_named, most_telling, named
 from aiosync._kv_scales import attention_layers, kv_scale_entries
-from aiosync.capabilities import ConfigReporting, engines_of
+from aiosync.capabilities import ConfigReporting, InFlightPolicy, engines_of
 from aiosync.errors import RefitVerificationError, SyncError, TransportError
-from aiosync.interfaces import (
-    ConfigSource,
-    InFlightPolicy,
-    KVScales,
-    RefitManifest,
-    RefitSource,
-    Transferred,
-    WeightSynchronizer,
-)
+from aiosync.sources import ConfigSource, RefitManifest, RefitSource
+from aiosync.synchronizer import KVScales, Transferred, WeightSynchronizer
 
 from .._verify import Verify, check_verify, verify_label
 from ..packing import compare_manifests

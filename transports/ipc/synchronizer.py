@@ -100,18 +100,11 @@ from aiosync._config import DEFAULT_EVENT_BACKLOG, Timeouts
 from aiosync._digest import BlockDigest
 from aiosync._fanout import most_telling, named
 from aiosync._kv_scales import attention_layers, kv_scale_entries
-from aiosync.capabilities import DiscardNotifier, WorkerDescribing, engines_of
+from aiosync.capabilities import DiscardNotifier, InFlightPolicy, WorkerDescribing, engines_of
 from aiosync.delta import DeltaBaseline, WeightPatch, patch_to_wire, wire_manifest
 from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
-from aiosync.interfaces import (
-    GathersInto,
-    InFlightPolicy,
-    KVScales,
-    RefitManifest,
-    RefitSource,
-    Transferred,
-    WeightSynchronizer,
-)
+from aiosync.sources import GathersInto, RefitManifest, RefitSource
+from aiosync.synchronizer import KVScales, Transferred, WeightSynchronizer
 
 from .._identity import CPU_LABEL, device_identity
 from .._leftovers import dir_prefix, sweep_leftovers

@@ -56,9 +56,8 @@ import torch
 
 from aiosync._config import DEFAULT_EVENT_BACKLOG, Timeouts
 from aiosync._fanout import each_named
-from aiosync.capabilities import ManifestReporting, ValidityReporting, engines_of
+from aiosync.capabilities import InFlightPolicy, ManifestReporting, ValidityReporting, engines_of
 from aiosync.errors import RefitMismatchError, SyncError
-from aiosync.interfaces import InFlightPolicy, KVScales, RefitManifest, WeightSynchronizer
 from aiosync.lora import (
     LoRAAdapter,
     LoRAAdapterSource,
@@ -66,6 +65,8 @@ from aiosync.lora import (
     LoRAEngine,
     lora_adapter_name,
 )
+from aiosync.sources import RefitManifest
+from aiosync.synchronizer import KVScales, WeightSynchronizer
 
 from .._ranks import OnTrainerRanks, TrainerRanks
 from .._verify import Verify, check_verify

@@ -35,18 +35,13 @@ import anyio.to_thread
 import torch
 
 from aiosync._config import DEFAULT_EVENT_BACKLOG, Timeouts
-from aiosync.capabilities import ManifestReporting
+from aiosync.capabilities import EngineWorkers, InFlightPolicy, ManifestReporting
+from aiosync.cluster import TrainCluster
 from aiosync.errors import RefitMismatchError, SyncError, TransportError
-from aiosync.interfaces import (
-    EngineWorkers,
-    InFlightPolicy,
-    KVScales,
-    RefitSource,
-    TrainCluster,
-    Transferred,
-)
 from aiosync.layout import Layout
 from aiosync.refit.torch_source import DTensorRefitSource
+from aiosync.sources import RefitSource
+from aiosync.synchronizer import KVScales, Transferred
 
 from ..collective._group import (
     STATUS_OK,

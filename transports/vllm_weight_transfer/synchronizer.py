@@ -44,7 +44,8 @@ import anyio.to_thread
 from aiosync._config import DEFAULT_EVENT_BACKLOG, DEFAULT_RPC_TIMEOUT_S, Timeouts
 from aiosync.capabilities import InFlightPolicy
 from aiosync.errors import SyncError, TransportError
-from aiosync.interfaces import KVScales, RefitManifest, RefitSource, WeightSynchronizer
+from aiosync.sources import RefitManifest, RefitSource
+from aiosync.synchronizer import KVScales, WeightSynchronizer
 
 __all__ = [
     "LLMWeightSyncClient",

@@ -1,0 +1,981 @@
+"""The synchronizer: what every transport shares, once.
+
+:class:`WeightSynchronizer` plays the role of httpx's ``AsyncBaseTransport``:
+each transport (``aiosync.transports.ipc``, ``.collective``, ``.http``, ...)
+implements :meth:`WeightSynchronizer._transfer` and its own set-up, and the
+training loop never asks which one it holds. What every transport shares lives
+here, once: argument checks before anything moves, versions, events, the
+in-flight pause, the engine's discard listener and version label, the colocated
+wake bracket, timeouts. The trainer's side is :mod:`aiosync.sources`, the
+engine's claims :mod:`aiosync.ownership`, the engine's optional capabilities the
+Protocols of :mod:`aiosync.capabilities`. See ``docs/lifecycle.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import numbers
+import secrets
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, ClassVar, Self
+
+import anyio
+import anyio.to_thread
+
+from . import ownership
+from ._config import DEFAULT_EVENT_BACKLOG, Timeouts
+from ._fanout import each_named
+from ._hf_config import compare_hf_configs
+from ._kv_scales import attention_layers, kv_scale_entries
+from .capabilities import (
+    IN_FLIGHT_POLICIES,
+    ConfigReporting,
+    DiscardNotifier,
+    ElasticEngines,
+    Engine,
+    EngineWorkers,
+    InFlightPolicy,
+    LayoutReporting,
+    PausableEngine,
+    RestartReporting,
+    SleepReporting,
+    VersionedEngine,
+    WorkerDescribing,
+    engines_of,
+)
+from .errors import OwnershipError, RefitVerificationError, SyncError, SyncTimeoutError
+from .events import EventSubscription, VersionEventKind, _EventHub
+from .sources import ConfigSource, Preflight, RefitManifest, RefitSource
+
+__all__ = [
+    "GenerationBackend",
+    "KVScales",
+    "Transferred",
+    "WeightSynchronizer",
+    "refit_if_stale",
+]
+
+#: FP8 KV-cache scales: ``{layer_index_or_name: scale}`` (a float per layer).
+KVScales = Mapping[str | int, float]
+
+#: The engine as the training loop sees it (the older name of
+#: :class:`~aiosync.capabilities.Engine`).
+GenerationBackend = Engine
+
+_log = logging.getLogger(__name__)
+
+
+def _check_in_flight(in_flight: object) -> InFlightPolicy:
+    """``in_flight`` as an :data:`InFlightPolicy`; ValueError for anything else."""
+    for policy in IN_FLIGHT_POLICIES:
+        if in_flight == policy and isinstance(in_flight, str):
+            return policy
+    raise ValueError(f"in_flight must be one of {IN_FLIGHT_POLICIES}, got {in_flight!r}")
+
+
+def _check_kv_scales(kv_scales: KVScales | None) -> None:
+    if kv_scales is None:
+        return
+    if not isinstance(kv_scales, Mapping):
+        raise TypeError(f"kv_scales must be a mapping, got {type(kv_scales).__name__}")
+    for key, value in kv_scales.items():
+        if not isinstance(key, str | int) or isinstance(key, bool):
+            raise TypeError(f"kv_scales key {key!r} must be a layer index or a name")
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            raise TypeError(f"kv_scales[{key!r}] must be a float, got {type(value).__name__}")
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"kv_scales[{key!r}] must be finite and > 0, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class Transferred:
+    """What one sync's transfer moved (a transport's ``_transfer`` result).
+
+    Attributes:
+        nbytes: payload bytes moved to the workers.
+        delta: they were delta patches (:mod:`aiosync.delta`), not every tensor.
+        unverified: ``"name: why"`` of each tensor the sync's ``verify=True`` check
+            could not compare (published in the ``COMMITTED`` event).
+    """
+
+    nbytes: int
+    delta: bool = False
+    unverified: tuple[str, ...] = ()
+
+
+class WeightSynchronizer(ABC):
+    """Moves the trainer's weights to every generation worker, one version at a time.
+
+    The loop's handshake: after each optimizer step ``await mark_stale()``;
+    before generating, if :attr:`is_stale`, ``await sync_weights()`` then
+    ``await generation.prepare_for_generation()`` (see :func:`refit_if_stale`).
+    ``async with sync:`` initializes the transport (:meth:`init_communicator`)
+    and shuts it down at the end of the block.
+
+    Versions: :attr:`policy_version` is the trainer's latest,
+    :attr:`weight_version` the version live on **all** workers (both start at
+    ``initial_version``, 0 by default). Both
+    only go up. A failed or cancelled sync leaves :attr:`weight_version`
+    unchanged and :attr:`is_stale` true.
+
+    A transport implements :meth:`_transfer` and its own set-up
+    (:meth:`init_communicator`, :meth:`shutdown`, each calling ``super()``),
+    and declares what it cannot do (:attr:`supports_kv_scales`); everything
+    else is done here.
+
+    In-flight requests: when the engine is a
+    :class:`~aiosync.capabilities.PausableEngine`, every sync pauses it with
+    ``in_flight`` before the first byte reaches it, and resumes it once the
+    version committed, or failed, or was cancelled. A request the engine is
+    generating meanwhile is never computed by a mix of two weight sets without
+    saying so: ``"wait"`` (the default) finishes it on the old weights first,
+    ``"abort"`` ends it (marked aborted), ``"keep"`` continues it on the new ones.
+
+    Args:
+        policy: the trainer's :class:`RefitSource`.
+        generation: the engine (an :class:`~aiosync.capabilities.Engine`), or a
+            fleet of them.
+        timeouts: every limit (:class:`~aiosync.Timeouts`); default ``Timeouts()``.
+        sync_timeout_s: overrides ``timeouts.sync_s``: the limit for a whole
+            ``sync_weights`` call, seconds (the pause, a ``"wait"`` included).
+        event_backlog: default ``max_backlog`` of :meth:`subscribe`, in events.
+        in_flight: the default :data:`InFlightPolicy` of :meth:`sync_weights`.
+        initial_version: where both versions start (a trainer resumed from its
+            checkpoint at step N passes N, so that versions continue); as with 0,
+            starting equal assumes the engine loaded that checkpoint (else
+            ``mark_stale()`` once).
+
+    Raises:
+        ValueError: a limit not finite and > 0, ``event_backlog < 1``,
+            ``initial_version < 0``, or ``in_flight`` not one of :data:`IN_FLIGHT_POLICIES`.
+        TypeError: ``event_backlog`` or ``initial_version`` is not an int.
+    """
+
+    #: Whether the transport moves FP8 KV-cache scales; a ``sync_weights(kv_scales=...)``
+    #: on one that does not raises NotImplementedError(:attr:`kv_scales_refusal`)
+    #: before anything moves.
+    supports_kv_scales: ClassVar[bool] = True
+    kv_scales_refusal: ClassVar[str] = "this transport does not move FP8 KV-cache scales"
+
+    def __init__(
+        self,
+        policy: RefitSource,
+        generation: Any,
+        *,
+        timeouts: Timeouts | None = None,
+        sync_timeout_s: float | None = None,
+        event_backlog: int = DEFAULT_EVENT_BACKLOG,
+        in_flight: InFlightPolicy = "wait",
+        initial_version: int = 0,
+    ) -> None:
+        _check_in_flight(in_flight)
+        if isinstance(initial_version, bool) or not isinstance(initial_version, int):
+            raise TypeError(f"initial_version must be an int, got {type(initial_version).__name__}")
+        if initial_version < 0:
+            raise ValueError(f"initial_version must be >= 0, got {initial_version}")
+        if timeouts is not None and not isinstance(timeouts, Timeouts):
+            raise TypeError(f"timeouts must be an aiosync.Timeouts, got {type(timeouts).__name__}")
+        if sync_timeout_s is not None and not (
+            isinstance(sync_timeout_s, int | float) and 0 < sync_timeout_s < math.inf
+        ):
+            raise ValueError(f"sync_timeout_s must be a finite number > 0, got {sync_timeout_s!r}")
+        if isinstance(event_backlog, bool) or not isinstance(event_backlog, int):
+            raise TypeError(f"event_backlog must be an int, got {type(event_backlog).__name__}")
+        if event_backlog < 1:
+            raise ValueError(f"event_backlog must be >= 1, got {event_backlog}")
+        self.policy = policy
+        self.generation = generation
+        #: Every limit this synchronizer applies (:class:`~aiosync.Timeouts`).
+        self.timeouts = (timeouts or Timeouts()).with_keywords(sync_timeout_s=sync_timeout_s)
+        #: What :meth:`sync_weights` does with requests in flight (its default).
+        self.in_flight: InFlightPolicy = in_flight
+        #: The trainer's manifest, read by :meth:`_read_manifest` at init (None before).
+        self._manifest: RefitManifest | None = None
+        self._event_backlog = event_backlog
+        self._policy_version = initial_version
+        self._weight_version = initial_version
+        # True when the engine may hold weights that are not ``weight_version``
+        # (a sync failed half-way, or the engine discarded its weights).
+        self._engine_dirty = False
+        # Counts the engine's weight discards, so that one during a sync is not
+        # cleared by that sync's success.
+        self._discards = 0
+        self._initialized = False
+        self._closed = False
+        self._lock = anyio.Lock()
+        # Held while a sync reads the source and while the trainer updates it
+        # (policy_update): a version is one consistent set of weights.
+        self._source_lock = anyio.Lock()
+        self._events = _EventHub(lambda: (self._policy_version, self._weight_version))
+        #: This synchronizer's owner token: its worker-side sessions and its claim on
+        #: the engine are keyed by it (see :class:`~aiosync.OwnershipError`).
+        self.owner = secrets.token_hex(8)
+        # Why another synchronizer's commit took the engine from this one (None: not).
+        self._superseded: str | None = None
+        # The elastic fleet's membership_epoch the transport was last initialized for.
+        self._membership_seen: int | None = None
+        # One listener per synchronizer, on the engine (a fleet forwards to its
+        # members) or on each engine of a plain list; removed by shutdown().
+        members = generation if isinstance(generation, list | tuple) else (generation,)
+        self._notifiers = [e for e in members if isinstance(e, DiscardNotifier)]
+        for notifier in self._notifiers:
+            notifier.add_weights_discarded_listener(self._invalidate_engine_weights)
+
+    @property
+    def sync_timeout_s(self) -> float:
+        """The limit for a whole :meth:`sync_weights` call, seconds (``timeouts.sync_s``)."""
+        return self.timeouts.sync_s
+
+    # -- versions -------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        """The trainer's latest weight version (starts at ``initial_version``)."""
+        return self._policy_version
+
+    @property
+    def weight_version(self) -> int:
+        """The version live on all generation workers (starts at ``initial_version``)."""
+        return self._weight_version
+
+    @property
+    def is_stale(self) -> bool:
+        """True when the engine must be refit before it generates.
+
+        ``policy_version > weight_version``, or the engine's weights are not
+        trustworthy (a sync failed half-way, the engine discarded them, or
+        another synchronizer committed its own into the engine).
+        """
+        return self._policy_version > self._weight_version or self._engine_dirty
+
+    async def mark_stale(self, version: int | None = None) -> int:
+        """Record an optimizer step; returns the new ``policy_version``.
+
+        Args:
+            version: the new version; by default ``policy_version + 1``.
+
+        Raises:
+            ValueError: ``version`` is not greater than ``policy_version``.
+            SyncError: the synchronizer was shut down.
+        """
+        self._check_open()
+        if version is None:
+            version = self._policy_version + 1
+        elif isinstance(version, bool) or not isinstance(version, int):
+            raise TypeError(f"version must be an int, got {type(version).__name__}")
+        elif version <= self._policy_version:
+            raise ValueError(
+                f"version must be greater than policy_version={self._policy_version}, got {version}"
+            )
+        self._policy_version = version
+        self._events.publish(VersionEventKind.STALE, version)
+        return version
+
+    @contextlib.asynccontextmanager
+    async def policy_update(self) -> AsyncIterator[int]:
+        """Wrap the trainer's optimizer step: ``async with sync.policy_update(): optimizer.step()``.
+
+        Waits while a sync reads the source, and holds syncs off while the block
+        runs, so that a sync never streams a mix of two versions (tensors read
+        before and after the step). On a normal exit the new version is marked
+        stale (``policy_version + 1``, as :meth:`mark_stale`); an exception in
+        the block propagates and marks nothing. Yields the version the block
+        produces. The wait costs the trainer at most one refit's source read.
+
+        Raises:
+            SyncError: the synchronizer was shut down.
+        """
+        self._check_open()
+        async with self._source_lock:
+            yield self._policy_version + 1
+            await self.mark_stale()
+
+    def _invalidate_engine_weights(self) -> None:
+        """The engine no longer holds ``weight_version`` (e.g. woken after
+        discarding its weights); a sync is required before it generates.
+        A sync in flight when this happens fails instead of committing."""
+        self._engine_dirty = True
+        self._discards += 1
+
+    # -- lifecycle ------------------------------------------------------------
+
+    async def init_communicator(self) -> None:
+        """Set up the transport, after the engine's workers exist. May be called
+        again (re-init after a respawn); ``async with sync:`` calls it once.
+
+        Subclasses override it (read the manifest with :meth:`_read_manifest`,
+        open sockets, form the group) and call ``await super().init_communicator()`` last.
+        """
+        self._check_open()
+        self._initialized = True
+        fleet = self._elastic()
+        if fleet is not None:
+            self._membership_seen = fleet.membership_epoch
+        # Initializing is the explicit take-over: a superseded synchronizer syncs again.
+        self._superseded = None
+        if ownership.held_by_another(self._engines(), self.owner):
+            # The engine serves another synchronizer's weights, not this one's
+            # weight_version (a restarted trainer's 0 included): sync first.
+            self._engine_dirty = True
+        dirty = await self._gather_ranks(self._engine_dirty)
+        if dirty is not None:
+            # Only the driver sees the engine; is_stale must be the same on every
+            # rank, or the ranks that think they are current skip the gathers the
+            # driver's sync waits for.
+            self._engine_dirty = any(dirty)
+
+    def _sharded(self) -> bool:
+        """Whether this synchronizer is one of a sharded trainer's ranks (which must
+        agree on every outcome); transports with trainer ranks override it."""
+        return False
+
+    async def _gather_ranks(self, obj: Any) -> list[Any] | None:
+        """Every trainer rank's ``obj`` (small, picklable), in rank order; None where
+        there is no group of trainer ranks to gather over (a single-process trainer).
+        A collective: every rank calls it at the same point. Transports with
+        trainer ranks override it."""
+        return None
+
+    def _engines(self) -> tuple[Any, ...]:
+        """The engine objects this process drives (a fleet's members); none on a
+        sharded trainer's other ranks."""
+        if self.generation is None or not self._drives_generation():
+            return ()
+        try:
+            return engines_of(self.generation)
+        except ValueError:
+            return ()
+
+    def _lose_engines(self, reason: str | None) -> None:
+        """:class:`~aiosync.ownership.Owner`'s: another synchronizer committed into this
+        one's engine (``reason``: which; the next sync raises it), or may have left it
+        a mix of both (None). This one becomes stale."""
+        if self._closed:
+            return
+        if not self._sharded():
+            # A sharded trainer's driver turning stale alone would leave its
+            # ranks disagreeing on is_stale; it learns at its next sync.
+            self._engine_dirty = True
+        if reason is not None:
+            self._superseded = reason
+
+    async def _read_manifest(self) -> RefitManifest:
+        """The source's manifest, built in a worker thread (it may walk a large
+        model or gather); kept for the argument checks of :meth:`sync_weights`."""
+        self._manifest = await anyio.to_thread.run_sync(self.policy.prepare_refit_info)
+        return self._manifest
+
+    async def _check_model_configs(self) -> None:
+        """Compare the trainer's HF config with each engine's, where both know it
+        (:class:`ConfigSource`, :class:`~aiosync.capabilities.ConfigReporting`).
+
+        Transports call it at init where they compare manifests (before any byte
+        moves; on a sharded trainer inside the region whose errors the ranks share).
+
+        Raises:
+            RefitMismatchError: a field that changes the computation differs
+                (named with both values, and the engine when there are several).
+        """
+        if not isinstance(self.policy, ConfigSource):
+            return
+        trainer = await anyio.to_thread.run_sync(self.policy.hf_config)
+        if trainer is None:
+            return
+        engines = self._engines()
+        count = len(engines)
+
+        async def check(index: int, engine: object) -> None:
+            if not isinstance(engine, ConfigReporting):
+                return
+            config = await engine.expected_config()
+            if config is not None:
+                # each_named puts "engine i of n: " in front when there are several.
+                compare_hf_configs(trainer, config)
+
+        await each_named(
+            engines, check, lambda i: f"engine {i} of {count} ({type(engines[i]).__name__})"
+        )
+
+    def _rank(self) -> int:
+        """This process's trainer rank (0 unless :meth:`_sharded`)."""
+        return 0
+
+    def _check_sync_args(self, kv_scales: KVScales | None, in_flight: object) -> InFlightPolicy:
+        """Every check of :meth:`sync_weights`' arguments, before any event or byte.
+
+        Returns the in-flight policy to use. KV-scale layers are checked against
+        the manifest once :meth:`_read_manifest` ran.
+        """
+        policy = _check_in_flight(self.in_flight if in_flight is None else in_flight)
+        _check_kv_scales(kv_scales)
+        if kv_scales is not None and not self.supports_kv_scales:
+            raise NotImplementedError(self.kv_scales_refusal)
+        if kv_scales:
+            layers = attention_layers(self._manifest) if self._manifest else None
+            kv_scale_entries(kv_scales, layers)
+        return policy
+
+    async def sync_weights(
+        self, kv_scales: KVScales | None = None, *, in_flight: InFlightPolicy | None = None
+    ) -> None:
+        """Move the weights of the current ``policy_version`` to every worker.
+
+        A call made while another sync runs waits for it, then syncs again only
+        if still stale. Not stale: returns at once (the engine is not paused).
+
+        When the engine is pausable, the sync pauses it with the in-flight policy
+        before the first byte reaches it and resumes it after the version
+        committed, and after a failure or cancellation too (shielded, bounded by
+        ``timeouts.resume_s``, after a failure by ``timeouts.after_failure_s``;
+        a resume error is logged and never hides the sync's own). The pause
+        window, seconds, is the ``pause_s`` of the ``COMMITTED``/``FAILED`` event.
+
+        Args:
+            kv_scales: FP8 KV-cache scales, ``{layer_index: scale}`` (both
+                ``k_scale`` and ``v_scale`` of that layer) or
+                ``{"model.layers.{i}.self_attn.{k|v}_scale": scale}``; each
+                worker loads them after the weights, as 0-d float32 tensors,
+                before its weights count as valid.
+            in_flight: this call's :data:`InFlightPolicy`; None: :attr:`in_flight`.
+
+        Raises:
+            TypeError, ValueError: malformed ``kv_scales`` or a layer without
+                attention in the manifest, or an unknown ``in_flight``
+                (before any event is published or anything moves).
+            NotImplementedError: ``kv_scales`` on a transport that cannot move
+                them (:attr:`supports_kv_scales`), likewise before anything.
+            SyncTimeoutError: the sync (the pause included) ran past
+                ``timeouts.sync_s`` seconds.
+            RefitMismatchError, TransportError: from the transport, or from the
+                engine's ``pause_generation`` (the sync then fails, and the engine
+                is resumed).
+            SyncError: not initialized, or shut down, or the engine discarded its
+                weights while the sync ran (sync again).
+            OwnershipError: another synchronizer committed into the engine since
+                this one last initialized (the message names it); ``init_communicator()``
+                takes the engine over again.
+            Whatever the engine's ``resume_generation`` raised after the version
+                committed (``weight_version`` has advanced; the engine may still
+                be paused: call its ``resume_generation``).
+        """
+        policy = self._check_sync_args(kv_scales, in_flight)
+        self._check_open()
+        if not self._initialized:
+            raise SyncError("await init_communicator() before sync_weights()")
+        if self._superseded is not None and not self._sharded():
+            raise ownership.refusal(type(self).__name__, self._superseded)
+        # The version is read under the source lock: a policy_update in progress
+        # finishes first, and the sync then moves (and names) the updated weights.
+        async with self._lock, self._source_lock:
+            self._check_open()
+            if self._sharded():
+                # Only the driver knows another synchronizer took its engine: every
+                # rank learns it here, before any of them starts the source's gathers.
+                refusals = await self._gather_ranks(self._superseded)
+                for rank, refusal in enumerate(refusals or [self._superseded]):
+                    if refusal is not None:
+                        self._engine_dirty = True
+                        raise ownership.refusal(
+                            type(self).__name__, refusal, None if rank == self._rank() else rank
+                        )
+            if not self.is_stale:
+                return
+            version = self._policy_version
+            discards = self._discards
+            self._events.publish(VersionEventKind.SYNC_STARTED, version)
+            start = time.perf_counter()
+            paused_at: float | None = None
+            try:
+                with anyio.fail_after(self.timeouts.sync_s):
+                    if isinstance(self.policy, Preflight) and not self._sharded():
+                        # Before the pause and the first byte: a broken source leaves
+                        # every engine as it was, serving (a sharded trainer's ranks
+                        # check at their streams' start, where their votes agree).
+                        self.policy.preflight()
+                    pausable = self._pausable()
+                    pause: Callable[[], Awaitable[None]] | None = None
+                    if pausable is not None:
+                        # Set before the call: a pause that fails half-way (some
+                        # engines of a fleet paused) is resumed all the same.
+                        paused_at = time.perf_counter()
+                        pause = functools.partial(
+                            pausable.pause_generation, policy, clear_cache=True
+                        )
+                    moved, discards = await self._elastic_transfer(
+                        version, kv_scales, pause, discards
+                    )
+                if self._discards != discards:
+                    raise SyncError(
+                        f"the engine discarded its weights while version {version} was being "
+                        "synced: some workers may hold neither version; sync again"
+                    )
+                if self._superseded is not None and not self._sharded():
+                    # Another synchronizer committed into the engine while this one's
+                    # bytes were moving (only a transport without worker sessions lets
+                    # it): the engine may hold a mix of both; neither may claim it.
+                    ownership.taint(self._engines(), self.owner)
+                    raise OwnershipError(
+                        f"{self._superseded} while version {version} of "
+                        f"{type(self).__name__} was being synced: the engine may hold a "
+                        "mix of both; await init_communicator() and sync again"
+                    )
+                await self._label_engine(version)
+            except BaseException as exc:
+                self._engine_dirty = True
+                self._sync_outcome(version, committed=False)
+                pause_s = await self._resume_after(paused_at, failed=True)
+                self._events.publish(
+                    VersionEventKind.FAILED,
+                    version,
+                    duration_s=time.perf_counter() - start,
+                    error=repr(exc),
+                    pause_s=pause_s,
+                )
+                if isinstance(exc, TimeoutError) and not isinstance(exc, SyncTimeoutError):
+                    raise SyncTimeoutError(
+                        f"sync of version {version} exceeded {self.timeouts.sync_s} s"
+                    ) from exc
+                raise
+            self._weight_version = max(self._weight_version, version)
+            self._engine_dirty = False
+            self._sync_outcome(version, committed=True)
+            ownership.claim(
+                self._engines(),
+                self,
+                lambda engine: (
+                    f"{type(self).__name__} (owner {self.owner}) committed its version "
+                    f"{version} into {type(engine).__name__} at {id(engine):#x}, which now "
+                    "serves its weights"
+                ),
+            )
+            resume_error: BaseException | None = None
+            try:
+                pause_s = await self._resume_after(paused_at, failed=False)
+            except Exception as exc:
+                resume_error = exc
+                pause_s = time.perf_counter() - paused_at if paused_at is not None else 0.0
+            self._events.publish(
+                VersionEventKind.COMMITTED,
+                version,
+                nbytes=moved.nbytes if isinstance(moved, Transferred) else moved,
+                duration_s=time.perf_counter() - start,
+                pause_s=pause_s,
+                delta=isinstance(moved, Transferred) and moved.delta,
+                unverified=moved.unverified if isinstance(moved, Transferred) else (),
+            )
+            fleet = self._elastic()
+            for label in fleet.take_joined() if fleet is not None else ():
+                self._events.publish(VersionEventKind.ENGINE_JOINED, version, engine=label)
+            if resume_error is not None:
+                raise resume_error
+
+    # -- elastic fleets ----------------------------------------------------------
+
+    def _elastic(self) -> ElasticEngines | None:
+        """The engine fleet whose membership may change, when this process alone drives
+        it (a sharded trainer's ranks could not agree on a membership only one sees)."""
+        if self._sharded() or not self._drives_generation():
+            return None
+        return self.generation if isinstance(self.generation, ElasticEngines) else None
+
+    async def _elastic_transfer(
+        self,
+        version: int,
+        kv_scales: KVScales | None,
+        pause: Callable[[], Awaitable[None]] | None,
+        discards: int,
+    ) -> tuple[Any, int]:
+        """``pause()`` (the engine's ``pause_generation``; None: no pause), then
+        :meth:`_transfer`, re-initialized first when the fleet's membership changed,
+        and, when a failure made the fleet quarantine engines
+        (``on_engine_failure="quarantine"``), again over the engines left: each round
+        sets at least one engine aside, so this ends.
+
+        A failed pause is such a failure too: an engine that died between syncs
+        fails the pause before any byte moves (case C29), and is set aside like
+        one that dies during the transfer; the pause is then made again on the
+        engines left (a fleet's failed pause cancelled theirs).
+
+        Returns :meth:`_transfer`'s result and the count of discard notices
+        (``_discards``) the round that moved it started from: ``discards`` unless
+        a round set engines aside. The next round moves every tensor to every
+        engine left, so a notice heard before it (the dead engine's own above
+        all) is no reason to fail it (case C36)."""
+        fleet = self._elastic()
+        while True:
+            try:
+                if pause is not None:
+                    await pause()
+                    pause = None  # the engines stay paused through later rounds
+                if fleet is not None and fleet.membership_epoch != self._membership_seen:
+                    await self._membership_changed()
+                    self._membership_seen = fleet.membership_epoch
+                return await self._transfer(version, kv_scales), discards
+            except Exception as exc:
+                if fleet is None:
+                    raise
+                removed = await fleet.set_aside_failed(exc)
+                if not removed:
+                    raise
+                # What the failed round wrote is no base for a delta.
+                self._sync_outcome(version, committed=False)
+                for label, reason in removed:
+                    _log.warning("quarantined %s: %s", label, reason)
+                    self._events.publish(
+                        VersionEventKind.ENGINE_QUARANTINED, version, error=reason, engine=label
+                    )
+                discards = self._discards
+
+    async def _membership_changed(self) -> None:
+        """The fleet's engines changed (a quarantine, an ``add_engine``): set the
+        transport up again over the engines now in the sync (default: re-run
+        :meth:`init_communicator`)."""
+        await self.init_communicator()
+
+    def _drives_generation(self) -> bool:
+        """Whether this process pauses, wakes and labels the engine around a sync:
+        True here; a transport of a sharded trainer overrides it so that only the
+        rank that drives the engine does."""
+        return True
+
+    def _pausable(self) -> PausableEngine | None:
+        """The engine when this process should pause it, else None."""
+        if self._drives_generation() and isinstance(self.generation, PausableEngine):
+            return self.generation
+        return None
+
+    async def _label_engine(self, version: int) -> None:
+        """The one place where the engine learns its version: once ``version``
+        landed on every worker, it labels what it generates with it. Shielded: a
+        cancellation must not leave it labelling the new weights with the old version."""
+        if self._drives_generation() and isinstance(self.generation, VersionedEngine):
+            with anyio.CancelScope(shield=True):
+                await self.generation.on_weights_committed(version)
+
+    async def _resume_after(self, paused_at: float | None, *, failed: bool) -> float:
+        """Resume the engine if this sync paused it; returns the pause window, seconds.
+
+        Shielded from cancellation and bounded by ``timeouts.resume_s``
+        (``timeouts.after_failure_s`` when ``failed``). After a failed sync an
+        error of the resume is logged, not raised, so that the sync's own error
+        is the one the caller sees.
+        """
+        if paused_at is None:
+            return 0.0
+        limit = self.timeouts.after_failure_s if failed else self.timeouts.resume_s
+        try:
+            with anyio.CancelScope(shield=True), anyio.fail_after(limit):
+                if isinstance(self.generation, PausableEngine):
+                    await self.generation.resume_generation()
+        except Exception as exc:
+            if not failed:
+                if isinstance(exc, TimeoutError):
+                    raise SyncTimeoutError(
+                        f"the engine did not resume generation within {limit} s after the sync"
+                    ) from exc
+                raise
+            # A secondary failure: the sync's own error carries the story; one line here.
+            _log.error("resuming generation after a failed sync: %s: %s", type(exc).__name__, exc)
+        return time.perf_counter() - paused_at
+
+    @contextlib.asynccontextmanager
+    async def _colocated_refit(self, engines: Sequence[Any] | None = None) -> AsyncIterator[None]:
+        """The colocated bracket around a transfer, for every colocated transport.
+
+        Offloads the trainer (``policy.offload_before_refit``, in a worker
+        thread), wakes each engine's weights, runs the block, then, also after a
+        failure or cancellation (shielded): ``offload_after_refit`` and each
+        engine's KV-cache wake, bounded by ``timeouts.rpc_s``, after a failure by
+        ``timeouts.after_failure_s`` (the engine may be why it failed). An error
+        of the clean-up after a failure is logged, never raised over the block's.
+        Only a tag the engine may have released is woken
+        (:class:`~aiosync.capabilities.SleepReporting`; one that does not say is
+        woken). Engines are woken only where :meth:`_drives_generation`.
+
+        Args:
+            engines: the engines to wake; default ``(self.generation,)``.
+        """
+        failed = True
+        try:
+            await self._offload_hook("offload_before_refit")
+            await self._wake_engines("weights", engines)
+            yield
+            failed = False
+        finally:
+            with anyio.CancelScope(shield=True):
+                limit = self.timeouts.after_failure_s if failed else self.timeouts.rpc_s
+                try:
+                    await self._offload_hook("offload_after_refit")
+                    with anyio.fail_after(limit):
+                        await self._wake_engines("kv_cache", engines)
+                except Exception as exc:
+                    if not failed:
+                        raise
+                    _log.error(  # secondary: the block's own error carries the traceback
+                        "colocated refit: the clean-up after a failed sync also failed: %s: %s",
+                        type(exc).__name__,
+                        exc,
+                    )
+
+    async def _offload_hook(self, name: str) -> None:
+        """Run the policy's offload hook ``name`` in a worker thread (it may move
+        gigabytes), unless it is :class:`RefitSource`'s own no-op: a thread hop each
+        way is a good part of a small sync's cost."""
+        if getattr(type(self.policy), name, None) is getattr(RefitSource, name):
+            return
+        await anyio.to_thread.run_sync(getattr(self.policy, name))
+
+    async def _wake_engines(self, tag: str, engines: Sequence[Any] | None = None) -> None:
+        """Wake ``tag`` (``"weights"``, ``"kv_cache"``) on each engine that may have released it.
+
+        Only an :class:`~aiosync.capabilities.Engine` is woken, and only when
+        it may be asleep (:class:`~aiosync.capabilities.SleepReporting`; one
+        that does not say is woken), and only where :meth:`_drives_generation`.
+        The engines are woken side by side; a failure names the engine.
+
+        Args:
+            engines: default ``(self.generation,)``.
+        """
+        if not self._drives_generation():
+            return
+        targets = tuple(
+            e
+            for e in (engines if engines is not None else (self.generation,))
+            if isinstance(e, Engine)
+        )
+        await each_named(targets, lambda _i, e: _wake(e, tag), _engine_label(len(targets)))
+
+    @abstractmethod
+    async def _transfer(self, version: int, kv_scales: KVScales | None) -> int | Transferred:
+        """Move the weights of ``version`` to every worker; return the bytes moved
+        (or a :class:`Transferred`, which also says whether they were a delta).
+
+        Raise on any failure; the base class keeps the versions consistent.
+        ``kv_scales`` was checked by :meth:`_check_sync_args`.
+        """
+
+    def _sync_outcome(self, version: int, *, committed: bool) -> None:  # noqa: B027 (a hook)
+        """A transport's hook: the sync of ``version`` committed on every worker, or
+        failed (or was cancelled) after :meth:`_transfer` started. Called before the
+        engine resumes; must not block. A delta baseline advances or is dropped here."""
+
+    def _live_check_failed(self) -> None:  # noqa: B027 (a hook)
+        """A transport's hook: :meth:`verify_engine` found a worker's live weights
+        differ from the trainer's. A delta transport drops its baseline here, so that
+        the next sync is full (patches applied to corrupted weights keep the corruption)."""
+
+    async def verify_engine(self) -> dict[str, int]:
+        """Check that every worker computes with what the trainer holds, moving no weights.
+
+        Each worker hashes (SHA-256) the weights it holds as the engine computes with
+        them, read back (``aiosync_weight_digests``: the embedded engine's weights,
+        vLLM's layers through their kernels; a tensor-parallel rank its part, from the
+        engine's :class:`~aiosync.capabilities.LayoutReporting` layout), and the trainer
+        hashes the same parts of what its source yields now. Run it when not stale
+        (after a sync) to catch what a sync or anything after it left wrong
+        (slime's ``--check-weight-update-equal``). Waits for a running sync; the
+        source is read under the source lock, as a sync reads it.
+
+        Returns:
+            ``{"workers": int, "tensors": int, "version": weight_version}``.
+
+        Raises:
+            RefitVerificationError: a worker's tensor differs (the first one named,
+                with the worker), or a worker lacks a tensor. The synchronizer is then
+                stale (:attr:`is_stale`) and its next sync is a full one, also with
+                ``delta=True``: it rewrites every tensor, healing the corruption.
+            TypeError: the engine has no ``collective_rpc`` (:class:`EngineWorkers`).
+            NotImplementedError: a sharded trainer (every rank holds a shard).
+        """
+        self._check_open()
+        if self._sharded():
+            raise NotImplementedError("verify_engine() needs a single-process trainer")
+        generation = self.generation
+        if not isinstance(generation, EngineWorkers):
+            raise TypeError(
+                f"verify_engine() reads the weights back through the workers: "
+                f"{type(generation).__name__} has no collective_rpc"
+            )
+        async with self._lock, self._source_lock:
+            layouts = (
+                await generation.weight_layouts()
+                if isinstance(generation, LayoutReporting) and generation.tensor_parallel_size > 1
+                else None
+            )
+            held = await generation.collective_rpc(
+                "aiosync_weight_digests", timeout_s=self.timeouts.rpc_s
+            )
+            mismatch = await anyio.to_thread.run_sync(self._first_mismatch, held, layouts)
+        if mismatch is not None:
+            rank, what = mismatch
+            # The engine does not hold weight_version: stale until a sync lands, and no
+            # delta may build on what it holds (the transport drops its baseline).
+            self._invalidate_engine_weights()
+            self._live_check_failed()
+            who = (
+                generation.describe_worker(rank)
+                if isinstance(generation, WorkerDescribing)
+                else f"engine worker {rank}"
+            )
+            raise RefitVerificationError(
+                f"{who}: {what} (the trainer's weights of version {self._policy_version}, "
+                f"the engine's labelled {self._weight_version})"
+            )
+        return {
+            "workers": len(held),
+            "tensors": sum(len(h) for h in held),
+            "version": self._weight_version,
+        }
+
+    def _first_mismatch(
+        self, held: Sequence[Mapping[str, Any]], layouts: Sequence[Mapping[str, Any]] | None
+    ) -> tuple[int, str] | None:
+        """``(worker rank, what differs)`` of the first tensor a worker holds otherwise
+        than the source yields it (blocking: reads the source once)."""
+        from ._digest import tensor_digest  # torch: loaded on first use, as the transports
+
+        for name, tensor in self.policy.iter_weights():
+            for rank, digests in enumerate(held):
+                part = None if layouts is None else layouts[rank].get(name)
+                if layouts is not None and part is None:
+                    continue  # this rank holds none of it
+                if name not in digests:
+                    return rank, f"holds no {name!r}"
+                mine = tensor.detach()
+                if part is not None and not part.is_whole:
+                    mine = mine.narrow(part.dim, part.start, part.length)
+                shape, _dtype, digest = digests[name]
+                if list(mine.shape) != list(shape):
+                    return rank, f"{name} is {tuple(shape)}, the trainer's {tuple(mine.shape)}"
+                if tensor_digest(mine) != digest:
+                    return rank, f"{name} differs from the trainer's"
+        return None
+
+    async def shutdown(self) -> None:
+        """Release everything and end every event subscription. Idempotent.
+
+        Subclasses release their own resources, then ``await super().shutdown()``.
+        """
+        self._closed = True
+        for notifier in self._notifiers:
+            notifier.remove_weights_discarded_listener(self._invalidate_engine_weights)
+        self._notifiers = []
+        self._events.close()
+
+    def subscribe(self, max_backlog: int | None = None) -> EventSubscription:
+        """Subscribe to the weight-version event stream (see :mod:`aiosync.events`).
+
+        Args:
+            max_backlog: unread events kept before an ``OVERFLOW`` event
+                replaces the rest; default ``event_backlog``.
+        """
+        return self._events.subscribe(self._event_backlog if max_backlog is None else max_backlog)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SyncError(f"{type(self).__name__} was shut down")
+
+    async def __aenter__(self) -> Self:
+        """Initialize (:meth:`init_communicator`, unless already done); a set-up
+        error shuts the synchronizer down and propagates from the ``async with``."""
+        if not self._initialized:
+            try:
+                await self.init_communicator()
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await self.shutdown()
+                raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.shutdown()
+
+
+def _engine_label(count: int) -> Any:
+    return lambda index: f"engine {index} of {count}"
+
+
+def _may_sleep(engine: object, tag: str) -> bool:
+    """Whether ``tag`` may be released on ``engine``: an engine that does not say is woken."""
+    tags = engine.asleep_tags if isinstance(engine, SleepReporting) else None
+    return tags is None or tag in tags
+
+
+async def _wake(engine: Engine, tag: str) -> None:
+    if _may_sleep(engine, tag):
+        await engine.prepare_for_generation([tag])
+
+
+async def _check_restarts(generation: object) -> None:
+    """Ask every :class:`~aiosync.capabilities.RestartReporting` engine behind
+    ``generation`` whether it was restarted (a restart runs the discard listeners, so
+    ``is_stale`` reads True after this). An engine that does not answer is left to the
+    sync or the generation that needs it (logged here): the probe only learns."""
+    engines = [e for e in engines_of(generation) if isinstance(e, RestartReporting)]
+
+    async def ask(engine: RestartReporting) -> None:
+        try:
+            await engine.check_restarted()
+        except Exception as exc:
+            _log.warning("refit_if_stale: could not ask %r whether it restarted: %s", engine, exc)
+
+    async with anyio.create_task_group() as tg:
+        for engine in engines:
+            tg.start_soon(ask, engine)
+
+
+async def refit_if_stale(
+    sync: WeightSynchronizer, generation: GenerationBackend | None = None
+) -> bool:
+    """The loop's handshake before generating.
+
+    First asks each engine that can tell (:class:`~aiosync.capabilities.RestartReporting`:
+    an SGLang server reached by URL) whether it was restarted since it was synced (a
+    restarted server holds fresh weights: the synchronizer turns stale). Then, if
+    ``sync.is_stale``: ``await sync.sync_weights()`` then
+    ``await generation.prepare_for_generation()``. Returns whether it refit.
+    Errors of ``sync_weights`` propagate and ``prepare_for_generation`` is
+    then not called, so the engine never generates with half-updated weights.
+
+    On a sharded trainer's ranks that do not hold the engine (``generation`` and
+    ``sync.generation`` both None) it syncs if stale and wakes nothing: the same
+    call is right on every rank.
+
+    Args:
+        generation: the engine to wake; default ``sync.generation`` (the engine,
+            or the :class:`~aiosync.EngineFleet` a list of engines became).
+
+    Raises:
+        TypeError: ``generation`` has no ``prepare_for_generation`` (e.g. a plain
+            list of engines), before anything is synced.
+    """
+    if generation is None:
+        generation = sync.generation
+    if generation is None and not sync._drives_generation():
+        if not sync.is_stale:
+            return False
+        await sync.sync_weights()
+        return True
+    if not isinstance(generation, Engine):
+        raise TypeError(
+            f"generation must be an engine with prepare_for_generation, got "
+            f"{type(generation).__name__}; for a fleet pass sync.generation (or omit it)"
+        )
+    await _check_restarts(generation)
+    if not sync.is_stale:
+        return False
+    await sync.sync_weights()
+    await generation.prepare_for_generation()
+    return True
