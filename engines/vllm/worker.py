@@ -61,6 +61,7 @@ from typing import Any
 import torch
 
 from aiosync.errors import TransportError
+from aiosync.transports import validity
 
 from ._delta import HostCopy
 from ._layout import TiedHeads, VLLMLayoutModel
@@ -162,7 +163,7 @@ class VLLMWorkerMixin:
             with model.receiving(whole=kwargs.get("delta") is None):
                 return receive(*args, **kwargs)
         except BaseException:
-            self.aiosync_weights_valid = False
+            validity.mark_invalid(self)
             raise
 
     def _aiosync_layout_model(self) -> Any:
@@ -392,7 +393,7 @@ class VLLMWorkerMixin:
             "rank": int(getattr(self, "rank", 0)),
             "device": str(getattr(self, "device", "cpu")),
             "in_vllm": config is not None,
-            "weights_valid": bool(getattr(self, "aiosync_weights_valid", True)),
+            "weights_valid": validity.is_valid(self),
             "sleep_mode": bool(
                 config is not None and getattr(config.model_config, "enable_sleep_mode", False)
             ),

@@ -27,6 +27,7 @@ import torch
 from aiosync.delta import PatchModel, WeightPatch, finish_patches, patch_from_wire, wire_manifest
 from aiosync.errors import OwnershipError, RefitMismatchError, SyncTimeoutError, TransportError
 
+from .. import validity
 from .._identity import WorkerIdentityMixin
 from .._verify import Verify
 from ..packing import Bucket, BucketPlan, compare_manifests, plan_buckets, unpack
@@ -303,7 +304,7 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
                 state, delta, held, self._aiosync_patch_model()
             )
         state.held = None
-        self.aiosync_weights_valid = False
+        validity.mark_invalid(self)
         try:
             kv, checksums = receive_buckets(
                 state.group,
@@ -320,7 +321,7 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
             self._aiosync_coll_drop_if_broken()
             raise
         self._aiosync_coll_check_discards(discards)
-        self.aiosync_weights_valid = True
+        validity.mark_valid(self)
         state.held = (version, discards)
         return self._aiosync_coll_result(
             version, kv_names, checksums, scales, start, nbytes=plan.total_bytes
@@ -494,7 +495,7 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         start = time.perf_counter()
         discards = self.aiosync_discard_epoch
         state.held = None
-        self.aiosync_weights_valid = False
+        validity.mark_invalid(self)
         if staged.load is not None:  # a delta: its patches, bucket by bucket
             for bucket, buf in zip(staged.plan.buckets, staged.buffers, strict=True):
                 staged.load(bucket, buf)
@@ -503,7 +504,7 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
             model.load_weights(self._aiosync_coll_iter_staged(state))
         scales = self._aiosync_coll_load_kv(staged.kv_names, kv, state.group.device)
         self._aiosync_coll_check_discards(discards)
-        self.aiosync_weights_valid = True
+        validity.mark_valid(self)
         state.held = (version, discards)
         return self._aiosync_coll_result(
             version, staged.kv_names, checksums, scales, start, nbytes=staged.plan.total_bytes

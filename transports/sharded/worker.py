@@ -24,6 +24,7 @@ from aiosync.delta import WeightPatch, finish_patches
 from aiosync.errors import OwnershipError, RefitMismatchError, TransportError
 from aiosync.layout import Layout, Part
 
+from .. import validity
 from .._identity import WorkerIdentityMixin
 from ..collective._group import (
     STATUS_ERROR,
@@ -302,7 +303,7 @@ class ShardedWorkerMixin(WorkerIdentityMixin):
         held = self.aiosync_sharded_held_version(owner)
         discards = getattr(self, "aiosync_discard_epoch", 0)
         state.held = None
-        self.aiosync_weights_valid = False
+        validity.mark_invalid(self)
         model = self._aiosync_layout_model()
         group = state.group
 
@@ -333,7 +334,7 @@ class ShardedWorkerMixin(WorkerIdentityMixin):
                 self._aiosync_sharded = None
                 group.destroy()
             raise
-        self.aiosync_weights_valid = True
+        validity.mark_valid(self)
         state.held = (version, discards)
         return {
             "version": version,
