@@ -648,50 +648,92 @@ def _serve(sock: zmq.Socket[bytes], rank: int, build: Callable[[], EmbeddedWorke
         sock.send(encode({"t": "failed", **error_fields(exc)}))
         return
     sock.send(encode({"t": "ready", "pid": os.getpid()}))
-    parent = multiprocessing.parent_process()
-    replies = _Replies()
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    poller.register(replies.fd, zmq.POLLIN)
-    try:
-        with ThreadPoolExecutor(_RPC_THREADS, thread_name_prefix=f"rpc{rank}") as pool:
+    with ThreadPoolExecutor(_RPC_THREADS, thread_name_prefix=f"rpc{rank}") as pool:
+        _Server(sock, rank, worker, pool).serve()
+
+
+#: Requests the main thread runs itself while no other request runs, instead of
+#: handing them to the pool: a thread hop each way costs more than they do
+#: (``benchmarks/fixed_cost.py``). Each takes no lock a request holds long, and
+#: waits for nothing from outside the process; one that arrives meanwhile waits
+#: for it. ``aiosync_ipc_receive`` only with an ``inline`` session (the whole
+#: refit in the request: transports/ipc), which loads without waiting on the trainer.
+_BRIEF = frozenset({"embedded_status", "embedded_set_weight_version", "aiosync_ipc_held_version"})
+
+
+def _brief(msg: dict[str, Any]) -> bool:
+    """Whether ``msg`` is a request of :data:`_BRIEF`."""
+    method = msg.get("method")
+    if method in _BRIEF:
+        return True
+    if method != "aiosync_ipc_receive":
+        return False
+    args = msg.get("args")
+    if not isinstance(args, list) or not args or not isinstance(args[0], dict):
+        return False
+    return args[0].get("inline") is not None
+
+
+class _Server:
+    """The main thread's loop: requests from the socket to the pool (or, brief ones
+    while the pool is idle, run here), the pool's replies back to the socket."""
+
+    def __init__(
+        self, sock: zmq.Socket[bytes], rank: int, worker: EmbeddedWorker, pool: ThreadPoolExecutor
+    ) -> None:
+        self.sock = sock
+        self.rank = rank
+        self.worker = worker
+        self.pool = pool
+        self.replies = _Replies()
+        # Requests handed to the pool whose reply was not sent yet (main thread only).
+        self.in_pool = 0
+
+    def serve(self) -> None:
+        """Until told to ``shutdown``, or the parent is gone."""
+        parent = multiprocessing.parent_process()
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.replies.fd, zmq.POLLIN)
+        try:
             while True:
                 ready = dict(poller.poll(_PARENT_POLL_MS))
                 if not ready:
                     if parent is not None and not parent.is_alive():
-                        break
+                        return
                     continue
-                if replies.fd in ready:
-                    for payload in replies.take():
-                        sock.send(payload)
-                if sock in ready and not _take_requests(sock, rank, worker, pool, replies):
-                    break
-    finally:
-        replies.close()
+                if self.replies.fd in ready:
+                    self._send_replies()
+                if self.sock in ready and not self._take_requests():
+                    return
+        finally:
+            self.replies.close()
 
+    def _send_replies(self) -> None:
+        for payload in self.replies.take():
+            self.in_pool -= 1
+            self.sock.send(payload)
 
-def _take_requests(
-    sock: zmq.Socket[bytes],
-    rank: int,
-    worker: EmbeddedWorker,
-    pool: ThreadPoolExecutor,
-    replies: _Replies,
-) -> bool:
-    """Hand every request the socket holds now to the pool; False once told to shut down."""
-    while True:
-        try:
-            raw = sock.recv(zmq.NOBLOCK)
-        except zmq.Again:
-            return True
-        try:
-            msg = decode(raw)
-        except Exception:
-            _log.exception("worker %d: dropping a malformed request", rank)
-            continue
-        if msg.get("t") == "shutdown":
-            sock.send(encode({"t": "bye"}))
-            return False
-        pool.submit(_handle, worker, msg, replies)
+    def _take_requests(self) -> bool:
+        """Serve every request the socket holds now; False once told to shut down."""
+        while True:
+            try:
+                raw = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            try:
+                msg = decode(raw)
+            except Exception:
+                _log.exception("worker %d: dropping a malformed request", self.rank)
+                continue
+            if msg.get("t") == "shutdown":
+                self.sock.send(encode({"t": "bye"}))
+                return False
+            if self.in_pool == 0 and _brief(msg):
+                self.sock.send(_run(self.worker, msg))
+            else:
+                self.in_pool += 1
+                self.pool.submit(_handle, self.worker, msg, self.replies)
 
 
 class _Replies:
@@ -724,8 +766,8 @@ class _Replies:
         os.close(self._wake)
 
 
-def _handle(worker: EmbeddedWorker, msg: dict[str, Any], replies: _Replies) -> None:
-    """Run one request (in a pool thread) and queue its reply."""
+def _run(worker: EmbeddedWorker, msg: dict[str, Any]) -> bytes:
+    """Run one request; its reply, encoded."""
     call_id = msg.get("id")
     try:
         method = msg["method"]
@@ -735,7 +777,11 @@ def _handle(worker: EmbeddedWorker, msg: dict[str, Any], replies: _Replies) -> N
         args = msg.get("args") or []
         kwargs = msg.get("kwargs") or {}
         result = fn(*args, **kwargs)
-        payload = encode({"id": call_id, "ok": True, "result": result})
+        return encode({"id": call_id, "ok": True, "result": result})
     except Exception as exc:
-        payload = encode({"id": call_id, "ok": False, **error_fields(exc)})
-    replies.put(payload)
+        return encode({"id": call_id, "ok": False, **error_fields(exc)})
+
+
+def _handle(worker: EmbeddedWorker, msg: dict[str, Any], replies: _Replies) -> None:
+    """Run one request in a pool thread and queue its reply."""
+    replies.put(_run(worker, msg))

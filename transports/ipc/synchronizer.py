@@ -518,7 +518,11 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
 
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> Transferred:
         assert self.plan is not None
-        kv = kv_scale_entries(kv_scales, attention_layers(self.plan.manifest()))
+        # The manifest's attention layers only when there are scales to check (a pass
+        # over every name: no per-sync work for the syncs that move none).
+        kv = (
+            kv_scale_entries(kv_scales, attention_layers(self.plan.manifest())) if kv_scales else []
+        )
         self._syncs += 1
         sync_id = f"{version}-{self._session_token}-{self._syncs}"
         # A sharded trainer's source gathers each tensor into the bucket's slot it is
@@ -807,16 +811,17 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
             )
 
         try:
-            async with anyio.create_task_group() as tg:
-                if read_ahead:
-                    ahead = await sender.read_ahead(lanes[0], verify, version)
-                    if ahead.complete:
-                        inline = []
-                if inline is not None:
-                    await send()
-                    session["inline"] = inline
-                    await drive_receivers()
-                else:
+            if read_ahead:
+                ahead = await sender.read_ahead(lanes[0], verify, version)
+                if ahead.complete:
+                    inline = []
+            if inline is not None:
+                # One after the other in this task: no task group to set up.
+                await send()
+                session["inline"] = inline
+                await drive_receivers()
+            else:
+                async with anyio.create_task_group() as tg:
                     if self._ranks.is_driver:
                         tg.start_soon(drive_receivers)
                     tg.start_soon(send)
