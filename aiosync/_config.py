@@ -60,6 +60,8 @@ class Timeouts:
         rpc_s: one message, RPC or collective step (what catches a dead peer).
         resume_s: the engine's ``resume_generation`` after a committed sync.
         after_failure_s: each clean-up step after a failed or cancelled sync.
+        collective_s: the collective transports' rendezvous and each collective;
+            None: the transport's default. The other transports have none.
 
     Raises:
         ValueError: a limit that is not a finite number > 0.
@@ -69,10 +71,13 @@ class Timeouts:
     rpc_s: float = DEFAULT_RPC_TIMEOUT_S
     resume_s: float = DEFAULT_RESUME_TIMEOUT_S
     after_failure_s: float = AFTER_FAILURE_TIMEOUT_S
+    collective_s: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("sync_s", "rpc_s", "resume_s", "after_failure_s"):
+        for name in ("sync_s", "rpc_s", "resume_s", "after_failure_s", "collective_s"):
             value = getattr(self, name)
+            if value is None and name == "collective_s":
+                continue
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ValueError(f"Timeouts.{name} must be a number, got {value!r}")
             if not 0 < value < float("inf"):

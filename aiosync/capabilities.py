@@ -17,7 +17,8 @@ collective drive the workers), :class:`Generating` (the rollout loop) and
 :class:`ConfigReporting` (checks before a sync), :class:`LayoutReporting` (the
 shard-aware transport) and :class:`EngineSet` (a fleet), :class:`ElasticEngines`
 (a fleet that sets failed engines aside) and :class:`HealthReporting` (how it
-tells them), :class:`RestartReporting` (a server restarted behind its URL).
+tells them), :class:`RestartReporting` (a server restarted behind its URL),
+:class:`KindReporting` (which engine it is: the factory picks the transport by it).
 """
 
 from __future__ import annotations
@@ -35,11 +36,13 @@ __all__ = [
     "DiscardNotifier",
     "ElasticEngines",
     "Engine",
+    "EngineKind",
     "EngineSet",
     "EngineWorkers",
     "Generating",
     "HealthReporting",
     "InFlightPolicy",
+    "KindReporting",
     "LayoutReporting",
     "ManifestReporting",
     "PausableEngine",
@@ -59,6 +62,9 @@ InFlightPolicy = Literal["abort", "wait", "keep"]
 
 #: The values of :data:`InFlightPolicy`, in that order.
 IN_FLIGHT_POLICIES: tuple[InFlightPolicy, ...] = get_args(InFlightPolicy)
+
+#: Which engine an engine object is: the engines' own API it speaks.
+EngineKind = Literal["vllm", "sglang", "embedded"]
 
 
 @runtime_checkable
@@ -257,6 +263,18 @@ class RestartReporting(Protocol):
         Raises:
             TransportError, SyncTimeoutError: the engine did not answer.
         """
+        ...
+
+
+@runtime_checkable
+class KindReporting(Protocol):
+    """An engine that says which kind it is (:data:`EngineKind`), so that
+    ``create_weight_synchronizer`` needs no ``backend=``; a fleet's members and a
+    Ray engine's spec say it for them."""
+
+    @property
+    def engine_kind(self) -> EngineKind:
+        """``"vllm"``, ``"sglang"`` or ``"embedded"``."""
         ...
 
 

@@ -1,16 +1,30 @@
-"""Every exception aiosync raises, in one place.
+"""Every exception aiosync raises, in one place, and how a lower layer's error becomes one.
 
-The tree::
+The tree, and when each is raised::
 
-    SyncError                      base of everything aiosync raises on purpose
+    SyncError                      base of everything aiosync raises on purpose; itself:
+    │                              a call before ``init_communicator()`` or after
+    │                              ``shutdown()``, the engine discarded its weights
+    │                              during a sync, a check that could compare nothing
     ├── RefitMismatchError         the two sides disagree on the refit manifest
-    │                              (names, shapes, dtypes, bucket layout); raised
-    │                              before any byte moves
+    │                              (names, shapes, dtypes, bucket layout, the HF
+    │                              config, a broken tie); raised before any byte moves
+    ├── RefitVerificationError     a worker holds other bytes than the trainer sent:
+    │                              a sync's ``verify`` check, or ``verify_engine()``
     ├── TransportError             the peer is gone, answered badly, or broke the
-    │                              protocol (dead process, non-2xx HTTP, bad message)
+    │                              protocol (dead process, non-2xx HTTP, bad message,
+    │                              an httpx, zmq, gloo or Ray error of the layer below)
     │   └── OwnershipError         a worker-side session (sync group, receive)
-    │                              belongs to another, live synchronizer
-    └── SyncTimeoutError           a wait ran past its timeout (also a TimeoutError)
+    │                              belongs to another, live synchronizer, or another
+    │                              synchronizer committed into this one's engine
+    ├── SyncTimeoutError           a wait ran past its timeout (also a TimeoutError):
+    │                              a sync, an RPC, a receive, a collective, a request
+    └── UnsupportedOptionError     an option the chosen transport cannot honour, at
+                                   construction (also a TypeError)
+
+A lower layer's error becomes one of these in a ``with map_exceptions(...)`` block (as in
+httpx's ``map_httpcore_exceptions``), the original as ``__cause__``: the HTTP engines'
+httpx errors through one table (``aiosync/engines/_http.py``).
 
 A failed or cancelled ``sync_weights`` leaves ``weight_version`` unchanged and
 ``is_stale`` true whatever the error.
@@ -18,13 +32,19 @@ A failed or cancelled ``sync_weights`` leaves ``weight_version`` unchanged and
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+
 __all__ = [
+    "ExceptionMapping",
     "OwnershipError",
     "RefitMismatchError",
     "RefitVerificationError",
     "SyncError",
     "SyncTimeoutError",
     "TransportError",
+    "UnsupportedOptionError",
+    "map_exceptions",
 ]
 
 
@@ -63,3 +83,34 @@ class OwnershipError(TransportError):
 
 class SyncTimeoutError(SyncError, TimeoutError):
     """A wait (a sync, an RPC, a receive, a collective) ran past its timeout."""
+
+
+class UnsupportedOptionError(SyncError, TypeError):
+    """An option the chosen transport cannot honour (``create_weight_synchronizer``'s
+    ``sync=``/``transport=`` or an old keyword), refused at construction, naming the
+    option and the transport: the factory never switches transport to honour it."""
+
+
+#: What :func:`map_exceptions` takes: each exception type of a layer below, in the order
+#: they are tried, and what makes aiosync's error of a caught one.
+ExceptionMapping = Mapping[type[BaseException], Callable[[BaseException], BaseException]]
+
+
+@contextlib.contextmanager
+def map_exceptions(mapping: ExceptionMapping) -> Iterator[None]:
+    """Raise aiosync's error in place of a lower layer's, as the block's ``except`` clauses would.
+
+    The first type of ``mapping`` (in its order) that the block's exception is an
+    instance of makes the error raised instead, from it (its ``__cause__``); an
+    exception no type matches propagates unchanged.
+
+    Args:
+        mapping: ``{lower_error_type: make}``; ``make(exc)`` returns the error to raise.
+    """
+    try:
+        yield
+    except BaseException as exc:
+        for kind, make in mapping.items():
+            if isinstance(exc, kind):
+                raise make(exc) from exc
+        raise

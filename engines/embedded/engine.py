@@ -41,7 +41,7 @@ import anyio.to_thread
 import torch
 
 from aiosync._config import DEFAULT_RPC_TIMEOUT_S
-from aiosync.capabilities import IN_FLIGHT_POLICIES, InFlightPolicy
+from aiosync.capabilities import IN_FLIGHT_POLICIES, EngineKind, InFlightPolicy
 from aiosync.errors import SyncError, TransportError
 from aiosync.generation import Generation, SamplingParams, sampling_params, version_span
 from aiosync.layout import Layout, Part
@@ -151,6 +151,10 @@ class EmbeddedEngine(GenerateFromMeta):
             ``quantization``, or ``"fp8"`` with ``tensor_parallel_size > 1`` or a
             ``runner_factory``.
     """
+
+    #: Which engine this is (:class:`~aiosync.capabilities.KindReporting`): the factory
+    #: picks the transport by it.
+    engine_kind: EngineKind = "embedded"
 
     def __init__(
         self,

@@ -19,7 +19,7 @@ import anyio
 import httpx
 
 from aiosync._config import DEFAULT_RPC_TIMEOUT_S
-from aiosync.capabilities import IN_FLIGHT_POLICIES, InFlightPolicy
+from aiosync.capabilities import IN_FLIGHT_POLICIES, EngineKind, InFlightPolicy
 from aiosync.errors import SyncError, TransportError
 from aiosync.generation import Generation, SamplingParams, parse_version
 from aiosync.generation import sampling_params as resolve_sampling
@@ -116,6 +116,10 @@ class SGLangHTTPBackend(GenerateFromMeta, SGLangClient):
         ValueError: a non-positive timeout or ``tp_size``, or an unknown tag.
         TypeError: ``hf_config`` is none of the accepted types.
     """
+
+    #: Which engine this is (:class:`~aiosync.capabilities.KindReporting`): the factory
+    #: picks the transport by it.
+    engine_kind: EngineKind = "sglang"
 
     def __init__(
         self,

@@ -84,7 +84,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import anyio
 
 from aiosync._config import DEFAULT_RPC_TIMEOUT_S
-from aiosync.capabilities import IN_FLIGHT_POLICIES, InFlightPolicy
+from aiosync.capabilities import IN_FLIGHT_POLICIES, EngineKind, InFlightPolicy
 from aiosync.errors import SyncError, SyncTimeoutError, TransportError
 from aiosync.generation import Generation, SamplingParams, parse_version, sampling_params
 from aiosync.lora import LoRAAdapter
@@ -159,6 +159,10 @@ class VLLMGenerationBackend(GenerateFromMeta):
         ValueError: ``sleep_level`` is not 1 or 2.
         TypeError: ``engine`` is neither kind of vLLM engine.
     """
+
+    #: Which engine this is (:class:`~aiosync.capabilities.KindReporting`): the factory
+    #: picks the transport by it.
+    engine_kind: EngineKind = "vllm"
 
     #: ``generate()`` without ``params`` starts from these: 16 tokens, past any
     #: EOS (``generate_with_meta`` has no defaults and stops at EOS, as every engine).

@@ -48,12 +48,19 @@ import anyio
 import httpx
 
 from aiosync._config import DEFAULT_RPC_TIMEOUT_S
-from aiosync.capabilities import IN_FLIGHT_POLICIES, InFlightPolicy
-from aiosync.errors import SyncError, SyncTimeoutError, TransportError
+from aiosync.capabilities import IN_FLIGHT_POLICIES, EngineKind, InFlightPolicy
+from aiosync.errors import (
+    ExceptionMapping,
+    SyncError,
+    SyncTimeoutError,
+    TransportError,
+    map_exceptions,
+)
 from aiosync.generation import Generation, SamplingParams, parse_version, sampling_params
 
 from .._gate import AdmissionGate
 from .._generate import GenerateFromMeta
+from .._http import http_errors
 from .._routes import Route, check_request
 from ._dp import WEIGHT_RPCS
 from ._drivers import rebuild_worker_error
@@ -186,6 +193,10 @@ class VLLMServerBackend(GenerateFromMeta):
             ``base_url`` without ``http(s)://``.
     """
 
+    #: Which engine this is (:class:`~aiosync.capabilities.KindReporting`): the factory
+    #: picks the transport by it.
+    engine_kind: EngineKind = "vllm"
+
     #: ``generate()`` without ``params`` starts from these: 16 tokens, past any
     #: EOS (``generate_with_meta`` has no defaults and stops at EOS, as every engine).
     generate_defaults: ClassVar[SamplingParams | None] = SamplingParams(
@@ -271,22 +282,19 @@ class VLLMServerBackend(GenerateFromMeta):
         check_request(ROUTES, method, path, body, params)
         limit = self.rpc_timeout_s if timeout_s is None else timeout_s
         where = f"{method} {self.base_url}{path}"
-        try:
-            with anyio.fail_after(limit if math.isfinite(limit) else None):
-                response = await self._client.request(
-                    method,
-                    path,
-                    json=body,
-                    params=_query(params),
-                    headers={"Connection": "close"} if fresh_connection else None,
-                    timeout=_httpx_timeout(limit),
-                )
-        except TimeoutError as exc:
-            raise SyncTimeoutError(f"{where}: no answer within {limit} s") from exc
-        except httpx.TimeoutException as exc:
-            raise SyncTimeoutError(f"{where}: no answer within {limit} s ({exc!r})") from exc
-        except httpx.HTTPError as exc:
-            raise TransportError(f"{where}: {type(exc).__name__}: {exc}") from exc
+        errors: ExceptionMapping = {
+            TimeoutError: lambda _: SyncTimeoutError(f"{where}: no answer within {limit} s"),
+            **http_errors(where, lambda exc: f"{where}: no answer within {limit} s ({exc!r})"),
+        }
+        with map_exceptions(errors), anyio.fail_after(limit if math.isfinite(limit) else None):
+            response = await self._client.request(
+                method,
+                path,
+                json=body,
+                params=_query(params),
+                headers={"Connection": "close"} if fresh_connection else None,
+                timeout=_httpx_timeout(limit),
+            )
         _raise_for_status(response, where, path, "Authorization" in self._client.headers)
         if not response.content:
             return None
@@ -779,8 +787,14 @@ class VLLMServerBackend(GenerateFromMeta):
         def version_now() -> int | None:
             return admitted if self._version_epoch == epoch else self._computing
 
+        errors: ExceptionMapping = {
+            TimeoutError: lambda _: SyncTimeoutError(
+                f"{where}: no complete answer within {limit} s"
+            ),
+            **http_errors(where, lambda _: f"{where}: no complete answer within {limit} s"),
+        }
         try:
-            with anyio.fail_after(limit if math.isfinite(limit) else None):
+            with map_exceptions(errors), anyio.fail_after(limit if math.isfinite(limit) else None):
                 async with self._client.stream(
                     "POST", "/v1/completions", json=body, timeout=_httpx_timeout(limit)
                 ) as response:
@@ -800,12 +814,6 @@ class VLLMServerBackend(GenerateFromMeta):
                                 started[index] = False
                                 self._gate.streaming -= 1
                                 self._gate.notify()
-        except TimeoutError as exc:
-            raise SyncTimeoutError(f"{where}: no complete answer within {limit} s") from exc
-        except httpx.TimeoutException as exc:
-            raise SyncTimeoutError(f"{where}: no complete answer within {limit} s") from exc
-        except httpx.HTTPError as exc:
-            raise TransportError(f"{where}: {type(exc).__name__}: {exc}") from exc
         finally:
             left = sum(started)
             if left:

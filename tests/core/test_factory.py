@@ -218,7 +218,7 @@ def test_factory_passes_timeouts_and_the_older_keywords_to_the_transport(source,
         overlap="staged",
         bucket_bytes=4096,
     )
-    assert sync.timeouts == aiosync.Timeouts(sync_s=40.0, rpc_s=3.0)
+    assert sync.timeouts == aiosync.Timeouts(sync_s=40.0, rpc_s=3.0, collective_s=9.0)
     assert (sync.sync_timeout_s, sync.rpc_timeout_s, sync.collective_timeout_s) == (40, 3, 9)
     assert (sync.verify, sync.overlap, sync.bucket_bytes) == (True, "staged", 4096)
 

@@ -28,7 +28,7 @@ import os
 import socket
 import threading
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import anyio
 import anyio.to_thread
@@ -40,6 +40,7 @@ from aiosync._fanout import each_named, most_telling
 from aiosync.capabilities import InFlightPolicy
 from aiosync.cluster import TrainCluster
 from aiosync.errors import OwnershipError, RefitMismatchError, TransportError
+from aiosync.options import TransportCapabilities
 from aiosync.sources import RefitSource
 
 from .._verify import Verify
@@ -118,6 +119,15 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
             or ``verify``; no server or the same one twice.
         NotImplementedError: ``train_cluster.world_size > 1``.
     """
+
+    #: What it can do, as data (:class:`~aiosync.TransportCapabilities`): the factory
+    #: refuses a shared option outside it; the conformance kit runs its cells.
+    capabilities: ClassVar[TransportCapabilities] = TransportCapabilities(
+        verify=frozenset({False, "sample", True}),
+        trace=True,
+        elastic=True,
+        verify_engine=True,
+    )
 
     def __init__(
         self,

@@ -49,6 +49,7 @@ from aiosync.capabilities import EngineWorkers, HealthReporting, InFlightPolicy,
 from aiosync.cluster import TrainCluster
 from aiosync.delta import DeltaBaseline, patch_to_wire, wire_manifest
 from aiosync.errors import SyncError, SyncTimeoutError, TransportError
+from aiosync.options import TransportCapabilities
 from aiosync.sources import RefitSource
 from aiosync.synchronizer import KVScales, Transferred, WeightSynchronizer
 
@@ -182,6 +183,16 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             or ``"sample"``.
         TypeError: ``train_cluster`` is not a :class:`~aiosync.TrainCluster`.
     """
+
+    #: What it can do, as data (:class:`~aiosync.TransportCapabilities`): the factory
+    #: refuses a shared option outside it; the conformance kit runs its cells.
+    capabilities: ClassVar[TransportCapabilities] = TransportCapabilities(
+        verify=frozenset({False, "sample", True}),
+        delta=True,
+        elastic=True,
+        sharded_trainer=True,
+        verify_engine=True,
+    )
 
     #: The workers' RPC that leaves and destroys the sync group.
     _destroy_rpc: ClassVar[str] = "aiosync_collective_destroy"

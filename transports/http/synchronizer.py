@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import anyio
 import torch
@@ -27,6 +27,7 @@ from aiosync._fanout import each_named, most_telling, named
 from aiosync._kv_scales import attention_layers, kv_scale_entries
 from aiosync.capabilities import ConfigReporting, InFlightPolicy, engines_of
 from aiosync.errors import RefitVerificationError, SyncError, TransportError
+from aiosync.options import TransportCapabilities
 from aiosync.sources import ConfigSource, RefitManifest, RefitSource
 from aiosync.synchronizer import KVScales, Transferred, WeightSynchronizer
 
@@ -140,6 +141,15 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         ValueError: ``bucket_bytes`` is not positive, no server, the same
             server twice, or ``verify`` is not True, False or ``"sample"``.
     """
+
+    #: What it can do, as data (:class:`~aiosync.TransportCapabilities`): the factory
+    #: refuses a shared option outside it; the conformance kit runs its cells.
+    capabilities: ClassVar[TransportCapabilities] = TransportCapabilities(
+        verify=frozenset({False, "sample", True}),
+        trace=True,
+        elastic=True,
+        verify_engine=True,
+    )
 
     def __init__(
         self,

@@ -89,7 +89,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import anyio
 import torch
@@ -103,6 +103,7 @@ from aiosync._kv_scales import attention_layers, kv_scale_entries
 from aiosync.capabilities import DiscardNotifier, InFlightPolicy, WorkerDescribing, engines_of
 from aiosync.delta import DeltaBaseline, WeightPatch, patch_to_wire, wire_manifest
 from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
+from aiosync.options import TransportCapabilities
 from aiosync.sources import GathersInto, RefitManifest, RefitSource
 from aiosync.synchronizer import KVScales, Transferred, WeightSynchronizer
 
@@ -285,6 +286,17 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
             ``False`` or ``"sample"``.
         TypeError: ``timeouts`` is not an :class:`~aiosync.Timeouts`.
     """
+
+    #: What it can do, as data (:class:`~aiosync.TransportCapabilities`): the factory
+    #: refuses a shared option outside it; the conformance kit runs its cells.
+    capabilities: ClassVar[TransportCapabilities] = TransportCapabilities(
+        verify=frozenset({False, "sample", True}),
+        delta=True,
+        trace=True,
+        elastic=True,
+        sharded_trainer=True,
+        verify_engine=True,
+    )
 
     def __init__(
         self,

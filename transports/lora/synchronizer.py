@@ -65,6 +65,7 @@ from aiosync.lora import (
     LoRAEngine,
     lora_adapter_name,
 )
+from aiosync.options import TransportCapabilities
 from aiosync.sources import RefitManifest
 from aiosync.synchronizer import KVScales, WeightSynchronizer
 
@@ -122,6 +123,14 @@ class LoRAAdapterSynchronizer(OnTrainerRanks, WeightSynchronizer):
         ValueError: no engine on group rank 0, the same engine twice, a
             timeout not finite and > 0, or ``verify`` not True, False or ``"sample"``.
     """
+
+    #: What it can do, as data (:class:`~aiosync.TransportCapabilities`): the factory
+    #: refuses a shared option outside it; the conformance kit runs its cells.
+    capabilities: ClassVar[TransportCapabilities] = TransportCapabilities(
+        verify=frozenset({False, "sample", True}),
+        kv_scales=False,
+        sharded_trainer=True,
+    )
 
     supports_kv_scales: ClassVar[bool] = False
     kv_scales_refusal: ClassVar[str] = (

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
 import anyio.to_thread
@@ -39,6 +39,7 @@ from aiosync.capabilities import EngineWorkers, InFlightPolicy, ManifestReportin
 from aiosync.cluster import TrainCluster
 from aiosync.errors import RefitMismatchError, SyncError, TransportError
 from aiosync.layout import Layout
+from aiosync.options import TransportCapabilities
 from aiosync.refit.torch_source import DTensorRefitSource
 from aiosync.sources import RefitSource
 from aiosync.synchronizer import KVScales, Transferred
@@ -123,6 +124,15 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
         TransportError: ``data_plane="mooncake"`` where Mooncake cannot run (the
             reason: not installed, ``libibverbs1`` missing).
     """
+
+    #: What it can do, as data (:class:`~aiosync.TransportCapabilities`): the factory
+    #: refuses a shared option outside it; the conformance kit runs its cells.
+    capabilities: ClassVar[TransportCapabilities] = TransportCapabilities(
+        delta=True,
+        kv_scales=False,
+        sharded_trainer=True,
+        verify_engine=True,
+    )
 
     supports_kv_scales = False
     kv_scales_refusal = (
