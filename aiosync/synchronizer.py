@@ -52,6 +52,7 @@ from .capabilities import (
 )
 from .errors import OwnershipError, RefitVerificationError, SyncError, SyncTimeoutError
 from .events import EventSubscription, VersionEventKind, _EventHub
+from .options import TransportCapabilities
 from .sources import ConfigSource, Preflight, RefitManifest, RefitSource
 
 __all__ = [
@@ -158,11 +159,17 @@ class WeightSynchronizer(ABC):
         TypeError: ``event_backlog`` or ``initial_version`` is not an int.
     """
 
-    #: Whether the transport moves FP8 KV-cache scales; a ``sync_weights(kv_scales=...)``
-    #: on one that does not raises NotImplementedError(:attr:`kv_scales_refusal`)
-    #: before anything moves.
-    supports_kv_scales: ClassVar[bool] = True
+    #: What the transport can do, as data: the factory refuses a shared option outside
+    #: it, the conformance kit runs its cells. A ``sync_weights(kv_scales=...)`` on one
+    #: without ``kv_scales`` raises NotImplementedError(:attr:`kv_scales_refusal`) before
+    #: anything moves.
+    capabilities: ClassVar[TransportCapabilities] = TransportCapabilities()
     kv_scales_refusal: ClassVar[str] = "this transport does not move FP8 KV-cache scales"
+
+    @property
+    def supports_kv_scales(self) -> bool:
+        """Whether the transport moves FP8 KV-cache scales (``capabilities.kv_scales``)."""
+        return self.capabilities.kv_scales
 
     def __init__(
         self,

@@ -62,7 +62,7 @@ class ManifestSync(CopySynchronizer):
 
 
 class NoKVScales(ManifestSync):
-    supports_kv_scales = False
+    capabilities = aiosync.TransportCapabilities(kv_scales=False)
     kv_scales_refusal = "adapter-only refits leave the KV-cache scales alone"
 
 

@@ -132,7 +132,6 @@ class LoRAAdapterSynchronizer(OnTrainerRanks, WeightSynchronizer):
         sharded_trainer=True,
     )
 
-    supports_kv_scales: ClassVar[bool] = False
     kv_scales_refusal: ClassVar[str] = (
         "an adapter-only refit leaves the base model, and with it the FP8 KV-cache scales, "
         "alone: sync_weights(kv_scales=...) needs a full refit"

@@ -134,7 +134,6 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
         verify_engine=True,
     )
 
-    supports_kv_scales = False
     kv_scales_refusal = (
         "the shard-aware transport does not move FP8 KV-cache scales; "
         "use CollectiveWeightSynchronizer for kv_scales"

@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import anyio
 import anyio.to_thread
@@ -44,6 +44,7 @@ import anyio.to_thread
 from aiosync._config import DEFAULT_EVENT_BACKLOG, DEFAULT_RPC_TIMEOUT_S, Timeouts
 from aiosync.capabilities import InFlightPolicy
 from aiosync.errors import SyncError, TransportError
+from aiosync.options import TransportCapabilities
 from aiosync.sources import RefitManifest, RefitSource
 from aiosync.synchronizer import KVScales, WeightSynchronizer
 
@@ -210,7 +211,7 @@ class VLLMWeightTransferSynchronizer(WeightSynchronizer):
         ImportError: the installed vLLM has no ``vllm.distributed.weight_transfer``.
     """
 
-    supports_kv_scales = False
+    capabilities: ClassVar[TransportCapabilities] = TransportCapabilities(kv_scales=False)
     kv_scales_refusal = (
         "vLLM's weight-transfer API carries no FP8 KV-cache scales; "
         "use aiosync.transports.collective for kv_scales"
@@ -279,7 +280,7 @@ class VLLMWeightTransferSynchronizer(WeightSynchronizer):
         await super().init_communicator()
 
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
-        # kv_scales is None here: supports_kv_scales is False (checked by the base).
+        # kv_scales is None here: capabilities.kv_scales is False (checked by the base).
         engine = self._engine
         if engine is None:
             raise SyncError("await init_communicator() before sync_weights()")
