@@ -1,0 +1,756 @@
+"""The conformance kit: one contract, checked on every transport (``docs/capabilities.md``).
+
+A :class:`TransportCase` says how to build one transport's synchronizer on CPU against a
+real engine (the embedded engine's worker processes, or the SGLang contract test server
+:mod:`aiosync.testing.sglang_server`); the ``check_*`` functions take a case, a started
+:class:`KitEngine` and a :class:`KitTrainer` and assert one cell of the contract:
+
+- ``plain``: after a sync every worker holds exactly the trainer's tensors (its
+  tensor-parallel slices), the synchronizer is at version 1 and not stale, and the engine
+  generates the trainer's greedy tokens under version 1.
+- ``verify_true``/``verify_sample``, ``delta``, ``trace``: a declared option is honoured
+  (and lands bit-exact); an undeclared one is refused at construction
+  (:class:`~aiosync.UnsupportedOptionError`), never silently dropped.
+- ``kv_scales``: declared, the scales reach every worker; undeclared, ``sync_weights``
+  raises ``NotImplementedError`` (the transport's ``kv_scales_refusal``) before any byte.
+- ``verify_engine``: the engine's weights hash as the trainer's, and a trainer that moved
+  on is named (:class:`~aiosync.RefitVerificationError`) and makes the synchronizer stale.
+- ``cancel``: a sync cancelled mid-stream leaves ``is_stale`` True, the version unchanged,
+  and the engine refusing to generate or still serving the previous version exactly; the
+  next sync heals it.
+- ``bad_manifest``: a source whose manifest names a tensor the engine lacks is refused
+  (:class:`~aiosync.RefitMismatchError`) before any byte: the engine keeps its weights.
+
+Which cells a transport runs follows from its declared
+:class:`~aiosync.TransportCapabilities` (:func:`cells`); :func:`capability_table` renders
+the same declarations as the docs' table. ``tests/conformance/test_kit.py`` runs the kit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import torch
+
+from aiosync import (
+    RefitMismatchError,
+    RefitVerificationError,
+    SamplingParams,
+    SyncOptions,
+    Timeouts,
+    TrainCluster,
+    UnsupportedOptionError,
+    VersionEventKind,
+    create_weight_synchronizer,
+)
+from aiosync.options import (
+    TRANSPORT_OPTIONS,
+    CollectiveOptions,
+    HTTPOptions,
+    IPCOptions,
+    SGLangCollectiveOptions,
+    ShardedOptions,
+    TransportCapabilities,
+    TransportOptions,
+)
+from aiosync.sources import RefitManifest, RefitSource
+
+__all__ = [
+    "CAPABILITY_COLUMNS",
+    "CASES",
+    "CELLS",
+    "KitEngine",
+    "KitTrainer",
+    "TransportCase",
+    "capabilities_of",
+    "capability_table",
+    "cells",
+    "declares",
+    "run_cell",
+]
+
+#: The model every case serves: the tiny Qwen3 of the embedded engine, in bf16 (the
+#: trainer's dtype too, so the engine must hold its tensors bit for bit).
+DTYPE = "bfloat16"
+PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9]]
+#: Small buckets: every sync moves several of them, so a cancel lands mid-stream.
+BUCKET_BYTES = 16 * 1024
+#: The scales ``kv_scales`` sends: layer -> scale (both K and V).
+KV_SCALES = {0: 0.5, 1: 0.25}
+#: The manifest entry ``bad_manifest`` renames (the engine has no tensor of the new name).
+RENAMED = ("model.norm.weight", "model.final_norm.weight")
+
+
+def _tiny_config() -> dict[str, Any]:
+    from aiosync.engines.embedded.configs import TINY_QWEN3
+
+    return dict(TINY_QWEN3)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --------------------------------------------------------------------------- trainer
+
+
+class KitTrainer(RefitSource):
+    """A bf16 tiny Qwen3 behind :class:`~aiosync.refit.DTensorRefitSource`.
+
+    ``step(seed)`` changes every 7th element of every parameter (an "optimizer step"
+    a delta can compress); ``on_tensor(i)`` runs before the ``i``-th tensor is yielded;
+    ``rename`` renames manifest entries (and the tensors yielded).
+    """
+
+    def __init__(self, seed: int, *, rename: Mapping[str, str] | None = None) -> None:
+        from aiosync.engines.embedded.model import HFModelRunner
+        from aiosync.refit import DTensorRefitSource
+
+        self.runner = HFModelRunner.from_config(_tiny_config(), seed=seed, dtype=torch.bfloat16)
+        self.model = self.runner.model
+        self.inner = DTensorRefitSource(self.model)
+        self.rename = dict(rename or {})
+        self.on_tensor: Callable[[int], None] | None = None
+
+    def prepare_refit_info(self) -> RefitManifest:
+        return {self.rename.get(n, n): spec for n, spec in self.inner.prepare_refit_info().items()}
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for i, (name, tensor) in enumerate(self.inner.iter_weights()):
+            if self.on_tensor is not None:
+                self.on_tensor(i)
+            yield self.rename.get(name, name), tensor
+
+    def hf_config(self) -> Any:
+        return self.inner.hf_config()
+
+    def step(self, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                flat = p.view(-1)
+                flat[::7] += (torch.randn(flat[::7].shape, generator=gen) * 0.05).to(p.dtype)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """What the engine must hold after a sync: the source's tensors, copies."""
+        return {n: t.clone() for n, t in self.inner.iter_weights()}
+
+    def full_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state().values())
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
+        return self.runner.generate([list(p) for p in prompts], max_new_tokens=n, ignore_eos=True)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def patch_bytes(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> int:
+    """Bytes of the smallest encoding of every changed tensor: what a delta moves."""
+    from aiosync.delta import encode_patch
+
+    patches = (encode_patch(n, 0, _bits(old[n]), new[n]) for n in new)
+    return sum(p.nbytes for p in patches if p is not None)
+
+
+def box_patch_bytes(
+    plan: Any, old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]
+) -> int:
+    """Bytes a shard-aware delta moves: per transfer of ``plan`` (one box of one tensor),
+    nothing when no bit of the box changed, else the smaller of its dense bytes and int32
+    indices + values of its changed elements (ties dense)."""
+    total = 0
+    for t in plan.transfers():
+        index = tuple(slice(lo, hi) for lo, hi in t.box)
+        before, after = old[t.name][index], new[t.name][index]
+        changed = int((_bits(before.contiguous()) != _bits(after.contiguous())).sum())
+        if changed:
+            size = after.element_size()
+            total += min(after.numel() * size, changed * (4 + size))
+    return total
+
+
+# --------------------------------------------------------------------------- engines
+
+
+class KitEngine:
+    """A started engine as the kit reads it: what each worker holds, what it serves."""
+
+    #: What the factory is given (the engine, or a client of the server).
+    generation: Any
+    kind: str
+    #: Workers (tensor-parallel ranks) that hold weights.
+    workers: int
+
+    async def states(self) -> list[dict[str, torch.Tensor]]:
+        """Each worker's weights, in checkpoint names (a tensor-parallel rank: its slices)."""
+        raise NotImplementedError
+
+    async def expected(self, full: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """What each worker must hold when it holds ``full``."""
+        return [dict(full) for _ in range(self.workers)]
+
+    async def kv_scales(self) -> list[dict[str, float]]:
+        """The FP8 KV-cache scales each worker loaded, ``{name: value}``."""
+        raise NotImplementedError
+
+    async def generate(self, prompts: Sequence[Sequence[int]], n: int) -> list[Any]:
+        """Greedy generation: one :class:`~aiosync.Generation` per prompt."""
+        await self.generation.prepare_for_generation()
+        params = SamplingParams(max_tokens=n, ignore_eos=True)
+        return list(await self.generation.generate_with_meta(prompts, params))
+
+    async def holds(self, full: Mapping[str, torch.Tensor]) -> bool:
+        """Whether every worker holds ``full`` bit for bit (names and values)."""
+        for state, want in zip(await self.states(), await self.expected(full), strict=True):
+            if set(state) != set(want):
+                return False
+            if not all(torch.equal(_bits(state[n]), _bits(t)) for n, t in want.items()):
+                return False
+        return True
+
+    async def aclose(self) -> None:
+        """Close what the kit opened besides the engine."""
+
+
+class EmbeddedKitEngine(KitEngine):
+    """An :class:`~aiosync.engines.embedded.engine.EmbeddedEngine` (worker processes)."""
+
+    kind = "embedded"
+
+    def __init__(self, engine: Any) -> None:
+        self.generation = engine
+        self.workers = engine.world_size
+
+    async def states(self) -> list[dict[str, torch.Tensor]]:
+        return list(await self.generation.hf_state_dicts())
+
+    async def expected(self, full: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        out = []
+        for layout in await self.generation.weight_layouts():
+            want = {}
+            for name, tensor in full.items():
+                part = layout[name] if layout else None
+                if part is not None and part.shape:  # a tensor-parallel slice
+                    tensor = tensor.narrow(part.dim, part.start, part.length)
+                want[name] = tensor
+            out.append(want)
+        return out
+
+    async def kv_scales(self) -> list[dict[str, float]]:
+        return [dict(s["kv_scales"]) for s in await self.generation.status()]
+
+
+class ServerKitEngine(KitEngine):
+    """A running :mod:`aiosync.testing.sglang_server` and an ``SGLangHTTPBackend`` of it."""
+
+    kind = "sglang"
+
+    def __init__(self, url: str, tp_size: int) -> None:
+        import httpx
+
+        from aiosync import SGLangHTTPBackend
+
+        self.url = url
+        self.workers = tp_size
+        self.generation = SGLangHTTPBackend(url)
+        self.admin = httpx.AsyncClient(base_url=url, timeout=60.0)
+
+    async def states(self) -> list[dict[str, torch.Tensor]]:
+        from safetensors.torch import load as safetensors_load
+
+        out = []
+        for rank in range(self.workers):
+            response = await self.admin.get("/_aiosync/state_dict", params={"rank": rank})
+            response.raise_for_status()
+            out.append(safetensors_load(response.content))
+        return out
+
+    async def kv_scales(self) -> list[dict[str, float]]:
+        response = await self.admin.get("/_aiosync/kv_scales")
+        response.raise_for_status()
+        return [dict(rank) for rank in response.json()]
+
+    async def reset(self) -> None:
+        """Clear the server's faults and request log (``/_aiosync/reset``)."""
+        (await self.admin.post("/_aiosync/reset")).raise_for_status()
+
+    async def aclose(self) -> None:
+        await self.generation.aclose()
+        await self.admin.aclose()
+
+
+@contextlib.asynccontextmanager
+async def embedded_engine(*, tensor_parallel_size: int = 1) -> AsyncIterator[EmbeddedKitEngine]:
+    """An embedded engine of the tiny Qwen3 (bf16, seed 3): one worker, or one replica
+    of ``tensor_parallel_size`` ranks."""
+    from aiosync.engines.embedded.engine import EmbeddedEngine
+
+    async with EmbeddedEngine(
+        _tiny_config(),
+        num_workers=tensor_parallel_size,
+        tensor_parallel_size=tensor_parallel_size,
+        dtype=DTYPE,
+        seed=3,
+        rpc_timeout_s=120,
+    ) as engine:
+        yield EmbeddedKitEngine(engine)
+
+
+@contextlib.contextmanager
+def sglang_test_server(*, tp_size: int = 1, start_timeout_s: float = 300.0) -> Iterator[str]:
+    """``python -m aiosync.testing.sglang_server`` on the tiny Qwen3 (bf16, seed 3, gloo on
+    loopback for SGLang's weight-update group); yields its URL, stops it after."""
+    with tempfile.TemporaryDirectory(prefix="aiosync-kit-") as folder:
+        config = Path(folder) / "config.json"
+        config.write_text(json.dumps(_tiny_config()))
+        port_file = Path(folder) / "port"
+        argv = [sys.executable, "-m", "aiosync.testing.sglang_server", "--port", "0"]
+        argv += ["--port-file", str(port_file), "--model-config", str(config)]
+        argv += ["--seed", "3", "--dtype", DTYPE, "--tp-size", str(tp_size)]
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + start_timeout_s
+            while not port_file.exists():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the test server exited with {proc.returncode}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the test server did not start in time")
+                time.sleep(0.1)
+            yield f"http://127.0.0.1:{int(port_file.read_text())}"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+# --------------------------------------------------------------------------- cases
+
+
+@dataclass(frozen=True)
+class TransportCase:
+    """How the kit builds one transport on CPU.
+
+    Attributes:
+        name: the case's id (a test id).
+        options: the transport's options class (it names the synchronizer class).
+        engine: which kit engine it drives: ``"embedded"`` (one worker),
+            ``"embedded_tp2"`` (one replica of two tensor-parallel ranks), ``"server"``
+            (the SGLang contract test server).
+        colocated: the topology the factory is told.
+        defaults: the options every build starts from (keywords of ``options``).
+    """
+
+    name: str
+    options: type[TransportOptions]
+    engine: str
+    colocated: bool
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def capabilities(self) -> TransportCapabilities:
+        return capabilities_of(self.options)
+
+    def build(
+        self, source: RefitSource, engine: KitEngine, *, sync: SyncOptions | None = None
+    ) -> Any:
+        """The synchronizer, through :func:`aiosync.create_weight_synchronizer`."""
+        topology: dict[str, Any] = {}
+        if not self.colocated:
+            topology = {
+                "train_cluster": TrainCluster(master_addr="127.0.0.1", master_port=_free_port()),
+                "inference_world_size": engine.workers,
+            }
+        return create_weight_synchronizer(
+            source,
+            engine.generation,
+            colocated=self.colocated,
+            backend=engine.kind,
+            transport=self.options(**self.defaults),
+            sync=sync,
+            timeouts=Timeouts(rpc_s=30.0, collective_s=20.0, sync_s=120.0),
+            **topology,
+        )
+
+
+def capabilities_of(options: type[TransportOptions]) -> TransportCapabilities:
+    """The ``capabilities`` declared by the synchronizer class ``options`` names."""
+    module, name = options.transport
+    declared = getattr(importlib.import_module(module), name).capabilities
+    assert isinstance(declared, TransportCapabilities)
+    return declared
+
+
+#: The transports the kit runs on CPU (LoRA's adapter-only refit has its own suite,
+#: ``tests/lora``: it needs an adapter source and engines started with LoRA).
+CASES: tuple[TransportCase, ...] = (
+    TransportCase("ipc", IPCOptions, "embedded", True, {"bucket_bytes": BUCKET_BYTES}),
+    TransportCase(
+        "collective",
+        CollectiveOptions,
+        "embedded",
+        False,
+        {"dist_backend": "gloo", "bucket_bytes": BUCKET_BYTES},
+    ),
+    TransportCase(
+        "sharded",
+        ShardedOptions,
+        "embedded_tp2",
+        False,
+        {"dist_backend": "gloo", "bucket_bytes": BUCKET_BYTES},
+    ),
+    TransportCase("http", HTTPOptions, "server", True, {"bucket_bytes": BUCKET_BYTES}),
+    TransportCase(
+        "sglang_collective",
+        SGLangCollectiveOptions,
+        "server",
+        False,
+        {"dist_backend": "gloo", "bucket_bytes": BUCKET_BYTES},
+    ),
+)
+
+#: The kit's cells, in order; each is a ``check_*`` of this module.
+CELLS: tuple[str, ...] = (
+    "plain",
+    "verify_true",
+    "verify_sample",
+    "delta",
+    "kv_scales",
+    "trace",
+    "verify_engine",
+    "cancel",
+    "bad_manifest",
+)
+
+
+def declares(capabilities: TransportCapabilities, cell: str) -> bool:
+    """Whether ``cell`` is a capability the transport declares (else the kit checks
+    the typed refusal); ``plain``, ``cancel`` and ``bad_manifest`` every transport owes."""
+    if cell == "verify_true":
+        return True in capabilities.verify
+    if cell == "verify_sample":
+        return "sample" in capabilities.verify
+    if cell in ("delta", "kv_scales", "trace", "verify_engine"):
+        return bool(getattr(capabilities, cell))
+    return True
+
+
+def cells() -> list[tuple[str, str]]:
+    """Every ``(case, cell)`` the kit runs: the parametrization of ``test_kit.py``."""
+    return [(case.name, cell) for case in CASES for cell in CELLS]
+
+
+# --------------------------------------------------------------------------- checks
+
+
+async def _sync(sync: Any) -> None:
+    await sync.mark_stale()
+    await sync.sync_weights()
+
+
+async def _assert_serves(engine: KitEngine, trainer: KitTrainer, version: int) -> None:
+    """The engine generates the trainer's greedy tokens, every token under ``version``."""
+    generations = await engine.generate(PROMPTS, 4)
+    assert [list(g.token_ids) for g in generations] == trainer.generate(PROMPTS, 4)
+    assert {(g.first_version, g.last_version) for g in generations} == {(version, version)}
+
+
+async def check_plain(case: TransportCase, engine: KitEngine, trainer: KitTrainer) -> None:
+    """Two syncs: each leaves every worker holding exactly the trainer's tensors, the
+    synchronizer at the next version and not stale, the engine serving it."""
+    async with case.build(trainer, engine) as sync:
+        assert sync.weight_version == 0
+        for version in (1, 2):
+            if version == 2:
+                trainer.step(seed=version)
+            await _sync(sync)
+            assert (sync.weight_version, sync.policy_version, sync.is_stale) == (
+                version,
+                version,
+                False,
+            )
+            assert await engine.holds(trainer.state())
+        await _assert_serves(engine, trainer, 2)
+
+
+async def _check_option(
+    case: TransportCase, engine: KitEngine, trainer: KitTrainer, options: SyncOptions
+) -> None:
+    """Declared: a sync with ``options`` lands bit-exact. Undeclared: refused at build."""
+    name, value = next(iter(options.given().items()))
+    refusal = case.capabilities.refusal(name, value)
+    if refusal is not None:
+        try:
+            case.build(trainer, engine, sync=options)
+        except UnsupportedOptionError as error:
+            assert refusal in str(error), (refusal, str(error))
+            return
+        raise AssertionError(f"{case.name} built with undeclared {name}={value!r}")
+    async with case.build(trainer, engine, sync=options) as sync:
+        await _sync(sync)
+        assert (sync.weight_version, sync.is_stale) == (1, False)
+        assert getattr(sync, name) == value
+        assert await engine.holds(trainer.state())
+
+
+async def check_verify_true(case: TransportCase, engine: KitEngine, trainer: KitTrainer) -> None:
+    await _check_option(case, engine, trainer, SyncOptions(verify=True))
+
+
+async def check_verify_sample(case: TransportCase, engine: KitEngine, trainer: KitTrainer) -> None:
+    await _check_option(case, engine, trainer, SyncOptions(verify="sample"))
+
+
+async def check_trace(case: TransportCase, engine: KitEngine, trainer: KitTrainer) -> None:
+    """Declared: a traced sync records ``last_trace`` (None before). Else refused."""
+    options = SyncOptions(trace=True)
+    if not case.capabilities.trace:
+        await _check_option(case, engine, trainer, options)
+        return
+    async with case.build(trainer, engine, sync=options) as sync:
+        assert sync.last_trace is None
+        await _sync(sync)
+        assert isinstance(sync.last_trace, dict) and sync.last_trace
+        assert await engine.holds(trainer.state())
+
+
+async def check_delta(case: TransportCase, engine: KitEngine, trainer: KitTrainer) -> None:
+    """Declared: the first sync is full, the next move exactly the changed bits' patches
+    (per box on a shard-aware plan), an unchanged trainer moves 0 bytes, and every worker
+    ends bit-identical. Undeclared: refused at build."""
+    options = SyncOptions(delta=True)
+    if not case.capabilities.delta:
+        await _check_option(case, engine, trainer, options)
+        return
+    full = trainer.full_bytes()
+    async with case.build(trainer, engine, sync=options) as sync, sync.subscribe() as events:
+
+        async def committed() -> tuple[bool, int]:
+            await _sync(sync)
+            async for event in events:
+                if event.kind is VersionEventKind.COMMITTED:
+                    return event.delta, event.nbytes
+            raise AssertionError("no COMMITTED event")
+
+        plan = getattr(sync, "transfer_plan", None)
+        if plan is not None:  # shard-aware: every receiver's slices (replicated ones each)
+            full = sum(plan.receiver_nbytes)
+        assert await committed() == (False, full)  # no baseline yet
+        for seed in (1, 2):
+            before = trainer.state()
+            trainer.step(seed)
+            after = trainer.state()
+            want = box_patch_bytes(plan, before, after) if plan else patch_bytes(before, after)
+            assert await committed() == (True, want)
+            assert 0 < want < full
+            assert await engine.holds(after)
+        assert await committed() == (True, 0)  # nothing changed: the version still moves
+        assert sync.weight_version == 4
+        await _assert_serves(engine, trainer, 4)
+
+
+async def check_kv_scales(case: TransportCase, engine: KitEngine, trainer: KitTrainer) -> None:
+    """Declared: the scales reach every worker with the weights. Undeclared:
+    ``NotImplementedError`` (the transport's ``kv_scales_refusal``) before any byte."""
+    async with case.build(trainer, engine) as sync:
+        if not case.capabilities.kv_scales:
+            before = await engine.states()
+            await sync.mark_stale()
+            try:
+                await sync.sync_weights(kv_scales=KV_SCALES)
+            except NotImplementedError as error:
+                assert str(error) == type(sync).kv_scales_refusal
+            else:
+                raise AssertionError(f"{case.name} took kv_scales it does not declare")
+            assert (sync.weight_version, sync.is_stale) == (0, True)
+            after = await engine.states()
+            assert all(
+                torch.equal(a[n], b[n]) for a, b in zip(before, after, strict=True) for n in a
+            )
+            return
+        await sync.mark_stale()
+        await sync.sync_weights(kv_scales=KV_SCALES)
+        assert (sync.weight_version, sync.is_stale) == (1, False)
+        want = {
+            f"model.layers.{layer}.self_attn.{kv}_scale": value
+            for layer, value in KV_SCALES.items()
+            for kv in "kv"
+        }
+        assert await engine.kv_scales() == [want] * engine.workers
+        assert await engine.holds(trainer.state())
+
+
+async def check_verify_engine(case: TransportCase, engine: KitEngine, trainer: KitTrainer) -> None:
+    """Declared: after a sync ``verify_engine()`` counts every worker and tensor at the
+    version; once the trainer moved on unsynced, it raises ``RefitVerificationError``
+    naming a tensor and the synchronizer is stale. Undeclared: ``NotImplementedError``."""
+    async with case.build(trainer, engine) as sync:
+        await _sync(sync)
+        if not case.capabilities.verify_engine:
+            try:
+                await sync.verify_engine()
+            except (NotImplementedError, TypeError):
+                return
+            raise AssertionError(f"{case.name} verified an engine it does not declare to")
+        report = await sync.verify_engine()
+        assert (report["workers"], report["version"]) == (engine.workers, 1)
+        assert report["tensors"] > 0
+        trainer.step(seed=5)
+        try:
+            await sync.verify_engine()
+        except RefitVerificationError as error:
+            first = next(iter(trainer.prepare_refit_info()))  # the step changed every tensor
+            assert repr(first) in str(error) or f" {first} " in str(error), str(error)
+        else:
+            raise AssertionError("verify_engine() missed a trainer that moved on")
+        assert (sync.is_stale, sync.weight_version) == (True, 1)
+        await sync.sync_weights()
+        assert await engine.holds(trainer.state())
+        healed = await sync.verify_engine()
+        # The re-sync rewrites the same policy version: nothing new was published.
+        assert (healed["version"], sync.weight_version, sync.is_stale) == (1, 1, False)
+
+
+def _cancel_at(scope: anyio.CancelScope, at: int) -> Callable[[int], None]:
+    def hook(i: int) -> None:
+        if i != at:
+            return
+        try:
+            anyio.from_thread.run_sync(scope.cancel)  # the source runs in a worker thread
+        except RuntimeError:
+            scope.cancel()  # the source runs on the event loop
+
+    return hook
+
+
+async def _assert_refuses_or_serves(
+    engine: KitEngine, before: Mapping[str, torch.Tensor], version: int, trainer: Any
+) -> None:
+    """The engine refuses to generate, or serves ``version`` holding ``before`` exactly."""
+    from aiosync import SyncError
+
+    try:
+        generations = await engine.generate(PROMPTS, 2)
+    except SyncError:
+        return
+    assert {g.last_version for g in generations} == {version}
+    assert await engine.holds(before)
+    del trainer
+
+
+async def check_cancel(case: TransportCase, engine: KitEngine, trainer: KitTrainer) -> None:
+    """A sync cancelled while the source yields its 6th tensor (buckets already moved):
+    the cancellation propagates, ``is_stale`` stays True and the version at 1, the
+    engine refuses to generate or serves version 1 exactly; the next sync heals it."""
+    async with case.build(trainer, engine) as sync:
+        await _sync(sync)
+        v1 = trainer.state()
+        trainer.step(seed=7)
+        await sync.mark_stale()
+        with anyio.CancelScope() as scope:
+            trainer.on_tensor = _cancel_at(scope, 6)
+            await sync.sync_weights()
+        trainer.on_tensor = None
+        assert scope.cancelled_caught
+        assert (sync.weight_version, sync.policy_version, sync.is_stale) == (1, 2, True)
+        await _assert_refuses_or_serves(engine, v1, 1, trainer)
+        await sync.sync_weights()
+        assert (sync.weight_version, sync.is_stale) == (2, False)
+        assert await engine.holds(trainer.state())
+        await _assert_serves(engine, trainer, 2)
+
+
+async def check_bad_manifest(case: TransportCase, engine: KitEngine, trainer: KitTrainer) -> None:
+    """A manifest naming a tensor the engine lacks: ``RefitMismatchError`` naming it,
+    version 0, and the engine's weights untouched."""
+    before = await engine.states()
+    trainer.rename = dict([RENAMED])
+    sync = case.build(trainer, engine)
+    try:
+        async with sync:
+            await _sync(sync)
+    except RefitMismatchError as error:
+        assert RENAMED[1] in str(error), str(error)
+    else:
+        raise AssertionError(f"{case.name} synced a manifest the engine does not match")
+    finally:
+        trainer.rename = {}
+    assert sync.weight_version == 0
+    after = await engine.states()
+    assert all(torch.equal(a[n], b[n]) for a, b in zip(before, after, strict=True) for n in a)
+
+
+_CHECKS: dict[str, Callable[[TransportCase, KitEngine, KitTrainer], Any]] = {
+    "plain": check_plain,
+    "verify_true": check_verify_true,
+    "verify_sample": check_verify_sample,
+    "delta": check_delta,
+    "kv_scales": check_kv_scales,
+    "trace": check_trace,
+    "verify_engine": check_verify_engine,
+    "cancel": check_cancel,
+    "bad_manifest": check_bad_manifest,
+}
+
+
+async def run_cell(case: TransportCase, cell: str, engine: KitEngine, *, seed: int) -> None:
+    """Run one cell of the kit against a started engine, with a fresh trainer (``seed``
+    differs from the engine's, so every sync changes every tensor)."""
+    trainer = KitTrainer(seed)
+    await _CHECKS[cell](case, engine, trainer)
+
+
+# --------------------------------------------------------------------------- table
+
+#: The docs' columns: (header, what a cell says).
+CAPABILITY_COLUMNS: tuple[tuple[str, Callable[[TransportCapabilities], str]], ...] = (
+    ("verify", lambda c: ", ".join(repr(m) for m in (False, "sample", True) if m in c.verify)),
+    ("delta", lambda c: _yes(c.delta)),
+    ("kv_scales", lambda c: _yes(c.kv_scales)),
+    ("trace", lambda c: _yes(c.trace)),
+    ("elastic", lambda c: _yes(c.elastic)),
+    ("sharded_trainer", lambda c: _yes(c.sharded_trainer)),
+    ("verify_engine", lambda c: _yes(c.verify_engine)),
+)
+
+
+def _yes(value: bool) -> str:
+    return "yes" if value else "no"
+
+
+def capability_table() -> str:
+    """The docs' capability table (markdown), generated from each transport's declared
+    :class:`~aiosync.TransportCapabilities`; the last column names the kit's case."""
+    kit = {case.options: case.name for case in CASES}
+    header = ["transport (options)", *(name for name, _ in CAPABILITY_COLUMNS), "kit case"]
+    rows = [
+        "| " + " | ".join(header) + " |",
+        "| " + " | ".join("---" for _ in header) + " |",
+    ]
+    for options in TRANSPORT_OPTIONS:
+        caps = capabilities_of(options)
+        name = f"`{options.transport[1]}` (`{options.__name__}`)"
+        cells_ = [render(caps) for _, render in CAPABILITY_COLUMNS]
+        rows.append("| " + " | ".join([name, *cells_, kit.get(options, "-")]) + " |")
+    return "\n".join(rows) + "\n"
