@@ -111,6 +111,24 @@ class Transferred:
     unverified: tuple[str, ...] = ()
 
 
+class _PauseWindow:
+    """When a sync paused the engine (``since``: ``time.perf_counter()``; None: never)."""
+
+    __slots__ = ("since",)
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+
+    def open(self) -> None:
+        """The pause begins now, unless it began already (a fleet's later round)."""
+        if self.since is None:
+            self.since = time.perf_counter()
+
+    def elapsed(self) -> float:
+        """Seconds since the pause began, 0.0 if it never did."""
+        return 0.0 if self.since is None else time.perf_counter() - self.since
+
+
 class WeightSynchronizer(ABC):
     """Moves the trainer's weights to every generation worker, one version at a time.
 
@@ -482,106 +500,153 @@ class WeightSynchronizer(ABC):
         # finishes first, and the sync then moves (and names) the updated weights.
         async with self._lock, self._source_lock:
             self._check_open()
-            if self._sharded():
-                # Only the driver knows another synchronizer took its engine: every
-                # rank learns it here, before any of them starts the source's gathers.
-                refusals = await self._gather_ranks(self._superseded)
-                for rank, refusal in enumerate(refusals or [self._superseded]):
-                    if refusal is not None:
-                        self._engine_dirty = True
-                        raise ownership.refusal(
-                            type(self).__name__, refusal, None if rank == self._rank() else rank
-                        )
+            await self._agree_not_superseded()
             if not self.is_stale:
                 return
             version = self._policy_version
             discards = self._discards
             self._events.publish(VersionEventKind.SYNC_STARTED, version)
             start = time.perf_counter()
-            paused_at: float | None = None
+            pause = _PauseWindow()
             try:
                 with anyio.fail_after(self.timeouts.sync_s):
-                    if isinstance(self.policy, Preflight) and not self._sharded():
-                        # Before the pause and the first byte: a broken source leaves
-                        # every engine as it was, serving (a sharded trainer's ranks
-                        # check at their streams' start, where their votes agree).
-                        self.policy.preflight()
-                    pausable = self._pausable()
-                    pause: Callable[[], Awaitable[None]] | None = None
-                    if pausable is not None:
-                        # Set before the call: a pause that fails half-way (some
-                        # engines of a fleet paused) is resumed all the same.
-                        paused_at = time.perf_counter()
-                        pause = functools.partial(
-                            pausable.pause_generation, policy, clear_cache=True
-                        )
+                    self._preflight()
                     moved, discards = await self._elastic_transfer(
-                        version, kv_scales, pause, discards
+                        version, kv_scales, self._pause_call(policy, pause), discards
                     )
-                if self._discards != discards:
-                    raise SyncError(
-                        f"the engine discarded its weights while version {version} was being "
-                        "synced: some workers may hold neither version; sync again"
-                    )
-                if self._superseded is not None and not self._sharded():
-                    # Another synchronizer committed into the engine while this one's
-                    # bytes were moving (only a transport without worker sessions lets
-                    # it): the engine may hold a mix of both; neither may claim it.
-                    ownership.taint(self._engines(), self.owner)
-                    raise OwnershipError(
-                        f"{self._superseded} while version {version} of "
-                        f"{type(self).__name__} was being synced: the engine may hold a "
-                        "mix of both; await init_communicator() and sync again"
-                    )
+                self._check_landed(version, discards)
                 await self._label_engine(version)
             except BaseException as exc:
-                self._engine_dirty = True
-                self._sync_outcome(version, committed=False)
-                pause_s = await self._resume_after(paused_at, failed=True)
-                self._events.publish(
-                    VersionEventKind.FAILED,
-                    version,
-                    duration_s=time.perf_counter() - start,
-                    error=repr(exc),
-                    pause_s=pause_s,
-                )
-                if isinstance(exc, TimeoutError) and not isinstance(exc, SyncTimeoutError):
-                    raise SyncTimeoutError(
-                        f"sync of version {version} exceeded {self.timeouts.sync_s} s"
-                    ) from exc
-                raise
-            self._weight_version = max(self._weight_version, version)
-            self._engine_dirty = False
-            self._sync_outcome(version, committed=True)
-            ownership.claim(
-                self._engines(),
-                self,
-                lambda engine: (
-                    f"{type(self).__name__} (owner {self.owner}) committed its version "
-                    f"{version} into {type(engine).__name__} at {id(engine):#x}, which now "
-                    "serves its weights"
-                ),
-            )
+                raise await self._failed(version, exc, start, pause)  # noqa: B904 (its own cause)
+            self._commit(version)
             resume_error: BaseException | None = None
             try:
-                pause_s = await self._resume_after(paused_at, failed=False)
+                pause_s = await self._resume_after(pause.since, failed=False)
             except Exception as exc:
                 resume_error = exc
-                pause_s = time.perf_counter() - paused_at if paused_at is not None else 0.0
-            self._events.publish(
-                VersionEventKind.COMMITTED,
-                version,
-                nbytes=moved.nbytes if isinstance(moved, Transferred) else moved,
-                duration_s=time.perf_counter() - start,
-                pause_s=pause_s,
-                delta=isinstance(moved, Transferred) and moved.delta,
-                unverified=moved.unverified if isinstance(moved, Transferred) else (),
-            )
-            fleet = self._elastic()
-            for label in fleet.take_joined() if fleet is not None else ():
-                self._events.publish(VersionEventKind.ENGINE_JOINED, version, engine=label)
+                pause_s = pause.elapsed()
+            self._publish_committed(version, moved, start, pause_s)
             if resume_error is not None:
                 raise resume_error
+
+    # -- the phases of a sync ----------------------------------------------------
+
+    async def _agree_not_superseded(self) -> None:
+        """A sharded trainer: only the driver knows another synchronizer took its
+        engine; every rank learns it here, before any of them starts the source's
+        gathers. Raises the refusal (OwnershipError) on every rank."""
+        if not self._sharded():
+            return
+        refusals = await self._gather_ranks(self._superseded)
+        for rank, refusal in enumerate(refusals or [self._superseded]):
+            if refusal is not None:
+                self._engine_dirty = True
+                raise ownership.refusal(
+                    type(self).__name__, refusal, None if rank == self._rank() else rank
+                )
+
+    def _preflight(self) -> None:
+        """The source's own checks (:class:`~aiosync.Preflight`), before the pause and
+        the first byte: a broken source leaves every engine as it was, serving (a
+        sharded trainer's ranks check at their streams' start, where their votes agree)."""
+        if isinstance(self.policy, Preflight) and not self._sharded():
+            self.policy.preflight()
+
+    def _pause_call(
+        self, policy: InFlightPolicy, window: _PauseWindow
+    ) -> Callable[[], Awaitable[None]] | None:
+        """The engine's ``pause_generation`` with ``policy`` (None: not pausable); the
+        window opens when it is called: a pause that fails half-way (some engines of a
+        fleet paused) is resumed all the same."""
+        pausable = self._pausable()
+        if pausable is None:
+            return None
+        pause = functools.partial(pausable.pause_generation, policy, clear_cache=True)
+
+        async def paused() -> None:
+            window.open()
+            await pause()
+
+        return paused
+
+    def _check_landed(self, version: int, discards: int) -> None:
+        """After the bytes moved: the engine kept them (no discard since), and no other
+        synchronizer committed into it meanwhile (the engine may then hold a mix of both:
+        neither may claim it).
+
+        Raises:
+            SyncError: the engine discarded its weights.
+            OwnershipError: another synchronizer committed.
+        """
+        if self._discards != discards:
+            raise SyncError(
+                f"the engine discarded its weights while version {version} was being "
+                "synced: some workers may hold neither version; sync again"
+            )
+        if self._superseded is not None and not self._sharded():
+            # Only a transport without worker sessions lets another commit meanwhile.
+            ownership.taint(self._engines(), self.owner)
+            raise OwnershipError(
+                f"{self._superseded} while version {version} of "
+                f"{type(self).__name__} was being synced: the engine may hold a "
+                "mix of both; await init_communicator() and sync again"
+            )
+
+    async def _failed(
+        self, version: int, exc: BaseException, start: float, pause: _PauseWindow
+    ) -> BaseException:
+        """A failed or cancelled sync: the engine counts as dirty, the transport hears
+        of it, the engine resumes (bounded), FAILED is published. Returns the error to
+        raise (a timeout as :class:`SyncTimeoutError`)."""
+        self._engine_dirty = True
+        self._sync_outcome(version, committed=False)
+        pause_s = await self._resume_after(pause.since, failed=True)
+        self._events.publish(
+            VersionEventKind.FAILED,
+            version,
+            duration_s=time.perf_counter() - start,
+            error=repr(exc),
+            pause_s=pause_s,
+        )
+        if isinstance(exc, TimeoutError) and not isinstance(exc, SyncTimeoutError):
+            timeout = SyncTimeoutError(
+                f"sync of version {version} exceeded {self.timeouts.sync_s} s"
+            )
+            timeout.__cause__ = exc
+            return timeout
+        return exc
+
+    def _commit(self, version: int) -> None:
+        """The version is live: the synchronizer's version advances and it claims the
+        engines (another synchronizer's next sync into them is refused)."""
+        self._weight_version = max(self._weight_version, version)
+        self._engine_dirty = False
+        self._sync_outcome(version, committed=True)
+        ownership.claim(
+            self._engines(),
+            self,
+            lambda engine: (
+                f"{type(self).__name__} (owner {self.owner}) committed its version "
+                f"{version} into {type(engine).__name__} at {id(engine):#x}, which now "
+                "serves its weights"
+            ),
+        )
+
+    def _publish_committed(self, version: int, moved: Any, start: float, pause_s: float) -> None:
+        """COMMITTED (bytes, time, pause window, delta, what went unverified), then
+        ENGINE_JOINED for each engine a fleet took in during the sync."""
+        self._events.publish(
+            VersionEventKind.COMMITTED,
+            version,
+            nbytes=moved.nbytes if isinstance(moved, Transferred) else moved,
+            duration_s=time.perf_counter() - start,
+            pause_s=pause_s,
+            delta=isinstance(moved, Transferred) and moved.delta,
+            unverified=moved.unverified if isinstance(moved, Transferred) else (),
+        )
+        fleet = self._elastic()
+        for label in fleet.take_joined() if fleet is not None else ():
+            self._events.publish(VersionEventKind.ENGINE_JOINED, version, engine=label)
 
     # -- elastic fleets ----------------------------------------------------------
 

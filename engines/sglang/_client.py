@@ -19,8 +19,9 @@ from typing import Any
 import anyio
 import httpx
 
-from aiosync.errors import SyncTimeoutError, TransportError
+from aiosync.errors import SyncTimeoutError, TransportError, map_exceptions
 
+from .._http import http_errors
 from .._routes import Route, check_request
 
 __all__ = [
@@ -552,15 +553,13 @@ class SGLangClient:
         limit = self.request_timeout_s if timeout_s is None else timeout_s
         timeout = httpx.Timeout(limit, connect=min(limit, _CONNECT_TIMEOUT_S))
         where = f"{method} {self.base_url}{path}"
-        try:
+        with map_exceptions(
+            http_errors(where, lambda exc: f"{where}: no answer within {limit} s ({exc!r})")
+        ):
             if body is None:
                 response = await self._client.request(method, path, timeout=timeout)
             else:
                 response = await self._client.request(method, path, json=body, timeout=timeout)
-        except httpx.TimeoutException as exc:
-            raise SyncTimeoutError(f"{where}: no answer within {limit} s ({exc!r})") from exc
-        except httpx.HTTPError as exc:
-            raise TransportError(f"{where}: {type(exc).__name__}: {exc}") from exc
         if response.status_code == 401:
             raise TransportError(
                 f"{where}: 401 Unauthorized: the server rejected the API key "
