@@ -45,7 +45,6 @@ __all__ = [
     "TransportError",
     "UnsupportedOptionError",
     "map_exceptions",
-    "map_exceptions",
 ]
 
 
@@ -90,31 +89,6 @@ class UnsupportedOptionError(SyncError, TypeError):
     """An option the chosen transport cannot honour (``create_weight_synchronizer``'s
     ``sync=``/``transport=`` or an old keyword), refused at construction, naming the
     option and the transport: the factory never switches transport to honour it."""
-
-
-#: What :func:`map_exceptions` takes: each exception type of a layer below, in the order
-#: they are tried, and what makes aiosync's error of a caught one.
-ExceptionMapping = Mapping[type[BaseException], Callable[[BaseException], BaseException]]
-
-
-@contextlib.contextmanager
-def map_exceptions(mapping: ExceptionMapping) -> Iterator[None]:
-    """Raise aiosync's error in place of a lower layer's, as the block's ``except`` clauses would.
-
-    The first type of ``mapping`` (in its order) that the block's exception is an
-    instance of makes the error raised instead, from it (its ``__cause__``); an
-    exception no type matches propagates unchanged.
-
-    Args:
-        mapping: ``{lower_error_type: make}``; ``make(exc)`` returns the error to raise.
-    """
-    try:
-        yield
-    except BaseException as exc:
-        for kind, make in mapping.items():
-            if isinstance(exc, kind):
-                raise make(exc) from exc
-        raise
 
 
 #: What :func:`map_exceptions` takes: each exception type of a layer below, in the order
