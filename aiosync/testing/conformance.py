@@ -435,6 +435,7 @@ CELLS: tuple[str, ...] = (
     "plain",
     "verify_true",
     "verify_sample",
+    "bad_verify",
     "delta",
     "kv_scales",
     "trace",
@@ -522,6 +523,27 @@ async def check_verify_sample(case: TransportCase, engine: KitEngine, trainer: K
     await _check_option(case, engine, trainer, SyncOptions(verify="sample"))
 
 
+async def check_bad_verify(case: TransportCase, engine: KitEngine, trainer: KitTrainer) -> None:
+    """A ``verify=`` that is neither True, False nor "sample", given to the transport's
+    constructor: ``ValueError`` before anything is built. A transport that declares no
+    check (``verify`` is ``{False}``) takes no ``verify=`` and refuses ``verify=True``."""
+    if case.capabilities.verify == frozenset({False}):
+        await _check_option(case, engine, trainer, SyncOptions(verify=True))
+        return
+    module, name = case.options.transport
+    cls = getattr(importlib.import_module(module), name)
+    topology: dict[str, Any] = {}
+    if not case.colocated:
+        topology = {"train_cluster": TrainCluster(), "inference_world_size": engine.workers}
+    for bad in ("full", "off", "Sample", 1, 0, None):
+        try:
+            cls(trainer, engine.generation, verify=bad, **topology)
+        except ValueError as error:
+            assert str(error) == f"verify must be True, False or 'sample', got {bad!r}"
+        else:
+            raise AssertionError(f"{name} took verify={bad!r}")
+
+
 async def check_trace(case: TransportCase, engine: KitEngine, trainer: KitTrainer) -> None:
     """Declared: a traced sync records ``last_trace`` (None before). Else refused."""
     options = SyncOptions(trace=True)
@@ -599,6 +621,21 @@ async def check_kv_scales(case: TransportCase, engine: KitEngine, trainer: KitTr
         }
         assert await engine.kv_scales() == [want] * engine.workers
         assert await engine.holds(trainer.state())
+        # A scale named in full travels alone; a layer without attention is refused
+        # before anything moves (the manifest has 2 layers).
+        await sync.mark_stale()
+        await sync.sync_weights(kv_scales={"model.layers.1.self_attn.v_scale": 0.125})
+        want["model.layers.1.self_attn.v_scale"] = 0.125
+        assert await engine.kv_scales() == [want] * engine.workers
+        await sync.mark_stale()
+        try:
+            await sync.sync_weights(kv_scales={7: 1.0})
+        except ValueError as error:
+            assert "layer index 7 is not an attention layer" in str(error), str(error)
+        else:
+            raise AssertionError("a scale of layer 7 was taken")
+        assert (sync.weight_version, sync.policy_version, sync.is_stale) == (2, 3, True)
+        assert await engine.kv_scales() == [want] * engine.workers
 
 
 async def check_verify_engine(case: TransportCase, engine: KitEngine, trainer: KitTrainer) -> None:
@@ -691,7 +728,8 @@ async def check_bad_manifest(case: TransportCase, engine: KitEngine, trainer: Ki
         async with sync:
             await _sync(sync)
     except RefitMismatchError as error:
-        assert RENAMED[1] in str(error), str(error)
+        # Named both ways: the engine lacks the new name, the trainer the old one.
+        assert RENAMED[1] in str(error) and RENAMED[0] in str(error), str(error)
     else:
         raise AssertionError(f"{case.name} synced a manifest the engine does not match")
     finally:
@@ -705,6 +743,7 @@ _CHECKS: dict[str, Callable[[TransportCase, KitEngine, KitTrainer], Any]] = {
     "plain": check_plain,
     "verify_true": check_verify_true,
     "verify_sample": check_verify_sample,
+    "bad_verify": check_bad_verify,
     "delta": check_delta,
     "kv_scales": check_kv_scales,
     "trace": check_trace,

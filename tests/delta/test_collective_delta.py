@@ -65,30 +65,6 @@ def _sync(
     )
 
 
-async def test_each_delta_moves_only_the_changed_bits_and_lands_bit_exact(
-    engine: EmbeddedEngine,
-) -> None:
-    trainer = DeltaTrainer(seed=31, lr=1e-5)
-    full = sum(t.numel() * t.element_size() for t in trainer.state().values())
-    async with _sync(trainer, engine) as sync, sync.subscribe() as events:
-        assert await committed(sync, events) == (False, full)  # no baseline yet
-        for _ in range(3):
-            before = trainer.state()
-            trainer.step()
-            after = trainer.state()
-            delta, nbytes = await committed(sync, events)
-            assert delta and nbytes == patch_bytes(before, after)
-            assert 0 < nbytes < full / 2
-            assert [r["nbytes"] for r in sync.last_worker_results] == [nbytes, nbytes]
-            assert await holds(engine, after)
-        await engine.prepare_for_generation()
-        expected = trainer.runner.generate(PROMPTS, max_new_tokens=4, ignore_eos=True)
-        assert await engine.generate(PROMPTS, max_new_tokens=4, ignore_eos=True) == expected
-        # Nothing changed: an empty delta, the version still advances.
-        assert await committed(sync, events) == (True, 0)
-        assert (sync.weight_version, engine.weight_version) == (5, 5)
-
-
 async def test_a_worker_killed_mid_delta_is_followed_by_a_full_sync(
     engine: EmbeddedEngine,
 ) -> None:

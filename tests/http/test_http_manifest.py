@@ -103,19 +103,6 @@ async def test_fused_qkv_names_are_refused_before_any_bucket(
     )
 
 
-async def test_a_renamed_layer_is_refused_before_any_bucket(server: Any, make_trainer: Any) -> None:
-    tensors = {
-        name.replace("model.norm.", "model.final_norm."): t
-        for name, t in make_trainer(seed=51).expected().items()
-    }
-    await _refused_before_any_bucket(
-        server,
-        DictSource(tensors),
-        r"1 name\(s\) unknown to the engine, first: \['model\.final_norm\.weight'\]; "
-        r"1 name\(s\) missing from the trainer, first: \['model\.norm\.weight'\]",
-    )
-
-
 async def test_a_shape_or_dtype_that_differs_is_refused_before_any_bucket(
     server: Any, make_trainer: Any
 ) -> None:

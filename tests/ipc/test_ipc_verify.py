@@ -184,10 +184,3 @@ async def test_a_delta_sync_verifies_its_patch_buckets_and_the_next_sync_heals(
         assert (sync.weight_version, sync.is_stale) == (2, False)
         assert [r["delta"] for r in sync.last_worker_results] == [False]
         await h.assert_engine_equals(dense_engine, sync.trainer)  # type: ignore[attr-defined]
-
-
-@pytest.mark.parametrize("verify", ["full", "off", 1, 0, None, "Sample"])
-async def test_a_bad_verify_is_refused_at_construction(verify: Any, h: SimpleNamespace) -> None:
-    trainer = h.trainer_model(h.DENSE_TIED, seed=45)
-    with pytest.raises(ValueError, match="verify must be True, False or 'sample'"):
-        IPCWeightSynchronizer(h.TrainerSource(trainer.model, []), object(), verify=verify)
