@@ -17,8 +17,8 @@ reconnect every sync):
   ``asleep_tags`` (what it put to sleep, kept locally): the synchronizer skips
   the two wake RPCs of an awake engine.
 * ``rpc``: one ``engine.collective_rpc("embedded_status")`` round trip, the
-  floor of any engine RPC (msgpack over the engine's ZMQ socket, one hop to a
-  worker thread and back).
+  floor of any engine RPC (msgpack over the engine's ZMQ socket; the worker's
+  main thread runs it itself, ``engines/embedded/_worker.py``).
 * ``zmq_rtt`` (baseline): one bare pyzmq round trip of a 64-byte message, the
   engine's socket kinds over the same transport: a blocking ``ROUTER`` bound
   on ``ipc://`` in this process, a blocking ``DEALER`` echoing it in a child
@@ -58,7 +58,9 @@ rank, one worker, one bucket, engine idle, one after the other:
 
 That is 3 engine RPCs and 6 serial one-way messages (3 round trips), or,
 with ``asleep_tags``, 1 RPC and 2 messages (1 round trip; 6 and 3 before inline
-syncs). Each engine RPC also hops to a worker thread and back (the embedded worker's RPC pool); the
+syncs). An engine RPC that may wait (a wake, a streamed receive, a generate) hops to a thread
+of the worker's RPC pool and back; a brief one (``embedded_status``, an inline receive) runs on
+the worker's main thread while the pool is idle, with no hop (~0.1 ms each way here). The
 trainer reads the source and packs an inline refit of at most 1 MiB on the event loop (a
 thread hop cost ~0.45 ms here, more than the copy), a bigger one in one thread hop per bucket
 (three before issue 16: read, pack, check the source ended), and the no-op offload hooks of
@@ -68,6 +70,41 @@ nothing else. (Until the embedded engine kept an idle pause to itself, the
 base class's pause, version label and resume were an RPC each: 6 RPCs and 16 messages, 4 and 12
 with ``asleep_tags``; before issue 16 the docstring counted 3 RPCs and 11
 messages, predating them.)
+
+Measured (issue 43 item 7; ``python benchmarks/fixed_cost.py --syncs 200 --json``, the code
+before, commit 9f49417, run with ``PYTHONPATH`` at its tree, alternating with the code after;
+medians in ms, the 2-CPU machine shared, 1-minute load at start -> end)::
+
+    zmq_rtt  rpc    sync   sync_awake   load
+    0.086    0.530  2.272  1.364        9.5 -> 10.0    before
+    0.068    0.111  1.506  0.831        10.1 -> 10.6   after
+    0.119    0.578  2.795  1.476        2.2 -> 2.3     before
+    0.065    0.153  1.281  0.892        2.3 -> 2.3     after
+    0.100    0.527  2.673  1.359        10.2 -> 10.6   before
+    0.068    0.102  1.164  0.732        10.9 -> 11.6   after
+    0.116    0.546  4.505  2.710        11.8 -> 12.0   before
+    0.155    0.141  1.445  0.893        11.9 -> 12.9   after
+
+One RPC went from ~5x a bare round trip to ~1.5x (0.53 -> 0.10-0.15 ms), an awake sync from
+1.36-2.71 to 0.73-0.89 ms, a woken one (3 RPCs) from 2.3-4.5 to 1.2-1.5 ms. The load never fell
+below 2 per 2 CPUs while this was measured: on an idle machine every figure is lower.
+
+Where an awake sync's time goes now (a timeline of one sync's phases, ``time.monotonic()`` on
+both sides, median of 1,000, load ~5, 0.79 ms in all): the core's ``sync_weights`` around the
+transport (lock, events, the colocated bracket, runtime ``Protocol`` checks: 11
+``isinstance`` against ``typing`` protocols, ~11 anyio cancel scopes, commit and ownership) ~0.25
+ms; the trainer's read, pack and digest of the 4 KiB bucket (``send_lanes``) ~0.13 ms; the RPC
+there and back with its 4 KiB session (pyzmq, msgpack, the loop's wake) ~0.17 ms; the worker's
+receive (claim, plan, unpack, load, digest check) ~0.15 ms. What the changes took out: pyzmq's
+asyncio sockets on both sides (a poll future, a selector registration and a wait per message:
+an RPC was 0.5 ms where a bare round trip is 0.07) and the worker's thread hop each way (~0.13 ms
+in, ~0.07 ms out, under load), an anyio cancel scope per RPC, a task group per inline sync.
+Left, and why 0.5 ms is not reached here: the core's share (``aiosync/synchronizer.py``; a
+sync whose ``_transfer`` only runs the colocated bracket takes 0.21 ms at load 12: each
+``isinstance`` against a runtime protocol costs 14-25 us here, Python 3.11 recomputing the
+protocol's members on every check, and each anyio ``fail_after`` 28 us), and the CPU the two
+processes spend in Python per sync (trainer ~0.5 ms, worker ~0.25 ms of CPU time, read from
+``/proc``), in series on two shared cores.
 
 Usage::
 

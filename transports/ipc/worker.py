@@ -625,8 +625,10 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                 check = _check_fields(msg)
                 # verify=True: each tensor is digested as soon as it is loaded (in cache).
                 blocks = BlockDigest() if check is not None and check[0] is True else None
-                # The test fault (a no-op unless armed) lands in what the copy reads.
-                transit_fault(buffer.tensor[: bucket.nbytes], index)
+                # The test fault (unless armed, nothing: not even the slice) lands in
+                # what the copy reads.
+                if transit_fault_armed(index):
+                    transit_fault(buffer.tensor[: bucket.nbytes], index)
                 self.aiosync_weights_valid = False
                 state.touched = sync_id
                 load_start = time.monotonic()
