@@ -93,6 +93,8 @@ BUCKET_BYTES = 16 * 1024
 KV_SCALES = {0: 0.5, 1: 0.25}
 #: The manifest entry ``bad_manifest`` renames (the engine has no tensor of the new name).
 RENAMED = ("model.norm.weight", "model.final_norm.weight")
+#: The live weight the delta cell corrupts (replicated on tensor-parallel ranks).
+CORRUPTED = "model.layers.1.post_attention_layernorm.weight"
 
 
 def _tiny_config() -> dict[str, Any]:
@@ -256,6 +258,15 @@ class EmbeddedKitEngine(KitEngine):
 
     async def kv_scales(self) -> list[dict[str, float]]:
         return [dict(s["kv_scales"]) for s in await self.generation.status()]
+
+    async def corrupt(self, name: str, tensor: torch.Tensor) -> None:
+        """Load ``tensor`` as ``name`` into every worker, behind any transport's back
+        (a replicated tensor: every tensor-parallel rank holds it whole)."""
+        from aiosync.engines.embedded._worker import tensor_to_wire
+
+        await self.generation.collective_rpc(
+            "embedded_load_state_dict", ({name: tensor_to_wire(tensor)},)
+        )
 
 
 class ServerKitEngine(KitEngine):
@@ -590,6 +601,26 @@ async def check_delta(case: TransportCase, engine: KitEngine, trainer: KitTraine
         assert await committed() == (True, 0)  # nothing changed: the version still moves
         assert sync.weight_version == 4
         await _assert_serves(engine, trainer, 4)
+        if not isinstance(engine, EmbeddedKitEngine):
+            return
+        # A live weight written behind the transport's back: verify_engine() names it and
+        # makes the synchronizer stale; the next sync is full and heals every worker, the
+        # one after it a delta again.
+        await engine.corrupt(CORRUPTED, trainer.state()[CORRUPTED] * 3)
+        try:
+            await sync.verify_engine()
+        except RefitVerificationError as error:
+            assert CORRUPTED in str(error), str(error)
+        else:
+            raise AssertionError("verify_engine() missed a corrupted live weight")
+        assert (sync.is_stale, sync.weight_version) == (True, 4)
+        trainer.step(seed=3)
+        assert await committed() == (False, full)
+        assert await engine.holds(trainer.state())
+        await sync.verify_engine()
+        trainer.step(seed=4)
+        assert (await committed())[0] is True
+        assert await engine.holds(trainer.state())
 
 
 async def check_kv_scales(case: TransportCase, engine: KitEngine, trainer: KitTrainer) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 import torch
 
 from aiosync import VersionEventKind
@@ -14,12 +13,10 @@ from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.model import HFModelRunner
 
 __all__ = [
-    "CORRUPTED",
     "DeltaTrainer",
     "bits",
     "box_patch_bytes",
     "committed",
-    "corrupt_check_and_heal",
     "holds",
     "patch_bytes",
 ]
@@ -90,41 +87,3 @@ def box_patch_bytes(plan: Any, old: dict[str, torch.Tensor], new: dict[str, torc
             size = after.element_size()
             total += min(after.numel() * size, changed * (4 + size))
     return total
-
-
-#: The live weight :func:`corrupt_check_and_heal` corrupts (one element, on every worker).
-CORRUPTED = "model.layers.1.mlp.down_proj.weight"
-
-
-async def corrupt_check_and_heal(
-    sync: Any, events: Any, engine: Any, trainer: DeltaTrainer
-) -> None:
-    """After a delta sync, one element of a live engine weight becomes 1e37 behind the
-    transport's back: ``verify_engine()`` names it and makes the synchronizer stale, and
-    the next sync (a delta synchronizer's) is full and leaves every worker bit-identical
-    to the trainer; the sync after it is a delta again."""
-    from aiosync import RefitVerificationError
-    from aiosync.engines.embedded._worker import tensor_to_wire
-
-    await committed(sync, events)  # full: the baseline
-    trainer.step()
-    assert (await committed(sync, events))[0] is True
-    await sync.verify_engine()  # the delta landed intact
-    bad = trainer.state()[CORRUPTED]
-    bad.view(-1)[17] = 1e37
-    await engine.collective_rpc("embedded_load_state_dict", ({CORRUPTED: tensor_to_wire(bad)},))
-    assert not sync.is_stale
-    version = sync.weight_version
-    with pytest.raises(
-        RefitVerificationError, match=rf"engine worker 0: {CORRUPTED} differs from the trainer's"
-    ):
-        await sync.verify_engine()
-    assert (sync.is_stale, sync.weight_version) == (True, version)
-    trainer.step()
-    delta, nbytes = await committed(sync, events)
-    assert (delta, nbytes) == (False, trainer.full_bytes())
-    assert await holds(engine, trainer.state())
-    await sync.verify_engine()
-    trainer.step()
-    assert (await committed(sync, events))[0] is True  # the baseline is whole again
-    assert await holds(engine, trainer.state())

@@ -22,7 +22,7 @@ import pytest_asyncio
 
 from aiosync.testing import conformance as kit
 
-pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "capabilities.md"
 CASES = {case.name: case for case in kit.CASES}
@@ -77,6 +77,7 @@ KNOWN_FAILURES = {
     ("case", "cell"),
     [pytest.param(*cell, marks=KNOWN_FAILURES.get(cell, ())) for cell in kit.cells()],
 )
+@pytest.mark.asyncio(loop_scope="module")
 async def test_kit(engines: Engines, case: str, cell: str) -> None:
     transport = CASES[case]
     engine = await engines.get(transport.engine)

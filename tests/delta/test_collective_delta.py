@@ -26,7 +26,6 @@ from aiosync.refit import DTensorRefitSource
 from tests._support.delta import (
     DeltaTrainer,
     committed,
-    corrupt_check_and_heal,
     holds,
     patch_bytes,
 )
@@ -154,11 +153,3 @@ async def test_staged_deltas_stage_only_the_patches_and_commit_bit_exact(
         await engine.prepare_for_generation()
         expected = trainer.runner.generate(PROMPTS, max_new_tokens=4, ignore_eos=True)
         assert await engine.generate(PROMPTS, max_new_tokens=4, ignore_eos=True) == expected
-
-
-async def test_a_failed_check_makes_the_next_sync_full_and_it_heals_the_corruption(
-    engine: EmbeddedEngine,
-) -> None:
-    trainer = DeltaTrainer(seed=36, lr=1e-3)
-    async with _sync(trainer, engine) as sync, sync.subscribe() as events:
-        await corrupt_check_and_heal(sync, events, engine, trainer)

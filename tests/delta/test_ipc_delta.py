@@ -30,7 +30,6 @@ from aiosync.transports.ipc import IPCWeightSynchronizer
 from tests._support.delta import (
     DeltaTrainer,
     committed,
-    corrupt_check_and_heal,
     holds,
     patch_bytes,
 )
@@ -207,11 +206,3 @@ async def test_the_factory_builds_a_colocated_delta_synchronizer() -> None:
         source, object(), colocated=True, backend="embedded", delta=True
     )
     assert isinstance(sync, IPCWeightSynchronizer) and sync.delta_baseline is not None
-
-
-async def test_a_failed_check_makes_the_next_sync_full_and_it_heals_the_corruption(
-    engine: EmbeddedEngine,
-) -> None:
-    trainer = DeltaTrainer(seed=36, lr=1e-3)
-    async with _sync(trainer, engine) as sync, sync.subscribe() as events:
-        await corrupt_check_and_heal(sync, events, engine, trainer)
