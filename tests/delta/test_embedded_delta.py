@@ -1,18 +1,20 @@
-"""Delta refits over the colocated IPC transport into the embedded engine's real workers.
+"""Delta refits over IPC (colocated) and the collective broadcast into the embedded
+engine's real workers; the plain delta sync and its healing are the conformance kit's
+delta cell (``aiosync.testing.conformance``), on every transport that declares delta.
 
-A bf16 trainer takes AdamW steps; after the first (full) sync each sync packs only the
-patches of the elements whose bits changed, in the smallest encoding per tensor, and
-every worker ends bit-identical to the trainer. A sync that fails half-way makes the
-next one full; a worker that does not hold the patches' base refuses them before any
-byte is written; in a fleet, the engine whose worker was respawned gets every tensor
-while the other gets the patches, in the same sync.
+A bf16 trainer takes AdamW steps. A sync that fails half-way (a worker killed after
+patches were written) makes the next one full; a worker that does not hold the patches'
+base refuses them before any byte is written; staged collective deltas stage only the
+patches; in an IPC fleet, the engine whose worker was respawned gets every tensor while
+the other gets the patches, in the same sync.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -20,19 +22,20 @@ import pytest
 import pytest_asyncio
 import torch
 
-from aiosync import EngineFleet, create_weight_synchronizer
+from aiosync import (
+    CollectiveWeightSynchronizer,
+    EngineFleet,
+    TrainCluster,
+    create_weight_synchronizer,
+)
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.errors import RefitMismatchError, TransportError
 from aiosync.refit import DTensorRefitSource
 from aiosync.transports.ipc import IPCWeightSynchronizer
-from tests._support.delta import (
-    DeltaTrainer,
-    committed,
-    holds,
-    patch_bytes,
-)
+from tests._support.delta import DeltaTrainer, committed, holds, patch_bytes
+from tests._support.net import free_port
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
@@ -58,7 +61,7 @@ async def other_engine() -> AsyncIterator[EmbeddedEngine]:
         yield engine
 
 
-def _sync(trainer: DeltaTrainer, generation: Any, **options: Any) -> IPCWeightSynchronizer:
+def _ipc(trainer: DeltaTrainer, generation: Any, **options: Any) -> IPCWeightSynchronizer:
     return IPCWeightSynchronizer(
         DTensorRefitSource(trainer.model),
         generation,
@@ -66,66 +69,138 @@ def _sync(trainer: DeltaTrainer, generation: Any, **options: Any) -> IPCWeightSy
     )
 
 
+def _collective(
+    trainer: DeltaTrainer, engine: EmbeddedEngine, **options: Any
+) -> CollectiveWeightSynchronizer:
+    return CollectiveWeightSynchronizer(
+        DTensorRefitSource(trainer.model),
+        engine,
+        train_cluster=TrainCluster(master_port=free_port()),
+        inference_world_size=engine.world_size,
+        bucket_bytes=16 * 1024,
+        collective_timeout_s=30.0,
+        delta=True,
+        **options,
+    )
+
+
+async def _true() -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Transport:
+    """What differs between the two transports in these tests: how a synchronizer is
+    built, its private diff's tuple (the wires' index), when the kill lands (the workers
+    have written patches), what the failure says, and the held-base check to skip."""
+
+    build: Callable[..., Any]
+    wires_at: int
+    kill_at: Callable[[int], int]
+    died: str
+    check: str
+    skip_check: Callable[[Any], Any]
+    reinit: bool
+    kill_options: dict[str, float]
+
+
+TRANSPORTS = {
+    "ipc": Transport(
+        build=_ipc,
+        wires_at=1,
+        kill_at=lambda n: 3 * n // 4,
+        # The engine fails the sync's call as soon as the worker dies, naming it (not the
+        # survivor's wait for a bucket that never comes, nor the trainer's for acks).
+        died=r"engine worker 1 died: process \d+ exited",
+        check="_workers_holding_baseline",
+        skip_check=lambda sync: _peers(sync),
+        reinit=False,
+        # Short: were the death noticed only by a wait running out, the test would fail
+        # on SyncTimeoutError instead of hanging.
+        kill_options={"rpc_timeout_s": 10.0},
+    ),
+    "collective": Transport(
+        build=_collective,
+        wires_at=1,
+        kill_at=lambda n: 3,  # worker 0 has written patches: a mix of two versions
+        died="",
+        check="_workers_hold_baseline",
+        skip_check=lambda sync: _true,
+        reinit=True,
+        kill_options={"sync_timeout_s": 60.0},
+    ),
+}
+
+
+def _peers(sync: IPCWeightSynchronizer) -> Any:
+    async def holders() -> list[int]:
+        return list(sync.peers)
+
+    return holders
+
+
 def _received(sync: IPCWeightSynchronizer) -> list[tuple[bool, int]]:
-    """Each worker's ``(applied patches, bytes loaded)`` in the last sync."""
+    """Each IPC worker's ``(applied patches, bytes loaded)`` in the last sync."""
     return [(r["delta"], r["bytes"]) for r in sync.last_worker_results]
 
 
+@pytest.mark.parametrize("kind", TRANSPORTS)
 async def test_a_worker_killed_mid_delta_is_followed_by_a_full_sync(
-    engine: EmbeddedEngine,
+    engine: EmbeddedEngine, kind: str
 ) -> None:
+    t = TRANSPORTS[kind]
     trainer = DeltaTrainer(seed=32, lr=1e-3)
-    # A short rpc_timeout_s: were the death noticed only by a wait running out, the
-    # test would fail on SyncTimeoutError instead of hanging.
-    async with _sync(trainer, engine, rpc_timeout_s=10.0) as sync, sync.subscribe() as events:
+    async with t.build(trainer, engine, **t.kill_options) as sync, sync.subscribe() as events:
         await committed(sync, events)
         victim = engine.pids[1]
         real = sync._diff
 
         def killing(*args: Any) -> Any:
-            plan, wires, patches, spec = real(*args)
-            assert len(plan.buckets) > 3
+            parts = list(real(*args))
+            wires = parts[t.wires_at]
 
             def stream() -> Iterator[tuple[str, torch.Tensor]]:
                 for i, item in enumerate(wires):
-                    if i == 3 * len(wires) // 4:  # the workers have written patches
+                    if i == t.kill_at(len(wires)):
                         os.kill(victim, signal.SIGKILL)
                     yield item
 
-            return plan, stream(), patches, spec
+            parts[t.wires_at] = stream()
+            return tuple(parts)
 
-        sync._diff = killing  # type: ignore[method-assign]
+        sync._diff = killing
         trainer.step()
         await sync.mark_stale()
-        # The engine fails the sync's call as soon as the worker dies, naming it (not
-        # the survivor's wait for a bucket that never comes, nor the trainer's for acks).
-        with pytest.raises(TransportError, match=r"engine worker 1 died: process \d+ exited"):
+        with pytest.raises(TransportError, match=t.died):
             await sync.sync_weights()
         assert (sync.weight_version, sync.is_stale) == (1, True)
         assert sync.delta_baseline is not None and sync.delta_baseline.version is None
-        sync._diff = real  # type: ignore[method-assign]
+        sync._diff = real
         assert await engine.respawn_dead_workers() == [1]
         await sync.init_communicator()
         full = trainer.full_bytes()
         assert await committed(sync, events) == (False, full)
-        assert _received(sync) == [(False, full), (False, full)]
+        if kind == "ipc":
+            assert _received(sync) == [(False, full), (False, full)]
         assert await holds(engine, trainer.state())
         trainer.step()
         assert (await committed(sync, events))[0] is True  # deltas again
         assert await holds(engine, trainer.state())
 
 
+@pytest.mark.parametrize("kind", TRANSPORTS)
 async def test_a_worker_without_the_base_refuses_the_delta_before_writing(
-    engine: EmbeddedEngine,
+    engine: EmbeddedEngine, kind: str
 ) -> None:
+    t = TRANSPORTS[kind]
     trainer = DeltaTrainer(seed=33, lr=1e-3)
-    async with _sync(trainer, engine) as sync, sync.subscribe() as events:
+    async with t.build(trainer, engine) as sync, sync.subscribe() as events:
         await committed(sync, events)
         await engine.finish_generation()  # level 2: the weights are discarded (zeros)
         discarded = await engine.hf_state_dicts()
         # A trainer that skipped the check (the workers' held versions) would send the
         # delta anyway: each worker refuses it, naming both versions.
-        sync._workers_holding_baseline = _everyone(sync)  # type: ignore[method-assign]
+        setattr(sync, t.check, t.skip_check(sync))
         trainer.step()
         await sync.mark_stale()
         with pytest.raises(RefitMismatchError, match="holds version None, the delta patches"):
@@ -133,12 +208,34 @@ async def test_a_worker_without_the_base_refuses_the_delta_before_writing(
         after = await engine.hf_state_dicts()
         pairs = zip(discarded, after, strict=True)
         assert all(torch.equal(a[n], b[n]) for a, b in pairs for n in a)
-        del sync._workers_holding_baseline
+        delattr(sync, t.check)
         # The checked path: the failure (and the discard) make the next sync a full one.
-        full = trainer.full_bytes()
-        assert await committed(sync, events) == (False, full)
+        if t.reinit:
+            await sync.init_communicator()
+        assert await committed(sync, events) == (False, trainer.full_bytes())
         await engine.prepare_for_generation()
         assert await holds(engine, trainer.state())
+
+
+async def test_staged_deltas_stage_only_the_patches_and_commit_bit_exact(
+    engine: EmbeddedEngine,
+) -> None:
+    trainer = DeltaTrainer(seed=34, lr=1e-5)
+    full = trainer.full_bytes()
+    async with _collective(trainer, engine, overlap="staged") as sync, sync.subscribe() as events:
+        assert await committed(sync, events) == (False, full)
+        for _ in range(2):
+            before = trainer.state()
+            trainer.step()
+            after = trainer.state()
+            delta, nbytes = await committed(sync, events)
+            assert delta and nbytes == patch_bytes(before, after)
+            # Each worker staged the wire buckets only, and reports what it wrote.
+            assert [r["nbytes"] for r in sync.last_worker_results] == [nbytes, nbytes]
+            assert await holds(engine, after)
+        await engine.prepare_for_generation()
+        expected = trainer.runner.generate(PROMPTS, max_new_tokens=4, ignore_eos=True)
+        assert await engine.generate(PROMPTS, max_new_tokens=4, ignore_eos=True) == expected
 
 
 async def _kill_idle_worker(engine: EmbeddedEngine) -> None:
@@ -153,20 +250,13 @@ async def _kill_idle_worker(engine: EmbeddedEngine) -> None:
             await anyio.sleep(0.05)
 
 
-def _everyone(sync: IPCWeightSynchronizer) -> Any:
-    async def holders() -> list[int]:
-        return list(sync.peers)
-
-    return holders
-
-
 async def test_a_respawned_engine_of_a_fleet_gets_every_tensor_while_the_other_gets_patches(
     engine: EmbeddedEngine, other_engine: EmbeddedEngine
 ) -> None:
     trainer = DeltaTrainer(seed=34, lr=1e-5)
     fleet = EngineFleet([engine, other_engine])
     full = trainer.full_bytes()
-    async with _sync(trainer, fleet) as sync, sync.subscribe() as events:
+    async with _ipc(trainer, fleet) as sync, sync.subscribe() as events:
         assert await committed(sync, events) == (False, full)
         trainer.step()
         assert (await committed(sync, events))[0] is True
