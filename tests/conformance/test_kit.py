@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from aiosync.options import LoRAOptions
 from aiosync.testing import conformance as kit
 
 pytestmark = pytest.mark.slow
@@ -109,6 +110,4 @@ def test_every_declared_capability_has_a_kit_cell() -> None:
         for flag in ("delta", "kv_scales", "trace", "verify_engine"):
             assert (flag in declared) == getattr(caps, flag), (case.name, flag)
     # Every transport of the table that runs on CPU is a kit case.
-    assert {c.options for c in kit.CASES} == set(kit.TRANSPORT_OPTIONS) - {
-        kit.TRANSPORT_OPTIONS[-1]  # LoRAOptions: adapter refits, tests/lora
-    }
+    assert {c.options for c in kit.CASES} == set(kit.TRANSPORT_OPTIONS) - {LoRAOptions}
