@@ -657,15 +657,19 @@ def _serve(sock: zmq.Socket[bytes], rank: int, build: Callable[[], EmbeddedWorke
 #: (``benchmarks/fixed_cost.py``). Each takes no lock a request holds long, and
 #: waits for nothing from outside the process; one that arrives meanwhile waits
 #: for it. ``aiosync_ipc_receive`` only with an ``inline`` session (the whole
-#: refit in the request: transports/ipc), which loads without waiting on the trainer.
+#: refit in the request: transports/ipc), which loads without waiting on the trainer;
+#: ``embedded_wake`` only while nothing sleeps (a synchronizer's wake of an engine
+#: that does not report what sleeps: nothing to restore).
 _BRIEF = frozenset({"embedded_status", "embedded_set_weight_version", "aiosync_ipc_held_version"})
 
 
-def _brief(msg: dict[str, Any]) -> bool:
-    """Whether ``msg`` is a request of :data:`_BRIEF`."""
+def _brief(msg: dict[str, Any], worker: EmbeddedWorker) -> bool:
+    """Whether ``msg`` is a request of :data:`_BRIEF` (asked while no request runs)."""
     method = msg.get("method")
     if method in _BRIEF:
         return True
+    if method == "embedded_wake":
+        return not worker._asleep  # no request runs: nothing changes it meanwhile
     if method != "aiosync_ipc_receive":
         return False
     args = msg.get("args")
@@ -729,7 +733,7 @@ class _Server:
             if msg.get("t") == "shutdown":
                 self.sock.send(encode({"t": "bye"}))
                 return False
-            if self.in_pool == 0 and _brief(msg):
+            if self.in_pool == 0 and _brief(msg, self.worker):
                 self.sock.send(_run(self.worker, msg))
             else:
                 self.in_pool += 1
