@@ -58,9 +58,10 @@ rank, one worker, one bucket, engine idle, one after the other:
 
 That is 3 engine RPCs and 6 serial one-way messages (3 round trips), or,
 with ``asleep_tags``, 1 RPC and 2 messages (1 round trip; 6 and 3 before inline
-syncs). An engine RPC that may wait (a wake, a streamed receive, a generate) hops to a thread
-of the worker's RPC pool and back; a brief one (``embedded_status``, an inline receive) runs on
-the worker's main thread while the pool is idle, with no hop (~0.1 ms each way here). The
+syncs). An engine RPC that may wait (a wake of what sleeps, a streamed receive, a generate)
+hops to a thread of the worker's RPC pool and back; a brief one (``embedded_status``, an inline
+receive, a wake while nothing sleeps) runs on the worker's main thread while the pool is idle,
+with no hop (~0.05-0.1 ms each way here). The
 trainer reads the source and packs an inline refit of at most 1 MiB on the event loop (a
 thread hop cost ~0.45 ms here, more than the copy), a bigger one in one thread hop per bucket
 (three before issue 16: read, pack, check the source ended), and the no-op offload hooks of
