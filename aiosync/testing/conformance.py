@@ -18,6 +18,8 @@ real engine (the embedded engine's worker processes, or the SGLang contract test
 - ``cancel``: a sync cancelled mid-stream leaves ``is_stale`` True, the version unchanged,
   and the engine refusing to generate or still serving the previous version exactly; the
   next sync heals it.
+- ``killed_worker`` (engines that respawn workers): a worker SIGKILLed mid-sync fails it
+  typed, the version unchanged and stale; the respawned engine is healed by the next sync.
 - ``bad_manifest``: a source whose manifest names a tensor the engine lacks is refused
   (:class:`~aiosync.RefitMismatchError`) before any byte: the engine keeps its weights.
 
@@ -316,7 +318,7 @@ async def embedded_engine(*, tensor_parallel_size: int = 1) -> AsyncIterator[Emb
 
     async with EmbeddedEngine(
         _tiny_config(),
-        num_workers=tensor_parallel_size,
+        num_workers=1,  # replicas
         tensor_parallel_size=tensor_parallel_size,
         dtype=DTYPE,
         seed=3,
@@ -452,6 +454,7 @@ CELLS: tuple[str, ...] = (
     "trace",
     "verify_engine",
     "cancel",
+    "killed_worker",
     "bad_manifest",
 )
 
@@ -468,9 +471,19 @@ def declares(capabilities: TransportCapabilities, cell: str) -> bool:
     return True
 
 
+#: Cells that need an engine able to respawn a killed worker (the embedded engine): a
+#: killed SGLang server is gone for the cells after it.
+RESPAWNING = frozenset({"killed_worker"})
+
+
 def cells() -> list[tuple[str, str]]:
     """Every ``(case, cell)`` the kit runs: the parametrization of ``test_kit.py``."""
-    return [(case.name, cell) for case in CASES for cell in CELLS]
+    return [
+        (case.name, cell)
+        for case in CASES
+        for cell in CELLS
+        if cell not in RESPAWNING or case.engine != "server"
+    ]
 
 
 # --------------------------------------------------------------------------- checks
@@ -749,6 +762,46 @@ async def check_cancel(case: TransportCase, engine: KitEngine, trainer: KitTrain
         await _assert_serves(engine, trainer, 2)
 
 
+async def check_killed_worker(case: TransportCase, engine: KitEngine, trainer: KitTrainer) -> None:
+    """An engine worker SIGKILLed while the source yields its 6th tensor: the sync fails
+    typed (:class:`~aiosync.TransportError`), ``is_stale`` stays True and the version at
+    1; once the engine respawned it, a re-initialized synchronizer heals every worker and
+    the engine serves the new version. (Engines that respawn workers: the embedded one.)"""
+    import signal
+
+    from aiosync import TransportError
+
+    assert isinstance(engine, EmbeddedKitEngine)
+    async with case.build(trainer, engine) as sync:
+        await _sync(sync)
+        victim = engine.workers - 1
+        pid = engine.generation.pids[victim]
+
+        def kill(i: int) -> None:
+            if i == 6:
+                os.kill(pid, signal.SIGKILL)
+
+        trainer.step(seed=9)
+        await sync.mark_stale()
+        trainer.on_tensor = kill
+        try:
+            await sync.sync_weights()
+        except TransportError:
+            pass
+        else:
+            raise AssertionError(f"{case.name} committed a sync its worker died in")
+        finally:
+            trainer.on_tensor = None
+        assert (sync.weight_version, sync.policy_version, sync.is_stale) == (1, 2, True)
+        # The dead worker's replica comes back whole (the kit's engines have one).
+        assert await engine.generation.respawn_dead_workers() == list(range(engine.workers))
+        await sync.init_communicator()
+        await sync.sync_weights()
+        assert (sync.weight_version, sync.is_stale) == (2, False)
+        assert await engine.holds(trainer.state())
+        await _assert_serves(engine, trainer, 2)
+
+
 async def check_bad_manifest(case: TransportCase, engine: KitEngine, trainer: KitTrainer) -> None:
     """A manifest naming a tensor the engine lacks: ``RefitMismatchError`` naming it,
     version 0, and the engine's weights untouched."""
@@ -780,6 +833,7 @@ _CHECKS: dict[str, Callable[[TransportCase, KitEngine, KitTrainer], Any]] = {
     "trace": check_trace,
     "verify_engine": check_verify_engine,
     "cancel": check_cancel,
+    "killed_worker": check_killed_worker,
     "bad_manifest": check_bad_manifest,
 }
 
