@@ -34,6 +34,7 @@ import contextlib
 import importlib
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -106,9 +107,17 @@ def _tiny_config() -> dict[str, Any]:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nothing holds, drawn below the kernel's ephemeral range: a port
+    ``bind(0)`` hands out may go to an outgoing connection before the group binds it."""
+    for _ in range(1000):
+        port = random.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError("no free loopback port in 20000-32767")
 
 
 # --------------------------------------------------------------------------- trainer

@@ -25,7 +25,6 @@ import torch
 from aiosync import (
     CollectiveWeightSynchronizer,
     EngineFleet,
-    TrainCluster,
     create_weight_synchronizer,
 )
 from aiosync.engines.embedded.configs import TINY_QWEN3
@@ -34,8 +33,8 @@ from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.errors import RefitMismatchError, TransportError
 from aiosync.refit import DTensorRefitSource
 from aiosync.transports.ipc import IPCWeightSynchronizer
+from tests._support.builders import non_colocated
 from tests._support.delta import DeltaTrainer, committed, holds, patch_bytes
-from tests._support.net import free_port
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
@@ -72,16 +71,7 @@ def _ipc(trainer: DeltaTrainer, generation: Any, **options: Any) -> IPCWeightSyn
 def _collective(
     trainer: DeltaTrainer, engine: EmbeddedEngine, **options: Any
 ) -> CollectiveWeightSynchronizer:
-    return CollectiveWeightSynchronizer(
-        DTensorRefitSource(trainer.model),
-        engine,
-        train_cluster=TrainCluster(master_port=free_port()),
-        inference_world_size=engine.world_size,
-        bucket_bytes=16 * 1024,
-        collective_timeout_s=30.0,
-        delta=True,
-        **options,
-    )
+    return non_colocated(CollectiveWeightSynchronizer, trainer.model, engine, delta=True, **options)
 
 
 async def _true() -> bool:

@@ -10,7 +10,6 @@ full. The 2-rank FSDP2 trainer is in ``test_sharded_delta_ranks.py``.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -25,7 +24,9 @@ from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.errors import RefitMismatchError, TransportError
 from aiosync.refit import DTensorRefitSource
 from aiosync.transports.sharded import ShardedWeightSynchronizer
+from tests._support.builders import non_colocated
 from tests._support.delta import DeltaTrainer, bits, committed
+from tests._support.net import free_port
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
@@ -44,25 +45,10 @@ async def engine() -> AsyncIterator[EmbeddedEngine]:
         yield engine
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _sync(
     trainer: DeltaTrainer, engine: EmbeddedEngine, **options: Any
 ) -> ShardedWeightSynchronizer:
-    return ShardedWeightSynchronizer(
-        DTensorRefitSource(trainer.model),
-        engine,
-        train_cluster=TrainCluster(master_port=_port()),
-        inference_world_size=engine.world_size,
-        bucket_bytes=16 * 1024,
-        collective_timeout_s=30.0,
-        delta=True,
-        **options,
-    )
+    return non_colocated(ShardedWeightSynchronizer, trainer.model, engine, delta=True, **options)
 
 
 async def _holds_slices(engine: EmbeddedEngine, full: Mapping[str, torch.Tensor]) -> bool:
@@ -149,7 +135,7 @@ async def test_the_factory_passes_delta_to_the_shard_aware_path(engine: Embedded
         engine,
         colocated=False,
         backend="embedded",
-        train_cluster=TrainCluster(master_port=_port()),
+        train_cluster=TrainCluster(master_port=free_port()),
         inference_world_size=engine.world_size,
         delta=True,
     )

@@ -8,7 +8,6 @@ FSDP2 trainer is in ``test_sharded_ranks.py``.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator, Mapping
 
 import pytest
@@ -22,6 +21,8 @@ from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.layout import Layout
 from aiosync.refit import DTensorRefitSource
 from aiosync.transports.sharded import ShardedWeightSynchronizer
+from tests._support.builders import non_colocated
+from tests._support.net import free_port
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
@@ -36,24 +37,10 @@ async def engine() -> AsyncIterator[EmbeddedEngine]:
         yield engine
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _sync(
     trainer: HFModelRunner, engine: EmbeddedEngine, **options: object
 ) -> ShardedWeightSynchronizer:
-    return ShardedWeightSynchronizer(
-        DTensorRefitSource(trainer.model),
-        engine,
-        train_cluster=TrainCluster(master_port=_port()),
-        inference_world_size=engine.world_size,
-        bucket_bytes=16 * 1024,
-        collective_timeout_s=30.0,
-        **options,  # type: ignore[arg-type]
-    )
+    return non_colocated(ShardedWeightSynchronizer, trainer.model, engine, **options)
 
 
 def _slice_bytes(layout: Layout, full: Mapping[str, torch.Tensor]) -> int:
@@ -117,7 +104,7 @@ async def test_the_factory_picks_it_when_the_engine_reports_a_layout(
         engine,
         colocated=False,
         backend="embedded",
-        train_cluster=TrainCluster(master_port=_port()),
+        train_cluster=TrainCluster(master_port=free_port()),
         inference_world_size=engine.world_size,
         sharded=True,
     )
@@ -131,7 +118,7 @@ async def test_a_wrong_inference_world_size_is_named_before_any_group_forms(
     sync = ShardedWeightSynchronizer(
         DTensorRefitSource(trainer.model),
         engine,
-        train_cluster=TrainCluster(master_port=_port()),
+        train_cluster=TrainCluster(master_port=free_port()),
         inference_world_size=3,
         collective_timeout_s=600.0,  # a rendezvous would hang this long
     )
@@ -152,7 +139,7 @@ async def test_a_tensor_no_trainer_rank_holds_is_named_before_any_byte_moves(
     sync = ShardedWeightSynchronizer(
         StateDictSource(renamed),
         engine,
-        train_cluster=TrainCluster(master_port=_port()),
+        train_cluster=TrainCluster(master_port=free_port()),
         inference_world_size=engine.world_size,
         collective_timeout_s=600.0,  # a worker left waiting in a rendezvous would hang this long
     )
@@ -205,7 +192,7 @@ async def test_a_manifest_the_engine_does_not_load_is_refused_at_init(
     sync = ShardedWeightSynchronizer(
         StateDictSource(state),
         engine,
-        train_cluster=TrainCluster(master_port=_port()),
+        train_cluster=TrainCluster(master_port=free_port()),
         inference_world_size=engine.world_size,
         collective_timeout_s=600.0,
     )
