@@ -99,7 +99,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
@@ -118,6 +118,9 @@ from aiosync import (
     refit_if_stale,
 )
 from aiosync.replay import VersionedReplayBuffer
+
+if TYPE_CHECKING:
+    from aiosync.metrics import WeightSyncMetrics
 
 # -- the task ----------------------------------------------------------------------
 
@@ -601,7 +604,7 @@ async def run(args: argparse.Namespace) -> RunReport:
         source = FP8RefitSource(source, dtype=getattr(torch, args.dtype))
     P, G, L = args.prompts_per_step, args.group_size, args.digits
     console = make_console(args.quiet)
-    metrics = _Metrics(args.metrics_port)
+    metrics = serve_metrics(args.metrics_port)
 
     async with open_engine(args, config, model) as engine:
         sync: WeightSynchronizer = create_weight_synchronizer(
@@ -663,6 +666,8 @@ async def run(args: argparse.Namespace) -> RunReport:
 
             async def follow_refits() -> None:
                 async for ev in refit_events:
+                    if metrics is not None:
+                        metrics.record(ev)
                     if ev.kind is VersionEventKind.COMMITTED:
                         gbps = ev.nbytes / ev.duration_s / 1e9 if ev.duration_s else 0.0
                         report.refits.append(
@@ -677,10 +682,8 @@ async def run(args: argparse.Namespace) -> RunReport:
                         if args.delta or args.fp8:
                             console.print(refit_line(ev.version, ev.nbytes, ev.delta, report))
                         last.update(gbps=gbps, seconds=ev.duration_s)
-                        metrics.refit(ev.nbytes, ev.duration_s)
                     elif ev.kind is VersionEventKind.FAILED:
                         report.refit_failures += 1
-                        metrics.failure()
 
             async def refitter() -> None:
                 # --in-flight: refit as soon as the trainer stepped, while rollouts run.
@@ -746,7 +749,8 @@ async def run(args: argparse.Namespace) -> RunReport:
                                 versions = (s.target_weight_version, s.other_weight_version)
                                 report.spanning_samples += 1
                             report.sample_versions.append(versions)
-                            metrics.staleness(s.staleness)
+                        if metrics is not None:
+                            metrics.observe_staleness(buffer.stats)
                         groups = [s.item for s in batch]
                         step_reward = sum(r for g in groups for r in g.rewards) / (P * G)
                         report.rewards.append(step_reward)
@@ -952,43 +956,22 @@ class _LogprobGaps:
             report.offpolicy_logprob_diff_mean = off.mean().item()
 
 
-class _Metrics:
-    """Prometheus metrics on ``127.0.0.1:port`` when a port is given; no-ops otherwise."""
+def serve_metrics(port: int | None) -> WeightSyncMetrics | None:
+    """aiosync's weight-sync metrics (:mod:`aiosync.metrics`, on a registry of their own)
+    served for Prometheus on ``http://127.0.0.1:port/metrics``; None without a port.
 
-    def __init__(self, port: int | None) -> None:
-        self._on = port is not None
-        if port is None:
-            return
-        from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+    The server runs until the process exits. Needs ``prometheus-client`` (the
+    ``metrics`` extra).
+    """
+    if port is None:
+        return None
+    from prometheus_client import CollectorRegistry
 
-        registry = CollectorRegistry()
-        self._bytes = Counter(
-            "aiosync_refit_bytes", "Bytes moved by committed refits", registry=registry
-        )
-        self._seconds = Histogram(
-            "aiosync_refit_seconds", "Duration of committed refits", registry=registry
-        )
-        self._failures = Counter("aiosync_refit_failures", "Failed refits", registry=registry)
-        self._staleness = Histogram(
-            "aiosync_sample_staleness",
-            "Staleness (optimizer steps) of samples used for training",
-            buckets=(0, 1, 2, 3, 4, 6, 8, 16),
-            registry=registry,
-        )
-        start_http_server(port, addr="127.0.0.1", registry=registry)
+    from aiosync.metrics import WeightSyncMetrics
 
-    def refit(self, nbytes: int, seconds: float) -> None:
-        if self._on:
-            self._bytes.inc(nbytes)
-            self._seconds.observe(seconds)
-
-    def failure(self) -> None:
-        if self._on:
-            self._failures.inc()
-
-    def staleness(self, steps: int) -> None:
-        if self._on:
-            self._staleness.observe(steps)
+    metrics = WeightSyncMetrics(CollectorRegistry())
+    metrics.serve(port, addr="127.0.0.1")
+    return metrics
 
 
 #: Backends this example can refit adapter-only (they load LoRA adapters: ``load_lora_adapter``).

@@ -201,30 +201,6 @@ def test_async_grpo_sglang_http_test_server(tmp_path: Path) -> None:
     assert_run_invariants(report)
 
 
-def test_metrics_port_serves_refit_and_staleness_metrics() -> None:
-    import socket
-
-    import httpx
-
-    example = load_example()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    metrics = example._Metrics(port)
-    metrics.refit(1000, 0.5)
-    metrics.refit(24, 0.25)
-    metrics.failure()
-    for steps in (0, 2, 2):
-        metrics.staleness(steps)
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("aiosync_"))
-    assert float(values["aiosync_refit_bytes_total"]) == 1024
-    assert float(values["aiosync_refit_seconds_sum"]) == 0.75
-    assert float(values["aiosync_refit_failures_total"]) == 1
-    assert float(values['aiosync_sample_staleness_bucket{le="1.0"}']) == 1
-    assert float(values["aiosync_sample_staleness_count"]) == 3
-
-
 # -- LoRA (PEFT) -------------------------------------------------------------------
 
 LORA_RANK = 4
