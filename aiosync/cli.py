@@ -274,7 +274,13 @@ def _memcpy_seconds(nbytes: int, repeats: int) -> float:
 
 
 async def _bench_one(transport: str, model: str, layers: int, args: argparse.Namespace) -> BenchRow:
-    from aiosync import TrainCluster, create_weight_synchronizer
+    from aiosync import (
+        CollectiveOptions,
+        HTTPOptions,
+        IPCOptions,
+        TrainCluster,
+        create_weight_synchronizer,
+    )
     from aiosync.testing import StateDictSource
 
     backend, colocated = _TRANSPORTS[transport]
@@ -282,15 +288,26 @@ async def _bench_one(transport: str, model: str, layers: int, args: argparse.Nam
     manifest = _checkpoint_manifest(config)
     source = StateDictSource.random(manifest)
     nbytes = sum(t.numel() * t.element_size() for t in source.state_dict.values())
+    bucket_bytes = None if args.bucket_mb is None else args.bucket_mb * 1024 * 1024
+    chosen: IPCOptions | CollectiveOptions | HTTPOptions
+    if transport == "ipc":
+        chosen = IPCOptions(bucket_bytes=bucket_bytes)
+    elif transport == "collective":  # one worker, no tensor-parallel slices: the broadcast
+        chosen = CollectiveOptions(bucket_bytes=bucket_bytes)
+    else:
+        chosen = HTTPOptions(bucket_bytes=bucket_bytes)
     options: dict[str, Any] = {}
-    if args.bucket_mb is not None:
-        options["bucket_bytes"] = args.bucket_mb * 1024 * 1024
     if not colocated:
         options["train_cluster"] = TrainCluster(master_port=_free_port())
         options["inference_world_size"] = 1
     async with _engine(transport, config) as engine:
         sync = create_weight_synchronizer(
-            source, engine, colocated=colocated, backend=backend, **options
+            source,
+            engine,
+            colocated=colocated,
+            backend=backend,
+            transport=chosen,
+            **options,
         )
         async with sync:  # initializes the communicator
             times = []

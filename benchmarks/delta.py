@@ -66,7 +66,11 @@ import torch
 from _machine import Machine, repeats_for
 
 from aiosync import (
+    CollectiveOptions,
+    IPCOptions,
     IPCWeightSynchronizer,
+    SyncOptions,
+    Timeouts,
     TrainCluster,
     VersionEventKind,
     WeightSynchronizer,
@@ -139,18 +143,23 @@ def _synchronizer(
     source = DTensorRefitSource(trainer.model, optimizer=trainer.optimizer)
     if transport == "ipc":
         return create_weight_synchronizer(
-            source, engine, colocated=True, backend="embedded", device="cpu", delta=delta
+            source,
+            engine,
+            colocated=True,
+            backend="embedded",
+            transport=IPCOptions(device="cpu"),
+            sync=SyncOptions(delta=delta),
         )
     return create_weight_synchronizer(
         source,
         engine,
         colocated=False,
         backend="embedded",
-        delta=delta,
         train_cluster=TrainCluster(master_port=_port()),
         inference_world_size=engine.world_size,
-        dist_backend="gloo",
-        collective_timeout_s=300.0,
+        transport=CollectiveOptions(dist_backend="gloo"),
+        sync=SyncOptions(delta=delta),
+        timeouts=Timeouts(collective_s=300.0),
     )
 
 

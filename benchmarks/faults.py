@@ -141,11 +141,14 @@ from _machine import Machine
 from safetensors.torch import load as safetensors_load
 
 from aiosync import (
+    CollectiveOptions,
     EmbeddedEngine,
     EngineFleet,
     HTTPWeightSynchronizer,
     IPCWeightSynchronizer,
     SGLangHTTPBackend,
+    SyncOptions,
+    Timeouts,
     TrainCluster,
     VersionEventKind,
     WeightSynchronizer,
@@ -421,10 +424,9 @@ class Embedded(EngineUnderTest):
             backend="embedded",
             train_cluster=TrainCluster(master_port=_port()),
             inference_world_size=1,
-            bucket_bytes=BUCKET_BYTES,
-            collective_timeout_s=10.0,
-            rpc_timeout_s=30.0,
-            initial_version=initial_version,
+            transport=CollectiveOptions(bucket_bytes=BUCKET_BYTES),
+            sync=SyncOptions(initial_version=initial_version),
+            timeouts=Timeouts(rpc_s=30.0, collective_s=10.0),
         )
 
     def pid(self) -> int:
@@ -1181,9 +1183,8 @@ def _fleet_synchronizer(
         backend="embedded",
         train_cluster=TrainCluster(master_port=_port()),
         inference_world_size=2,
-        bucket_bytes=BUCKET_BYTES,
-        collective_timeout_s=HANG_TIMEOUT_S if hang else 10.0,
-        rpc_timeout_s=30.0,
+        transport=CollectiveOptions(bucket_bytes=BUCKET_BYTES),
+        timeouts=Timeouts(rpc_s=30.0, collective_s=HANG_TIMEOUT_S if hang else 10.0),
     )
 
 

@@ -44,7 +44,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _machine import Machine, repeats_for
 
 from aiosync import (
+    CollectiveOptions,
     EmbeddedEngine,
+    SyncOptions,
     TrainCluster,
     VersionEventKind,
     WeightSynchronizer,
@@ -144,8 +146,8 @@ async def _measure(
                 backend="embedded",
                 train_cluster=TrainCluster(master_port=_port()),
                 inference_world_size=1,
-                overlap="staged",
-                in_flight=policy,
+                transport=CollectiveOptions(overlap="staged"),
+                sync=SyncOptions(in_flight=policy),
             )
             async with sync:
                 await sync.init_communicator()

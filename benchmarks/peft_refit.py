@@ -161,7 +161,7 @@ async def measure(
 ) -> dict[str, int | float]:
     """``{adapter_bytes, merged_bytes, adapter_ms, merged_ms}``: bytes moved per refit
     and the best time of ``repeats`` interleaved refits of each path, ms."""
-    from aiosync import EmbeddedEngine, create_weight_synchronizer
+    from aiosync import EmbeddedEngine, IPCOptions, create_weight_synchronizer
     from aiosync.refit import DTensorRefitSource, LoRAAdapterRefitSource
     from aiosync.transports.ipc import IPCWeightSynchronizer
     from aiosync.transports.lora import LoRAAdapterSynchronizer
@@ -181,7 +181,7 @@ async def measure(
             merged_engine,
             colocated=True,
             backend="embedded",
-            bucket_bytes=bucket_bytes,
+            transport=IPCOptions(bucket_bytes=bucket_bytes),
         )
         adapter = create_weight_synchronizer(
             adapter_source, adapter_engine, colocated=True, backend="embedded"

@@ -68,17 +68,19 @@ def _spec(total_mib: int, tensor_mb: float) -> dict[str, int]:
 
 async def _best_sync(engine: Any, source: Any, transport: str, repeats: int) -> float:
     """Best seconds of ``repeats`` syncs of ``source`` into ``engine`` (after a warm-up)."""
-    from aiosync import TrainCluster, create_weight_synchronizer
+    from aiosync import CollectiveOptions, IPCOptions, TrainCluster, create_weight_synchronizer
 
     topology: dict[str, Any] = {}
-    if transport == "collective":
+    chosen: IPCOptions | CollectiveOptions = IPCOptions(bucket_bytes=8 * MiB)
+    if transport == "collective":  # one worker, no tensor-parallel slices: the broadcast
         topology = {"train_cluster": TrainCluster(), "inference_world_size": 1}
+        chosen = CollectiveOptions(bucket_bytes=8 * MiB)
     sync = create_weight_synchronizer(
         source,
         engine,
         colocated=transport == "ipc",
-        backend="embedded",
-        bucket_bytes=8 * MiB,
+        backend="embedded",  # a RayEngine does not report its kind
+        transport=chosen,
         **topology,
     )
     best = float("inf")

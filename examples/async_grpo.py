@@ -110,6 +110,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from aiosync import (
     IN_FLIGHT_POLICIES,
     Generation,
+    SyncOptions,
     TrainCluster,
     VersionEventKind,
     WeightSynchronizer,
@@ -612,7 +613,7 @@ async def run(args: argparse.Namespace) -> RunReport:
             engine,
             colocated=args.colocated,
             backend=args.backend,
-            delta=True if args.delta else None,
+            sync=SyncOptions(delta=True) if args.delta else None,
             **topology(args),
         )
         report = RunReport(
