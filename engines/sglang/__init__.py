@@ -2,8 +2,8 @@
 
 - :mod:`.backend` — :class:`SGLangHTTPBackend`, the server by URL (satisfies
   :class:`aiosync.transports.http.SGLangServer`).
-- :mod:`.test_server` — ``python -m aiosync.testing.sglang_server``: SGLang's
-  HTTP contract on the embedded engine, for CPU tests.
+- :mod:`.test_server` — ``python -m aiosync.testing.sglang_server`` (its public name):
+  SGLang's HTTP contract on the embedded engine, for CPU tests.
 """
 
 from .backend import SGLangGeneration, SGLangHTTPBackend
