@@ -1,10 +1,52 @@
-"""Where the trainer's ranks are: :class:`TrainCluster`. See ``docs/topology.md``."""
+"""Where the trainer's ranks are: :class:`TrainCluster`, and this process among them as a
+synchronizer asks it (:class:`Ranks`). See ``docs/topology.md``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["TrainCluster"]
+__all__ = ["Ranks", "SingleRank", "TrainCluster"]
+
+
+@runtime_checkable
+class Ranks(Protocol):
+    """This process among the trainer's ranks, as the synchronizer asks it: a part the
+    synchronizer holds (``sync.ranks``), given by the transport (the IPC and LoRA
+    transports: the trainer's process group; the collective: its trainer ranks'
+    control group), never a hook it overrides."""
+
+    @property
+    def rank(self) -> int:
+        """This process's trainer rank (0 for a single-process trainer)."""
+        ...
+
+    @property
+    def sharded(self) -> bool:
+        """Whether several trainer ranks run the synchronizer (they agree on every outcome)."""
+        ...
+
+    @property
+    def drives_generation(self) -> bool:
+        """Whether this process pauses, wakes and labels the engine (one rank does)."""
+        ...
+
+    async def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` (small, picklable), in rank order; None where there is no
+        group to gather over. A collective: every rank calls it at the same point."""
+        ...
+
+
+class SingleRank:
+    """A single-process trainer: rank 0, not sharded, driving the engine (:class:`Ranks`)."""
+
+    rank = 0
+    sharded = False
+    drives_generation = True
+
+    async def gather(self, obj: Any) -> list[Any] | None:
+        """None: no other rank."""
+        return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,6 +50,7 @@ from .capabilities import (
     WorkerDescribing,
     engines_of,
 )
+from .cluster import Ranks, SingleRank
 from .errors import OwnershipError, RefitVerificationError, SyncError, SyncTimeoutError
 from .events import EventSubscription, VersionEventKind, _EventHub
 from .options import TransportCapabilities
@@ -199,6 +200,7 @@ class WeightSynchronizer(ABC):
         event_backlog: int = DEFAULT_EVENT_BACKLOG,
         in_flight: InFlightPolicy = "wait",
         initial_version: int = 0,
+        ranks: Ranks | None = None,
     ) -> None:
         _check_in_flight(in_flight)
         if isinstance(initial_version, bool) or not isinstance(initial_version, int):
@@ -233,6 +235,8 @@ class WeightSynchronizer(ABC):
         # cleared by that sync's success.
         self._discards = 0
         self._initialized = False
+        #: This process among the trainer's ranks (:class:`~aiosync.cluster.Ranks`).
+        self.ranks: Ranks = ranks if ranks is not None else SingleRank()
         self._closed = False
         self._lock = anyio.Lock()
         # Held while a sync reads the source and while the trainer updates it
@@ -358,15 +362,13 @@ class WeightSynchronizer(ABC):
 
     def _sharded(self) -> bool:
         """Whether this synchronizer is one of a sharded trainer's ranks (which must
-        agree on every outcome); transports with trainer ranks override it."""
-        return False
+        agree on every outcome): ``ranks.sharded``."""
+        return self.ranks.sharded
 
     async def _gather_ranks(self, obj: Any) -> list[Any] | None:
         """Every trainer rank's ``obj`` (small, picklable), in rank order; None where
-        there is no group of trainer ranks to gather over (a single-process trainer).
-        A collective: every rank calls it at the same point. Transports with
-        trainer ranks override it."""
-        return None
+        there is no group of trainer ranks to gather over: ``ranks.gather``."""
+        return await self.ranks.gather(obj)
 
     def _engines(self) -> tuple[Any, ...]:
         """The engine objects this process drives (a fleet's members); none on a
@@ -429,8 +431,8 @@ class WeightSynchronizer(ABC):
         )
 
     def _rank(self) -> int:
-        """This process's trainer rank (0 unless :meth:`_sharded`)."""
-        return 0
+        """This process's trainer rank (0 unless :meth:`_sharded`): ``ranks.rank``."""
+        return self.ranks.rank
 
     def _check_sync_args(self, kv_scales: KVScales | None, in_flight: object) -> InFlightPolicy:
         """Every check of :meth:`sync_weights`' arguments, before any event or byte.
@@ -712,10 +714,9 @@ class WeightSynchronizer(ABC):
         await self.init_communicator()
 
     def _drives_generation(self) -> bool:
-        """Whether this process pauses, wakes and labels the engine around a sync:
-        True here; a transport of a sharded trainer overrides it so that only the
-        rank that drives the engine does."""
-        return True
+        """Whether this process pauses, wakes and labels the engine around a sync
+        (one rank of a sharded trainer does): ``ranks.drives_generation``."""
+        return self.ranks.drives_generation
 
     def _pausable(self) -> PausableEngine | None:
         """The engine when this process should pause it, else None."""

@@ -4,7 +4,7 @@ Every trainer rank of a sharded (FSDP2) trainer runs the synchronizer, since the
 gathers that read the source are collectives; rank 0 alone drives the engine's
 RPCs, and the ranks agree on a sync's outcome with one small ``all_gather`` over
 the trainer's own process group. Shared by the IPC and the LoRA-adapter
-transports.
+transports, which give it to the synchronizer as its ``ranks``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import anyio.to_thread
 
 from ._wire import error_fields, rebuild_error
 
-__all__ = ["OnTrainerRanks", "TrainerRanks", "drain"]
+__all__ = ["TrainerRanks", "drain"]
 
 
 def drain(weights: Iterator[Any]) -> None:
@@ -48,6 +48,14 @@ class TrainerRanks:
         self.sharded = self.size > 1
         #: The rank that holds the engine and drives its RPCs.
         self.is_driver = self.rank == 0
+        #: As :class:`~aiosync.cluster.Ranks` names it: only the driver pauses,
+        #: wakes and labels the engine.
+        self.drives_generation = self.is_driver
+
+    async def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` in rank order (:class:`~aiosync.cluster.Ranks`); None
+        for a single-process trainer."""
+        return await self.all_gather(obj) if self.sharded else None
 
     async def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (picklable), in rank order; blocks a worker thread."""
@@ -89,24 +97,3 @@ class TrainerRanks:
                 raise rebuild_error(fields, f"trainer rank {rank}") from failed
         if failed is not None:  # cancelled here, while every rank succeeded
             raise failed
-
-
-class OnTrainerRanks:
-    """What a colocated synchronizer on a sharded trainer's ranks tells the base class:
-    rank 0 drives the engine, and the ranks gather over ``self._ranks``. Mixed in
-    before :class:`~aiosync.WeightSynchronizer` (IPC, LoRA)."""
-
-    _ranks: TrainerRanks
-
-    def _drives_generation(self) -> bool:
-        # Only the rank that holds the engine pauses and resumes it.
-        return self._ranks.is_driver
-
-    def _sharded(self) -> bool:
-        return self._ranks.sharded
-
-    def _rank(self) -> int:
-        return self._ranks.rank
-
-    async def _gather_ranks(self, obj: Any) -> list[Any] | None:
-        return await self._ranks.all_gather(obj) if self._ranks.sharded else None

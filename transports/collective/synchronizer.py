@@ -105,6 +105,33 @@ def _data_device(dist_backend: DistBackend) -> torch.device:
     return torch.device("cuda")
 
 
+class _ClusterRanks:
+    """The collective's trainer ranks as the synchronizer asks them
+    (:class:`~aiosync.cluster.Ranks`): the source (rank 0) alone drives the engine,
+    and the ranks gather over their control group."""
+
+    def __init__(self, sync: CollectiveWeightSynchronizer) -> None:
+        self._sync = sync
+        self.rank = sync.train_cluster.rank
+        self.sharded = sync.train_cluster.world_size > 1
+
+    @property
+    def drives_generation(self) -> bool:
+        # Only the source drives the engine; the other trainer ranks never call it.
+        return self._sync.is_source
+
+    async def gather(self, obj: Any) -> list[Any] | None:
+        # Over the trainer ranks' control group; none while it is being re-formed
+        # (after a failure), when each rank answers for itself.
+        trainers = self._sync._trainers
+        if trainers is None or trainers.broken:
+            return None
+        ranks = GroupRanks(trainers)
+        with anyio.CancelScope(shield=True):  # a cancelled rank still answers
+            gathered = await ranks.all_gather(obj)
+        return gathered
+
+
 class CollectiveWeightSynchronizer(WeightSynchronizer):
     """Broadcasts the trainer's weights to a separate inference cluster.
 
@@ -261,6 +288,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
                 f"collective_timeout_s must be a finite number > 0, got {collective_timeout_s}"
             )
         self.train_cluster = train_cluster
+        self.ranks = _ClusterRanks(self)
         self.inference_world_size = inference_world_size
         #: The data group's backend, ``"nccl"`` or ``"gloo"``.
         self.dist_backend: DistBackend = dist_backend
@@ -589,26 +617,6 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         return self._plan is not None
 
     # -- one sync --------------------------------------------------------------
-
-    def _drives_generation(self) -> bool:
-        # Only the source drives the engine; the other trainer ranks never call it.
-        return self.is_source
-
-    def _sharded(self) -> bool:
-        return self.train_cluster.world_size > 1
-
-    def _rank(self) -> int:
-        return self.train_cluster.rank
-
-    async def _gather_ranks(self, obj: Any) -> list[Any] | None:
-        # Over the trainer ranks' control group; none while it is being re-formed
-        # (after a failure), when each rank answers for itself.
-        if self._trainers is None or self._trainers.broken:
-            return None
-        ranks = GroupRanks(self._trainers)
-        with anyio.CancelScope(shield=True):  # a cancelled rank still answers
-            gathered = await ranks.all_gather(obj)
-        return gathered
 
     async def _transfer(self, version: int, kv_scales: KVScales | None) -> int | Transferred:
         # The base class checked the scales against the manifest before anything moved.

@@ -109,7 +109,7 @@ from aiosync.synchronizer import KVScales, Transferred, WeightSynchronizer
 
 from .._identity import CPU_LABEL, device_identity
 from .._leftovers import dir_prefix, sweep_leftovers
-from .._ranks import OnTrainerRanks, TrainerRanks, drain
+from .._ranks import TrainerRanks, drain
 from .._verify import Verify, bucket_digest, check_verify, sample_key, views_digest
 from .._wire import decode, encode, error_fields, rebuild_error
 from ..packing import (
@@ -200,7 +200,7 @@ def default_bucket_bytes(
     return size
 
 
-class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
+class IPCWeightSynchronizer(WeightSynchronizer):
     """Colocated refits into an engine's workers through shared buffers (see module docs).
 
     Moves FP8 KV-cache scales: ``sync_weights(kv_scales=...)`` sends them with
@@ -345,6 +345,7 @@ class IPCWeightSynchronizer(OnTrainerRanks, WeightSynchronizer):
             event_backlog=event_backlog,
             in_flight=in_flight,
             initial_version=initial_version,
+            ranks=ranks,
         )
         self._ranks = ranks
         if device is None:

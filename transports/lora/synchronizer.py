@@ -69,7 +69,7 @@ from aiosync.options import TransportCapabilities
 from aiosync.sources import RefitManifest
 from aiosync.synchronizer import KVScales, WeightSynchronizer
 
-from .._ranks import OnTrainerRanks, TrainerRanks
+from .._ranks import TrainerRanks
 from .._verify import Verify, check_verify
 from ._digests import adapter_digests
 from ._layout import AdaptedModule, adapted_modules, check_adapter_config, check_against_base
@@ -77,7 +77,7 @@ from ._layout import AdaptedModule, adapted_modules, check_adapter_config, check
 __all__ = ["LoRAAdapterSynchronizer"]
 
 
-class LoRAAdapterSynchronizer(OnTrainerRanks, WeightSynchronizer):
+class LoRAAdapterSynchronizer(WeightSynchronizer):
     """Refits a LoRA trainer's adapter into engines that serve LoRA adapters.
 
     Moves no FP8 KV-cache scales: an adapter-only refit leaves the base model,
@@ -171,6 +171,7 @@ class LoRAAdapterSynchronizer(OnTrainerRanks, WeightSynchronizer):
             event_backlog=event_backlog,
             in_flight=in_flight,
             initial_version=initial_version,
+            ranks=ranks,
         )
         self.policy: LoRAAdapterSource = policy
         #: The engines loaded, in fleet order (empty on the non-driving ranks).
