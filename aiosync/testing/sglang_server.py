@@ -1,12 +1,12 @@
 """The SGLang contract test server's public name: ``python -m aiosync.testing.sglang_server``.
 
-The server lives in :mod:`aiosync.engines.sglang.test_server` (``docs/sglang-test-server.md``);
+The server lives in :mod:`aiosync.engines.sglang.contract_server` (``docs/sglang-test-server.md``);
 this module hands on its names and runs it as ``__main__``.
 """
 
 from __future__ import annotations
 
-from aiosync.engines.sglang.test_server import (
+from aiosync.engines.sglang.contract_server import (
     AIOSYNC_ROUTE_PREFIX,
     SGLANG_ROUTES,
     ServerState,

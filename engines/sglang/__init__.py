@@ -2,7 +2,7 @@
 
 - :mod:`.backend` — :class:`SGLangHTTPBackend`, the server by URL (satisfies
   :class:`aiosync.transports.http.SGLangServer`).
-- :mod:`.test_server` — ``python -m aiosync.testing.sglang_server`` (its public name):
+- :mod:`.contract_server` — ``python -m aiosync.testing.sglang_server`` (its public name):
   SGLang's HTTP contract on the embedded engine, for CPU tests.
 """
 
