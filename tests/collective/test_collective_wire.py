@@ -57,12 +57,15 @@ def test_header_names_the_first_differing_field() -> None:
         validate_header(torch.zeros_like(header), 3, plan, 2, True)
 
 
-def test_trailer_round_trips_scales_and_checksums() -> None:
-    raw = encode_trailer([0.5, 0.25], [2**61 - 2, 7])
-    assert raw.numel() == trailer_nbytes(2, 2, verify=True) == 24
-    kv, checksums = decode_trailer(raw, 2, 2)
-    assert torch.equal(kv, torch.tensor([0.5, 0.25]))
-    assert checksums == [2**61 - 2, 7]
+@pytest.mark.parametrize("scales", [[0.5, 0.25], [0.5, 0.25, 0.125]], ids=["even", "odd"])
+def test_trailer_round_trips_scales_and_checksums(scales: list[float]) -> None:
+    # An odd number of float32 scales puts the int64 digests 4 bytes off an 8-byte
+    # boundary: they must decode all the same.
+    raw = encode_trailer(scales, [2**61 - 2, -7])
+    assert raw.numel() == trailer_nbytes(len(scales), 2, verify=True) == 4 * len(scales) + 16
+    kv, checksums = decode_trailer(raw, len(scales), 2)
+    assert torch.equal(kv, torch.tensor(scales))
+    assert checksums == [2**61 - 2, -7]
     assert trailer_nbytes(0, 5, verify=False) == 0
 
 

@@ -59,12 +59,6 @@ async def engines() -> AsyncIterator[Engines]:
 #: Cells a transport fails today, each with the bug it shows (strict: a fix turns it into a
 #: failure here, so the mark is removed with the fix).
 KNOWN_FAILURES = {
-    ("collective", "kv_scales"): pytest.mark.xfail(
-        strict=True,
-        reason="transports/collective/_wire.py decode_trailer views the int64 digests at "
-        "offset 4 * n_kv: an odd number of KV scales with verify on fails every worker "
-        "(storage_offset() must be divisible by 8)",
-    ),
     ("sharded", "cancel"): pytest.mark.xfail(
         strict=False,  # it depends on where the workers are when the cancel lands
         reason="a cancelled shard-aware sync leaves the workers in the receive of bucket 0 "

@@ -95,5 +95,8 @@ def decode_trailer(
     """Inverse of :func:`encode_trailer`: ``(float32[n_kv] scales, digests)``."""
     raw = buffer.cpu()
     kv = raw[: 4 * n_kv].view(torch.float32).clone()
-    checksums = raw[4 * n_kv : 4 * n_kv + 8 * num_checksums].view(torch.int64).tolist()
+    # Copied out before the view: after an odd number of float32 scales the digests
+    # start 4 bytes off an 8-byte boundary, which an int64 view refuses.
+    digests = raw[4 * n_kv : 4 * n_kv + 8 * num_checksums].clone()
+    checksums = digests.view(torch.int64).tolist()
     return kv, checksums
