@@ -754,8 +754,9 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
                 return await self._rpc("aiosync_collective_receive", kwargs, self.sync_timeout_s)
             except Exception as exc:
                 # A fleet's RPC may fail first on a healthy engine, whose worker's
-                # collective lost the dead peer: name the dead one if it shows.
-                cause = await self._death_behind(exc)
+                # collective lost the dead peer: name the dead one if it shows. (One
+                # engine's own error already names it, and says why.)
+                cause = await self._death_behind(exc) if len(self._engines()) > 1 else exc
                 remote_failure.append(cause)
                 raise cause from None
             finally:
