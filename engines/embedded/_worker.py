@@ -40,6 +40,7 @@ from aiosync.layout import Part
 from aiosync.transports._wire import decode, encode, error_fields
 from aiosync.transports.lora import check_adapter_tensors
 from aiosync.transports.packing import dtype_from_name, dtype_name
+from aiosync.transports.validity import mark_invalid, mark_valid
 
 from .._gate import GenerationGate, RequestTicket
 
@@ -319,7 +320,7 @@ class EmbeddedWorker:
                 if discard_adapters is not None:
                     discard_adapters()
                 self.aiosync_lora_adapter = None
-                self.aiosync_weights_valid = False
+                mark_invalid(self)
                 self.aiosync_discard_epoch = getattr(self, "aiosync_discard_epoch", 0) + 1
                 return True
         return False
@@ -493,7 +494,7 @@ class EmbeddedWorker:
         weights = [(name, tensor_from_wire(fields)) for name, fields in state.items()]
         with self._state_lock:
             loaded = int(self.model_runner.model.load_weights(weights))
-            self.aiosync_weights_valid = True
+            mark_valid(self)
         return loaded
 
 

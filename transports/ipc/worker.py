@@ -92,6 +92,7 @@ from .._verify import (
 )
 from .._wire import decode, encode, error_fields
 from ..packing import Bucket, BucketPlan, compare_manifests, pack, plan_buckets, unpack
+from ..validity import mark_invalid, mark_valid
 from ._direct import direct_views
 from ._shm import MappedBuffer, open_handle
 
@@ -135,7 +136,7 @@ class IPCWorkerMixin(WorkerIdentityMixin):
     ``self.model_runner.model.expected_manifest()``.
     """
 
-    aiosync_weights_valid: bool = True
+    aiosync_weights_valid: bool = True  # written only through aiosync.transports.validity
     _aiosync_ipc: _ReceiverState | None = None
 
     # -- state (created lazily: mixins get no __init__ call in vLLM) ----------
@@ -331,7 +332,7 @@ class IPCWorkerMixin(WorkerIdentityMixin):
         try:
             touched = state.touched == str(sync_id)
             if force or touched:
-                self.aiosync_weights_valid = False
+                mark_invalid(self)
                 state.held = None
         finally:
             if locked:
@@ -572,7 +573,7 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                     views = list(unpack(copy, bucket))
                 check = _check_fields(msg)
                 blocks = BlockDigest() if check is not None and check[0] is True else None
-                self.aiosync_weights_valid = False
+                mark_invalid(self)
                 state.touched = sync_id
                 load_start = time.monotonic()
                 with torch.no_grad():
@@ -629,7 +630,7 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                 # what the copy reads.
                 if transit_fault_armed(index):
                     transit_fault(buffer.tensor[: bucket.nbytes], index)
-                self.aiosync_weights_valid = False
+                mark_invalid(self)
                 state.touched = sync_id
                 load_start = time.monotonic()
                 with torch.no_grad():
@@ -677,7 +678,7 @@ class IPCWorkerMixin(WorkerIdentityMixin):
                         load_weights(
                             (name, torch.tensor(value, dtype=torch.float32)) for name, value in kv
                         )
-                self.aiosync_weights_valid = True
+                mark_valid(self)
                 return tensors, nbytes
             elif kind == "abort":
                 raise TransportError(f"the trainer aborted the refit: {msg.get('reason', '')}")
