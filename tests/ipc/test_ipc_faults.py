@@ -34,7 +34,7 @@ from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, Tran
 from aiosync.synchronizer import refit_if_stale
 from aiosync.transports.ipc import IPCWeightSynchronizer
 from aiosync.transports.ipc._shm import SharedBuffer
-from aiosync.transports.ipc.synchronizer import _BucketSender
+from aiosync.transports.ipc._sender import _BucketSender
 from aiosync.transports.ipc.worker import TRAINER_GONE
 from aiosync.transports.packing import BucketPlan, group_by_bucket, pack, plan_buckets
 
@@ -354,7 +354,7 @@ _TRAINER_CHILD = r"""
 import asyncio, json, os, signal, sys
 from aiosync.refit import DTensorRefitSource
 from aiosync.engines.embedded.model import HFModelRunner
-from aiosync.transports.ipc.synchronizer import _BucketSender
+from aiosync.transports.ipc._sender import _BucketSender
 from aiosync.transports.packing import plan_buckets
 config, seed, bucket_bytes, die_at, *how = json.loads(sys.argv[1])
 trainer = HFModelRunner.from_config(config, seed=seed)

@@ -95,7 +95,7 @@ _TWO_SYNC_CHILD = r"""
 import asyncio, json, os, signal, sys
 from aiosync.refit import DTensorRefitSource
 from aiosync.engines.embedded.model import HFModelRunner
-from aiosync.transports.ipc.synchronizer import _BucketSender
+from aiosync.transports.ipc._sender import _BucketSender
 from aiosync.transports.packing import plan_buckets
 config, seed, bucket_bytes, die_at = json.loads(sys.argv[1])
 trainer = HFModelRunner.from_config(config, seed=seed)
