@@ -88,6 +88,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import anyio
+import anyio.lowlevel
 import torch
 
 from aiosync._config import DEFAULT_EVENT_BACKLOG, Timeouts
@@ -809,6 +810,10 @@ class IPCWeightSynchronizer(WeightSynchronizer):
                 # One after the other in this task: no task group to set up.
                 await send()
                 session["inline"] = inline
+                # The receive's session commits the worker: a cancel asked for while
+                # the buckets were read (in a thread, shielded) must end the sync here.
+                # Later awaits may find their futures done and never yield to it.
+                await anyio.lowlevel.checkpoint_if_cancelled()
                 await drive_receivers()
             else:
                 async with anyio.create_task_group() as tg:
