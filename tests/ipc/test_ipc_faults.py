@@ -33,8 +33,8 @@ from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
 from aiosync.synchronizer import refit_if_stale
 from aiosync.transports.ipc import IPCWeightSynchronizer
-from aiosync.transports.ipc._shm import SharedBuffer
 from aiosync.transports.ipc._sender import _BucketSender
+from aiosync.transports.ipc._shm import SharedBuffer
 from aiosync.transports.ipc.worker import TRAINER_GONE
 from aiosync.transports.packing import BucketPlan, group_by_bucket, pack, plan_buckets
 
