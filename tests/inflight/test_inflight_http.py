@@ -182,7 +182,10 @@ async def test_keep_retracts_the_request_and_continues_it_on_new_weights(
     # on the new weights after the refit resumed generation.
     flushes = [status for path, status in log[start:] if path == "/flush_cache"]
     assert flushes == [400, 200]
-    assert sync_paths[-2:] == ["/continue_generation", "/generate"]
+    # Generation resumes, then the requeued request is sent again (under load another
+    # /generate of the test's may land in the log after it: order, not the tail).
+    resumed = sync_paths.index("/continue_generation")
+    assert "/generate" in sync_paths[resumed + 1 :]
 
 
 async def test_a_failed_refit_resumes_generation(
