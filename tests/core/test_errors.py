@@ -40,39 +40,33 @@ def _failing(error: Exception) -> httpx.MockTransport:
     return httpx.MockTransport(handler)
 
 
-async def test_the_sglang_client_names_the_request_and_httpx_error() -> None:
-    refused = httpx.ConnectError("refused")
+_REFUSED = httpx.ConnectError("refused")
+_LATE = httpx.ReadTimeout("slow")
+
+
+@pytest.mark.parametrize(
+    ("error", "kind", "message"),
+    [
+        (_REFUSED, TransportError, "ConnectError: refused"),
+        (_LATE, SyncTimeoutError, f"no answer within 5.0 s ({_LATE!r})"),
+    ],
+    ids=["connect", "timeout"],
+)
+async def test_the_sglang_client_names_the_request_and_the_httpx_error(
+    error: httpx.HTTPError, kind: type[Exception], message: str
+) -> None:
     client = SGLangClient(
         "http://127.0.0.1:9",
         api_key=None,
         tp_size=1,
         request_timeout_s=5.0,
         flush_timeout_s=5.0,
-        transport=_failing(refused),
+        transport=_failing(error),
     )
-    with pytest.raises(TransportError) as caught:
+    with pytest.raises(kind) as caught:
         await client.server_info()
-    assert str(caught.value) == "GET http://127.0.0.1:9/get_server_info: ConnectError: refused"
-    assert caught.value.__cause__ is refused
-    await client.aclose()
-
-
-async def test_the_sglang_client_turns_httpx_timeouts_into_sync_timeouts() -> None:
-    late = httpx.ReadTimeout("slow")
-    client = SGLangClient(
-        "http://127.0.0.1:9",
-        api_key=None,
-        tp_size=1,
-        request_timeout_s=5.0,
-        flush_timeout_s=5.0,
-        transport=_failing(late),
-    )
-    with pytest.raises(SyncTimeoutError) as caught:
-        await client.server_info()
-    assert str(caught.value) == (
-        f"GET http://127.0.0.1:9/get_server_info: no answer within 5.0 s ({late!r})"
-    )
-    assert caught.value.__cause__ is late
+    assert str(caught.value) == f"GET http://127.0.0.1:9/get_server_info: {message}"
+    assert caught.value.__cause__ is error
     await client.aclose()
 
 
