@@ -18,7 +18,11 @@ collective drive the workers), :class:`Generating` (the rollout loop) and
 shard-aware transport) and :class:`EngineSet` (a fleet), :class:`ElasticEngines`
 (a fleet that sets failed engines aside) and :class:`HealthReporting` (how it
 tells them), :class:`RestartReporting` (a server restarted behind its URL),
-:class:`KindReporting` (which engine it is: the factory picks the transport by it).
+:class:`KindReporting` (which engine it is: the factory picks the transport by it),
+:class:`ChecksumVerifying` (``verify_engine()`` asks the engine to compare its own
+weight checksums with those it recorded at the last commit),
+:class:`DraftHolding` (a speculative-decoding draft model a sync refits with the
+target or leaves frozen: ``docs/draft.md``).
 """
 
 from __future__ import annotations
@@ -31,9 +35,13 @@ if TYPE_CHECKING:
     from .layout import Layout
 
 __all__ = [
+    "DRAFT_REFITS",
     "IN_FLIGHT_POLICIES",
+    "ChecksumVerifying",
     "ConfigReporting",
     "DiscardNotifier",
+    "DraftHolding",
+    "DraftRefit",
     "ElasticEngines",
     "Engine",
     "EngineKind",
@@ -65,6 +73,18 @@ IN_FLIGHT_POLICIES: tuple[InFlightPolicy, ...] = get_args(InFlightPolicy)
 
 #: Which engine an engine object is: the engines' own API it speaks.
 EngineKind = Literal["vllm", "sglang", "embedded"]
+
+#: What a sync does with an engine's speculative-decoding draft model (an MTP module,
+#: an EAGLE head; see :class:`DraftHolding` and ``docs/draft.md``): ``"with_target"``
+#: loads the draft's tensors in the same sync as the target's, under one version
+#: (SGLang's ``selector="all"``; vLLM's ``/start_draft_weight_update`` session beside
+#: the target's), ``"frozen"`` sends the target's alone and leaves the draft bit for
+#: bit as it is (SGLang's ``selector="target"``; what miles does when it does not
+#: train the MTP layers).
+DraftRefit = Literal["with_target", "frozen"]
+
+#: The values of :data:`DraftRefit`, in that order.
+DRAFT_REFITS: tuple[DraftRefit, ...] = get_args(DraftRefit)
 
 
 @runtime_checkable
@@ -186,6 +206,25 @@ class ValidityReporting(Protocol):
 
 
 @runtime_checkable
+class ChecksumVerifying(Protocol):
+    """An engine that checksums its own weights (vLLM's ``/weight_checker``) at each
+    commit and can say whether any changed since: ``verify_engine()`` asks it."""
+
+    async def verify_recorded_checksums(self) -> int | None:
+        """Compare the engine's checksums now with those recorded at the last commit.
+
+        Returns:
+            How many checksummed tensors matched (over every worker); None: nothing
+            recorded (not asked to record, or no commit yet).
+
+        Raises:
+            RefitVerificationError: a tensor changed since the commit (named, with
+                the worker's shard).
+        """
+        ...
+
+
+@runtime_checkable
 class ManifestReporting(Protocol):
     """An engine that can say which checkpoint it loads, so that a transport
     compares the trainer's manifest with it before any byte moves."""
@@ -296,6 +335,36 @@ class ElasticEngines(Protocol):
 
     def take_joined(self) -> list[str]:
         """The engines that went into service at the last commit (each reported once)."""
+        ...
+
+
+@runtime_checkable
+class DraftHolding(Protocol):
+    """An engine that holds a speculative-decoding draft model whose weights a sync
+    refits with the target's or leaves frozen (:data:`DraftRefit`).
+
+    The draft's tensors are named in the engine's checkpoint by :attr:`draft_prefix`
+    (Qwen3-Next's MTP layers: ``"mtp."``); :meth:`select_draft_refit` says which of
+    them the next syncs load, so that the engine's manifest (what a transport
+    compares the trainer's with at init, before any byte moves) lists the draft's
+    tensors or leaves them out. ``SyncOptions(draft=...)`` calls it through
+    :func:`aiosync.sources.apply_draft_option`.
+    """
+
+    @property
+    def draft_prefix(self) -> str | None:
+        """The prefix of the draft's checkpoint names (``"mtp."``); None: no draft model."""
+        ...
+
+    def select_draft_refit(self, mode: DraftRefit) -> None:
+        """What every later sync loads: target and draft (``"with_target"``) or the
+        target alone (``"frozen"``: the draft's weights stay as they are). Takes
+        effect before the engine is next asked for its manifest.
+
+        Raises:
+            ValueError: an unknown ``mode``.
+            UnsupportedOptionError: ``"with_target"`` on an engine without a draft.
+        """
         ...
 
 
