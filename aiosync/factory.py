@@ -46,7 +46,7 @@ from .options import (
     TransportCapabilities,
     TransportOptions,
 )
-from .sources import RefitSource
+from .sources import RefitSource, apply_draft_option
 from .synchronizer import WeightSynchronizer
 
 __all__ = ["DIST_BACKENDS", "KNOWN_BACKENDS", "create_weight_synchronizer"]
@@ -249,8 +249,12 @@ def _build(
                 hint = " (transport=CollectiveOptions() is the rank-0 broadcast, which does)"
             raise UnsupportedOptionError(f"{class_name} does not honour {why}{hint}")
     takes = inspect.signature(cls).parameters
+    # ``draft`` is the engines' and the source's business, not a transport keyword.
+    policy = apply_draft_option(policy, generation, sync.draft)
     # An option turned off where the transport has no such option asks for nothing.
-    shared = {n: v for n, v in sync.given().items() if n in takes or v is not False}
+    shared = {
+        n: v for n, v in sync.given().items() if n != "draft" and (n in takes or v is not False)
+    }
     keywords: dict[str, Any] = {**topology, **transport.given(), **shared}
     if timeouts is not None:
         keywords["timeouts"] = timeouts

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from .capabilities import IN_FLIGHT_POLICIES, InFlightPolicy
+from .capabilities import DRAFT_REFITS, IN_FLIGHT_POLICIES, DraftRefit, InFlightPolicy
 
 if TYPE_CHECKING:
     import torch
@@ -94,6 +94,13 @@ class SyncOptions:
             step-N checkpoint passes N), an int >= 0.
         event_backlog: default ``max_backlog`` of ``subscribe()``, events.
         trace: record ``last_trace`` per sync.
+        draft: what a sync does with the engine's speculative-decoding draft model
+            (:data:`~aiosync.capabilities.DraftRefit`, ``docs/draft.md``):
+            ``"with_target"`` refits the draft's tensors (the source names them:
+            :func:`~aiosync.sources.with_draft`, :func:`~aiosync.sources.draft_under`)
+            with the target's, under one version; ``"frozen"`` sends no draft tensor
+            and leaves the engine's draft bit for bit as it was. None: the engine's
+            default (an embedded engine with a draft: ``"with_target"``).
 
     Raises:
         ValueError: a value of the wrong kind (before any transport is chosen).
@@ -105,8 +112,13 @@ class SyncOptions:
     initial_version: int | None = None
     event_backlog: int | None = None
     trace: bool | None = None
+    draft: DraftRefit | None = None
 
     def __post_init__(self) -> None:
+        if self.draft is not None and self.draft not in DRAFT_REFITS:
+            raise ValueError(
+                f"draft must be one of {', '.join(map(repr, DRAFT_REFITS))}, got {self.draft!r}"
+            )
         if self.verify is not None and self.verify not in (True, False, "sample"):
             raise ValueError(f"verify must be True, False or 'sample', got {self.verify!r}")
         if self.in_flight is not None and self.in_flight not in IN_FLIGHT_POLICIES:
