@@ -19,6 +19,8 @@ shard-aware transport) and :class:`EngineSet` (a fleet), :class:`ElasticEngines`
 (a fleet that sets failed engines aside) and :class:`HealthReporting` (how it
 tells them), :class:`RestartReporting` (a server restarted behind its URL),
 :class:`KindReporting` (which engine it is: the factory picks the transport by it),
+:class:`ChecksumVerifying` (``verify_engine()`` asks the engine to compare its own
+weight checksums with those it recorded at the last commit),
 :class:`DraftHolding` (a speculative-decoding draft model a sync refits with the
 target or leaves frozen: ``docs/draft.md``).
 """
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DRAFT_REFITS",
     "IN_FLIGHT_POLICIES",
+    "ChecksumVerifying",
     "ConfigReporting",
     "DiscardNotifier",
     "DraftHolding",
@@ -199,6 +202,25 @@ class ValidityReporting(Protocol):
     @property
     def weights_valid(self) -> bool:
         """False while some worker may hold a mix of two versions or none."""
+        ...
+
+
+@runtime_checkable
+class ChecksumVerifying(Protocol):
+    """An engine that checksums its own weights (vLLM's ``/weight_checker``) at each
+    commit and can say whether any changed since: ``verify_engine()`` asks it."""
+
+    async def verify_recorded_checksums(self) -> int | None:
+        """Compare the engine's checksums now with those recorded at the last commit.
+
+        Returns:
+            How many checksummed tensors matched (over every worker); None: nothing
+            recorded (not asked to record, or no commit yet).
+
+        Raises:
+            RefitVerificationError: a tensor changed since the commit (named, with
+                the worker's shard).
+        """
         ...
 
 
