@@ -79,6 +79,9 @@ class EmbeddedWorker:
         aiosync_weight_version: the weight version its tokens are labelled with.
         aiosync_weight_commit: which of the engine's commits that version is
             (its count of ``on_weights_committed`` calls; 0: never synced).
+        aiosync_draft_weight_version: the weight version of the draft model's
+            weights (None: its initial ones): a commit made while the draft is
+            refit with the target (``draft_refit == "with_target"``) labels both.
     """
 
     def __init__(
@@ -108,6 +111,7 @@ class EmbeddedWorker:
         #: The engine's commit that labelled them (0: none): labels are ordered by
         #: it, not by version, since a new owner's versions may be lower (case C27).
         self.aiosync_weight_commit = 0
+        self.aiosync_draft_weight_version: int | None = None
         # What a sleep took away and a wake of "weights" gives back, as vLLM does:
         # level 1 offloads the weights (a copy here), level 2 keeps only the
         # buffers the checkpoint does not carry (rotary caches), since a refit
@@ -272,6 +276,28 @@ class EmbeddedWorker:
         with self._state_lock:
             if commit > self.aiosync_weight_commit:
                 self.aiosync_weight_commit, self.aiosync_weight_version = commit, version
+                # The sync that committed loaded the draft too (its manifest listed the
+                # draft's tensors): one version for both. A frozen draft keeps its own.
+                if getattr(self.model_runner.model, "draft_refit", None) == "with_target" and (
+                    getattr(self.model_runner.model, "draft", None) is not None
+                ):
+                    self.aiosync_draft_weight_version = version
+
+    def embedded_select_draft_refit(self, mode: str) -> None:
+        """Whether later syncs load the draft model with the target (``"with_target"``)
+        or leave it as it is (``"frozen"``): the runner's manifest lists its tensors
+        or leaves them out (``HFModelRunner.draft_refit``).
+
+        Raises:
+            ValueError: an unknown ``mode``, or a runner without a draft model.
+        """
+        if mode not in ("with_target", "frozen"):
+            raise ValueError(f"mode must be 'with_target' or 'frozen', got {mode!r}")
+        runner = self.model_runner.model
+        if getattr(runner, "draft", None) is None:
+            raise ValueError("this worker's model runner holds no draft model")
+        with self._state_lock:
+            runner.draft_refit = mode
 
     def _logged_load(self, weights: Any) -> int:
         """The runner's ``load_weights``, recorded in :meth:`embedded_lifecycle`."""
@@ -463,9 +489,21 @@ class EmbeddedWorker:
         adapter load is in flight or after one failed; ``paused`` the pause mode in
         force (None: running), ``requests`` the decode steps each running request
         has started, ``weight_version`` the version its tokens are labelled with
-        (after taking the engine's label, as :meth:`embedded_generate_with_meta`)."""
+        (after taking the engine's label, as :meth:`embedded_generate_with_meta`);
+        with a draft model also ``"draft_refit"`` and ``"draft_weight_version"``
+        (:attr:`aiosync_draft_weight_version`)."""
         self.embedded_set_weight_version(weight_label)
+        runner = self.model_runner.model
+        drafted = (
+            {}
+            if getattr(runner, "draft", None) is None
+            else {
+                "draft_refit": runner.draft_refit,
+                "draft_weight_version": self.aiosync_draft_weight_version,
+            }
+        )
         return {
+            **drafted,
             "rank": self.rank,
             "pid": os.getpid(),
             "weights_valid": self.aiosync_weights_valid,
@@ -545,6 +583,7 @@ def build_worker(
     device_label: str | None = None,
     tensor_parallel: TPSpec | None = None,
     quantization: str | None = None,
+    draft: dict[str, Any] | None = None,
 ) -> EmbeddedWorker:
     """An :class:`EmbeddedWorker` whose class also derives from ``extension`` (dotted path).
 
@@ -556,7 +595,9 @@ def build_worker(
     ``tensor_parallel`` places it in a tensor-parallel replica: it joins the
     replica's group (blocking until every rank did), keeps its slice of the
     model, and a follower starts running the driver's steps. ``quantization``
-    (``"fp8"``) is :meth:`HFModelRunner.from_config`'s.
+    (``"fp8"``) is :meth:`HFModelRunner.from_config`'s. ``draft``: ``{"model": the
+    draft's config, "prefix": its names' prefix, "refit": "with_target" | "frozen"}``,
+    a draft model held beside the target (None: none).
 
     Raises:
         ValueError: ``tensor_parallel`` with a ``runner_factory``, or a model that
@@ -571,7 +612,11 @@ def build_worker(
         factory = HFModelRunner.from_config if runner_factory is None else _import(runner_factory)
         # Only when set: a runner_factory need not take it (the engine refuses both).
         options: dict[str, Any] = {} if quantization is None else {"quantization": quantization}
+        if draft is not None:
+            options.update(draft=draft["model"], draft_prefix=draft["prefix"])
         runner = factory(model, seed=seed, dtype=dtype, **options)
+        if draft is not None:
+            runner.draft_refit = draft["refit"]
     elif runner_factory is not None:
         raise ValueError("a runner_factory's runner cannot be tensor-parallel")
     else:
@@ -608,6 +653,7 @@ def run_worker(
     device_label: str | None = None,
     tensor_parallel: TPSpec | None = None,
     quantization: str | None = None,
+    draft: dict[str, Any] | None = None,
 ) -> None:
     """Process entry point: connect to ``endpoint``, build the worker, serve until told to stop."""
     torch.set_num_threads(threads)
@@ -630,6 +676,7 @@ def run_worker(
             device_label,
             tensor_parallel,
             quantization,
+            draft,
         )
         _serve(sock, rank, build)
     finally:

@@ -41,8 +41,14 @@ import anyio.to_thread
 import torch
 
 from aiosync._config import DEFAULT_RPC_TIMEOUT_S
-from aiosync.capabilities import IN_FLIGHT_POLICIES, EngineKind, InFlightPolicy
-from aiosync.errors import SyncError, TransportError
+from aiosync.capabilities import (
+    DRAFT_REFITS,
+    IN_FLIGHT_POLICIES,
+    DraftRefit,
+    EngineKind,
+    InFlightPolicy,
+)
+from aiosync.errors import SyncError, TransportError, UnsupportedOptionError
 from aiosync.generation import Generation, SamplingParams, sampling_params, version_span
 from aiosync.layout import Layout, Part
 from aiosync.lora import LoRAAdapter
@@ -61,6 +67,7 @@ if TYPE_CHECKING:
     from aiosync.capabilities import (
         ConfigReporting,
         DiscardNotifier,
+        DraftHolding,
         Engine,
         EngineWorkers,
         Generating,
@@ -88,8 +95,8 @@ class EmbeddedEngine(GenerateFromMeta):
     An :class:`~aiosync.capabilities.Engine` that is also a
     :class:`~aiosync.capabilities.PausableEngine`, ``VersionedEngine``,
     ``DiscardNotifier``, ``SleepReporting``, ``EngineWorkers``, ``Generating``
-    ``ManifestReporting``, ``ConfigReporting`` and ``LayoutReporting`` (checked by mypy at
-    the end of this module).
+    ``ManifestReporting``, ``ConfigReporting``, ``LayoutReporting`` and ``DraftHolding``
+    (checked by mypy at the end of this module).
 
     Args:
         model: an HF config (a transformers ``PretrainedConfig`` such as
@@ -138,6 +145,18 @@ class EmbeddedEngine(GenerateFromMeta):
             dequantizes them into its ``dtype`` weights before generating
             (``model._FP8Weights``). A model folder holding an FP8 checkpoint is
             read as it is on disk. None: the checkpoint as the model holds it.
+        draft: a speculative-decoding draft model held beside the target on every
+            worker (an MTP module, an EAGLE head; ``docs/draft.md``), as ``model``
+            (an HF config of a causal LM, built with seed ``seed + 1``). Its
+            checkpoint tensors are named ``draft_prefix + name`` and load in the
+            same sync as the target's, under one version, while :attr:`draft_refit`
+            is ``"with_target"`` (the default; :meth:`expected_manifest` lists
+            them), or are left as they are when it is ``"frozen"``
+            (:meth:`select_draft_refit`, ``SyncOptions(draft=...)``). Generation
+            uses the target alone. Not with ``tensor_parallel_size > 1``,
+            ``quantization`` or a ``runner_factory``.
+        draft_prefix: the prefix of the draft's names (``"mtp."``: Qwen3-Next's MTP
+            layers' in its checkpoint); no target name may start with it.
 
     Raises:
         TypeError: ``model`` is none of the above, or ``num_workers`` or
@@ -149,7 +168,8 @@ class EmbeddedEngine(GenerateFromMeta):
             a config dict that does not split over it (a model type other than
             Qwen3/Qwen3-MoE, heads or sizes not divisible); an unknown
             ``quantization``, or ``"fp8"`` with ``tensor_parallel_size > 1`` or a
-            ``runner_factory``.
+            ``runner_factory``; a ``draft`` with any of those, or an empty
+            ``draft_prefix`` (a target name that starts with it: at start).
     """
 
     #: Which engine this is (:class:`~aiosync.capabilities.KindReporting`): the factory
@@ -172,6 +192,8 @@ class EmbeddedEngine(GenerateFromMeta):
         device_labels: Sequence[str] | None = None,
         tensor_parallel_size: int = 1,
         quantization: Literal["fp8"] | None = None,
+        draft: object = None,
+        draft_prefix: str = "mtp.",
     ) -> None:
         for what, value in (
             ("num_workers", num_workers),
@@ -184,6 +206,8 @@ class EmbeddedEngine(GenerateFromMeta):
         if tensor_parallel_size > 1 and runner_factory is not None:
             raise ValueError("tensor_parallel_size > 1 does not work with a runner_factory")
         _check_quantization(quantization, tensor_parallel_size, runner_factory)
+        if draft is not None:
+            _check_draft(draft_prefix, tensor_parallel_size, runner_factory, quantization)
         world_size = num_workers * tensor_parallel_size
         _check_dtype(dtype)
         # The workers build transformers models; say so here rather than in a dead worker's log.
@@ -201,6 +225,12 @@ class EmbeddedEngine(GenerateFromMeta):
                 f"device_labels must be {world_size} non-empty strings, got {device_labels!r}"
             )
         self._model = _model_spec(model)
+        # The draft model's spec (None: no draft), the prefix of its names, the
+        # draft_refit later syncs load by, and the one the running workers hold.
+        self._draft = None if draft is None else _model_spec(draft)
+        self._draft_prefix = draft_prefix
+        self._draft_refit: DraftRefit = "with_target"
+        self._draft_told: DraftRefit = "with_target"
         if tensor_parallel_size > 1 and isinstance(self._model, dict):
             # What the dict says can be checked here, before minutes of spawning; the
             # workers check the full config (transformers' defaults filled in) again.
@@ -257,6 +287,51 @@ class EmbeddedEngine(GenerateFromMeta):
         # "wait" or "abort" pause has ended every request there.
         self._abandoned = False
 
+    # -- the draft model (DraftHolding) ------------------------------------------
+
+    @property
+    def draft_prefix(self) -> str | None:
+        """The prefix of the draft model's checkpoint names (``"mtp."``); None: no draft."""
+        return None if self._draft is None else self._draft_prefix
+
+    @property
+    def draft_refit(self) -> DraftRefit | None:
+        """What later syncs do with the draft model (:data:`~aiosync.capabilities.DraftRefit`);
+        None: no draft."""
+        return None if self._draft is None else self._draft_refit
+
+    def select_draft_refit(self, mode: DraftRefit) -> None:
+        """Whether later syncs load the draft with the target (``"with_target"``) or
+        leave it bit for bit as it is (``"frozen"``). The workers learn it before
+        the engine's next RPC (their manifest, which a transport checks at init,
+        lists the draft's tensors or leaves them out).
+
+        Raises:
+            ValueError: an unknown ``mode``.
+            UnsupportedOptionError: ``"with_target"`` on an engine without a draft.
+        """
+        if mode not in DRAFT_REFITS:
+            raise ValueError(f"mode must be one of {DRAFT_REFITS}, got {mode!r}")
+        if self._draft is None:
+            if mode == "with_target":
+                raise UnsupportedOptionError(
+                    "draft='with_target': this EmbeddedEngine holds no draft model "
+                    "(EmbeddedEngine(..., draft=config))"
+                )
+            return
+        self._draft_refit = mode
+
+    async def _tell_draft_refit(self) -> None:
+        """Tell the running workers :attr:`draft_refit` if it changed since they were."""
+        if self._draft is None or self._draft_told == self._draft_refit or not self._pool.started:
+            return
+        mode = self._draft_refit
+        calls: list[tuple[int, list[Any], dict[str, Any]]] = [
+            (rank, [mode], {}) for rank in range(self.world_size)
+        ]
+        await self._pool.call("embedded_select_draft_refit", calls, None)
+        self._draft_told = mode
+
     @property
     def layout_refusal(self) -> str | None:
         """None: every worker reports its layout (:meth:`weight_layouts`)."""
@@ -294,6 +369,9 @@ class EmbeddedEngine(GenerateFromMeta):
             None if self.device_labels is None else self.device_labels[rank],
             self._tp_spec(rank),
             self.quantization,
+            None
+            if self._draft is None
+            else {"model": self._draft, "prefix": self._draft_prefix, "refit": self._draft_refit},
         )
 
     def _tp_spec(self, rank: int) -> TPSpec | None:
@@ -346,6 +424,7 @@ class EmbeddedEngine(GenerateFromMeta):
             if self.tensor_parallel_size > 1:
                 self._tp_store = await anyio.to_thread.run_sync(open_tp_store, self.start_timeout_s)
             await self._pool.start(self.start_timeout_s)
+            self._draft_told = self._draft_refit  # the workers were built with it
         except BaseException:
             await self.shutdown()
             raise
@@ -460,6 +539,7 @@ class EmbeddedEngine(GenerateFromMeta):
             SyncError (and subclasses), ValueError, TypeError, KeyError,
             AttributeError, NotImplementedError: re-raised from a worker.
         """
+        await self._tell_draft_refit()
         calls = [(rank, list(args), dict(kwargs or {})) for rank in range(self.world_size)]
         return await self._pool.call(method, calls, timeout_s)
 
@@ -612,11 +692,14 @@ class EmbeddedEngine(GenerateFromMeta):
 
     async def expected_manifest(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """``{hf_name: (shape, dtype)}`` of the base model's checkpoint, in
-        ``save_pretrained`` order (worker 0's :meth:`HFModelRunner.expected_manifest`).
+        ``save_pretrained`` order (worker 0's :meth:`HFModelRunner.expected_manifest`);
+        with a draft model whose :attr:`draft_refit` is ``"with_target"``, the draft's
+        tensors follow under :attr:`draft_prefix`.
 
         Raises:
             TransportError, SyncTimeoutError: as :meth:`collective_rpc`.
         """
+        await self._tell_draft_refit()
         (reply,) = await self._pool.call("embedded_expected_manifest", [(0, [], {})], None)
         return {name: (tuple(shape), dtype_from_name(dtype)) for name, shape, dtype in reply}
 
@@ -847,6 +930,19 @@ def _check_quantization(
         raise ValueError("quantization='fp8' does not work with a runner_factory")
 
 
+def _check_draft(
+    prefix: object, tensor_parallel_size: int, runner_factory: str | None, quantization: object
+) -> None:
+    """Raise ValueError unless a draft model can be held by this engine's workers."""
+    if not isinstance(prefix, str) or not prefix:
+        raise ValueError(f"draft_prefix must be a non-empty string, got {prefix!r}")
+    if tensor_parallel_size > 1 or runner_factory is not None or quantization is not None:
+        raise ValueError(
+            "a draft model works with none of tensor_parallel_size > 1, runner_factory "
+            "and quantization in the embedded engine"
+        )
+
+
 def _check_dtype(dtype: object) -> None:
     """Raise TypeError/ValueError unless ``dtype`` names a torch floating dtype."""
     if not isinstance(dtype, str):
@@ -909,5 +1005,6 @@ if TYPE_CHECKING:
         ConfigReporting,
         LayoutReporting,
         HealthReporting,
+        DraftHolding,
     ]:
-        return (e, e, e, e, e, e, e, e, e, e, e)
+        return (e, e, e, e, e, e, e, e, e, e, e, e)

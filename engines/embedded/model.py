@@ -26,6 +26,12 @@ rank's Megatron slice of the model: its :meth:`~HFModelRunner.weight_layout` say
 which :class:`~aiosync.layout.Part` of each checkpoint tensor it keeps,
 :meth:`~HFModelRunner.load_weights` still takes FULL checkpoint tensors (and
 keeps its slice), :meth:`~HFModelRunner.load_weight_parts` takes slices.
+
+A runner may hold a speculative-decoding draft model beside the target
+(``draft=``, another :class:`HFModelRunner`): its checkpoint tensors are named
+``draft_prefix + name`` (``"mtp."``, as Qwen3-Next's MTP layers are) and load
+through the same calls, in the same sync; :attr:`HFModelRunner.draft_refit` says
+whether the manifest lists them (``docs/draft.md``).
 """
 
 from __future__ import annotations
@@ -79,13 +85,20 @@ class HFModelRunner:
             its ``weight_scale_inv`` per 128x128 block, the rest in the model's
             dtype), as :class:`_FP8Weights` says; the initial weights are
             quantized at construction. None: the checkpoint as the model holds it.
+        draft: a speculative-decoding draft model's runner, held beside the target
+            (an MTP module, an EAGLE head): its tensors load as this runner's, named
+            ``draft_prefix + name`` (its own checkpoint name). None: no draft.
+        draft_prefix: the prefix of the draft's names here; not empty, and no
+            target name may start with it.
 
     Raises:
         RefitMismatchError: a name ``save_pretrained`` would write has no place in
             the model (a layout this runner does not know).
         ValueError: the model does not split over ``tensor_parallel``'s ranks
             (``_tp.check_tensor_parallel``), an unknown ``quantization``, or
-            ``quantization`` with ``tensor_parallel``.
+            ``quantization`` with ``tensor_parallel``; a ``draft`` with
+            ``tensor_parallel`` or ``quantization``, or an empty ``draft_prefix``
+            or one a target name starts with.
     """
 
     def __init__(
@@ -94,8 +107,19 @@ class HFModelRunner:
         *,
         tensor_parallel: TensorParallel | None = None,
         quantization: Literal["fp8"] | None = None,
+        draft: HFModelRunner | None = None,
+        draft_prefix: str = "mtp.",
     ) -> None:
         _check_quantization(quantization, tensor_parallel is not None)
+        _check_draft(draft, draft_prefix, tensor_parallel is not None, quantization)
+        #: The speculative-decoding draft model's runner (None: no draft); its
+        #: checkpoint names are this runner's under :attr:`draft_prefix`.
+        self.draft = draft
+        #: What the draft's checkpoint names start with here (``"mtp."``).
+        self.draft_prefix = draft_prefix
+        #: Whether a sync loads the draft with the target (``"with_target"``: the
+        #: manifest lists its tensors) or leaves it as it is (``"frozen"``).
+        self.draft_refit: Literal["with_target", "frozen"] = "with_target"
         self.model = model
         self.model.eval()
         #: Held by :meth:`load_weights` and :meth:`generate`: a generation never
@@ -104,6 +128,10 @@ class HFModelRunner:
         # The FULL checkpoint's names and shapes, before any sharding: what a
         # trainer sends and the transports compare against.
         self._manifest = _checkpoint_manifest(model)
+        if draft is not None and any(n.startswith(draft_prefix) for n in self._manifest):
+            raise ValueError(
+                f"draft_prefix {draft_prefix!r} is the start of a target tensor's name"
+            )
         #: This rank's place in its tensor-parallel replica; None: the whole model.
         self.tensor_parallel = tensor_parallel
         self._layout: dict[str, Part] = (
@@ -164,6 +192,8 @@ class HFModelRunner:
         dtype: torch.dtype | str = torch.float32,
         tensor_parallel: TensorParallel | None = None,
         quantization: Literal["fp8"] | None = None,
+        draft: PretrainedConfig | Mapping[str, Any] | str | Path | None = None,
+        draft_prefix: str = "mtp.",
     ) -> HFModelRunner:
         """Build a model from an HF config (or load a local checkpoint folder).
 
@@ -183,21 +213,34 @@ class HFModelRunner:
                 ``quantization_config.quant_method == "fp8"``) is then read
                 tensor by tensor, its FP8 bytes and scales as they are on disk;
                 any other folder or config is quantized once built.
+            draft: a speculative-decoding draft model, as ``config`` (built with
+                seed ``seed + 1``, so that it differs from a target of the same
+                config), held beside the target under ``draft_prefix`` (see the
+                class). None: no draft.
+            draft_prefix: the prefix of the draft's checkpoint names here.
 
         Raises:
             ValueError: the config has no ``model_type``, or does not split over
-                ``tensor_parallel``'s ranks, or ``quantization`` is unknown.
+                ``tensor_parallel``'s ranks, or ``quantization`` is unknown; a draft
+                the runner cannot hold (see the class).
             RefitMismatchError: an FP8 folder whose tensors are not the FP8
                 checkpoint this runner serves (a missing, unknown or misshapen one).
         """
         torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        drafted: dict[str, Any] = {}
+        if draft is not None:
+            _check_draft(None, draft_prefix, tensor_parallel is not None, quantization, True)
+            drafted = {
+                "draft": cls.from_config(draft, seed=seed + 1, dtype=dtype),
+                "draft_prefix": draft_prefix,
+            }
         hf_config = resolve_hf_config(config)
         fp8_folder = (
             isinstance(hf_config, Path) and quantization == "fp8" and _is_fp8_folder(hf_config)
         )
         if isinstance(hf_config, Path) and not fp8_folder:
             model = AutoModelForCausalLM.from_pretrained(hf_config, dtype=torch_dtype)
-            return cls(model, tensor_parallel=tensor_parallel, quantization=quantization)
+            return cls(model, tensor_parallel=tensor_parallel, quantization=quantization, **drafted)
         folder = hf_config if isinstance(hf_config, Path) else None
         if folder is not None:
             # transformers dequantizes an FP8 checkpoint on a CPU (and cannot read
@@ -209,7 +252,7 @@ class HFModelRunner:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype)
-        runner = cls(model, tensor_parallel=tensor_parallel, quantization=quantization)
+        runner = cls(model, tensor_parallel=tensor_parallel, quantization=quantization, **drafted)
         if folder is not None:
             runner._load_checkpoint_files(folder)
         return runner
@@ -252,8 +295,19 @@ class HFModelRunner:
         weights removed, MoE experts split per expert; derived with
         transformers' own ``revert_weight_conversion``). Shapes are the FULL
         tensors' on a tensor-parallel rank too (what a trainer sends).
+
+        With a draft model and :attr:`draft_refit` ``"with_target"``, the draft's
+        manifest follows, each name under :attr:`draft_prefix`; ``"frozen"``
+        leaves it out (a sync then sends none of its tensors).
         """
-        return dict(self._manifest)
+        return {**self._manifest, **self._draft_manifest()}
+
+    def _draft_manifest(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The draft's manifest under :attr:`draft_prefix` when a sync loads it; else empty."""
+        if self.draft is None or self.draft_refit != "with_target":
+            return {}
+        prefix = self.draft_prefix
+        return {f"{prefix}{n}": spec for n, spec in self.draft.expected_manifest().items()}
 
     def weight_layout(self) -> dict[str, Part]:
         """``{hf_name: part}``: what this runner holds of each checkpoint tensor, in
@@ -262,8 +316,10 @@ class HFModelRunner:
         :meth:`Part.whole` for every tensor without tensor parallelism; on a
         tensor-parallel rank the Megatron slice (``_tp.tp_layout``). Each part's
         ``shape`` is the full tensor's, its ``local_shape`` what the rank stores.
+        A draft's tensors (those :meth:`expected_manifest` lists) are whole.
         """
-        return dict(self._layout)
+        drafted = {name: Part.whole(shape) for name, (shape, _) in self._draft_manifest().items()}
+        return {**self._layout, **drafted}
 
     def _resolve_aliases(self) -> None:
         tied: Mapping[str, str] = getattr(self.model, "all_tied_weights_keys", None) or {}
@@ -295,6 +351,11 @@ class HFModelRunner:
         target = self._aliases.get(name)
         if target is not None:
             return target, self._alias_parts[name]
+        if self.draft is not None and name.startswith(self.draft_prefix):
+            # The draft's tensors load through every path the target's do (whole
+            # tensors, parts, boxes, delta patches), whatever draft_refit says: the
+            # manifest a transport checks at init is what keeps a frozen draft's out.
+            return self.draft._lookup(name[len(self.draft_prefix) :])
         return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -472,18 +533,29 @@ class HFModelRunner:
         """The weights as ``save_pretrained`` writes them: checkpoint names and order, copies.
 
         On a tensor-parallel rank, each tensor is the slice held
-        (``weight_layout()[name].local_shape``), not the full tensor.
+        (``weight_layout()[name].local_shape``), not the full tensor. A draft
+        model's tensors follow under :attr:`draft_prefix` (frozen or not).
         """
         with self.lock, torch.no_grad():
             self._follow_model()
-            return {name: self._targets[name].detach().clone() for name in self._manifest}
+            state = {name: self._targets[name].detach().clone() for name in self._manifest}
+        if self.draft is not None:
+            prefix = self.draft_prefix
+            state.update((f"{prefix}{n}", t) for n, t in self.draft.hf_state_dict().items())
+        return state
 
     def fill_(self, value: float) -> None:
-        """Overwrite every weight with ``value`` (an engine that discarded its weights)."""
+        """Overwrite every weight with ``value`` (an engine that discarded its weights).
+
+        A frozen draft (:attr:`draft_refit`) keeps its weights: no sync would restore
+        them (vLLM warns alike and offers ``--sleep-preserve-parameter-names 'draft.*'``).
+        """
         with self.lock, torch.no_grad():
             self._follow_model()
             for name in self._manifest:
                 self._targets[name].fill_(value)
+        if self.draft is not None and self.draft_refit == "with_target":
+            self.draft.fill_(value)
 
     # -- LoRA adapters (adapter-only refits) ------------------------------------
 
@@ -868,6 +940,28 @@ def resolve_hf_config(
         items.pop(key, None)
     built: PretrainedConfig = AutoConfig.for_model(model_type, **items)
     return built
+
+
+def _check_draft(
+    draft: HFModelRunner | None,
+    prefix: object,
+    tensor_parallel: bool,
+    quantization: object,
+    given: bool = False,
+) -> None:
+    """Raise ValueError for a draft this runner cannot hold (TypeError for a non-runner);
+    ``given``: a draft is coming (before it is built)."""
+    if draft is None and not given:
+        return
+    if draft is not None and not isinstance(draft, HFModelRunner):
+        raise TypeError(f"draft must be an HFModelRunner, got {type(draft).__name__}")
+    if not isinstance(prefix, str) or not prefix:
+        raise ValueError(f"draft_prefix must be a non-empty string, got {prefix!r}")
+    if tensor_parallel or quantization is not None:
+        raise ValueError(
+            "a draft model works with neither tensor_parallel nor quantization in the "
+            "embedded engine"
+        )
 
 
 def _check_quantization(quantization: object, tensor_parallel: bool) -> None:
