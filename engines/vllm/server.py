@@ -16,7 +16,15 @@ every route, body field and query parameter in :data:`ROUTES`):
 * ``POST /reset_prefix_cache``, ``POST /sleep``, ``POST /wake_up``,
   ``GET /is_sleeping``, ``GET /server_info`` (``vllm/entrypoints/serve/dev/``);
 * vLLM's own weight-transfer phases (``/init_weight_transfer_engine``,
-  ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``).
+  ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``);
+* ``POST /abort_requests`` (the ``"abort"`` in-flight policy) and ``POST
+  /weight_checker`` (``record_checksums``: :meth:`VLLMServerBackend.verify_recorded_checksums`)
+  where the server has them.
+
+The routes a server serves are read once from its ``GET /openapi.json``
+(:meth:`VLLMServerBackend.served_routes`): a route of :data:`OPTIONAL_ROUTES` the
+server lacks is either done without (``/abort_requests``: ``/pause?mode=abort``) or
+refused with a :class:`RouteMissingError` naming it and the vLLM releases that serve it.
 
 Every route but the completions is registered only with ``VLLM_SERVER_DEV_MODE=1``;
 the server needs ``--worker-extension-cls
@@ -51,6 +59,7 @@ from aiosync._config import DEFAULT_RPC_TIMEOUT_S
 from aiosync.capabilities import IN_FLIGHT_POLICIES, EngineKind, InFlightPolicy
 from aiosync.errors import (
     ExceptionMapping,
+    RefitVerificationError,
     SyncError,
     SyncTimeoutError,
     TransportError,
@@ -69,6 +78,7 @@ if TYPE_CHECKING:
     import torch
 
     from aiosync.capabilities import (
+        ChecksumVerifying,
         DiscardNotifier,
         Engine,
         EngineWorkers,
@@ -81,8 +91,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_GENERATE_TIMEOUT_S",
+    "OPTIONAL_ROUTES",
     "ROUTES",
     "SERVER_DEV_MODE_ENV",
+    "RouteMissingError",
     "VLLMServerBackend",
 ]
 
@@ -98,6 +110,8 @@ _CONNECT_TIMEOUT_S = 10.0
 # What vLLM's engine core appends to a worker's message
 # (``Worker failed with error '<message>', please check the stack trace ...``).
 _VLLM_WORKER_SUFFIX = re.compile(r"', please check the stack trace above for the root cause\.?$")
+# A /weight_checker key: the worker's ranks, then vLLM's parameter name.
+_CHECKSUM_KEY = re.compile(r"dp(\d+):pp(\d+):pcp(\d+):tp(\d+):(.+)")
 #: The tags ``/wake_up`` accepts (vLLM's ``wake_up(tags)``).
 _WAKE_TAGS = frozenset({"weights", "kv_cache", "scheduling"})
 
@@ -144,9 +158,43 @@ ROUTES: dict[str, Route] = {
     "/update_weights": _route("POST", ("update_info",)),
     "/finish_weight_update": _route("POST", ("weight_version",)),
     "/shutdown_weight_transfer_engine": _route("POST"),
+    # Aborts every request the server tracks (no request_ids), without pausing.
+    "/abort_requests": _route("POST", ("request_ids",)),
+    # Only the "checksum" action: the comparison is done here, naming each change.
+    "/weight_checker": _route("POST", ("action",)),
+    # FastAPI's schema of every route (absent with --disable-fastapi-docs).
+    "/openapi.json": _route("GET"),
 }
 # The routes served only with VLLM_SERVER_DEV_MODE=1: a 404 there names the missing flag.
-_DEV_ROUTES = frozenset(ROUTES) - {"/health", "/v1/completions"}
+_DEV_ROUTES = frozenset(ROUTES) - {"/health", "/v1/completions", "/openapi.json"}
+
+#: The routes of :data:`ROUTES` that not every vLLM serves, and which releases do:
+#: the backend reads ``/openapi.json`` before calling one (:meth:`VLLMServerBackend.served_routes`).
+OPTIONAL_ROUTES: dict[str, str] = {
+    "/abort_requests": "vLLM 0.32.0 and 0.34.0 serve it (the RL router)",
+    "/weight_checker": "vLLM 0.32.0 and 0.34.0 serve it (the RL router)",
+    "/shutdown_weight_transfer_engine": (
+        "vLLM 0.32.0 to 0.34.0 serve it; vLLM's main after 0.34 has no such route"
+    ),
+}
+
+
+class RouteMissingError(TransportError):
+    """The server does not serve a route the call needs (its ``/openapi.json`` lacks
+    it, or it answered 404), raised before anything else is sent for the call.
+
+    Attributes:
+        route: the path, e.g. ``"/weight_checker"``.
+        need: which vLLM releases serve it.
+    """
+
+    def __init__(self, base_url: str, route: str, need: str) -> None:
+        super().__init__(
+            f"the vLLM server at {base_url} does not serve {route}: {need}, with "
+            f"{SERVER_DEV_MODE_ENV}=1"
+        )
+        self.route = route
+        self.need = need
 
 
 @dataclass
@@ -186,6 +234,11 @@ class VLLMServerBackend(GenerateFromMeta):
         rpc_timeout_s: default limit of one request other than generation
             (a :meth:`collective_rpc`, a pause), seconds.
         generate_timeout_s: limit of one :meth:`generate_with_meta` call, seconds.
+        record_checksums: at each commit (:meth:`on_weights_committed`) ask the
+            server's ``/weight_checker`` for the SHA-256 of every parameter of every
+            worker and keep them: ``verify_engine()`` then also names any parameter
+            changed since (:meth:`verify_recorded_checksums`). Costs one hash of the
+            whole model per sync, on the server.
         transport: an ``httpx.AsyncBaseTransport`` to use (proxies, tests).
 
     Raises:
@@ -212,6 +265,7 @@ class VLLMServerBackend(GenerateFromMeta):
         sleep_level: int = 1,
         rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
         generate_timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S,
+        record_checksums: bool = False,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         if sleep_level not in (1, 2):
@@ -229,6 +283,7 @@ class VLLMServerBackend(GenerateFromMeta):
         self.sleep_level = sleep_level
         self.rpc_timeout_s = rpc_timeout_s
         self.generate_timeout_s = generate_timeout_s
+        self.record_checksums = record_checksums
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
@@ -251,6 +306,13 @@ class VLLMServerBackend(GenerateFromMeta):
         # The version committed while generation was paused: computing from the resume.
         self._committed_in_pause: int | None = None
         self._streamed_tokens = 0
+        # The paths /openapi.json lists (None: not read yet); _schema_hidden: it answered
+        # 404 (--disable-fastapi-docs), so the routes are unknown for good.
+        self._routes: frozenset[str] | None = None
+        self._schema_hidden = False
+        # (version, {key: sha256 hex}) of /weight_checker at the last commit (record_checksums).
+        self._checksums: tuple[int, dict[str, str]] | None = None
+        self._warned_no_checker = False
 
     # -- the HTTP plumbing: one place for every error -------------------------------
 
@@ -295,13 +357,63 @@ class VLLMServerBackend(GenerateFromMeta):
                 headers={"Connection": "close"} if fresh_connection else None,
                 timeout=_httpx_timeout(limit),
             )
-        _raise_for_status(response, where, path, "Authorization" in self._client.headers)
+        try:
+            _raise_for_status(response, where, path, "Authorization" in self._client.headers)
+        except TransportError as exc:
+            if _http_status(exc) == 404 and path in OPTIONAL_ROUTES:
+                raise RouteMissingError(self.base_url, path, OPTIONAL_ROUTES[path]) from exc
+            raise
         if not response.content:
             return None
         try:
             return response.json()
         except ValueError:
             return response.text
+
+    # -- which routes the server has: /openapi.json, once ---------------------------
+
+    async def served_routes(self) -> frozenset[str] | None:
+        """The paths the server serves, from its ``GET /openapi.json`` (read once, cached).
+
+        vLLM's app publishes every route it registered there (FastAPI's schema),
+        unless started with ``--disable-fastapi-docs``: then (a 404) None, for good,
+        and each optional route is simply tried (a 404 on it is a
+        :class:`RouteMissingError`). Another error answer is None too, and the
+        schema is asked for again next time.
+
+        Raises:
+            TransportError, SyncTimeoutError: the server is unreachable or gave no
+                answer in time; it answered a schema without ``paths``.
+        """
+        if self._routes is None and not self._schema_hidden:
+            try:
+                spec = await self._request("GET", "/openapi.json")
+            except TransportError as exc:
+                status = _http_status(exc)
+                if status is None:
+                    raise  # unreachable: the call that wanted the route would fail too
+                self._schema_hidden = status == 404
+                _log.info("%s: no route list (%s); optional routes are tried", self.base_url, exc)
+                return None
+            paths = spec.get("paths") if isinstance(spec, dict) else None
+            if not isinstance(paths, dict):
+                raise TransportError(f"{self.base_url}/openapi.json answered no paths")
+            self._routes = frozenset(str(p) for p in paths)
+        return self._routes
+
+    async def _serves(self, path: str) -> bool | None:
+        """Whether the server serves ``path``; None: unknown (no ``/openapi.json``)."""
+        routes = await self.served_routes()
+        return None if routes is None else path in routes
+
+    async def _require_route(self, path: str) -> None:
+        """Refuse a call whose route the server's ``/openapi.json`` does not list.
+
+        Raises:
+            RouteMissingError: it is not listed (which releases serve it named).
+        """
+        if await self._serves(path) is False:
+            raise RouteMissingError(self.base_url, path, OPTIONAL_ROUTES[path])
 
     # -- EngineWorkers: /collective_rpc -------------------------------------------
 
@@ -472,6 +584,15 @@ class VLLMServerBackend(GenerateFromMeta):
 
         * ``"abort"``: end now with their tokens (finish reason ``"abort"``);
           returns once this backend's running calls have their last chunk.
+          Where the server has ``/abort_requests`` (vLLM 0.32.0, 0.34.0): ``POST
+          /pause?mode=keep``, then ``POST /abort_requests {}``. The scheduler stops
+          first, then every request the server holds ends (any client's, and any
+          that arrived between the two calls); requests sent after that are
+          queued until the resume, on every release. (``/pause?mode=abort`` also
+          pauses, but vLLM 0.34 answers requests sent during that pause with 503
+          ``RetryableRequestError``; a sync should delay the other clients'
+          rollouts, not fail them.) Without ``/abort_requests``, or when the
+          server publishes no ``/openapi.json``: ``POST /pause?mode=abort``.
         * ``"wait"``: the server answers once they finished on the old weights;
           returns once this backend's calls have their last chunk.
         * ``"keep"``: frozen between two tokens; they continue after the resume,
@@ -494,11 +615,22 @@ class VLLMServerBackend(GenerateFromMeta):
         """
         if mode not in IN_FLIGHT_POLICIES:
             raise ValueError(f"unknown in-flight mode {mode!r}; known: {list(IN_FLIGHT_POLICIES)}")
+        abort_route = mode == "abort" and await self._serves("/abort_requests") is True
         self._gate.pause()
         self._committed_in_pause = None
         try:
             with anyio.fail_after(self.rpc_timeout_s):
-                await self._request("POST", "/pause", params={"mode": mode, "clear_cache": False})
+                if abort_route:
+                    # Frozen first, so that nothing is computed between the two calls;
+                    # then everything the server holds ends with finish reason "abort".
+                    await self._request(
+                        "POST", "/pause", params={"mode": "keep", "clear_cache": False}
+                    )
+                    await self._request("POST", "/abort_requests", body={})
+                else:
+                    await self._request(
+                        "POST", "/pause", params={"mode": mode, "clear_cache": False}
+                    )
                 if mode != "keep":
                     await self._gate.drained()
                 if clear_cache:
@@ -598,6 +730,86 @@ class VLLMServerBackend(GenerateFromMeta):
             self._committed_in_pause = version
         else:
             self._set_computing(version)
+        if self.record_checksums:
+            await self._record_checksums(version)
+
+    # -- the server's own weight checksums: /weight_checker ------------------------------
+
+    async def weight_checksums(self) -> dict[str, str]:
+        """``POST /weight_checker {"action": "checksum"}``: the SHA-256 (hex) of every
+        parameter of every worker, as the server holds it now.
+
+        Keys are ``"dp{d}:pp{p}:pcp{c}:tp{t}:{name}"``: the worker's data-, pipeline-,
+        context- and tensor-parallel ranks, and vLLM's own parameter name
+        (``model.layers.0.self_attn.qkv_proj.weight``: fused, sharded, after
+        vLLM's post-processing; a tensor subclass's inner tensors as
+        ``{name}.{attr}``). vLLM hashes each parameter's bytes in its dtype
+        (``vllm/model_executor/model_loader/weight_checksum.py``), copied to host
+        memory: the whole model, on every call.
+
+        Raises:
+            RouteMissingError: the server has no ``/weight_checker`` (before the request).
+            TransportError, SyncTimeoutError: the request failed, or the answer is not
+                ``{"checksums": {str: str}}``.
+        """
+        await self._require_route("/weight_checker")
+        answer = await self._request(
+            "POST", "/weight_checker", body={"action": "checksum"}, fresh_connection=True
+        )
+        sums = answer.get("checksums") if isinstance(answer, dict) else None
+        if not isinstance(sums, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in sums.items()
+        ):
+            raise TransportError(f"/weight_checker answered {str(answer)[:200]}")
+        return dict(sums)
+
+    async def _record_checksums(self, version: int) -> None:
+        """Keep ``/weight_checker``'s checksums as those of ``version``; a server without
+        the route records nothing (warned once)."""
+        self._checksums = None
+        try:
+            sums = await self.weight_checksums()
+        except RouteMissingError as exc:
+            if not self._warned_no_checker:
+                self._warned_no_checker = True
+                _log.warning("record_checksums: %s; no checksums are recorded", exc)
+            return
+        self._checksums = (version, sums)
+
+    async def verify_recorded_checksums(self) -> int | None:
+        """Compare ``/weight_checker``'s checksums now with those recorded at the last
+        commit (``record_checksums=True``); ``verify_engine()`` calls it.
+
+        This says which of the server's parameters changed since the commit (each
+        named with its worker's ranks), not that the commit held the trainer's
+        tensors: the server's parameters are fused, sharded and post-processed, so
+        the trainer cannot recompute their hashes (the workers' read-back of
+        ``verify_engine()`` compares those with the trainer's).
+
+        Returns:
+            How many parameters (summed over workers) matched; None: nothing
+            recorded (``record_checksums=False``, no commit yet, or no
+            ``/weight_checker`` on the server).
+
+        Raises:
+            RefitVerificationError: a parameter's checksum differs, is gone or is new
+                (up to five named, and how many in all).
+            TransportError, SyncTimeoutError: the request failed.
+        """
+        if self._checksums is None:
+            return None
+        version, then = self._checksums
+        now = await self.weight_checksums()
+        changed = sorted(k for k in then.keys() | now.keys() if then.get(k) != now.get(k))
+        if changed:
+            named = "; ".join(_describe_change(k, then.get(k), now.get(k)) for k in changed[:5])
+            more = f" (and {len(changed) - 5} more)" if len(changed) > 5 else ""
+            raise RefitVerificationError(
+                f"the vLLM server at {self.base_url}: {len(changed)} parameter(s) changed "
+                f"since the commit of version {version} (/weight_checker checksums): "
+                f"{named}{more}"
+            )
+        return len(then)
 
     async def weight_version(self) -> int | None:
         """``GET /weight_info``: the server's weight-version label as an int; None:
@@ -675,6 +887,7 @@ class VLLMServerBackend(GenerateFromMeta):
             # A failed sleep may have released part of it: assume it did.
             self._asleep = True
             if self.sleep_level >= 2:
+                self._checksums = None  # the weights are gone: nothing to compare with
                 for listener in list(self._discard_listeners):
                     listener()
 
@@ -927,8 +1140,10 @@ class VLLMServerBackend(GenerateFromMeta):
         """``POST /shutdown_weight_transfer_engine``: the workers leave the transfer group.
 
         Raises:
+            RouteMissingError: the server has no such route (vLLM after 0.34).
             TransportError, SyncTimeoutError: the server refused or failed.
         """
+        await self._require_route("/shutdown_weight_transfer_engine")
         await self._request("POST", "/shutdown_weight_transfer_engine", fresh_connection=True)
 
     # -- lifetime --------------------------------------------------------------------
@@ -1030,6 +1245,20 @@ def _raise_for_status(response: httpx.Response, where: str, path: str, keyed: bo
     raise error
 
 
+def _describe_change(key: str, then: str | None, now: str | None) -> str:
+    """One changed ``/weight_checker`` key as ``name (dp 0, pp 0, pcp 0, tp 1): what``."""
+    place = key
+    match = _CHECKSUM_KEY.fullmatch(key)
+    if match is not None:
+        dp, pp, pcp, tp, name = match.groups()
+        place = f"{name} (dp {dp}, pp {pp}, pcp {pcp}, tp {tp})"
+    if then is None:
+        return f"{place}: new"
+    if now is None:
+        return f"{place}: gone"
+    return f"{place}: {then[:12]}... then, {now[:12]}... now"
+
+
 def _http_status(exc: TransportError) -> int | None:
     status = vars(exc).get("http_status")
     return status if isinstance(status, int) else None
@@ -1100,5 +1329,6 @@ if TYPE_CHECKING:
         Generating,
         ManifestReporting,
         HealthReporting,
+        ChecksumVerifying,
     ]:
-        return (b, b, b, b, b, b, b, b)
+        return (b, b, b, b, b, b, b, b, b)

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import importlib.metadata
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -43,8 +45,9 @@ from vllm_helpers import NEW_TOKENS, PROMPTS, perturb, save_tiny_qwen3, trainer_
 
 from aiosync import Generation, Timeouts, TrainCluster, VLLMServerBackend
 from aiosync.engines.embedded.configs import TINY_QWEN3
+from aiosync.engines.vllm.server import OPTIONAL_ROUTES
 from aiosync.engines.vllm.worker_extension import AiosyncWorkerExtension
-from aiosync.errors import SyncTimeoutError, TransportError
+from aiosync.errors import RefitVerificationError, SyncTimeoutError, TransportError
 from aiosync.refit import DTensorRefitSource
 from aiosync.transports.collective import CollectiveWeightSynchronizer
 from aiosync.transports.ipc import IPCWeightSynchronizer
@@ -96,6 +99,14 @@ class ReadbackWorkerExtension(AiosyncWorkerExtension):
             self._aiosync_test_delay_hook = model.register_forward_pre_hook(
                 lambda *_: time.sleep(seconds)
             )
+
+    def aiosync_test_corrupt(self, name: str) -> None:
+        """Add 1 to every element of vLLM's live parameter ``name`` (vLLM's own name:
+        ``model.layers.0.self_attn.qkv_proj.weight``), in place: a weight changed
+        behind the synchronizer's back."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        with torch.no_grad():
+            dict(model.named_parameters())[name].add_(1.0)
 
 
 @dataclass
@@ -282,8 +293,9 @@ async def streamed_at_least(backend: VLLMServerBackend, count: int) -> None:
 # -- the contract: the server's own OpenAPI schema ------------------------------------
 
 #: Routes whose handler reads the raw request, so the schema declares nothing of
-#: what they take: ``/collective_rpc`` its JSON body, ``/wake_up`` its ``tags`` query.
-_UNDECLARED = {"/collective_rpc": "body", "/wake_up": "query"}
+#: what they take: ``/collective_rpc`` and ``/abort_requests`` their JSON body,
+#: ``/wake_up`` its ``tags`` query.
+_UNDECLARED = {"/collective_rpc": "body", "/abort_requests": "body", "/wake_up": "query"}
 
 
 def _schema(spec: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
@@ -301,6 +313,8 @@ async def test_every_route_the_backend_calls_is_in_the_servers_openapi(server: S
         spec = (await client.get("/openapi.json")).json()
     problems = []
     for path, route in sorted(ROUTES.items()):
+        if path == "/openapi.json":
+            continue  # the schema itself: not among its own paths
         operation = spec["paths"].get(path, {}).get(route.method.lower())
         if operation is None:
             problems.append(f"{route.method} {path}: not served")
@@ -314,6 +328,61 @@ async def test_every_route_the_backend_calls_is_in_the_servers_openapi(server: S
         if _UNDECLARED.get(path) != "body" and not route.body <= fields:
             problems.append(f"{path}: body {sorted(route.body - fields)}")
     assert problems == []
+
+
+async def test_the_backend_reads_the_servers_routes_once_from_its_openapi(server: Server) -> None:
+    """``served_routes()`` is the live schema's paths; vLLM 0.32.0 serves every optional
+    route (so ``abort`` goes through ``/abort_requests``, ``/weight_checker`` is used)."""
+    async with httpx.AsyncClient(base_url=server.url) as client:
+        paths = set((await client.get("/openapi.json")).json()["paths"])
+    async with VLLMServerBackend(server.url) as backend:
+        routes = await backend.served_routes()
+        assert routes == paths
+        assert set(OPTIONAL_ROUTES) <= paths
+        assert await backend.served_routes() is routes  # read once, cached
+
+
+async def test_recorded_checksums_name_a_parameter_changed_in_the_server_after_the_commit(
+    server: Server, trainer: Any
+) -> None:
+    """``record_checksums=True``: the commit records ``/weight_checker``'s per-worker
+    SHA-256 of every vLLM parameter; one corrupted in the live server afterwards is
+    named with its worker's ranks, and the next sync records the healed weights."""
+    fused = "model.layers.0.self_attn.qkv_proj.weight"
+    norm = "model.layers.0.input_layernorm.weight"
+    async with VLLMServerBackend(server.url, rpc_timeout_s=120, record_checksums=True) as backend:
+        start = await backend.weight_version() or 0
+        sync = IPCWeightSynchronizer(
+            DTensorRefitSource(trainer), backend, device="cpu", initial_version=start
+        )
+        async with sync:
+            assert await backend.verify_recorded_checksums() is None  # no commit yet
+            perturb(trainer, seed=40)
+            await sync.mark_stale()
+            await sync.sync_weights()
+            now = await backend.weight_checksums()
+            # vLLM's own names (fused qkv), one tensor-parallel worker.
+            assert f"dp0:pp0:pcp0:tp0:{fused}" in now
+            assert all(key.startswith("dp0:pp0:pcp0:tp0:") for key in now)
+            # vLLM's CPU build repacks each linear layer's weight for its kernels and
+            # leaves the parameter empty: its checksum is of no bytes.
+            empty = hashlib.sha256(b"").hexdigest()
+            emptied = {k.split(":", 4)[-1] for k, v in now.items() if v == empty}
+            assert fused in emptied
+            assert emptied == {n for n in (k.split(":", 4)[-1] for k in now) if "_proj." in n}
+            assert await backend.verify_recorded_checksums() == len(now)
+            await backend.collective_rpc("aiosync_test_corrupt", (norm,))
+            changed = (
+                rf"1 parameter\(s\) changed since the commit of version {start + 1} "
+                rf"\(/weight_checker checksums\): {re.escape(norm)} \(dp 0, pp 0, pcp 0, tp 0\): "
+            )
+            with pytest.raises(RefitVerificationError, match=changed):
+                await backend.verify_recorded_checksums()
+            await sync.mark_stale()
+            await sync.sync_weights()
+            assert await backend.weight_checksums() == now  # the trainer's weights again
+            assert await backend.verify_recorded_checksums() == len(now)
+        await assert_live_weights_are_the_trainers(backend, trainer)
 
 
 # -- generation, versions, the workers ------------------------------------------------
@@ -498,9 +567,15 @@ async def test_wait_lets_the_running_request_finish_on_the_old_weights(
 
 
 async def test_abort_ends_the_running_request_with_a_prefix_of_its_old_weights_output(
-    backend: VLLMServerBackend, trainer: Any
+    backend: VLLMServerBackend, trainer: Any, server: Server
 ) -> None:
+    logged = server.log.read_text(errors="replace")
     run = await sync_while_a_request_runs(backend, trainer, "abort", seed=30)
+    # The server has /abort_requests: the sync froze the scheduler, then aborted (its
+    # access log), rather than /pause?mode=abort.
+    new = server.log.read_text(errors="replace")[len(logged) :]
+    assert "/pause?mode=keep" in new and "POST /abort_requests" in new
+    assert "mode=abort" not in new
     g = run.generation
     assert (g.first_version, g.last_version, g.version_change_at) == (run.before,) * 2 + (None,)
     assert (g.finish_reason, g.aborted) == ("abort", True)
