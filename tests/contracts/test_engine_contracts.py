@@ -36,6 +36,7 @@ from aiosync import SamplingParams, VLLMServerBackend
 from aiosync.engines.sglang._client import ROUTES as SGLANG_CLIENT_ROUTES
 from aiosync.engines.sglang._client import SGLangClient
 from aiosync.engines.sglang._generation import generate_body
+from aiosync.engines.vllm.server import OPTIONAL_ROUTES
 from aiosync.engines.vllm.server import ROUTES as VLLM_CLIENT_ROUTES
 from aiosync.testing.sglang_server import AIOSYNC_ROUTE_PREFIX, SGLANG_ROUTES
 
@@ -320,6 +321,9 @@ VLLM_0_34_ROUTES: dict[str, tuple[str, frozenset[str], frozenset[str]]] = {
     "/wake_up": ("POST", frozenset(), frozenset({"tags"})),
     "/is_sleeping": ("GET", frozenset(), frozenset()),
     "/health": ("GET", frozenset(), frozenset()),
+    # FastAPI's schema (vllm/entrypoints/launchers/app.py: FastAPI(lifespan=...), its
+    # default openapi_url; absent with --disable-fastapi-docs).
+    "/openapi.json": ("GET", frozenset(), frozenset()),
     # CompletionRequest's fields aiosync sends (vllm/entrypoints/openai/completion/protocol.py).
     "/v1/completions": (
         "POST",
@@ -346,6 +350,20 @@ def test_every_route_the_vllm_server_backend_calls_is_in_vllm_0_34() -> None:
         if not route.query <= query:
             problems.append(f"{path}: query parameters {sorted(route.query - query)}")
     assert problems == []
+
+
+def test_vllm_0_34_serves_every_optional_route_the_backend_detects() -> None:
+    """The 0.34 path of :data:`~aiosync.engines.vllm.server.OPTIONAL_ROUTES` (the routes
+    the backend looks for in ``/openapi.json``): 0.34.0 serves each, so on it ``abort``
+    goes through ``/abort_requests`` and ``record_checksums`` through ``/weight_checker``
+    (``{"action": "checksum"}``), as on 0.32.0 (``tests/vllm/test_vllm_server.py``)."""
+    assert {path: VLLM_0_34_ROUTES[path][0] for path in OPTIONAL_ROUTES} == {
+        "/abort_requests": "POST",
+        "/weight_checker": "POST",
+        "/shutdown_weight_transfer_engine": "POST",
+    }
+    assert VLLM_CLIENT_ROUTES["/abort_requests"].body <= VLLM_0_34_ROUTES["/abort_requests"][1]
+    assert VLLM_CLIENT_ROUTES["/weight_checker"].body == {"action"}
 
 
 # -- the tables are what the clients send ---------------------------------------------
