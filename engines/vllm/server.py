@@ -236,9 +236,10 @@ class VLLMServerBackend(GenerateFromMeta):
         generate_timeout_s: limit of one :meth:`generate_with_meta` call, seconds.
         record_checksums: at each commit (:meth:`on_weights_committed`) ask the
             server's ``/weight_checker`` for the SHA-256 of every parameter of every
-            worker and keep them: ``verify_engine()`` then also names any parameter
-            changed since (:meth:`verify_recorded_checksums`). Costs one hash of the
-            whole model per sync, on the server.
+            worker and keep them: :meth:`verify_recorded_checksums` (the
+            :class:`~aiosync.capabilities.ChecksumVerifying` capability) then names any
+            parameter changed since. Costs one hash of the whole model per sync, on
+            the server.
         transport: an ``httpx.AsyncBaseTransport`` to use (proxies, tests).
 
     Raises:
@@ -778,7 +779,7 @@ class VLLMServerBackend(GenerateFromMeta):
 
     async def verify_recorded_checksums(self) -> int | None:
         """Compare ``/weight_checker``'s checksums now with those recorded at the last
-        commit (``record_checksums=True``); ``verify_engine()`` calls it.
+        commit (``record_checksums=True``); :class:`~aiosync.capabilities.ChecksumVerifying`.
 
         This says which of the server's parameters changed since the commit (each
         named with its worker's ranks), not that the commit held the trainer's
