@@ -45,8 +45,9 @@ _CONNECT_TIMEOUT_S = 10.0
 #: The ``selector`` of the weight-update session (SGLang 0.5.23's
 #: ``BeginWeightUpdateReqInput``: ``"target" | "draft" | "all"``, its only field):
 #: ``"all"``, as the ``selector`` every ``update_weights_from_*`` loads with (SGLang's
-#: default, which aiosync keeps), so ``/end_weight_update`` finalizes every runner
-#: (the target model and a speculative draft model) the updates loaded.
+#: default), so ``/end_weight_update`` finalizes every runner (the target model and a
+#: speculative draft model) the updates loaded. :attr:`SGLangClient.selector` replaces
+#: it for a client whose draft is frozen (``"target"``, ``docs/draft.md``).
 SESSION_SELECTOR = "all"
 
 
@@ -77,6 +78,7 @@ ROUTES: dict[str, Route] = {
         "flush_cache",
         "abort_all_requests",
         "weight_version",
+        "selector",
     ),
     "/init_weights_update_group": _route(
         "POST",
@@ -96,6 +98,7 @@ ROUTES: dict[str, Route] = {
         "load_format",
         "flush_cache",
         "abort_all_requests",
+        "selector",
     ),
     "/destroy_weights_update_group": _route("POST", "group_name"),
     "/update_weight_version": _route("POST", "new_version", "abort_all_requests"),
@@ -167,6 +170,11 @@ class SGLangClient:
         self._session_routes: bool | None = None
         # A session this client opened and has not ended yet.
         self._session_open = False
+        #: The runners this client's weight updates load (SGLang 0.5.23's ``selector``:
+        #: ``"all"``, the target and a speculative draft model; ``"target"``, the
+        #: target alone, the draft frozen). Sent with ``/begin_weight_update`` and,
+        #: when not SGLang's default ``"all"``, with every ``update_weights_from_*``.
+        self.selector: str = SESSION_SELECTOR
 
     # -- the calls a refit makes ----------------------------------------------------
 
@@ -223,6 +231,8 @@ class SGLangClient:
         }
         if weight_version is not None:
             body["weight_version"] = weight_version
+        if self.selector != SESSION_SELECTOR:
+            body["selector"] = self.selector
         answer = await self._post("/update_weights_from_tensor", body)
         if isinstance(answer, dict) and answer.get("success") is False:
             raise TransportError(f"/update_weights_from_tensor failed: {answer.get('message')}")
@@ -276,11 +286,14 @@ class SGLangClient:
         *,
         skip_tensor_list: Sequence[str] | None = None,
         timeout_s: float | None = None,
+        selector: str = "target",
     ) -> dict[str, Any] | None:
-        """POST ``/weights_checker`` (SGLang 0.5.23's ``CheckWeightsReqInput``,
-        ``selector="target"``): ``action`` is ``"checksum"`` (every TP rank hashes each of
-        its tensors: SGLang's parameter names, fused ``qkv_proj``/``gate_up_proj``; a GPU
-        Triton hash on GPU), ``"snapshot"``, ``"compare"`` or ``"reset_tensors"``.
+        """POST ``/weights_checker`` (SGLang 0.5.23's ``CheckWeightsReqInput``; ``selector``
+        ``"target"`` by default, ``"draft"`` or ``"all"`` for a speculative draft model's
+        tensors, keyed ``"draft." + name``): ``action`` is ``"checksum"`` (every TP rank
+        hashes each of its tensors: SGLang's parameter names, fused
+        ``qkv_proj``/``gate_up_proj``; a GPU Triton hash on GPU), ``"snapshot"``,
+        ``"compare"`` or ``"reset_tensors"``.
 
         Returns:
             The answer, ``{"success": bool, "message": str}`` plus, for ``checksum``,
@@ -294,7 +307,7 @@ class SGLangClient:
             TransportError: another non-2xx answer, a connection error, or not an object.
             SyncTimeoutError: no answer within ``timeout_s`` (default ``request_timeout_s``).
         """
-        body: dict[str, Any] = {"action": action, "selector": "target"}
+        body: dict[str, Any] = {"action": action, "selector": selector}
         if skip_tensor_list is not None:
             body["skip_tensor_list"] = list(skip_tensor_list)
         try:
@@ -369,6 +382,8 @@ class SGLangClient:
             "flush_cache": flush_cache,
             "abort_all_requests": abort_all_requests,
         }
+        if self.selector != SESSION_SELECTOR:
+            body["selector"] = self.selector
         answer = await self._post("/update_weights_from_distributed", body)
         _check_success("/update_weights_from_distributed", answer)
 
@@ -394,8 +409,8 @@ class SGLangClient:
         return self._session_routes
 
     async def begin_weight_update(self) -> bool:
-        """POST ``/begin_weight_update {"selector": "all"}`` (:data:`SESSION_SELECTOR`; the
-        request's only field in SGLang 0.5.23): open the session every
+        """POST ``/begin_weight_update {"selector": ...}`` (:attr:`selector`, ``"all"`` unless
+        the draft is frozen; the request's only field in SGLang 0.5.23): open the session every
         ``update_weights_from_*`` asserts.
 
         Returns:
@@ -421,7 +436,7 @@ class SGLangClient:
                 "session is open (another sync through it is in flight)"
             )
         try:
-            answer = await self._post("/begin_weight_update", {"selector": SESSION_SELECTOR})
+            answer = await self._post("/begin_weight_update", {"selector": self.selector})
         except TransportError as exc:
             if self._session_routes is None and http_status(exc) == 404:
                 self._session_routes = False
@@ -429,7 +444,7 @@ class SGLangClient:
             if http_status(exc) != 400 or "already open" not in str(exc):
                 raise
             await self._post("/end_weight_update", {})
-            answer = await self._post("/begin_weight_update", {"selector": SESSION_SELECTOR})
+            answer = await self._post("/begin_weight_update", {"selector": self.selector})
         self._session_routes = True
         _check_success("/begin_weight_update", answer)
         self._session_open = True

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -19,8 +20,14 @@ import anyio
 import httpx
 
 from aiosync._config import DEFAULT_RPC_TIMEOUT_S
-from aiosync.capabilities import IN_FLIGHT_POLICIES, EngineKind, InFlightPolicy
-from aiosync.errors import SyncError, TransportError
+from aiosync.capabilities import (
+    DRAFT_REFITS,
+    IN_FLIGHT_POLICIES,
+    DraftRefit,
+    EngineKind,
+    InFlightPolicy,
+)
+from aiosync.errors import SyncError, TransportError, UnsupportedOptionError
 from aiosync.generation import Generation, SamplingParams, parse_version
 from aiosync.generation import sampling_params as resolve_sampling
 from aiosync.lora import LoRAAdapter
@@ -44,6 +51,7 @@ if TYPE_CHECKING:
     from aiosync.capabilities import (
         ConfigReporting,
         DiscardNotifier,
+        DraftHolding,
         Engine,
         Generating,
         HealthReporting,
@@ -111,6 +119,15 @@ class SGLangHTTPBackend(GenerateFromMeta, SGLangClient):
             config dict, a ``config.json`` or model folder, or a cached Hub id)
             for :meth:`expected_manifest` and :meth:`expected_config`; None: the
             server's ``model_path``.
+        draft_prefix: the server runs a speculative-decoding draft model (MTP,
+            ``--speculative-algorithm NEXTN``) whose tensors the updates name under this
+            prefix (``"mtp."``: Qwen3-Next's MTP layers); it is then a
+            :class:`~aiosync.capabilities.DraftHolding` (``docs/draft.md``). None: the
+            server's draft, if any, is not refit (updates keep SGLang's ``selector``
+            ``"all"``; the draft's loader skips the target's names).
+        draft_hf_config: the draft model's HF config, as ``hf_config``, for the draft's
+            part of :meth:`expected_manifest` (its names under ``draft_prefix``); None:
+            ``/get_server_info``'s ``speculative_draft_model_path``.
 
     Raises:
         ValueError: a non-positive timeout or ``tp_size``, or an unknown tag.
@@ -135,6 +152,12 @@ class SGLangHTTPBackend(GenerateFromMeta, SGLangClient):
         flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S,
         transport: httpx.AsyncBaseTransport | None = None,
         hf_config: PretrainedConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+        draft_prefix: str | None = None,
+        draft_hf_config: PretrainedConfig
+        | Mapping[str, Any]
+        | str
+        | os.PathLike[str]
+        | None = None,
     ) -> None:
         if generate_timeout_s <= 0:
             raise ValueError(f"generate_timeout_s must be > 0, got {generate_timeout_s}")
@@ -161,6 +184,11 @@ class SGLangHTTPBackend(GenerateFromMeta, SGLangClient):
         self.weights_cpu_backup = weights_cpu_backup
         self.generate_timeout_s = generate_timeout_s
         self._manifests = ServerManifests(hf_config, self.base_url)
+        if draft_prefix is not None and (not isinstance(draft_prefix, str) or not draft_prefix):
+            raise ValueError(f"draft_prefix must be a non-empty string, got {draft_prefix!r}")
+        self._draft_prefix = draft_prefix
+        self._draft_config_given = draft_hf_config is not None
+        self._draft_manifests = ServerManifests(draft_hf_config, self.base_url)
         self._adapters = SGLangAdapters(self._post)
         self._released: set[str] = set()
         # False from the moment the server discarded its weights, or a refit began
@@ -184,6 +212,55 @@ class SGLangHTTPBackend(GenerateFromMeta, SGLangClient):
         self._startup_time: object = None
         # How many restarts this backend noticed.
         self._restarts = 0
+
+    # -- the draft model (DraftHolding) ------------------------------------------
+
+    @property
+    def draft_prefix(self) -> str | None:
+        """The prefix of the draft model's tensors in the updates; None: not refit."""
+        return self._draft_prefix
+
+    def select_draft_refit(self, mode: DraftRefit) -> None:
+        """``"with_target"``: later updates load the target and the draft (SGLang's
+        ``selector="all"``); ``"frozen"``: the target alone (``selector="target"``: the
+        draft runner is neither begun, loaded nor ended, and no draft tensor is sent).
+
+        Raises:
+            ValueError: an unknown ``mode``.
+            UnsupportedOptionError: ``"with_target"`` without ``draft_prefix``.
+        """
+        if mode not in DRAFT_REFITS:
+            raise ValueError(f"mode must be one of {DRAFT_REFITS}, got {mode!r}")
+        if mode == "with_target" and self._draft_prefix is None:
+            raise UnsupportedOptionError(
+                "draft='with_target': this SGLangHTTPBackend was given no draft_prefix (the "
+                "names of the server's draft tensors, e.g. 'mtp.')"
+            )
+        self.selector = "all" if mode == "with_target" else "target"
+
+    async def _draft_manifest(
+        self, info: Mapping[str, Any]
+    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]] | None:
+        """The draft's manifest under :attr:`draft_prefix` (empty when the updates do not
+        load it); None: it cannot be built here (a ``RuntimeWarning`` says why)."""
+        if self._draft_prefix is None or self.selector != "all":
+            return {}
+        path = info.get("speculative_draft_model_path")
+        if not self._draft_config_given and not path:
+            warnings.warn(
+                f"{self.base_url}: the server reports no speculative_draft_model_path and the "
+                "backend was given no draft_hf_config: the draft's tensors are not checked "
+                "before the refit",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return None
+        manifest = await self._draft_manifests.derive(
+            {**info, "model_path": path, "json_model_override_args": "{}"}
+        )
+        if manifest is None:
+            return None
+        return {f"{self._draft_prefix}{name}": spec for name, spec in manifest.items()}
 
     @property
     def hf_config(self) -> PretrainedConfig | Mapping[str, Any] | str | os.PathLike[str] | None:
@@ -679,7 +756,11 @@ class SGLangHTTPBackend(GenerateFromMeta, SGLangClient):
             TransportError, SyncTimeoutError: ``/get_server_info`` failed.
         """
         info = dict(server_info) if server_info is not None else await self.server_info()
-        return await self._manifests.derive(info)
+        target = await self._manifests.derive(info)
+        drafted = await self._draft_manifest(info)
+        if target is None or drafted is None:
+            return None
+        return {**target, **drafted}
 
     async def expected_config(
         self, server_info: Mapping[str, Any] | None = None
@@ -777,5 +858,6 @@ if TYPE_CHECKING:
         ConfigReporting,
         HealthReporting,
         RestartReporting,
+        DraftHolding,
     ]:
-        return (b, b, b, b, b, b, b, b, b, b)
+        return (b, b, b, b, b, b, b, b, b, b, b)

@@ -111,6 +111,7 @@ SGLANG_ROUTES: dict[str, ServedRoute] = {
         "flush_cache",
         "abort_all_requests",
         "weight_version",
+        "selector",
     ),
     "/init_weights_update_group": _served(
         "POST",
@@ -131,6 +132,7 @@ SGLANG_ROUTES: dict[str, ServedRoute] = {
         "flush_cache",
         "abort_all_requests",
         "weight_version",
+        "selector",
     ),
     "/destroy_weights_update_group": _served("POST", "group_name"),
     "/update_weight_version": _served("POST", "new_version", "abort_all_requests"),
@@ -308,6 +310,15 @@ class _Scheduler:
 LOG_LIMIT = 10_000
 
 
+class _RankLoadError(Exception):
+    """A TP rank's load failed (:meth:`ServerState.load_selected`)."""
+
+    def __init__(self, rank: int, error: SyncError) -> None:
+        super().__init__(f"TP rank {rank}: {error}")
+        self.rank = rank
+        self.error = error
+
+
 @dataclass
 class ServerState:
     """Everything the handlers share; guarded by ``lock`` (the model by ``model_lock``)."""
@@ -376,7 +387,22 @@ class ServerState:
     group_lock: threading.Lock = field(default_factory=threading.Lock)
     #: ``/weights_checker``'s snapshots, ``{TP rank: {name: copy}}`` (``"snapshot"``
     #: takes one, ``"compare"`` drops it).
-    weight_snapshots: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    weight_snapshots: dict[int | tuple[str, int], dict[str, torch.Tensor]] = field(
+        default_factory=dict
+    )
+    #: The speculative-decoding draft model of each TP rank (SGLang's draft worker,
+    #: ``--speculative-draft-model-path``), copies of the first unless given; empty: no
+    #: draft. Each update's ``selector`` says which runners load it (SGLang 0.5.23's
+    #: ``SchedulerWeightUpdaterManager._select_runners``): both get the same tensors,
+    #: and, as Qwen3-Next's loaders do (``is_mtp``), the target skips the names under
+    #: :attr:`draft_prefix` while the draft loads only those (the prefix removed).
+    draft_ranks: list[HFModelRunner] = field(default_factory=list)
+    #: What the draft's tensors are named under in an update (``"mtp."``).
+    draft_prefix: str = "mtp."
+    #: ``/get_server_info``'s ``speculative_draft_model_path`` (the draft's config).
+    draft_model_path: str | None = None
+    #: The ``selector`` of the open session (``/begin_weight_update``).
+    session_selector: str = "all"
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
@@ -390,6 +416,8 @@ class ServerState:
             )
         while len(self.other_ranks) < self.tp_size - 1:
             self.other_ranks.append(HFModelRunner(copy.deepcopy(self.runner.model)))
+        while self.draft_ranks and len(self.draft_ranks) < self.tp_size:
+            self.draft_ranks.append(HFModelRunner(copy.deepcopy(self.draft_ranks[0].model)))
 
     @property
     def running(self) -> int:
@@ -401,6 +429,34 @@ class ServerState:
     def ranks(self) -> list[HFModelRunner]:
         """Every TP rank's model, rank order (rank 0 is ``runner``)."""
         return [self.runner, *self.other_ranks]
+
+    def load_selected(
+        self, per_rank: Sequence[Sequence[tuple[str, torch.Tensor]]], selector: str
+    ) -> None:
+        """Load each TP rank's tensors into the runners ``selector`` picks (``"target"``,
+        ``"draft"``, ``"all"``), as SGLang 0.5.23 fans an update out to them; without a
+        draft every tensor goes to the target (an unknown name fails there).
+
+        Raises:
+            _RankLoadError: a rank's load failed (the rank and its SyncError).
+        """
+        prefix = self.draft_prefix
+        for rank, tensors in enumerate(per_rank):
+            loads: list[tuple[HFModelRunner, list[tuple[str, torch.Tensor]]]] = []
+            if not self.draft_ranks:
+                loads.append((self.ranks[rank], list(tensors)))
+            else:
+                if selector in ("target", "all"):
+                    own = [(n, t) for n, t in tensors if not n.startswith(prefix)]
+                    loads.append((self.ranks[rank], own))
+                if selector in ("draft", "all"):
+                    drafted = [(n[len(prefix) :], t) for n, t in tensors if n.startswith(prefix)]
+                    loads.append((self.draft_ranks[rank], drafted))
+            for runner, items in loads:
+                try:
+                    runner.load_weights(items)
+                except SyncError as exc:
+                    raise _RankLoadError(rank, exc) from exc
 
     def close_weight_groups(self) -> None:
         """Close and forget every weight-update group (the server stops). Never raises;
@@ -579,6 +635,9 @@ class _Handler(BaseHTTPRequestHandler):
                 "max_loaded_loras": None,
                 "weight_version": state.weight_version,
                 "version": "aiosync-test-server",
+                # SGLang's ServerArgs: a draft worker runs beside the target ("NEXTN": MTP).
+                "speculative_algorithm": "NEXTN" if state.draft_ranks else None,
+                "speculative_draft_model_path": state.draft_model_path,
             }
         if path == "/generate" and method == "POST":
             return self._generate(_object(data))
@@ -802,6 +861,7 @@ class _Handler(BaseHTTPRequestHandler):
                     f"(one per TP rank), got {_count(entries)}",
                 },
             )
+        selector = _selector(data)
         self._require_weights()
         self._require_session("update_weights_from_tensor")
         try:
@@ -816,12 +876,12 @@ class _Handler(BaseHTTPRequestHandler):
         _fault_in_transit(per_rank[0], state.take_update_index())
         try:
             with state.model_lock:
-                for rank, (runner, tensors) in enumerate(zip(state.ranks, per_rank, strict=True)):
-                    try:
-                        runner.load_weights(tensors)
-                    except SyncError as exc:
-                        message = f"TP rank {rank}: {exc}" if rank else str(exc)
-                        raise _HTTPError(400, {"success": False, "message": message}) from exc
+                try:
+                    state.load_selected(per_rank, selector)
+                except _RankLoadError as failed:
+                    rank, error = failed.rank, failed.error
+                    message = f"TP rank {rank}: {error}" if rank else str(error)
+                    raise _HTTPError(400, {"success": False, "message": message}) from error
         finally:
             # Drop every view so the sender's shared segments can be released.
             del per_rank
@@ -1021,6 +1081,7 @@ class _Handler(BaseHTTPRequestHandler):
                 },
             )
         bucketed = data.get("load_format") == FLATTENED_BUCKET
+        selector = _selector(data)
         if data.get("abort_all_requests", False):
             # SGLang's TokenizerManager aborts before it hands the update on.
             state.scheduler.abort_all()
@@ -1062,11 +1123,10 @@ class _Handler(BaseHTTPRequestHandler):
             # The test fault lands in what TP rank 0 received, before its load.
             _fault_in_transit(per_rank[0], index)
             with state.model_lock:
-                for rank, (runner, tensors) in enumerate(zip(state.ranks, per_rank, strict=True)):
-                    try:
-                        runner.load_weights(tensors)
-                    except SyncError as exc:
-                        raise _update_failure(_on_rank(rank, exc)) from exc
+                try:
+                    state.load_selected(per_rank, selector)
+                except _RankLoadError as failed:
+                    raise _update_failure(_on_rank(failed.rank, failed.error)) from failed.error
             self._times["loaded"] = time.monotonic()
         return self._after_update(data, "Succeeded to update parameter online.")
 
@@ -1098,18 +1158,13 @@ class _Handler(BaseHTTPRequestHandler):
         """SGLang 0.5.23's ``BeginWeightUpdateReqInput`` (``selector``: ``"target" | "draft" |
         "all"``, its only field; another value is SGLang's validation error, 400): opens the
         session; a second ``begin`` is refused (400), as SGLang's ``begin_weight_update``."""
-        selector = data.get("selector", "all")
-        if selector not in ("target", "draft", "all"):
-            # SGLang's RequestValidationError handler: an ErrorResponse, 400.
-            message = f"selector: Input should be 'target', 'draft' or 'all', got {selector!r}"
-            raise _HTTPError(
-                400, {"object": "error", "message": message, "type": "Bad Request", "code": 400}
-            )
+        selector = _selector(data)
         state = self.server.state
         with state.lock:
             if state.session_open:
                 raise _HTTPError(400, {"success": False, "message": _SESSION_OPEN})
             state.session_open = True
+            state.session_selector = selector
             state.pending_version = None
             state.update_index = 0
         return {"success": True, "message": "Success"}
@@ -1176,9 +1231,11 @@ class _Handler(BaseHTTPRequestHandler):
         """SGLang 0.5.23's ``CheckWeightsReqInput`` (GET or POST, body optional):
         ``action`` (default ``"checksum"``; ``"snapshot"``, ``"reset_tensors"``,
         ``"compare"``), ``allow_quant_error`` (bool), ``skip_tensor_list`` (substrings of
-        names left out), ``selector`` (``"target"``, ``"draft"``, ``"all"``: no draft model
-        here). SGLang's ``WeightChecker`` over each TP rank's ``named_parameters()`` and
-        ``named_buffers()`` (this server's: the HF names; SGLang's: its own, the fused
+        names left out), ``selector`` (``"target"``, ``"draft"``, ``"all"``: the draft's
+        checksums are keyed ``"draft." + name``, its own names, as SGLang's
+        ``_merge_checksum_payloads``; no draft: ``"draft"`` checks nothing). SGLang's
+        ``WeightChecker`` over each TP rank's ``named_parameters()`` and ``named_buffers()``
+        (this server's: the HF names; SGLang's: its own, the fused
         ``qkv_proj``/``gate_up_proj``), the rotary caches skipped.
 
         * ``snapshot``: each rank copies its tensors (SGLang: into host memory);
@@ -1216,14 +1273,30 @@ class _Handler(BaseHTTPRequestHandler):
                     "(list of str), selector ('target', 'draft' or 'all')"
                 },
             )
-        if body.get("selector", "all") == "draft":
+        selector = body.get("selector", "all")
+        roles = [
+            (role, runners)
+            for role, runners in (("target", state.ranks), ("draft", state.draft_ranks))
+            if selector in (role, "all") and runners
+        ]
+        if not roles:
             # No draft runner: SGLang's check_weights merges nothing and succeeds.
             return {"success": True, "message": "Success."}
         with state.model_lock:
             try:
                 ranks = [
-                    _check_weights(state, rank, runner, action, skip or [])
-                    for rank, runner in enumerate(state.ranks)
+                    _merge_checksums(
+                        [
+                            (
+                                role,
+                                _check_weights(
+                                    state, rank, runners[rank], action, skip or [], role
+                                ),
+                            )
+                            for role, runners in roles
+                        ]
+                    )
+                    for rank in range(state.tp_size)
                 ]
             except _CheckFailed as exc:
                 raise _HTTPError(400, {"success": False, "message": str(exc)}) from exc
@@ -1723,10 +1796,17 @@ _UNCHECKED = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis"
 
 
 def _check_weights(
-    state: ServerState, rank: int, runner: HFModelRunner, action: str, skip: Sequence[str]
+    state: ServerState,
+    rank: int,
+    runner: HFModelRunner,
+    action: str,
+    skip: Sequence[str],
+    role: str = "target",
 ) -> dict[str, Any] | None:
-    """One TP rank's ``WeightChecker.handle`` (SGLang 0.5.23): returns its
-    ``ChecksumInfo`` for ``checksum``, else None; raises :class:`_CheckFailed`."""
+    """One TP rank's ``WeightChecker.handle`` (SGLang 0.5.23) on its ``role``'s runner
+    (``"target"``, ``"draft"``): returns its ``ChecksumInfo`` for ``checksum``, else
+    None; raises :class:`_CheckFailed`."""
+    key: int | tuple[str, int] = rank if role == "target" else (role, rank)
     model = runner.model
     tensors = {
         name: t.data
@@ -1734,7 +1814,7 @@ def _check_weights(
         if not any(p in name for p in (*_UNCHECKED, *skip))
     }
     if action == "snapshot":
-        state.weight_snapshots[rank] = {name: t.detach().clone() for name, t in tensors.items()}
+        state.weight_snapshots[key] = {name: t.detach().clone() for name, t in tensors.items()}
         return None
     if action == "reset_tensors":
         with torch.no_grad():
@@ -1742,7 +1822,7 @@ def _check_weights(
                 t.copy_(torch.rand(t.shape, dtype=torch.float32).to(t.dtype))
         return None
     if action == "compare":
-        snapshot = state.weight_snapshots.get(rank)
+        snapshot = state.weight_snapshots.get(key)
         if snapshot is None:
             raise _CheckFailed("")  # SGLang's bare ``assert self._snapshot_tensors is not None``
         errors = []
@@ -1755,27 +1835,68 @@ def _check_weights(
                 f"name={name} max_abs_err={float(diff.max())} mean_abs_err={float(diff.mean())} "
                 f"num_exceed={int((diff > 0).sum())} expect={_raw(expect)} actual={_raw(actual)} "
             )
-        del state.weight_snapshots[rank]
+        del state.weight_snapshots[key]
         # Only TP rank 0 answers SGLang's scheduler requests: another rank's outcome is lost.
         if errors and rank == 0:
             raise _CheckFailed("check tensor equality failed:\n" + "\n".join(errors))
         return None
     if action == "checksum":
         checksums = {name: _tensor_hash(t) for name, t in tensors.items()}
-        overall = hashlib.sha256()
-        for name in sorted(checksums):
-            overall.update(name.encode())
-            overall.update(checksums[name].encode())
         placement = {"tp_rank": rank, "tp_size": state.tp_size, "dp_rank": 0, "dp_size": 1}
         return {
             "checksums": checksums,
-            "per_gpu_checksum": overall.hexdigest(),
+            "per_gpu_checksum": _overall_checksum(checksums),
             "parallelism_info": [
-                {"role": "target", **placement, "pp_rank": 0, "pp_size": 1}
+                {"role": role, **placement, "pp_rank": 0, "pp_size": 1}
                 | {"rank": rank, "size": state.tp_size}
             ],
         }
     raise _CheckFailed(f"Unsupported action={action!r}")
+
+
+def _overall_checksum(checksums: Mapping[str, str]) -> str:
+    overall = hashlib.sha256()
+    for name in sorted(checksums):
+        overall.update(name.encode())
+        overall.update(checksums[name].encode())
+    return overall.hexdigest()
+
+
+def _merge_checksums(
+    payloads: Sequence[tuple[str, dict[str, Any] | None]],
+) -> dict[str, Any] | None:
+    """One TP rank's ``ChecksumInfo`` over its runners (SGLang 0.5.23's
+    ``_merge_checksum_payloads``): a draft's names prefixed by its role, the target's
+    as they are; None when no runner answered one (an action other than ``checksum``)."""
+    answered = [(role, p) for role, p in payloads if p is not None]
+    if not answered:
+        return None
+    if len(answered) == 1 and answered[0][0] == "target":
+        return answered[0][1]
+    merged: dict[str, str] = {}
+    infos: list[Any] = []
+    for role, payload in answered:
+        for name, checksum in payload["checksums"].items():
+            merged[name if role == "target" else f"{role}.{name}"] = checksum
+        infos.extend(payload["parallelism_info"])
+    return {
+        "checksums": merged,
+        "per_gpu_checksum": _overall_checksum(merged),
+        "parallelism_info": infos,
+    }
+
+
+def _selector(data: Mapping[str, Any]) -> str:
+    """An update's or a session's ``selector`` (SGLang 0.5.23: ``"target" | "draft" |
+    "all"``, default ``"all"``); another value is SGLang's validation error, 400."""
+    selector = data.get("selector", "all")
+    if selector not in ("target", "draft", "all"):
+        # SGLang's RequestValidationError handler: an ErrorResponse, 400.
+        message = f"selector: Input should be 'target', 'draft' or 'all', got {selector!r}"
+        raise _HTTPError(
+            400, {"object": "error", "message": message, "type": "Bad Request", "code": 400}
+        )
+    return str(selector)
 
 
 def _tensor_hash(tensor: torch.Tensor) -> str:
@@ -2040,6 +2161,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-lora-rank", type=int, default=None)
     parser.add_argument("--lora-target-modules", nargs="*", default=None)
     parser.add_argument(
+        "--speculative-draft-model-path",
+        default=None,
+        help="a draft model beside the target (as --model-config; built with seed + 1), its "
+        "tensors named --speculative-draft-prefix + its own names in updates, loaded by the "
+        "updates whose selector is 'draft' or 'all' (docs/draft.md)",
+    )
+    parser.add_argument("--speculative-draft-prefix", default="mtp.")
+    parser.add_argument(
         "--no-weight-update-session",
         action="store_true",
         help="act as an SGLang before the weight-update session (PRs #28710, #28001): no "
@@ -2101,8 +2230,23 @@ def main(argv: list[str] | None = None) -> None:
         folders.append(config_dir)
         runner.model.config.save_pretrained(config_dir)
         model_path = config_dir
+    draft_ranks: list[HFModelRunner] = []
+    draft_path = None
+    if args.speculative_draft_model_path is not None:
+        draft_config = _model_config(parser, args.speculative_draft_model_path)
+        draft = HFModelRunner.from_config(draft_config, seed=args.seed + 1, dtype=args.dtype)
+        draft_ranks.append(draft)
+        draft_path = str(args.speculative_draft_model_path)
+        if isinstance(draft_config, dict):
+            draft_dir = tempfile.mkdtemp(prefix=dir_prefix("sglang-config"))
+            folders.append(draft_dir)
+            draft.model.config.save_pretrained(draft_dir)
+            draft_path = draft_dir
     state = ServerState(
         runner=runner,
+        draft_ranks=draft_ranks,
+        draft_prefix=args.speculative_draft_prefix,
+        draft_model_path=draft_path,
         tp_size=args.tp_size,
         api_key=args.api_key,
         enable_memory_saver=args.enable_memory_saver,
