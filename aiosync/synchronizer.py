@@ -31,11 +31,13 @@ import anyio.to_thread
 
 from . import ownership
 from ._config import DEFAULT_EVENT_BACKLOG, Timeouts
+from ._delta_refit import Baseline, DeltaRefit
 from ._fanout import each_named
 from ._hf_config import compare_hf_configs
 from ._kv_scales import attention_layers, kv_scale_entries
 from .capabilities import (
     IN_FLIGHT_POLICIES,
+    ChecksumVerifying,
     ConfigReporting,
     DiscardNotifier,
     ElasticEngines,
@@ -256,6 +258,14 @@ class WeightSynchronizer(ABC):
         self._notifiers = [e for e in members if isinstance(e, DiscardNotifier)]
         for notifier in self._notifiers:
             notifier.add_weights_discarded_listener(self._invalidate_engine_weights)
+        #: A delta transport's baseline and which engines hold it (None: every sync is
+        #: full). The transport sets it; this class advances and drops the baseline.
+        self.delta: DeltaRefit[Any] | None = None
+
+    @property
+    def delta_baseline(self) -> Baseline | None:
+        """What the workers hold, for delta syncs (None: ``delta=False``)."""
+        return self.delta.baseline if self.delta is not None else None
 
     @property
     def sync_timeout_s(self) -> float:
@@ -344,6 +354,8 @@ class WeightSynchronizer(ABC):
         """
         self._check_open()
         self._initialized = True
+        if self.delta is not None:
+            self.delta.watch(self._engines())
         fleet = self._elastic()
         if fleet is not None:
             self._membership_seen = fleet.membership_epoch
@@ -507,6 +519,8 @@ class WeightSynchronizer(ABC):
                 return
             version = self._policy_version
             discards = self._discards
+            if self.delta is not None:
+                self.delta.begin()
             self._events.publish(VersionEventKind.SYNC_STARTED, version)
             start = time.perf_counter()
             pause = _PauseWindow()
@@ -601,7 +615,8 @@ class WeightSynchronizer(ABC):
         of it, the engine resumes (bounded), FAILED is published. Returns the error to
         raise (a timeout as :class:`SyncTimeoutError`)."""
         self._engine_dirty = True
-        self._sync_outcome(version, committed=False)
+        if self.delta is not None:
+            self.delta.settle(committed=False)
         pause_s = await self._resume_after(pause.since, failed=True)
         self._events.publish(
             VersionEventKind.FAILED,
@@ -623,7 +638,8 @@ class WeightSynchronizer(ABC):
         engines (another synchronizer's next sync into them is refused)."""
         self._weight_version = max(self._weight_version, version)
         self._engine_dirty = False
-        self._sync_outcome(version, committed=True)
+        if self.delta is not None:
+            self.delta.settle(committed=True)
         ownership.claim(
             self._engines(),
             self,
@@ -699,7 +715,8 @@ class WeightSynchronizer(ABC):
                 if not removed:
                     raise
                 # What the failed round wrote is no base for a delta.
-                self._sync_outcome(version, committed=False)
+                if self.delta is not None:
+                    self.delta.settle(committed=False)
                 for label, reason in removed:
                     _log.warning("quarantined %s: %s", label, reason)
                     self._events.publish(
@@ -834,15 +851,13 @@ class WeightSynchronizer(ABC):
         ``kv_scales`` was checked by :meth:`_check_sync_args`.
         """
 
-    def _sync_outcome(self, version: int, *, committed: bool) -> None:  # noqa: B027 (a hook)
-        """A transport's hook: the sync of ``version`` committed on every worker, or
-        failed (or was cancelled) after :meth:`_transfer` started. Called before the
-        engine resumes; must not block. A delta baseline advances or is dropped here."""
-
-    def _live_check_failed(self) -> None:  # noqa: B027 (a hook)
-        """A transport's hook: :meth:`verify_engine` found a worker's live weights
-        differ from the trainer's. A delta transport drops its baseline here, so that
-        the next sync is full (patches applied to corrupted weights keep the corruption)."""
+    def _live_weights_wrong(self) -> None:
+        """:meth:`verify_engine` found a worker's live weights differ from the trainer's:
+        stale until a sync lands, and that sync is full (patches applied to corrupted
+        weights would keep the corruption)."""
+        self._invalidate_engine_weights()
+        if self.delta is not None:
+            self.delta.invalidate()
 
     async def verify_engine(self) -> dict[str, int]:
         """Check that every worker computes with what the trainer holds, moving no weights.
@@ -856,12 +871,19 @@ class WeightSynchronizer(ABC):
         (slime's ``--check-weight-update-equal``). Waits for a running sync; the
         source is read under the source lock, as a sync reads it.
 
+        Then an engine that records its own checksums at each commit
+        (:class:`~aiosync.capabilities.ChecksumVerifying`: vLLM's ``/weight_checker``
+        with ``record_checksums=True``) compares them with its weights now.
+
         Returns:
-            ``{"workers": int, "tensors": int, "version": weight_version}``.
+            ``{"workers": int, "tensors": int, "checksummed": int, "version":
+            weight_version}`` (``checksummed``: tensors the engines' own checksums
+            matched, 0 where none recorded).
 
         Raises:
             RefitVerificationError: a worker's tensor differs (the first one named,
-                with the worker), or a worker lacks a tensor. The synchronizer is then
+                with the worker), a worker lacks a tensor, or an engine's own checksum
+                of a tensor changed since the commit. The synchronizer is then
                 stale (:attr:`is_stale`) and its next sync is a full one, also with
                 ``delta=True``: it rewrites every tensor, healing the corruption.
             TypeError: the engine has no ``collective_rpc`` (:class:`EngineWorkers`).
@@ -888,10 +910,7 @@ class WeightSynchronizer(ABC):
             mismatch = await anyio.to_thread.run_sync(self._first_mismatch, held, layouts)
         if mismatch is not None:
             rank, what = mismatch
-            # The engine does not hold weight_version: stale until a sync lands, and no
-            # delta may build on what it holds (the transport drops its baseline).
-            self._invalidate_engine_weights()
-            self._live_check_failed()
+            self._live_weights_wrong()
             who = (
                 generation.describe_worker(rank)
                 if isinstance(generation, WorkerDescribing)
@@ -901,9 +920,18 @@ class WeightSynchronizer(ABC):
                 f"{who}: {what} (the trainer's weights of version {self._policy_version}, "
                 f"the engine's labelled {self._weight_version})"
             )
+        checksummed = 0
+        for engine in engines_of(generation):
+            if isinstance(engine, ChecksumVerifying):
+                try:
+                    checksummed += await engine.verify_recorded_checksums() or 0
+                except RefitVerificationError:
+                    self._live_weights_wrong()
+                    raise
         return {
             "workers": len(held),
             "tensors": sum(len(h) for h in held),
+            "checksummed": checksummed,
             "version": self._weight_version,
         }
 
@@ -940,6 +968,8 @@ class WeightSynchronizer(ABC):
         for notifier in self._notifiers:
             notifier.remove_weights_discarded_listener(self._invalidate_engine_weights)
         self._notifiers = []
+        if self.delta is not None:
+            self.delta.close()
         self._events.close()
 
     def subscribe(self, max_backlog: int | None = None) -> EventSubscription:

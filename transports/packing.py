@@ -27,11 +27,13 @@ import torch
 
 from aiosync._config import PACK_ALIGNMENT_BYTES
 from aiosync._digest import CHUNK_BYTES, BlockDigest
+from aiosync.delta import DeltaBaseline, WeightPatch, patch_to_wire, wire_manifest
 from aiosync.errors import RefitMismatchError
 
 __all__ = [
     "Bucket",
     "BucketPlan",
+    "PatchPlan",
     "TensorSlot",
     "compare_manifests",
     "dtype_from_name",
@@ -40,6 +42,7 @@ __all__ = [
     "in_place",
     "pack",
     "plan_buckets",
+    "plan_patches",
     "slot_view",
     "unpack",
 ]
@@ -192,6 +195,41 @@ def plan_buckets(
         for s in b.slots:
             h.update(json.dumps([b.index, s.name, s.shape, s.dtype, s.offset]).encode())
     return BucketPlan(tuple(buckets), bucket_bytes, h.hexdigest())
+
+
+@dataclass(frozen=True, slots=True)
+class PatchPlan:
+    """A delta sync's wire: the patches from a baseline, as buckets (:func:`plan_patches`).
+
+    Attributes:
+        plan: the wire tensors' buckets (the full plan's ``bucket_bytes``).
+        tensors: ``(wire name, tensor)`` in ``plan``'s order (:func:`~aiosync.delta.patch_to_wire`).
+        patches: the patches, for the baseline's ``stage``.
+        spec: the workers' ``delta`` entry: ``{"base", "patches" (metas), "digest"}``.
+    """
+
+    plan: BucketPlan
+    tensors: list[tuple[str, torch.Tensor]]
+    patches: list[WeightPatch]
+    spec: dict[str, Any]
+
+
+def plan_patches(
+    baseline: DeltaBaseline, plan: BucketPlan, weights: Iterable[tuple[str, torch.Tensor]]
+) -> PatchPlan:
+    """The patches from ``baseline`` to ``weights`` and their wire plan (blocking: reads
+    and compares every tensor of ``weights``; IPC and the collective send it alike).
+
+    Raises:
+        RefitMismatchError: no committed baseline, or ``weights`` names another set.
+    """
+    base = baseline.version
+    patches = list(baseline.diff(weights))
+    wires = [patch_to_wire(p) for p in patches]
+    metas = [meta for meta, _ in wires]
+    wire_plan = plan_buckets(wire_manifest(metas, plan.manifest()), plan.bucket_bytes)
+    spec = {"base": base, "patches": metas, "digest": wire_plan.digest}
+    return PatchPlan(wire_plan, [t for _, tensors in wires for t in tensors], patches, spec)
 
 
 def compare_manifests(

@@ -11,6 +11,7 @@ the other gets the patches, in the same sync.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -33,6 +34,7 @@ from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.errors import RefitMismatchError, TransportError
 from aiosync.refit import DTensorRefitSource
 from aiosync.transports.ipc import IPCWeightSynchronizer
+from aiosync.transports.packing import PatchPlan, plan_patches
 from tests._support.builders import non_colocated
 from tests._support.delta import DeltaTrainer, committed, holds, patch_bytes
 
@@ -81,11 +83,11 @@ async def _true() -> bool:
 @dataclass(frozen=True)
 class Transport:
     """What differs between the two transports in these tests: how a synchronizer is
-    built, its private diff's tuple (the wires' index), when the kill lands (the workers
-    have written patches), what the failure says, and the held-base check to skip."""
+    built, the module whose ``plan_patches`` makes its wire, when the kill lands (the
+    workers have written patches), what the failure says, and the held-base check to skip."""
 
     build: Callable[..., Any]
-    wires_at: int
+    module: str
     kill_at: Callable[[int], int]
     died: str
     check: str
@@ -97,7 +99,7 @@ class Transport:
 TRANSPORTS = {
     "ipc": Transport(
         build=_ipc,
-        wires_at=1,
+        module="aiosync.transports.ipc.synchronizer",
         kill_at=lambda n: 3 * n // 4,
         # The engine fails the sync's call as soon as the worker dies, naming it (not the
         # survivor's wait for a bucket that never comes, nor the trainer's for acks).
@@ -111,7 +113,7 @@ TRANSPORTS = {
     ),
     "collective": Transport(
         build=_collective,
-        wires_at=1,
+        module="aiosync.transports.collective.synchronizer",
         kill_at=lambda n: 3,  # worker 0 has written patches: a mix of two versions
         died="",
         check="_workers_hold_baseline",
@@ -136,36 +138,33 @@ def _received(sync: IPCWeightSynchronizer) -> list[tuple[bool, int]]:
 
 @pytest.mark.parametrize("kind", TRANSPORTS)
 async def test_a_worker_killed_mid_delta_is_followed_by_a_full_sync(
-    engine: EmbeddedEngine, kind: str
+    engine: EmbeddedEngine, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     t = TRANSPORTS[kind]
     trainer = DeltaTrainer(seed=32, lr=1e-3)
     async with t.build(trainer, engine, **t.kill_options) as sync, sync.subscribe() as events:
         await committed(sync, events)
         victim = engine.pids[1]
-        real = sync._diff
 
-        def killing(*args: Any) -> Any:
-            parts = list(real(*args))
-            wires = parts[t.wires_at]
+        def killing(*args: Any) -> PatchPlan:
+            wire = plan_patches(*args)
 
             def stream() -> Iterator[tuple[str, torch.Tensor]]:
-                for i, item in enumerate(wires):
-                    if i == t.kill_at(len(wires)):
+                for i, item in enumerate(wire.tensors):
+                    if i == t.kill_at(len(wire.tensors)):
                         os.kill(victim, signal.SIGKILL)
                     yield item
 
-            parts[t.wires_at] = stream()
-            return tuple(parts)
+            return dataclasses.replace(wire, tensors=stream())  # type: ignore[arg-type]
 
-        sync._diff = killing
+        monkeypatch.setattr(f"{t.module}.plan_patches", killing)
         trainer.step()
         await sync.mark_stale()
         with pytest.raises(TransportError, match=t.died):
             await sync.sync_weights()
         assert (sync.weight_version, sync.is_stale) == (1, True)
         assert sync.delta_baseline is not None and sync.delta_baseline.version is None
-        sync._diff = real
+        monkeypatch.undo()
         assert await engine.respawn_dead_workers() == [1]
         await sync.init_communicator()
         full = trainer.full_bytes()

@@ -44,17 +44,18 @@ import anyio.to_thread
 import torch
 
 from aiosync._config import DEFAULT_BUCKET_BYTES, DEFAULT_EVENT_BACKLOG, Timeouts
+from aiosync._delta_refit import DeltaRefit
 from aiosync._fanout import most_telling
 from aiosync.capabilities import EngineWorkers, HealthReporting, InFlightPolicy, WorkerDescribing
 from aiosync.cluster import TrainCluster
-from aiosync.delta import DeltaBaseline, patch_to_wire, wire_manifest
+from aiosync.delta import DeltaBaseline
 from aiosync.errors import SyncError, SyncTimeoutError, TransportError
 from aiosync.options import TransportCapabilities
 from aiosync.sources import RefitSource
 from aiosync.synchronizer import KVScales, Transferred, WeightSynchronizer
 
 from .._verify import Verify, check_verify
-from ..packing import BucketPlan, group_by_bucket, plan_buckets
+from ..packing import BucketPlan, group_by_bucket, plan_buckets, plan_patches
 from ._group import STATUS_OK, SyncGroup, cancel_formation, create_sync_group, open_store
 from ._loops import RotatingBuffers, SendResult, stream_buckets, vote_send
 from ._votes import GroupRanks, Heartbeat, SyncRounds, SyncVotes, agree_formation
@@ -300,10 +301,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         #: between syncs.
         self.verify: Verify = verify
         self.overlap = overlap
-        #: What the workers hold, for delta syncs (None: ``delta=False``).
-        self.delta_baseline: DeltaBaseline | None = DeltaBaseline() if delta else None
-        # The base class's discard count when the baseline was last committed.
-        self._baseline_discards = 0
+        self.delta = DeltaRefit(DeltaBaseline()) if delta else None
         #: Limit of the rendezvous and of every collective, seconds.
         self.collective_timeout_s = (
             collective_timeout_s if collective_timeout_s is not None else self.timeouts.rpc_s
@@ -715,16 +713,18 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
             "verify": self.verify,
         }
         weights: Iterable[tuple[str, torch.Tensor]] = votes.weights
-        baseline = self.delta_baseline
+        baseline: DeltaBaseline | None = self.delta.baseline if self.delta is not None else None
         read = False
         if baseline is not None:
             if await self._workers_hold_baseline():
                 try:
                     async with votes.watching():
-                        plan, weights, kwargs["delta"] = await self._in_thread(
-                            functools.partial(self._diff, baseline, plan, version, votes.weights),
+                        wire = await self._in_thread(
+                            functools.partial(plan_patches, baseline, plan, votes.weights),
                             self.sync_timeout_s,
                         )
+                    baseline.stage(version, wire.patches)
+                    plan, weights, kwargs["delta"] = wire.plan, wire.tensors, wire.spec
                 except BaseException as exc:
                     await votes.read(exc)  # raises: the source failed
                     raise
@@ -888,47 +888,14 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
 
     async def _workers_hold_baseline(self) -> bool:
         """Whether every worker holds the baseline's version whole (else: a full sync)."""
-        baseline = self.delta_baseline
-        if baseline is None or baseline.version is None:
+        delta = self.delta
+        if delta is None or delta.baseline.version != self.weight_version:
             return False
-        if self._discards != self._baseline_discards or baseline.version != self.weight_version:
-            return False
+        if not all(delta.holds(engine, self.weight_version) for engine in self._engines()):
+            return False  # an engine discarded its weights since the baseline committed
+        baseline = delta.baseline
         held = await self._rpc("aiosync_collective_held_version", {}, self.rpc_timeout_s)
         return len(held) == self.inference_world_size and all(h == baseline.version for h in held)
-
-    @staticmethod
-    def _diff(
-        baseline: DeltaBaseline,
-        plan: BucketPlan,
-        version: int,
-        weights: Iterable[tuple[str, torch.Tensor]],
-    ) -> tuple[BucketPlan, list[tuple[str, torch.Tensor]], dict[str, Any]]:
-        """The patches from the baseline to ``weights`` (blocking): their wire plan,
-        wire tensors and the workers' ``delta`` argument; staged for commit."""
-        base = baseline.version
-        patches = list(baseline.diff(weights))
-        wires = [patch_to_wire(p) for p in patches]
-        metas = [meta for meta, _ in wires]
-        wire_plan = plan_buckets(wire_manifest(metas, plan.manifest()), plan.bucket_bytes)
-        baseline.stage(version, patches)
-        spec = {"base": base, "patches": metas, "digest": wire_plan.digest}
-        return wire_plan, [t for _, tensors in wires for t in tensors], spec
-
-    def _sync_outcome(self, version: int, *, committed: bool) -> None:
-        baseline = self.delta_baseline
-        if baseline is None:
-            return
-        if committed:
-            baseline.commit()
-            self._baseline_discards = self._discards
-        else:
-            baseline.invalidate()
-
-    def _live_check_failed(self) -> None:
-        # A worker's weights are not the baseline's version any more: every worker
-        # gets every tensor at the next sync, which heals it and stages a new baseline.
-        if self.delta_baseline is not None:
-            self.delta_baseline.invalidate()
 
     async def _wake_weights(self) -> None:
         """Wake the engine's weights before any byte is loaded into them.

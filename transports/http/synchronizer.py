@@ -587,8 +587,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
                 mismatch = exc
         if mismatch is not None:
             # The servers do not hold weight_version: stale until a sync lands.
-            self._invalidate_engine_weights()
-            self._live_check_failed()
+            self._live_weights_wrong()
             raise mismatch
         if unchanged:
             since = (

@@ -79,12 +79,11 @@ Requires an asyncio event loop (pyzmq's asyncio sockets).
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 import os
 import secrets
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import anyio
@@ -92,10 +91,11 @@ import anyio.lowlevel
 import torch
 
 from aiosync._config import DEFAULT_EVENT_BACKLOG, Timeouts
+from aiosync._delta_refit import DeltaRefit
 from aiosync._fanout import most_telling, named
 from aiosync._kv_scales import attention_layers, kv_scale_entries
-from aiosync.capabilities import DiscardNotifier, InFlightPolicy, WorkerDescribing, engines_of
-from aiosync.delta import DeltaBaseline, WeightPatch, patch_to_wire, wire_manifest
+from aiosync.capabilities import InFlightPolicy, WorkerDescribing, engines_of
+from aiosync.delta import DeltaBaseline
 from aiosync.errors import RefitMismatchError, SyncError, TransportError
 from aiosync.options import TransportCapabilities
 from aiosync.sources import GathersInto, RefitManifest, RefitSource
@@ -105,10 +105,7 @@ from .._identity import CPU_LABEL, device_identity
 from .._ranks import TrainerRanks
 from .._verify import Verify, check_verify
 from .._wire import error_fields, rebuild_error
-from ..packing import (
-    BucketPlan,
-    plan_buckets,
-)
+from ..packing import BucketPlan, plan_buckets, plan_patches
 from ._sender import (
     _SHUT_DOWN_MID_SYNC,
     _Ahead,
@@ -371,38 +368,11 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         #: order: ``{"rank", "tensors", "bytes", "delta", ...}`` (``bytes``: the
         #: payload it loaded; ``delta``: it applied patches). Driver only.
         self.last_worker_results: list[dict[str, Any]] = []
-        #: What the workers hold, for delta syncs (None: ``delta=False``).
-        self.delta_baseline: DeltaBaseline | None = DeltaBaseline() if delta else None
-        # Delta only: each engine's weight discards so far (its workers' weights
-        # cannot be trusted to be the baseline's after one: even an engine whose
-        # workers keep no discard epoch reports them), and as of the sync that
-        # committed the baseline, and as of the sync in flight.
-        # Keyed by id(engine): a fleet's members may change (quarantine, add_engine).
-        self._engine_discards: dict[int, int] = {}
-        self._baseline_discards: dict[int, int] = {}
-        self._sync_discards: dict[int, int] = {}
-        self._discard_hooks: list[tuple[DiscardNotifier, Callable[[], None]]] = []
-        if delta and generation is not None:
-            self._hook_discards()
-            self._baseline_discards = self._sync_discards = dict(self._engine_discards)
-
-    def _hook_discards(self) -> None:
-        """Count each engine's weight discards (delta only; engines a fleet gained since
-        are hooked when its membership changes, and get every tensor until a commit)."""
-        for engine in engines_of(self.generation):
-            if id(engine) in self._engine_discards:
-                continue
-            self._engine_discards[id(engine)] = 0
-            if isinstance(engine, DiscardNotifier):
-                hook = functools.partial(self._engine_discarded, id(engine))
-                engine.add_weights_discarded_listener(hook)
-                self._discard_hooks.append((engine, hook))
+        self.delta = DeltaRefit(DeltaBaseline()) if delta else None
 
     async def _membership_changed(self) -> None:
         """The fleet's engines changed: a fresh socket and buffers (the workers
         renumbered, no state of the failed round carries over), then re-init."""
-        if self.delta_baseline is not None:
-            self._hook_discards()
         if self._sender is not None:
             sender, self._sender = self._sender, None
             self.plan = None
@@ -584,10 +554,9 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         others; and the workers' ``delta`` session entry (None: no patches).
         ``gathers``: ``weights`` gathers into the sender's destination (no delta)."""
         assert self.plan is not None
-        baseline = self.delta_baseline
-        if baseline is None:
+        if self.delta is None:
             return [_Lane(self.plan, self.peers, weights, gathers)], None
-        self._sync_discards = dict(self._engine_discards)
+        baseline: DeltaBaseline = self.delta.baseline
         holders = await self._workers_holding_baseline() if self._ranks.is_driver else []
         if self._ranks.sharded:
             # One choice on every rank, from the driver's RPCs: patches only when every
@@ -598,9 +567,8 @@ class IPCWeightSynchronizer(WeightSynchronizer):
             holders = self._all_workers if everyone else []
         if not holders:
             return [_Lane(self.plan, self.peers, baseline.stage_full(version, weights))], None
-        wire_plan, wires, patches, spec = await anyio.to_thread.run_sync(
-            self._diff, baseline, self.plan, weights
-        )
+        wire = await anyio.to_thread.run_sync(plan_patches, baseline, self.plan, weights)
+        wire_plan, wires, patches, spec = wire.plan, wire.tensors, wire.patches, wire.spec
         spec["ranks"] = holders
         lanes = [_Lane(wire_plan, [r for r in holders if r in self.peers], iter(wires))]
         others = [rank for rank in self.peers if rank not in holders]
@@ -618,19 +586,14 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         """The global ranks of the workers (every trainer rank's) that hold the
         baseline's version whole and can apply patches (the others need every
         tensor), ascending. Driver only."""
-        baseline = self.delta_baseline
-        if baseline is None or baseline.version is None:
-            return []
-        if baseline.version != self.weight_version:
+        delta = self.delta
+        if delta is None:
             return []
         holders: list[int] = []
         engines = engines_of(self.generation)
         for index, engine in enumerate(engines):
-            key = id(engine)
-            if key not in self._baseline_discards or (
-                self._sync_discards.get(key) != self._baseline_discards[key]
-            ):
-                continue  # this engine discarded its weights since the baseline
+            if not delta.holds(engine, self.weight_version):
+                continue  # no baseline, or this engine discarded its weights since
             try:
                 replies = await engine.collective_rpc(
                     "aiosync_ipc_held_version",
@@ -645,43 +608,9 @@ class IPCWeightSynchronizer(WeightSynchronizer):
                 raise named(exc, label) from None
             for i, reply in enumerate(replies):
                 _check_reply(reply, i, "aiosync_ipc_held_version")
-                if reply.get("held") == baseline.version and reply.get("patches"):
+                if reply.get("held") == delta.baseline.version and reply.get("patches"):
                     holders.append(int(reply["rank"]))
         return sorted(set(holders) & set(self._all_workers))
-
-    @staticmethod
-    def _diff(
-        baseline: DeltaBaseline, plan: BucketPlan, weights: Iterator[tuple[str, torch.Tensor]]
-    ) -> tuple[BucketPlan, list[tuple[str, torch.Tensor]], list[WeightPatch], dict[str, Any]]:
-        """The patches from the baseline to ``weights`` (blocking): their wire plan
-        (``plan``'s bucket size), wire tensors, the patches and the workers' ``delta``
-        session entry (without ``ranks``)."""
-        patches = list(baseline.diff(weights))
-        wires = [patch_to_wire(p) for p in patches]
-        metas = [meta for meta, _ in wires]
-        wire_plan = plan_buckets(wire_manifest(metas, plan.manifest()), plan.bucket_bytes)
-        spec = {"base": baseline.version, "patches": metas, "digest": wire_plan.digest}
-        return wire_plan, [t for _, tensors in wires for t in tensors], patches, spec
-
-    def _sync_outcome(self, version: int, *, committed: bool) -> None:
-        baseline = self.delta_baseline
-        if baseline is None:
-            return
-        if committed:
-            baseline.commit()
-            self._baseline_discards = self._sync_discards
-        else:
-            baseline.invalidate()
-
-    def _live_check_failed(self) -> None:
-        # A worker's weights are not the baseline's version any more: every worker
-        # gets every tensor at the next sync, which heals it and stages a new baseline.
-        if self.delta_baseline is not None:
-            self.delta_baseline.invalidate()
-
-    def _engine_discarded(self, key: int) -> None:
-        """The engine of ``id()`` ``key`` dropped its workers' weights (a listener, delta only)."""
-        self._engine_discards[key] = self._engine_discards.get(key, 0) + 1
 
     async def _invalidate_workers(self, sync_id: str) -> None:
         """After a failed sync whose receive ran: if any worker loaded a byte of
@@ -847,9 +776,6 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         """Close the socket, remove its directory and unlink the buffers; tell the
         engine's workers to drop their mappings of the buffers (best effort, at
         most :data:`_RELEASE_TIMEOUT_S` seconds). Idempotent."""
-        for engine, hook in self._discard_hooks:
-            engine.remove_weights_discarded_listener(hook)
-        self._discard_hooks = []
         if self._sender is not None:
             sender, self._sender = self._sender, None
             await sender.aclose()

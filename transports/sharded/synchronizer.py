@@ -35,6 +35,7 @@ import anyio.to_thread
 import torch
 
 from aiosync._config import DEFAULT_EVENT_BACKLOG, Timeouts
+from aiosync._delta_refit import DeltaRefit
 from aiosync.capabilities import EngineWorkers, InFlightPolicy, ManifestReporting
 from aiosync.cluster import TrainCluster
 from aiosync.errors import RefitMismatchError, SyncError, TransportError
@@ -204,8 +205,9 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
         #: What moves the buckets (``"torch"``: the group's point-to-point sends).
         self.data_plane: DataPlane = data_plane
         self._transfer_plan: Plan | None = None
-        #: What this rank last sent every worker, for delta syncs (None: ``delta=False``).
-        self.delta_baseline: ShardBaseline | None = ShardBaseline() if delta else None
+        # What this rank last sent every worker, for delta syncs (its own baseline:
+        # each rank sends its shards).
+        self.delta = DeltaRefit(ShardBaseline()) if delta else None
 
     @property
     def world_size(self) -> int:
@@ -411,7 +413,7 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
             await self._form_group()
         group, plan = self._group, self._transfer_plan
         assert group is not None and plan is not None
-        baseline = self.delta_baseline
+        baseline: ShardBaseline | None = self.delta.baseline if self.delta is not None else None
         source = await anyio.to_thread.run_sync(self._sender_source)
         # Set once this rank's share of the plan passed the group's vote: then every
         # rank's did (trainers and workers), and every trainer rank reaches the gather.
@@ -505,12 +507,13 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
         Raises:
             TransportError: rank 0 could not ask the workers (every rank raises).
         """
-        baseline = self.delta_baseline
-        if baseline is None:
+        if self.delta is None:
             return None
-        mine = baseline.version
-        if mine != self.weight_version or self._discards != self._baseline_discards:
-            mine = None
+        mine = self.delta.baseline.version
+        if mine != self.weight_version or not all(
+            self.delta.holds(engine, self.weight_version) for engine in self._engines()
+        ):
+            mine = None  # no baseline, or an engine discarded its weights since
         problem: str | None = None
         if self.is_source and mine is not None:
             try:
