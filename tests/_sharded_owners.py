@@ -25,7 +25,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import anyio
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
@@ -39,14 +38,13 @@ from aiosync.testing import StateDictSource
 from aiosync.transports.collective import CollectiveWeightSynchronizer
 from aiosync.transports.ipc import IPCWeightSynchronizer
 from tests._support.fsdp2 import (
-    ENGINE_SEED,
     advance_weights,
     build_sharded_model,
-    colocated_engine,
     engine_matches,
-    init_process_group,
+    make_engine,
+    make_synchronizer,
+    rank_main,
     versions,
-    write_result,
 )
 
 
@@ -59,22 +57,16 @@ def _make(
     store_port: int,
     **options: Any,
 ) -> WeightSynchronizer:
-    if transport == "ipc":
-        return IPCWeightSynchronizer(
-            source,
-            engine,
-            process_group=dist.group.WORLD,
-            device_label=f"cpu:{rank}",
-            bucket_bytes=64 * 1024,
-            **options,
-        )
-    return CollectiveWeightSynchronizer(
+    limits = {"collective_timeout_s": 60.0} if transport == "collective" else {}
+    return make_synchronizer(
+        transport,
         source,
         engine,
-        train_cluster=TrainCluster(world_size=world, rank=rank, master_port=store_port),
-        inference_world_size=1,
+        rank,
+        world,
+        store_port,
         bucket_bytes=64 * 1024,
-        collective_timeout_s=60.0,
+        **limits,
         **options,
     )
 
@@ -86,12 +78,7 @@ async def run(rank: int, world: int, store_port: int, transport: str) -> dict[st
     async with contextlib.AsyncExitStack() as stack:
         engine: EmbeddedEngine | None = None
         if rank == 0:
-            engine = (
-                colocated_engine(world)
-                if transport == "ipc"
-                else EmbeddedEngine(TINY_QWEN3, num_workers=1, seed=ENGINE_SEED)
-            )
-            engine = await stack.enter_async_context(engine)
+            engine = await stack.enter_async_context(make_engine(transport, world))
         a = await stack.enter_async_context(
             _make(transport, source, engine, rank, world, store_port)
         )
@@ -164,16 +151,5 @@ async def run(rank: int, world: int, store_port: int, transport: str) -> dict[st
     return seen
 
 
-def main() -> None:
-    rank, world, port, store_port = (int(a) for a in sys.argv[1:5])
-    out, transport = Path(sys.argv[5]), sys.argv[6]
-    init_process_group(rank, world, port)
-    try:
-        seen = anyio.run(run, rank, world, store_port, transport)
-    finally:
-        dist.destroy_process_group()
-    write_result(out, seen)
-
-
 if __name__ == "__main__":
-    main()
+    rank_main(run)

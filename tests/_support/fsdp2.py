@@ -1,13 +1,16 @@
 """The FSDP2 trainer of the sharded rank scripts: one tiny Qwen3 per rank, sharded over gloo.
 
-Each rank of ``tests/ipc/_sharded_trainer.py``, ``tests/ipc/_sharded_faults.py`` and
-``tests/collective/_sharded_collective.py`` (one process per rank, run as
-``python SCRIPT RANK WORLD_SIZE ...``) joins the trainer's process group
+Each rank of the sharded rank scripts (``tests/ipc/_sharded_trainer.py``,
+``tests/ipc/_sharded_faults.py``, ``tests/collective/_sharded_collective.py``,
+``tests/delta/_delta_ranks.py``, ``tests/sharded/_sharded_*ranks.py``,
+``tests/_sharded_owners.py``; one process per rank, run as ``python SCRIPT RANK
+WORLD_SIZE ...``, most through :func:`rank_main`) joins the trainer's process group
 (:func:`init_process_group`), builds the same model from
 :data:`~aiosync.engines.embedded.configs.TINY_QWEN3` and shards it with ``fully_shard``
 (:func:`build_sharded_model`), reads it through a :class:`FaultySource` that fails,
-SIGKILLs itself or calls a hook at a chosen tensor, and writes what it saw as one
-JSON object (:func:`write_result`). ``benchmarks/faults.py`` runs the same scripts for
+SIGKILLs itself or calls a hook at a chosen tensor, syncs it through
+:func:`make_synchronizer` into :func:`make_engine`'s engine on rank 0, and writes what
+it saw as one JSON object (:func:`write_result`). ``benchmarks/faults.py`` runs the same scripts for
 its sharded cells (``docs/reliability.md``).
 
 A script's ``sys.path[0]`` is its own folder (pytest's ``pythonpath`` does not reach a
@@ -17,25 +20,33 @@ subprocess): each script puts the repository root on ``sys.path`` itself before
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
+import anyio
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from aiosync.cluster import TrainCluster
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.refit import DTensorRefitSource
 from aiosync.sources import RefitManifest, RefitSource
+from aiosync.synchronizer import WeightSynchronizer
+from aiosync.transports.collective import CollectiveWeightSynchronizer
+from aiosync.transports.ipc import IPCWeightSynchronizer
+from aiosync.transports.sharded import ShardedWeightSynchronizer
 
 __all__ = [
     "ADVANCE",
@@ -49,8 +60,15 @@ __all__ = [
     "colocated_engine",
     "engine_matches",
     "engine_state",
+    "failed_sync",
+    "failing_shard_read",
     "full_state",
     "init_process_group",
+    "make_engine",
+    "make_synchronizer",
+    "nudge",
+    "rank_main",
+    "slices_match",
     "versions",
     "write_result",
 ]
@@ -270,3 +288,123 @@ async def engine_state(
 def write_result(path: Path, seen: dict[str, Any]) -> None:
     """Write what a rank saw as one JSON object (the test or benchmark reads it)."""
     path.write_text(json.dumps(seen))
+
+
+def nudge(model: Any) -> None:
+    """What a small optimizer step changes: three elements of every rank's shard of each
+    layer's ``q_proj``, and all of ``model.norm`` (the delta scripts' step)."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            local = layer.self_attn.q_proj.weight.to_local()
+            if local.numel():
+                local.view(-1)[:3] += 0.5
+        model.model.norm.weight.to_local().mul_(1.5)
+
+
+def make_engine(transport: str, world: int) -> EmbeddedEngine:
+    """Rank 0's engine (not started) for ``transport``: ``"ipc"``, :func:`colocated_engine`
+    (``world`` workers); ``"collective"``, one worker; ``"sharded"``, one replica of two
+    tensor-parallel workers."""
+    if transport == "ipc":
+        return colocated_engine(world)
+    tp = 2 if transport == "sharded" else 1
+    return EmbeddedEngine(TINY_QWEN3, num_workers=1, tensor_parallel_size=tp, seed=ENGINE_SEED)
+
+
+def make_synchronizer(
+    transport: str,
+    source: RefitSource,
+    engine: Any,
+    rank: int,
+    world: int,
+    store_port: int,
+    **options: Any,
+) -> WeightSynchronizer:
+    """Rank ``rank``'s synchronizer into :func:`make_engine`'s engine (None off rank 0),
+    with ``options``: ``"ipc"`` colocated over the trainer's WORLD group, rank ``r``
+    paired with worker ``cpu:r``; ``"collective"`` (1 inference rank) and ``"sharded"``
+    (2) meeting at the store on ``store_port``."""
+    if transport == "ipc":
+        return IPCWeightSynchronizer(
+            source,
+            engine,
+            process_group=dist.group.WORLD,
+            device_label=f"cpu:{rank}",
+            **options,
+        )
+    cluster = TrainCluster(world_size=world, rank=rank, master_port=store_port)
+    if transport == "collective":
+        return CollectiveWeightSynchronizer(
+            source, engine, train_cluster=cluster, inference_world_size=1, **options
+        )
+    return ShardedWeightSynchronizer(
+        source, engine, train_cluster=cluster, inference_world_size=2, **options
+    )
+
+
+async def slices_match(engine: Any, full: dict[str, torch.Tensor]) -> list[bool]:
+    """Per worker of ``engine`` (an engine or a fleet): whether it holds exactly its part
+    of ``full`` (its slice of each sharded tensor, a replicated one whole), under the
+    same names in the same order."""
+    return [
+        list(state) == list(full)
+        and all(
+            torch.equal(state[n], t.narrow(p.dim, p.start, p.length) if t.dim() else t)
+            for n, t in full.items()
+            for p in [layout[n]]
+        )
+        for layout, state in zip(
+            await engine.weight_layouts(), await engine.hf_state_dicts(), strict=True
+        )
+    ]
+
+
+@contextlib.contextmanager
+def failing_shard_read(sync: Any, rank: int, fails: int, at: int) -> Iterator[None]:
+    """While open, rank ``fails``'s shard-aware sender (``sync._sender_source``) raises
+    ``RuntimeError("rank N could not read its shard")`` at its ``at``-th read."""
+    real = sync._sender_source
+
+    def failing() -> Any:
+        local = real()
+        calls = [0]
+
+        def get(name: str) -> torch.Tensor:
+            calls[0] += 1
+            if rank == fails and calls[0] == at:
+                raise RuntimeError(f"rank {fails} could not read its shard")
+            return local(name)
+
+        return get
+
+    sync._sender_source = failing
+    try:
+        yield
+    finally:
+        sync._sender_source = real
+
+
+async def failed_sync(sync: Any) -> list[str] | None:
+    """Mark ``sync`` stale and sync: None, or the error's ``[type name, message]``."""
+    await sync.mark_stale()
+    try:
+        await sync.sync_weights()
+    except Exception as exc:
+        return [type(exc).__name__, str(exc)]
+    return None
+
+
+def rank_main(run: Callable[..., Awaitable[dict[str, Any]]], store_ports: int = 1) -> None:
+    """A rank script's ``main``, for ``python SCRIPT RANK WORLD_SIZE PG_PORT
+    STORE_PORT... OUT_JSON ARG...`` (``store_ports`` store ports, then strings): join
+    the group, ``run(rank, world, *store_ports, *args)``, leave the group, and write
+    what ``run`` returned to ``OUT_JSON``."""
+    argv = sys.argv[1:]
+    rank, world, port, *ports = (int(a) for a in argv[: 3 + store_ports])
+    out, args = Path(argv[3 + store_ports]), argv[4 + store_ports :]
+    init_process_group(rank, world, port)
+    try:
+        seen = anyio.run(run, rank, world, *(*ports, *args))
+    finally:
+        dist.destroy_process_group()
+    write_result(out, seen)

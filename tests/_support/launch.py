@@ -16,16 +16,19 @@ is the kernel's to release.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import runpy
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import Any
 
 from aiosync.engines.embedded._pool import worker_context
+from tests._support.net import free_ports
 
-__all__ = ["start_module", "start_script"]
+__all__ = ["rank_results", "start_module", "start_script"]
 
 
 def start_script(
@@ -80,3 +83,20 @@ def _run(
     finally:
         # An interpreter runs these at exit; a multiprocessing child leaves by os._exit.
         atexit._run_exitfuncs()
+
+
+def rank_results(
+    spawn_ranks: Callable[[Path, int, Callable[[int], Sequence[str]]], None],
+    folder: Path,
+    script: Path,
+    world: int,
+    *args: str,
+    store_ports: int = 1,
+) -> list[dict[str, Any]]:
+    """Run a rank script on ``world`` ranks through the ``spawn_ranks`` fixture (which
+    gives ``RANK WORLD_SIZE PG_PORT``), then ``store_ports`` free store ports,
+    ``folder/RANK.json`` and ``args`` (:func:`tests._support.fsdp2.rank_main`'s
+    argv); return what each rank wrote there, rank 0's first."""
+    stores = [str(p) for p in free_ports(store_ports)] if store_ports else []
+    spawn_ranks(script, world, lambda r: [*stores, str(folder / f"{r}.json"), *args])
+    return [json.loads((folder / f"{r}.json").read_text()) for r in range(world)]

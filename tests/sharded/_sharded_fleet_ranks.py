@@ -23,7 +23,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import anyio
 import torch
 import torch.distributed as dist
 
@@ -38,27 +37,13 @@ from tests._support.fsdp2 import (
     ENGINE_SEED,
     advance_weights,
     build_sharded_model,
-    init_process_group,
+    rank_main,
+    slices_match,
     versions,
-    write_result,
 )
 
 FLEETS = {"tp1": (1, 1), "dp2xtp2": (2, 2)}
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7]]
-
-
-async def _holds(fleet: EngineFleet, full: dict[str, torch.Tensor]) -> list[bool]:
-    """Per worker: whether every tensor it holds is exactly its part of ``full``."""
-    return [
-        all(
-            torch.equal(state[n], t.narrow(p.dim, p.start, p.length) if t.dim() else t)
-            for n, t in full.items()
-            for p in [layout[n]]
-        )
-        for layout, state in zip(
-            await fleet.weight_layouts(), await fleet.hf_state_dicts(), strict=True
-        )
-    ]
 
 
 def _greedy(full: dict[str, torch.Tensor]) -> list[list[int]]:
@@ -127,7 +112,7 @@ async def run_fleet(
             full = {n: t.clone() for n, t in source.iter_weights()}  # every rank gathers
             if fleet is not None:
                 await fleet.prepare_for_generation()
-                seen[f"holds_{step}"] = await _holds(fleet, full)
+                seen[f"holds_{step}"] = await slices_match(fleet, full)
                 seen[f"by_sender_{step}"] = [r["by_sender"] for r in sync.last_worker_results]  # type: ignore[attr-defined]
                 seen[f"greedy_{step}"] = [
                     await e.generate(PROMPTS, max_new_tokens=4, ignore_eos=True)
@@ -145,7 +130,7 @@ async def run_fleet(
     return seen
 
 
-async def run(rank: int, world: int, store_ports: list[int]) -> dict[str, Any]:
+async def run(rank: int, world: int, *store_ports: int) -> dict[str, Any]:
     model = build_sharded_model(world)
     return {
         name: await run_fleet(name, rank, world, port, model)
@@ -153,16 +138,5 @@ async def run(rank: int, world: int, store_ports: list[int]) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    rank, world, port, *store_ports = (int(a) for a in sys.argv[1:6])
-    out = Path(sys.argv[6])
-    init_process_group(rank, world, port)
-    try:
-        seen = anyio.run(run, rank, world, store_ports)
-    finally:
-        dist.destroy_process_group()
-    write_result(out, seen)
-
-
 if __name__ == "__main__":
-    main()
+    rank_main(run, store_ports=2)

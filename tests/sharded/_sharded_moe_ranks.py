@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import anyio
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -38,9 +37,9 @@ from tests._support.fsdp2 import (
     ENGINE_SEED,
     MODEL_SEED,
     advance_weights,
-    init_process_group,
+    rank_main,
+    slices_match,
     versions,
-    write_result,
 )
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8]]
@@ -74,24 +73,6 @@ def build_experts_cut_along_dim_1(world: int) -> torch.nn.Module:
                 cut = distribute_tensor(param.detach(), mesh, [Shard(1)])
                 setattr(module, name, torch.nn.Parameter(cut))
     return model
-
-
-async def _slices_match(engine: EmbeddedEngine, full: dict[str, torch.Tensor]) -> list[bool]:
-    seen = []
-    for layout, state in zip(
-        await engine.weight_layouts(), await engine.hf_state_dicts(), strict=True
-    ):
-        seen.append(
-            list(state) == list(full)
-            and all(
-                torch.equal(
-                    state[n],
-                    t.narrow(layout[n].dim, layout[n].start, layout[n].length) if t.dim() else t,
-                )
-                for n, t in full.items()
-            )
-        )
-    return seen
 
 
 def _greedy(full: dict[str, torch.Tensor]) -> list[list[int]]:
@@ -167,7 +148,7 @@ async def run(rank: int, world: int, store_port: int) -> dict[str, Any]:
             seen[f"after_{step}"] = versions(sync)
             full = {n: t.clone() for n, t in source.iter_weights()}  # every rank gathers
             if engine is not None:
-                seen[f"bit_exact_{step}"] = await _slices_match(engine, full)
+                seen[f"bit_exact_{step}"] = await slices_match(engine, full)
                 got = await engine.generate(PROMPTS, max_new_tokens=6, ignore_eos=True)
                 seen[f"tokens_agree_{step}"] = got == _greedy(full)
         seen.update(_refusals(rank, world, store_port + 1, engine))
@@ -175,16 +156,5 @@ async def run(rank: int, world: int, store_port: int) -> dict[str, Any]:
     return seen
 
 
-def main() -> None:
-    rank, world, port, store_port = (int(a) for a in sys.argv[1:5])
-    out = Path(sys.argv[5])
-    init_process_group(rank, world, port)
-    try:
-        seen = anyio.run(run, rank, world, store_port)
-    finally:
-        dist.destroy_process_group()
-    write_result(out, seen)
-
-
 if __name__ == "__main__":
-    main()
+    rank_main(run)

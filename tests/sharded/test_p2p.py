@@ -1,7 +1,10 @@
-"""The point-to-point executor over gloo: real processes, every sender sending at once.
+"""The point-to-point executor over gloo and over Mooncake's data plane: real processes,
+every sender sending at once.
 
 Each test starts ``tests/sharded/_p2p_rank.py`` once per rank (senders ``0..T-1``,
-receivers ``T..``), meeting at 127.0.0.1, and reads what each rank saw.
+receivers ``T..``), meeting at 127.0.0.1, and reads what each rank saw. The contracts
+both data planes keep run on each (``plane``): Mooncake's are skipped where its wheel
+(``mooncake-transfer-engine-non-cuda``) or its ``libibverbs1`` is not installed.
 """
 
 from __future__ import annotations
@@ -16,7 +19,18 @@ from typing import Any
 
 import pytest
 
+from aiosync.transports.sharded._mooncake import mooncake_available
+
 pytestmark = pytest.mark.slow
+
+_MOONCAKE = mooncake_available()
+#: The data planes: gloo's ``run_plan`` and ``run_plan_mooncake``.
+PLANES = [
+    "gloo",
+    pytest.param(
+        "mooncake", marks=pytest.mark.skipif(_MOONCAKE is not None, reason=_MOONCAKE or "")
+    ),
+]
 
 _SCRIPT = Path(__file__).with_name("_p2p_rank.py")
 _FSDP_SCRIPT = Path(__file__).with_name("_fsdp_rank.py")
@@ -24,7 +38,7 @@ _REPO = Path(__file__).resolve().parents[2]
 
 
 def run_ranks(
-    scenario: str, world: int, tmp_path: Path, script: Path = _SCRIPT
+    scenario: str, world: int, tmp_path: Path, script: Path = _SCRIPT, plane: str = "gloo"
 ) -> list[dict[str, Any] | None]:
     """Run every rank of ``scenario``; each rank's result (None: it wrote none, it died)."""
     with socket.socket() as s:
@@ -44,6 +58,7 @@ def run_ranks(
                 str(port),
                 *([scenario] if scenario else []),
                 str(tmp_path),
+                *([plane] if scenario else []),
             ],
             env=env,
             stdout=subprocess.PIPE,
@@ -70,27 +85,33 @@ def run_ranks(
     return results
 
 
-def assert_moved_exactly_the_plan(results: list[dict[str, Any] | None], senders: int) -> None:
+def assert_moved_exactly_the_plan(
+    results: list[dict[str, Any] | None], senders: int, rounds: int = 1
+) -> None:
     assert all(r is not None and r["ok"] for r in results), results
     assert len({r["digest"] for r in results if r is not None}) == 1
     for rank, r in enumerate(results):
-        assert r is not None
-        assert r["by_peer"] == r["expected"], rank
-        if rank >= senders:
-            assert r["wrong"] == [] and r["not_once"] == [], (rank, r)
-            assert r["nbytes"] == r["plan_received"]
+        assert r is not None and len(r["rounds"]) == rounds, rank
+        for one in r["rounds"]:
+            assert one["by_peer"] == one["expected"], rank
+            if rank >= senders:
+                assert one["wrong"] == [] and one["not_once"] == [], (rank, one)
+                assert one["nbytes"] == one["plan_received"]
 
 
-def test_two_senders_to_two_tp_receivers_each_receiver_ends_with_its_exact_slices(
-    tmp_path: Path,
+@pytest.mark.parametrize("plane", PLANES)
+def test_two_senders_to_two_tp_receivers_twice_each_receiver_ends_with_its_exact_slices(
+    tmp_path: Path, plane: str
 ) -> None:
-    results = run_ranks("2x2", 4, tmp_path)
-    assert_moved_exactly_the_plan(results, senders=2)
-    # Both senders sent (no funnel through rank 0), to both receivers.
-    for rank in (0, 1):
-        result = results[rank]
+    results = run_ranks("2x2", 4, tmp_path, plane=plane)
+    # The second sync sends other values (Mooncake re-registers and rewrites every slot).
+    assert_moved_exactly_the_plan(results, senders=2, rounds=2)
+    # Every rank sent or received (no funnel through rank 0): both senders to both
+    # receivers, each receiver from both senders.
+    for rank, result in enumerate(results):
         assert result is not None
-        assert all(n > 0 for n in result["by_peer"].values())
+        for one in result["rounds"]:
+            assert all(n > 0 for n in one["by_peer"].values()), rank
 
 
 def test_one_sender_to_two_receivers_over_a_bare_gloo_backend(tmp_path: Path) -> None:
@@ -101,16 +122,18 @@ def test_two_senders_to_one_receiver_holding_everything(tmp_path: Path) -> None:
     assert_moved_exactly_the_plan(run_ranks("2x1", 3, tmp_path), senders=2)
 
 
+@pytest.mark.parametrize("plane", PLANES)
 def test_receiver_killed_mid_transfer_makes_every_sender_raise_a_transport_error(
-    tmp_path: Path,
+    tmp_path: Path, plane: str
 ) -> None:
-    results = run_ranks("kill", 4, tmp_path)
+    results = run_ranks("kill", 4, tmp_path, plane=plane)
     assert results[3] is None  # it died at its 3rd box, writing nothing
     messages = []
     for rank in (0, 1):
         result = results[rank]
         assert result is not None and not result["ok"]
-        # A closed connection is the cause, not the 30 s timeout.
+        # A lost link is the cause (a closed connection, a failed write), not the 30 s
+        # timeout.
         assert result["error"] == "TransportError", result
         messages.append(result["message"])
     # The first sender to notice names the dead worker; the other may instead see
@@ -121,10 +144,11 @@ def test_receiver_killed_mid_transfer_makes_every_sender_raise_a_transport_error
     assert survivor["error"] in ("TransportError", "SyncTimeoutError"), survivor
 
 
+@pytest.mark.parametrize("plane", PLANES)
 def test_a_failed_source_and_a_failed_sink_make_every_rank_raise_naming_the_culprit(
-    tmp_path: Path,
+    tmp_path: Path, plane: str
 ) -> None:
-    r0, r1, w0, w1 = run_ranks("fail", 4, tmp_path)
+    r0, r1, w0, w1 = run_ranks("fail", 4, tmp_path, plane=plane)
     assert r1 is not None and (r1["error"], "injected source failure" in r1["message"]) == (
         "TransportError",
         True,

@@ -5,7 +5,7 @@ transfer of the plan (one box of one tensor to one worker), only the elements wh
 changed (full-tensor int32 indices + values, or the box dense when smaller), and every
 worker ends holding exactly its slice of the trainer's tensors. A worker that does not
 hold the patches' base refuses them before writing; a failed sync makes the next one
-full. The 2-rank FSDP2 trainer is in ``test_sharded_delta_ranks.py``.
+full. The 2-rank FSDP2 trainer is in ``test_sharded_ranks.py``.
 """
 
 from __future__ import annotations

@@ -1,15 +1,17 @@
 """Two FSDP2 trainer ranks refit a TP=2 embedded engine through ShardedWeightSynchronizer:
 both ranks send (no gathers), each worker receives only its own slices, a rank's failed
-shard read fails the sync on every rank and the next sync heals."""
+shard read fails the sync on every rank and the next sync heals. With delta syncs on the
+same plan: both ranks send patches, the workers end bit-exact, both ranks' COMMITTED
+events say the same delta bytes, and a rank's failed read makes the next sync full."""
 
 from __future__ import annotations
 
-import json
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests._support.launch import rank_results
 
 pytestmark = pytest.mark.slow
 
@@ -18,12 +20,13 @@ SCRIPT = Path(__file__).with_name("_sharded_ranks.py")
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory, spawn_ranks: Any) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("sharded-ranks")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        store = int(s.getsockname()[1])
-    spawn_ranks(SCRIPT, 2, lambda r: [str(store), str(out / f"{r}.json")])
-    return [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
+    return rank_results(spawn_ranks, tmp_path_factory.mktemp("sharded-ranks"), SCRIPT, 2, "plain")
+
+
+@pytest.fixture(scope="module")
+def delta_ranks(tmp_path_factory: pytest.TempPathFactory, spawn_ranks: Any) -> list[dict[str, Any]]:
+    folder = tmp_path_factory.mktemp("sharded-delta-ranks")
+    return rank_results(spawn_ranks, folder, SCRIPT, 2, "delta")
 
 
 def test_both_ranks_send_and_each_worker_receives_only_its_slices(
@@ -45,15 +48,39 @@ def test_both_ranks_send_and_each_worker_receives_only_its_slices(
         assert sum(by_sender.values()) == zero["receiver_nbytes"][worker]
 
 
-def test_a_failed_shard_read_fails_every_rank_and_the_next_sync_heals(
-    ranks: list[dict[str, Any]],
+def test_both_ranks_send_patches_and_agree_on_the_committed_bytes(
+    delta_ranks: list[dict[str, Any]],
 ) -> None:
-    zero, one = ranks
+    zero, one = delta_ranks
+    full = zero["total_nbytes"]
+    assert zero["full"] == one["full"] == [False, full]
+    want = zero["expected_delta"]
+    assert want == one["expected_delta"] and 0 < want < full / 4
+    assert zero["delta"] == one["delta"] == [True, want]
+    assert zero["delta_bit_exact"] == [True, True]
+    # Each worker got patches from both trainer ranks (each changed its own shard).
+    for by_sender in zero["delta_by_sender"]:
+        assert set(by_sender) == {"0", "1"} and all(n > 0 for n in by_sender.values())
+    assert sum(n for by in zero["delta_by_sender"] for n in by.values()) == want
+
+
+@pytest.mark.parametrize("mode", ["plain", "delta"])
+def test_a_failed_shard_read_fails_every_rank_and_the_next_sync_heals(
+    request: pytest.FixtureRequest, mode: str
+) -> None:
+    """Plain: the next sync heals in place. Delta: the next sync is a full one."""
+    zero, one = request.getfixturevalue("delta_ranks" if mode == "delta" else "ranks")
+    failed, healed = (
+        ([2, 1, True], [2, 2, False]) if mode == "plain" else ([3, 2, True], [4, 4, False])
+    )
     for seen in (zero, one):
         kind, message = seen["failure"]
         assert kind == "TransportError"
         assert "trainer rank 1" in message and "could not read its shard" in message
-        assert seen["after_failure"] == [2, 1, True]
-        assert seen["after_heal"] == [2, 2, False]
-    assert zero["generate_after_failure"] == "SyncError"
+        assert seen["after_failure"] == failed
+        assert seen["after_heal"] == healed
+        if mode == "delta":
+            assert seen["healed"] == [False, zero["total_nbytes"]]  # no delta after a failure
+    if mode == "plain":
+        assert zero["generate_after_failure"] == "SyncError"
     assert zero["healed_bit_exact"] == [True, True]
