@@ -22,6 +22,11 @@ expect of any engine:
   vLLM loads the adapter as ``LoRARequest(adapter.name, adapter.version, path)``
   and every later ``generate`` uses it (the engine must be built with
   ``enable_lora=True`` and ``max_lora_rank >= r``).
+* :class:`aiosync.capabilities.ChecksumVerifying` (``record_checksums=True``) — at
+  each commit the workers' own checksums of every parameter
+  (``Worker.compute_weight_checksums``, what ``vllm serve``'s ``/weight_checker``
+  answers) are recorded; :meth:`~VLLMGenerationBackend.verify_recorded_checksums`
+  (``verify_engine()`` asks it) names each parameter changed since.
 * ``pause_generation(mode, clear_cache)`` / ``resume_generation()`` — the
   synchronizer's in-flight policy around a sync: ``AsyncLLM``'s own
   ``pause_generation(mode=..., clear_cache=...)`` (``"abort"``, ``"wait"``,
@@ -91,6 +96,7 @@ from aiosync.lora import LoRAAdapter
 
 from .._gate import AdmissionGate
 from .._generate import GenerateFromMeta
+from ._checksums import RecordedChecksums, merge_worker_checksums
 from ._dp import WEIGHT_RPCS, DataParallelScope, discover_scope
 from ._drivers import driver_for, rebuild_worker_error
 from ._lora import (
@@ -104,6 +110,7 @@ from ._lora import (
 
 if TYPE_CHECKING:
     from aiosync.capabilities import (
+        ChecksumVerifying,
         ConfigReporting,
         DiscardNotifier,
         Engine,
@@ -149,11 +156,16 @@ class VLLMGenerationBackend(GenerateFromMeta):
             too (the next wake needs a refit: the transports are told, see
             :meth:`add_weights_discarded_listener`).
         rpc_timeout_s: default limit of one :meth:`collective_rpc`, seconds.
+        record_checksums: at each commit (:meth:`on_weights_committed`) ask every
+            worker for vLLM's SHA-256 of each parameter of its model
+            (``compute_weight_checksums``, vLLM 0.32.0 and later) and keep them:
+            :meth:`verify_recorded_checksums` then names any parameter changed
+            since. Costs one host copy and hash of the whole model per sync.
 
     An :class:`~aiosync.capabilities.Engine` that is also a ``PausableEngine``,
     ``VersionedEngine``, ``DiscardNotifier``, ``EngineWorkers``, ``Generating``,
-    ``ManifestReporting``, ``ConfigReporting`` and ``LayoutReporting`` (checked by
-    mypy at the end of this module).
+    ``ManifestReporting``, ``ConfigReporting``, ``LayoutReporting`` and
+    ``ChecksumVerifying`` (checked by mypy at the end of this module).
 
     Raises:
         ValueError: ``sleep_level`` is not 1 or 2.
@@ -176,6 +188,7 @@ class VLLMGenerationBackend(GenerateFromMeta):
         *,
         sleep_level: int = 1,
         rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
+        record_checksums: bool = False,
     ) -> None:
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
@@ -183,6 +196,9 @@ class VLLMGenerationBackend(GenerateFromMeta):
         self.engine = engine
         self.sleep_level = sleep_level
         self.rpc_timeout_s = rpc_timeout_s
+        self.record_checksums = record_checksums
+        # The workers' checksums at the last commit (record_checksums; None: none yet).
+        self._checksums: RecordedChecksums | None = None
         self._sleep_mode = _sleep_mode_enabled(self._driver.vllm_config)
         self._asleep = False
         self._discard_listeners: list[Callable[[], None]] = []
@@ -332,8 +348,58 @@ class VLLMGenerationBackend(GenerateFromMeta):
         """Set vLLM's weight version to ``str(version)`` (``LLM.llm_engine.set_weight_version``,
         ``AsyncLLM.update_weight_version``): outputs from now on carry it. Called by the
         synchronizer after a sync landed on every worker; a vLLM without weight
-        versions is left as is."""
+        versions is left as is. With ``record_checksums``, the workers' checksums
+        are recorded as ``version``'s.
+
+        Raises:
+            TransportError, SyncTimeoutError: a worker failed or did not answer the
+                checksums within ``rpc_timeout_s``.
+        """
         await self._driver.set_weight_version(str(version))
+        if self.record_checksums:
+            self._checksums = None  # a failed recording must not leave the last one
+            self._checksums = RecordedChecksums(version, await self.weight_checksums())
+
+    async def weight_checksums(self) -> dict[str, str]:
+        """Every worker's SHA-256 (hex) of each parameter of its model, as it holds it now
+        (``Worker.compute_weight_checksums`` through ``collective_rpc``).
+
+        Keys are ``"dp{d}:pp{p}:pcp{c}:tp{t}:{name}"`` (the worker's ranks, vLLM's own
+        parameter name: fused, sharded, post-processed); on vLLM's CPU build a linear
+        layer's ``weight`` is an empty tensor (its bytes live in the kernel's packed
+        copy), so its checksum is of no bytes. The target model only: a speculative
+        draft model is not hashed.
+
+        Raises:
+            TransportError: a worker failed, answered something else than
+                ``{str: str}``, or two workers answered the same key.
+            SyncTimeoutError: no answer within ``rpc_timeout_s``.
+        """
+        replies = await self.collective_rpc("compute_weight_checksums")
+        return merge_worker_checksums(replies, "vLLM compute_weight_checksums")
+
+    async def verify_recorded_checksums(self) -> int | None:
+        """Compare the workers' checksums now with those recorded at the last commit
+        (``record_checksums=True``); :class:`~aiosync.capabilities.ChecksumVerifying`.
+
+        Says which parameters changed since the commit (each named with its
+        worker's ranks), not that the commit held the trainer's tensors
+        (``verify_engine()``'s read-back digests compare those).
+
+        Returns:
+            How many parameters (summed over workers) matched; None: nothing
+            recorded (``record_checksums=False``, or no commit yet).
+
+        Raises:
+            RefitVerificationError: a parameter's checksum differs, is gone or is new
+                (up to five named, and how many in all).
+            TransportError, SyncTimeoutError: as :meth:`weight_checksums`.
+        """
+        if self._checksums is None:
+            return None
+        return self._checksums.compare(
+            await self.weight_checksums(), "the vLLM engine", "compute_weight_checksums"
+        )
 
     async def weight_version(self) -> int | None:
         """The synchronizer's ``weight_version`` that vLLM reports (its label
@@ -399,6 +465,7 @@ class VLLMGenerationBackend(GenerateFromMeta):
         await self._driver.call("sleep", self.sleep_level)
         self._asleep = True
         if self.sleep_level >= 2:
+            self._checksums = None  # the weights are gone: nothing to compare with
             for listener in list(self._discard_listeners):
                 listener()
 
@@ -828,5 +895,6 @@ if TYPE_CHECKING:
         ManifestReporting,
         ConfigReporting,
         LayoutReporting,
+        ChecksumVerifying,
     ]:
-        return (b, b, b, b, b, b, b, b, b)
+        return (b, b, b, b, b, b, b, b, b, b)

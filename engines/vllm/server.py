@@ -56,13 +56,19 @@ import anyio
 import httpx
 
 from aiosync._config import DEFAULT_RPC_TIMEOUT_S
-from aiosync.capabilities import IN_FLIGHT_POLICIES, EngineKind, InFlightPolicy
+from aiosync.capabilities import (
+    DRAFT_REFITS,
+    IN_FLIGHT_POLICIES,
+    DraftRefit,
+    EngineKind,
+    InFlightPolicy,
+)
 from aiosync.errors import (
     ExceptionMapping,
-    RefitVerificationError,
     SyncError,
     SyncTimeoutError,
     TransportError,
+    UnsupportedOptionError,
     map_exceptions,
 )
 from aiosync.generation import Generation, SamplingParams, parse_version, sampling_params
@@ -71,6 +77,7 @@ from .._gate import AdmissionGate
 from .._generate import GenerateFromMeta
 from .._http import http_errors
 from .._routes import Route, check_request
+from ._checksums import RecordedChecksums
 from ._dp import WEIGHT_RPCS
 from ._drivers import rebuild_worker_error
 
@@ -80,6 +87,7 @@ if TYPE_CHECKING:
     from aiosync.capabilities import (
         ChecksumVerifying,
         DiscardNotifier,
+        DraftHolding,
         Engine,
         EngineWorkers,
         Generating,
@@ -110,8 +118,6 @@ _CONNECT_TIMEOUT_S = 10.0
 # What vLLM's engine core appends to a worker's message
 # (``Worker failed with error '<message>', please check the stack trace ...``).
 _VLLM_WORKER_SUFFIX = re.compile(r"', please check the stack trace above for the root cause\.?$")
-# A /weight_checker key: the worker's ranks, then vLLM's parameter name.
-_CHECKSUM_KEY = re.compile(r"dp(\d+):pp(\d+):pcp(\d+):tp(\d+):(.+)")
 #: The tags ``/wake_up`` accepts (vLLM's ``wake_up(tags)``).
 _WAKE_TAGS = frozenset({"weights", "kv_cache", "scheduling"})
 
@@ -155,6 +161,8 @@ ROUTES: dict[str, Route] = {
     "/get_world_size": _route("GET", query=("include_dp",)),
     "/init_weight_transfer_engine": _route("POST", ("init_info",)),
     "/start_weight_update": _route("POST"),
+    # The same session for the speculative draft model (vLLM's own transfer engine only).
+    "/start_draft_weight_update": _route("POST"),
     "/update_weights": _route("POST", ("update_info",)),
     "/finish_weight_update": _route("POST", ("weight_version",)),
     "/shutdown_weight_transfer_engine": _route("POST"),
@@ -240,11 +248,19 @@ class VLLMServerBackend(GenerateFromMeta):
             :class:`~aiosync.capabilities.ChecksumVerifying` capability) then names any
             parameter changed since. Costs one hash of the whole model per sync, on
             the server.
+        draft_prefix: the server runs speculative decoding with a draft model whose
+            tensors the checkpoint names under this prefix (Qwen3-Next's MTP layers:
+            ``"mtp."``). The backend is then a
+            :class:`~aiosync.capabilities.DraftHolding`: ``SyncOptions(draft="frozen")``
+            works (:meth:`expected_manifest` leaves those names out: the transports
+            load into the target model alone, so the draft stays as it is), and
+            ``"with_target"`` is refused (:meth:`select_draft_refit` says why). None:
+            no draft; ``"with_target"`` is refused as for any engine without one.
         transport: an ``httpx.AsyncBaseTransport`` to use (proxies, tests).
 
     Raises:
-        ValueError: ``sleep_level`` not 1 or 2, a timeout not > 0, or a
-            ``base_url`` without ``http(s)://``.
+        ValueError: ``sleep_level`` not 1 or 2, a timeout not > 0, a
+            ``base_url`` without ``http(s)://``, or an empty ``draft_prefix``.
     """
 
     #: Which engine this is (:class:`~aiosync.capabilities.KindReporting`): the factory
@@ -267,8 +283,11 @@ class VLLMServerBackend(GenerateFromMeta):
         rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
         generate_timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S,
         record_checksums: bool = False,
+        draft_prefix: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
+        if draft_prefix is not None and (not isinstance(draft_prefix, str) or not draft_prefix):
+            raise ValueError(f"draft_prefix must be a non-empty string, got {draft_prefix!r}")
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
         for label, value in (
@@ -285,6 +304,7 @@ class VLLMServerBackend(GenerateFromMeta):
         self.rpc_timeout_s = rpc_timeout_s
         self.generate_timeout_s = generate_timeout_s
         self.record_checksums = record_checksums
+        self._draft_prefix = draft_prefix
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
@@ -311,8 +331,8 @@ class VLLMServerBackend(GenerateFromMeta):
         # 404 (--disable-fastapi-docs), so the routes are unknown for good.
         self._routes: frozenset[str] | None = None
         self._schema_hidden = False
-        # (version, {key: sha256 hex}) of /weight_checker at the last commit (record_checksums).
-        self._checksums: tuple[int, dict[str, str]] | None = None
+        # /weight_checker's checksums at the last commit (record_checksums).
+        self._checksums: RecordedChecksums | None = None
         self._warned_no_checker = False
 
     # -- the HTTP plumbing: one place for every error -------------------------------
@@ -775,7 +795,7 @@ class VLLMServerBackend(GenerateFromMeta):
                 self._warned_no_checker = True
                 _log.warning("record_checksums: %s; no checksums are recorded", exc)
             return
-        self._checksums = (version, sums)
+        self._checksums = RecordedChecksums(version, sums)
 
     async def verify_recorded_checksums(self) -> int | None:
         """Compare ``/weight_checker``'s checksums now with those recorded at the last
@@ -799,18 +819,10 @@ class VLLMServerBackend(GenerateFromMeta):
         """
         if self._checksums is None:
             return None
-        version, then = self._checksums
         now = await self.weight_checksums()
-        changed = sorted(k for k in then.keys() | now.keys() if then.get(k) != now.get(k))
-        if changed:
-            named = "; ".join(_describe_change(k, then.get(k), now.get(k)) for k in changed[:5])
-            more = f" (and {len(changed) - 5} more)" if len(changed) > 5 else ""
-            raise RefitVerificationError(
-                f"the vLLM server at {self.base_url}: {len(changed)} parameter(s) changed "
-                f"since the commit of version {version} (/weight_checker checksums): "
-                f"{named}{more}"
-            )
-        return len(then)
+        return self._checksums.compare(
+            now, f"the vLLM server at {self.base_url}", "/weight_checker checksums"
+        )
 
     async def weight_version(self) -> int | None:
         """``GET /weight_info``: the server's weight-version label as an int; None:
@@ -1078,10 +1090,60 @@ class VLLMServerBackend(GenerateFromMeta):
         if reply["manifest"] is None:
             _log.debug("no checkpoint manifest for %s: %s", self.base_url, reply["reason"])
             return None
+        # The draft's tensors (in the same checkpoint: Qwen3-Next's mtp.*) are never
+        # loaded by aiosync's transfers into vLLM (select_draft_refit).
+        draft = self._draft_prefix
         return {
             name: (tuple(int(d) for d in shape), dtype_from_name(dtype))
             for name, shape, dtype in reply["manifest"]
+            if draft is None or not name.startswith(draft)
         }
+
+    # -- the speculative draft model (DraftHolding) ------------------------------------
+
+    @property
+    def draft_prefix(self) -> str | None:
+        """The prefix of the draft model's checkpoint names (``"mtp."``); None: no draft."""
+        return self._draft_prefix
+
+    def select_draft_refit(self, mode: DraftRefit) -> None:
+        """``"frozen"``: later syncs load the target model alone, and
+        :meth:`expected_manifest` leaves the draft's names out (what it does whenever
+        ``draft_prefix`` is set, so nothing changes). ``"with_target"`` is refused.
+
+        Why it is refused: aiosync's transports load every tensor through the worker
+        extension into the target model (``model_runner.get_model()``); vLLM's draft
+        model (``get_draft_model()``) is loaded only in vLLM's own weight-transfer
+        session, ``POST /start_draft_weight_update`` then ``/update_weights`` and
+        ``/finish_weight_update`` (vLLM 0.32.0 and 0.34.0; refused by the server
+        unless its ``--weight-transfer-config`` backend supports draft updates and a
+        speculative draft model is configured), whose NCCL and IPC backends need
+        CUDA and which no aiosync synchronizer drives for a draft yet
+        (:meth:`start_draft_weight_update` is the route, for a caller that does).
+
+        Raises:
+            ValueError: an unknown ``mode``.
+            UnsupportedOptionError: ``"with_target"`` (without a ``draft_prefix``:
+                no draft to refit, named so).
+        """
+        if mode not in DRAFT_REFITS:
+            raise ValueError(
+                f"draft must be one of {', '.join(map(repr, DRAFT_REFITS))}, got {mode!r}"
+            )
+        if mode == "with_target" and self._draft_prefix is None:
+            raise UnsupportedOptionError(
+                f"draft='with_target': VLLMServerBackend({self.base_url}) holds no draft "
+                "model (no draft_prefix)"
+            )
+        if mode == "with_target":
+            raise UnsupportedOptionError(
+                f"draft='with_target': the vLLM server at {self.base_url} loads aiosync's "
+                "transfers into its target model only; its draft model is refit only by "
+                "vLLM's own weight-transfer session (POST /start_draft_weight_update, with "
+                "a --weight-transfer-config backend that supports draft updates: NCCL or "
+                "IPC, CUDA), which aiosync does not drive yet: pass draft='frozen' (the "
+                "draft keeps its weights) or leave draft unset (docs/draft.md)"
+            )
 
     # -- vLLM's own weight-transfer routes ---------------------------------------------
 
@@ -1108,6 +1170,19 @@ class VLLMServerBackend(GenerateFromMeta):
             TransportError, SyncTimeoutError: the server refused or failed.
         """
         await self._request("POST", "/start_weight_update", fresh_connection=True)
+
+    async def start_draft_weight_update(self) -> None:
+        """``POST /start_draft_weight_update``: as :meth:`start_weight_update`, the
+        session's :meth:`update_weights` loading into the speculative draft model
+        (vLLM 0.32.0, 0.34.0: ``set_weight_update_target(draft_model, ...)``); then
+        :meth:`finish_weight_update`.
+
+        Raises:
+            TransportError: the server refused (its transfer backend cannot update a
+                draft, no draft model is configured, a session is open) or failed.
+            SyncTimeoutError: no answer within ``rpc_timeout_s``.
+        """
+        await self._request("POST", "/start_draft_weight_update", fresh_connection=True)
 
     async def update_weights(self, update_info: Mapping[str, Any]) -> None:
         """``POST /update_weights {"update_info": ...}``: names, dtypes and shapes of the
@@ -1246,20 +1321,6 @@ def _raise_for_status(response: httpx.Response, where: str, path: str, keyed: bo
     raise error
 
 
-def _describe_change(key: str, then: str | None, now: str | None) -> str:
-    """One changed ``/weight_checker`` key as ``name (dp 0, pp 0, pcp 0, tp 1): what``."""
-    place = key
-    match = _CHECKSUM_KEY.fullmatch(key)
-    if match is not None:
-        dp, pp, pcp, tp, name = match.groups()
-        place = f"{name} (dp {dp}, pp {pp}, pcp {pcp}, tp {tp})"
-    if then is None:
-        return f"{place}: new"
-    if now is None:
-        return f"{place}: gone"
-    return f"{place}: {then[:12]}... then, {now[:12]}... now"
-
-
 def _http_status(exc: TransportError) -> int | None:
     status = vars(exc).get("http_status")
     return status if isinstance(status, int) else None
@@ -1331,5 +1392,6 @@ if TYPE_CHECKING:
         ManifestReporting,
         HealthReporting,
         ChecksumVerifying,
+        DraftHolding,
     ]:
-        return (b, b, b, b, b, b, b, b, b)
+        return (b, b, b, b, b, b, b, b, b, b)

@@ -43,7 +43,15 @@ import pytest_asyncio
 import torch
 from vllm_helpers import NEW_TOKENS, PROMPTS, perturb, save_tiny_qwen3, trainer_greedy
 
-from aiosync import Generation, Timeouts, TrainCluster, VLLMServerBackend
+from aiosync import (
+    Generation,
+    SyncOptions,
+    Timeouts,
+    TrainCluster,
+    UnsupportedOptionError,
+    VLLMServerBackend,
+    create_weight_synchronizer,
+)
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.vllm.server import OPTIONAL_ROUTES
 from aiosync.engines.vllm.worker_extension import AiosyncWorkerExtension
@@ -383,6 +391,99 @@ async def test_recorded_checksums_name_a_parameter_changed_in_the_server_after_t
             assert await backend.weight_checksums() == now  # the trainer's weights again
             assert await backend.verify_recorded_checksums() == len(now)
         await assert_live_weights_are_the_trainers(backend, trainer)
+
+
+async def test_verify_engine_counts_the_servers_checksums_and_names_what_only_they_see(
+    server: Server, trainer: Any
+) -> None:
+    """``sync.verify_engine()`` over a ``record_checksums=True`` server: after an IPC sync
+    it returns the exact counts (the read-back digests of every HF tensor, then the
+    server's own ``/weight_checker`` checksums of every vLLM parameter).
+
+    Which check catches what: a norm corrupted in the server alone no longer equals
+    the trainer's tensor, so the core's read-back digests name it first ("differs
+    from the trainer's"). The same change made in the server *and* the trainer leaves
+    the two equal: the digests pass, and only the checksums the server recorded at the
+    commit see that its norm is not what that version committed. Either way the
+    synchronizer turns stale and the next sync heals the server."""
+    norm = "model.layers.0.input_layernorm.weight"  # vLLM's name and the checkpoint's
+    hf_tensors = len(dict(DTensorRefitSource(trainer).iter_weights()))
+    async with VLLMServerBackend(server.url, rpc_timeout_s=120, record_checksums=True) as backend:
+        start = await backend.weight_version() or 0
+        sync = IPCWeightSynchronizer(
+            DTensorRefitSource(trainer), backend, device="cpu", initial_version=start
+        )
+        async with sync:
+            perturb(trainer, seed=41)
+            await sync.mark_stale()
+            await sync.sync_weights()
+            parameters = len(await backend.weight_checksums())
+            assert parameters > 0
+            expected = {
+                "workers": 1,
+                "tensors": hf_tensors,
+                "checksummed": parameters,
+                "version": start + 1,
+            }
+            assert await sync.verify_engine() == expected
+
+            # The server's norm alone: the trainer's digest differs first.
+            await backend.collective_rpc("aiosync_test_corrupt", (norm,))
+            with pytest.raises(RefitVerificationError) as caught:
+                await sync.verify_engine()
+            assert str(caught.value).startswith(
+                f"engine worker 0: {norm} differs from the trainer's (the trainer's weights "
+                f"of version {start + 1}, the engine's labelled {start + 1})"
+            )
+            assert sync.is_stale is True
+            await sync.sync_weights()
+            assert sync.is_stale is False
+            assert await sync.verify_engine() == expected
+
+            # The same +1 in the server and in the trainer: equal, yet not what was committed.
+            with torch.no_grad():
+                dict(trainer.named_parameters())[norm].add_(1.0)
+            await backend.collective_rpc("aiosync_test_corrupt", (norm,))
+            changed = (
+                rf"^the vLLM server at {re.escape(server.url)}: 1 parameter\(s\) changed since "
+                rf"the commit of version {start + 1} \(/weight_checker checksums\): "
+                rf"{re.escape(norm)} \(dp 0, pp 0, pcp 0, tp 0\): "
+            )
+            with pytest.raises(RefitVerificationError, match=changed):
+                await sync.verify_engine()
+            assert sync.is_stale is True
+            await sync.sync_weights()
+            assert sync.is_stale is False
+            assert await sync.verify_engine() == expected
+        await assert_live_weights_are_the_trainers(backend, trainer)
+
+
+async def test_draft_with_target_is_refused_before_anything_reaches_the_server(
+    server: Server, trainer: Any
+) -> None:
+    """vLLM 0.32.0 serves ``/start_draft_weight_update`` (vLLM's own transfer session),
+    but aiosync's transports load into the target model alone: ``"with_target"`` is an
+    ``UnsupportedOptionError`` naming why, with or without a ``draft_prefix``, raised by
+    ``create_weight_synchronizer`` before any request reaches the server. ``"frozen"``
+    builds (this server holds no draft, so there is nothing to leave out)."""
+    logged = len(server.log.read_text(errors="replace"))
+    async with httpx.AsyncClient(base_url=server.url) as client:
+        assert "/start_draft_weight_update" in (await client.get("/openapi.json")).json()["paths"]
+    for prefix, why in (
+        (None, r"VLLMServerBackend holds no draft model it can refit"),
+        ("mtp.", r"loads aiosync's transfers into its target model only; .*/start_draft_weight"),
+    ):
+        async with VLLMServerBackend(server.url, draft_prefix=prefix) as backend:
+            with pytest.raises(UnsupportedOptionError, match=f"draft='with_target': .*{why}"):
+                create_weight_synchronizer(
+                    DTensorRefitSource(trainer),
+                    backend,
+                    colocated=True,
+                    sync=SyncOptions(draft="with_target"),
+                )
+    # Nothing but the /openapi.json read above reached the server (its access log).
+    paths = re.findall(r'"(?:GET|POST) (/\S*)', server.log.read_text(errors="replace")[logged:])
+    assert [p for p in paths if p != "/openapi.json"] == []
 
 
 # -- generation, versions, the workers ------------------------------------------------
