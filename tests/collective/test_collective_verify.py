@@ -153,29 +153,60 @@ def _raw(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
+def _flip_for(
+    verify: str, plan: BucketPlan, sent: dict[str, torch.Tensor]
+) -> tuple[Bucket, int, int]:
+    """The bucket, byte and bit mask of the flip each check must catch in sync 2:
+
+    - ``"sample"``: a slot's first byte, always in the sample (the catch is deterministic);
+    - ``"default"`` (the full check): one exponent bit the sample leaves out, a flip that
+      makes the element ~1e37 or more (a weight the engine would serve);
+    - ``"True"`` (the full check, asked for): any byte the sample leaves out.
+    """
+    if verify == "sample":
+        bucket, slot = _second_slot(plan)
+        return bucket, slot.offset, 0xFF
+    if verify == "True":
+        return (*_unsampled_byte(plan, version=2), 0xFF)
+    bucket, slot, byte = _unsampled_exponent(plan, version=2)
+    tensor = sent[slot.name].reshape(-1)
+    element = (byte - slot.offset) // tensor.element_size()
+    flipped = _raw(tensor.clone()).clone()
+    flipped[byte - slot.offset] ^= 0x40
+    assert abs(float(flipped.view(tensor.dtype)[element])) > 1e30
+    return bucket, byte, 0x40
+
+
 @pytest.mark.parametrize("overlap", ["inplace", "staged"])
-async def test_sample_verify_catches_a_flipped_first_byte_and_the_next_sync_heals(
-    verify_pool: WorkerPool, overlap: str
+@pytest.mark.parametrize(("verify", "seed"), [("sample", 300), ("default", 305), ("True", 301)])
+async def test_the_check_catches_a_byte_flipped_on_one_worker_and_the_next_sync_heals(
+    verify_pool: WorkerPool, overlap: str, verify: str, seed: int
 ) -> None:
-    trainer = _trainer(seed=300)
+    """``verify="sample"`` catches a flip in its sample; the default check (``True``, every
+    byte) catches one exponent bit, and any byte, that the sample would miss. The sync
+    fails naming the worker, the bucket and its tensors; the next one lands."""
+    trainer = _trainer(seed=seed)
     workers = await verify_pool.view([0, 1])
-    async with _sync(trainer, workers, overlap=overlap, verify="sample") as sync:
+    options = {} if verify == "default" else {"verify": verify if verify == "sample" else True}
+    mode = "'sample'" if verify == "sample" else "True"
+    async with _sync(trainer, workers, overlap=overlap, **options) as sync:
+        assert sync.verify == ("sample" if verify == "sample" else True)
         await sync.mark_stale()
         await sync.sync_weights()
         v1 = _checkpoint(trainer)
-        _perturb(trainer, seed=1)
-        bucket, slot = _second_slot(sync.plan)
-        # A slot's first byte is always in the sample: the catch is deterministic.
-        await _arm(verify_pool, FAULTY, bucket.index, slot.offset)
+        _perturb(trainer, seed=seed)
+        bucket, byte, mask = _flip_for(verify, sync.plan, _checkpoint(trainer))
+        await _arm(verify_pool, FAULTY, bucket.index, byte, mask=mask)
         await sync.mark_stale()
         with pytest.raises(RefitVerificationError) as info:
             await sync.sync_weights()
         message = str(info.value)
         assert re.search(
             rf"engine worker {FAULTY}: bucket {bucket.index} \({re.escape(_names(bucket))}\) "
-            r"arrived with digest -?\d+, the trainer sent -?\d+ \(verify='sample'\)",
+            rf"arrived with digest -?\d+, the trainer sent -?\d+ \(verify={re.escape(mode)}\)",
             message,
         ), message
+        assert message.endswith(f"(verify={mode})"), message
         assert "engine worker 0:" not in message  # worker 0 received its buckets intact
         assert (sync.weight_version, sync.policy_version, sync.is_stale) == (1, 2, True)
         if overlap == "inplace":
@@ -188,67 +219,8 @@ async def test_sample_verify_catches_a_flipped_first_byte_and_the_next_sync_heal
             await _assert_bit_exact(verify_pool, [0, 1], v1)
             await verify_pool.call(FAULTY, "test_generate", prompts=PROMPTS, max_new_tokens=1)
 
-        await sync.sync_weights()  # no fault armed: it lands
+        await sync.sync_weights()  # one-shot fault, none armed now: it lands
         assert (sync.weight_version, sync.is_stale) == (2, False)
-    await _assert_bit_exact(verify_pool, [0, 1], _checkpoint(trainer))
-
-
-@pytest.mark.parametrize("overlap", ["inplace", "staged"])
-async def test_the_default_check_catches_one_flipped_exponent_bit_and_the_next_sync_heals(
-    verify_pool: WorkerPool, overlap: str
-) -> None:
-    trainer = _trainer(seed=305)
-    workers = await verify_pool.view([0, 1])
-    async with _sync(trainer, workers, overlap=overlap) as sync:  # the default verify
-        assert sync.verify is True
-        await sync.mark_stale()
-        await sync.sync_weights()
-        _perturb(trainer, seed=5)
-        bucket, slot, byte = _unsampled_exponent(sync.plan, version=2)
-        sent = _checkpoint(trainer)[slot.name].reshape(-1)
-        element = (byte - slot.offset) // sent.element_size()
-        # The flip makes the element ~1e37 or more (a weight the engine would serve).
-        flipped = _raw(sent.clone()).clone()
-        flipped[byte - slot.offset] ^= 0x40
-        assert abs(float(flipped.view(sent.dtype)[element])) > 1e30
-        await _arm(verify_pool, FAULTY, bucket.index, byte, mask=0x40)
-        await sync.mark_stale()
-        with pytest.raises(RefitVerificationError) as info:
-            await sync.sync_weights()
-        message = str(info.value)
-        assert re.search(
-            rf"engine worker {FAULTY}: bucket {bucket.index} \({re.escape(_names(bucket))}\) "
-            r"arrived with digest -?\d+, the trainer sent -?\d+ \(verify=True\)",
-            message,
-        ), message
-        assert "engine worker 0:" not in message
-        assert (sync.weight_version, sync.is_stale) == (1, True)
-        await sync.sync_weights()  # one-shot fault: this one lands
-        assert (sync.weight_version, sync.is_stale) == (2, False)
-    await _assert_bit_exact(verify_pool, [0, 1], _checkpoint(trainer))
-
-
-@pytest.mark.parametrize("overlap", ["inplace", "staged"])
-async def test_full_verify_catches_a_flipped_byte_the_sample_would_miss(
-    verify_pool: WorkerPool, overlap: str
-) -> None:
-    trainer = _trainer(seed=301)
-    workers = await verify_pool.view([0, 1])
-    async with _sync(trainer, workers, overlap=overlap, verify=True) as sync:
-        await sync.mark_stale()
-        await sync.sync_weights()
-        _perturb(trainer, seed=2)
-        bucket, byte = _unsampled_byte(sync.plan, version=2)
-        await _arm(verify_pool, FAULTY, bucket.index, byte)
-        await sync.mark_stale()
-        with pytest.raises(RefitVerificationError) as info:
-            await sync.sync_weights()
-        message = str(info.value)
-        assert f"engine worker {FAULTY}: bucket {bucket.index} ({_names(bucket)})" in message
-        assert message.endswith("(verify=True)")
-        assert (sync.weight_version, sync.is_stale) == (1, True)
-        await sync.sync_weights()
-        assert sync.weight_version == 2
     await _assert_bit_exact(verify_pool, [0, 1], _checkpoint(trainer))
 
 

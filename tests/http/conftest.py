@@ -9,10 +9,11 @@ each test (they are cheap), so no async fixture crosses event loops.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +23,12 @@ import torch
 from safetensors.torch import load as safetensors_load
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from aiosync import SGLangHTTPBackend
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.refit import DTensorRefitSource
 from aiosync.sources import RefitManifest, RefitSource
+from aiosync.transports.http import HTTPWeightSynchronizer
 from tests._support.launch import start_module
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,6 +39,8 @@ SERVER_SEED = 1
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9]]
 SERVER_START_TIMEOUT_S = 300.0
 API_KEY = "test-key-123"
+#: Small buckets, so a refit of the tiny model takes several requests.
+BUCKET_BYTES = 64 * 1024
 
 
 class TestServer:
@@ -271,3 +276,19 @@ def mapped_segments() -> Callable[[int], set[str]]:
 @pytest.fixture
 def prompts() -> list[list[int]]:
     return [list(p) for p in PROMPTS]
+
+
+@contextlib.asynccontextmanager
+async def http_sync(
+    url: str, trainer: Any, *, synced: bool = True, **backend_options: Any
+) -> AsyncIterator[tuple[SGLangHTTPBackend, HTTPWeightSynchronizer]]:
+    """A backend on ``url`` (``backend_options``) and an initialised
+    :class:`HTTPWeightSynchronizer` of ``trainer`` in :data:`BUCKET_BYTES` buckets; with
+    ``synced``, after a first sync (version 1). The backend is closed at the end."""
+    async with SGLangHTTPBackend(url, **backend_options) as backend:
+        sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
+        await sync.init_communicator()
+        if synced:
+            await sync.mark_stale()
+            await sync.sync_weights()
+        yield backend, sync

@@ -11,10 +11,9 @@ import pytest
 
 from aiosync import SGLangHTTPBackend, SyncError, refit_if_stale
 from aiosync.transports.http import HTTPWeightSynchronizer
+from tests.http.conftest import BUCKET_BYTES, http_sync
 
 pytestmark = pytest.mark.slow
-
-BUCKET_BYTES = 64 * 1024
 
 
 @pytest.fixture
@@ -40,9 +39,10 @@ async def test_release_after_generation_then_weights_refit_kv_cache_in_order(
     server: Any, make_trainer: Any, state_equal: Any, prompts: list[list[int]]
 ) -> None:
     trainer = make_trainer(seed=21)
-    async with SGLangHTTPBackend(server.url, enable_memory_saver=True) as backend:
-        sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
-        await sync.init_communicator()
+    async with http_sync(server.url, trainer, synced=False, enable_memory_saver=True) as (
+        backend,
+        sync,
+    ):
         await sync.mark_stale()
         assert await refit_if_stale(sync, backend)
         out = await backend.generate(prompts, max_new_tokens=4)
@@ -73,11 +73,7 @@ async def test_discarded_weights_make_the_engine_stale_until_a_sync(
     server: Any, make_trainer: Any, state_equal: Any, prompts: list[list[int]]
 ) -> None:
     trainer = make_trainer(seed=23)
-    async with SGLangHTTPBackend(server.url, enable_memory_saver=True) as backend:
-        sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
+    async with http_sync(server.url, trainer, enable_memory_saver=True) as (backend, sync):
         assert not sync.is_stale
 
         await backend.finish_generation()
@@ -104,11 +100,7 @@ async def test_without_memory_saver_the_server_stays_resident(
 ) -> None:
     tp2_server.reset()
     trainer = make_trainer(seed=24)
-    async with SGLangHTTPBackend(tp2_server.url) as backend:
-        sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
+    async with http_sync(tp2_server.url, trainer) as (backend, sync):
         await backend.finish_generation()
         await backend.prepare_for_generation()
         assert not sync.is_stale
@@ -134,11 +126,7 @@ async def test_weights_released_mid_sync_fail_it_and_the_server_refuses_until_a_
     tensor, mid-way, or the last): the sync fails instead of committing, the version
     stays, generation refuses, and the next sync heals."""
     trainer = make_trainer(seed=60 + at)
-    async with SGLangHTTPBackend(server.url, enable_memory_saver=True) as backend:
-        sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
+    async with http_sync(server.url, trainer, enable_memory_saver=True) as (backend, sync):
         names = list(trainer.prepare_refit_info())
         trigger = names[min(at, len(names) - 1)]
 

@@ -26,11 +26,9 @@ from aiosync.transports.http._wire import (
     plan_flat_buckets,
     serialize_flat,
 )
+from tests.http.conftest import BUCKET_BYTES, http_sync
 
 pytestmark = pytest.mark.slow
-
-# Small buckets so a refit of the tiny model takes several requests.
-BUCKET_BYTES = 64 * 1024
 
 
 @pytest.fixture
@@ -66,11 +64,8 @@ async def test_every_tp_rank_loads_its_own_entry_and_both_ranks_are_bit_exact(
     server: Any, make_trainer: Any, state_equal: Any
 ) -> None:
     trainer = make_trainer(seed=22)
-    async with SGLangHTTPBackend(server.url) as backend:
-        sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
+    async with http_sync(server.url, trainer) as (_, sync):
+        pass
     expected = trainer.expected()
     state_equal(server.state_dict(rank=0), expected)
     state_equal(server.state_dict(rank=1), expected)
@@ -116,9 +111,7 @@ async def test_every_bucket_is_one_request_with_one_entry_per_rank(
     server: Any, make_trainer: Any, state_equal: Any
 ) -> None:
     trainer = make_trainer(seed=8)
-    async with SGLangHTTPBackend(server.url) as backend:
-        sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
-        await sync.init_communicator()
+    async with http_sync(server.url, trainer, synced=False) as (_, sync):
         await sync.mark_stale(5)
         await sync.sync_weights()
     updates = [e for e in server.log() if e["path"] == "/update_weights_from_tensor"]
@@ -151,9 +144,7 @@ async def test_two_kept_segments_carry_every_bucket_of_every_sync_until_shutdown
     # When the source is asked for a tensor, at most one bucket is in flight and
     # one is being gathered: never more than two segments exist.
     trainer.on_tensor = lambda name: seen.append(set(own_segments()) - before)
-    async with SGLangHTTPBackend(server.url) as backend:
-        sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
-        await sync.init_communicator()
+    async with http_sync(server.url, trainer, synced=False) as (_, sync):
         assert len(sync.plan) > 2
         for step in range(2):
             await sync.mark_stale()
@@ -182,11 +173,7 @@ async def test_greedy_generation_equals_the_trainers_and_no_stale_prefix_survive
     server: Any, make_trainer: Any, state_equal: Any, prompts: list[list[int]]
 ) -> None:
     trainer = make_trainer(seed=12)
-    async with SGLangHTTPBackend(server.url) as backend:
-        sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
+    async with http_sync(server.url, trainer) as (backend, sync):
         first = await backend.generate(prompts, max_new_tokens=6)
         assert first == trainer.reference_generate(prompts, 6)
         # The server now caches these prompts, computed with version 1 (C7).
@@ -202,9 +189,7 @@ async def test_kv_scales_land_exactly_after_the_weights_and_generation_still_mat
     server: Any, make_trainer: Any, state_equal: Any, prompts: list[list[int]]
 ) -> None:
     trainer = make_trainer(seed=14)
-    async with SGLangHTTPBackend(server.url) as backend:
-        sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
-        await sync.init_communicator()
+    async with http_sync(server.url, trainer, synced=False) as (backend, sync):
         await sync.mark_stale()
         await sync.sync_weights(kv_scales={0: 0.5, "model.layers.1.self_attn.v_scale": 0.1})
         assert sync.weight_version == 1 and not sync.is_stale
@@ -238,11 +223,7 @@ async def test_a_bad_kv_scale_is_refused_before_any_request_and_versions_stay(
     server: Any, make_trainer: Any, state_equal: Any, kv_scales: Any, error: Any, match: str
 ) -> None:
     trainer = make_trainer(seed=18)
-    async with SGLangHTTPBackend(server.url) as backend:
-        sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
+    async with http_sync(server.url, trainer) as (backend, sync):
         held = server.state_dict()
         trainer.step(seed=19)
         await sync.mark_stale()
@@ -328,9 +309,7 @@ async def test_a_source_that_drifts_from_its_manifest_raises_refit_mismatch(
             raise RefitMismatchError(f"{name}: drifted")
 
     trainer.on_tensor = drift
-    async with SGLangHTTPBackend(server.url) as backend:
-        sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
-        await sync.init_communicator()
+    async with http_sync(server.url, trainer, synced=False) as (_, sync):
         await sync.mark_stale()
         with pytest.raises(RefitMismatchError, match="drifted"):
             await sync.sync_weights()

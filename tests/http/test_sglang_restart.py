@@ -12,13 +12,10 @@ from typing import Any
 
 import pytest
 
-from aiosync import SGLangHTTPBackend, SyncError, refit_if_stale
-from aiosync.transports.http import HTTPWeightSynchronizer
-from tests.http.conftest import TestServer
+from aiosync import SyncError, refit_if_stale
+from tests.http.conftest import TestServer, http_sync
 
 pytestmark = pytest.mark.slow
-
-BUCKET_BYTES = 64 * 1024
 
 
 def _free_port() -> int:
@@ -59,11 +56,7 @@ async def test_a_server_restarted_between_syncs_makes_the_synchronizer_stale_and
 ) -> None:
     trainer = make_trainer(seed=141)
     url = restartable.url
-    async with SGLangHTTPBackend(url) as backend:
-        sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
+    async with http_sync(url, trainer) as (backend, sync):
         assert await refit_if_stale(sync, backend) is False  # a live server: nothing to do
 
         restartable.restart()
@@ -86,12 +79,7 @@ async def test_a_generate_answered_by_a_restarted_server_is_refused_and_turns_th
     restartable: Restartable, make_trainer: Any, state_equal: Any, prompts: list[list[int]]
 ) -> None:
     trainer = make_trainer(seed=142)
-    async with SGLangHTTPBackend(restartable.url) as backend:
-        sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
-
+    async with http_sync(restartable.url, trainer) as (backend, sync):
         restartable.restart()
         # The answer was computed with the restarted server's weights: never handed out.
         with pytest.raises(SyncError, match=r"weight_version 'default'.* restarted"):
