@@ -366,6 +366,25 @@ def test_vllm_0_34_serves_every_optional_route_the_backend_detects() -> None:
     assert VLLM_CLIENT_ROUTES["/weight_checker"].body == {"action"}
 
 
+def test_vllm_0_34_draft_session_is_the_target_session_started_by_its_own_route() -> None:
+    """vLLM 0.34.0 refits a speculative draft model in a session of its own (the
+    ``router.post("/start_draft_weight_update")`` handler takes no body, its worker
+    retargets the transfer engine with ``set_weight_update_target(draft_model, ...)``),
+    then ``/update_weights {update_info}`` and ``/finish_weight_update
+    {weight_version}`` as for the target. The backend's table holds the three as
+    0.34.0 declares them (``VLLMServerBackend.start_draft_weight_update``); aiosync's
+    own transports do not use them (``docs/draft.md``)."""
+    session = ("/start_draft_weight_update", "/update_weights", "/finish_weight_update")
+    assert {p: VLLM_0_34_ROUTES[p] for p in session} == {
+        "/start_draft_weight_update": ("POST", frozenset(), frozenset()),
+        "/update_weights": ("POST", frozenset({"update_info"}), frozenset()),
+        "/finish_weight_update": ("POST", frozenset({"weight_version"}), frozenset()),
+    }
+    assert {
+        p: (r.method, r.body, r.query) for p, r in VLLM_CLIENT_ROUTES.items() if p in session
+    } == {p: VLLM_0_34_ROUTES[p] for p in session}
+
+
 # -- the tables are what the clients send ---------------------------------------------
 
 

@@ -19,13 +19,15 @@ from typing import Any
 
 import pytest
 
+from aiosync.capabilities import DraftHolding
 from aiosync.engines.vllm.server import (
     OPTIONAL_ROUTES,
     ROUTES,
     RouteMissingError,
     VLLMServerBackend,
 )
-from aiosync.errors import RefitVerificationError, TransportError
+from aiosync.errors import RefitVerificationError, TransportError, UnsupportedOptionError
+from aiosync.sources import RefitSource, apply_draft_option
 
 #: Every route of the backend's table: what vLLM 0.32.0 and 0.34.0 list.
 ALL_ROUTES = frozenset(ROUTES) - {"/openapi.json"}
@@ -40,6 +42,8 @@ class Routes:
     #: False: ``/openapi.json`` answers 404 (``--disable-fastapi-docs``).
     schema: bool = True
     checksums: dict[str, str] = field(default_factory=dict)
+    #: ``/collective_rpc``'s one worker's answer to each method named here.
+    rpc: dict[str, Any] = field(default_factory=dict)
     requests: list[tuple[str, str, Any]] = field(default_factory=list)
 
 
@@ -65,6 +69,8 @@ def _handler(state: Routes) -> type[BaseHTTPRequestHandler]:
                 self._answer(200, {"openapi": "3.1.0", "paths": {p: {} for p in state.served}})
             elif path not in state.served:
                 self._answer(404, {"detail": "Not Found"})
+            elif path == "/collective_rpc" and (method_ := (body or {}).get("method")) in state.rpc:
+                self._answer(200, {"results": [state.rpc[method_]]})
             elif path == "/weight_checker":
                 self._answer(200, {"checksums": state.checksums})
             elif path == "/reset_prefix_cache":
@@ -200,3 +206,62 @@ async def test_record_checksums_on_a_server_without_the_checker_records_nothing_
     warned = [r.getMessage() for r in caplog.records if "record_checksums" in r.getMessage()]
     assert len(warned) == 1 and "/weight_checker" in warned[0]
     assert not any(r[1] == "/weight_checker" for r in state.requests)
+
+
+class Checkpoint(RefitSource):
+    """A refit source of named tensors (a Qwen3-Next checkpoint keeps ``mtp.*`` beside
+    the target's tensors)."""
+
+    def __init__(self, tensors: dict[str, Any]) -> None:
+        self.tensors = tensors
+
+    def prepare_refit_info(self) -> dict[str, tuple[tuple[int, ...], Any]]:
+        return {n: (tuple(t.shape), t.dtype) for n, t in self.tensors.items()}
+
+    def iter_weights(self) -> Iterator[tuple[str, Any]]:
+        yield from self.tensors.items()
+
+
+async def test_a_draft_prefix_freezes_the_drafts_tensors_and_with_target_is_refused(
+    serve: Any,
+) -> None:
+    """``draft_prefix="mtp."``: a :class:`DraftHolding` whose manifest (the checkpoint's
+    safetensors headers, read by worker 0) leaves out the draft's tensors, as the source
+    ``SyncOptions(draft="frozen")`` sends does; ``"with_target"`` is refused naming why,
+    before any request. ``start_draft_weight_update()`` is vLLM's route, no body."""
+    import torch
+
+    tensors = {
+        "model.norm.weight": torch.ones(4),
+        "mtp.fc.weight": torch.ones(4, 8),
+        "mtp.norm.weight": torch.ones(4),
+    }
+    manifest = [[n, list(t.shape), "float32"] for n, t in tensors.items()]
+    state = Routes(
+        ALL_ROUTES, rpc={"aiosync_vllm_checkpoint_manifest": {"manifest": manifest, "reason": ""}}
+    )
+    url = serve(state)
+    with pytest.raises(ValueError, match="draft_prefix must be a non-empty string, got ''"):
+        VLLMServerBackend(url, draft_prefix="")
+    async with VLLMServerBackend(url) as plain, VLLMServerBackend(url, draft_prefix="mtp.") as held:
+        assert isinstance(held, DraftHolding)
+        assert (plain.draft_prefix, held.draft_prefix) == (None, "mtp.")
+        assert list(await plain.expected_manifest() or {}) == list(tensors)
+        sent = apply_draft_option(Checkpoint(tensors), held, "frozen")
+        assert await held.expected_manifest() == {"model.norm.weight": ((4,), torch.float32)}
+        assert list(sent.prepare_refit_info()) == ["model.norm.weight"]
+        assert [n for n, _ in sent.iter_weights()] == ["model.norm.weight"]
+        before = len(state.requests)
+        with pytest.raises(
+            UnsupportedOptionError,
+            match=r"draft='with_target': the vLLM server at .* loads aiosync's transfers into "
+            r"its target model only; .*POST /start_draft_weight_update",
+        ):
+            apply_draft_option(Checkpoint(tensors), held, "with_target")
+        with pytest.raises(UnsupportedOptionError, match="holds no draft model it can refit"):
+            apply_draft_option(Checkpoint(tensors), plain, "with_target")
+        with pytest.raises(ValueError, match="draft must be one of 'with_target', 'frozen'"):
+            held.select_draft_refit("all")  # type: ignore[arg-type]
+        assert len(state.requests) == before  # refused here, nothing sent
+        await held.start_draft_weight_update()
+    assert state.requests[-1] == ("POST", "/start_draft_weight_update", None)
