@@ -20,6 +20,7 @@ from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.refit import DTensorRefitSource
 from aiosync.sources import RefitManifest, RefitSource
+from tests._support.proxy import RpcForwarder
 
 MOE = TINY_QWEN3_MOE
 DENSE_TIED = TINY_QWEN3_TIED
@@ -65,8 +66,9 @@ class TrainerSource(RefitSource):
         self.log.append("offload_after_refit")
 
 
-class RecordingEngine:
-    """Forwards to an :class:`EmbeddedEngine`, logging the generation lifecycle calls."""
+class RecordingEngine(RpcForwarder):
+    """Forwards to an :class:`EmbeddedEngine` its generation lifecycle calls, logging them,
+    and ``collective_rpc`` (nothing else)."""
 
     def __init__(self, engine: EmbeddedEngine, log: list[str]) -> None:
         self.engine = engine
@@ -79,15 +81,6 @@ class RecordingEngine:
     async def finish_generation(self) -> None:
         self.log.append("finish_generation")
         await self.engine.finish_generation()
-
-    async def collective_rpc(
-        self,
-        method: str,
-        args: tuple[Any, ...] = (),
-        kwargs: Mapping[str, Any] | None = None,
-        timeout_s: float | None = None,
-    ) -> list[Any]:
-        return await self.engine.collective_rpc(method, args, kwargs, timeout_s)
 
 
 def trainer_model(config: Mapping[str, Any], seed: int) -> HFModelRunner:

@@ -5,7 +5,6 @@ to generate until the next sync lands."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,30 +14,21 @@ import pytest
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.errors import SyncError
 from aiosync.transports.ipc import IPCWeightSynchronizer
+from tests._support.proxy import EngineProxy
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
-class _StopAfterReceive:
+class _StopAfterReceive(EngineProxy):
     """Forwards to the engine; once a worker's ``aiosync_ipc_receive`` returned (the
     inline refit loaded and committed there), sets ``received`` and hangs, so that the
     test cancels the sync at that point."""
 
     def __init__(self, engine: EmbeddedEngine) -> None:
-        self.engine = engine
+        super().__init__(engine)
         self.received = anyio.Event()
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
-
-    async def collective_rpc(
-        self,
-        method: str,
-        args: tuple[Any, ...] = (),
-        kwargs: Mapping[str, Any] | None = None,
-        timeout_s: float | None = None,
-    ) -> list[Any]:
-        replies = await self.engine.collective_rpc(method, args, kwargs, timeout_s)
+    async def replied(self, method: str, replies: list[Any]) -> list[Any]:
         if method == "aiosync_ipc_receive" and not self.received.is_set():
             assert replies[0]["ok"], replies
             self.received.set()
@@ -88,7 +78,7 @@ async def test_an_inline_sync_cancelled_after_the_worker_loaded_it_is_not_served
     trainer = h.trainer_model(h.DENSE_TIED, seed=73)
     stopper = _StopAfterReceive(dense_engine)
     source = h.TrainerSource(trainer.model, [])
-    async with IPCWeightSynchronizer(source, stopper) as sync:  # type: ignore[arg-type]
+    async with IPCWeightSynchronizer(source, stopper) as sync:
         await sync.init_communicator()
         await sync.mark_stale()
         async with anyio.create_task_group() as tg:

@@ -7,7 +7,6 @@ import json
 import signal
 import sys
 import time
-from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,30 +17,21 @@ import torch
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.transports.ipc import IPCWeightSynchronizer
 from aiosync.transports.ipc.worker import TRAINER_GONE
+from tests._support.proxy import EngineProxy
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
-class RpcLog:
+class RpcLog(EngineProxy):
     """Forwards to an :class:`EmbeddedEngine`, recording each ``collective_rpc``'s replies."""
 
     def __init__(self, engine: EmbeddedEngine) -> None:
-        self.engine = engine
+        super().__init__(engine)
         self.replies: list[tuple[str, list[Any]]] = []
 
-    async def collective_rpc(
-        self,
-        method: str,
-        args: tuple[Any, ...] = (),
-        kwargs: Mapping[str, Any] | None = None,
-        timeout_s: float | None = None,
-    ) -> list[Any]:
-        replies = await self.engine.collective_rpc(method, args, kwargs, timeout_s)
+    async def replied(self, method: str, replies: list[Any]) -> list[Any]:
         self.replies.append((method, replies))
         return replies
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
 
 
 async def test_kept_mappings_carry_each_new_version_and_are_released_at_shutdown(

@@ -2,28 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.transports.ipc import IPCWeightSynchronizer
+from tests._support.proxy import EngineProxy
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 BOTH_WAKES = ["prepare_for_generation(weights)", "prepare_for_generation(kv_cache)"]
 
 
-class SleepTrackingEngine:
+class SleepTrackingEngine(EngineProxy):
     """A real :class:`EmbeddedEngine`, logging the wakes a sync asks for. Its
     ``asleep_tags`` are the engine's own (every tag from ``finish_generation()``
     on, a tag awake once ``prepare_for_generation`` woke it); ``track=False``
-    reports ``None`` (unknown), as an engine without the attribute."""
+    reports ``None`` (unknown), as an engine without the attribute. The rest (pause and
+    resume, on_weights_committed, the discard listeners, generate, status) is the
+    engine's."""
 
     def __init__(self, engine: EmbeddedEngine, *, track: bool = True) -> None:
-        self.engine = engine
+        super().__init__(engine)
         self.track = track
         self.log: list[str] = []
 
@@ -37,19 +39,6 @@ class SleepTrackingEngine:
 
     async def finish_generation(self) -> None:
         await self.engine.finish_generation()
-
-    async def collective_rpc(
-        self,
-        method: str,
-        args: tuple[Any, ...] = (),
-        kwargs: Mapping[str, Any] | None = None,
-        timeout_s: float | None = None,
-    ) -> list[Any]:
-        return await self.engine.collective_rpc(method, args, kwargs, timeout_s)
-
-    def __getattr__(self, name: str) -> Any:
-        # pause/resume, on_weights_committed, the discard listeners, generate, status.
-        return getattr(self.engine, name)
 
 
 async def test_an_engine_that_reports_itself_awake_is_not_woken_around_a_sync(
