@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import socket
-
 import anyio
 import pytest
 import torch
@@ -15,14 +13,9 @@ from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.refit.torch_source import DTensorRefitSource
 from aiosync.transports.collective import CollectiveWeightSynchronizer
+from tests._support.builders import factory_pick
 
 pytestmark = pytest.mark.slow
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def test_embedded_engine_refits_bit_exact_and_generates_like_the_trainer() -> None:
@@ -34,13 +27,10 @@ async def test_embedded_engine_refits_bit_exact_and_generates_like_the_trainer()
             with torch.no_grad():
                 for p in trainer.model.parameters():
                     p.mul_(1.0 + 0.01 * (step + 1))
-            sync = create_weight_synchronizer(
+            sync = factory_pick(
                 DTensorRefitSource(trainer.model),
                 engine,
-                colocated=False,
-                backend="embedded",
-                train_cluster=TrainCluster(master_port=_port()),
-                inference_world_size=2,
+                world_size=2,
                 overlap=overlap,
                 verify=True,
                 collective_timeout_s=60.0,
@@ -142,13 +132,10 @@ async def test_a_drifted_engine_config_is_refused_before_any_worker_joins() -> N
     drifted = {**QWEN3, "rms_norm_eps": 1e-3}
     async with EmbeddedEngine(drifted, num_workers=1, seed=7) as engine:
         [before] = await engine.hf_state_dicts()
-        sync = create_weight_synchronizer(
+        sync = factory_pick(
             DTensorRefitSource(trainer.model),
             engine,
-            colocated=False,
-            backend="embedded",
-            train_cluster=TrainCluster(master_port=_port()),
-            inference_world_size=1,
+            world_size=1,
             collective_timeout_s=600.0,  # a worker waiting in a rendezvous would hang this long
         )
         with pytest.raises(RefitMismatchError) as info:
@@ -172,13 +159,10 @@ async def test_a_worker_killed_mid_broadcast_fails_the_sync_at_once_named(overla
     trainer = HFModelRunner.from_config(dict(QWEN3), seed=203)
     source = HookedSource(trainer.model)
     async with EmbeddedEngine(dict(QWEN3), num_workers=2, seed=7, rpc_timeout_s=60) as engine:
-        sync = create_weight_synchronizer(
+        sync = factory_pick(
             source,
             engine,
-            colocated=False,
-            backend="embedded",
-            train_cluster=TrainCluster(master_port=_port()),
-            inference_world_size=2,
+            world_size=2,
             bucket_bytes=16 * 1024,
             overlap=overlap,
             # Short: a trainer that waited for the dead worker would fail with gloo's

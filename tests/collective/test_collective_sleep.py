@@ -5,39 +5,29 @@ sleep the engine gives back what the checkpoint does not carry (rotary buffers).
 
 from __future__ import annotations
 
-import socket
 from typing import Literal
 
 import pytest
 import torch
 from collective_harness import QWEN3
 
-from aiosync import TrainCluster, create_weight_synchronizer
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.refit.torch_source import DTensorRefitSource
+from tests._support.builders import factory_pick
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7]]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def _sleep_then_sync(
     engine: EmbeddedEngine, trainer: HFModelRunner, overlap: Literal["inplace", "staged"]
 ) -> None:
-    sync = create_weight_synchronizer(
+    sync = factory_pick(
         DTensorRefitSource(trainer.model),
         engine,
-        colocated=False,
-        backend="embedded",
-        train_cluster=TrainCluster(master_port=_port()),
-        inference_world_size=1,
+        world_size=1,
         overlap=overlap,
         collective_timeout_s=60.0,
     )

@@ -9,35 +9,26 @@ when its process dies — the group is taken over.
 from __future__ import annotations
 
 import gc
-import socket
 
 import pytest
 import torch
 from collective_harness import QWEN3
 
-from aiosync import OwnershipError, TrainCluster, create_weight_synchronizer
+from aiosync import OwnershipError
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.refit.torch_source import DTensorRefitSource
 from aiosync.synchronizer import WeightSynchronizer
+from tests._support.builders import factory_pick
 
 pytestmark = pytest.mark.slow
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _sync(trainer: HFModelRunner, engine: EmbeddedEngine) -> WeightSynchronizer:
-    return create_weight_synchronizer(
+    return factory_pick(
         DTensorRefitSource(trainer.model),
         engine,
-        colocated=False,
-        backend="embedded",
-        train_cluster=TrainCluster(master_port=_port()),
-        inference_world_size=1,
+        world_size=1,
         collective_timeout_s=60.0,
         rpc_timeout_s=30.0,
     )

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import time
 from collections.abc import AsyncIterator
 
@@ -23,7 +22,6 @@ from aiosync import (
     EngineFleet,
     RefitMismatchError,
     SyncError,
-    TrainCluster,
     TransportError,
     create_weight_synchronizer,
     refit_if_stale,
@@ -33,6 +31,7 @@ from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.refit import DTensorRefitSource
 from aiosync.transports.ipc import IPCWeightSynchronizer
+from tests._support.builders import factory_pick
 from tests._support.sources import HookedSource
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
@@ -51,12 +50,6 @@ async def engine_a() -> AsyncIterator[EmbeddedEngine]:
 async def engine_b() -> AsyncIterator[EmbeddedEngine]:
     async with EmbeddedEngine(TINY_QWEN3, num_workers=1, seed=ENGINE_SEED) as engine:
         yield engine
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _assert_all_equal(fleet: EngineFleet, trainer: HFModelRunner) -> None:
@@ -95,13 +88,10 @@ async def test_one_collective_sync_updates_every_engine(
     engine_a: EmbeddedEngine, engine_b: EmbeddedEngine
 ) -> None:
     trainer = HFModelRunner.from_config(TINY_QWEN3, seed=42)
-    sync = create_weight_synchronizer(
+    sync = factory_pick(
         DTensorRefitSource(trainer.model),
         [engine_a, engine_b],
-        colocated=False,
-        backend="embedded",
-        train_cluster=TrainCluster(master_port=_port()),
-        inference_world_size=3,
+        world_size=3,
         collective_timeout_s=60.0,
     )
     async with sync:  # initializes the communicator

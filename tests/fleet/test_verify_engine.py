@@ -6,19 +6,19 @@ written afterwards is found, named with the worker; the next sync restores it bi
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
 import torch
 
-from aiosync import RefitVerificationError, TrainCluster, create_weight_synchronizer
+from aiosync import RefitVerificationError, create_weight_synchronizer
 from aiosync.engines.embedded._worker import tensor_to_wire
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.refit import DTensorRefitSource
+from tests._support.builders import factory_pick
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -29,12 +29,6 @@ NAME = "model.layers.1.mlp.down_proj.weight"
 async def engine() -> AsyncIterator[EmbeddedEngine]:
     async with EmbeddedEngine(TINY_QWEN3, num_workers=2, seed=3) as engine:
         yield engine
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def test_a_live_weight_changed_after_a_sync_is_found_and_the_next_sync_heals_it(
@@ -75,13 +69,10 @@ async def test_a_live_weight_changed_after_a_sync_is_found_and_the_next_sync_hea
 async def test_each_tensor_parallel_rank_is_checked_against_its_slice() -> None:
     trainer = HFModelRunner.from_config(TINY_QWEN3, seed=82)
     async with EmbeddedEngine(TINY_QWEN3, tensor_parallel_size=2, seed=4) as engine:
-        sync = create_weight_synchronizer(
+        sync = factory_pick(
             DTensorRefitSource(trainer.model),
             engine,
-            colocated=False,
-            backend="embedded",
-            train_cluster=TrainCluster(master_port=_port()),
-            inference_world_size=2,
+            world_size=2,
         )
         async with sync:
             await sync.mark_stale()

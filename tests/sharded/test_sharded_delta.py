@@ -17,16 +17,15 @@ import pytest
 import pytest_asyncio
 import torch
 
-from aiosync import TrainCluster, create_weight_synchronizer
+from aiosync import TrainCluster
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.errors import RefitMismatchError, TransportError
 from aiosync.refit import DTensorRefitSource
 from aiosync.transports.sharded import ShardedWeightSynchronizer
-from tests._support.builders import non_colocated
+from tests._support.builders import factory_pick, non_colocated
 from tests._support.delta import DeltaTrainer, bits, committed
-from tests._support.net import free_port
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
@@ -130,13 +129,9 @@ async def test_a_failed_delta_is_followed_by_a_full_sync_then_deltas_again(
 
 async def test_the_factory_passes_delta_to_the_shard_aware_path(engine: EmbeddedEngine) -> None:
     source = DTensorRefitSource(HFModelRunner.from_config(TINY_QWEN3, seed=1).model)
-    sync = create_weight_synchronizer(
+    sync = factory_pick(
         source,
         engine,
-        colocated=False,
-        backend="embedded",
-        train_cluster=TrainCluster(master_port=free_port()),
-        inference_world_size=engine.world_size,
         delta=True,
     )
     assert type(sync) is ShardedWeightSynchronizer and sync.delta_baseline is not None

@@ -14,14 +14,14 @@ import pytest
 import pytest_asyncio
 import torch
 
-from aiosync import TrainCluster, create_weight_synchronizer
+from aiosync import TrainCluster
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.layout import Layout
 from aiosync.refit import DTensorRefitSource
 from aiosync.transports.sharded import ShardedWeightSynchronizer
-from tests._support.builders import non_colocated
+from tests._support.builders import factory_pick, non_colocated
 from tests._support.net import free_port
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
@@ -99,13 +99,9 @@ async def test_the_factory_picks_it_when_the_engine_reports_a_layout(
     engine: EmbeddedEngine,
 ) -> None:
     trainer = HFModelRunner.from_config(TINY_QWEN3, seed=23)
-    sync = create_weight_synchronizer(
+    sync = factory_pick(
         DTensorRefitSource(trainer.model),
         engine,
-        colocated=False,
-        backend="embedded",
-        train_cluster=TrainCluster(master_port=free_port()),
-        inference_world_size=engine.world_size,
         sharded=True,
     )
     assert type(sync) is ShardedWeightSynchronizer
