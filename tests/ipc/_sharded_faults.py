@@ -42,11 +42,12 @@ from tests._support.fsdp2 import (
     FaultySource,
     advance_weights,
     build_sharded_model,
-    colocated_engine,
     engine_matches,
     engine_state,
     full_state,
     init_process_group,
+    make_engine,
+    make_synchronizer,
     versions,
     write_result,
 )
@@ -65,16 +66,19 @@ async def run(rank: int, world: int, scenario: str, stamp: Path) -> dict[str, An
     async with contextlib.AsyncExitStack() as stack:
         engine: EmbeddedEngine | None = None
         if rank == 0:
-            engine = await stack.enter_async_context(colocated_engine(world))
-        sync = IPCWeightSynchronizer(
+            engine = await stack.enter_async_context(make_engine("ipc", world))
+        sync = make_synchronizer(
+            "ipc",
             source,
             engine,
-            process_group=dist.group.WORLD,
-            device_label=f"cpu:{rank}",
+            rank,
+            world,
+            0,
             bucket_bytes=64 * 1024,
             rpc_timeout_s=20.0,
             sync_timeout_s=SYNC_TIMEOUT_S,
         )
+        assert isinstance(sync, IPCWeightSynchronizer)
         await stack.enter_async_context(sync)
         await sync.init_communicator()
 

@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import anyio
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
@@ -34,12 +33,12 @@ from tests._support.fsdp2 import (
     FaultySource,
     advance_weights,
     build_sharded_model,
-    colocated_engine,
     engine_matches,
     full_state,
-    init_process_group,
+    make_engine,
+    make_synchronizer,
+    rank_main,
     versions,
-    write_result,
 )
 
 
@@ -50,15 +49,11 @@ async def run(rank: int, world: int) -> dict[str, Any]:
     async with contextlib.AsyncExitStack() as stack:
         engine: EmbeddedEngine | None = None
         if rank == 0:
-            engine = await stack.enter_async_context(colocated_engine(2))
-        sync = IPCWeightSynchronizer(
-            source,
-            engine,
-            process_group=dist.group.WORLD,
-            device_label=f"cpu:{rank}",
-            bucket_bytes=64 * 1024,
-            rpc_timeout_s=10.0,
+            engine = await stack.enter_async_context(make_engine("ipc", world))
+        sync = make_synchronizer(
+            "ipc", source, engine, rank, world, 0, bucket_bytes=64 * 1024, rpc_timeout_s=10.0
         )
+        assert isinstance(sync, IPCWeightSynchronizer)
         await stack.enter_async_context(sync)
         await sync.init_communicator()
         seen["peers"] = sync.peers
@@ -115,15 +110,5 @@ async def run(rank: int, world: int) -> dict[str, Any]:
     return seen
 
 
-def main() -> None:
-    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
-    init_process_group(rank, world, port)
-    try:
-        seen = anyio.run(run, rank, world)
-    finally:
-        dist.destroy_process_group()
-    write_result(out, seen)
-
-
 if __name__ == "__main__":
-    main()
+    rank_main(run, store_ports=0)

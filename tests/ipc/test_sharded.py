@@ -7,11 +7,12 @@ device only; a failure on one rank fails the sync on every rank alike.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests._support.launch import rank_results
 
 pytestmark = pytest.mark.slow
 
@@ -20,9 +21,8 @@ HERE = Path(__file__).parent
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory, spawn_ranks: Any) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("sharded")
-    spawn_ranks(HERE / "_sharded_trainer.py", 2, lambda r: [str(out / f"{r}.json")])
-    return [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
+    folder = tmp_path_factory.mktemp("sharded")
+    return rank_results(spawn_ranks, folder, HERE / "_sharded_trainer.py", 2, store_ports=0)
 
 
 def test_each_rank_feeds_only_the_worker_on_its_device_bit_exact(

@@ -9,22 +9,16 @@ after a take-over (else the ranks that think they are current skip the sync).
 
 from __future__ import annotations
 
-import json
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests._support.launch import rank_results
+
 pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).resolve().parents[1] / "_sharded_owners.py"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module", params=["ipc", "collective"])
@@ -32,10 +26,8 @@ def ranks(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, spawn_ranks: Any
 ) -> tuple[str, list[dict[str, Any]]]:
     transport = request.param
-    out = tmp_path_factory.mktemp(f"owners-{transport}")
-    store = _port()
-    spawn_ranks(SCRIPT, 2, lambda r: [str(store), str(out / f"{r}.json"), transport])
-    return transport, [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
+    folder = tmp_path_factory.mktemp(f"owners-{transport}")
+    return transport, rank_results(spawn_ranks, folder, SCRIPT, 2, transport)
 
 
 def test_the_take_over_is_refused_alike_on_every_rank(

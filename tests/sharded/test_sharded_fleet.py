@@ -5,13 +5,12 @@ bit for bit, and every engine's greedy output equals the trainer's."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests._support.net import free_ports
+from tests._support.launch import rank_results
 
 pytestmark = pytest.mark.slow
 
@@ -20,10 +19,8 @@ SCRIPT = Path(__file__).with_name("_sharded_fleet_ranks.py")
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory, spawn_ranks: Any) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("sharded-fleet")
-    stores = free_ports(2)  # one store per fleet
-    spawn_ranks(SCRIPT, 2, lambda r: [*map(str, stores), str(out / f"{r}.json")])
-    return [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
+    folder = tmp_path_factory.mktemp("sharded-fleet")
+    return rank_results(spawn_ranks, folder, SCRIPT, 2, store_ports=2)  # a store per fleet
 
 
 @pytest.mark.parametrize(

@@ -5,12 +5,12 @@ cut along another dim keep the broadcast, and ``sharded=True`` is refused naming
 
 from __future__ import annotations
 
-import json
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests._support.launch import rank_results
 
 pytestmark = pytest.mark.slow
 
@@ -20,12 +20,7 @@ WORLD = 3
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory, spawn_ranks: Any) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("sharded-moe")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        store = int(s.getsockname()[1])
-    spawn_ranks(SCRIPT, WORLD, lambda r: [str(store), str(out / f"{r}.json")])
-    return [json.loads((out / f"{r}.json").read_text()) for r in range(WORLD)]
+    return rank_results(spawn_ranks, tmp_path_factory.mktemp("sharded-moe"), SCRIPT, WORLD)
 
 
 def test_the_factorys_shard_aware_pick_refits_an_fsdp2_moe_trainer_bit_exactly(
