@@ -60,7 +60,14 @@ from .options import (
 )
 from .replay import ReplaySample, StalenessStats, VersionedReplayBuffer
 from .sources import GathersInto, Preflight, RefitManifest, RefitSource
-from .synchronizer import GenerationBackend, KVScales, WeightSynchronizer, refit_if_stale
+from .synchronizer import (
+    GenerationBackend,
+    KVScales,
+    Transferred,
+    WeightSynchronizer,
+    refit_if_stale,
+)
+from .transport import Transport
 
 if TYPE_CHECKING:
     from aiosync.engines.embedded.engine import EmbeddedEngine
@@ -138,6 +145,8 @@ __all__ = [
     "SyncTimeoutError",
     "Timeouts",
     "TrainCluster",
+    "Transferred",
+    "Transport",
     "TransportCapabilities",
     "TransportError",
     "TransportOptions",

@@ -1,8 +1,8 @@
 """The synchronizer: what every transport shares, once.
 
-:class:`WeightSynchronizer` plays the role of httpx's ``AsyncBaseTransport``:
-each transport (``aiosync.transports.ipc``, ``.collective``, ``.http``, ...)
-implements :meth:`WeightSynchronizer._transfer` and its own set-up, and the
+:class:`WeightSynchronizer` plays the role of httpx's client: it holds a
+:class:`~aiosync.transport.Transport` (``aiosync.transports.ipc``, ``.collective``,
+``.http``, ...: the phases ``open``, ``send``, ``rejoin``, ``close``), and the
 training loop never asks which one it holds. What every transport shares lives
 here, once: argument checks before anything moves, versions, events, the
 in-flight pause, the engine's discard listener and version label, the colocated
@@ -20,7 +20,6 @@ import math
 import numbers
 import secrets
 import time
-from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -57,6 +56,7 @@ from .errors import OwnershipError, RefitVerificationError, SyncError, SyncTimeo
 from .events import EventSubscription, VersionEventKind, _EventHub
 from .options import TransportCapabilities
 from .sources import ConfigSource, Preflight, RefitManifest, RefitSource
+from .transport import Transport
 
 __all__ = [
     "GenerationBackend",
@@ -100,7 +100,7 @@ def _check_kv_scales(kv_scales: KVScales | None) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Transferred:
-    """What one sync's transfer moved (a transport's ``_transfer`` result).
+    """What one sync's transfer moved (a transport's ``send`` result).
 
     Attributes:
         nbytes: payload bytes moved to the workers.
@@ -132,7 +132,7 @@ class _PauseWindow:
         return 0.0 if self.since is None else time.perf_counter() - self.since
 
 
-class WeightSynchronizer(ABC):
+class WeightSynchronizer:
     """Moves the trainer's weights to every generation worker, one version at a time.
 
     The loop's handshake: after each optimizer step ``await mark_stale()``;
@@ -147,10 +147,11 @@ class WeightSynchronizer(ABC):
     only go up. A failed or cancelled sync leaves :attr:`weight_version`
     unchanged and :attr:`is_stale` true.
 
-    A transport implements :meth:`_transfer` and its own set-up
-    (:meth:`init_communicator`, :meth:`shutdown`, each calling ``super()``),
-    and declares what it cannot do (:attr:`supports_kv_scales`); everything
-    else is done here.
+    The bytes move through a :class:`~aiosync.transport.Transport` passed in as
+    ``transport`` (its phases ``open``, ``send``, ``rejoin``, ``close``, and its
+    ``capabilities``); everything else is done here. The transports aiosync ships
+    are subclasses that are their own transport (``IPCWeightSynchronizer`` ...:
+    they implement the phases and pass no ``transport``).
 
     In-flight requests: when the engine is a
     :class:`~aiosync.capabilities.PausableEngine`, every sync pauses it with
@@ -164,6 +165,8 @@ class WeightSynchronizer(ABC):
         policy: the trainer's :class:`RefitSource`.
         generation: the engine (an :class:`~aiosync.capabilities.Engine`), or a
             fleet of them.
+        transport: what moves the bytes (:class:`~aiosync.transport.Transport`);
+            None: this object itself (a subclass implementing the phases).
         timeouts: every limit (:class:`~aiosync.Timeouts`); default ``Timeouts()``.
         sync_timeout_s: overrides ``timeouts.sync_s``: the limit for a whole
             ``sync_weights`` call, seconds (the pause, a ``"wait"`` included).
@@ -177,26 +180,28 @@ class WeightSynchronizer(ABC):
     Raises:
         ValueError: a limit not finite and > 0, ``event_backlog < 1``,
             ``initial_version < 0``, or ``in_flight`` not one of :data:`IN_FLIGHT_POLICIES`.
-        TypeError: ``event_backlog`` or ``initial_version`` is not an int.
+        TypeError: ``event_backlog`` or ``initial_version`` is not an int, or
+            there is no :class:`~aiosync.transport.Transport`.
     """
 
     #: What the transport can do, as data: the factory refuses a shared option outside
     #: it, the conformance kit runs its cells. A ``sync_weights(kv_scales=...)`` on one
     #: without ``kv_scales`` raises NotImplementedError(:attr:`kv_scales_refusal`) before
     #: anything moves.
-    capabilities: ClassVar[TransportCapabilities] = TransportCapabilities()
+    capabilities: TransportCapabilities = TransportCapabilities()
     kv_scales_refusal: ClassVar[str] = "this transport does not move FP8 KV-cache scales"
 
     @property
     def supports_kv_scales(self) -> bool:
         """Whether the transport moves FP8 KV-cache scales (``capabilities.kv_scales``)."""
-        return self.capabilities.kv_scales
+        return self.transport.capabilities.kv_scales
 
     def __init__(
         self,
         policy: RefitSource,
         generation: Any,
         *,
+        transport: Transport | None = None,
         timeouts: Timeouts | None = None,
         sync_timeout_s: float | None = None,
         event_backlog: int = DEFAULT_EVENT_BACKLOG,
@@ -205,6 +210,17 @@ class WeightSynchronizer(ABC):
         ranks: Ranks | None = None,
     ) -> None:
         _check_in_flight(in_flight)
+        if transport is None and isinstance(self, Transport):
+            transport = self
+        if not isinstance(transport, Transport):
+            raise TypeError(
+                "WeightSynchronizer needs a transport: pass transport=<an aiosync.Transport> "
+                f"(open, send, rejoin, close and capabilities), got {type(transport).__name__}"
+            )
+        #: What moves the bytes (this object itself for the shipped transports).
+        self.transport: Transport = transport
+        if transport is not self:
+            self.capabilities = transport.capabilities
         if isinstance(initial_version, bool) or not isinstance(initial_version, int):
             raise TypeError(f"initial_version must be an int, got {type(initial_version).__name__}")
         if initial_version < 0:
@@ -346,12 +362,22 @@ class WeightSynchronizer(ABC):
     # -- lifecycle ------------------------------------------------------------
 
     async def init_communicator(self) -> None:
-        """Set up the transport, after the engine's workers exist. May be called
-        again (re-init after a respawn); ``async with sync:`` calls it once.
+        """Set up the transport (its ``open``: manifests compared, sockets opened, groups
+        formed), after the engine's workers exist. May be called again (re-init after a
+        respawn); ``async with sync:`` calls it once.
 
-        Subclasses override it (read the manifest with :meth:`_read_manifest`,
-        open sockets, form the group) and call ``await super().init_communicator()`` last.
+        Raises:
+            SyncError: shut down.
+            RefitMismatchError, TransportError, OwnershipError: from the transport's
+                ``open`` (the manifests differ, a worker is unreachable, ...).
         """
+        self._check_open()
+        await self.transport.open(self)
+        await self._opened()
+
+    async def _opened(self) -> None:
+        """The transport is (re-)opened: the synchronizer's own bookkeeping (delta
+        watch, the fleet's membership, take-over, rank agreement on staleness)."""
         self._check_open()
         self._initialized = True
         if self.delta is not None:
@@ -683,7 +709,7 @@ class WeightSynchronizer(ABC):
         discards: int,
     ) -> tuple[Any, int]:
         """``pause()`` (the engine's ``pause_generation``; None: no pause), then
-        :meth:`_transfer`, re-initialized first when the fleet's membership changed,
+        the transport's ``send``, after its ``rejoin`` when the fleet's membership changed,
         and, when a failure made the fleet quarantine engines
         (``on_engine_failure="quarantine"``), again over the engines left: each round
         sets at least one engine aside, so this ends.
@@ -693,7 +719,7 @@ class WeightSynchronizer(ABC):
         one that dies during the transfer; the pause is then made again on the
         engines left (a fleet's failed pause cancelled theirs).
 
-        Returns :meth:`_transfer`'s result and the count of discard notices
+        Returns ``send``'s result and the count of discard notices
         (``_discards``) the round that moved it started from: ``discards`` unless
         a round set engines aside. The next round moves every tensor to every
         engine left, so a notice heard before it (the dead engine's own above
@@ -705,9 +731,10 @@ class WeightSynchronizer(ABC):
                     await pause()
                     pause = None  # the engines stay paused through later rounds
                 if fleet is not None and fleet.membership_epoch != self._membership_seen:
-                    await self._membership_changed()
+                    await self.transport.rejoin(self)
+                    await self._opened()
                     self._membership_seen = fleet.membership_epoch
-                return await self._transfer(version, kv_scales), discards
+                return await self.transport.send(self, version, kv_scales), discards
             except Exception as exc:
                 if fleet is None:
                     raise
@@ -723,12 +750,6 @@ class WeightSynchronizer(ABC):
                         VersionEventKind.ENGINE_QUARANTINED, version, error=reason, engine=label
                     )
                 discards = self._discards
-
-    async def _membership_changed(self) -> None:
-        """The fleet's engines changed (a quarantine, an ``add_engine``): set the
-        transport up again over the engines now in the sync (default: re-run
-        :meth:`init_communicator`)."""
-        await self.init_communicator()
 
     def _drives_generation(self) -> bool:
         """Whether this process pauses, wakes and labels the engine around a sync
@@ -842,15 +863,6 @@ class WeightSynchronizer(ABC):
         )
         await each_named(targets, lambda _i, e: _wake(e, tag), _engine_label(len(targets)))
 
-    @abstractmethod
-    async def _transfer(self, version: int, kv_scales: KVScales | None) -> int | Transferred:
-        """Move the weights of ``version`` to every worker; return the bytes moved
-        (or a :class:`Transferred`, which also says whether they were a delta).
-
-        Raise on any failure; the base class keeps the versions consistent.
-        ``kv_scales`` was checked by :meth:`_check_sync_args`.
-        """
-
     def _live_weights_wrong(self) -> None:
         """:meth:`verify_engine` found a worker's live weights differ from the trainer's:
         stale until a sync lands, and that sync is full (patches applied to corrupted
@@ -960,10 +972,14 @@ class WeightSynchronizer(ABC):
         return None
 
     async def shutdown(self) -> None:
-        """Release everything and end every event subscription. Idempotent.
+        """Close the transport (its ``close``), release everything and end every event
+        subscription. Idempotent."""
+        try:
+            await self.transport.close(self)
+        finally:
+            self._release()
 
-        Subclasses release their own resources, then ``await super().shutdown()``.
-        """
+    def _release(self) -> None:
         self._closed = True
         for notifier in self._notifiers:
             notifier.remove_weights_discarded_listener(self._invalidate_engine_weights)

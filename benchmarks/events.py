@@ -30,7 +30,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from rich.console import Console
 from rich.table import Table
 
-from aiosync import KVScales, VersionEventKind, WeightSynchronizer
+from aiosync import KVScales, TransportCapabilities, VersionEventKind, WeightSynchronizer
 from aiosync._config import DEFAULT_EVENT_BACKLOG
 from aiosync.events import EventSubscription, WeightVersionEvent, _EventHub
 from aiosync.testing import StateDictSource
@@ -39,7 +39,18 @@ from aiosync.testing import StateDictSource
 class _YieldingSync(WeightSynchronizer):
     """A transfer that yields to the event loop once, like any real await would."""
 
-    async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
+    capabilities = TransportCapabilities()
+
+    async def open(self, sync: WeightSynchronizer) -> None:
+        return None
+
+    async def rejoin(self, sync: WeightSynchronizer) -> None:
+        return None
+
+    async def close(self, sync: WeightSynchronizer) -> None:
+        return None
+
+    async def send(self, sync: WeightSynchronizer, version: int, kv_scales: KVScales | None) -> int:
         await anyio.sleep(0)
         return 1 << 20
 

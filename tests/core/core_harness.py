@@ -8,7 +8,7 @@ from typing import Any
 import anyio
 import numpy as np
 
-from aiosync import KVScales, RefitSource, WeightSynchronizer
+from aiosync import KVScales, RefitSource, TransportCapabilities, WeightSynchronizer
 
 
 class ArraySource(RefitSource):
@@ -43,7 +43,10 @@ class RecordingEngine:
 
 
 class CopySynchronizer(WeightSynchronizer):
-    """Copies weights entry by entry; hooks let a test fail, block or count transfers."""
+    """Its own transport (the phases, as the shipped ones): copies weights entry by entry;
+    hooks let a test fail, block or count transfers."""
+
+    capabilities = TransportCapabilities()
 
     def __init__(self, policy: ArraySource, generation: RecordingEngine, **kw: Any) -> None:
         super().__init__(policy, generation, **kw)
@@ -53,7 +56,16 @@ class CopySynchronizer(WeightSynchronizer):
         self.started = anyio.Event()
         self.kv_scales_seen: list[KVScales | None] = []
 
-    async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
+    async def open(self, sync: WeightSynchronizer) -> None:
+        return None
+
+    async def rejoin(self, sync: WeightSynchronizer) -> None:
+        await self.open(sync)
+
+    async def close(self, sync: WeightSynchronizer) -> None:
+        return None
+
+    async def send(self, sync: WeightSynchronizer, version: int, kv_scales: KVScales | None) -> int:
         self.transfers.append(version)
         self.kv_scales_seen.append(kv_scales)
         self.started.set()

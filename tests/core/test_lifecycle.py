@@ -26,6 +26,7 @@ from aiosync import (
     Timeouts,
     TransportError,
     VersionEventKind,
+    WeightSynchronizer,
 )
 from aiosync._fanout import most_telling
 from aiosync.capabilities import DiscardNotifier, PausableEngine, SleepReporting, engines_of
@@ -56,9 +57,8 @@ class AttentionSource(ArraySource):
 class ManifestSync(CopySynchronizer):
     """A transport that reads its manifest at init, as every real one does."""
 
-    async def init_communicator(self) -> None:
+    async def open(self, sync: WeightSynchronizer) -> None:
         await self._read_manifest()
-        await super().init_communicator()
 
 
 class NoKVScales(ManifestSync):
@@ -205,10 +205,10 @@ class SleepyEngine(RecordingEngine):
 
 
 class ColocatedSync(ManifestSync):
-    async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
+    async def send(self, sync: WeightSynchronizer, version: int, kv_scales: KVScales | None) -> int:
         async with self._colocated_refit():
             self.generation.calls.append(("transfer", None))
-            return await super()._transfer(version, kv_scales)
+            return await super().send(sync, version, kv_scales)
 
 
 @pytest.mark.parametrize(
@@ -446,7 +446,7 @@ class NonDriverRank(CopySynchronizer):
     def _drives_generation(self) -> bool:
         return False
 
-    async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
+    async def send(self, sync: WeightSynchronizer, version: int, kv_scales: KVScales | None) -> int:
         self.transfers.append(version)
         return 0
 

@@ -10,7 +10,6 @@ import pytest
 from aiosync import (
     SyncError,
     SyncTimeoutError,
-    TransportError,
     VersionEventKind,
     refit_if_stale,
 )
@@ -136,20 +135,6 @@ async def test_sync_past_its_timeout_raises_sync_timeout_error(make_sync):
         await s.sync_weights()
     assert isinstance(info.value, TimeoutError)
     assert (s.weight_version, s.is_stale) == (0, True)
-
-
-async def test_transport_error_propagates_typed(make_sync):
-    s = make_sync()
-
-    async def broken(version, kv_scales):
-        raise TransportError("engine worker 1 exited with code -9")
-
-    s._transfer = broken  # type: ignore[method-assign]
-    await s.init_communicator()
-    await s.mark_stale()
-    with pytest.raises(TransportError, match="exited with code -9"):
-        await s.sync_weights()
-    assert s.weight_version == 0
 
 
 async def test_concurrent_syncs_coalesce_into_one_transfer(sync):

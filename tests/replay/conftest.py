@@ -1,6 +1,6 @@
 """A real, in-process synchronizer whose events drive the replay-buffer tests.
 
-``StateDictSynchronizer._transfer`` really copies the trainer's state dict into
+``StateDictSynchronizer.send`` really copies the trainer's state dict into
 the engine's, entry by entry, and can be told to fail half-way: its events are
 those of the base class, published by real syncs, not hand-made.
 """
@@ -14,7 +14,7 @@ import anyio
 import pytest
 import torch
 
-from aiosync import KVScales, WeightSynchronizer
+from aiosync import KVScales, TransportCapabilities, WeightSynchronizer
 from aiosync.testing import StateDictSource
 
 
@@ -50,7 +50,18 @@ class StateDictSynchronizer(WeightSynchronizer):
         super().__init__(policy, generation, **kw)
         self.fail_next = False
 
-    async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
+    capabilities = TransportCapabilities()
+
+    async def open(self, sync: WeightSynchronizer) -> None:
+        return None
+
+    async def rejoin(self, sync: WeightSynchronizer) -> None:
+        return None
+
+    async def close(self, sync: WeightSynchronizer) -> None:
+        return None
+
+    async def send(self, sync: WeightSynchronizer, version: int, kv_scales: KVScales | None) -> int:
         nbytes = 0
         for i, (name, tensor) in enumerate(self.policy.iter_weights()):
             if self.fail_next and i == 1:

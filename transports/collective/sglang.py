@@ -28,7 +28,7 @@ import os
 import socket
 import threading
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, ClassVar, cast
+from typing import Any, cast
 
 import anyio
 import anyio.to_thread
@@ -42,6 +42,7 @@ from aiosync.cluster import TrainCluster
 from aiosync.errors import OwnershipError, RefitMismatchError, TransportError
 from aiosync.options import TransportCapabilities
 from aiosync.sources import RefitSource
+from aiosync.synchronizer import WeightSynchronizer
 
 from .._verify import Verify
 from ..http import SGLangDistributedServer
@@ -122,7 +123,7 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
 
     #: What it can do, as data (:class:`~aiosync.TransportCapabilities`): the factory
     #: refuses a shared option outside it; the conformance kit runs its cells.
-    capabilities: ClassVar[TransportCapabilities] = TransportCapabilities(
+    capabilities = TransportCapabilities(
         verify=frozenset({False, "sample", True}),
         trace=True,
         elastic=True,
@@ -206,7 +207,7 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
         """The name of the current (or next) weight-update group on the servers."""
         return self._joined_name
 
-    async def init_communicator(self) -> None:
+    async def open(self, sync: WeightSynchronizer) -> None:
         """Everything :meth:`HTTPWeightSynchronizer.init_communicator` checks (plan,
         TP sizes, settings, manifest, config), then the group: the store bound
         (at once: a port in use fails here), every server's
@@ -218,7 +219,7 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
             TransportError, SyncTimeoutError: a server refused or the group did
                 not form within ``collective_timeout_s`` (the message names the server).
         """
-        await super().init_communicator()
+        await super().open(sync)
         await self._form_group()
 
     async def _form_group(self) -> None:
@@ -556,20 +557,20 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
                 )
         return cast(tuple[SGLangDistributedServer, ...], servers)
 
-    async def _membership_changed(self) -> None:
+    async def rejoin(self, sync: WeightSynchronizer) -> None:
         # The survivors (or the newcomers) form a new group: ranks contiguous again,
         # and the fleet's rank count is what its servers now report.
         await self._leave_group(failed=True)
         self.inference_world_size = None
-        await super()._membership_changed()
+        await super().rejoin(sync)
         self.inference_world_size = sum(self._tp_sizes)
 
-    async def shutdown(self) -> None:
+    async def close(self, sync: WeightSynchronizer) -> None:
         """Every server leaves the group, this process too, the store is closed; then
         :meth:`HTTPWeightSynchronizer.shutdown`. Idempotent."""
         await self._leave_group(failed=False)
         self._store = None
-        await super().shutdown()
+        await super().close(sync)
 
     def __repr__(self) -> str:
         info: dict[str, Any] = {

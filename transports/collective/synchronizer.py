@@ -214,7 +214,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
 
     #: What it can do, as data (:class:`~aiosync.TransportCapabilities`): the factory
     #: refuses a shared option outside it; the conformance kit runs its cells.
-    capabilities: ClassVar[TransportCapabilities] = TransportCapabilities(
+    capabilities = TransportCapabilities(
         verify=frozenset({False, "sample", True}),
         delta=True,
         elastic=True,
@@ -371,7 +371,7 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
 
     # -- lifecycle -------------------------------------------------------------
 
-    async def init_communicator(self) -> None:
+    async def open(self, sync: WeightSynchronizer) -> None:
         """Fetch the manifest, form the sync group, compare digests on every rank.
 
         May be called again to re-form the group (after a failure, or when the
@@ -391,18 +391,17 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
         """
         self._check_open()
         await self._form_group()
-        await super().init_communicator()
 
-    async def _membership_changed(self) -> None:
+    async def rejoin(self, sync: WeightSynchronizer) -> None:
         """The fleet's engines changed: re-form the group over the workers now in the
         sync (global ranks contiguous again; ``inference_world_size`` follows)."""
         workers = await self.generation.collective_rpc(
             "aiosync_device_identity", timeout_s=self.rpc_timeout_s
         )
         self.inference_world_size = len(workers)
-        await super()._membership_changed()
+        await self.open(sync)
 
-    async def shutdown(self) -> None:
+    async def close(self, sync: WeightSynchronizer) -> None:
         """Destroy the sync group (locally and on the workers), then close. Idempotent.
 
         Works after a failure: a broken group is aborted rather than shut down,
@@ -414,7 +413,6 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
                 self._heartbeat.stop()
                 self._heartbeat = None
             self._store = None
-        await super().shutdown()
 
     async def _form_group(self) -> None:
         if self.dist_backend == "nccl" and not torch.cuda.is_available():
@@ -616,7 +614,9 @@ class CollectiveWeightSynchronizer(WeightSynchronizer):
 
     # -- one sync --------------------------------------------------------------
 
-    async def _transfer(self, version: int, kv_scales: KVScales | None) -> int | Transferred:
+    async def send(
+        self, sync: WeightSynchronizer, version: int, kv_scales: KVScales | None
+    ) -> int | Transferred:
         # The base class checked the scales against the manifest before anything moved.
         kv = kv_scale_entries(kv_scales)
         if self._needs_forming():

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import torch
@@ -144,7 +144,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
 
     #: What it can do, as data (:class:`~aiosync.TransportCapabilities`): the factory
     #: refuses a shared option outside it; the conformance kit runs its cells.
-    capabilities: ClassVar[TransportCapabilities] = TransportCapabilities(
+    capabilities = TransportCapabilities(
         verify=frozenset({False, "sample", True}),
         trace=True,
         elastic=True,
@@ -234,7 +234,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         """The bucket plan (after :meth:`init_communicator`)."""
         return self._plan
 
-    async def init_communicator(self) -> None:
+    async def open(self, sync: WeightSynchronizer) -> None:
         """Plan the buckets; learn each server's TP size, check its settings, manifest and
         model config.
 
@@ -276,7 +276,6 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         # Same shapes, other computation (another rope_theta): refused before any bucket too.
         await self._check_model_configs()
         self._read_qkv = await self._qkv_read_back() if self.verify is not False else False
-        await super().init_communicator()
 
     async def _qkv_read_back(self) -> bool:
         """Whether the read-back may include q/k/v_proj (:func:`._readback.qkv_readable`
@@ -317,7 +316,13 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
         """The source's manifest read at :meth:`init_communicator` (empty before)."""
         return self._manifest or {}
 
-    async def _transfer(self, version: int, kv_scales: KVScales | None) -> Transferred:
+    async def rejoin(self, sync: WeightSynchronizer) -> None:
+        """The fleet's engines changed: :meth:`open` again over the engines now in it."""
+        await self.open(sync)
+
+    async def send(
+        self, sync: WeightSynchronizer, version: int, kv_scales: KVScales | None
+    ) -> Transferred:
         kv = kv_scale_entries(kv_scales, attention_layers(self._trainer_manifest))
         rows: list[dict[str, Any]] | None = [] if self.trace else None
         phases: dict[str, float] = {"start": time.monotonic()}
@@ -886,7 +891,7 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
     async def _post_bucket(self, bucket: FlatBucket, flat: FlatBuffer, sent: int) -> None:
         if sent == 1:
             # From this post on the servers may hold a mix of two versions: invalid
-            # (generate refuses) until _transfer notes the whole version loaded. Set
+            # (generate refuses) until send() notes the whole version loaded. Set
             # on every server before the first await, so that a failure, timeout or
             # cancellation leaves them all so.
             for server in self.servers:
@@ -920,11 +925,10 @@ class HTTPWeightSynchronizer(WeightSynchronizer):
     def _label(self, index: int) -> str:
         return f"SGLang server {index} of {len(self.servers)} ({self.servers[index].base_url})"
 
-    async def shutdown(self) -> None:
+    async def close(self, sync: WeightSynchronizer) -> None:
         """End the event stream. Idempotent. The backend stays open: whoever
         built it closes it (``await backend.aclose()``), as the loop may still use it.
         Unlinks the pooled bucket segments."""
-        await super().shutdown()
         self._pool.clear()
 
     @property

@@ -84,7 +84,7 @@ import math
 import os
 import secrets
 from collections.abc import Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -264,7 +264,7 @@ class IPCWeightSynchronizer(WeightSynchronizer):
 
     #: What it can do, as data (:class:`~aiosync.TransportCapabilities`): the factory
     #: refuses a shared option outside it; the conformance kit runs its cells.
-    capabilities: ClassVar[TransportCapabilities] = TransportCapabilities(
+    capabilities = TransportCapabilities(
         verify=frozenset({False, "sample", True}),
         delta=True,
         trace=True,
@@ -370,21 +370,21 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         self.last_worker_results: list[dict[str, Any]] = []
         self.delta = DeltaRefit(DeltaBaseline()) if delta else None
 
-    async def _membership_changed(self) -> None:
+    async def rejoin(self, sync: WeightSynchronizer) -> None:
         """The fleet's engines changed: a fresh socket and buffers (the workers
         renumbered, no state of the failed round carries over), then re-init."""
         if self._sender is not None:
             sender, self._sender = self._sender, None
             self.plan = None
             await sender.aclose()
-        await super()._membership_changed()
+        await self.open(sync)
 
     @property
     def rpc_timeout_s(self) -> float:
         """The limit for every single wait, seconds (``timeouts.rpc_s``)."""
         return self.timeouts.rpc_s
 
-    async def init_communicator(self) -> None:
+    async def open(self, sync: WeightSynchronizer) -> None:
         """Build the bucket plan, open the socket and buffers, register the plan on every worker.
 
         May be called again (e.g. after the engine's workers were replaced).
@@ -412,7 +412,6 @@ class IPCWeightSynchronizer(WeightSynchronizer):
             self._session_token = self._session_token or secrets.token_hex(6)
         else:
             await self._init_sharded(manifest, size)
-        await super().init_communicator()
 
     async def _init_plan_and_workers(
         self, manifest: RefitManifest, bucket_bytes: int
@@ -477,7 +476,9 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         self.peers = [rank for rank, device in workers if device == self.device_id]
         self._all_workers = sorted(rank for rank, _device in workers)
 
-    async def _transfer(self, version: int, kv_scales: KVScales | None) -> Transferred:
+    async def send(
+        self, sync: WeightSynchronizer, version: int, kv_scales: KVScales | None
+    ) -> Transferred:
         assert self.plan is not None
         # The manifest's attention layers only when there are scales to check (a pass
         # over every name: no per-sync work for the syncs that move none).
@@ -772,7 +773,7 @@ class IPCWeightSynchronizer(WeightSynchronizer):
             }
         return result
 
-    async def shutdown(self) -> None:
+    async def close(self, sync: WeightSynchronizer) -> None:
         """Close the socket, remove its directory and unlink the buffers; tell the
         engine's workers to drop their mappings of the buffers (best effort, at
         most :data:`_RELEASE_TIMEOUT_S` seconds). Idempotent."""
@@ -781,7 +782,6 @@ class IPCWeightSynchronizer(WeightSynchronizer):
             await sender.aclose()
             if self._ranks.is_driver and self.generation is not None:
                 await self._release_mappings()
-        await super().shutdown()
 
     async def _release_mappings(self) -> None:
         """``aiosync_ipc_release`` on every worker; an error or a late answer is

@@ -126,7 +126,7 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
 
     #: What it can do, as data (:class:`~aiosync.TransportCapabilities`): the factory
     #: refuses a shared option outside it; the conformance kit runs its cells.
-    capabilities: ClassVar[TransportCapabilities] = TransportCapabilities(
+    capabilities = TransportCapabilities(
         verify=frozenset({False, "sample", True}),
         kv_scales=False,
         sharded_trainer=True,
@@ -189,7 +189,7 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
         if any(_invalid(engine) for engine in engines):
             self._invalidate_engine_weights()
 
-    async def init_communicator(self) -> None:
+    async def open(self, sync: WeightSynchronizer) -> None:
         """Check the adapter against its config and every engine's base model.
 
         Raises:
@@ -224,7 +224,6 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
         # Every rank raises the same error, or none does.
         await self._ranks.agree(iter(()), error)
         self._adapter, self._config, self.modules = manifest, config, modules
-        await super().init_communicator()
 
     async def _check_engine(
         self, index: int, engine: Any, config: Mapping[str, Any], modules: Mapping[str, Any]
@@ -244,7 +243,14 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
             targets = sorted({m.target for m in modules.values()})
             await engine.check_lora_adapter(config, targets, max(m.rank for m in modules.values()))
 
-    async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
+    async def rejoin(self, sync: WeightSynchronizer) -> None:
+        """The fleet's engines changed: :meth:`open` again over the engines now in it."""
+        await self.open(sync)
+
+    async def close(self, sync: WeightSynchronizer) -> None:
+        """Nothing of its own to release (the engines keep their adapters)."""
+
+    async def send(self, sync: WeightSynchronizer, version: int, kv_scales: KVScales | None) -> int:
         # Every rank iterates (a sharded source's gathers are collectives); the
         # ranks agree that each read the whole adapter before rank 0 loads it (an
         # adapter some rank failed to produce is never served), then on the load.

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, ClassVar
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -43,7 +43,7 @@ from aiosync.layout import Layout
 from aiosync.options import TransportCapabilities
 from aiosync.refit.torch_source import DTensorRefitSource
 from aiosync.sources import RefitSource
-from aiosync.synchronizer import KVScales, Transferred
+from aiosync.synchronizer import KVScales, Transferred, WeightSynchronizer
 
 from ..collective._group import (
     STATUS_OK,
@@ -128,7 +128,7 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
 
     #: What it can do, as data (:class:`~aiosync.TransportCapabilities`): the factory
     #: refuses a shared option outside it; the conformance kit runs its cells.
-    capabilities: ClassVar[TransportCapabilities] = TransportCapabilities(
+    capabilities = TransportCapabilities(
         delta=True,
         kv_scales=False,
         sharded_trainer=True,
@@ -408,7 +408,9 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
 
     # -- one sync --------------------------------------------------------------
 
-    async def _transfer(self, version: int, kv_scales: KVScales | None) -> int | Transferred:
+    async def send(
+        self, sync: WeightSynchronizer, version: int, kv_scales: KVScales | None
+    ) -> int | Transferred:
         if self._needs_forming():
             await self._form_group()
         group, plan = self._group, self._transfer_plan

@@ -20,7 +20,7 @@ client=..., source=...)`` builds a ``TrainerWeightTransferEngine`` whose
 (``VLLMWeightSyncClient``) and pushes the bytes.
 
 :class:`VLLMWeightTransferSynchronizer` is an aiosync
-:class:`~aiosync.WeightSynchronizer` whose ``_transfer`` is that
+:class:`~aiosync.WeightSynchronizer` whose ``send`` phase is that
 ``send_weights()``: the training loop keeps aiosync's versions, events,
 timeouts and coalescing, and vLLM moves the bytes with its own backend
 (no aiosync worker extension needed on the engine; the engine must be built
@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import anyio
 import anyio.to_thread
@@ -211,7 +211,7 @@ class VLLMWeightTransferSynchronizer(WeightSynchronizer):
         ImportError: the installed vLLM has no ``vllm.distributed.weight_transfer``.
     """
 
-    capabilities: ClassVar[TransportCapabilities] = TransportCapabilities(kv_scales=False)
+    capabilities = TransportCapabilities(kv_scales=False)
     kv_scales_refusal = (
         "vLLM's weight-transfer API carries no FP8 KV-cache scales; "
         "use aiosync.transports.collective for kv_scales"
@@ -251,7 +251,7 @@ class VLLMWeightTransferSynchronizer(WeightSynchronizer):
         self._source: Any = None
         self._nbytes = 0
 
-    async def init_communicator(self) -> None:
+    async def open(self, sync: WeightSynchronizer) -> None:
         """Phase 1: rendezvous with vLLM's workers through ``trainer_init``.
 
         Raises:
@@ -277,9 +277,12 @@ class VLLMWeightTransferSynchronizer(WeightSynchronizer):
             raise
         except Exception as exc:
             raise TransportError(f"vLLM weight-transfer init failed: {exc}") from exc
-        await super().init_communicator()
 
-    async def _transfer(self, version: int, kv_scales: KVScales | None) -> int:
+    async def rejoin(self, sync: WeightSynchronizer) -> None:
+        """The fleet's engines changed: :meth:`open` again over the engines now in it."""
+        await self.open(sync)
+
+    async def send(self, sync: WeightSynchronizer, version: int, kv_scales: KVScales | None) -> int:
         # kv_scales is None here: capabilities.kv_scales is False (checked by the base).
         engine = self._engine
         if engine is None:
@@ -296,7 +299,7 @@ class VLLMWeightTransferSynchronizer(WeightSynchronizer):
             raise TransportError(f"vLLM send_weights failed: {exc}") from exc
         return self._nbytes
 
-    async def shutdown(self) -> None:
+    async def close(self, sync: WeightSynchronizer) -> None:
         """Tear down vLLM's transfer group (the engine keeps serving). Idempotent."""
         engine, self._engine = self._engine, None
         if engine is not None:
@@ -304,7 +307,6 @@ class VLLMWeightTransferSynchronizer(WeightSynchronizer):
             if isinstance(self.client, ReleasingClient):
                 with contextlib.suppress(Exception):  # the engine may be gone already
                     await anyio.to_thread.run_sync(self.client.shutdown_weight_transfer_engine)
-        await super().shutdown()
 
 
 def _numel(shape: tuple[int, ...]) -> int:
