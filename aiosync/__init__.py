@@ -46,6 +46,7 @@ from .errors import (
 from .events import EventSubscription, VersionEventKind, WeightVersionEvent
 from .factory import KNOWN_BACKENDS, create_weight_synchronizer
 from .generation import Generation, SamplingParams
+from .loop import refit_if_stale
 from .lora import LoRAAdapter, LoRAAdapterSource, lora_adapter_name
 from .options import (
     CollectiveOptions,
@@ -65,7 +66,6 @@ from .synchronizer import (
     KVScales,
     Transferred,
     WeightSynchronizer,
-    refit_if_stale,
 )
 from .transport import Transport
 

@@ -2,7 +2,8 @@
 
 The trainer's side is :mod:`aiosync.sources`, the cluster :mod:`aiosync.cluster`,
 the engines' claims :mod:`aiosync.ownership`, the synchronizer
-:mod:`aiosync.synchronizer`, the engine's capabilities :mod:`aiosync.capabilities`.
+:mod:`aiosync.synchronizer` (the loop's handshake :mod:`aiosync.loop`), the engine's
+capabilities :mod:`aiosync.capabilities`.
 Import from ``aiosync`` (or those modules); nothing new is added here.
 """
 
@@ -11,13 +12,13 @@ from __future__ import annotations
 from ._config import AFTER_FAILURE_TIMEOUT_S, DEFAULT_RESUME_TIMEOUT_S
 from .capabilities import IN_FLIGHT_POLICIES, EngineWorkers, InFlightPolicy
 from .cluster import TrainCluster
+from .loop import refit_if_stale
 from .sources import ConfigSource, GathersInto, Preflight, RefitManifest, RefitSource
 from .synchronizer import (
     GenerationBackend,
     KVScales,
     Transferred,
     WeightSynchronizer,
-    refit_if_stale,
 )
 
 __all__ = [

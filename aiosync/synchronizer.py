@@ -29,24 +29,22 @@ import anyio
 import anyio.to_thread
 
 from . import ownership
+from ._colocated import colocated_refit, wake_engines
 from ._config import DEFAULT_EVENT_BACKLOG, Timeouts
 from ._delta_refit import Baseline, DeltaRefit
 from ._fanout import each_named
 from ._hf_config import compare_hf_configs
 from ._kv_scales import attention_layers, kv_scale_entries
+from ._live_check import engines_checksums, first_mismatch, live_digests
 from .capabilities import (
     IN_FLIGHT_POLICIES,
-    ChecksumVerifying,
     ConfigReporting,
     DiscardNotifier,
     ElasticEngines,
     Engine,
     EngineWorkers,
     InFlightPolicy,
-    LayoutReporting,
     PausableEngine,
-    RestartReporting,
-    SleepReporting,
     VersionedEngine,
     WorkerDescribing,
     engines_of,
@@ -63,7 +61,6 @@ __all__ = [
     "KVScales",
     "Transferred",
     "WeightSynchronizer",
-    "refit_if_stale",
 ]
 
 #: FP8 KV-cache scales: ``{layer_index_or_name: scale}`` (a float per layer).
@@ -796,72 +793,16 @@ class WeightSynchronizer:
             _log.error("resuming generation after a failed sync: %s: %s", type(exc).__name__, exc)
         return time.perf_counter() - paused_at
 
-    @contextlib.asynccontextmanager
-    async def _colocated_refit(self, engines: Sequence[Any] | None = None) -> AsyncIterator[None]:
-        """The colocated bracket around a transfer, for every colocated transport.
-
-        Offloads the trainer (``policy.offload_before_refit``, in a worker
-        thread), wakes each engine's weights, runs the block, then, also after a
-        failure or cancellation (shielded): ``offload_after_refit`` and each
-        engine's KV-cache wake, bounded by ``timeouts.rpc_s``, after a failure by
-        ``timeouts.after_failure_s`` (the engine may be why it failed). An error
-        of the clean-up after a failure is logged, never raised over the block's.
-        Only a tag the engine may have released is woken
-        (:class:`~aiosync.capabilities.SleepReporting`; one that does not say is
-        woken). Engines are woken only where :meth:`_drives_generation`.
-
-        Args:
-            engines: the engines to wake; default ``(self.generation,)``.
-        """
-        failed = True
-        try:
-            await self._offload_hook("offload_before_refit")
-            await self._wake_engines("weights", engines)
-            yield
-            failed = False
-        finally:
-            with anyio.CancelScope(shield=True):
-                limit = self.timeouts.after_failure_s if failed else self.timeouts.rpc_s
-                try:
-                    await self._offload_hook("offload_after_refit")
-                    with anyio.fail_after(limit):
-                        await self._wake_engines("kv_cache", engines)
-                except Exception as exc:
-                    if not failed:
-                        raise
-                    _log.error(  # secondary: the block's own error carries the traceback
-                        "colocated refit: the clean-up after a failed sync also failed: %s: %s",
-                        type(exc).__name__,
-                        exc,
-                    )
-
-    async def _offload_hook(self, name: str) -> None:
-        """Run the policy's offload hook ``name`` in a worker thread (it may move
-        gigabytes), unless it is :class:`RefitSource`'s own no-op: a thread hop each
-        way is a good part of a small sync's cost."""
-        if getattr(type(self.policy), name, None) is getattr(RefitSource, name):
-            return
-        await anyio.to_thread.run_sync(getattr(self.policy, name))
+    def _colocated_refit(
+        self, engines: Sequence[Any] | None = None
+    ) -> contextlib.AbstractAsyncContextManager[None]:
+        """The colocated bracket around a transfer (:func:`aiosync._colocated.colocated_refit`)."""
+        return colocated_refit(self, engines)
 
     async def _wake_engines(self, tag: str, engines: Sequence[Any] | None = None) -> None:
-        """Wake ``tag`` (``"weights"``, ``"kv_cache"``) on each engine that may have released it.
-
-        Only an :class:`~aiosync.capabilities.Engine` is woken, and only when
-        it may be asleep (:class:`~aiosync.capabilities.SleepReporting`; one
-        that does not say is woken), and only where :meth:`_drives_generation`.
-        The engines are woken side by side; a failure names the engine.
-
-        Args:
-            engines: default ``(self.generation,)``.
-        """
-        if not self._drives_generation():
-            return
-        targets = tuple(
-            e
-            for e in (engines if engines is not None else (self.generation,))
-            if isinstance(e, Engine)
-        )
-        await each_named(targets, lambda _i, e: _wake(e, tag), _engine_label(len(targets)))
+        """Wake ``tag`` on each engine that may have released it
+        (:func:`aiosync._colocated.wake_engines`)."""
+        await wake_engines(self, tag, engines)
 
     def _live_weights_wrong(self) -> None:
         """:meth:`verify_engine` found a worker's live weights differ from the trainer's:
@@ -911,15 +852,8 @@ class WeightSynchronizer:
                 f"{type(generation).__name__} has no collective_rpc"
             )
         async with self._lock, self._source_lock:
-            layouts = (
-                await generation.weight_layouts()
-                if isinstance(generation, LayoutReporting) and generation.tensor_parallel_size > 1
-                else None
-            )
-            held = await generation.collective_rpc(
-                "aiosync_weight_digests", timeout_s=self.timeouts.rpc_s
-            )
-            mismatch = await anyio.to_thread.run_sync(self._first_mismatch, held, layouts)
+            held, layouts = await live_digests(generation, self.timeouts.rpc_s)
+            mismatch = await anyio.to_thread.run_sync(first_mismatch, self.policy, held, layouts)
         if mismatch is not None:
             rank, what = mismatch
             self._live_weights_wrong()
@@ -932,44 +866,17 @@ class WeightSynchronizer:
                 f"{who}: {what} (the trainer's weights of version {self._policy_version}, "
                 f"the engine's labelled {self._weight_version})"
             )
-        checksummed = 0
-        for engine in engines_of(generation):
-            if isinstance(engine, ChecksumVerifying):
-                try:
-                    checksummed += await engine.verify_recorded_checksums() or 0
-                except RefitVerificationError:
-                    self._live_weights_wrong()
-                    raise
+        try:
+            checksummed = await engines_checksums(generation)
+        except RefitVerificationError:
+            self._live_weights_wrong()
+            raise
         return {
             "workers": len(held),
             "tensors": sum(len(h) for h in held),
             "checksummed": checksummed,
             "version": self._weight_version,
         }
-
-    def _first_mismatch(
-        self, held: Sequence[Mapping[str, Any]], layouts: Sequence[Mapping[str, Any]] | None
-    ) -> tuple[int, str] | None:
-        """``(worker rank, what differs)`` of the first tensor a worker holds otherwise
-        than the source yields it (blocking: reads the source once)."""
-        from ._digest import tensor_digest  # torch: loaded on first use, as the transports
-
-        for name, tensor in self.policy.iter_weights():
-            for rank, digests in enumerate(held):
-                part = None if layouts is None else layouts[rank].get(name)
-                if layouts is not None and part is None:
-                    continue  # this rank holds none of it
-                if name not in digests:
-                    return rank, f"holds no {name!r}"
-                mine = tensor.detach()
-                if part is not None and not part.is_whole:
-                    mine = mine.narrow(part.dim, part.start, part.length)
-                shape, _dtype, digest = digests[name]
-                if list(mine.shape) != list(shape):
-                    return rank, f"{name} is {tuple(shape)}, the trainer's {tuple(mine.shape)}"
-                if tensor_digest(mine) != digest:
-                    return rank, f"{name} differs from the trainer's"
-        return None
 
     async def shutdown(self) -> None:
         """Close the transport (its ``close``), release everything and end every event
@@ -1020,81 +927,3 @@ class WeightSynchronizer:
         tb: TracebackType | None,
     ) -> None:
         await self.shutdown()
-
-
-def _engine_label(count: int) -> Any:
-    return lambda index: f"engine {index} of {count}"
-
-
-def _may_sleep(engine: object, tag: str) -> bool:
-    """Whether ``tag`` may be released on ``engine``: an engine that does not say is woken."""
-    tags = engine.asleep_tags if isinstance(engine, SleepReporting) else None
-    return tags is None or tag in tags
-
-
-async def _wake(engine: Engine, tag: str) -> None:
-    if _may_sleep(engine, tag):
-        await engine.prepare_for_generation([tag])
-
-
-async def _check_restarts(generation: object) -> None:
-    """Ask every :class:`~aiosync.capabilities.RestartReporting` engine behind
-    ``generation`` whether it was restarted (a restart runs the discard listeners, so
-    ``is_stale`` reads True after this). An engine that does not answer is left to the
-    sync or the generation that needs it (logged here): the probe only learns."""
-    engines = [e for e in engines_of(generation) if isinstance(e, RestartReporting)]
-
-    async def ask(engine: RestartReporting) -> None:
-        try:
-            await engine.check_restarted()
-        except Exception as exc:
-            _log.warning("refit_if_stale: could not ask %r whether it restarted: %s", engine, exc)
-
-    async with anyio.create_task_group() as tg:
-        for engine in engines:
-            tg.start_soon(ask, engine)
-
-
-async def refit_if_stale(
-    sync: WeightSynchronizer, generation: GenerationBackend | None = None
-) -> bool:
-    """The loop's handshake before generating.
-
-    First asks each engine that can tell (:class:`~aiosync.capabilities.RestartReporting`:
-    an SGLang server reached by URL) whether it was restarted since it was synced (a
-    restarted server holds fresh weights: the synchronizer turns stale). Then, if
-    ``sync.is_stale``: ``await sync.sync_weights()`` then
-    ``await generation.prepare_for_generation()``. Returns whether it refit.
-    Errors of ``sync_weights`` propagate and ``prepare_for_generation`` is
-    then not called, so the engine never generates with half-updated weights.
-
-    On a sharded trainer's ranks that do not hold the engine (``generation`` and
-    ``sync.generation`` both None) it syncs if stale and wakes nothing: the same
-    call is right on every rank.
-
-    Args:
-        generation: the engine to wake; default ``sync.generation`` (the engine,
-            or the :class:`~aiosync.EngineFleet` a list of engines became).
-
-    Raises:
-        TypeError: ``generation`` has no ``prepare_for_generation`` (e.g. a plain
-            list of engines), before anything is synced.
-    """
-    if generation is None:
-        generation = sync.generation
-    if generation is None and not sync._drives_generation():
-        if not sync.is_stale:
-            return False
-        await sync.sync_weights()
-        return True
-    if not isinstance(generation, Engine):
-        raise TypeError(
-            f"generation must be an engine with prepare_for_generation, got "
-            f"{type(generation).__name__}; for a fleet pass sync.generation (or omit it)"
-        )
-    await _check_restarts(generation)
-    if not sync.is_stale:
-        return False
-    await sync.sync_weights()
-    await generation.prepare_for_generation()
-    return True

@@ -31,7 +31,7 @@ import zmq.asyncio
 
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
-from aiosync.synchronizer import refit_if_stale
+from aiosync.loop import refit_if_stale
 from aiosync.transports.ipc import IPCWeightSynchronizer
 from aiosync.transports.ipc._sender import _BucketSender
 from aiosync.transports.ipc._shm import SharedBuffer
