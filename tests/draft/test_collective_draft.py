@@ -20,19 +20,10 @@ from aiosync.capabilities import DraftRefit
 from aiosync.refit import DTensorRefitSource
 from aiosync.sources import RefitSource, apply_draft_option, with_draft
 from aiosync.transports.collective import CollectiveWeightSynchronizer
+from tests._support.configs import DRAFT
+from tests._support.configs import SMALL_QWEN3 as TARGET
 from tests._support.net import free_port
 
-TARGET: dict[str, Any] = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-)
-# A one-layer model as the draft (the stand-in of an MTP module or an EAGLE head).
-DRAFT: dict[str, Any] = dict(TARGET, num_hidden_layers=1, intermediate_size=96)
 PREFIX = "mtp."
 
 

@@ -4,7 +4,6 @@ version, or frozen bit for bit with no draft byte sent; mismatches refused befor
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
 
 import pytest
 import torch
@@ -21,18 +20,8 @@ from aiosync import (
 from aiosync.events import EventSubscription, WeightVersionEvent
 from aiosync.refit import DTensorRefitSource
 from aiosync.sources import RefitManifest, RefitSource, draft_under, with_draft
-
-TARGET: dict[str, Any] = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-)
-# A one-layer model as the draft (the stand-in of an MTP module or an EAGLE head).
-DRAFT: dict[str, Any] = dict(TARGET, num_hidden_layers=1, intermediate_size=96)
+from tests._support.configs import DRAFT
+from tests._support.configs import SMALL_QWEN3 as TARGET
 
 
 def _models(seed: int) -> tuple[Qwen3ForCausalLM, Qwen3ForCausalLM]:

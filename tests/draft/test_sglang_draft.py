@@ -17,17 +17,8 @@ from aiosync import SGLangHTTPBackend, SyncOptions, create_weight_synchronizer
 from aiosync.refit import DTensorRefitSource
 from aiosync.sources import with_draft
 from aiosync.testing.sglang_server import serve_in_subprocess
-
-TARGET: dict[str, Any] = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-)
-DRAFT: dict[str, Any] = dict(TARGET, num_hidden_layers=1, intermediate_size=96)
+from tests._support.configs import DRAFT
+from tests._support.configs import SMALL_QWEN3 as TARGET
 
 
 def _hash(tensor: torch.Tensor) -> str:

@@ -20,6 +20,7 @@ from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.refit import DTensorRefitSource
 from aiosync.sources import RefitManifest, RefitSource
+from tests._support.checks import assert_engine_equals
 from tests._support.proxy import RpcForwarder
 
 MOE = TINY_QWEN3_MOE
@@ -86,15 +87,6 @@ class RecordingEngine(RpcForwarder):
 def trainer_model(config: Mapping[str, Any], seed: int) -> HFModelRunner:
     """The trainer's model: same architecture as the engine's, different weights."""
     return HFModelRunner.from_config(config, seed=seed)
-
-
-async def assert_engine_equals(engine: EmbeddedEngine, trainer: HFModelRunner) -> None:
-    """Every worker's weights equal the trainer's checkpoint tensors, bit for bit."""
-    expected = trainer.hf_state_dict()
-    for rank, state in enumerate(await engine.hf_state_dicts()):
-        assert list(state) == list(expected), f"worker {rank} names differ"
-        for name, tensor in expected.items():
-            assert torch.equal(state[name], tensor), f"worker {rank}: {name} differs"
 
 
 @pytest.fixture(scope="session")

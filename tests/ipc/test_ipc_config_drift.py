@@ -9,16 +9,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from aiosync import EmbeddedEngine, RefitMismatchError
 from aiosync.refit import DTensorRefitSource
 from aiosync.transports.ipc import IPCWeightSynchronizer
-
-SMALL = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-)
+from tests._support.configs import SMALL_QWEN3 as SMALL
 
 
 @pytest.mark.slow

@@ -19,6 +19,8 @@ import pytest
 import pytest_asyncio
 import torch
 
+from tests._support.checks import assert_engine_equals
+
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 #: Why this folder is skipped where Ray is missing.
@@ -68,15 +70,6 @@ def advance(model: torch.nn.Module, factor: float = 1.25) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(factor)
-
-
-async def assert_engine_equals(engine: Any, trainer: Any) -> None:
-    """Every worker's weights equal the trainer's checkpoint (names, order, bits)."""
-    expected = trainer.hf_state_dict()
-    for rank, state in enumerate(await engine.hf_state_dicts()):
-        assert list(state) == list(expected), f"worker {rank} names differ"
-        for name, tensor in expected.items():
-            assert torch.equal(state[name], tensor), f"worker {rank}: {name} differs"
 
 
 @pytest.fixture(scope="session")
