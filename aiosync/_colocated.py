@@ -11,13 +11,13 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 import anyio.to_thread
 
 from ._fanout import each_named
-from .capabilities import Engine, SleepReporting
+from .capabilities import Engine, SleepReporting, implements
 from .sources import RefitSource
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ async def wake_engines(
     if not sync._drives_generation():
         return
     targets = tuple(
-        e for e in (engines if engines is not None else (sync.generation,)) if isinstance(e, Engine)
+        e for e in (engines if engines is not None else (sync.generation,)) if implements(e, Engine)
     )
     await each_named(targets, lambda _i, e: _wake(e, tag), _engine_label(len(targets)))
 
@@ -105,7 +105,7 @@ def _engine_label(count: int) -> Callable[[int], str]:
 
 def _may_sleep(engine: object, tag: str) -> bool:
     """Whether ``tag`` may be released on ``engine``: an engine that does not say is woken."""
-    tags = engine.asleep_tags if isinstance(engine, SleepReporting) else None
+    tags = cast(SleepReporting, engine).asleep_tags if implements(engine, SleepReporting) else None
     return tags is None or tag in tags
 
 

@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Self, cast
 
 import anyio
 import anyio.to_thread
@@ -48,6 +48,7 @@ from .capabilities import (
     VersionedEngine,
     WorkerDescribing,
     engines_of,
+    implements,
 )
 from .cluster import Ranks, SingleRank
 from .errors import OwnershipError, RefitVerificationError, SyncError, SyncTimeoutError
@@ -588,8 +589,8 @@ class WeightSynchronizer:
         """The source's own checks (:class:`~aiosync.Preflight`), before the pause and
         the first byte: a broken source leaves every engine as it was, serving (a
         sharded trainer's ranks check at their streams' start, where their votes agree)."""
-        if isinstance(self.policy, Preflight) and not self._sharded():
-            self.policy.preflight()
+        if implements(self.policy, Preflight) and not self._sharded():
+            cast(Preflight, self.policy).preflight()
 
     def _pause_call(
         self, policy: InFlightPolicy, window: _PauseWindow
@@ -696,7 +697,7 @@ class WeightSynchronizer:
         it (a sharded trainer's ranks could not agree on a membership only one sees)."""
         if self._sharded() or not self._drives_generation():
             return None
-        return self.generation if isinstance(self.generation, ElasticEngines) else None
+        return self.generation if implements(self.generation, ElasticEngines) else None
 
     async def _elastic_transfer(
         self,
@@ -755,7 +756,7 @@ class WeightSynchronizer:
 
     def _pausable(self) -> PausableEngine | None:
         """The engine when this process should pause it, else None."""
-        if self._drives_generation() and isinstance(self.generation, PausableEngine):
+        if self._drives_generation() and implements(self.generation, PausableEngine):
             return self.generation
         return None
 
@@ -763,7 +764,7 @@ class WeightSynchronizer:
         """The one place where the engine learns its version: once ``version``
         landed on every worker, it labels what it generates with it. Shielded: a
         cancellation must not leave it labelling the new weights with the old version."""
-        if self._drives_generation() and isinstance(self.generation, VersionedEngine):
+        if self._drives_generation() and implements(self.generation, VersionedEngine):
             with anyio.CancelScope(shield=True):
                 await self.generation.on_weights_committed(version)
 
@@ -780,7 +781,7 @@ class WeightSynchronizer:
         limit = self.timeouts.after_failure_s if failed else self.timeouts.resume_s
         try:
             with anyio.CancelScope(shield=True), anyio.fail_after(limit):
-                if isinstance(self.generation, PausableEngine):
+                if implements(self.generation, PausableEngine):
                     await self.generation.resume_generation()
         except Exception as exc:
             if not failed:
