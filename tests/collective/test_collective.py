@@ -27,6 +27,7 @@ from aiosync import (
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.refit.torch_source import DTensorRefitSource
 from aiosync.transports.collective import CollectiveWeightSynchronizer
+from tests._support.steps import first_sync
 
 pytestmark = pytest.mark.slow
 
@@ -228,9 +229,7 @@ async def test_receiver_killed_mid_broadcast_keeps_version_then_reformed_group_s
     # with gloo's timeout ("Timed out waiting 10000ms"), not the worker's death.
     sync.collective_timeout_s = 10.0
     try:
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
+        await first_sync(sync)
         _perturb(trainer, seed=7)
         await sync.mark_stale()
         await pool.call(2, "test_arm_crash", after_loads=3)  # dies at its 4th bucket

@@ -20,6 +20,7 @@ from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.refit.torch_source import DTensorRefitSource
 from aiosync.synchronizer import WeightSynchronizer
 from tests._support.builders import factory_pick
+from tests._support.steps import first_sync
 
 pytestmark = pytest.mark.slow
 
@@ -47,9 +48,7 @@ async def test_a_live_owners_group_is_never_destroyed_by_another_synchronizer() 
     trainer_b = HFModelRunner.from_config(dict(QWEN3), seed=302)
     async with EmbeddedEngine(dict(QWEN3), num_workers=1, seed=7) as engine:
         sync_a, sync_b = _sync(trainer_a, engine), _sync(trainer_b, engine)
-        await sync_a.init_communicator()
-        await sync_a.mark_stale()
-        await sync_a.sync_weights()
+        await first_sync(sync_a)
 
         with pytest.raises(OwnershipError, match="another synchronizer"):
             await sync_b.init_communicator()
@@ -65,9 +64,7 @@ async def test_a_live_owners_group_is_never_destroyed_by_another_synchronizer() 
         # Owner gone (its store closed, as when its process dies, without telling
         # the workers): B takes the group over and syncs.
         await sync_a.shutdown()
-        await sync_b.init_communicator()
-        await sync_b.mark_stale()
-        await sync_b.sync_weights()
+        await first_sync(sync_b)
         assert (sync_b.weight_version, sync_b.is_stale) == (1, False)
         assert await _equals(engine, trainer_b)
         await sync_b.shutdown()
@@ -78,9 +75,7 @@ async def test_a_group_whose_owner_died_without_a_word_is_taken_over() -> None:
     trainer_b = HFModelRunner.from_config(dict(QWEN3), seed=304)
     async with EmbeddedEngine(dict(QWEN3), num_workers=1, seed=7) as engine:
         sync_a = _sync(trainer_a, engine)
-        await sync_a.init_communicator()
-        await sync_a.mark_stale()
-        await sync_a.sync_weights()
+        await first_sync(sync_a)
         # What a SIGKILL leaves: the worker still holds A's group, A's store is gone.
         group, store = sync_a._group, sync_a._store  # type: ignore[attr-defined]
         assert group is not None and store is not None
@@ -90,9 +85,7 @@ async def test_a_group_whose_owner_died_without_a_word_is_taken_over() -> None:
         gc.collect()
 
         sync_b = _sync(trainer_b, engine)
-        await sync_b.init_communicator()
-        await sync_b.mark_stale()
-        await sync_b.sync_weights()
+        await first_sync(sync_b)
         assert (sync_b.weight_version, sync_b.is_stale) == (1, False)
         assert await _equals(engine, trainer_b)
         await sync_b.shutdown()

@@ -28,6 +28,7 @@ from aiosync.lora import LoRAAdapter
 from aiosync.refit import DTensorRefitSource
 from aiosync.transports.collective import CollectiveWeightSynchronizer
 from aiosync.transports.ipc import IPCWeightSynchronizer
+from tests._support.steps import first_sync
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
@@ -294,9 +295,7 @@ async def test_a_dead_follower_is_respawned_with_its_whole_replica(
     async with IPCWeightSynchronizer(
         DTensorRefitSource(trainer.model), engine, rpc_timeout_s=60
     ) as sync:
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
+        await first_sync(sync)
     await _assert_slices_equal(engine, trainer.hf_state_dict())
     with anyio.fail_after(120):
         want = trainer.generate(PROMPTS, max_new_tokens=4, ignore_eos=True)

@@ -15,6 +15,7 @@ from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.layout import Part
 from aiosync.refit import DTensorRefitSource
 from aiosync.transports.ipc import IPCWeightSynchronizer
+from tests._support.steps import first_sync
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
@@ -41,9 +42,7 @@ async def test_moe_experts_are_sliced_per_expert_and_refit_bit_exact(
     async with IPCWeightSynchronizer(
         DTensorRefitSource(trainer.model), engine, bucket_bytes=12288, rpc_timeout_s=60
     ) as sync:
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
+        await first_sync(sync)
     full = trainer.hf_state_dict()
     for rank, (layout, state) in enumerate(
         zip(layouts, await engine.hf_state_dicts(), strict=True)

@@ -17,6 +17,7 @@ import torch
 from aiosync import SGLangHTTPBackend, SyncError, SyncTimeoutError, TransportError
 from aiosync.transports.http import HTTPWeightSynchronizer
 from aiosync.transports.http._segment import own_segments
+from tests._support.steps import first_sync
 
 pytestmark = pytest.mark.slow
 
@@ -42,9 +43,7 @@ async def _synced(server: Any, trainer: Any) -> tuple[HTTPWeightSynchronizer, SG
         flush_timeout_s=FLUSH_TIMEOUT_S,
     )
     sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
-    await sync.init_communicator()
-    await sync.mark_stale()
-    await sync.sync_weights()
+    await first_sync(sync)
     assert sync.weight_version == 1
     return sync, backend
 

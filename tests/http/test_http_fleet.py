@@ -25,6 +25,7 @@ from aiosync import (
 )
 from aiosync.transports.http import HTTPWeightSynchronizer
 from aiosync.transports.http._segment import own_segments
+from tests._support.steps import first_sync
 
 pytestmark = pytest.mark.slow
 
@@ -127,9 +128,7 @@ async def test_a_bucket_reaches_both_servers_before_the_next_and_one_failure_fai
     first, second = servers
     before = set(own_segments())
     async with _fleet(servers, trainer) as (sync, backends):
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
+        await first_sync(sync)
         assert len(sync.plan) >= 2
         trainer.step(seed=63)
         await sync.mark_stale()
@@ -189,9 +188,7 @@ async def test_a_flush_failing_on_one_server_leaves_neither_reporting_the_versio
     async with _fleet(servers, trainer) as (sync, backends):
         for backend in backends:
             backend.flush_timeout_s = 1.0
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
+        await first_sync(sync)
         trainer.step(seed=65)
         await sync.mark_stale()
         first.fault("/flush_cache", "error", count=None)

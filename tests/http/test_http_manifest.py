@@ -27,6 +27,7 @@ from aiosync.engines.sglang._manifest import (
 )
 from aiosync.sources import RefitManifest, RefitSource
 from aiosync.transports.http import HTTPWeightSynchronizer
+from tests._support.steps import first_sync
 
 pytestmark = pytest.mark.slow
 
@@ -131,9 +132,7 @@ async def test_the_same_tensors_in_another_order_sync_bit_exact(
     reversed_source = DictSource(dict(reversed(list(expected.items()))))
     async with SGLangHTTPBackend(server.url) as backend:
         sync = HTTPWeightSynchronizer(reversed_source, backend, bucket_bytes=BUCKET_BYTES)
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
+        await first_sync(sync)
         assert sync.weight_version == 1
     state_equal(server.state_dict(), expected)
 

@@ -11,6 +11,7 @@ import pytest
 
 from aiosync import SGLangHTTPBackend, SyncError, refit_if_stale
 from aiosync.transports.http import HTTPWeightSynchronizer
+from tests._support.steps import first_sync
 from tests.http.conftest import BUCKET_BYTES, http_sync
 
 pytestmark = pytest.mark.slow
@@ -177,9 +178,7 @@ async def test_weights_released_during_the_flush_keep_the_backend_refusing_until
     trainer = make_trainer(seed=71)
     async with _ReleasesDuringTheFlush(server.url, enable_memory_saver=True) as backend:
         sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=BUCKET_BYTES)
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
+        await first_sync(sync)
         trainer.step(seed=72)
         await sync.mark_stale()
         backend.armed = True

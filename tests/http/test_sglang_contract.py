@@ -43,6 +43,7 @@ from aiosync.transports.http._wire import (
     serialize_flat,
     use_file_system_sharing,
 )
+from tests._support.steps import first_sync
 
 
 def _stub_torchvision() -> None:
@@ -183,9 +184,7 @@ async def test_every_body_the_transport_sends_builds_sglangs_request_objects(
     trainer = make_trainer(seed=41)
     async with SGLangHTTPBackend(server.url, enable_memory_saver=True, transport=tap) as backend:
         sync = HTTPWeightSynchronizer(trainer, backend, bucket_bytes=64 * 1024)
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
+        await first_sync(sync)
         await backend.generate(prompts, max_new_tokens=2)
         await backend.finish_generation()
         await sync.mark_stale()

@@ -29,6 +29,7 @@ from aiosync import (
     VersionEventKind,
     create_weight_synchronizer,
 )
+from tests._support.steps import first_sync
 
 from .conftest import TestServer, serve_pair
 
@@ -134,9 +135,7 @@ async def test_the_colocated_http_refit_of_the_same_fleet_lands_on_every_rank_to
         trainer, backends, colocated=True, backend="sglang", bucket_bytes=BUCKET_BYTES
     )
     try:
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
+        await first_sync(sync)
         for server in pair:
             for rank in (0, 1):
                 state_equal(server.state_dict(rank), trainer.expected())
@@ -154,9 +153,7 @@ async def test_a_sync_failing_half_way_ends_the_sessions_commits_nothing_and_the
 ) -> None:
     trainer = make_trainer(seed=80)
     async with _fleet(pair, trainer) as (sync, backends):
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
+        await first_sync(sync)
         first_group = sync.group_name
         trainer.step(seed=81)
         names = list(trainer.prepare_refit_info())
@@ -216,9 +213,7 @@ async def test_a_server_without_the_session_routes_is_refit_sessionless(
     try:
         trainer = make_trainer(seed=95)
         async with _fleet([server], trainer, inference_world_size=1) as (sync, backends):
-            await sync.init_communicator()
-            await sync.mark_stale()
-            await sync.sync_weights()
+            await first_sync(sync)
             assert backends[0].weight_update_session is False
             state_equal(server.state_dict(), trainer.expected())
             assert await backends[0].get_weight_version() == "1"

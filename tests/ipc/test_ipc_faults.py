@@ -37,6 +37,7 @@ from aiosync.transports.ipc._sender import _BucketSender
 from aiosync.transports.ipc._shm import SharedBuffer
 from aiosync.transports.ipc.worker import TRAINER_GONE
 from aiosync.transports.packing import BucketPlan, group_by_bucket, pack, plan_buckets
+from tests._support.steps import first_sync
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -54,9 +55,7 @@ async def _synced(engine: EmbeddedEngine, h: SimpleNamespace, seed: int) -> IPCW
         h.TrainerSource(trainer.model, []), engine, bucket_bytes=BUCKET_BYTES, rpc_timeout_s=30
     )
     sync.trainer = trainer  # type: ignore[attr-defined]
-    await sync.init_communicator()
-    await sync.mark_stale()
-    await sync.sync_weights()
+    await first_sync(sync)
     return sync
 
 

@@ -18,6 +18,7 @@ from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.transports.ipc import IPCWeightSynchronizer
 from aiosync.transports.ipc.worker import TRAINER_GONE
 from tests._support.proxy import EngineProxy
+from tests._support.steps import first_sync
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -65,9 +66,7 @@ async def test_a_release_of_another_owner_drops_nothing(
     async with IPCWeightSynchronizer(
         h.TrainerSource(trainer.model, []), engine, bucket_bytes=12288
     ) as sync:
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
+        await first_sync(sync)
         assert await dense_engine.collective_rpc("aiosync_ipc_release", ("not-the-owner",)) == [
             {"ok": True, "rank": 0, "released": 0}
         ]

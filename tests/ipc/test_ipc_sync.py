@@ -16,6 +16,7 @@ import pytest
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.events import VersionEventKind
 from aiosync.transports.ipc import IPCWeightSynchronizer
+from tests._support.steps import first_sync
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -164,9 +165,7 @@ async def test_level2_sleep_marks_engine_stale_until_a_sync(
     async with IPCWeightSynchronizer(
         h.TrainerSource(trainer.model, []), dense_engine, bucket_bytes=1 << 20
     ) as sync:
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
+        await first_sync(sync)
         dense_engine.sleep_level = 2
         try:
             await dense_engine.finish_generation()

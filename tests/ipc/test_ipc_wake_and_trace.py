@@ -10,6 +10,7 @@ import pytest
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.transports.ipc import IPCWeightSynchronizer
 from tests._support.proxy import EngineProxy
+from tests._support.steps import first_sync
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -49,9 +50,7 @@ async def test_an_engine_that_reports_itself_awake_is_not_woken_around_a_sync(
     async with IPCWeightSynchronizer(
         h.TrainerSource(trainer.model, []), engine, bucket_bytes=1 << 20
     ) as sync:
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
+        await first_sync(sync)
         assert engine.log == []
         assert sync.weight_version == 1
         await h.assert_engine_equals(dense_engine, trainer)
@@ -66,9 +65,7 @@ async def test_an_engine_that_slept_at_level_2_is_woken_and_refit_by_the_sync(
     async with IPCWeightSynchronizer(
         h.TrainerSource(trainer.model, []), engine, bucket_bytes=1 << 20
     ) as sync:
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
+        await first_sync(sync)
         dense_engine.sleep_level = 2
         try:
             await engine.finish_generation()
