@@ -21,7 +21,7 @@ import httpx
 
 from aiosync.errors import SyncTimeoutError, TransportError, map_exceptions
 
-from .._http import http_errors
+from .._http import http_client, http_errors, request_timeout
 from .._routes import Route, check_request
 
 __all__ = [
@@ -40,8 +40,6 @@ DEFAULT_FLUSH_TIMEOUT_S: float = 60.0
 FLUSH_BACKOFF_INITIAL_S: float = 0.05
 #: Longest wait between ``/flush_cache`` attempts, seconds.
 FLUSH_BACKOFF_MAX_S: float = 2.0
-# Connecting to a local server never legitimately takes long.
-_CONNECT_TIMEOUT_S = 10.0
 #: The ``selector`` of the weight-update session (SGLang 0.5.23's
 #: ``BeginWeightUpdateReqInput``: ``"target" | "draft" | "all"``, its only field):
 #: ``"all"``, as the ``selector`` every ``update_weights_from_*`` loads with (SGLang's
@@ -153,13 +151,7 @@ class SGLangClient:
         self.tp_size = tp_size
         self.request_timeout_s = request_timeout_s
         self.flush_timeout_s = flush_timeout_s
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.AsyncClient(
-            base_url=self.base_url,
-            headers=headers,
-            timeout=httpx.Timeout(request_timeout_s, connect=_CONNECT_TIMEOUT_S),
-            transport=transport,
-        )
+        self._client = http_client(self.base_url, api_key, request_timeout_s, transport)
         # The weight-version label this client last set on the server (None: none yet).
         self._version_label: str | None = None
         # How many times this client set a label (a commit of a sync): a request
@@ -566,7 +558,7 @@ class SGLangClient:
         """
         check_request(ROUTES, method, path, body)
         limit = self.request_timeout_s if timeout_s is None else timeout_s
-        timeout = httpx.Timeout(limit, connect=min(limit, _CONNECT_TIMEOUT_S))
+        timeout = request_timeout(limit)
         where = f"{method} {self.base_url}{path}"
         with map_exceptions(
             http_errors(where, lambda exc: f"{where}: no answer within {limit} s ({exc!r})")

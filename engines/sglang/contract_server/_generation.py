@@ -4,9 +4,9 @@ scheduler, SGLang's ``meta_info`` (weight-version spans)."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
 from typing import Any
 
+from aiosync.engines.sglang._generation import version_spans
 from aiosync.engines.sglang.contract_server._base import _Routes
 from aiosync.engines.sglang.contract_server._lora import _lora_names
 from aiosync.engines.sglang.contract_server._state import _PAUSE_MODES
@@ -68,7 +68,7 @@ class _GenerationRoutes(_Routes):
                 finish = {"type": "stop", "matched": out[-1]}
             # A cached answer was computed by the weights now live (a flush clears it).
             labels = versions if cached is None else [state.weight_version] * len(out)
-            spans = _weight_version_spans(labels, state.weight_version)
+            spans = version_spans(labels, state.weight_version)
             meta_info: dict[str, Any] = {
                 "id": uuid.uuid4().hex,
                 "finish_reason": finish,
@@ -158,18 +158,3 @@ class _GenerationRoutes(_Routes):
             raise _error(f"Invalid mode: {mode!r}. Expected one of {list(_PAUSE_MODES)}.")
         self.server.state.scheduler.pause(mode)
         return {"message": "Generation paused successfully.", "status": "ok"}
-
-
-def _weight_version_spans(
-    labels: Sequence[str | None], current: str | None
-) -> list[dict[str, Any]]:
-    """SGLang 0.5.23's ``meta_info["weight_versions"]`` for output tokens computed under
-    ``labels`` (one each): ``{"version", "start", "end"}`` per run of one label, token
-    positions ``[start, end)``; no token: one empty span of the ``current`` label."""
-    spans: list[dict[str, Any]] = []
-    for index, label in enumerate(labels):
-        if spans and spans[-1]["version"] == label:
-            spans[-1]["end"] = index + 1
-        else:
-            spans.append({"version": label, "start": index, "end": index + 1})
-    return spans or [{"version": current, "start": 0, "end": 0}]

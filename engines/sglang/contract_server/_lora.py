@@ -11,11 +11,11 @@ from typing import Any
 
 from safetensors.torch import load_file as safetensors_load_file
 
+from aiosync.engines.sglang._lora import _SGLANG_MODULE
 from aiosync.engines.sglang.contract_server._base import _Routes
 from aiosync.engines.sglang.contract_server._state import ServerState
 from aiosync.engines.sglang.contract_server._wire import (
     _LORA_DISABLED,
-    _SGLANG_MODULE,
     _error,
     _HTTPError,
 )

@@ -9,14 +9,6 @@ from typing import Any
 
 _ALL_TAGS = ("weights", "kv_cache", "cuda_graph")
 _LORA_DISABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
-# SGLang's names for the layers it adapts (q/k/v and gate/up are fused there).
-_SGLANG_MODULE = {
-    "q_proj": "qkv_proj",
-    "k_proj": "qkv_proj",
-    "v_proj": "qkv_proj",
-    "gate_proj": "gate_up_proj",
-    "up_proj": "gate_up_proj",
-}
 _FAULT_MODES = ("error", "hang", "drop", "busy")
 #: The prefix of this server's own routes (fault injection, inspection): not SGLang's.
 AIOSYNC_ROUTE_PREFIX = "/_aiosync/"

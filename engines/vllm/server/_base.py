@@ -18,7 +18,7 @@ import httpx
 from aiosync._config import DEFAULT_RPC_TIMEOUT_S
 from aiosync.engines._gate import AdmissionGate
 from aiosync.engines._generate import GenerateFromMeta
-from aiosync.engines._http import http_errors
+from aiosync.engines._http import http_client, http_errors, request_timeout
 from aiosync.engines._routes import check_request
 from aiosync.engines.vllm._checksums import RecordedChecksums
 from aiosync.engines.vllm._dp import WEIGHT_RPCS
@@ -34,14 +34,12 @@ if TYPE_CHECKING:
     pass
 
 from aiosync.engines.vllm.server._wire import (
-    _CONNECT_TIMEOUT_S,
     _VLLM_WORKER_SUFFIX,
     DEFAULT_GENERATE_TIMEOUT_S,
     OPTIONAL_ROUTES,
     ROUTES,
     RouteMissingError,
     _http_status,
-    _httpx_timeout,
     _int_field,
     _log,
     _query,
@@ -85,13 +83,7 @@ class _ServerBase(GenerateFromMeta):
         self.generate_timeout_s = generate_timeout_s
         self.record_checksums = record_checksums
         self._draft_prefix = draft_prefix
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.AsyncClient(
-            base_url=self.base_url,
-            headers=headers,
-            timeout=httpx.Timeout(rpc_timeout_s, connect=_CONNECT_TIMEOUT_S),
-            transport=transport,
-        )
+        self._client = http_client(self.base_url, api_key, rpc_timeout_s, transport)
         self._gate = AdmissionGate(f"the vLLM server at {self.base_url}")
         self._discard_listeners: list[Callable[[], None]] = []
         self._server_info: dict[str, Any] | None = None
@@ -156,7 +148,7 @@ class _ServerBase(GenerateFromMeta):
                 json=body,
                 params=_query(params),
                 headers={"Connection": "close"} if fresh_connection else None,
-                timeout=_httpx_timeout(limit),
+                timeout=request_timeout(limit),
             )
         try:
             _raise_for_status(response, where, path, "Authorization" in self._client.headers)

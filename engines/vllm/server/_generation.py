@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import httpx
 
-from aiosync.engines._http import http_errors
+from aiosync.engines._http import http_errors, request_timeout
 from aiosync.engines._routes import check_request
 from aiosync.errors import (
     ExceptionMapping,
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     pass
 
 from aiosync.engines.vllm.server._inflight import _InFlight
-from aiosync.engines.vllm.server._wire import ROUTES, _httpx_timeout, _message_of, _raise_for_status
+from aiosync.engines.vllm.server._wire import ROUTES, _message_of, _raise_for_status
 
 
 @dataclass
@@ -150,7 +150,7 @@ class _Generation(_InFlight):
         try:
             with map_exceptions(errors), anyio.fail_after(limit if math.isfinite(limit) else None):
                 async with self._client.stream(
-                    "POST", "/v1/completions", json=body, timeout=_httpx_timeout(limit)
+                    "POST", "/v1/completions", json=body, timeout=request_timeout(limit)
                 ) as response:
                     if not response.is_success:
                         await response.aread()

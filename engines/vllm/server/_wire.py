@@ -5,7 +5,6 @@ answer's status into aiosync's errors."""
 from __future__ import annotations
 
 import logging
-import math
 import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -29,8 +28,6 @@ _log = logging.getLogger("aiosync.engines.vllm.server")
 DEFAULT_GENERATE_TIMEOUT_S: float = 600.0
 #: The environment variable the server needs for every route but the completions.
 SERVER_DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
-# Connecting to a server never legitimately takes long.
-_CONNECT_TIMEOUT_S = 10.0
 # What vLLM's engine core appends to a worker's message
 # (``Worker failed with error '<message>', please check the stack trace ...``).
 _VLLM_WORKER_SUFFIX = re.compile(r"', please check the stack trace above for the root cause\.?$")
@@ -194,9 +191,3 @@ def _query(
         for item in values:
             out.append((key, str(item).lower() if isinstance(item, bool) else str(item)))
     return out
-
-
-def _httpx_timeout(limit: float) -> httpx.Timeout:
-    if not math.isfinite(limit):
-        return httpx.Timeout(None, connect=_CONNECT_TIMEOUT_S)
-    return httpx.Timeout(limit, connect=min(limit, _CONNECT_TIMEOUT_S))
