@@ -143,7 +143,7 @@ class EmbeddedEngine(GenerateFromMeta):
             names and dtypes (so a transport refuses an unquantized trainer at
             init, naming a tensor); each worker keeps the FP8 tensors and
             dequantizes them into its ``dtype`` weights before generating
-            (``model._FP8Weights``). A model folder holding an FP8 checkpoint is
+            (``_fp8._FP8Weights``). A model folder holding an FP8 checkpoint is
             read as it is on disk. None: the checkpoint as the model holds it.
         draft: a speculative-decoding draft model held beside the target on every
             worker (an MTP module, an EAGLE head; ``docs/draft.md``), as ``model``

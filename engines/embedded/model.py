@@ -48,15 +48,22 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
-from transformers.core_model_loading import revert_weight_conversion
-from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from aiosync.delta import WeightPatch, apply_patch
 from aiosync.errors import RefitMismatchError, TransportError
-from aiosync.fp8 import FP8_DTYPE, dequantize_fp8_blocks, fp8_manifest, quantize_fp8_blocks
+from aiosync.fp8 import FP8_DTYPE
 from aiosync.layout import Part, box_of
 
+from ._fp8 import _check_quantization, _FP8Weights, _is_fp8_folder, _scale_of_unquantized
 from ._lora import PeftAdapters
+from ._targets import (
+    _checkpoint_manifest,
+    _homes,
+    _named_tensors,
+    _narrow,
+    _overlap,
+    _resolve_targets,
+)
 
 if TYPE_CHECKING:
     from ._tp import TensorParallel
@@ -64,12 +71,6 @@ if TYPE_CHECKING:
 _KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.[kv]_scale")
 
 __all__ = ["DecodeResult", "HFModelRunner"]
-
-# Checkpoint name of one expert's projection; the fused in-memory tensors live on
-# the ``experts`` module (transformers 5.x, ``conversion_mapping.py`` "qwen2_moe").
-_EXPERT_NAME = re.compile(
-    r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$"
-)
 
 
 class HFModelRunner:
@@ -827,90 +828,6 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
 
 
-def _checkpoint_manifest(model: PreTrainedModel) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """What ``save_pretrained`` would write, computed on ``meta`` copies (no data moves)."""
-    state = model.state_dict()
-    for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
-        state.pop(key, None)
-    state = remove_tied_weights_from_state_dict(state, model)
-    meta = {name: tensor.to("meta") for name, tensor in state.items()}
-    reverted = revert_weight_conversion(model, meta)
-    return {name: (tuple(t.shape), t.dtype) for name, t in reverted.items()}
-
-
-def _narrow(tensor: torch.Tensor, part: Part) -> torch.Tensor:
-    """``part``'s slice of the full tensor ``tensor`` (a view)."""
-    return tensor.narrow(part.dim, part.start, part.length)
-
-
-def _overlap(
-    a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]
-) -> tuple[tuple[int, int], ...] | None:
-    """The intersection of two boxes (``(start, stop)`` per dim); None if empty."""
-    box = tuple(
-        (max(lo_a, lo_b), min(hi_a, hi_b)) for (lo_a, hi_a), (lo_b, hi_b) in zip(a, b, strict=True)
-    )
-    return None if any(lo >= hi for lo, hi in box) else box
-
-
-def _named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``model``'s parameters and buffers by name (the objects, ties under every name)."""
-    tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-    tensors.update(model.named_buffers(remove_duplicate=False))
-    return tensors
-
-
-def _homes(tensors: Mapping[str, torch.Tensor]) -> tuple[int, ...]:
-    """Where each of ``tensors`` lives (its data pointer), in order."""
-    return tuple(t.data_ptr() for t in tensors.values())
-
-
-def _resolve_targets(
-    model: PreTrainedModel,
-    named: Mapping[str, torch.Tensor],
-    manifest: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-    layout: Mapping[str, Part],
-) -> dict[str, torch.Tensor]:
-    """``{checkpoint name: view of the in-memory tensor it is loaded into}``, each of
-    the shape of the part held (``layout[name].local_shape``); ``named``: the model's
-    tensors by name (:func:`_named_tensors`)."""
-    tensors = {name: t.detach() for name, t in named.items()}
-    targets: dict[str, torch.Tensor] = {}
-    for name, (_, dtype) in manifest.items():
-        shape = layout[name].local_shape
-        view = tensors.get(name)
-        if view is None:
-            view = _expert_view(tensors, name)
-        if view is None or tuple(view.shape) != shape or view.dtype != dtype:
-            found = None if view is None else (tuple(view.shape), view.dtype)
-            raise RefitMismatchError(
-                f"checkpoint tensor {name!r} {shape} {dtype} has no place in "
-                f"{type(model).__name__} (found {found})"
-            )
-        targets[name] = view
-    return targets
-
-
-def _expert_view(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor | None:
-    """The slice of a fused expert tensor that a per-expert checkpoint name maps to.
-
-    ``gate_up_proj [E, 2*Im, H]`` holds the gate in rows ``[:Im]`` and up in
-    ``[Im:]``; ``down_proj [E, H, Im]`` holds expert ``e`` at index ``e``.
-    """
-    match = _EXPERT_NAME.match(name)
-    if match is None:
-        return None
-    experts, e, proj = match["experts"], int(match["e"]), match["proj"]
-    if proj == "down":
-        fused = tensors.get(f"{experts}.down_proj")
-        return None if fused is None or e >= fused.shape[0] else fused[e]
-    fused = tensors.get(f"{experts}.gate_up_proj")
-    if fused is None or e >= fused.shape[0]:
-        return None
-    im = fused.shape[1] // 2
-    return fused[e, :im] if proj == "gate" else fused[e, im:]
-
-
 def resolve_hf_config(
     config: PretrainedConfig | Mapping[str, Any] | str | Path,
 ) -> PretrainedConfig | Path:
@@ -962,93 +879,3 @@ def _check_draft(
             "a draft model works with neither tensor_parallel nor quantization in the "
             "embedded engine"
         )
-
-
-def _check_quantization(quantization: object, tensor_parallel: bool) -> None:
-    """Raise ValueError unless ``quantization`` is None or ``"fp8"`` without tensor parallelism."""
-    if quantization not in (None, "fp8"):
-        raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
-    if quantization is not None and tensor_parallel:
-        raise ValueError(
-            "quantization='fp8' does not work with tensor parallelism (a Megatron slice "
-            "would cut 128x128 scaling blocks); use tensor_parallel_size=1"
-        )
-
-
-def _scale_of_unquantized(
-    name: str, manifest: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
-) -> bool:
-    """Whether ``name`` is the ``weight_scale_inv`` of a weight the FP8 checkpoint
-    holds unquantized (``manifest``: the runner's FP8 one)."""
-    suffix = ".weight_scale_inv"
-    weight = name.removesuffix(suffix) + ".weight"
-    return name.endswith(suffix) and weight in manifest and manifest[weight][1] != FP8_DTYPE
-
-
-def _is_fp8_folder(folder: Path) -> bool:
-    """Whether ``folder``'s config.json declares a block-wise FP8 checkpoint."""
-    config = folder / "config.json"
-    if not config.is_file():
-        return False
-    quantization = json.loads(config.read_text()).get("quantization_config") or {}
-    return isinstance(quantization, dict) and quantization.get("quant_method") == "fp8"
-
-
-class _FP8Weights:
-    """The FP8 checkpoint a ``quantization="fp8"`` runner serves, and the model's
-    compute weights derived from it.
-
-    The checkpoint is :func:`aiosync.refit.fp8.fp8_manifest` of the model's own (the
-    rule :class:`~aiosync.refit.FP8RefitSource` quantizes by): each linear weight
-    ``<module>.weight`` ``float8_e4m3fn`` followed by ``<module>.weight_scale_inv``
-    ``float32 [out/128, in/128]`` (a weight that is not whole blocks stays
-    unquantized, as transformers leaves it); every other tensor in the model's
-    dtype. This object holds the two FP8 tensors of each pair (1 byte per weight
-    plus the scales); they are the runner's load targets, so a refit, a box of a
-    shard-aware transport, a delta patch of the FP8 bytes and ``hf_state_dict``
-    all read or write them like any other checkpoint tensor, in any order and
-    any bucket.
-
-    :meth:`refresh`, called before every forward pass (under the runner's lock),
-    dequantizes into the model's weight each pair either half of which was
-    written since (``dequantize_fp8_blocks``: ``float32(w) * scale``, one cast
-    to the model's dtype, what transformers' ``from_pretrained`` of the FP8
-    checkpoint computes). Writes are seen through the tensors' version counters,
-    which every in-place write (``copy_``, indexing, ``fill_``) bumps: until the
-    next forward pass, a pair with only one half new (its partner in a later
-    bucket) is simply not looked at.
-    """
-
-    def __init__(
-        self,
-        manifest: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-        targets: Mapping[str, torch.Tensor],
-    ) -> None:
-        self.manifest = fp8_manifest(manifest, dtype=None)
-        self.targets: dict[str, torch.Tensor] = {}
-        # (FP8 weight, scale, the model's weight) and their versions when last dequantized.
-        self._pairs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self._seen: list[tuple[int, int]] = []
-        names = iter(self.manifest.items())
-        for name, (_, dtype) in names:
-            if dtype != FP8_DTYPE:
-                self.targets[name] = targets[name]
-                continue
-            scale_name, _ = next(names)  # the manifest puts the scale right after
-            weight, scale = quantize_fp8_blocks(targets[name])
-            self.targets[name], self.targets[scale_name] = weight, scale
-            self._pairs.append((weight, scale, targets[name]))
-            self._seen.append((-1, -1))
-        self.refresh()
-
-    def refresh(self) -> int:
-        """Dequantize every pair written since its last dequantization; returns how many."""
-        done = 0
-        with torch.no_grad():
-            for index, (weight, scale, compute) in enumerate(self._pairs):
-                versions = (weight._version, scale._version)
-                if versions != self._seen[index]:
-                    compute.copy_(dequantize_fp8_blocks(weight, scale, dtype=compute.dtype))
-                    self._seen[index] = versions
-                    done += 1
-        return done
