@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     pass
 
 from aiosync.engines.vllm.server._weights import _WeightRoutes
-from aiosync.engines.vllm.server._wire import _WAKE_TAGS, _log
+from aiosync.engines.vllm.server._wire import _WAKE_TAGS, _bool_field, _log
 
 
 class _InFlight(_WeightRoutes):
@@ -129,10 +129,7 @@ class _InFlight(_WeightRoutes):
         Raises:
             TransportError, SyncTimeoutError: the request failed.
         """
-        answer = await self._request("GET", "/is_paused")
-        if not isinstance(answer, dict) or not isinstance(answer.get("is_paused"), bool):
-            raise TransportError(f"/is_paused answered {str(answer)[:200]}")
-        return answer["is_paused"]
+        return _bool_field(await self._request("GET", "/is_paused"), "is_paused", "/is_paused")
 
     @property
     def generation_paused(self) -> bool:
@@ -258,7 +255,6 @@ class _InFlight(_WeightRoutes):
         Raises:
             TransportError, SyncTimeoutError: the request failed.
         """
-        answer = await self._request("GET", "/is_sleeping")
-        if not isinstance(answer, dict) or not isinstance(answer.get("is_sleeping"), bool):
-            raise TransportError(f"/is_sleeping answered {str(answer)[:200]}")
-        return answer["is_sleeping"]
+        return _bool_field(
+            await self._request("GET", "/is_sleeping"), "is_sleeping", "/is_sleeping"
+        )

@@ -178,6 +178,13 @@ def _int_field(answer: Any, key: str, path: str) -> int:
     return value
 
 
+def _bool_field(answer: Any, key: str, path: str) -> bool:
+    value = answer.get(key) if isinstance(answer, dict) else None
+    if not isinstance(value, bool):
+        raise TransportError(f"{path} answered {str(answer)[:200]}")
+    return value
+
+
 def _query(
     params: Mapping[str, Any] | None,
 ) -> list[tuple[str, str | int | float | bool | None]] | None:
