@@ -1,4 +1,10 @@
-"""The ``aiosync`` command: ``aiosync info`` and ``aiosync bench``.
+"""The ``aiosync`` command: ``aiosync info``, ``aiosync plan`` and ``aiosync bench``.
+
+``aiosync plan --model qwen3-8b --trainer-ranks 8 --tp 8 --engines 4 --nic-gbps 400``
+predicts a refit before the cluster exists: for the rank-0 broadcast, the shard-aware
+path (its plan computed by the transport's own ``make_plan``), a delta and an FP8
+refit, the busiest upload and download, the bottleneck link, the time and the lower
+bound no schedule beats (:mod:`aiosync.transports.sharded.estimate`).
 
 ``aiosync bench --transport ipc collective --model qwen3-0.6b --sizes 1 2 --plot out.png``
 refits a manifest shaped like a real model (dimensions stored in
@@ -30,7 +36,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._model_shapes import MODEL_CONFIGS
+from ._model_shapes import MODEL_CONFIGS, model_manifest
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -441,11 +447,61 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- plan --------------------------------------------------------------------------
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    """Predict a refit's bytes per link and time for each path (``aiosync plan``)."""
+    from .transports.packing import dtype_from_name
+    from .transports.sharded.estimate import Links, estimate_refit
+
+    if args.model.endswith(".json"):
+        with open(args.model, encoding="utf-8") as f:
+            config: Any = json.load(f)
+    else:
+        config = args.model
+    shapes = model_manifest(config, layers=args.layers)
+    manifest = {name: (shape, dtype_from_name(dt)) for name, (shape, dt) in shapes.items()}
+    links = Links(nic_gbps=args.nic_gbps, latency_us=args.latency_us)
+    rows = estimate_refit(
+        manifest,
+        trainer_ranks=args.trainer_ranks,
+        tp=args.tp,
+        engines=args.engines,
+        links=links,
+        changed=args.changed,
+    )
+    if args.json:
+        print(json.dumps({"model": args.model, "rows": [asdict(r) for r in rows]}))
+        return 0
+    from rich.table import Table
+
+    title = (
+        f"{args.model}: {args.trainer_ranks} trainer ranks (FSDP2) -> {args.engines} x TP"
+        f"{args.tp}, {args.nic_gbps:g} Gbit/s NICs, delta at {args.changed:.0%} changed"
+    )
+    table = Table(
+        "path", "busiest upload", "busiest download", "bottleneck", "predicted", "lower bound",
+        title=title,
+    )  # fmt: skip
+    for r in rows:
+        table.add_row(
+            r.path,
+            f"{r.upload_bytes / 1e9:.3f} GB",
+            f"{r.download_bytes / 1e9:.3f} GB",
+            r.bottleneck,
+            f"{r.predicted_s:.3f} s",
+            f"{r.lower_bound_s:.3f} s",
+        )
+    _stdout_console().print(table)
+    return 0
+
+
 # -- entry point -----------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``aiosync`` argument parser (subcommands ``info`` and ``bench``)."""
+    """The ``aiosync`` argument parser (subcommands ``info``, ``plan`` and ``bench``)."""
     parser = argparse.ArgumentParser(
         prog="aiosync", description="Async weight synchronization from RL trainers to engines."
     )
@@ -453,6 +509,28 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="versions, devices, transports that run here")
     info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(func=_cmd_info)
+    plan = sub.add_parser(
+        "plan",
+        help="predict a refit's bytes per link and time (broadcast, sharded, delta, FP8)",
+    )
+    plan.add_argument(
+        "--model",
+        default="qwen3-8b",
+        help=f"a preset ({', '.join(MODEL_CONFIGS)}) or an HF config.json (default: %(default)s)",
+    )
+    plan.add_argument("--layers", type=int, default=None, help="keep only this many layers")
+    plan.add_argument("--trainer-ranks", type=int, default=8, help="FSDP2 ranks (default: 8)")
+    plan.add_argument("--tp", type=int, default=8, help="workers per engine (default: 8)")
+    plan.add_argument("--engines", type=int, default=1, help="engine replicas (default: 1)")
+    plan.add_argument(
+        "--nic-gbps", type=float, default=400.0, help="NIC rate each way (default: 400)"
+    )
+    plan.add_argument("--latency-us", type=float, default=10.0, help="per message (default: 10)")
+    plan.add_argument(
+        "--changed", type=float, default=0.05, help="delta: fraction changed (default: 0.05)"
+    )
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.set_defaults(func=_cmd_plan)
     bench = sub.add_parser(
         "bench",
         help="refit throughput of a transport vs. memcpy",

@@ -81,28 +81,18 @@ import torch
 from _machine import Machine, repeats_for
 
 from aiosync._model_shapes import MODEL_CONFIGS, model_manifest
-from aiosync.layout import Layout, Part, even_chunks
+from aiosync.layout import Layout, Part
 from aiosync.transports.collective._group import STATUS_OK, SyncGroup, create_sync_group, open_store
 from aiosync.transports.collective._loops import RotatingBuffers, receive_buckets, send_buckets
 from aiosync.transports.packing import Bucket, dtype_from_name, plan_buckets, unpack
 from aiosync.transports.sharded import Box, box_within, make_plan, manifest_dtypes, run_plan
+from aiosync.transports.sharded.estimate import fsdp_layouts, tp_layouts
 
 Manifest = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 MB = 1e6
 #: The model whose dimensions the manifest takes (``aiosync._model_shapes``).
 MODEL = "qwen3-0.6b"
-#: Column-parallel (dim 0) and row-parallel (dim 1) weights of Megatron TP, by name suffix.
-COLUMN_PARALLEL = (
-    "q_proj.weight",
-    "k_proj.weight",
-    "v_proj.weight",
-    "gate_proj.weight",
-    "up_proj.weight",
-    "embed_tokens.weight",
-    "lm_head.weight",
-)
-ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
 #: The TCPStore's port on trainer host 0 (its namespace is fresh: nothing else binds there).
 STORE_PORT = 29577
 #: Seed of the random weights: every host draws the same bytes.
@@ -127,44 +117,6 @@ def manifest_for(quick: bool, layers: int | None, vocab: int | None) -> tuple[st
 
 def nbytes_of(shape: Sequence[int], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
-
-
-def fsdp_layouts(manifest: Manifest, ranks: int) -> list[Layout]:
-    """FSDP2 ``Shard(0)``: rank ``r`` holds chunk ``r`` of dim 0 of every tensor."""
-    layouts: list[dict[str, Part]] = [{} for _ in range(ranks)]
-    for name, (shape, _) in manifest.items():
-        for rank, (start, length) in enumerate(even_chunks(shape[0], ranks)):
-            layouts[rank][name] = Part(shape, 0, start, length)
-    return layouts
-
-
-def tp_dim(name: str) -> int | None:
-    """The dim Megatron TP cuts ``name`` along; None for a replicated tensor (norms)."""
-    if name.endswith(COLUMN_PARALLEL):
-        return 0
-    if name.endswith(ROW_PARALLEL):
-        return 1
-    return None
-
-
-def tp_layouts(manifest: Manifest, tp: int) -> list[Layout]:
-    """Megatron TP parts of one replica's ``tp`` workers (equal chunks; norms whole).
-
-    Raises:
-        ValueError: a cut dimension is not a multiple of ``tp``.
-    """
-    layouts: list[dict[str, Part]] = [{} for _ in range(tp)]
-    for name, (shape, _) in manifest.items():
-        dim = tp_dim(name)
-        if dim is not None and shape[dim] % tp:
-            raise ValueError(f"{name}: dim {dim} of {shape} does not split over TP={tp}")
-        for w in range(tp):
-            if dim is None:
-                layouts[w][name] = Part.whole(shape)
-            else:
-                start, length = even_chunks(shape[dim], tp)[w]
-                layouts[w][name] = Part(shape, dim, start, length)
-    return layouts
 
 
 def layout_nbytes(manifest: Manifest, layout: Layout) -> int:

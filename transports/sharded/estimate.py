@@ -1,0 +1,236 @@
+"""What a refit costs before the cluster is rented: bytes on every link, the bottleneck, time.
+
+The model behind ``aiosync plan`` (``docs/performance.md``). The trainer holds the
+weights as FSDP2 dim-0 shards over ``trainer_ranks`` ranks; the fleet is ``engines``
+replicas of ``tp`` tensor-parallel workers (Megatron cuts: column-parallel dim 0,
+row-parallel dim 1, norms whole). Every rank and worker has one NIC of
+``nic_gbps`` each way. For each path aiosync offers:
+
+- ``broadcast``: the rank-0 broadcast (:class:`~aiosync.CollectiveWeightSynchronizer`):
+  rank 0 gathers each tensor and broadcasts it to every worker, who keeps its slice.
+  A pipelined broadcast (NCCL's ring) moves the whole model over every link once.
+- ``sharded``: every rank sends its shards to the workers that hold them, by the plan
+  :func:`~aiosync.transports.sharded.make_plan` computes, the same code the transport
+  runs: each rank's upload is its plan bytes times the replicas, each worker's
+  download its slices.
+- ``delta``: the sharded path at ``changed`` fraction of elements changed, each
+  tensor in its cheapest encoding (:mod:`aiosync.delta`).
+- ``fp8``: the sharded path with every 2-D projection weight as FP8 (1 byte) plus one
+  float32 scale per 128x128 block (:mod:`aiosync.fp8`).
+
+The predicted time is the busiest link's bytes over its rate plus one latency per
+bucket on it; the lower bound is what no schedule beats on these links: the larger of
+the busiest worker's download and the trainers' total upload spread evenly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from aiosync._config import DEFAULT_BUCKET_BYTES
+from aiosync.layout import Part, even_chunks
+
+from ._plan import make_plan
+
+__all__ = ["Links", "PathEstimate", "estimate_refit", "fsdp_layouts", "tp_layouts"]
+
+#: ``{hf_name: (shape, dtype)}``.
+Manifest = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+
+#: Megatron's column-parallel (dim 0) and row-parallel (dim 1) weights, by name ending.
+COLUMN_PARALLEL = (
+    "q_proj.weight",
+    "k_proj.weight",
+    "v_proj.weight",
+    "gate_proj.weight",
+    "up_proj.weight",
+    "embed_tokens.weight",
+    "lm_head.weight",
+)
+ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
+#: FP8 block size (elements per side) with one float32 scale per block.
+FP8_BLOCK = 128
+
+
+@dataclass(frozen=True, slots=True)
+class Links:
+    """The network: one NIC per trainer rank and per engine worker.
+
+    Attributes:
+        nic_gbps: each NIC's rate each way, gigabits per second (> 0).
+        latency_us: one message's latency, microseconds (>= 0).
+    """
+
+    nic_gbps: float
+    latency_us: float = 10.0
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.nic_gbps * 1e9 / 8
+
+
+@dataclass(frozen=True, slots=True)
+class PathEstimate:
+    """One path's bytes and times.
+
+    Attributes:
+        path: ``"broadcast"``, ``"sharded"``, ``"delta"`` or ``"fp8"``.
+        upload_bytes: the busiest trainer rank's upload.
+        download_bytes: the busiest engine worker's download.
+        bottleneck: ``"trainer uplink"`` or ``"worker downlink"``.
+        predicted_s: the busiest link's bytes over its rate, plus its latencies.
+        lower_bound_s: what no schedule beats on these links.
+    """
+
+    path: str
+    upload_bytes: int
+    download_bytes: int
+    bottleneck: str
+    predicted_s: float
+    lower_bound_s: float
+
+
+def fsdp_layouts(manifest: Manifest, ranks: int) -> list[dict[str, Part]]:
+    """FSDP2 ``Shard(0)``: rank ``r`` holds chunk ``r`` of dim 0 of every tensor."""
+    layouts: list[dict[str, Part]] = [{} for _ in range(ranks)]
+    for name, (shape, _) in manifest.items():
+        for rank, (start, length) in enumerate(even_chunks(shape[0], ranks)):
+            layouts[rank][name] = Part(shape, 0, start, length)
+    return layouts
+
+
+def tp_dim(name: str) -> int | None:
+    """The dim Megatron TP cuts ``name`` along; None for a replicated tensor (norms)."""
+    if name.endswith(COLUMN_PARALLEL):
+        return 0
+    if name.endswith(ROW_PARALLEL):
+        return 1
+    return None
+
+
+def tp_layouts(manifest: Manifest, tp: int) -> list[dict[str, Part]]:
+    """Megatron TP parts of one replica's ``tp`` workers (equal chunks; norms whole).
+
+    Raises:
+        ValueError: a cut dimension is not a multiple of ``tp``.
+    """
+    layouts: list[dict[str, Part]] = [{} for _ in range(tp)]
+    for name, (shape, _) in manifest.items():
+        dim = tp_dim(name)
+        if dim is not None and shape[dim] % tp:
+            raise ValueError(f"{name}: dim {dim} of {shape} does not split over TP={tp}")
+        for w in range(tp):
+            if dim is None:
+                layouts[w][name] = Part.whole(shape)
+            else:
+                start, length = even_chunks(shape[dim], tp)[w]
+                layouts[w][name] = Part(shape, dim, start, length)
+    return layouts
+
+
+def _delta_fraction(manifest: Manifest, changed: float) -> float:
+    """Delta bytes over full bytes at ``changed`` of elements changed, each tensor in its
+    cheapest encoding (dense ``n*s``, indices ``k*(4+s)``, bitmap ``n/8 + k*s``)."""
+    full = delta = 0.0
+    for shape, dtype in manifest.values():
+        n, s = math.prod(shape), dtype.itemsize
+        k = changed * n
+        full += n * s
+        delta += min(n * s, k * (4 + s), n / 8 + k * s)
+    return delta / full if full else 0.0
+
+
+def _fp8_fraction(manifest: Manifest) -> float:
+    """FP8 bytes over full bytes: 2-D projection weights at 1 byte per element plus a
+    float32 scale per block; the rest as they are."""
+    full = fp8 = 0.0
+    for name, (shape, dtype) in manifest.items():
+        n = math.prod(shape)
+        full += n * dtype.itemsize
+        if len(shape) == 2 and name.endswith("proj.weight"):
+            blocks = math.ceil(shape[0] / FP8_BLOCK) * math.ceil(shape[1] / FP8_BLOCK)
+            fp8 += n + 4 * blocks
+        else:
+            fp8 += n * dtype.itemsize
+    return fp8 / full if full else 0.0
+
+
+def _row(
+    path: str, up: float, down: float, total_up: float, ranks: int, links: Links, buckets: int
+) -> PathEstimate:
+    rate = links.bytes_per_s
+    busiest = max(up, down)
+    return PathEstimate(
+        path=path,
+        upload_bytes=round(up),
+        download_bytes=round(down),
+        bottleneck="trainer uplink" if up >= down else "worker downlink",
+        predicted_s=busiest / rate + buckets * links.latency_us * 1e-6,
+        lower_bound_s=max(down, total_up / ranks) / rate,
+    )
+
+
+def estimate_refit(
+    manifest: Manifest,
+    *,
+    trainer_ranks: int,
+    tp: int,
+    engines: int,
+    links: Links,
+    changed: float = 0.05,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> list[PathEstimate]:
+    """The bytes on the busiest links and the time of each path (see the module).
+
+    Args:
+        manifest: ``{hf_name: (shape, dtype)}`` (the HF checkpoint's).
+        trainer_ranks: FSDP2 ranks holding dim-0 shards (>= 1).
+        tp: workers per engine replica (>= 1; every cut dim a multiple of it).
+        engines: engine replicas (>= 1).
+        links: the NICs.
+        changed: the fraction of elements a delta refit finds changed (0..1).
+        bucket_bytes: the transports' bucket size, bytes (one latency each).
+
+    Raises:
+        ValueError: a count < 1, ``changed`` outside [0, 1], or a dim TP cannot cut.
+    """
+    if min(trainer_ranks, tp, engines) < 1:
+        raise ValueError(f"trainer_ranks, tp, engines must be >= 1: {trainer_ranks, tp, engines}")
+    if not 0.0 <= changed <= 1.0:
+        raise ValueError(f"changed must be in [0, 1], got {changed}")
+    model = sum(math.prod(shape) * dtype.itemsize for shape, dtype in manifest.values())
+    rows = [
+        # Every link carries the model once; rank 0 also downloads the others' shards.
+        _row("broadcast", model, model, model, 1, links, math.ceil(model / bucket_bytes))
+    ]
+    dtypes = {name: dtype for name, (_, dtype) in manifest.items()}
+    plan = make_plan(fsdp_layouts(manifest, trainer_ranks), tp_layouts(manifest, tp), dtypes,
+                     bucket_bytes)  # fmt: skip
+    up = max(plan.sender_nbytes) * engines
+    down = max(plan.receiver_nbytes)
+    total_up = plan.total_nbytes * engines
+    per_link_buckets = max(
+        sum(1 for src in range(trainer_ranks) for _ in plan.buckets_between(src, dst))
+        for dst in range(tp)
+    )
+    for path, fraction in (
+        ("sharded", 1.0),
+        ("delta", _delta_fraction(manifest, changed)),
+        ("fp8", _fp8_fraction(manifest)),
+    ):
+        rows.append(
+            _row(
+                path,
+                up * fraction,
+                down * fraction,
+                total_up * fraction,
+                trainer_ranks,
+                links,
+                math.ceil(per_link_buckets * fraction) if fraction < 1 else per_link_buckets,
+            )
+        )
+    return rows
