@@ -29,6 +29,10 @@ CONFIG: dict[str, Any] = TINY_QWEN3
 ENGINE_SEED = 5
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9], [10, 11]]
 NEW_TOKENS = 8
+#: Bytes of the tiny Qwen3's r=4 adapter on all 7 linear layers of its 2 blocks, fp32:
+#: per block q (4x64 + 128x4), k and v (4x64 + 64x4 each), o (4x128 + 64x4),
+#: gate and up (4x64 + 128x4 each), down (4x128 + 64x4) = 4864 parameters.
+ADAPTER_NBYTES = 2 * 4864 * 4
 #: Every linear layer of a Qwen3 block.
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

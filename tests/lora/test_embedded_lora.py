@@ -14,6 +14,7 @@ import pytest
 import pytest_asyncio
 import torch
 from lora_harness import (
+    ADAPTER_NBYTES,
     CONFIG,
     ENGINE_SEED,
     NEW_TOKENS,
@@ -35,13 +36,9 @@ from aiosync.engines.embedded._worker import tensor_to_wire
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.refit import DTensorRefitSource, LoRAAdapterRefitSource
+from tests._support.steps import first_sync
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-
-#: Bytes of the tiny Qwen3's r=4 adapter on all 7 linear layers of its 2 blocks, fp32:
-#: per block q (4x64 + 128x4), k and v (4x64 + 64x4 each), o (4x128 + 64x4),
-#: gate and up (4x64 + 128x4 each), down (4x128 + 64x4) = 4864 parameters.
-ADAPTER_NBYTES = 2 * 4864 * 4
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -115,9 +112,7 @@ async def test_a_second_sync_replaces_the_adapter(
     engine: EmbeddedEngine, trainer: LoRATrainer
 ) -> None:
     async with LoRAAdapterSynchronizer(trainer.source, engine) as sync:
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
+        await first_sync(sync)
         first = await engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
         assert first == trainer.merged_generate()
 
@@ -153,9 +148,7 @@ async def test_a_failed_load_keeps_the_version_and_the_engine_refuses_until_a_sy
     engine: EmbeddedEngine, trainer: LoRATrainer
 ) -> None:
     async with LoRAAdapterSynchronizer(trainer.source, engine) as good:
-        await good.init_communicator()
-        await good.mark_stale()
-        await good.sync_weights()
+        await first_sync(good)
         assert await engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS) == (
             trainer.merged_generate()
         )
@@ -189,9 +182,7 @@ async def test_kv_scales_are_refused_before_anything_moves(
     engine: EmbeddedEngine, trainer: LoRATrainer
 ) -> None:
     async with LoRAAdapterSynchronizer(trainer.source, engine) as sync:
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
+        await first_sync(sync)
         v1 = await engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
         trainer.step(seed=11)
         await sync.mark_stale()
@@ -255,9 +246,7 @@ async def test_level_2_sleep_discards_the_adapter_and_the_sync_says_the_base_is_
     engine: EmbeddedEngine, trainer: LoRATrainer, base_state: dict[str, torch.Tensor]
 ) -> None:
     async with LoRAAdapterSynchronizer(trainer.source, engine) as sync:
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
+        await first_sync(sync)
         engine.sleep_level = 2
         try:
             await engine.finish_generation()
@@ -292,9 +281,7 @@ async def test_a_fleet_loads_the_adapter_into_every_engine(
         assert type(sync) is LoRAAdapterSynchronizer
         fleet = sync.generation
         assert isinstance(fleet, EngineFleet)
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
+        await first_sync(sync)
         assert sync.weight_version == 1
         assert await fleet.generate(PROMPTS, max_new_tokens=NEW_TOKENS) == (
             trainer.merged_generate()

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from lora_harness import (
+    ADAPTER_NBYTES,
     CONFIG,
     ENGINE_SEED,
     NEW_TOKENS,
@@ -35,11 +36,10 @@ from aiosync import (
     create_weight_synchronizer,
 )
 from aiosync.transports._leftovers import SHM_DIR
+from tests._support.steps import first_sync
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 
-#: Bytes of the r=4 adapter on every linear layer of the tiny Qwen3 (see test_embedded_lora).
-ADAPTER_NBYTES = 2 * 4864 * 4
 MAX_LORA_RANK = 8
 
 
@@ -146,9 +146,7 @@ async def test_a_second_sync_loads_the_new_adapter_then_unloads_the_old(
         SGLangHTTPBackend(fresh.url) as backend,
         LoRAAdapterSynchronizer(trainer.source, backend) as sync,
     ):
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
+        await first_sync(sync)
         first = await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
         async with sync.policy_update():
             trainer.step(seed=3)
@@ -173,9 +171,7 @@ async def test_a_failed_load_keeps_the_version_and_the_backend_refuses_until_a_s
         SGLangHTTPBackend(fresh.url) as backend,
         LoRAAdapterSynchronizer(trainer.source, backend) as sync,
     ):
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
+        await first_sync(sync)
         trainer.step(seed=5)
         await sync.mark_stale()
         fresh.fault("/load_lora_adapter", "error", count=1)
@@ -226,9 +222,7 @@ async def test_the_server_refuses_unknown_and_duplicate_adapter_names_as_sglang_
         SGLangHTTPBackend(fresh.url) as backend,
         LoRAAdapterSynchronizer(trainer.source, backend) as sync,
     ):
-        await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
+        await first_sync(sync)
     body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}, "lora_path": "x"}
     answer = fresh.admin.post("/generate", json=body)
     assert answer.status_code == 400

@@ -13,13 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lora_harness import CONFIG, ENGINE_SEED, load_http_conftest
+from lora_harness import ADAPTER_NBYTES, CONFIG, ENGINE_SEED, load_http_conftest
 
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).parent
-#: Bytes of the r=4 adapter on every linear layer of the tiny Qwen3 (see test_embedded_lora).
-ADAPTER_NBYTES = 2 * 4864 * 4
 
 
 @pytest.fixture(scope="module")
