@@ -2,11 +2,34 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["assert_engine_equals"]
+from aiosync.capabilities import (
+    DiscardNotifier,
+    Engine,
+    EngineWorkers,
+    Generating,
+    PausableEngine,
+    SleepReporting,
+    VersionedEngine,
+)
+
+__all__ = ["ENGINE_CAPABILITIES", "assert_engine_equals", "full_forward_logprobs"]
+
+#: The capabilities every engine in front of a real one claims (the embedded engine,
+#: an engine fleet, a Ray engine), in the order the tests list them.
+ENGINE_CAPABILITIES: tuple[type, ...] = (
+    Engine,
+    PausableEngine,
+    VersionedEngine,
+    DiscardNotifier,
+    SleepReporting,
+    EngineWorkers,
+    Generating,
+)
 
 
 async def assert_engine_equals(engine: Any, trainer: Any) -> None:
@@ -17,3 +40,19 @@ async def assert_engine_equals(engine: Any, trainer: Any) -> None:
         assert list(state) == list(expected), f"worker {rank} names differ"
         for name, tensor in expected.items():
             assert torch.equal(state[name], tensor), f"worker {rank}: {name} differs"
+
+
+def full_forward_logprobs(
+    model: Any, prompt: Sequence[int], tokens: Sequence[int]
+) -> tuple[list[float], list[int]]:
+    """``(log_softmax of each token, argmax at each position)``, one forward pass of the
+    transformers ``model`` over ``prompt + tokens``: what an engine's logprobs must be."""
+    ids = torch.tensor([list(prompt) + list(tokens)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    positions = range(len(prompt) - 1, len(prompt) - 1 + len(tokens))
+    logp = torch.log_softmax(logits, dim=-1)
+    return (
+        [float(logp[p, t]) for p, t in zip(positions, tokens, strict=True)],
+        [int(torch.argmax(logits[p])) for p in positions],
+    )

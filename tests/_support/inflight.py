@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
@@ -144,3 +145,14 @@ async def stage(env: InflightEnv, old: PreTrainedModel, new: PreTrainedModel) ->
     old_version = await sync_old(env, old)
     load_into(env.trainer, new)
     return old_version, await env.sync.mark_stale()
+
+
+async def mid_request(engine: Any, at_least: int = 30) -> None:
+    """Wait until the embedded ``engine``'s one running request has started
+    ``at_least`` decode steps (its ``status()``)."""
+    with anyio.fail_after(120):
+        while True:
+            (status,) = await engine.status()
+            if status["requests"] and status["requests"][0] >= at_least:
+                return
+            await anyio.sleep(0.005)

@@ -30,6 +30,7 @@ from tests._support.inflight import (
     build_model,
     greedy_switch,
     hf_greedy,
+    mid_request,
 )
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -61,15 +62,6 @@ async def _serve(engine: EmbeddedEngine, model: PreTrainedModel, version: int) -
         assert before.versions == [version] * 3
 
 
-async def _mid_request(engine: EmbeddedEngine, at_least: int = 30) -> None:
-    with anyio.fail_after(120):
-        while True:
-            (status,) = await engine.status()
-            if status["requests"] and status["requests"][0] >= at_least:
-                return
-            await anyio.sleep(0.005)
-
-
 async def _keep_across_restart(
     engine: EmbeddedEngine, new_model: PreTrainedModel, new_version: int
 ) -> EmbeddedGeneration:
@@ -90,7 +82,7 @@ async def _keep_across_restart(
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(request)
-            await _mid_request(engine)
+            await mid_request(engine)
             await restarted.sync_weights()
         assert restarted.weight_version == new_version
     (result,) = results

@@ -95,6 +95,19 @@ async def _drain(events: Any) -> list[tuple[VersionEventKind, int, str | None]]:
         return out
 
 
+def _options(transport: str, workers: int) -> dict[str, Any]:
+    """The synchronizer's options for ``transport`` over a fleet of ``workers`` workers."""
+    if transport == "ipc":
+        return {"colocated": True, "device": "cpu", "rpc_timeout_s": 10.0}
+    return {
+        "colocated": False,
+        "train_cluster": TrainCluster(master_port=_port()),
+        "inference_world_size": workers,
+        "collective_timeout_s": 10.0,
+        "rpc_timeout_s": 30.0,
+    }
+
+
 @pytest.mark.parametrize("transport", ["ipc", "collective"])
 async def test_an_engine_killed_mid_sync_is_quarantined_and_the_others_commit(
     engines: list[EmbeddedEngine], transport: str
@@ -102,18 +115,7 @@ async def test_an_engine_killed_mid_sync_is_quarantined_and_the_others_commit(
     trainer = HFModelRunner.from_config(TINY_QWEN3, seed=61)
     source = HookedSource(trainer.model)
     fleet = EngineFleet(engines, on_engine_failure="quarantine", min_engines=2)
-    options: dict[str, Any] = (
-        {"colocated": True, "device": "cpu", "rpc_timeout_s": 10.0}
-        if transport == "ipc"
-        else {
-            "colocated": False,
-            "train_cluster": TrainCluster(master_port=_port()),
-            "inference_world_size": 3,
-            "collective_timeout_s": 10.0,
-            "rpc_timeout_s": 30.0,
-        }
-    )
-    sync = create_weight_synchronizer(source, fleet, backend="embedded", **options)
+    sync = create_weight_synchronizer(source, fleet, backend="embedded", **_options(transport, 3))
     async with sync, sync.subscribe() as events:
         await sync.mark_stale()
         await sync.sync_weights()
@@ -157,19 +159,6 @@ async def test_an_engine_killed_mid_sync_is_quarantined_and_the_others_commit(
         await fleet.prepare_for_generation()
         expected = trainer.generate(PROMPTS, max_new_tokens=4)
         assert await fleet.generate(PROMPTS, max_new_tokens=4) == expected
-
-
-def _options(transport: str, workers: int) -> dict[str, Any]:
-    """The synchronizer's options for ``transport`` over a fleet of ``workers`` workers."""
-    if transport == "ipc":
-        return {"colocated": True, "device": "cpu", "rpc_timeout_s": 10.0}
-    return {
-        "colocated": False,
-        "train_cluster": TrainCluster(master_port=_port()),
-        "inference_world_size": workers,
-        "collective_timeout_s": 10.0,
-        "rpc_timeout_s": 30.0,
-    }
 
 
 @pytest.mark.parametrize("transport", ["ipc", "collective"])

@@ -10,16 +10,11 @@ import pytest
 
 from aiosync import Generation, SamplingParams, TransportError
 from aiosync.capabilities import (
-    DiscardNotifier,
-    Engine,
     EngineSet,
-    EngineWorkers,
-    Generating,
     PausableEngine,
-    SleepReporting,
-    VersionedEngine,
 )
 from aiosync.engines.fleet import EngineFleet, RespawningEngine
+from tests._support.checks import ENGINE_CAPABILITIES
 
 
 class _Bare:
@@ -75,17 +70,7 @@ class _Full(_Bare):
 
 def test_the_fleet_claims_every_capability_it_forwards() -> None:
     fleet = EngineFleet([_Full(), _Bare()])
-    for protocol in (
-        Engine,
-        PausableEngine,
-        VersionedEngine,
-        DiscardNotifier,
-        SleepReporting,
-        EngineWorkers,
-        Generating,
-        EngineSet,
-        RespawningEngine,
-    ):
+    for protocol in (*ENGINE_CAPABILITIES, EngineSet, RespawningEngine):
         assert isinstance(fleet, protocol), protocol.__name__
     assert not isinstance(_Bare(), PausableEngine)
 

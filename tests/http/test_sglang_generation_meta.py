@@ -8,7 +8,7 @@ the trainer's transformers model over the prompt and the generated tokens.
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,6 +29,7 @@ from aiosync.engines.sglang import SGLangGeneration
 from aiosync.refit import DTensorRefitSource
 from aiosync.testing.sglang_server import serve_in_subprocess
 from aiosync.transports.http import HTTPWeightSynchronizer
+from tests._support.checks import full_forward_logprobs
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -60,21 +61,6 @@ async def env() -> AsyncIterator[SimpleNamespace]:
         await sync.sync_weights()
         assert sync.weight_version == 1
         yield SimpleNamespace(backend=backend, sync=sync, model=model)
-
-
-def full_forward_logprobs(
-    model: torch.nn.Module, prompt: Sequence[int], tokens: Sequence[int]
-) -> tuple[list[float], list[int]]:
-    """``(log_softmax of each token, argmax at each position)``, one forward pass."""
-    ids = torch.tensor([list(prompt) + list(tokens)])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0].float()
-    positions = range(len(prompt) - 1, len(prompt) - 1 + len(tokens))
-    logp = torch.log_softmax(logits, dim=-1)
-    return (
-        [float(logp[p, t]) for p, t in zip(positions, tokens, strict=True)],
-        [int(torch.argmax(logits[p])) for p in positions],
-    )
 
 
 async def test_greedy_logprobs_and_version_come_back_in_sglangs_shape(

@@ -30,6 +30,7 @@ from tests._support.inflight import (
     build_model,
     greedy_switch,
     hf_greedy,
+    mid_request,
     stage,
     sync_old,
 )
@@ -54,16 +55,6 @@ async def env() -> AsyncIterator[IPCEnv]:
             yield IPCEnv(sync, trainer, source, engine=engine)
 
 
-async def _mid_request(engine: EmbeddedEngine, at_least: int = 30) -> None:
-    """Wait until the one running request has started ``at_least`` decode steps."""
-    with anyio.fail_after(120):
-        while True:
-            (status,) = await engine.status()
-            if status["requests"] and status["requests"][0] >= at_least:
-                return
-            await anyio.sleep(0.005)
-
-
 async def _run_during_request(env: IPCEnv, call: Any) -> tuple[EmbeddedGeneration, Any]:
     """Start a LONG request, run ``call()`` once it is mid-way; both results."""
     results: list[EmbeddedGeneration] = []
@@ -75,7 +66,7 @@ async def _run_during_request(env: IPCEnv, call: Any) -> tuple[EmbeddedGeneratio
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(request)
-        await _mid_request(env.engine)
+        await mid_request(env.engine)
         outcome = await call()
     (result,) = results
     return result, outcome

@@ -20,16 +20,9 @@ from aiosync import (
 )
 from aiosync.capabilities import (
     ConfigReporting,
-    DiscardNotifier,
-    Engine,
-    EngineWorkers,
-    Generating,
     LayoutReporting,
     ManifestReporting,
-    PausableEngine,
-    SleepReporting,
     ValidityReporting,
-    VersionedEngine,
 )
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.engine import EmbeddedEngine
@@ -37,6 +30,7 @@ from aiosync.engines.fleet import RespawningEngine
 from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError
 from aiosync.lora import LoRAChecking, LoRAEngine
 from aiosync.refit import DTensorRefitSource
+from tests._support.checks import ENGINE_CAPABILITIES
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 
@@ -46,13 +40,7 @@ HEALTH: tuple[type, ...] = tuple(
 )
 PROTOCOLS: tuple[type, ...] = (
     *HEALTH,
-    Engine,
-    PausableEngine,
-    VersionedEngine,
-    DiscardNotifier,
-    SleepReporting,
-    EngineWorkers,
-    Generating,
+    *ENGINE_CAPABILITIES,
     ValidityReporting,
     ManifestReporting,
     ConfigReporting,

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
+import torch
 
 from tests._support.modules import load_module
 
@@ -16,6 +18,13 @@ HERE = Path(__file__).parent
 def models() -> ModuleType:
     """The tiny-config builders (``_refit_jax_models.py``)."""
     return load_module(HERE / "_refit_jax_models.py")
+
+
+@pytest.fixture(scope="module")
+def moe(models: ModuleType) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The tiny Qwen3-MoE's config and its checkpoint state dict."""
+    config = models.qwen3_moe_config()
+    return config, models.checkpoint_state(models.build(config))
 
 
 @pytest.fixture(scope="session")

@@ -16,12 +16,6 @@ jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
 
-@pytest.fixture(scope="module")
-def moe(models: ModuleType) -> tuple[Any, dict[str, torch.Tensor]]:
-    config = models.qwen3_moe_config()
-    return config, models.checkpoint_state(models.build(config))
-
-
 def test_unsupported_model_type_lists_the_supported_ones() -> None:
     with pytest.raises(ValueError, match="'llama'") as info:
         model_map_for({"model_type": "llama"})

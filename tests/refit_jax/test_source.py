@@ -18,12 +18,6 @@ from aiosync.refit.nnx.convert import jax_to_torch, torch_to_numpy  # noqa: E402
 from aiosync.sources import RefitSource  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def moe(models: ModuleType) -> tuple[Any, dict[str, torch.Tensor]]:
-    config = models.qwen3_moe_config()
-    return config, models.checkpoint_state(models.build(config))
-
-
 def test_source_is_a_refit_source_with_manifest_in_stream_order(
     moe: tuple[Any, dict[str, torch.Tensor]], models: ModuleType
 ) -> None:
