@@ -20,6 +20,7 @@ from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.refit import DTensorRefitSource
 from aiosync.sources import RefitManifest, RefitSource
+from aiosync.transports.ipc import IPCWeightSynchronizer
 from tests._support.checks import assert_engine_equals
 from tests._support.proxy import RpcForwarder
 
@@ -89,6 +90,12 @@ def trainer_model(config: Mapping[str, Any], seed: int) -> HFModelRunner:
     return HFModelRunner.from_config(config, seed=seed)
 
 
+def ipc_sync(trainer: HFModelRunner, engine: Any, **options: Any) -> IPCWeightSynchronizer:
+    """An :class:`IPCWeightSynchronizer` from ``trainer``'s model (a :class:`TrainerSource`
+    with no hook) into ``engine``, with ``options``."""
+    return IPCWeightSynchronizer(TrainerSource(trainer.model, []), engine, **options)
+
+
 @pytest.fixture(scope="session")
 def h() -> SimpleNamespace:
     """This directory's helpers (test modules cannot import conftest under importlib mode)."""
@@ -99,6 +106,7 @@ def h() -> SimpleNamespace:
         TrainerSource=TrainerSource,
         RecordingEngine=RecordingEngine,
         trainer_model=trainer_model,
+        ipc_sync=ipc_sync,
         assert_engine_equals=assert_engine_equals,
     )
 

@@ -52,9 +52,7 @@ async def test_a_manifest_of_only_zero_size_tensors_commits(
 ) -> None:
     trainer = h.trainer_model(ALL_EMPTY, seed=21)
     async with (
-        IPCWeightSynchronizer(
-            h.TrainerSource(trainer.model, []), empty_engine, bucket_bytes=4096, rpc_timeout_s=60
-        ) as sync,
+        h.ipc_sync(trainer, empty_engine, bucket_bytes=4096, rpc_timeout_s=60) as sync,
         sync.subscribe() as events,
     ):
         await sync.init_communicator()
@@ -83,9 +81,7 @@ async def test_zero_size_tensors_and_zero_byte_buckets_among_real_ones_commit_bi
     # 200-byte buckets: the norms share the two ping-pong buffers, every
     # projection travels alone in a buffer of its own, and each layer's empty
     # MLP is a bucket of zero bytes between them.
-    async with IPCWeightSynchronizer(
-        h.TrainerSource(trainer.model, []), empty_mlp_engine, bucket_bytes=200, rpc_timeout_s=60
-    ) as sync:
+    async with h.ipc_sync(trainer, empty_mlp_engine, bucket_bytes=200, rpc_timeout_s=60) as sync:
         await sync.init_communicator()
         assert sync.plan is not None
         empty = [[s.name for s in b.slots] for b in sync.plan.buckets if b.nbytes == 0]

@@ -61,9 +61,7 @@ async def test_shared_parameters_sync_direct_bit_exact_across_adamw_steps(
     trainer = h.trainer_model(h.MOE, seed=71)
     shared = share_parameters(trainer.model)
     optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=1e-3)
-    sync = IPCWeightSynchronizer(
-        h.TrainerSource(trainer.model, []), moe_engine, bucket_bytes=BUCKET_BYTES, trace=True
-    )
+    sync = h.ipc_sync(trainer, moe_engine, bucket_bytes=BUCKET_BYTES, trace=True)
     try:
         await sync.init_communicator()
         for step in range(3):
@@ -92,9 +90,7 @@ async def test_a_tensor_that_moved_is_packed_and_the_rest_go_direct(
 ) -> None:
     trainer = h.trainer_model(h.MOE, seed=72)
     with share_parameters(trainer.model):
-        sync = IPCWeightSynchronizer(
-            h.TrainerSource(trainer.model, []), moe_engine, bucket_bytes=BUCKET_BYTES, trace=True
-        )
+        sync = h.ipc_sync(trainer, moe_engine, bucket_bytes=BUCKET_BYTES, trace=True)
         async with sync:
             assert sync.plan is not None
             moved = "model.embed_tokens.weight"
@@ -120,9 +116,7 @@ async def test_a_transit_fault_in_direct_mode_fails_typed_and_leaves_the_trainer
 ) -> None:
     trainer = h.trainer_model(h.DENSE_TIED, seed=73)
     with share_parameters(trainer.model):
-        sync = IPCWeightSynchronizer(
-            h.TrainerSource(trainer.model, []), dense_engine, bucket_bytes=BUCKET_BYTES
-        )
+        sync = h.ipc_sync(trainer, dense_engine, bucket_bytes=BUCKET_BYTES)
         async with sync:
             await sync.mark_stale()
             await sync.sync_weights()

@@ -51,9 +51,7 @@ def _pack(obj: Any) -> bytes:
 async def _synced(engine: EmbeddedEngine, h: SimpleNamespace, seed: int) -> IPCWeightSynchronizer:
     """A synchronizer with one successful sync behind it (version 1)."""
     trainer = h.trainer_model(h.DENSE_TIED, seed=seed)
-    sync = IPCWeightSynchronizer(
-        h.TrainerSource(trainer.model, []), engine, bucket_bytes=BUCKET_BYTES, rpc_timeout_s=30
-    )
+    sync = h.ipc_sync(trainer, engine, bucket_bytes=BUCKET_BYTES, rpc_timeout_s=30)
     sync.trainer = trainer  # type: ignore[attr-defined]
     await first_sync(sync)
     return sync
@@ -284,9 +282,7 @@ async def test_trainer_raises_typed_error_on_bad_worker_message(
 ) -> None:
     trainer = h.trainer_model(h.DENSE_TIED, seed=22)
     engine = RogueWorkers(behaviour)
-    async with IPCWeightSynchronizer(
-        h.TrainerSource(trainer.model, []), engine, bucket_bytes=BUCKET_BYTES, rpc_timeout_s=20
-    ) as sync:
+    async with h.ipc_sync(trainer, engine, bucket_bytes=BUCKET_BYTES, rpc_timeout_s=20) as sync:
         await sync.init_communicator()
         await sync.mark_stale()
         with pytest.raises(error) as info:

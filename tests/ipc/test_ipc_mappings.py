@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from aiosync.engines.embedded.engine import EmbeddedEngine
-from aiosync.transports.ipc import IPCWeightSynchronizer
 from aiosync.transports.ipc.worker import TRAINER_GONE
 from tests._support.proxy import EngineProxy
 from tests._support.steps import first_sync
@@ -41,9 +40,7 @@ async def test_kept_mappings_carry_each_new_version_and_are_released_at_shutdown
     trainer = h.trainer_model(h.DENSE_TIED, seed=60)
     engine = RpcLog(dense_engine)
     # 12 KiB buckets: many buckets through the two ping-pong buffers.
-    async with IPCWeightSynchronizer(
-        h.TrainerSource(trainer.model, []), engine, bucket_bytes=12288
-    ) as sync:
+    async with h.ipc_sync(trainer, engine, bucket_bytes=12288) as sync:
         await sync.init_communicator()
         for step in range(3):
             await sync.mark_stale()
@@ -63,9 +60,7 @@ async def test_a_release_of_another_owner_drops_nothing(
 ) -> None:
     trainer = h.trainer_model(h.DENSE_TIED, seed=61)
     engine = RpcLog(dense_engine)
-    async with IPCWeightSynchronizer(
-        h.TrainerSource(trainer.model, []), engine, bucket_bytes=12288
-    ) as sync:
+    async with h.ipc_sync(trainer, engine, bucket_bytes=12288) as sync:
         await first_sync(sync)
         assert await dense_engine.collective_rpc("aiosync_ipc_release", ("not-the-owner",)) == [
             {"ok": True, "rank": 0, "released": 0}
@@ -116,9 +111,7 @@ async def test_a_kept_connection_still_notices_a_trainer_killed_in_a_later_sync(
     bucket_bytes = 16384
     trainer = h.trainer_model(h.DENSE_TIED, seed=62)
     # Registers the plan of this bucket size on the worker (the child's has the same digest).
-    sync = IPCWeightSynchronizer(
-        h.TrainerSource(trainer.model, []), dense_engine, bucket_bytes=bucket_bytes
-    )
+    sync = h.ipc_sync(trainer, dense_engine, bucket_bytes=bucket_bytes)
     await sync.init_communicator()
     arg = json.dumps([h.DENSE_TIED, 63, bucket_bytes, 8])
     child = await asyncio.create_subprocess_exec(

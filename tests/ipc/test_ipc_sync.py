@@ -77,9 +77,7 @@ async def test_sync_tied_dense_sends_embedding_once_and_reaches_engine(
     dense_engine: EmbeddedEngine, h: SimpleNamespace
 ) -> None:
     trainer = h.trainer_model(h.DENSE_TIED, seed=12)
-    async with IPCWeightSynchronizer(
-        h.TrainerSource(trainer.model, []), dense_engine, bucket_bytes=1 << 20
-    ) as sync:
+    async with h.ipc_sync(trainer, dense_engine, bucket_bytes=1 << 20) as sync:
         await sync.init_communicator()
         assert sync.plan is not None
         names = list(sync.plan.manifest())
@@ -111,9 +109,7 @@ async def test_slow_receiver_gets_uncorrupted_weights(
                 os.kill(pid, signal.SIGCONT)
             await asyncio.sleep(0.01)
 
-    async with IPCWeightSynchronizer(
-        h.TrainerSource(trainer.model, []), moe_engine, bucket_bytes=4096, rpc_timeout_s=60
-    ) as sync:
+    async with h.ipc_sync(trainer, moe_engine, bucket_bytes=4096, rpc_timeout_s=60) as sync:
         await sync.init_communicator()
         await sync.mark_stale()
         task = asyncio.create_task(stutter())
@@ -162,9 +158,7 @@ async def test_level2_sleep_marks_engine_stale_until_a_sync(
 ) -> None:
     # C6: weights discarded while the trainer ran, then woken without a sync.
     trainer = h.trainer_model(h.DENSE_TIED, seed=15)
-    async with IPCWeightSynchronizer(
-        h.TrainerSource(trainer.model, []), dense_engine, bucket_bytes=1 << 20
-    ) as sync:
+    async with h.ipc_sync(trainer, dense_engine, bucket_bytes=1 << 20) as sync:
         await first_sync(sync)
         dense_engine.sleep_level = 2
         try:
@@ -188,7 +182,7 @@ async def test_the_default_bucket_is_a_share_of_free_memory_lifted_to_the_4_mib_
     trainer = h.trainer_model(h.DENSE_TIED, seed=16)
     # No bucket_bytes: a share of the free memory, cut to an eighth of this tiny
     # manifest, which the 4 MiB floor of the default then lifts.
-    async with IPCWeightSynchronizer(h.TrainerSource(trainer.model, []), dense_engine) as sync:
+    async with h.ipc_sync(trainer, dense_engine) as sync:
         await sync.init_communicator()
         assert sync.plan is not None
         assert sync.plan.bucket_bytes == 4 * 1024**2
@@ -203,9 +197,7 @@ async def test_socket_dir_is_private_and_removed_with_buffers_on_shutdown(
 ) -> None:
     trainer = h.trainer_model(h.DENSE_TIED, seed=17)
     before = _segments()
-    sync = IPCWeightSynchronizer(
-        h.TrainerSource(trainer.model, []), dense_engine, bucket_bytes=16384
-    )
+    sync = h.ipc_sync(trainer, dense_engine, bucket_bytes=16384)
     await sync.init_communicator()
     directory = sync.socket_dir
     assert directory is not None

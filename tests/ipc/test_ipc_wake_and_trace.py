@@ -8,7 +8,6 @@ from types import SimpleNamespace
 import pytest
 
 from aiosync.engines.embedded.engine import EmbeddedEngine
-from aiosync.transports.ipc import IPCWeightSynchronizer
 from tests._support.proxy import EngineProxy
 from tests._support.steps import first_sync
 
@@ -47,9 +46,7 @@ async def test_an_engine_that_reports_itself_awake_is_not_woken_around_a_sync(
 ) -> None:
     trainer = h.trainer_model(h.DENSE_TIED, seed=50)
     engine = SleepTrackingEngine(dense_engine)
-    async with IPCWeightSynchronizer(
-        h.TrainerSource(trainer.model, []), engine, bucket_bytes=1 << 20
-    ) as sync:
+    async with h.ipc_sync(trainer, engine, bucket_bytes=1 << 20) as sync:
         await first_sync(sync)
         assert engine.log == []
         assert sync.weight_version == 1
@@ -62,9 +59,7 @@ async def test_an_engine_that_slept_at_level_2_is_woken_and_refit_by_the_sync(
 ) -> None:
     trainer = h.trainer_model(h.DENSE_TIED, seed=51)
     engine = SleepTrackingEngine(dense_engine)
-    async with IPCWeightSynchronizer(
-        h.TrainerSource(trainer.model, []), engine, bucket_bytes=1 << 20
-    ) as sync:
+    async with h.ipc_sync(trainer, engine, bucket_bytes=1 << 20) as sync:
         await first_sync(sync)
         dense_engine.sleep_level = 2
         try:
@@ -90,9 +85,7 @@ async def test_an_engine_whose_sleep_is_unknown_is_woken_around_every_sync(
 ) -> None:
     trainer = h.trainer_model(h.DENSE_TIED, seed=52)
     engine = SleepTrackingEngine(dense_engine, track=False)
-    async with IPCWeightSynchronizer(
-        h.TrainerSource(trainer.model, []), engine, bucket_bytes=1 << 20
-    ) as sync:
+    async with h.ipc_sync(trainer, engine, bucket_bytes=1 << 20) as sync:
         await sync.init_communicator()
         for _ in range(2):
             await sync.mark_stale()
@@ -111,9 +104,7 @@ async def test_a_traced_sync_records_every_bucket_on_both_sides_in_causal_order(
     trainer = h.trainer_model(h.DENSE_TIED, seed=53)
     # 12 KiB buckets: several through the two ping-pong buffers, the large
     # tensors in buffers of their own.
-    async with IPCWeightSynchronizer(
-        h.TrainerSource(trainer.model, []), dense_engine, bucket_bytes=12288
-    ) as sync:
+    async with h.ipc_sync(trainer, dense_engine, bucket_bytes=12288) as sync:
         await sync.init_communicator()
         assert sync.plan is not None
         count = len(sync.plan.buckets)

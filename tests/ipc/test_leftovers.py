@@ -18,7 +18,6 @@ import pytest
 
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.transports._leftovers import SHM_DIR, dir_prefix, pid_alive, sweep_leftovers
-from aiosync.transports.ipc import IPCWeightSynchronizer
 
 
 def _dead_pid() -> int:
@@ -151,9 +150,7 @@ async def test_starting_a_synchronizer_sweeps_real_segments_and_socket_dirs_of_d
         made.append(Path(SHM_DIR) / names["lora_dir"])
     try:
         trainer = h.trainer_model(h.DENSE_TIED, seed=40)
-        sync = IPCWeightSynchronizer(
-            h.TrainerSource(trainer.model, []), dense_engine, bucket_bytes=16384
-        )
+        sync = h.ipc_sync(trainer, dense_engine, bucket_bytes=16384)
         await sync.init_communicator()
         try:
             present = sorted(p.name for p in made if p.exists())

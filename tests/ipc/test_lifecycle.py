@@ -148,12 +148,8 @@ async def test_shutdown_removes_the_engines_discard_listener(
     dense_engine: EmbeddedEngine, h: SimpleNamespace
 ) -> None:
     trainer = h.trainer_model(h.DENSE_TIED, seed=43)
-    sync = IPCWeightSynchronizer(
-        h.TrainerSource(trainer.model, []), dense_engine, bucket_bytes=BUCKET_BYTES
-    )
-    other = IPCWeightSynchronizer(
-        h.TrainerSource(trainer.model, []), dense_engine, bucket_bytes=BUCKET_BYTES
-    )
+    sync = h.ipc_sync(trainer, dense_engine, bucket_bytes=BUCKET_BYTES)
+    other = h.ipc_sync(trainer, dense_engine, bucket_bytes=BUCKET_BYTES)
     listener = sync._invalidate_engine_weights
     assert _listens(dense_engine, listener) == 1
     async with sync:
