@@ -36,6 +36,7 @@ __all__ = [
     "PatchPlan",
     "TensorSlot",
     "compare_manifests",
+    "compare_unordered",
     "dtype_from_name",
     "dtype_name",
     "group_by_bucket",
@@ -273,6 +274,19 @@ def compare_manifests(
     if problems:
         hints = _mismatch_hints(local, remote, only_local, only_remote, local_label, remote_label)
         raise RefitMismatchError("refit manifest mismatch: " + "; ".join(problems + hints))
+
+
+def compare_unordered(
+    trainer: Mapping[str, tuple[Sequence[int], torch.dtype]],
+    engine: Mapping[str, tuple[Sequence[int], torch.dtype]],
+) -> None:
+    """:func:`compare_manifests` for an engine whose loader takes names in any order
+    (SGLang's buckets, a worker's ``load_weights``): the engine's entries are laid out
+    in the trainer's order first, so only real differences (names, shapes, dtypes) are
+    reported."""
+    reordered = {name: engine[name] for name in trainer if name in engine}
+    reordered.update((name, spec) for name, spec in engine.items() if name not in trainer)
+    compare_manifests(trainer, reordered)
 
 
 def _mismatch_hints(
