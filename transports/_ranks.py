@@ -52,6 +52,18 @@ class TrainerRanks:
         #: wakes and labels the engine.
         self.drives_generation = self.is_driver
 
+    @classmethod
+    def driving(cls, group: Any, generation: Any) -> TrainerRanks:
+        """The ranks of ``group``; ``generation`` is needed on the rank that drives it.
+
+        Raises:
+            ValueError: ``generation`` is None on the driving rank (rank 0).
+        """
+        ranks = cls(group)
+        if ranks.is_driver and generation is None:
+            raise ValueError("generation is None on the trainer rank that drives the engine")
+        return ranks
+
     async def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` in rank order (:class:`~aiosync.cluster.Ranks`); None
         for a single-process trainer."""

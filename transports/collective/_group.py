@@ -66,6 +66,7 @@ __all__ = [
     "SyncGroup",
     "cancel_formation",
     "create_sync_group",
+    "form_and_agree",
     "open_store",
 ]
 
@@ -637,3 +638,43 @@ def create_sync_group(
         session=session,
         rendezvous=rendezvous,
     )
+
+
+def form_and_agree(
+    verdict: tuple[int, str, str],
+    *,
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    train_world_size: int,
+    backend: str,
+    device: torch.device,
+    timeout_s: float,
+    session: str,
+    every_rank_sends: bool = False,
+) -> SyncGroup:
+    """:func:`create_sync_group`, then :meth:`SyncGroup.agree` on this rank's
+    ``verdict`` (status, message, plan digest): the group every rank formed and agreed
+    on. A group whose vote failed is destroyed before the error is raised.
+
+    Raises:
+        As :func:`create_sync_group` and :meth:`SyncGroup.agree` (the same error on
+        every rank when one voted a failure or the digests differ).
+    """
+    group = create_sync_group(
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        train_world_size=train_world_size,
+        backend=backend,
+        device=device,
+        timeout_s=timeout_s,
+        session=session,
+        every_rank_sends=every_rank_sends,
+    )
+    try:
+        group.agree(*verdict)
+    except BaseException:
+        group.destroy()
+        raise
+    return group

@@ -40,10 +40,10 @@ from aiosync._fanout import each_named, most_telling
 from aiosync.capabilities import InFlightPolicy
 from aiosync.cluster import TrainCluster
 from aiosync.errors import OwnershipError, RefitMismatchError, TransportError
-from aiosync.options import TransportCapabilities
 from aiosync.sources import RefitSource
 from aiosync.synchronizer import WeightSynchronizer
 
+from .._options import check_positive
 from .._verify import Verify
 from ..http import SGLangDistributedServer
 from ..http._readback import Expected
@@ -121,14 +121,7 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
         NotImplementedError: ``train_cluster.world_size > 1``.
     """
 
-    #: What it can do, as data (:class:`~aiosync.TransportCapabilities`): the factory
-    #: refuses a shared option outside it; the conformance kit runs its cells.
-    capabilities = TransportCapabilities(
-        verify=frozenset({False, "sample", True}),
-        trace=True,
-        elastic=True,
-        verify_engine=True,
-    )
+    # Its capabilities are HTTPWeightSynchronizer's (verify, trace, elastic, verify_engine).
 
     def __init__(
         self,
@@ -161,8 +154,7 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
             dist_backend = "nccl" if torch.cuda.is_available() else "gloo"
         if dist_backend not in DIST_BACKENDS:
             raise ValueError(f"dist_backend must be one of {DIST_BACKENDS}, got {dist_backend!r}")
-        if collective_timeout_s <= 0:
-            raise ValueError(f"collective_timeout_s must be > 0, got {collective_timeout_s}")
+        check_positive("collective_timeout_s", collective_timeout_s)
         device = (
             torch.device("cuda", torch.cuda.current_device())
             if dist_backend == "nccl" and torch.cuda.is_available()

@@ -36,7 +36,7 @@ from ._group import (
     STATUS_OK,
     SyncGroup,
     cancel_formation,
-    create_sync_group,
+    form_and_agree,
     open_store,
 )
 from ._loops import RotatingBuffers, receive_buckets
@@ -189,7 +189,8 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
             raise
         # Join even after a local mismatch, so that the vote tells every rank
         # (create_sync_group cancels the formation itself if it fails here).
-        group = create_sync_group(
+        group = form_and_agree(
+            (status, message, digest),
             store=store,
             rank=rank,
             world_size=world_size,
@@ -199,11 +200,6 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
             timeout_s=timeout_s,
             session=session,
         )
-        try:
-            group.agree(status, message, digest)
-        except BaseException:
-            group.destroy()
-            raise
         assert parsed is not None  # a parse failure voted a mismatch above
         self._aiosync_collective = _ReceiverState(
             group, parsed, RotatingBuffers(parsed, group.device), owner

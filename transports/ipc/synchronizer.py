@@ -102,6 +102,7 @@ from aiosync.sources import GathersInto, RefitManifest, RefitSource
 from aiosync.synchronizer import KVScales, Transferred, WeightSynchronizer
 
 from .._identity import CPU_LABEL, device_identity
+from .._options import check_fraction, check_positive, check_seconds
 from .._ranks import TrainerRanks
 from .._verify import Verify, check_verify
 from .._wire import error_fields, rebuild_error
@@ -297,17 +298,10 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         # Every check before the base class's __init__, which registers the
         # discard listener on the engine: a refused synchronizer leaves none behind.
         verify = check_verify(verify)
-        ranks = TrainerRanks(process_group)
-        if ranks.is_driver and generation is None:
-            raise ValueError("generation is None on the trainer rank that drives the engine")
-        if bucket_bytes is not None and bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-        if not 0 < buffer_memory_fraction <= 1:
-            raise ValueError(
-                f"buffer_memory_fraction must be in (0, 1], got {buffer_memory_fraction}"
-            )
-        if rpc_timeout_s is not None and not 0 < rpc_timeout_s < math.inf:
-            raise ValueError(f"rpc_timeout_s must be a finite number > 0, got {rpc_timeout_s!r}")
+        ranks = TrainerRanks.driving(process_group, generation)
+        check_positive("bucket_bytes", bucket_bytes)
+        check_fraction("buffer_memory_fraction", buffer_memory_fraction)
+        check_seconds("rpc_timeout_s", rpc_timeout_s)
         if isinstance(timeouts, Timeouts):
             timeouts = timeouts.with_keywords(rpc_timeout_s=rpc_timeout_s)
         elif timeouts is None and rpc_timeout_s is not None:

@@ -157,12 +157,8 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
                 "LoRAAdapterSource (with lora_adapter_config()), e.g. "
                 f"aiosync.refit.LoRAAdapterRefitSource; got {type(policy).__name__}"
             )
-        ranks = TrainerRanks(process_group)
-        engines: tuple[Any, ...] = ()
-        if ranks.is_driver:
-            if generation is None:
-                raise ValueError("generation is None on the trainer rank that drives the engine")
-            engines = _lora_engines(generation)
+        ranks = TrainerRanks.driving(process_group, generation)
+        engines = _lora_engines(generation) if ranks.is_driver else ()
         super().__init__(
             policy,
             generation,

@@ -49,6 +49,7 @@ from ..collective._group import (
     STATUS_OK,
     SyncGroup,
     create_sync_group,
+    form_and_agree,
     open_store,
 )
 from ..collective._votes import GroupRanks, agree_formation
@@ -370,7 +371,8 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
         tc = self.train_cluster
 
         def join() -> SyncGroup:
-            group = create_sync_group(
+            return form_and_agree(
+                (STATUS_OK, "", plan.digest),
                 store=self._store,
                 rank=tc.rank,
                 world_size=self.world_size,
@@ -381,12 +383,6 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
                 session=session,
                 every_rank_sends=True,
             )
-            try:
-                group.agree(STATUS_OK, "", plan.digest)
-            except BaseException:
-                group.destroy()
-                raise
-            return group
 
         if not self.is_source:
             return await self._in_thread(join, self._formation_limit())

@@ -32,7 +32,7 @@ from ..collective._group import (
     STATUS_OK,
     SyncGroup,
     cancel_formation,
-    create_sync_group,
+    form_and_agree,
     open_store,
 )
 from ..packing import dtype_from_name
@@ -208,7 +208,8 @@ class ShardedWorkerMixin(WorkerIdentityMixin):
                 store, session, f"engine worker {worker} failed: {type(exc).__name__}: {exc}"
             )
             raise
-        group = create_sync_group(
+        group = form_and_agree(
+            (status, message, digest),
             store=store,
             rank=train_world_size + worker,
             world_size=world_size,
@@ -219,11 +220,6 @@ class ShardedWorkerMixin(WorkerIdentityMixin):
             session=session,
             every_rank_sends=True,
         )
-        try:
-            group.agree(status, message, digest)
-        except BaseException:
-            group.destroy()
-            raise
         assert parsed is not None  # a parse failure voted a mismatch above
         self._aiosync_sharded = _State(group, parsed, owner, data_plane)
         self.aiosync_keep_delta_base = delta
