@@ -60,22 +60,14 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def _cpu_llm(folder: Path) -> Iterator[Any]:
+def _cpu_llm(folder: Path, **options: Any) -> Iterator[Any]:
     """``vllm.LLM`` on CPU over ``folder`` with aiosync's worker extension (engine core and
-    worker processes), shut down after the session."""
+    worker processes; ``vllm_helpers.engine_options`` and ``options``), shut down after
+    the session."""
     from vllm import LLM
+    from vllm_helpers import engine_options
 
-    from aiosync.engines.vllm.backend import WORKER_EXTENSION
-
-    engine = LLM(
-        model=str(folder),
-        worker_extension_cls=WORKER_EXTENSION,
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=128,
-        max_num_seqs=4,
-        seed=0,
-    )
+    engine = LLM(**engine_options(folder, **options))
     yield engine
     engine.llm_engine.engine_core.shutdown()
 
@@ -98,22 +90,7 @@ def lora_options() -> dict[str, Any]:
 def lora_llm(tiny_qwen3_dir: Path, lora_options: dict[str, Any]) -> Iterator[Any]:
     """``vllm.LLM`` as :func:`llm`, with LoRA enabled (:func:`lora_options`): one
     engine for every LoRA test."""
-    from vllm import LLM
-
-    from aiosync.engines.vllm.backend import WORKER_EXTENSION
-
-    engine = LLM(
-        model=str(tiny_qwen3_dir),
-        worker_extension_cls=WORKER_EXTENSION,
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=128,
-        max_num_seqs=4,
-        seed=0,
-        **lora_options,
-    )
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
+    yield from _cpu_llm(tiny_qwen3_dir, **lora_options)
 
 
 @pytest.fixture(scope="session")

@@ -12,32 +12,26 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: run .ci/vllm.sh (.venv-vllm)")
 
-from vllm_helpers import NEW_TOKENS, PROMPTS, trainer_greedy
+from vllm_helpers import (
+    NEW_TOKENS,
+    PROMPTS,
+    async_llm,
+    gloo_collective,
+    sync_and_generate,
+    trainer_greedy,
+)
 
-from aiosync import TrainCluster
-from aiosync.engines.vllm.backend import WORKER_EXTENSION, VLLMGenerationBackend
+from aiosync.engines.vllm.backend import VLLMGenerationBackend
 from aiosync.refit import DTensorRefitSource
-from aiosync.transports.collective import CollectiveWeightSynchronizer
 from aiosync.transports.ipc import IPCWeightSynchronizer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 
 def _async_llm(model_dir: Path, **options: Any) -> Any:
-    """An ``AsyncLLM`` of the tiny checkpoint with aiosync's worker extension (CPU, eager)."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    args = AsyncEngineArgs(
-        model=str(model_dir),
-        worker_extension_cls=WORKER_EXTENSION,
-        enforce_eager=True,
-        dtype="float32",
-        max_num_seqs=4,
-        seed=0,
-        **options,
-    )
-    return AsyncLLM.from_engine_args(args)
+    """An ``AsyncLLM`` of the tiny checkpoint with aiosync's worker extension (CPU, eager),
+    ``max_model_len`` vLLM's default unless ``options`` name it."""
+    return async_llm(model_dir, **{"max_model_len": None, **options})
 
 
 def perturb(model: Any, seed: int) -> None:
@@ -58,24 +52,17 @@ async def test_async_llm_refits_by_both_transports_match_the_trainers_greedy_out
     try:
         start = await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
         assert start == trainer_greedy(trainer)
-        collective = CollectiveWeightSynchronizer(
+        collective = gloo_collective(
             DTensorRefitSource(trainer),
             backend,
-            train_cluster=TrainCluster(master_port=free_port()),
-            inference_world_size=1,
-            dist_backend="gloo",
+            free_port(),
             bucket_bytes=64 * 1024,
             verify=True,
-            collective_timeout_s=120,
-            rpc_timeout_s=120,
         )
         async with collective:
             await collective.init_communicator()
             perturb(trainer, seed=11)
-            await collective.mark_stale()
-            await collective.sync_weights()
-            await backend.prepare_for_generation()
-            after_collective = await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+            after_collective = await sync_and_generate(collective, backend)
             assert collective.weight_version == 1
         assert after_collective == trainer_greedy(trainer)
         assert after_collective != start
@@ -85,10 +72,7 @@ async def test_async_llm_refits_by_both_transports_match_the_trainers_greedy_out
         async with ipc:
             await ipc.init_communicator()
             perturb(trainer, seed=12)
-            await ipc.mark_stale()
-            await ipc.sync_weights()
-            await backend.prepare_for_generation()
-            after_ipc = await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+            after_ipc = await sync_and_generate(ipc, backend)
             assert ipc.weight_version == 1
         assert after_ipc == trainer_greedy(trainer)
         assert after_ipc != after_collective

@@ -13,13 +13,11 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: run .ci/vllm.sh (.venv-vllm)")
 
-from vllm_helpers import NEW_TOKENS, PROMPTS, trainer_greedy
+from vllm_helpers import NEW_TOKENS, PROMPTS, gloo_collective, sync_and_generate, trainer_greedy
 
-from aiosync import TrainCluster
 from aiosync.engines.vllm.backend import VLLMGenerationBackend
 from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
 from aiosync.refit import DTensorRefitSource
-from aiosync.transports.collective import CollectiveWeightSynchronizer
 from aiosync.transports.ipc import IPCWeightSynchronizer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -60,25 +58,18 @@ async def test_collective_gloo_sync_changes_vllm_output_exactly_as_the_trainers(
 ) -> None:
     backend = VLLMGenerationBackend(llm)
     before = await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
-    sync = CollectiveWeightSynchronizer(
+    sync = gloo_collective(
         DTensorRefitSource(trainer),
         backend,
-        train_cluster=TrainCluster(master_port=free_port()),
-        inference_world_size=1,
-        dist_backend="gloo",
+        free_port(),
         bucket_bytes=64 * 1024,  # several buckets: the reload spans many load_weights calls
         verify=True,
-        collective_timeout_s=120,
-        rpc_timeout_s=120,
     )
     async with sync:
         await sync.init_communicator()
         reloads = (await backend.collective_rpc("aiosync_vllm_status"))[0]["reloads"]
         perturb(trainer, seed=1)
-        await sync.mark_stale()
-        await sync.sync_weights()
-        await backend.prepare_for_generation()
-        after = await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+        after = await sync_and_generate(sync, backend)
         expected = trainer_greedy(trainer)
         assert sync.weight_version == 1
         assert not sync.is_stale
@@ -102,10 +93,7 @@ async def test_ipc_shared_memory_sync_changes_vllm_output_exactly_as_the_trainer
     async with sync:
         await sync.init_communicator()
         perturb(trainer, seed=2)
-        await sync.mark_stale()
-        await sync.sync_weights()
-        await backend.prepare_for_generation()
-        after = await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+        after = await sync_and_generate(sync, backend)
         assert sync.weight_version == 1
         assert await backend.weight_version() == 1  # vLLM labels its outputs with it
     assert after == trainer_greedy(trainer)
@@ -117,14 +105,10 @@ async def test_failed_sync_into_vllm_keeps_version_and_blocks_generation_until_a
 ) -> None:
     backend = VLLMGenerationBackend(llm)
     port = free_port()
-    bad = CollectiveWeightSynchronizer(
+    bad = gloo_collective(
         RenamedSource(trainer),
         backend,
-        train_cluster=TrainCluster(master_port=port),
-        inference_world_size=1,
-        dist_backend="gloo",
-        collective_timeout_s=120,
-        rpc_timeout_s=120,
+        port,
     )
     async with bad:
         await bad.init_communicator()
@@ -141,10 +125,7 @@ async def test_failed_sync_into_vllm_keeps_version_and_blocks_generation_until_a
     good = IPCWeightSynchronizer(DTensorRefitSource(trainer), backend, device="cpu")
     async with good:
         await good.init_communicator()
-        await good.mark_stale()
-        await good.sync_weights()
-        await backend.prepare_for_generation()
-        assert await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS) == trainer_greedy(trainer)
+        assert await sync_and_generate(good, backend) == trainer_greedy(trainer)
 
 
 async def test_checkpoint_manifest_check_rejects_an_unknown_name_before_any_byte_moves(
@@ -156,14 +137,10 @@ async def test_checkpoint_manifest_check_rejects_an_unknown_name_before_any_byte
     ]
     try:
         before = (await backend.collective_rpc("aiosync_vllm_status"))[0]
-        collective = CollectiveWeightSynchronizer(
+        collective = gloo_collective(
             RenamedSource(trainer),
             backend,
-            train_cluster=TrainCluster(master_port=free_port()),
-            inference_world_size=1,
-            dist_backend="gloo",
-            collective_timeout_s=120,
-            rpc_timeout_s=120,
+            free_port(),
         )
         with pytest.raises(RefitMismatchError, match=r"model\.final_norm\.weight"):
             async with collective:  # initializes: the workers refuse the manifest
@@ -186,14 +163,11 @@ async def test_rpc_to_a_stuck_vllm_worker_times_out_and_the_engine_recovers(
     llm: Any, trainer: Any, free_port: Callable[[], int]
 ) -> None:
     backend = VLLMGenerationBackend(llm)
-    sync = CollectiveWeightSynchronizer(
+    sync = gloo_collective(
         DTensorRefitSource(trainer),
         backend,
-        train_cluster=TrainCluster(master_port=free_port()),
-        inference_world_size=1,
-        dist_backend="gloo",
+        free_port(),
         collective_timeout_s=5,  # how long the stuck worker waits before giving up
-        rpc_timeout_s=120,
     )
     async with sync:
         await sync.init_communicator()
@@ -212,10 +186,7 @@ async def test_rpc_to_a_stuck_vllm_worker_times_out_and_the_engine_recovers(
     good = IPCWeightSynchronizer(DTensorRefitSource(trainer), backend, device="cpu")
     async with good:
         await good.init_communicator()
-        await good.mark_stale()
-        await good.sync_weights()
-        await backend.prepare_for_generation()
-        assert await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS) == trainer_greedy(trainer)
+        assert await sync_and_generate(good, backend) == trainer_greedy(trainer)
 
 
 async def test_worker_errors_keep_their_aiosync_type_through_vllm_rpc(llm: Any) -> None:

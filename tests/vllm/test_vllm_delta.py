@@ -17,17 +17,21 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: run .ci/vllm.sh (.venv-vllm)")
 
-from vllm_helpers import NEW_TOKENS, PROMPTS, read_weights, trainer_greedy
+from vllm_helpers import (
+    NEW_TOKENS,
+    PROMPTS,
+    gloo_collective,
+    nudge_tensors,
+    read_weights,
+    trainer_greedy,
+)
 
 from aiosync import (
-    CollectiveWeightSynchronizer,
     IPCWeightSynchronizer,
-    TrainCluster,
-    VersionEventKind,
 )
-from aiosync.delta import encode_patch
 from aiosync.engines.vllm.backend import VLLMGenerationBackend
 from aiosync.refit import DTensorRefitSource
+from tests._support.delta import committed, patch_bytes
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -47,37 +51,12 @@ NUDGED = (
 
 def nudge(model: Any, seed: int, per_tensor: int = 7) -> None:
     """Change ``per_tensor`` elements of each tensor of :data:`NUDGED`."""
-    gen = torch.Generator().manual_seed(seed)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name in NUDGED:
-            flat = params[name].view(-1)
-            where = torch.randperm(flat.numel(), generator=gen)[:per_tensor]
-            flat[where] += torch.rand(per_tensor, generator=gen) + 0.5
+    nudge_tensors(model, NUDGED, seed, per_tensor)
 
 
 def state_of(model: Any) -> dict[str, torch.Tensor]:
     """The trainer's HF tensors as it sends them."""
     return {name: t.clone() for name, t in DTensorRefitSource(model).iter_weights()}
-
-
-def patch_bytes(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> int:
-    """Bytes of the smallest encoding of every changed tensor (what a delta moves)."""
-    total = 0
-    for name, tensor in new.items():
-        patch = encode_patch(name, 0, old[name].reshape(-1).view(torch.int32), tensor)
-        total += 0 if patch is None else patch.nbytes
-    return total
-
-
-async def committed(sync: Any, events: Any) -> tuple[bool, int]:
-    """Mark stale, sync, and return the COMMITTED event's ``(delta, nbytes)``."""
-    await sync.mark_stale()
-    await sync.sync_weights()
-    while True:
-        event = await events.__anext__()
-        if event.kind is VersionEventKind.COMMITTED:
-            return event.delta, event.nbytes
 
 
 async def assert_holds(backend: Any, want: dict[str, torch.Tensor]) -> None:
@@ -129,17 +108,13 @@ async def test_collective_deltas_rewrite_only_the_touched_layers_and_land_bit_ex
     llm: Any, trainer: Any, free_port: Callable[[], int], overlap: str
 ) -> None:
     backend = VLLMGenerationBackend(llm)
-    sync = CollectiveWeightSynchronizer(
+    sync = gloo_collective(
         DTensorRefitSource(trainer),
         backend,
-        train_cluster=TrainCluster(master_port=free_port()),
-        inference_world_size=1,
-        dist_backend="gloo",
+        free_port(),
         bucket_bytes=16 * 1024,  # q and k of one layer can land in two buckets
         delta=True,
         overlap=overlap,  # staged: the workers stage the patches, write them at the commit
-        collective_timeout_s=120,
-        rpc_timeout_s=120,
     )
     await deltas_land_bit_exact(backend, trainer, sync)
 

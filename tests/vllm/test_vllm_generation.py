@@ -9,11 +9,9 @@ against one full forward pass of the trainer's transformers model. Run with
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
-import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: run .ci/vllm.sh (.venv-vllm)")
 
@@ -23,26 +21,12 @@ from aiosync import Generation
 from aiosync.engines.vllm.backend import VLLMGenerationBackend
 from aiosync.refit import DTensorRefitSource
 from aiosync.transports.ipc import IPCWeightSynchronizer
+from tests._support.checks import full_forward_logprobs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 #: vLLM's CPU kernels add in another order than transformers' (float32).
 ATOL = 1e-4
-
-
-def full_forward_logprobs(
-    model: Any, prompt: Sequence[int], tokens: Sequence[int]
-) -> tuple[list[float], list[int]]:
-    """``(log_softmax of each token, argmax at each position)``, one forward pass."""
-    ids = torch.tensor([list(prompt) + list(tokens)])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0].float()
-    positions = range(len(prompt) - 1, len(prompt) - 1 + len(tokens))
-    logp = torch.log_softmax(logits, dim=-1)
-    return (
-        [float(logp[p, t]) for p, t in zip(positions, tokens, strict=True)],
-        [int(torch.argmax(logits[p])) for p in positions],
-    )
 
 
 async def _synced(trainer: Any, backend: VLLMGenerationBackend) -> IPCWeightSynchronizer:

@@ -20,8 +20,9 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here: run .ci/vllm.sh (.venv-vllm)")
 
 import pytest_asyncio
+from vllm_helpers import async_llm
 
-from aiosync.engines.vllm.backend import WORKER_EXTENSION, VLLMGenerationBackend
+from aiosync.engines.vllm.backend import VLLMGenerationBackend
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600), pytest.mark.asyncio(loop_scope="module")]
 
@@ -37,19 +38,7 @@ _ids = itertools.count()
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def async_backend(tiny_qwen3_dir: Path) -> AsyncIterator[VLLMGenerationBackend]:
     """An ``AsyncLLM`` of the tiny checkpoint (CPU, eager, 256 positions) behind the backend."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    args = AsyncEngineArgs(
-        model=str(tiny_qwen3_dir),
-        worker_extension_cls=WORKER_EXTENSION,
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=256,
-        max_num_seqs=4,
-        seed=0,
-    )
-    backend = VLLMGenerationBackend(AsyncLLM.from_engine_args(args))
+    backend = VLLMGenerationBackend(async_llm(tiny_qwen3_dir, max_model_len=256))
     yield backend
     await backend.shutdown()
     # Drop the engine now: its __del__ shuts down again, which fails at interpreter exit.

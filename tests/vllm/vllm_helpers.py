@@ -10,6 +10,70 @@ PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11]]
 NEW_TOKENS = 8
 
 
+def engine_options(model_dir: Any, **overrides: Any) -> dict[str, Any]:
+    """The options of every test engine (``vllm.LLM`` or ``AsyncEngineArgs``) over the
+    checkpoint in ``model_dir``: aiosync's worker extension, eager, float32, 128
+    positions, 4 sequences, seed 0; ``overrides`` replace or add options."""
+    from aiosync.engines.vllm.backend import WORKER_EXTENSION
+
+    options = dict(
+        model=str(model_dir),
+        worker_extension_cls=WORKER_EXTENSION,
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=4,
+        seed=0,
+    )
+    return options | overrides
+
+
+def nudge_tensors(model: Any, names: Any, seed: int, per_tensor: int) -> None:
+    """Change ``per_tensor`` random elements (seeded by ``seed``) of each named
+    parameter of ``model`` by 0.5 to 1.5: a sparse "optimizer step" for delta syncs."""
+    gen = torch.Generator().manual_seed(seed)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in names:
+            flat = params[name].view(-1)
+            where = torch.randperm(flat.numel(), generator=gen)[:per_tensor]
+            flat[where] += torch.rand(per_tensor, generator=gen) + 0.5
+
+
+async def sync_and_generate(sync: Any, backend: Any) -> list[list[int]]:
+    """One sync of an initialised ``sync`` (``mark_stale``, ``sync_weights``), then
+    ``backend``'s greedy continuation of :data:`PROMPTS` under the new weights."""
+    await sync.mark_stale()
+    await sync.sync_weights()
+    await backend.prepare_for_generation()
+    return await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+
+
+def gloo_collective(source: Any, backend: Any, port: int, **options: Any) -> Any:
+    """A ``CollectiveWeightSynchronizer`` from ``source`` into ``backend`` over gloo, its
+    trainer meeting at ``port``: one engine worker and timeouts of 120 s unless
+    ``options`` say otherwise (``options`` replace or add constructor options)."""
+    from aiosync import TrainCluster
+    from aiosync.transports.collective import CollectiveWeightSynchronizer
+
+    defaults: dict[str, Any] = dict(
+        train_cluster=TrainCluster(master_port=port),
+        inference_world_size=1,
+        dist_backend="gloo",
+        collective_timeout_s=120,
+        rpc_timeout_s=120,
+    )
+    return CollectiveWeightSynchronizer(source, backend, **(defaults | options))
+
+
+def async_llm(model_dir: Any, **overrides: Any) -> Any:
+    """An ``AsyncLLM`` with :func:`engine_options` (CPU, eager)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_options(model_dir, **overrides)))
+
+
 def trainer_greedy(model: Any, new_tokens: int = NEW_TOKENS) -> list[list[int]]:
     """Greedy continuation (``new_tokens`` ids, EOS ignored) of every prompt of
     ``PROMPTS`` by a transformers model (the trainer's, or a merged PEFT one)."""
