@@ -20,6 +20,7 @@ from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.errors import SyncError, SyncTimeoutError, TransportError
 from aiosync.synchronizer import GenerationBackend
+from tests._support.steps import sleep_at_level_2
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -96,11 +97,7 @@ async def test_level2_sleep_discards_weights_and_tells_listeners(
 ) -> None:
     calls: list[str] = []
     engine.add_weights_discarded_listener(lambda: calls.append("discarded"))
-    engine.sleep_level = 2
-    try:
-        await engine.finish_generation()
-    finally:
-        engine.sleep_level = 1
+    await sleep_at_level_2(engine)
     assert calls == ["discarded"]
     await engine.prepare_for_generation()
     with pytest.raises(SyncError, match="not valid"):

@@ -16,7 +16,7 @@ import pytest
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.events import VersionEventKind
 from aiosync.transports.ipc import IPCWeightSynchronizer
-from tests._support.steps import first_sync
+from tests._support.steps import first_sync, sleep_at_level_2
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -160,11 +160,7 @@ async def test_level2_sleep_marks_engine_stale_until_a_sync(
     trainer = h.trainer_model(h.DENSE_TIED, seed=15)
     async with h.ipc_sync(trainer, dense_engine, bucket_bytes=1 << 20) as sync:
         await first_sync(sync)
-        dense_engine.sleep_level = 2
-        try:
-            await dense_engine.finish_generation()
-        finally:
-            dense_engine.sleep_level = 1
+        await sleep_at_level_2(dense_engine)
         await dense_engine.prepare_for_generation()
         assert sync.is_stale
         assert sync.weight_version == 1

@@ -9,7 +9,7 @@ import pytest
 
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from tests._support.proxy import EngineProxy
-from tests._support.steps import first_sync
+from tests._support.steps import first_sync, sleep_at_level_2
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -61,11 +61,7 @@ async def test_an_engine_that_slept_at_level_2_is_woken_and_refit_by_the_sync(
     engine = SleepTrackingEngine(dense_engine)
     async with h.ipc_sync(trainer, engine, bucket_bytes=1 << 20) as sync:
         await first_sync(sync)
-        dense_engine.sleep_level = 2
-        try:
-            await engine.finish_generation()
-        finally:
-            dense_engine.sleep_level = 1
+        await sleep_at_level_2(dense_engine, through=engine)
         assert engine.asleep_tags == frozenset({"weights", "kv_cache"})
         assert [s["asleep"] for s in await dense_engine.status()] == [["kv_cache", "weights"]]
         assert sync.is_stale
