@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: run .ci/vllm.sh (.venv-vllm)")
 
-from vllm_helpers import NEW_TOKENS, PROMPTS, perturb, read_weights, trainer_greedy
+from vllm_helpers import NEW_TOKENS, PROMPTS, gloo_collective, perturb, read_weights, trainer_greedy
 
 from aiosync import TrainCluster
 from aiosync.engines.vllm.backend import VLLMGenerationBackend
@@ -55,15 +55,11 @@ async def assert_head_computes_with_the_trainers_embedding(backend: Any, trainer
 
 def broadcast(backend: Any, trainer: Any, port: int) -> CollectiveWeightSynchronizer:
     """The broadcast of ``trainer`` into the TP=1 engine: vLLM's own ``load_weights``."""
-    return CollectiveWeightSynchronizer(
+    return gloo_collective(
         DTensorRefitSource(trainer),
         backend,
-        train_cluster=TrainCluster(master_port=port),
-        inference_world_size=1,
-        dist_backend="gloo",
+        port,
         bucket_bytes=64 * 1024,  # several buckets: the reload spans many load_weights calls
-        collective_timeout_s=120,
-        rpc_timeout_s=120,
     )
 
 
