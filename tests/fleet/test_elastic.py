@@ -108,14 +108,35 @@ def _options(transport: str, workers: int) -> dict[str, Any]:
     }
 
 
+def _quarantining(
+    engines: list[EmbeddedEngine], seed: int, options: dict[str, Any], **fleet_options: Any
+) -> tuple[HFModelRunner, HookedSource, EngineFleet, Any]:
+    """A trainer (``seed``), its hooked source, ``engines`` behind a quarantining fleet
+    of at least 2 (and ``fleet_options``), and the synchronizer (``options``)."""
+    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=seed)
+    source = HookedSource(trainer.model)
+    fleet = EngineFleet(engines, on_engine_failure="quarantine", min_engines=2, **fleet_options)
+    sync = create_weight_synchronizer(source, fleet, backend="embedded", **options)
+    return trainer, source, fleet, sync
+
+
+async def _the_others_committed(
+    events: Any, engines: list[EmbeddedEngine], trainer: HFModelRunner, fleet: EngineFleet
+) -> None:
+    """Version 2 committed without engine 1: its quarantine among the events, engines
+    0 and 2 hold the trainer's weights; the fleet is made ready to generate."""
+    seen = await _drain(events)
+    assert (VersionEventKind.ENGINE_QUARANTINED, 2, VICTIM) in seen
+    assert seen[-1][:2] == (VersionEventKind.COMMITTED, 2)
+    assert await _holds([engines[0], engines[2]], trainer) == [True, True]
+    await fleet.prepare_for_generation()
+
+
 @pytest.mark.parametrize("transport", ["ipc", "collective"])
 async def test_an_engine_killed_mid_sync_is_quarantined_and_the_others_commit(
     engines: list[EmbeddedEngine], transport: str
 ) -> None:
-    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=61)
-    source = HookedSource(trainer.model)
-    fleet = EngineFleet(engines, on_engine_failure="quarantine", min_engines=2)
-    sync = create_weight_synchronizer(source, fleet, backend="embedded", **_options(transport, 3))
+    trainer, source, fleet, sync = _quarantining(engines, 61, _options(transport, 3))
     async with sync, sync.subscribe() as events:
         await sync.mark_stale()
         await sync.sync_weights()
@@ -131,11 +152,7 @@ async def test_an_engine_killed_mid_sync_is_quarantined_and_the_others_commit(
         assert fleet.serving == [engines[0], engines[2]]
         assert list(fleet.quarantined) == [VICTIM]
         assert "died" in fleet.quarantined[VICTIM]
-        seen = await _drain(events)
-        assert (VersionEventKind.ENGINE_QUARANTINED, 2, VICTIM) in seen
-        assert seen[-1][:2] == (VersionEventKind.COMMITTED, 2)
-        assert (await _holds([engines[0], engines[2]], trainer)) == [True, True]
-        await fleet.prepare_for_generation()
+        await _the_others_committed(events, engines, trainer, fleet)
         expected = trainer.generate(PROMPTS, max_new_tokens=4)
         assert await fleet.generate(PROMPTS, max_new_tokens=4) == expected
 
@@ -165,10 +182,7 @@ async def test_an_engine_killed_mid_sync_is_quarantined_and_the_others_commit(
 async def test_an_engine_dead_between_syncs_is_quarantined_and_the_others_commit_and_serve(
     engines: list[EmbeddedEngine], transport: str
 ) -> None:
-    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=64)
-    source = HookedSource(trainer.model)
-    fleet = EngineFleet(engines, on_engine_failure="quarantine", min_engines=2)
-    sync = create_weight_synchronizer(source, fleet, backend="embedded", **_options(transport, 3))
+    trainer, _, fleet, sync = _quarantining(engines, 64, _options(transport, 3))
     async with sync, sync.subscribe() as events:
         await sync.mark_stale()
         await sync.sync_weights()
@@ -191,11 +205,7 @@ async def test_an_engine_dead_between_syncs_is_quarantined_and_the_others_commit
         assert list(fleet.quarantined) == [VICTIM]
         assert "engine worker(s) [0] died" in fleet.quarantined[VICTIM]
         assert fleet.serving == [engines[0], engines[2]]
-        seen = await _drain(events)
-        assert (VersionEventKind.ENGINE_QUARANTINED, 2, VICTIM) in seen
-        assert seen[-1][:2] == (VersionEventKind.COMMITTED, 2)
-        assert await _holds([engines[0], engines[2]], trainer) == [True, True]
-        await fleet.prepare_for_generation()
+        await _the_others_committed(events, engines, trainer, fleet)
         expected = trainer.generate(PROMPTS, max_new_tokens=4)
         # A 5 s limit: a pause left on a member would end in SyncTimeoutError.
         assert await fleet.generate(PROMPTS, max_new_tokens=4, timeout_s=5.0) == expected
@@ -208,14 +218,11 @@ async def test_an_engine_dead_between_syncs_is_quarantined_and_the_others_commit
 async def test_an_engine_hung_mid_sync_fails_its_probe_and_is_quarantined_named(
     engines: list[EmbeddedEngine], transport: str
 ) -> None:
-    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=65)
-    source = HookedSource(trainer.model)
-    fleet = EngineFleet(engines, on_engine_failure="quarantine", min_engines=2, probe_timeout_s=2.0)
     # Short limits: the stopped worker makes the sync wait for one of them.
     options = {**_options(transport, 3), "rpc_timeout_s": 4.0}
     if transport == "collective":
         options["collective_timeout_s"] = 4.0
-    sync = create_weight_synchronizer(source, fleet, backend="embedded", **options)
+    trainer, source, fleet, sync = _quarantining(engines, 65, options, probe_timeout_s=2.0)
     hung = engines[1].pids[0]
 
     def stop(i: int) -> None:
