@@ -24,14 +24,14 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: run .ci/vllm.sh (.venv-vllm)")
 
-from vllm_helpers import NEW_TOKENS, PROMPTS, trainer_greedy
+from vllm_helpers import NEW_TOKENS, PROMPTS, async_llm, trainer_greedy
 
 pytest.importorskip("peft", reason="peft is not installed here: run .ci/vllm.sh (.venv-vllm)")
 
 from anyio.lowlevel import checkpoint
 
 from aiosync import LoRAAdapter, create_weight_synchronizer, lora_adapter_name
-from aiosync.engines.vllm.backend import WORKER_EXTENSION, VLLMGenerationBackend
+from aiosync.engines.vllm.backend import VLLMGenerationBackend
 from aiosync.engines.vllm.worker import lora_target_problems
 from aiosync.errors import RefitMismatchError, SyncError, TransportError
 from aiosync.refit import DTensorRefitSource, LoRAAdapterRefitSource
@@ -315,20 +315,7 @@ async def test_full_weight_refit_drops_the_adapter_and_generate_refuses(
 async def test_async_llm_loads_and_switches_adapters_and_waits_for_running_generations(
     tiny_qwen3_dir: Path, adapters: Adapters, lora_options: dict[str, Any]
 ) -> None:
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    args = AsyncEngineArgs(
-        model=str(tiny_qwen3_dir),
-        worker_extension_cls=WORKER_EXTENSION,
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=128,
-        max_num_seqs=4,
-        seed=0,
-        **lora_options,
-    )
-    backend = VLLMGenerationBackend(AsyncLLM.from_engine_args(args))
+    backend = VLLMGenerationBackend(async_llm(tiny_qwen3_dir, **lora_options))
     try:
         await backend.load_lora_adapter(adapters.first.at(1))
         assert await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS) == (
