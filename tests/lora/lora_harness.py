@@ -21,6 +21,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 
 from aiosync.engines.embedded.configs import TINY_QWEN3
+from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.refit import LoRAAdapterRefitSource
 
@@ -35,6 +36,14 @@ NEW_TOKENS = 8
 ADAPTER_NBYTES = 2 * 4864 * 4
 #: Every linear layer of a Qwen3 block.
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_engine(num_workers: int) -> EmbeddedEngine:
+    """An embedded engine of the tests' base model (:data:`CONFIG`, :data:`ENGINE_SEED`,
+    fp32) with ``num_workers`` workers and a 120 s RPC limit."""
+    return EmbeddedEngine(
+        CONFIG, num_workers=num_workers, seed=ENGINE_SEED, dtype="float32", rpc_timeout_s=120
+    )
 
 
 class LoRATrainer:

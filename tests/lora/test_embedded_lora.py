@@ -21,6 +21,7 @@ from lora_harness import (
     PROMPTS,
     LoRATrainer,
     base_generate,
+    lora_engine,
 )
 
 from aiosync import (
@@ -36,7 +37,7 @@ from aiosync.engines.embedded._worker import tensor_to_wire
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.refit import DTensorRefitSource, LoRAAdapterRefitSource
-from tests._support.steps import first_sync
+from tests._support.steps import first_sync, sleep_at_level_2
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -44,17 +45,13 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine() -> AsyncIterator[EmbeddedEngine]:
     """Two workers: the adapter must reach both (prompts are split over them)."""
-    async with EmbeddedEngine(
-        CONFIG, num_workers=2, seed=ENGINE_SEED, dtype="float32", rpc_timeout_s=120
-    ) as engine:
+    async with lora_engine(2) as engine:
         yield engine
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def second_engine() -> AsyncIterator[EmbeddedEngine]:
-    async with EmbeddedEngine(
-        CONFIG, num_workers=1, seed=ENGINE_SEED, dtype="float32", rpc_timeout_s=120
-    ) as engine:
+    async with lora_engine(1) as engine:
         yield engine
 
 
@@ -247,11 +244,7 @@ async def test_level_2_sleep_discards_the_adapter_and_the_sync_says_the_base_is_
 ) -> None:
     async with LoRAAdapterSynchronizer(trainer.source, engine) as sync:
         await first_sync(sync)
-        engine.sleep_level = 2
-        try:
-            await engine.finish_generation()
-        finally:
-            engine.sleep_level = 1
+        await sleep_at_level_2(engine)
         # The discard listeners fired: the synchronizer knows a sync is needed.
         assert (sync.weight_version, sync.is_stale) == (1, True)
         assert engine.lora_adapter is None

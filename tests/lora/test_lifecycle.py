@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from lora_harness import CONFIG, ENGINE_SEED, NEW_TOKENS, PROMPTS, LoRATrainer
+from lora_harness import CONFIG, ENGINE_SEED, NEW_TOKENS, PROMPTS, LoRATrainer, lora_engine
 
 from aiosync import (
     EngineFleet,
@@ -28,6 +28,7 @@ from aiosync.engines.embedded._worker import tensor_to_wire
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.events import EventSubscription
+from tests._support.steps import sleep_at_level_2
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -45,12 +46,8 @@ BAD_KV_SCALES: list[tuple[Any, type[Exception], str]] = [
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engines() -> AsyncIterator[list[EmbeddedEngine]]:
     async with (
-        EmbeddedEngine(
-            CONFIG, num_workers=1, seed=ENGINE_SEED, dtype="float32", rpc_timeout_s=120
-        ) as first,
-        EmbeddedEngine(
-            CONFIG, num_workers=1, seed=ENGINE_SEED, dtype="float32", rpc_timeout_s=120
-        ) as second,
+        lora_engine(1) as first,
+        lora_engine(1) as second,
     ):
         yield [first, second]
 
@@ -82,11 +79,7 @@ async def _adapters(engine: EmbeddedEngine) -> list[tuple[Any, Any, Any]]:
 async def _discard(engine: EmbeddedEngine, base_wire: dict[str, Any]) -> None:
     """A level-2 sleep (the engine drops its weights and reports it), then the
     base weights restored, as a full refit would."""
-    engine.sleep_level = 2
-    try:
-        await engine.finish_generation()
-    finally:
-        engine.sleep_level = 1
+    await sleep_at_level_2(engine)
     await engine.prepare_for_generation()
     await engine.collective_rpc("embedded_load_state_dict", (base_wire,))
 

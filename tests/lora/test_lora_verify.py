@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 import torch
-from lora_harness import CONFIG, ENGINE_SEED, NEW_TOKENS, PROMPTS, LoRATrainer
+from lora_harness import NEW_TOKENS, PROMPTS, LoRATrainer, lora_engine
 
 from aiosync import LoRAAdapter, LoRAAdapterSynchronizer, RefitVerificationError, SyncError
 from aiosync.engines.embedded._worker import tensor_from_wire
@@ -39,9 +39,7 @@ TENSOR = 5
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine() -> AsyncIterator[EmbeddedEngine]:
-    async with EmbeddedEngine(
-        CONFIG, num_workers=1, seed=ENGINE_SEED, dtype="float32", rpc_timeout_s=120
-    ) as engine:
+    async with lora_engine(1) as engine:
         yield engine
 
 
