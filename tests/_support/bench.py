@@ -4,7 +4,24 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
+from pathlib import Path
 from typing import Any
+
+
+def run_quick(
+    script: Path, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python script --quick --json`` from ``cwd`` (as users run it, from outside the
+    repository), its output captured as text, at most 600 s."""
+    return subprocess.run(
+        [sys.executable, str(script), "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=cwd,
+        env=env,
+    )
 
 
 def assert_table_then_json(out: subprocess.CompletedProcess[str]) -> dict[str, Any]:

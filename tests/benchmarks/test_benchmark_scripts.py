@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests._support.bench import assert_table_then_json
+from tests._support.bench import assert_table_then_json, run_quick
 
 SCRIPTS = sorted((Path(__file__).resolve().parents[2] / "benchmarks").glob("[!_]*.py"))
 #: Benchmarks whose ``--quick --json`` run a module of their own checks, this
@@ -38,11 +36,4 @@ def test_benchmark_quick_run_prints_a_table_and_one_json_object_last(script, tmp
     # Run as users do, from outside the repository: the script's folder comes
     # first on sys.path (a sibling named like a stdlib module would break it),
     # and nothing may be read from outside the installed project.
-    out = subprocess.run(
-        [sys.executable, str(script), "--quick", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-    )
-    assert_table_then_json(out)
+    assert_table_then_json(run_quick(script, tmp_path))

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import inspect
 import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from aiosync import IPCWeightSynchronizer
-from tests._support.bench import assert_table_then_json
+from tests._support.bench import assert_table_then_json, run_quick
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "delta.py"
 LEARNING_RATES = [1e-6, 1e-5, 1e-4]
@@ -26,14 +24,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def figures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path_factory.mktemp("delta"),
-    )
-    return assert_table_then_json(out)
+    return assert_table_then_json(run_quick(SCRIPT, tmp_path_factory.mktemp("delta")))
 
 
 def test_a_row_per_transport_and_learning_rate_ipc_once_it_takes_delta(

@@ -11,13 +11,12 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests._support.bench import assert_table_then_json
+from tests._support.bench import assert_table_then_json, run_quick
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "many_senders.py"
 QUICK_CONFIGS = {(1, 1), (1, 2), (2, 1), (2, 2)}
@@ -28,14 +27,7 @@ pytestmark = pytest.mark.slow
 def _run(
     cwd: Path, env: dict[str, str] | None = None
 ) -> tuple[subprocess.CompletedProcess[str], Any]:
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=cwd,
-        env=env,
-    )
+    out = run_quick(SCRIPT, cwd, env)
     assert out.returncode == 0, out.stderr[-3000:]
     return out, json.loads(out.stdout.strip().splitlines()[-1])
 
