@@ -29,11 +29,9 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import math
-import os
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
-from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Self
 
@@ -56,6 +54,7 @@ from aiosync.transports.packing import dtype_from_name
 
 from .._gate import AdmissionGate
 from .._generate import GenerateFromMeta
+from ._args import _build_config, _check_draft, _check_dtype, _check_quantization, _model_spec
 from ._pool import RESPAWN_HINT, WorkerPool
 from ._tp import TPSpec, check_tensor_parallel, endpoints_for, open_tp_store
 from ._worker import run_worker, tensor_from_wire, tensor_to_wire
@@ -911,82 +910,6 @@ class EmbeddedGeneration(Generation):
 def _check_mode(mode: object) -> None:
     if mode not in IN_FLIGHT_POLICIES:
         raise ValueError(f"mode must be one of {IN_FLIGHT_POLICIES}, got {mode!r}")
-
-
-def _check_quantization(
-    quantization: object, tensor_parallel_size: int, runner_factory: str | None
-) -> None:
-    """Raise ValueError unless ``quantization`` is None, or ``"fp8"`` on a plain engine."""
-    if quantization not in (None, "fp8"):
-        raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
-    if quantization is None:
-        return
-    if tensor_parallel_size > 1:
-        raise ValueError(
-            "quantization='fp8' does not work with tensor_parallel_size > 1 (a Megatron "
-            "slice would cut the 128x128 scaling blocks); use tensor_parallel_size=1"
-        )
-    if runner_factory is not None:
-        raise ValueError("quantization='fp8' does not work with a runner_factory")
-
-
-def _check_draft(
-    prefix: object, tensor_parallel_size: int, runner_factory: str | None, quantization: object
-) -> None:
-    """Raise ValueError unless a draft model can be held by this engine's workers."""
-    if not isinstance(prefix, str) or not prefix:
-        raise ValueError(f"draft_prefix must be a non-empty string, got {prefix!r}")
-    if tensor_parallel_size > 1 or runner_factory is not None or quantization is not None:
-        raise ValueError(
-            "a draft model works with none of tensor_parallel_size > 1, runner_factory "
-            "and quantization in the embedded engine"
-        )
-
-
-def _check_dtype(dtype: object) -> None:
-    """Raise TypeError/ValueError unless ``dtype`` names a torch floating dtype."""
-    if not isinstance(dtype, str):
-        raise TypeError(f"dtype must be a dtype name (str), got {type(dtype).__name__}")
-    resolved = getattr(torch, dtype, None)
-    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
-        raise ValueError(
-            f"dtype must name a torch floating dtype (e.g. 'float32', 'bfloat16'), got {dtype!r}"
-        )
-
-
-def _model_spec(model: object) -> dict[str, Any] | str:
-    """What the workers build the model from: a config dict, or a path as a string.
-
-    A transformers ``PretrainedConfig`` is taken by its ``to_dict()`` (which
-    carries ``model_type``); duck-typed so that this module does not import
-    transformers in the trainer process.
-    """
-    if isinstance(model, Mapping):
-        return dict(model)
-    if isinstance(model, str | os.PathLike):
-        return os.fspath(model)
-    to_dict = getattr(model, "to_dict", None)
-    spec = to_dict() if callable(to_dict) else None
-    if isinstance(spec, Mapping) and spec.get("model_type"):
-        return dict(spec)
-    raise TypeError(
-        "model must be an HF config (a transformers PretrainedConfig or its dict with "
-        f"'model_type'), a config.json path or a model folder, got {type(model).__name__}"
-    )
-
-
-def _build_config(spec: dict[str, Any] | str) -> PretrainedConfig:
-    """The config :meth:`HFModelRunner.from_config` builds from ``spec`` (worker thread)."""
-    from transformers import AutoConfig
-
-    # The runner's module imports transformers: only here, in the worker thread.
-    from .model import resolve_hf_config
-
-    resolved = resolve_hf_config(spec)
-    if isinstance(resolved, Path):
-        config: PretrainedConfig = AutoConfig.from_pretrained(resolved)
-        return config
-    return resolved
 
 
 if TYPE_CHECKING:
