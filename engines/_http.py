@@ -11,12 +11,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 
 from aiosync.errors import ExceptionMapping, SyncTimeoutError, TransportError
 
-__all__ = ["CONNECT_TIMEOUT_S", "http_client", "http_errors", "request_timeout"]
+__all__ = [
+    "CONNECT_TIMEOUT_S",
+    "answer_body",
+    "http_client",
+    "http_errors",
+    "http_status",
+    "request_timeout",
+]
 
 #: Limit for connecting to a server, seconds: it never legitimately takes long.
 CONNECT_TIMEOUT_S = 10.0
@@ -55,3 +63,21 @@ def http_errors(where: str, timed_out: Callable[[BaseException], str]) -> Except
         httpx.TimeoutException: lambda exc: SyncTimeoutError(timed_out(exc)),
         httpx.HTTPError: lambda exc: TransportError(f"{where}: {type(exc).__name__}: {exc}"),
     }
+
+
+def answer_body(response: httpx.Response) -> Any:
+    """A 2xx answer's body: None when empty, the JSON value, or else the text."""
+    if not response.content:
+        return None
+    try:
+        return response.json()
+    except ValueError:
+        return response.text
+
+
+def http_status(exc: TransportError) -> int | None:
+    """The HTTP status of a non-2xx answer a client's request raised ``exc`` for
+    (``vars(exc)["http_status"]``), None for other errors. (Kept on the instance, not
+    in a subclass: the fan-out renames aiosync errors by their exact type.)"""
+    status = vars(exc).get("http_status")
+    return status if isinstance(status, int) else None

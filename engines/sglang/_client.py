@@ -21,7 +21,7 @@ import httpx
 
 from aiosync.errors import SyncTimeoutError, TransportError, map_exceptions
 
-from .._http import http_client, http_errors, request_timeout
+from .._http import answer_body, http_client, http_errors, http_status, request_timeout
 from .._routes import Route, check_request
 
 __all__ = [
@@ -579,20 +579,7 @@ class SGLangClient:
             vars(error)["http_status"] = response.status_code
             vars(error)["server_message"] = _server_message(response)
             raise error
-        if not response.content:
-            return None
-        try:
-            return response.json()
-        except ValueError:
-            return response.text
-
-
-def http_status(exc: TransportError) -> int | None:
-    """The HTTP status of a non-2xx answer :meth:`SGLangClient._request` raised for,
-    None for other errors. (Kept on the instance, not in a subclass: the fan-out
-    renames aiosync errors by their exact type.)"""
-    status = vars(exc).get("http_status")
-    return status if isinstance(status, int) else None
+        return answer_body(response)
 
 
 def _check_success(path: str, answer: Any) -> None:

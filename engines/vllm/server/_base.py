@@ -18,7 +18,13 @@ import httpx
 from aiosync._config import DEFAULT_RPC_TIMEOUT_S
 from aiosync.engines._gate import AdmissionGate
 from aiosync.engines._generate import GenerateFromMeta
-from aiosync.engines._http import http_client, http_errors, request_timeout
+from aiosync.engines._http import (
+    answer_body,
+    http_client,
+    http_errors,
+    http_status,
+    request_timeout,
+)
 from aiosync.engines._routes import check_request
 from aiosync.engines.vllm._checksums import RecordedChecksums
 from aiosync.engines.vllm._dp import WEIGHT_RPCS
@@ -39,7 +45,6 @@ from aiosync.engines.vllm.server._wire import (
     OPTIONAL_ROUTES,
     ROUTES,
     RouteMissingError,
-    _http_status,
     _int_field,
     _log,
     _query,
@@ -153,15 +158,10 @@ class _ServerBase(GenerateFromMeta):
         try:
             _raise_for_status(response, where, path, "Authorization" in self._client.headers)
         except TransportError as exc:
-            if _http_status(exc) == 404 and path in OPTIONAL_ROUTES:
+            if http_status(exc) == 404 and path in OPTIONAL_ROUTES:
                 raise RouteMissingError(self.base_url, path, OPTIONAL_ROUTES[path]) from exc
             raise
-        if not response.content:
-            return None
-        try:
-            return response.json()
-        except ValueError:
-            return response.text
+        return answer_body(response)
 
     # -- which routes the server has: /openapi.json, once ---------------------------
 
@@ -182,7 +182,7 @@ class _ServerBase(GenerateFromMeta):
             try:
                 spec = await self._request("GET", "/openapi.json")
             except TransportError as exc:
-                status = _http_status(exc)
+                status = http_status(exc)
                 if status is None:
                     raise  # unreachable: the call that wanted the route would fail too
                 self._schema_hidden = status == 404
@@ -261,7 +261,7 @@ class _ServerBase(GenerateFromMeta):
                 f"({self.base_url})"
             ) from exc
         except TransportError as exc:
-            status = _http_status(exc)
+            status = http_status(exc)
             message = str(vars(exc).get("server_message", ""))
             if status == 400 and "JSON serializable" in message:
                 raise TransportError(

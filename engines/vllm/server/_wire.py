@@ -142,11 +142,6 @@ def _raise_for_status(response: httpx.Response, where: str, path: str, keyed: bo
     raise error
 
 
-def _http_status(exc: TransportError) -> int | None:
-    status = vars(exc).get("http_status")
-    return status if isinstance(status, int) else None
-
-
 def _server_message(response: httpx.Response) -> str:
     """The server's own words: ``error.message`` (vLLM's ``ErrorResponse``),
     ``error`` (the RL routes), ``detail`` (FastAPI), or the text."""
