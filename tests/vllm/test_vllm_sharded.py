@@ -21,16 +21,23 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: run .ci/vllm.sh (.venv-vllm)")
 
-from vllm_helpers import NEW_TOKENS, PROMPTS, trainer_greedy
+from vllm_helpers import (
+    NEW_TOKENS,
+    PROMPTS,
+    engine_options,
+    gloo_collective,
+    nudge_tensors,
+    read_weights,
+    trainer_greedy,
+)
 
 from aiosync import TrainCluster, create_weight_synchronizer
 from aiosync.engines.embedded.configs import TINY_QWEN3
-from aiosync.engines.vllm.backend import WORKER_EXTENSION, VLLMGenerationBackend
+from aiosync.engines.vllm.backend import VLLMGenerationBackend
 from aiosync.errors import TransportError
 from aiosync.layout import Layout, Part, box_of
 from aiosync.refit import DTensorRefitSource
 from aiosync.transports.collective import CollectiveWeightSynchronizer
-from aiosync.transports.packing import dtype_from_name
 from aiosync.transports.sharded import ShardedWeightSynchronizer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -66,26 +73,12 @@ def part_of(full: torch.Tensor, part: Part) -> torch.Tensor:
     return full[tuple(slice(lo, hi) for lo, hi in box_of(part))]
 
 
-async def read_held(backend: Any, names: list[str]) -> list[dict[str, torch.Tensor]]:
-    """Each worker's live tensors under HF names, read back through vLLM's kernels
-    (``aiosync_vllm_read_weights``: this worker's slice, with any vocabulary padding)."""
-    replies = await backend.collective_rpc("aiosync_vllm_read_weights", (names,))
-    out = []
-    for read in replies:
-        tensors = {}
-        for name, shape, dtype, raw in read:
-            flat = torch.frombuffer(bytearray(raw), dtype=dtype_from_name(dtype))
-            tensors[name] = flat.reshape(shape)
-        out.append(tensors)
-    return out
-
-
 async def assert_workers_hold(
     backend: Any, layouts: list[Layout], full: Mapping[str, torch.Tensor]
 ) -> None:
     """Every worker holds ``full[box_of(part)]`` of every tensor of its layout,
     bit for bit; a vocabulary's padding rows (beyond the part) are not compared."""
-    held = await read_held(backend, sorted(full))
+    held = await read_weights(backend, sorted(full))
     for worker, (layout, tensors) in enumerate(zip(layouts, held, strict=True)):
         assert sorted(layout) == sorted(full)
         for name, part in layout.items():
@@ -106,14 +99,11 @@ async def load_through_vllms_loader(
 ) -> dict[str, torch.Tensor]:
     """``model``'s full tensors into the engine through vLLM's own ``load_weights``
     (the broadcast: every worker gets every full tensor and keeps what vLLM keeps)."""
-    sync = CollectiveWeightSynchronizer(
+    sync = gloo_collective(
         DTensorRefitSource(model),
         backend,
-        train_cluster=TrainCluster(master_port=port),
+        port,
         inference_world_size=workers,
-        dist_backend="gloo",
-        collective_timeout_s=120,
-        rpc_timeout_s=120,
     )
     async with sync:
         await sync.init_communicator()
@@ -248,15 +238,7 @@ def tp2_llm(tp2_dir: Path) -> Iterator[Any]:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     try:
         engine = LLM(
-            model=str(tp2_dir),
-            worker_extension_cls=WORKER_EXTENSION,
-            tensor_parallel_size=2,
-            distributed_executor_backend="mp",
-            enforce_eager=True,
-            dtype="float32",
-            max_model_len=128,
-            max_num_seqs=4,
-            seed=0,
+            **engine_options(tp2_dir, tensor_parallel_size=2, distributed_executor_backend="mp")
         )
     finally:
         if saved is None:
@@ -304,7 +286,7 @@ async def test_tp2_each_worker_holds_its_slices_and_a_sharded_sync_sends_only_th
     await sharded_sync_lands_bit_exact(backend, trainer, layouts, free_port(), sharded=None)
     # The tied head computes the logits from its own packed copy on vLLM's CPU
     # worker: the sync refreshed it too (the greedy tokens above depend on it).
-    heads = await read_held(backend, ["lm_head.weight"])
+    heads = await read_weights(backend, ["lm_head.weight"])
     embed = state_dict_of(trainer)["model.embed_tokens.weight"]
     for head, layout in zip(heads, layouts, strict=True):
         part = layout["model.embed_tokens.weight"]
@@ -326,13 +308,7 @@ def nudge_tp2(model: Any, seed: int, per_tensor: int = 9) -> None:
         "model.layers.1.post_attention_layernorm.weight",
         "model.embed_tokens.weight",
     )
-    gen = torch.Generator().manual_seed(seed)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name in names:
-            flat = params[name].view(-1)
-            where = torch.randperm(flat.numel(), generator=gen)[:per_tensor]
-            flat[where] += torch.rand(per_tensor, generator=gen) + 0.5
+    nudge_tensors(model, names, seed, per_tensor)
 
 
 @pytest.mark.parametrize("transport", ["broadcast", "sharded"])
@@ -341,8 +317,7 @@ async def test_tp2_deltas_land_in_each_workers_slices_bit_exact(
 ) -> None:
     from transformers import Qwen3ForCausalLM
 
-    from aiosync import VersionEventKind
-    from tests._support.delta import box_patch_bytes, patch_bytes
+    from tests._support.delta import box_patch_bytes, committed, patch_bytes
 
     backend = VLLMGenerationBackend(tp2_llm)
     layouts = await backend.weight_layouts()
@@ -363,18 +338,10 @@ async def test_tp2_deltas_land_in_each_workers_slices_bit_exact(
         else CollectiveWeightSynchronizer(source, backend, **options)
     )
 
-    async def committed(events: Any) -> tuple[bool, int]:
-        await sync.mark_stale()
-        await sync.sync_weights()
-        while True:
-            event = await events.__anext__()
-            if event.kind is VersionEventKind.COMMITTED:
-                return event.delta, event.nbytes
-
     async with sync, sync.subscribe() as events:
         await sync.init_communicator()
         perturb(trainer, seed=50)
-        delta, _ = await committed(events)
+        delta, _ = await committed(sync, events)
         assert delta is False  # no baseline yet
         status = await backend.collective_rpc("aiosync_vllm_status")
         # Each worker keeps a copy of its own slices only.
@@ -385,7 +352,7 @@ async def test_tp2_deltas_land_in_each_workers_slices_bit_exact(
             before = state_dict_of(trainer)
             nudge_tp2(trainer, seed)
             after = state_dict_of(trainer)
-            delta, nbytes = await committed(events)
+            delta, nbytes = await committed(sync, events)
             assert delta is True
             if transport == "sharded":  # each worker gets the changes inside its boxes
                 assert nbytes == box_patch_bytes(sync.transfer_plan, before, after)
