@@ -21,17 +21,15 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: run .ci/vllm.sh (.venv-vllm)")
 
-from vllm_helpers import NEW_TOKENS, PROMPTS, trainer_greedy
+from vllm_helpers import NEW_TOKENS, PROMPTS, async_llm, gloo_collective, trainer_greedy
 
-from aiosync import EngineFleet, TrainCluster
+from aiosync import EngineFleet
 from aiosync.engines.vllm.backend import (
-    WORKER_EXTENSION,
     DataParallelScope,
     VLLMGenerationBackend,
 )
 from aiosync.errors import TransportError
 from aiosync.refit import DTensorRefitSource
-from aiosync.transports.collective import CollectiveWeightSynchronizer
 from aiosync.transports.ipc import IPCWeightSynchronizer
 from aiosync.transports.packing import dtype_name
 
@@ -100,20 +98,7 @@ def dp_trainer(tiny_qwen3_dir: Path) -> Any:
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def dp_engine(tiny_qwen3_dir: Path) -> AsyncIterator[Any]:
     """``AsyncLLM`` with ``data_parallel_size=2``: two engine cores behind one client."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    args = AsyncEngineArgs(
-        model=str(tiny_qwen3_dir),
-        worker_extension_cls=WORKER_EXTENSION,
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=128,
-        max_num_seqs=4,
-        seed=0,
-        data_parallel_size=2,
-    )
-    engine = AsyncLLM.from_engine_args(args)
+    engine = async_llm(tiny_qwen3_dir, data_parallel_size=2)
     try:
         yield engine
     finally:
@@ -167,15 +152,12 @@ async def test_collective_sync_group_holds_every_replicas_workers_at_global_rank
 ) -> None:
     backend = VLLMGenerationBackend(dp_engine)
     policy = DTensorRefitSource(dp_trainer)
-    sync = CollectiveWeightSynchronizer(
+    sync = gloo_collective(
         policy,
         backend,
-        train_cluster=TrainCluster(master_port=free_port()),
+        free_port(),
         inference_world_size=2,  # 2 replicas x 1 worker
-        dist_backend="gloo",
         bucket_bytes=64 * 1024,
-        collective_timeout_s=120,
-        rpc_timeout_s=120,
     )
     async with sync:
         await sync.init_communicator()
