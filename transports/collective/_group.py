@@ -66,7 +66,6 @@ __all__ = [
     "SyncGroup",
     "cancel_formation",
     "create_sync_group",
-    "form_and_agree",
     "open_store",
 ]
 
@@ -574,6 +573,7 @@ def create_sync_group(
     session: str,
     with_data: bool = True,
     every_rank_sends: bool = False,
+    verdict: tuple[int, str, str] | None = None,
 ) -> SyncGroup:
     """Build the session's groups over ``store`` (from :func:`open_store`; blocking).
 
@@ -582,6 +582,9 @@ def create_sync_group(
     (the trainer ranks' own group, which agrees on outcomes and never broadcasts).
     ``every_rank_sends=True`` puts every rank in the data group at its session rank
     (the shard-aware transport's point-to-point traffic: every trainer rank sends).
+    ``verdict`` (this rank's status, message and plan digest): the ranks then
+    :meth:`SyncGroup.agree` on it before the group is returned; a group whose vote
+    failed is destroyed before that error is raised.
 
     If this rank's part fails, it cancels the formation (:func:`cancel_formation`)
     before raising, so the other ranks give up at once too; it gives up itself as
@@ -625,7 +628,7 @@ def create_sync_group(
         if error is exc:
             raise
         raise error from exc
-    return SyncGroup(
+    group = SyncGroup(
         rank=rank,
         world_size=world_size,
         train_world_size=train_world_size,
@@ -638,43 +641,10 @@ def create_sync_group(
         session=session,
         rendezvous=rendezvous,
     )
-
-
-def form_and_agree(
-    verdict: tuple[int, str, str],
-    *,
-    store: dist.Store,
-    rank: int,
-    world_size: int,
-    train_world_size: int,
-    backend: str,
-    device: torch.device,
-    timeout_s: float,
-    session: str,
-    every_rank_sends: bool = False,
-) -> SyncGroup:
-    """:func:`create_sync_group`, then :meth:`SyncGroup.agree` on this rank's
-    ``verdict`` (status, message, plan digest): the group every rank formed and agreed
-    on. A group whose vote failed is destroyed before the error is raised.
-
-    Raises:
-        As :func:`create_sync_group` and :meth:`SyncGroup.agree` (the same error on
-        every rank when one voted a failure or the digests differ).
-    """
-    group = create_sync_group(
-        store=store,
-        rank=rank,
-        world_size=world_size,
-        train_world_size=train_world_size,
-        backend=backend,
-        device=device,
-        timeout_s=timeout_s,
-        session=session,
-        every_rank_sends=every_rank_sends,
-    )
-    try:
-        group.agree(*verdict)
-    except BaseException:
-        group.destroy()
-        raise
+    if verdict is not None:
+        try:
+            group.agree(*verdict)
+        except BaseException:
+            group.destroy()
+            raise
     return group

@@ -33,7 +33,6 @@ from ._group import (
     SyncGroup,
     cancel_formation,
     create_sync_group,
-    form_and_agree,
     open_store,
 )
 from ._loops import RotatingBuffers
@@ -98,12 +97,20 @@ class GroupSession(WeightSynchronizer):
         other trainer ranks never join it)."""
         return 1 + self.inference_world_size
 
-    async def _form_group(self) -> None:
+    def _check_backend(self) -> None:
+        """Refuse a group that cannot form here: nccl without a visible GPU.
+
+        Raises:
+            TransportError: ``dist_backend='nccl'`` without CUDA (says to use gloo).
+        """
         if self.dist_backend == "nccl" and not torch.cuda.is_available():
             raise TransportError(
                 "dist_backend='nccl' needs a CUDA build of torch and a visible GPU; "
                 "use dist_backend='gloo' on CPU"
             )
+
+    async def _form_group(self) -> None:
+        self._check_backend()
         await self._teardown(notify_workers=False)
         manifest = await self._read_manifest()
         plan = plan_buckets(manifest, self.bucket_bytes)
@@ -142,24 +149,11 @@ class GroupSession(WeightSynchronizer):
             return self._store
 
         def join_trainers() -> SyncGroup | None:
-            if tc.world_size == 1:
-                return None
-            return create_sync_group(
-                store=store(),
-                rank=tc.rank,
-                world_size=tc.world_size,
-                train_world_size=tc.world_size,
-                backend="gloo",
-                device=torch.device("cpu"),
-                timeout_s=self._trainer_timeout(),
-                session=f"{session}/trainers",
-                with_data=False,
-            )
+            return None if tc.world_size == 1 else self._join_trainers(store(), session)
 
         def join_engine() -> SyncGroup:
             # The engine's session holds the source alone on the trainer side.
-            return form_and_agree(
-                (STATUS_OK, "", plan.digest),
+            return create_sync_group(
                 store=store(),
                 rank=0,
                 world_size=self.world_size,
@@ -168,6 +162,7 @@ class GroupSession(WeightSynchronizer):
                 device=self.device,
                 timeout_s=self.collective_timeout_s,
                 session=session,
+                verdict=(STATUS_OK, "", plan.digest),
             )
 
         trainers = await self._in_thread(join_trainers, self._formation_limit())
@@ -197,6 +192,22 @@ class GroupSession(WeightSynchronizer):
         if trainers is not None and self._heartbeat is None:
             self._heartbeat = Heartbeat(self._store, tc.rank)
         self._buffers = RotatingBuffers(plan, self.device) if self.is_source else None
+
+    def _join_trainers(self, store: Any, session: str) -> SyncGroup:
+        """Blocking: form the trainer ranks' control-only gloo group of ``session`` over
+        ``store`` (several trainer ranks: it agrees on formations, never broadcasts)."""
+        tc = self.train_cluster
+        return create_sync_group(
+            store=store,
+            rank=tc.rank,
+            world_size=tc.world_size,
+            train_world_size=tc.world_size,
+            backend="gloo",
+            device=torch.device("cpu"),
+            timeout_s=self._trainer_timeout(),
+            session=f"{session}/trainers",
+            with_data=False,
+        )
 
     async def _join_engine(
         self, join: Callable[[], SyncGroup], plan: BucketPlan, session: str

@@ -36,7 +36,7 @@ from ._group import (
     STATUS_OK,
     SyncGroup,
     cancel_formation,
-    form_and_agree,
+    create_sync_group,
     open_store,
 )
 from ._loops import RotatingBuffers, receive_buckets
@@ -189,8 +189,7 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
             raise
         # Join even after a local mismatch, so that the vote tells every rank
         # (create_sync_group cancels the formation itself if it fails here).
-        group = form_and_agree(
-            (status, message, digest),
+        group = create_sync_group(
             store=store,
             rank=rank,
             world_size=world_size,
@@ -199,6 +198,7 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
             device=_device_for(backend),
             timeout_s=timeout_s,
             session=session,
+            verdict=(status, message, digest),
         )
         assert parsed is not None  # a parse failure voted a mismatch above
         self._aiosync_collective = _ReceiverState(

@@ -54,6 +54,7 @@ from ._p2p import (
     _finish,
     _handshake,
     _Link,
+    _packing_failure,
     _Receiver,
     _Sender,
     _status_of,
@@ -346,13 +347,8 @@ class _MooncakeSender(_Sender):
                 if failure is None:
                     try:
                         buf = self._stage(bucket, slot)
-                    except SyncError as exc:
-                        failure = exc
                     except Exception as exc:
-                        failure = TransportError(
-                            f"{_describe(me, senders)} failed packing bucket {step} for "
-                            f"inference worker {w}: {exc!r}"
-                        )
+                        failure = _packing_failure(exc, me, senders, step, w)
                     else:
                         end = ends[w]
                         what = f"write of bucket {step} to inference worker {w}"

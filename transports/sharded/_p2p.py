@@ -185,6 +185,17 @@ class _AllOf:
             work.wait(timeout)
 
 
+def _packing_failure(exc: Exception, me: int, senders: int, step: int, worker: int) -> SyncError:
+    """What a sender reports when packing bucket ``step`` for inference ``worker`` raised
+    ``exc``: an aiosync error as it is, any other wrapped in a TransportError naming both."""
+    if isinstance(exc, SyncError):
+        return exc
+    return TransportError(
+        f"{_describe(me, senders)} failed packing bucket {step} for "
+        f"inference worker {worker}: {exc!r}"
+    )
+
+
 def _describe(rank: int, senders: int) -> str:
     return f"trainer rank {rank}" if rank < senders else f"inference worker {rank - senders}"
 
@@ -349,13 +360,8 @@ class _Sender:
                 if failure is None:
                     try:
                         buf = self._pack(bucket, slot)
-                    except SyncError as exc:
-                        failure = exc
                     except Exception as exc:
-                        failure = TransportError(
-                            f"{_describe(me, senders)} failed packing bucket {step} for "
-                            f"inference worker {w}: {exc!r}"
-                        )
+                        failure = _packing_failure(exc, me, senders, step, w)
                 if buf is None:
                     # After a failure: the receiver's loop still expects these bytes.
                     buf = self._buffer(w, slot, bucket.nbytes)

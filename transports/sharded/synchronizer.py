@@ -32,7 +32,6 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
-import torch
 
 from aiosync._config import DEFAULT_EVENT_BACKLOG, Timeouts
 from aiosync._delta_refit import DeltaRefit
@@ -49,7 +48,6 @@ from ..collective._group import (
     STATUS_OK,
     SyncGroup,
     create_sync_group,
-    form_and_agree,
     open_store,
 )
 from ..collective._votes import GroupRanks, agree_formation
@@ -235,11 +233,7 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
         )
 
     async def _form_group(self) -> None:
-        if self.dist_backend == "nccl" and not torch.cuda.is_available():
-            raise TransportError(
-                "dist_backend='nccl' needs a CUDA build of torch and a visible GPU; "
-                "use dist_backend='gloo' on CPU"
-            )
+        self._check_backend()
         await self._teardown(notify_workers=False)
         self._transfer_plan = None
         manifest = await self._read_manifest()
@@ -250,18 +244,7 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
         trainers: SyncGroup | None = None
         if tc.world_size > 1:
             trainers = await self._in_thread(
-                lambda: create_sync_group(
-                    store=self._store,
-                    rank=tc.rank,
-                    world_size=tc.world_size,
-                    train_world_size=tc.world_size,
-                    backend="gloo",
-                    device=torch.device("cpu"),
-                    timeout_s=self._trainer_timeout(),
-                    session=f"{session}/trainers",
-                    with_data=False,
-                ),
-                self._formation_limit(),
+                lambda: self._join_trainers(self._store, session), self._formation_limit()
             )
         try:
             spec = await self._agree_on_layouts(manifest, trainers)
@@ -371,8 +354,7 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
         tc = self.train_cluster
 
         def join() -> SyncGroup:
-            return form_and_agree(
-                (STATUS_OK, "", plan.digest),
+            return create_sync_group(
                 store=self._store,
                 rank=tc.rank,
                 world_size=self.world_size,
@@ -382,6 +364,7 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
                 timeout_s=self.collective_timeout_s,
                 session=session,
                 every_rank_sends=True,
+                verdict=(STATUS_OK, "", plan.digest),
             )
 
         if not self.is_source:

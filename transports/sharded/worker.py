@@ -32,7 +32,7 @@ from ..collective._group import (
     STATUS_OK,
     SyncGroup,
     cancel_formation,
-    form_and_agree,
+    create_sync_group,
     open_store,
 )
 from ..packing import dtype_from_name
@@ -208,8 +208,7 @@ class ShardedWorkerMixin(WorkerIdentityMixin):
                 store, session, f"engine worker {worker} failed: {type(exc).__name__}: {exc}"
             )
             raise
-        group = form_and_agree(
-            (status, message, digest),
+        group = create_sync_group(
             store=store,
             rank=train_world_size + worker,
             world_size=world_size,
@@ -219,6 +218,7 @@ class ShardedWorkerMixin(WorkerIdentityMixin):
             timeout_s=timeout_s,
             session=session,
             every_rank_sends=True,
+            verdict=(status, message, digest),
         )
         assert parsed is not None  # a parse failure voted a mismatch above
         self._aiosync_sharded = _State(group, parsed, owner, data_plane)
