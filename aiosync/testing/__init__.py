@@ -3,7 +3,7 @@
 - :class:`StateDictSource`: a ``RefitSource`` over an ordered ``{hf_name: tensor}`` dict.
 - :mod:`aiosync.testing.sglang_server`: a stand-in for SGLang's HTTP server on the embedded
   engine, ``python -m aiosync.testing.sglang_server --model-config qwen3-tiny``
-  (``docs/sglang-test-server.md``; it lives in ``aiosync/engines/sglang/contract_server.py``).
+  (``docs/sglang-test-server.md``; it lives in ``aiosync/engines/sglang/contract_server/``).
   Not imported here: it loads transformers.
 
 A source over an ``nn.Module`` (vLLM calls it ``ModuleSource``) is
