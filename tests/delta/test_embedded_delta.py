@@ -115,7 +115,8 @@ TRANSPORTS = {
         build=_collective,
         module="aiosync.transports.collective.synchronizer",
         kill_at=lambda n: 3,  # worker 0 has written patches: a mix of two versions
-        died="",
+        # The dead worker named, not the survivor whose collective lost it.
+        died=r"engine worker\(s\) \[1\] died \(worker 1: process \d+ exited with code -9\)",
         check="_workers_hold_baseline",
         skip_check=lambda sync: _true,
         reinit=True,
