@@ -17,7 +17,8 @@ collective drive the workers), :class:`Generating` (the rollout loop) and
 :class:`ConfigReporting` (checks before a sync), :class:`LayoutReporting` (the
 shard-aware transport) and :class:`EngineSet` (a fleet), :class:`ElasticEngines`
 (a fleet that sets failed engines aside) and :class:`HealthReporting` (how it
-tells them), :class:`RestartReporting` (a server restarted behind its URL),
+tells them), :class:`RollingEngines` (a fleet refit in waves),
+:class:`RestartReporting` (a server restarted behind its URL),
 :class:`KindReporting` (which engine it is: the factory picks the transport by it),
 :class:`ChecksumVerifying` (``verify_engine()`` asks the engine to compare its own
 weight checksums with those it recorded at the last commit),
@@ -65,6 +66,7 @@ __all__ = [
     "ManifestReporting",
     "PausableEngine",
     "RestartReporting",
+    "RollingEngines",
     "SleepReporting",
     "ValidityReporting",
     "VersionedEngine",
@@ -346,6 +348,36 @@ class ElasticEngines(Protocol):
 
     def take_joined(self) -> list[str]:
         """The engines that went into service at the last commit (each reported once)."""
+        ...
+
+
+@runtime_checkable
+class RollingEngines(Protocol):
+    """A fleet refit in waves (an :class:`~aiosync.EngineFleet` with
+    ``refit="rolling"``): the synchronizer moves one version to each wave in turn
+    while the engines outside it keep serving the version they hold.
+
+    :meth:`begin_wave` narrows the fleet to the wave (its ``engines``, what the
+    transport reaches, and its ``membership_epoch`` moves, so the transport re-forms
+    over them); the wave's engines take no new requests until :meth:`end_wave`.
+    """
+
+    @property
+    def rolling(self) -> bool:
+        """True when syncs go in waves (``refit="rolling"``)."""
+        ...
+
+    def waves(self) -> list[list[Any]]:
+        """The next sync's waves, in order: every engine in the sync exactly once."""
+        ...
+
+    def begin_wave(self, engines: Sequence[Any]) -> None:
+        """Narrow the fleet to ``engines`` (one of :meth:`waves`) for a sync's transfer."""
+        ...
+
+    def end_wave(self, *, committed: bool) -> None:
+        """Widen the fleet again; ``committed=False``: the wave's engines may hold part
+        of a version and serve nothing until a later sync commits them. No wave: no-op."""
         ...
 
 

@@ -42,16 +42,24 @@ from .capabilities import (
     DiscardNotifier,
     ElasticEngines,
     Engine,
+    EngineSet,
     EngineWorkers,
     InFlightPolicy,
     PausableEngine,
+    RollingEngines,
     VersionedEngine,
     WorkerDescribing,
     engines_of,
     implements,
 )
 from .cluster import Ranks, SingleRank
-from .errors import OwnershipError, RefitVerificationError, SyncError, SyncTimeoutError
+from .errors import (
+    OwnershipError,
+    RefitVerificationError,
+    SyncError,
+    SyncTimeoutError,
+    UnsupportedOptionError,
+)
 from .events import EventSubscription, VersionEventKind, _EventHub
 from .options import TransportCapabilities
 from .sources import ConfigSource, Preflight, RefitManifest, RefitSource
@@ -275,6 +283,29 @@ class WeightSynchronizer:
         #: A delta transport's baseline and which engines hold it (None: every sync is
         #: full). The transport sets it; this class advances and drops the baseline.
         self.delta: DeltaRefit[Any] | None = None
+        self._check_rolling()
+
+    def _check_rolling(self) -> None:
+        """A fleet refit in waves needs a transport that re-forms over part of the fleet
+        (``capabilities.elastic``) and one process driving it.
+
+        Raises:
+            UnsupportedOptionError: either is missing (before anything moves).
+        """
+        fleet = self.generation
+        if not (implements(fleet, RollingEngines) and fleet.rolling):
+            return
+        name = type(self.transport).__name__
+        if not self.transport.capabilities.elastic:
+            raise UnsupportedOptionError(
+                f"EngineFleet(refit='rolling'): {name} cannot address part of the fleet "
+                "(its capabilities.elastic is False); use refit='all'"
+            )
+        if self._sharded():
+            raise UnsupportedOptionError(
+                f"EngineFleet(refit='rolling'): {name} is driven by a sharded trainer's "
+                "ranks, which cannot agree on waves only the driver sees; use refit='all'"
+            )
 
     @property
     def delta_baseline(self) -> Baseline | None:
@@ -548,17 +579,30 @@ class WeightSynchronizer:
             self._events.publish(VersionEventKind.SYNC_STARTED, version)
             start = time.perf_counter()
             pause = _PauseWindow()
+            rolling = self._rolling()
             try:
                 with anyio.fail_after(self.timeouts.sync_s):
                     self._preflight()
-                    moved, discards = await self._elastic_transfer(
-                        version, kv_scales, self._pause_call(policy, pause), discards
-                    )
-                self._check_landed(version, discards)
-                await self._label_engine(version)
+                    if rolling is not None:
+                        moved, longest = await self._rolling_transfer(
+                            rolling, version, kv_scales, policy, pause, discards
+                        )
+                    else:
+                        moved, discards = await self._elastic_transfer(
+                            version, kv_scales, self._pause_call(policy, pause), discards
+                        )
+                if rolling is None:
+                    self._check_landed(version, discards)
+                    await self._label_engine(version)
             except BaseException as exc:
-                raise await self._failed(version, exc, start, pause)  # noqa: B904 (its own cause)
+                error = await self._failed(version, exc, start, pause)
+                if rolling is not None:
+                    rolling.end_wave(committed=False)
+                raise error  # noqa: B904 (its own cause)
             self._commit(version)
+            if rolling is not None:
+                self._publish_committed(version, moved, start, longest)
+                return
             resume_error: BaseException | None = None
             try:
                 pause_s = await self._resume_after(pause.since, failed=False)
@@ -748,6 +792,52 @@ class WeightSynchronizer:
                         VersionEventKind.ENGINE_QUARANTINED, version, error=reason, engine=label
                     )
                 discards = self._discards
+                if implements(fleet, EngineSet) and not cast(EngineSet, fleet).engines:
+                    # A rolling refit's wave whose every engine was set aside: nothing to send.
+                    return 0, discards
+
+    def _rolling(self) -> RollingEngines | None:
+        """The fleet when it is refit in waves (``EngineFleet(refit="rolling")``)."""
+        fleet = self._elastic()
+        if fleet is not None and implements(fleet, RollingEngines):
+            rolling = cast(RollingEngines, fleet)
+            return rolling if rolling.rolling else None
+        return None
+
+    async def _rolling_transfer(
+        self,
+        fleet: RollingEngines,
+        version: int,
+        kv_scales: KVScales | None,
+        policy: InFlightPolicy,
+        pause: _PauseWindow,
+        discards: int,
+    ) -> tuple[Transferred, float]:
+        """A rolling refit: for each of the fleet's waves, narrow the fleet to it,
+        pause it, transfer (:meth:`_elastic_transfer`: quarantine applies within the
+        wave), check that it landed, label its engines and resume them, while the
+        engines outside the wave serve. Returns what moved over all waves and the
+        longest pause of a wave, seconds. On a failure the failed wave stays narrowed,
+        with ``pause`` its window: the caller resumes it, then ends it unfit."""
+        nbytes, delta, longest = 0, True, 0.0
+        unverified: tuple[str, ...] = ()
+        for wave in fleet.waves():
+            fleet.begin_wave(wave)
+            moved, discards = await self._elastic_transfer(
+                version, kv_scales, self._pause_call(policy, pause), discards
+            )
+            self._check_landed(version, discards)
+            await self._label_engine(version)
+            longest = max(longest, await self._resume_after(pause.since, failed=False))
+            pause.since = None
+            fleet.end_wave(committed=True)
+            if isinstance(moved, Transferred):
+                nbytes += moved.nbytes
+                delta = delta and moved.delta
+                unverified = (*unverified, *moved.unverified)
+            else:
+                nbytes, delta = nbytes + int(moved), False
+        return Transferred(nbytes, delta, tuple(dict.fromkeys(unverified))), longest
 
     def _drives_generation(self) -> bool:
         """Whether this process pauses, wakes and labels the engine around a sync

@@ -27,6 +27,23 @@ contiguous over the engines in the sync; each membership change bumps
 :attr:`EngineFleet.membership_epoch`, which makes the synchronizer re-initialize
 before its next transfer.
 
+**Rolling refits** (``refit="rolling"``). One ``sync_weights()`` refits the fleet in
+*waves* of at most ``max_unavailable`` engines (:meth:`EngineFleet.waves`): the
+synchronizer narrows the fleet to a wave (:meth:`EngineFleet.begin_wave`: syncs reach
+only its engines, and the transport re-forms over them), pauses, transfers, labels
+and resumes them, then goes on to the next; meanwhile ``generate`` goes to the
+engines outside the wave, which serve the version they hold, and each
+:class:`~aiosync.Generation` says which version computed it. ``weight_version``
+advances once every wave committed. A wave that fails (or is cancelled) leaves its
+engines *unfit*: they serve nothing until a later sync commits them; the waves
+before it serve the new version, those after it the previous one
+(:attr:`EngineFleet.versions`), so the fleet keeps generating through a failed refit.
+``max_version_lag`` bounds the mix: an engine more versions behind the newest one in
+service takes no new requests until it catches up. Engines joining or unfit go in the
+first wave (they serve nothing, so refitting them costs no capacity). Each wave
+re-forms the transport (the collective: a group over the wave's workers), so a wave
+costs one formation besides its transfer.
+
 Capabilities (:mod:`aiosync.capabilities`) when some members lack one: what a
 member can skip without lying the fleet forwards to the members that have it
 (:class:`~aiosync.capabilities.PausableEngine`, ``VersionedEngine``,
@@ -69,10 +86,16 @@ from aiosync.lora import LoRAAdapter, LoRAEngine
 from ._generate import GenerateFromMeta
 
 if TYPE_CHECKING:
-    from aiosync.capabilities import ElasticEngines, Engine, EngineSet, WorkerDescribing
+    from aiosync.capabilities import (
+        ElasticEngines,
+        Engine,
+        EngineSet,
+        RollingEngines,
+        WorkerDescribing,
+    )
     from aiosync.layout import Layout
 
-__all__ = ["EngineFleet", "LoRAEngine", "OnEngineFailure", "RespawningEngine"]
+__all__ = ["EngineFleet", "FleetRefit", "LoRAEngine", "OnEngineFailure", "RespawningEngine"]
 
 _T = TypeVar("_T")
 _log = logging.getLogger(__name__)
@@ -80,6 +103,10 @@ _log = logging.getLogger(__name__)
 #: What a fleet does with an engine that fails a sync: fail the sync (``"fail"``), or
 #: set the engine aside and commit on the others (``"quarantine"``).
 OnEngineFailure = Literal["fail", "quarantine"]
+
+#: How one ``sync_weights()`` refits a fleet: every engine at once (``"all"``: each is
+#: paused for the transfer), or in waves while the others serve (``"rolling"``).
+FleetRefit = Literal["all", "rolling"]
 
 #: The keywords of generate_with_meta that are sampling parameters (the rest
 #: are an engine's own, e.g. the embedded engine's ``timeout_s``).
@@ -109,10 +136,22 @@ class EngineFleet(GenerateFromMeta):
         probe_timeout_s: limit of the probe of one engine after a failed sync (its
             health check and a round trip to every worker), seconds; an engine
             that does not answer within it is set aside as hung.
+        refit: ``"all"`` (every engine paused for each sync) or ``"rolling"``
+            (waves; see the module docs). A synchronizer whose transport cannot
+            address part of the fleet refuses a rolling fleet at construction.
+        max_unavailable: with ``"rolling"``, the most engines in service refit at
+            once: an int >= 1, or a fraction in (0, 1) of the engines in service
+            (at least 1).
+        max_version_lag: the most versions an engine in service may be behind the
+            newest one in service and still take new requests; None: no bound.
+            An engine that never committed a version (its initial weights) counts
+            as unknown, never behind.
 
     Raises:
         ValueError: no engine, the same engine twice, an unknown
-            ``on_engine_failure``, or ``min_engines`` < 1.
+            ``on_engine_failure`` or ``refit``, ``min_engines`` < 1,
+            ``max_unavailable`` not an int >= 1 nor a fraction in (0, 1), or
+            ``max_version_lag`` < 0.
     """
 
     def __init__(
@@ -122,6 +161,9 @@ class EngineFleet(GenerateFromMeta):
         on_engine_failure: OnEngineFailure = "fail",
         min_engines: int = 1,
         probe_timeout_s: float = 10.0,
+        refit: FleetRefit = "all",
+        max_unavailable: int | float = 1,
+        max_version_lag: int | None = None,
     ) -> None:
         if on_engine_failure not in ("fail", "quarantine"):
             raise ValueError(
@@ -129,12 +171,39 @@ class EngineFleet(GenerateFromMeta):
             )
         if isinstance(min_engines, bool) or not isinstance(min_engines, int) or min_engines < 1:
             raise ValueError(f"min_engines must be an int >= 1, got {min_engines!r}")
+        if refit not in ("all", "rolling"):
+            raise ValueError(f"refit must be 'all' or 'rolling', got {refit!r}")
+        if isinstance(max_unavailable, bool) or not (
+            (isinstance(max_unavailable, int) and max_unavailable >= 1)
+            or (isinstance(max_unavailable, float) and 0.0 < max_unavailable < 1.0)
+        ):
+            raise ValueError(
+                "max_unavailable must be an int >= 1 or a fraction in (0, 1), "
+                f"got {max_unavailable!r}"
+            )
+        if max_version_lag is not None and (
+            isinstance(max_version_lag, bool)
+            or not isinstance(max_version_lag, int)
+            or max_version_lag < 0
+        ):
+            raise ValueError(
+                f"max_version_lag must be None or an int >= 0, got {max_version_lag!r}"
+            )
         # A plain list: engines_of would take a fleet given here for its members.
         #: Every engine ever in the fleet, in order (quarantined ones included).
         self.members: list[Any] = list(engines_of(list(engines)))
         self.on_engine_failure: OnEngineFailure = on_engine_failure
         self.min_engines = min_engines
         self.probe_timeout_s = probe_timeout_s
+        self.refit: FleetRefit = refit
+        self.max_unavailable = max_unavailable
+        self.max_version_lag = max_version_lag
+        # The wave a rolling sync is refitting (None: none); syncs reach only it.
+        self._wave: list[Any] | None = None
+        # By id(): the version each engine serves (from on_weights_committed), and why
+        # an engine in service serves nothing (a failed wave left it unfit).
+        self._versions: dict[int, int] = {}
+        self._unfit: dict[int, str] = {}
         # Membership, by id(): absent = in service.
         self._joining: set[int] = set()
         self._quarantined: dict[int, str] = {}
@@ -162,13 +231,97 @@ class EngineFleet(GenerateFromMeta):
     @property
     def engines(self) -> list[Any]:
         """The engines syncs reach, in order: those in service and those joining
-        (never a quarantined one)."""
-        return [e for e in self.members if id(e) not in self._quarantined]
+        (never a quarantined one); during a rolling refit's wave, the wave's."""
+        scope = self.members if self._wave is None else self._wave
+        return [e for e in scope if id(e) not in self._quarantined]
+
+    def _in_service(self) -> list[Any]:
+        """Neither quarantined nor joining (whatever a rolling refit is doing)."""
+        return [
+            e for e in self.members if id(e) not in self._quarantined and id(e) not in self._joining
+        ]
 
     @property
     def serving(self) -> list[Any]:
-        """The engines in service: generate calls go to these only."""
-        return [e for e in self.engines if id(e) not in self._joining]
+        """The engines new generate calls go to: in service, not left unfit by a failed
+        wave, and, where there are others, neither in the wave a rolling refit is
+        refitting nor more than ``max_version_lag`` versions behind."""
+        fit = [e for e in self._in_service() if id(e) not in self._unfit]
+        current = fit
+        if self.max_version_lag is not None:
+            known = [self._versions[id(e)] for e in fit if id(e) in self._versions]
+            floor = max(known, default=0) - self.max_version_lag
+            current = [e for e in fit if self._versions.get(id(e), floor) >= floor]
+        away = {id(e) for e in self._wave or ()}
+        # With every current engine in the wave, requests wait for its resume.
+        return [e for e in current if id(e) not in away] or current or fit
+
+    @property
+    def versions(self) -> dict[str, int | None]:
+        """``{label: version}`` of every engine not quarantined: the version it last
+        committed (None: none since it started, or it discarded its weights, or a
+        failed wave left it unfit)."""
+        return {
+            self._name(e): self._versions.get(id(e))
+            for e in self.members
+            if id(e) not in self._quarantined
+        }
+
+    @property
+    def unfit(self) -> dict[str, str]:
+        """``{label: reason}`` of the engines a failed wave left serving nothing."""
+        return {self._name(e): why for e in self.members if (why := self._unfit.get(id(e)))}
+
+    # -- rolling refits (RollingEngines) -----------------------------------------
+
+    @property
+    def rolling(self) -> bool:
+        """True when syncs refit the fleet in waves (``refit="rolling"``)."""
+        return self.refit == "rolling"
+
+    def waves(self) -> list[list[Any]]:
+        """The next sync's waves: every engine the sync reaches once, in fleet order, at
+        most ``max_unavailable`` of those in service per wave; the engines that serve
+        nothing (joining, unfit) ride in the first. ``refit="all"``: one wave."""
+        engines = self.engines
+        if not self.rolling:
+            return [engines]
+        idle = [e for e in engines if id(e) in self._joining or id(e) in self._unfit]
+        busy = [e for e in engines if all(e is not i for i in idle)]
+        size = self.max_unavailable
+        if isinstance(size, float):
+            size = max(1, int(size * len(busy)))
+        waves = [busy[i : i + size] for i in range(0, len(busy), size)] or [[]]
+        waves[0] = idle + waves[0]
+        return [wave for wave in waves if wave]
+
+    def begin_wave(self, engines: Sequence[Any]) -> None:
+        """Narrow the fleet to ``engines``: :attr:`engines` (what a sync reaches) is
+        theirs, and the membership epoch moves (the transport re-forms over them).
+
+        Raises:
+            ValueError: a wave is in progress, or an engine is not in the fleet.
+        """
+        if self._wave is not None:
+            raise ValueError("a rolling refit's wave is already in progress")
+        for engine in engines:
+            if all(engine is not e for e in self.engines):
+                raise ValueError(f"{type(engine).__name__} at {id(engine):#x} is not in the sync")
+        self._wave = list(engines)
+        self._membership_changed()
+
+    def end_wave(self, *, committed: bool) -> None:
+        """Widen the fleet again after a wave. ``committed=False`` (its transfer failed
+        or was cancelled): its engines may hold part of a version and are *unfit*, serving
+        nothing until a later sync commits them. No wave in progress: nothing."""
+        if self._wave is None:
+            return
+        if not committed:
+            for engine in self.engines:
+                self._unfit[id(engine)] = "a rolling refit failed while it was in its wave"
+                self._versions.pop(id(engine), None)
+        self._wave = None
+        self._membership_changed()
 
     @property
     def quarantined(self) -> dict[str, str]:
@@ -182,7 +335,7 @@ class EngineFleet(GenerateFromMeta):
         Raises:
             ValueError: ``engine`` is already in the fleet and not quarantined.
         """
-        if any(e is engine for e in self.engines):
+        if any(e is engine and id(e) not in self._quarantined for e in self.members):
             raise ValueError(f"{self._name(engine)} is already in the fleet")
         if not any(e is engine for e in self.members):
             self.members.append(engine)
@@ -223,7 +376,7 @@ class EngineFleet(GenerateFromMeta):
         failed = [(e, why) for e, why in zip(engines, reasons, strict=True) if why is not None]
         if not failed:
             return []
-        left = [e for e in self.serving if all(e is not f for f, _ in failed)]
+        left = [e for e in self._in_service() if all(e is not f for f, _ in failed)]
         if len(left) < self.min_engines:
             # The sync fails with ``error``, which may name a healthy engine (one
             # that waited for the hung one): say which failed the probe.
@@ -440,9 +593,13 @@ class EngineFleet(GenerateFromMeta):
                 await engine.on_weights_committed(version)
 
         await self._on_each(report)
+        committed = self.engines
+        for engine in committed:
+            self._versions[id(engine)] = version
+            self._unfit.pop(id(engine), None)
         # The joining engines received this version whole: they serve from now on.
-        joining = [e for e in self.engines if id(e) in self._joining]
-        self._joining.clear()
+        joining = [e for e in committed if id(e) in self._joining]
+        self._joining.difference_update(id(e) for e in joining)
         self._joined.extend(self._name(e) for e in joining)
 
     async def pause_generation(self, mode: InFlightPolicy, clear_cache: bool = True) -> None:
@@ -527,6 +684,7 @@ class EngineFleet(GenerateFromMeta):
         make the engines in service stale (case C36)."""
         if id(engine) in self._quarantined:
             return
+        self._versions.pop(id(engine), None)
         self._forget_ranks()
         for listener in list(self._listeners):
             listener()
@@ -685,5 +843,6 @@ if TYPE_CHECKING:
         LoRAEngine,
         ElasticEngines,
         HealthReporting,
+        RollingEngines,
     ]:
-        return (f, f, f, f, f, f, f, f, f, f, f, f, f, f)
+        return (f, f, f, f, f, f, f, f, f, f, f, f, f, f, f)
