@@ -71,16 +71,26 @@ def _resolve_targets(
     manifest: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
     layout: Mapping[str, Part],
 ) -> dict[str, torch.Tensor]:
-    """``{checkpoint name: view of the in-memory tensor it is loaded into}``, each of
-    the shape of the part held (``layout[name].local_shape``); ``named``: the model's
-    tensors by name (:func:`_named_tensors`)."""
+    """``{checkpoint name: view of the in-memory tensor it is loaded into}`` for every
+    name ``layout`` holds (manifest order), each of the shape of the part held
+    (``layout[name].local_shape``); ``named``: the model's tensors by name
+    (:func:`_named_tensors`). An expert-parallel rank's fused experts hold a
+    contiguous range of experts: its first held expert is index 0 in memory."""
     tensors = {name: t.detach() for name, t in named.items()}
+    first_expert: dict[str, int] = {}
+    for name in layout:
+        match = _EXPERT_NAME.match(name)
+        if match is not None:
+            e = int(match["e"])
+            first_expert[match["experts"]] = min(e, first_expert.get(match["experts"], e))
     targets: dict[str, torch.Tensor] = {}
     for name, (_, dtype) in manifest.items():
+        if name not in layout:
+            continue  # another expert-parallel rank's expert
         shape = layout[name].local_shape
         view = tensors.get(name)
         if view is None:
-            view = _expert_view(tensors, name)
+            view = _expert_view(tensors, name, first_expert)
         if view is None or tuple(view.shape) != shape or view.dtype != dtype:
             found = None if view is None else (tuple(view.shape), view.dtype)
             raise RefitMismatchError(
@@ -91,21 +101,25 @@ def _resolve_targets(
     return targets
 
 
-def _expert_view(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor | None:
+def _expert_view(
+    tensors: Mapping[str, torch.Tensor], name: str, first_expert: Mapping[str, int]
+) -> torch.Tensor | None:
     """The slice of a fused expert tensor that a per-expert checkpoint name maps to.
 
     ``gate_up_proj [E, 2*Im, H]`` holds the gate in rows ``[:Im]`` and up in
-    ``[Im:]``; ``down_proj [E, H, Im]`` holds expert ``e`` at index ``e``.
+    ``[Im:]``; ``down_proj [E, H, Im]`` holds expert ``e`` at index
+    ``e - first_expert[experts module]`` (0 unless only some experts are held).
     """
     match = _EXPERT_NAME.match(name)
     if match is None:
         return None
-    experts, e, proj = match["experts"], int(match["e"]), match["proj"]
+    experts, proj = match["experts"], match["proj"]
+    e = int(match["e"]) - first_expert.get(experts, 0)
     if proj == "down":
         fused = tensors.get(f"{experts}.down_proj")
-        return None if fused is None or e >= fused.shape[0] else fused[e]
+        return None if fused is None or not 0 <= e < fused.shape[0] else fused[e]
     fused = tensors.get(f"{experts}.gate_up_proj")
-    if fused is None or e >= fused.shape[0]:
+    if fused is None or not 0 <= e < fused.shape[0]:
         return None
     im = fused.shape[1] // 2
     return fused[e, :im] if proj == "gate" else fused[e, im:]

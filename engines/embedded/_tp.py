@@ -19,8 +19,16 @@ keeps only its slice (:func:`tp_layout` says which, in HF checkpoint names and
 
 GQA: the ``K`` key/value heads are split by rank when ``K >= N``; with fewer
 (``N % K == 0``) rank ``r`` holds head ``r * K // N``, replicated as vLLM does.
-MoE experts are TP-sliced (every rank holds every expert's slice), not split
-between ranks.
+
+MoE experts are TP-sliced (every rank holds every expert's slice) unless the
+replica is also expert-parallel (``expert_parallel=M``, ``M`` dividing ``N``, as
+vLLM's ``--enable-expert-parallel`` places them): then rank ``r`` is in EP group
+``r // (N / M)`` and holds whole experts ``[g * E / M, (g + 1) * E / M)`` of that
+group, each cut over the group's ``N / M`` ranks like a dense MLP (``M == N``:
+whole experts, no cut). A name of an expert another rank holds is absent from
+the layout. The router stays replicated; each rank runs the routes to its own
+experts (the others masked, transformers' expert-parallel sentinel) and the
+partial outputs are summed over the replica (transformers' ``AllReduceEP``).
 
 The ranks of a replica meet over a ``TCPStore`` that the engine process serves
 on ``127.0.0.1`` (:func:`open_tp_store`), in a ``ProcessGroupGloo`` built
@@ -56,6 +64,8 @@ from aiosync.errors import SyncError, TransportError
 from aiosync.layout import Part, even_chunks
 from aiosync.transports._wire import decode, encode
 
+from ._targets import _EXPERT_NAME
+
 if TYPE_CHECKING:
     from .model import HFModelRunner
 
@@ -66,6 +76,7 @@ __all__ = [
     "TPGroup",
     "TPSpec",
     "TensorParallel",
+    "check_expert_parallel",
     "check_tensor_parallel",
     "open_tp_store",
     "tp_layout",
@@ -124,6 +135,8 @@ class TPSpec:
             entry 0, is unused).
         timeout_s: limit of the group's formation, seconds.
         collective_timeout_s: limit of each collective, seconds.
+        expert_parallel: expert-parallel groups the replica's ranks form (``M``,
+            dividing ``size``; 1: every rank holds a slice of every expert).
     """
 
     rank: int
@@ -134,6 +147,7 @@ class TPSpec:
     endpoints: tuple[str, ...]
     timeout_s: float
     collective_timeout_s: float = DEFAULT_TP_TIMEOUT_S
+    expert_parallel: int = 1
 
 
 def open_tp_store(timeout_s: float) -> dist.TCPStore:
@@ -234,8 +248,9 @@ def _get(config: Mapping[str, Any] | object, key: str) -> Any:
     return getattr(config, key, None)
 
 
-def check_tensor_parallel(config: Mapping[str, Any] | object, size: int) -> None:
-    """Raise ValueError unless ``config`` (an HF config or its dict) splits over ``size`` ranks.
+def check_tensor_parallel(config: Mapping[str, Any] | object, size: int, ep: int = 1) -> None:
+    """Raise ValueError unless ``config`` (an HF config or its dict) splits over ``size``
+    ranks, its experts over ``ep`` expert-parallel groups of them.
 
     A key the config lacks is not checked (a dict may rely on transformers'
     defaults; the worker checks the full config again).
@@ -243,7 +258,8 @@ def check_tensor_parallel(config: Mapping[str, Any] | object, size: int) -> None
     Raises:
         ValueError: a model type :func:`tp_layout` does not know, or heads,
             key/value heads, (MoE) intermediate size or vocabulary not divisible
-            as Megatron TP needs (``K % N == 0`` or ``N % K == 0`` for GQA).
+            as Megatron TP needs (``K % N == 0`` or ``N % K == 0`` for GQA); or
+            as :func:`check_expert_parallel`.
     """
     model_type = _get(config, "model_type")
     if model_type is not None and model_type not in TP_MODEL_TYPES:
@@ -251,16 +267,48 @@ def check_tensor_parallel(config: Mapping[str, Any] | object, size: int) -> None
             f"tensor_parallel_size > 1 supports model types {sorted(TP_MODEL_TYPES)}, "
             f"got {model_type!r}"
         )
+    check_expert_parallel(config, size, ep)
+    # The experts' intermediate size is cut over an EP group's ranks only.
+    cuts = {"moe_intermediate_size": size // ep}
     for key in ("num_attention_heads", "intermediate_size", "moe_intermediate_size", "vocab_size"):
         value = _get(config, key)
-        if value is not None and int(value) % size:
-            raise ValueError(f"{key}={value} is not divisible by tensor_parallel_size={size}")
+        by = cuts.get(key, size)
+        if value is not None and int(value) % by:
+            what = "tensor_parallel_size" if by == size else "tensor_parallel_size // ep"
+            raise ValueError(f"{key}={value} is not divisible by {what}={by}")
     kv = _get(config, "num_key_value_heads")
     if kv is not None and int(kv) % size and size % int(kv):
         raise ValueError(
             f"num_key_value_heads={kv} and tensor_parallel_size={size}: one must divide the "
             "other (fewer heads than ranks are replicated, as vLLM does)"
         )
+
+
+def check_expert_parallel(config: Mapping[str, Any] | object, size: int, ep: int) -> None:
+    """Raise ValueError unless ``ep`` expert-parallel groups fit ``size`` ranks and the
+    config's experts (``ep == 1``: nothing to check).
+
+    Raises:
+        ValueError: ``ep < 1``, ``size % ep``, a model without experts
+            (``num_experts`` 0 or absent, a ``model_type`` other than ``qwen3_moe``),
+            or ``num_experts % ep``.
+    """
+    if ep == 1:
+        return
+    if ep < 1 or size % ep:
+        raise ValueError(
+            f"expert_parallel_size={ep} must divide tensor_parallel_size={size} (the "
+            "replica's ranks form the expert-parallel groups)"
+        )
+    model_type = _get(config, "model_type")
+    experts = _get(config, "num_experts")
+    if model_type not in (None, "qwen3_moe") or not experts:
+        raise ValueError(
+            f"expert_parallel_size > 1 needs a Qwen3-MoE model with experts, got model "
+            f"type {model_type!r} with num_experts={experts!r}"
+        )
+    if int(experts) % ep:
+        raise ValueError(f"num_experts={experts} is not divisible by expert_parallel_size={ep}")
 
 
 def _head_dim(config: object) -> int:
@@ -275,26 +323,42 @@ def tp_layout(
     config: object,
     rank: int,
     size: int,
+    ep: int = 1,
 ) -> dict[str, Part]:
     """The :class:`Part` of each checkpoint tensor that TP rank ``rank`` of ``size`` holds.
 
     Args:
         manifest: the FULL checkpoint's ``{hf_name: (shape, dtype)}`` (the model's
             ``save_pretrained`` names; a tied ``lm_head`` absent).
-        config: the model's HF config (``head_dim``, ``num_key_value_heads``).
+        config: the model's HF config (``head_dim``, ``num_key_value_heads``,
+            ``num_experts``).
+        ep: expert-parallel groups of the ``size`` ranks (see the module); 1: none.
 
     Returns:
-        ``{hf_name: part}`` for every name of ``manifest``, in its order:
-        column-parallel and vocab-parallel tensors cut along dim 0, row-parallel
-        ones along dim 1, the rest :meth:`Part.whole`.
+        ``{hf_name: part}`` in ``manifest`` order: column-parallel and
+        vocab-parallel tensors cut along dim 0, row-parallel ones along dim 1,
+        the rest :meth:`Part.whole`. With ``ep > 1`` only the experts of this
+        rank's EP group (``mlp.experts.{e}.*``), each cut over the group's
+        ``size // ep`` ranks; the names of other experts are absent.
 
     Raises:
         ValueError: as :func:`check_tensor_parallel`.
     """
-    check_tensor_parallel(config, size)
+    check_tensor_parallel(config, size, ep)
     head_dim = _head_dim(config)
+    experts = int(_get(config, "num_experts") or 0)
+    group_size = size // ep
+    group, within = divmod(rank, group_size)
     layout: dict[str, Part] = {}
     for name, (shape, _) in manifest.items():
+        expert = _EXPERT_NAME.match(name) if ep > 1 else None
+        if expert is not None:
+            first, count = even_chunks(experts, ep)[group]
+            if first <= int(expert["e"]) < first + count:
+                # One expert's projection, cut over the EP group's ranks like a dense MLP.
+                dim = 1 if expert["proj"] == "down" else 0
+                layout[name] = Part(shape, dim, *_even(shape[dim], within, group_size, name))
+            continue
         kind = next((kind for pattern, kind in _RULES if pattern.search(name)), None)
         if kind is None or not shape:
             layout[name] = Part.whole(shape)
@@ -396,8 +460,8 @@ def _shard_modules(model: nn.Module, layout: Mapping[str, Part], group: TPGroup)
                 if module is head:
                     module.__class__ = _VocabParallelHead
             module.tp_group = group
-        elif f"{prefix}0.gate_proj.weight" in layout and hasattr(module, "gate_up_proj"):
-            _shard_experts(module, prefix, layout, group)
+        elif hasattr(module, "gate_up_proj") and (held := _held_experts(layout, prefix)):
+            _shard_experts(module, prefix, held, layout, group)
     if tied:
         # The tied head is absent from the checkpoint: it shares the embedding's rows.
         assert head is not None
@@ -415,22 +479,63 @@ def _shard_modules(model: nn.Module, layout: Mapping[str, Part], group: TPGroup)
             module.num_key_value_groups = q_heads // kv_heads
 
 
-def _shard_experts(module: Any, prefix: str, layout: Mapping[str, Part], group: TPGroup) -> None:
-    """TP-slice fused experts (transformers 5: ``gate_up_proj [E, 2*Im, H]`` with the
-    gate rows first, ``down_proj [E, H, Im]``): every expert keeps the same slice."""
-    gate = layout[f"{prefix}0.gate_proj.weight"]
-    up = layout[f"{prefix}0.up_proj.weight"]
-    down = layout[f"{prefix}0.down_proj.weight"]
-    gate_up = module.gate_up_proj
+def _held_experts(layout: Mapping[str, Part], prefix: str) -> range:
+    """The experts of the fused module at ``prefix`` (``...mlp.experts.``) whose
+    checkpoint names ``layout`` holds (empty: not an experts module, or none held).
+
+    Raises:
+        ValueError: the experts held are not one contiguous range.
+    """
+    held = sorted(
+        {
+            int(match["e"])
+            for name in layout
+            if (match := _EXPERT_NAME.match(name)) is not None and match["experts"] == prefix[:-1]
+        }
+    )
+    if not held:
+        return range(0)
+    experts = range(held[0], held[-1] + 1)
+    if len(held) != len(experts):
+        raise ValueError(f"{prefix}: the experts held are not contiguous: {held}")
+    return experts
+
+
+def _shard_experts(
+    module: Any, prefix: str, held: range, layout: Mapping[str, Part], group: TPGroup
+) -> None:
+    """Keep experts ``held`` of fused experts (transformers 5: ``gate_up_proj [E, 2*Im, H]``
+    with the gate rows first, ``down_proj [E, H, Im]``), each TP-sliced as ``layout``
+    says (every expert the same slice), and sum the partial outputs over the replica."""
+    first = held[0]
+    gate = layout[f"{prefix}{first}.gate_proj.weight"]
+    up = layout[f"{prefix}{first}.up_proj.weight"]
+    down = layout[f"{prefix}{first}.down_proj.weight"]
+    total = int(module.gate_up_proj.shape[0])
+    gate_up = module.gate_up_proj[held.start : held.stop]
     im = gate_up.shape[1] // 2
     # The local tensor keeps the fused order: this rank's gate rows, then its up rows.
     local = torch.cat(
         [_narrow(gate_up, gate, offset=1), _narrow(gate_up[:, im:], up, offset=1)], dim=1
     )
     _replace(module, "gate_up_proj", local)
-    _replace(module, "down_proj", _narrow(module.down_proj, down, offset=1))
+    _replace(module, "down_proj", _narrow(module.down_proj[held.start : held.stop], down, offset=1))
     if hasattr(module, "intermediate_dim"):
         module.intermediate_dim = gate.length
+    if len(held) < total:
+        # Expert parallelism: transformers' experts forward skips local id
+        # ``num_experts`` (its EP sentinel); the routes to other ranks' experts become
+        # that id with weight 0, as its AllReduceEP does.
+        module.num_experts = len(held)
+        module._is_expert_parallel = True
+
+        def localize(_module: nn.Module, args: Any) -> Any:
+            hidden, index, weights = args
+            off_rank = (index < held.start) | (index >= held.stop)
+            local = torch.where(off_rank, len(held), index - held.start)
+            return hidden, local, weights.masked_fill(off_rank, 0.0)
+
+        module.register_forward_pre_hook(localize)
 
     def reduce(_module: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
         # The routing-weighted sum of the experts' partial outputs is linear: sum it once.
@@ -510,12 +615,13 @@ class TensorParallel:
         self, model: nn.Module, manifest: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
     ) -> dict[str, Part]:
         """Cut ``model`` (the full model, built from its config) to this rank's slice,
-        in place; returns the :func:`tp_layout` of ``manifest`` (FULL shapes).
+        in place (its EP group's experts only, with ``spec.expert_parallel > 1``);
+        returns the :func:`tp_layout` of ``manifest`` (FULL shapes).
 
         Raises:
             ValueError: as :func:`check_tensor_parallel`.
         """
-        layout = tp_layout(manifest, model.config, self.rank, self.size)
+        layout = tp_layout(manifest, model.config, self.rank, self.size, self.spec.expert_parallel)
         _shard_modules(model, layout, self.group)
         return layout
 

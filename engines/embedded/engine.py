@@ -114,6 +114,15 @@ class EmbeddedEngine(GenerateFromMeta):
             keeps its slice (:meth:`weight_layouts`). Rank 0 of each replica
             drives its generation, the others run the same steps in lockstep.
             Not with a ``runner_factory``, nor with LoRA adapters.
+        expert_parallel_size: expert-parallel groups of each replica's ranks (``M``,
+            dividing ``tensor_parallel_size``; Qwen3-MoE only): each group holds
+            ``num_experts / M`` whole experts, each cut over the group's
+            ``tensor_parallel_size / M`` ranks (``M == tensor_parallel_size``: every
+            rank holds whole experts, as vLLM's ``--enable-expert-parallel``
+            places them); attention, dense MLPs and embeddings stay Megatron-cut
+            over the replica. A worker's :meth:`weight_layouts` lacks the other
+            groups' experts, so the shard-aware transport sends it only its own.
+            1 (the default): every rank holds a slice of every expert.
         seed: seed for random initialisation (the same on every worker).
         dtype: parameter dtype name (``"float32"``, ``"bfloat16"``).
         worker_extension_cls: dotted path of the mixin class added to each
@@ -190,6 +199,7 @@ class EmbeddedEngine(GenerateFromMeta):
         runner_factory: str | None = None,
         device_labels: Sequence[str] | None = None,
         tensor_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
         quantization: Literal["fp8"] | None = None,
         draft: object = None,
         draft_prefix: str = "mtp.",
@@ -197,6 +207,7 @@ class EmbeddedEngine(GenerateFromMeta):
         for what, value in (
             ("num_workers", num_workers),
             ("tensor_parallel_size", tensor_parallel_size),
+            ("expert_parallel_size", expert_parallel_size),
         ):
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{what} must be an int, got {type(value).__name__}")
@@ -230,15 +241,22 @@ class EmbeddedEngine(GenerateFromMeta):
         self._draft_prefix = draft_prefix
         self._draft_refit: DraftRefit = "with_target"
         self._draft_told: DraftRefit = "with_target"
+        if tensor_parallel_size % expert_parallel_size:
+            raise ValueError(
+                f"expert_parallel_size={expert_parallel_size} must divide "
+                f"tensor_parallel_size={tensor_parallel_size}"
+            )
         if tensor_parallel_size > 1 and isinstance(self._model, dict):
             # What the dict says can be checked here, before minutes of spawning; the
             # workers check the full config (transformers' defaults filled in) again.
-            check_tensor_parallel(self._model, tensor_parallel_size)
+            check_tensor_parallel(self._model, tensor_parallel_size, expert_parallel_size)
         self.device_labels = None if device_labels is None else list(device_labels)
         #: Data-parallel replicas (what generate splits prompts over).
         self.num_workers = num_workers
         #: Worker processes per replica.
         self.tensor_parallel_size = tensor_parallel_size
+        #: Expert-parallel groups of each replica's ranks (1: none).
+        self.expert_parallel_size = expert_parallel_size
         self.seed = seed
         self.dtype = dtype
         self.worker_extension_cls = worker_extension_cls
@@ -388,6 +406,7 @@ class EmbeddedEngine(GenerateFromMeta):
             prefix=f"tp/{replica}/{self._tp_formations[replica]}",
             endpoints=endpoints_for(self._pool.dir, range(replica * size, (replica + 1) * size)),
             timeout_s=self.start_timeout_s,
+            expert_parallel=self.expert_parallel_size,
         )
 
     # -- lifecycle ------------------------------------------------------------
@@ -854,7 +873,8 @@ class EmbeddedEngine(GenerateFromMeta):
         Each :class:`~aiosync.layout.Part` names the FULL tensor's shape (as
         :meth:`expected_manifest`) and the range kept: :meth:`Part.whole` for
         every tensor with ``tensor_parallel_size=1``, else the Megatron slice
-        of the worker's tensor-parallel rank.
+        of the worker's tensor-parallel rank (with ``expert_parallel_size > 1``
+        only the experts of the worker's EP group: the others' names are absent).
 
         Raises:
             TransportError, SyncTimeoutError: as :meth:`collective_rpc`.

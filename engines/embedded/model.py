@@ -315,7 +315,9 @@ class HFModelRunner:
         :meth:`expected_manifest` order (an :data:`aiosync.layout.Layout`).
 
         :meth:`Part.whole` for every tensor without tensor parallelism; on a
-        tensor-parallel rank the Megatron slice (``_tp.tp_layout``). Each part's
+        tensor-parallel rank the Megatron slice (``_tp.tp_layout``); on an
+        expert-parallel one only the experts of its EP group (the other experts'
+        names are absent), each whole or cut over the group. Each part's
         ``shape`` is the full tensor's, its ``local_shape`` what the rank stores.
         A draft's tensors (those :meth:`expected_manifest` lists) are whole.
         """
@@ -365,8 +367,9 @@ class HFModelRunner:
         Names are checkpoint names (:meth:`expected_manifest`); a tied
         ``lm_head.weight`` is accepted too. Tensors are FULL checkpoint tensors
         (shape and dtype as :meth:`expected_manifest`), also on a tensor-parallel
-        rank, which copies the slice it holds (:meth:`weight_layout`). Each tensor
-        is copied (any device), so the caller may reuse its buffers afterwards.
+        rank, which copies the slice it holds (:meth:`weight_layout`); an
+        expert-parallel rank accepts and drops the experts it does not hold. Each
+        tensor is copied (any device), so the caller may reuse its buffers afterwards.
 
         Raises:
             RefitMismatchError: an unknown name, or a shape or dtype that differs
@@ -380,6 +383,9 @@ class HFModelRunner:
                 if found is None and self._load_kv_scale(name, tensor):
                     loaded += 1
                     continue
+                if found is None and self._held_elsewhere(name, tensor):
+                    loaded += 1
+                    continue
                 if found is None:
                     raise RefitMismatchError(f"{name!r} is not a parameter of this model")
                 target, part = found
@@ -391,6 +397,22 @@ class HFModelRunner:
                 target.copy_(tensor if part.is_whole else _narrow(tensor, part))
                 loaded += 1
         return loaded
+
+    def _held_elsewhere(self, name: str, tensor: torch.Tensor) -> bool:
+        """Whether ``name`` is a checkpoint tensor another expert-parallel rank holds
+        (absent from :meth:`weight_layout`): a full tensor of it is accepted and dropped.
+
+        Raises:
+            RefitMismatchError: its shape or dtype differs from the checkpoint's.
+        """
+        spec = self._manifest.get(name)
+        if spec is None or name in self._layout:
+            return False
+        if spec != (tuple(tensor.shape), tensor.dtype):
+            raise RefitMismatchError(
+                f"{name}: model {spec[0]} {spec[1]}, got {tuple(tensor.shape)} {tensor.dtype}"
+            )
+        return True
 
     def load_weight_parts(self, parts: Iterable[tuple[str, Part, torch.Tensor]]) -> int:
         """Copy received slices of checkpoint tensors into the model; returns the
@@ -505,6 +527,9 @@ class HFModelRunner:
             self._follow_model()
         for patch in patches:
             found = self._lookup(patch.name)
+            spec = self._manifest.get(patch.name)
+            if found is None and spec is not None and spec[0] == tuple(patch.shape):
+                continue  # another expert-parallel rank's expert: nothing held here
             if found is None:
                 raise RefitMismatchError(f"{patch.name!r} is not a parameter of this model")
             target, held = found
@@ -534,12 +559,13 @@ class HFModelRunner:
         """The weights as ``save_pretrained`` writes them: checkpoint names and order, copies.
 
         On a tensor-parallel rank, each tensor is the slice held
-        (``weight_layout()[name].local_shape``), not the full tensor. A draft
+        (``weight_layout()[name].local_shape``), not the full tensor; an
+        expert-parallel rank's holds only its experts' names. A draft
         model's tensors follow under :attr:`draft_prefix` (frozen or not).
         """
         with self.lock, torch.no_grad():
             self._follow_model()
-            state = {name: self._targets[name].detach().clone() for name in self._manifest}
+            state = {name: self._targets[name].detach().clone() for name in self._layout}
         if self.draft is not None:
             prefix = self.draft_prefix
             state.update((f"{prefix}{n}", t) for n, t in self.draft.hf_state_dict().items())
@@ -553,7 +579,7 @@ class HFModelRunner:
         """
         with self.lock, torch.no_grad():
             self._follow_model()
-            for name in self._manifest:
+            for name in self._layout:
                 self._targets[name].fill_(value)
         if self.draft is not None and self.draft_refit == "with_target":
             self.draft.fill_(value)

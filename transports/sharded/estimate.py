@@ -1,9 +1,11 @@
 """What a refit costs before the cluster is rented: bytes on every link, the bottleneck, time.
 
 The model behind ``aiosync plan`` (``docs/performance.md``). The trainer holds the
-weights as FSDP2 dim-0 shards over ``trainer_ranks`` ranks; the fleet is ``engines``
-replicas of ``tp`` tensor-parallel workers (Megatron cuts: column-parallel dim 0,
-row-parallel dim 1, norms whole). Every rank and worker has one NIC of
+weights as FSDP2 dim-0 shards over ``trainer_ranks`` ranks (an MoE's fused experts
+cut into whole experts, as FSDP2 cuts ``gate_up_proj [E, 2*Im, H]``); the fleet is
+``engines`` replicas of ``max(tp, ep)`` workers each: Megatron cuts over ``tp``
+(column-parallel dim 0, row-parallel dim 1, norms whole) and, with ``ep > 1``, the
+experts placed by EP rank (:func:`ep_layouts`). Every rank and worker has one NIC of
 ``nic_gbps`` each way. For each path aiosync offers:
 
 - ``broadcast``: the rank-0 broadcast (:class:`~aiosync.CollectiveWeightSynchronizer`):
@@ -26,6 +28,7 @@ the busiest worker's download and the trainers' total upload spread evenly.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -36,7 +39,14 @@ from aiosync.layout import Part, even_chunks
 
 from ._plan import make_plan
 
-__all__ = ["Links", "PathEstimate", "estimate_refit", "fsdp_layouts", "tp_layouts"]
+__all__ = [
+    "Links",
+    "PathEstimate",
+    "ep_layouts",
+    "estimate_refit",
+    "fsdp_layouts",
+    "tp_layouts",
+]
 
 #: ``{hf_name: (shape, dtype)}``.
 Manifest = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
@@ -54,6 +64,8 @@ COLUMN_PARALLEL = (
 ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
 #: FP8 block size (elements per side) with one float32 scale per block.
 FP8_BLOCK = 128
+#: One expert's projection in the HF checkpoint (Qwen3-MoE, Qwen3-Next, DeepSeek-V3).
+EXPERT_NAME = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>\w+?)_proj\.weight$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,10 +106,34 @@ class PathEstimate:
     lower_bound_s: float
 
 
+def _experts(manifest: Manifest) -> dict[str, int]:
+    """``{experts module: number of experts}`` of the per-expert checkpoint names."""
+    counts: dict[str, int] = {}
+    for name in manifest:
+        match = EXPERT_NAME.match(name)
+        if match is not None:
+            counts[match["experts"]] = max(counts.get(match["experts"], 0), int(match["e"]) + 1)
+    return counts
+
+
 def fsdp_layouts(manifest: Manifest, ranks: int) -> list[dict[str, Part]]:
-    """FSDP2 ``Shard(0)``: rank ``r`` holds chunk ``r`` of dim 0 of every tensor."""
+    """FSDP2 ``Shard(0)``: rank ``r`` holds chunk ``r`` of dim 0 of every tensor.
+
+    Per-expert names (``...experts.{e}.*_proj.weight``) are of one fused in-memory
+    tensor ``[E, ...]`` in the trainer: rank ``r`` holds chunk ``r`` of its ``E``
+    experts whole (what :func:`~aiosync.transports.sharded.dtensor_layouts` reports for
+    a transformers MoE under ``fully_shard``), the other ranks none of them.
+    """
+    experts = _experts(manifest)
     layouts: list[dict[str, Part]] = [{} for _ in range(ranks)]
     for name, (shape, _) in manifest.items():
+        match = EXPERT_NAME.match(name)
+        if match is not None:
+            e = int(match["e"])
+            for rank, (start, length) in enumerate(even_chunks(experts[match["experts"]], ranks)):
+                if start <= e < start + length:
+                    layouts[rank][name] = Part.whole(shape)
+            continue
         for rank, (start, length) in enumerate(even_chunks(shape[0], ranks)):
             layouts[rank][name] = Part(shape, 0, start, length)
     return layouts
@@ -129,6 +165,47 @@ def tp_layouts(manifest: Manifest, tp: int) -> list[dict[str, Part]]:
             else:
                 start, length = even_chunks(shape[dim], tp)[w]
                 layouts[w][name] = Part(shape, dim, start, length)
+    return layouts
+
+
+def ep_layouts(manifest: Manifest, *, tp: int, ep: int) -> list[dict[str, Part]]:
+    """One engine replica of ``max(tp, ep)`` workers with experts placed by EP rank.
+
+    Worker ``w`` holds the Megatron TP parts (:func:`tp_layouts`) of TP rank
+    ``w % tp`` for everything but the experts (``ep > tp``: ``ep / tp`` attention
+    replicas, vLLM's data-parallel attention beside EP); of the experts it holds
+    those of EP rank ``g = w // (workers / ep)``, ``[g * E / ep, (g + 1) * E / ep)``
+    whole, each cut over the ``workers / ep`` ranks of its EP group like a dense MLP
+    (``ep == workers``: whole experts). The names of other experts are absent. This
+    is the embedded engine's own placement (``_tp.tp_layout``) when ``ep`` divides
+    ``tp``, and vLLM's (``--enable-expert-parallel``, linear expert placement).
+
+    Raises:
+        ValueError: neither of ``tp``, ``ep`` divides the other, the experts do not
+            split over ``ep``, or a cut dimension does not split.
+    """
+    workers = max(tp, ep)
+    if workers % tp or workers % ep:
+        raise ValueError(f"tp={tp} and ep={ep}: one must divide the other")
+    group = workers // ep
+    dense = tp_layouts(manifest, tp)
+    experts = _experts(manifest)
+    layouts: list[dict[str, Part]] = [{} for _ in range(workers)]
+    for name, (shape, _) in manifest.items():
+        match = EXPERT_NAME.match(name)
+        if match is None:
+            for w in range(workers):
+                layouts[w][name] = dense[w % tp][name]
+            continue
+        count = experts[match["experts"]]
+        if count % ep:
+            raise ValueError(f"{match['experts']}: {count} experts do not split over EP={ep}")
+        dim = 1 if match["proj"] == "down" else 0
+        if shape[dim] % group:
+            raise ValueError(f"{name}: dim {dim} of {shape} does not split over {group} ranks")
+        owner = int(match["e"]) // (count // ep)
+        for within, (start, length) in enumerate(even_chunks(shape[dim], group)):
+            layouts[owner * group + within][name] = Part(shape, dim, start, length)
     return layouts
 
 
@@ -181,6 +258,7 @@ def estimate_refit(
     tp: int,
     engines: int,
     links: Links,
+    ep: int = 1,
     changed: float = 0.05,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> list[PathEstimate]:
@@ -189,17 +267,24 @@ def estimate_refit(
     Args:
         manifest: ``{hf_name: (shape, dtype)}`` (the HF checkpoint's).
         trainer_ranks: FSDP2 ranks holding dim-0 shards (>= 1).
-        tp: workers per engine replica (>= 1; every cut dim a multiple of it).
+        tp: tensor-parallel size of an engine replica (>= 1; every cut dim a
+            multiple of it).
         engines: engine replicas (>= 1).
+        ep: expert-parallel size of an engine replica (>= 1; 1: every worker holds a
+            TP slice of every expert): a replica is ``max(tp, ep)`` workers
+            (:func:`ep_layouts`).
         links: the NICs.
         changed: the fraction of elements a delta refit finds changed (0..1).
         bucket_bytes: the transports' bucket size, bytes (one latency each).
 
     Raises:
-        ValueError: a count < 1, ``changed`` outside [0, 1], or a dim TP cannot cut.
+        ValueError: a count < 1, ``changed`` outside [0, 1], a dim TP cannot cut,
+            or experts EP cannot place (:func:`ep_layouts`).
     """
-    if min(trainer_ranks, tp, engines) < 1:
-        raise ValueError(f"trainer_ranks, tp, engines must be >= 1: {trainer_ranks, tp, engines}")
+    if min(trainer_ranks, tp, engines, ep) < 1:
+        raise ValueError(
+            f"trainer_ranks, tp, engines, ep must be >= 1: {trainer_ranks, tp, engines, ep}"
+        )
     if not 0.0 <= changed <= 1.0:
         raise ValueError(f"changed must be in [0, 1], got {changed}")
     model = sum(math.prod(shape) * dtype.itemsize for shape, dtype in manifest.values())
@@ -208,14 +293,14 @@ def estimate_refit(
         _row("broadcast", model, model, model, 1, links, math.ceil(model / bucket_bytes))
     ]
     dtypes = {name: dtype for name, (_, dtype) in manifest.items()}
-    plan = make_plan(fsdp_layouts(manifest, trainer_ranks), tp_layouts(manifest, tp), dtypes,
-                     bucket_bytes)  # fmt: skip
+    workers = ep_layouts(manifest, tp=tp, ep=ep) if ep > 1 else tp_layouts(manifest, tp)
+    plan = make_plan(fsdp_layouts(manifest, trainer_ranks), workers, dtypes, bucket_bytes)
     up = max(plan.sender_nbytes) * engines
     down = max(plan.receiver_nbytes)
     total_up = plan.total_nbytes * engines
     per_link_buckets = max(
         sum(1 for src in range(trainer_ranks) for _ in plan.buckets_between(src, dst))
-        for dst in range(tp)
+        for dst in range(len(workers))
     )
     for path, fraction in (
         ("sharded", 1.0),
