@@ -469,6 +469,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         tp=args.tp,
         engines=args.engines,
         links=links,
+        ep=args.ep,
         changed=args.changed,
     )
     if args.json:
@@ -476,9 +477,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 0
     from rich.table import Table
 
+    parallel = f"TP{args.tp}" + (f"xEP{args.ep}" if args.ep > 1 else "")
     title = (
-        f"{args.model}: {args.trainer_ranks} trainer ranks (FSDP2) -> {args.engines} x TP"
-        f"{args.tp}, {args.nic_gbps:g} Gbit/s NICs, delta at {args.changed:.0%} changed"
+        f"{args.model}: {args.trainer_ranks} trainer ranks (FSDP2) -> {args.engines} x "
+        f"{parallel}, {args.nic_gbps:g} Gbit/s NICs, delta at {args.changed:.0%} changed"
     )
     table = Table(
         "path", "busiest upload", "busiest download", "bottleneck", "predicted", "lower bound",
@@ -521,6 +523,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--layers", type=int, default=None, help="keep only this many layers")
     plan.add_argument("--trainer-ranks", type=int, default=8, help="FSDP2 ranks (default: 8)")
     plan.add_argument("--tp", type=int, default=8, help="workers per engine (default: 8)")
+    plan.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size of an engine (MoE; max(tp, ep) workers; default: 1)",
+    )
     plan.add_argument("--engines", type=int, default=1, help="engine replicas (default: 1)")
     plan.add_argument(
         "--nic-gbps", type=float, default=400.0, help="NIC rate each way (default: 400)"

@@ -16,6 +16,7 @@ from aiosync._model_shapes import model_manifest
 from aiosync.transports.sharded import make_plan
 from aiosync.transports.sharded.estimate import (
     Links,
+    ep_layouts,
     estimate_refit,
     fsdp_layouts,
     tp_dim,
@@ -104,3 +105,70 @@ def test_the_command_prints_one_json_object() -> None:
     report = json.loads(out.stdout.splitlines()[-1])
     assert [r["path"] for r in report["rows"]] == ["broadcast", "sharded", "delta", "fp8"]
     assert report["rows"][1]["download_bytes"] == WORKER_BYTES
+
+
+# One decoder layer of Qwen3-30B-A3B (bf16): H=2048, V=151936, 32 query and 4 key/value
+# heads of D=128, E=128 experts of Im=768. A worker of TP4 x EP4 holds a quarter of the
+# embedding and lm_head rows, of q/k/v/o, the norms and the router whole, and 32 whole
+# experts (gate, up, down: 3 * 768*2048 each).
+QWEN3_30B_EP4_WORKER_BYTES = 2 * (
+    2 * (151936 // 4) * 2048  # embed_tokens, lm_head
+    + 2048  # model.norm
+    + (4096 // 4) * 2048 + 2 * (512 // 4) * 2048 + 2048 * (4096 // 4)  # q, k, v, o
+    + 2 * 128 + 2 * 2048  # q/k norms, layer norms
+    + 128 * 2048  # the router
+    + 32 * 3 * 768 * 2048  # the worker's experts
+)  # fmt: skip
+
+
+def test_expert_parallel_workers_download_their_experts_whole() -> None:
+    manifest = {
+        name: (shape, torch.bfloat16)
+        for name, (shape, _) in model_manifest("qwen3-30b-a3b", layers=1).items()
+    }
+    dtypes = {n: d for n, (_, d) in manifest.items()}
+    workers = ep_layouts(manifest, tp=4, ep=4)
+    plan = make_plan(fsdp_layouts(manifest, 8), workers, dtypes, DEFAULT_BUCKET_BYTES)
+    assert list(plan.receiver_nbytes) == [QWEN3_30B_EP4_WORKER_BYTES] * 4
+    # Worker 1 holds experts 32..63 whole, and no other expert.
+    experts = sorted({int(n.split(".")[5]) for n in workers[1] if ".experts." in n})
+    assert experts == list(range(32, 64))
+    assert workers[1]["model.layers.0.mlp.experts.40.down_proj.weight"].is_whole
+    rows = {
+        r.path: r
+        for r in estimate_refit(
+            manifest, trainer_ranks=8, tp=4, ep=4, engines=1, links=Links(8.0, 0.0)
+        )
+    }
+    assert rows["sharded"].download_bytes == QWEN3_30B_EP4_WORKER_BYTES
+    assert rows["sharded"].bottleneck == "worker downlink"  # 8 senders, 4 receivers
+    # DP4 attention beside EP4 (tp=1): each worker holds the attention whole.
+    dp = {r.path: r for r in estimate_refit(
+        manifest, trainer_ranks=8, tp=1, ep=4, engines=1, links=Links(8.0, 0.0)
+    )}  # fmt: skip
+    whole_dense = 2 * (2 * 151936 * 2048 + 2048 + 2 * 4096 * 2048 + 2 * 512 * 2048)
+    quarter_dense = 2 * (2 * 151936 // 4 * 2048 + 2048 + 2 * 1024 * 2048 + 2 * 128 * 2048)
+    assert dp["sharded"].download_bytes == (
+        QWEN3_30B_EP4_WORKER_BYTES + whole_dense - quarter_dense
+    )
+
+
+def test_experts_that_do_not_split_over_ep_are_refused() -> None:
+    manifest = {
+        name: (shape, torch.bfloat16)
+        for name, (shape, _) in model_manifest("qwen3-30b-a3b", layers=1).items()
+    }
+    with pytest.raises(ValueError, match="128 experts do not split over EP=3"):
+        ep_layouts(manifest, tp=1, ep=3)
+    with pytest.raises(ValueError, match="tp=4 and ep=6: one must divide the other"):
+        ep_layouts(manifest, tp=4, ep=6)
+
+
+def test_the_command_takes_an_expert_parallel_size() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "aiosync.cli", "plan", "--model", "qwen3-30b-a3b", "--layers",
+         "1", "--trainer-ranks", "8", "--tp", "4", "--ep", "4", "--nic-gbps", "8", "--json"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    report = json.loads(out.stdout.splitlines()[-1])
+    assert report["rows"][1]["download_bytes"] == QWEN3_30B_EP4_WORKER_BYTES
