@@ -81,12 +81,14 @@ import torch
 from _machine import Machine, repeats_for
 
 from aiosync._model_shapes import MODEL_CONFIGS, model_manifest
+from aiosync.delta import apply_patch
 from aiosync.layout import Layout, Part
 from aiosync.transports.collective._group import STATUS_OK, SyncGroup, create_sync_group, open_store
 from aiosync.transports.collective._loops import RotatingBuffers, receive_buckets, send_buckets
 from aiosync.transports.packing import Bucket, dtype_from_name, plan_buckets, unpack
 from aiosync.transports.sharded import Box, box_within, make_plan, manifest_dtypes, run_plan
-from aiosync.transports.sharded.estimate import fsdp_layouts, tp_layouts
+from aiosync.transports.sharded._delta import ShardBaseline, run_delta_plan
+from aiosync.transports.sharded.estimate import ep_layouts, fsdp_layouts, tp_layouts
 
 Manifest = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -102,14 +104,19 @@ SEED = 27
 # -- the manifest and its layouts ----------------------------------------------
 
 
-def manifest_for(quick: bool, layers: int | None, vocab: int | None) -> tuple[str, Manifest]:
-    """``(label, {hf_name: (shape, dtype)})``: Qwen3-0.6B's dims, cut to ``layers`` layers."""
-    config = dict(MODEL_CONFIGS[MODEL])
+def manifest_for(
+    quick: bool, layers: int | None, vocab: int | None, config: dict[str, Any] | None = None
+) -> tuple[str, Manifest]:
+    """``(label, {hf_name: (shape, dtype)})``: Qwen3-0.6B's dims (or ``config``'s, an HF
+    config dict with ``model_type``), cut to ``layers`` layers."""
+    model = MODEL if config is None else str(config.get("name", config["model_type"]))
+    config = dict(MODEL_CONFIGS[MODEL] if config is None else config)
+    config.pop("name", None)
     full_layers, full_vocab = int(config["num_hidden_layers"]), int(config["vocab_size"])
     layers = layers or (1 if quick else 6)
     config["vocab_size"] = vocab or (8192 if quick else full_vocab)
     shapes = model_manifest(config, layers=layers)
-    label = f"{MODEL} dims, {min(layers, full_layers)}/{full_layers} layers"
+    label = f"{model} dims, {min(layers, full_layers)}/{full_layers} layers"
     if config["vocab_size"] != full_vocab:
         label += f", vocab {config['vocab_size']}"
     return label, {name: (shape, dtype_from_name(dt)) for name, (shape, dt) in shapes.items()}
@@ -140,6 +147,32 @@ def random_weights(manifest: Manifest, seed: int = SEED) -> dict[str, torch.Tens
     return out
 
 
+def layouts_for(manifest: Manifest, cmd: dict[str, Any]) -> tuple[list[Layout], list[Layout]]:
+    """The trainers' FSDP2 layouts (``cmd["T"]`` ranks) and the ``cmd["W"]`` workers':
+    Megatron TP over ``cmd.get("tp", W)`` ranks, experts by EP rank with
+    ``cmd.get("ep", 1) > 1`` (:func:`~aiosync.transports.sharded.estimate.ep_layouts`).
+
+    Raises:
+        ValueError: the layouts are not ``W`` workers'.
+    """
+    workers = cmd["W"]
+    tp, ep = int(cmd.get("tp", workers)), int(cmd.get("ep", 1))
+    dests = ep_layouts(manifest, tp=tp, ep=ep) if ep > 1 else tp_layouts(manifest, tp)
+    if len(dests) != workers:
+        raise ValueError(f"tp={tp}, ep={ep} make {len(dests)} workers, not W={workers}")
+    return fsdp_layouts(manifest, cmd["T"]), list(dests)
+
+
+def change_weights(weights: dict[str, torch.Tensor], fraction: float, seed: int = SEED + 1) -> None:
+    """Flip the lowest bit of ``fraction`` of every tensor's elements, in place (the same
+    elements on every host for the same seed): a delta sync's change."""
+    gen = torch.Generator().manual_seed(seed)
+    for tensor in weights.values():
+        raw = tensor.view(-1).view(torch.int16 if tensor.element_size() == 2 else torch.int32)
+        mask = torch.rand(raw.numel(), generator=gen) < fraction
+        raw[mask] ^= 1
+
+
 def broadcast_root_sends(workers: int) -> int:
     """How many times rank 0 sends each buffer in gloo's binomial-tree broadcast to ``workers``."""
     return math.ceil(math.log2(workers + 1))
@@ -157,7 +190,9 @@ class _Host:
         self.timeout_s: float = cmd["timeout_s"]
         self.bucket_bytes: int = cmd["bucket_bytes"]
         self.repeats: int = cmd["repeats"]
-        _, self.manifest = manifest_for(cmd["quick"], cmd["layers"], cmd["vocab"])
+        _, self.manifest = manifest_for(
+            cmd["quick"], cmd["layers"], cmd["vocab"], cmd.get("config")
+        )
         # Trainers send these; workers check what they received against them.
         self.full = random_weights(self.manifest)
         self.store = open_store(
@@ -215,12 +250,13 @@ class _Host:
 
     def sharded(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """One (T, TP) configuration of (b): plan, warm-up, check, timed runs."""
-        trainers, workers = cmd["T"], cmd["W"]
+        if cmd.get("changed") is not None:
+            return self.sharded_delta(cmd)
+        trainers = cmd["T"]
         rank = self.index if self.is_trainer else trainers + self.index
-        sources = fsdp_layouts(self.manifest, trainers)
-        dests = tp_layouts(self.manifest, workers)
+        sources, dests = layouts_for(self.manifest, cmd)
         plan = make_plan(sources, dests, manifest_dtypes(self.manifest), self.bucket_bytes)
-        group = self.group(cmd, rank, trainers + workers, trainers)
+        group = self.group(cmd, rank, trainers + len(dests), trainers)
         try:
             group.agree(STATUS_OK, "", plan.digest)  # as the synchronizer does once formed
             local: dict[str, torch.Tensor] = {}
@@ -254,6 +290,95 @@ class _Host:
             times = self.timed(group, once)
         finally:
             group.destroy()
+        return {
+            "ok": True,
+            "rank": rank,
+            "digest": plan.digest,
+            "nbytes": first.nbytes,
+            "by_peer": {str(k): v for k, v in first.by_peer.items()},
+            "buckets": first.buckets,
+            "wrong": wrong,
+            "times": times,
+        }
+
+    def sharded_delta(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """A delta sync on the plan of ``cmd``: one full sync (the baseline), then
+        ``cmd["changed"]`` of every tensor's elements change (the same ones on every
+        host: the trainers send them, the workers check them), then timed delta syncs
+        of that change, each against the same uncommitted baseline (so each repeat
+        moves the same patches, as :class:`~aiosync.transports.sharded.ShardedWeightSynchronizer`'s
+        delta sync does)."""
+        trainers = cmd["T"]
+        rank = self.index if self.is_trainer else trainers + self.index
+        sources, dests = layouts_for(self.manifest, cmd)
+        plan = make_plan(sources, dests, manifest_dtypes(self.manifest), self.bucket_bytes)
+        group = self.group(cmd, rank, trainers + len(dests), trainers)
+        baseline = ShardBaseline()
+        local: dict[str, torch.Tensor] = {}
+        try:
+            group.agree(STATUS_OK, "", plan.digest)
+            if self.is_trainer:
+                mine = sources[rank]
+
+                def source(name: str) -> torch.Tensor:
+                    return part_of(self.full[name], mine[name])
+
+                run_plan(
+                    plan,
+                    group.data,
+                    rank,
+                    source=baseline.stage_source(1, source),
+                    timeout_s=self.timeout_s,
+                )
+                group.agree(STATUS_OK)
+                baseline.commit()
+                change_weights(self.full, cmd["changed"])
+
+                def once() -> Any:
+                    result = run_delta_plan(
+                        plan,
+                        group.data,
+                        rank,
+                        base=1,
+                        version=2,
+                        source=source,
+                        baseline=baseline,
+                        timeout_s=self.timeout_s,
+                    )
+                    group.agree(STATUS_OK)
+                    return result
+
+            else:
+                layout = dests[self.index]
+                local = self.targets(layout)
+
+                def sink(name: str, box: Box, tensor: torch.Tensor) -> None:
+                    local[name][box_within(box, layout[name])].copy_(tensor)
+
+                def apply(boxes: list[tuple[str, Box, torch.Tensor]], patches: list[Any]) -> None:
+                    for name, box, tensor in boxes:
+                        sink(name, box, tensor)
+                    for patch in patches:
+                        apply_patch(local[patch.name], layout[patch.name], patch)
+
+                run_plan(plan, group.data, rank, sink=sink, timeout_s=self.timeout_s)
+                group.agree(STATUS_OK)
+                change_weights(self.full, cmd["changed"])
+
+                def once() -> Any:
+                    result = run_delta_plan(
+                        plan, group.data, rank, base=1, apply=apply, timeout_s=self.timeout_s
+                    )
+                    group.agree(STATUS_OK)
+                    return result
+
+            first = once()
+            wrong = [] if self.is_trainer else self.verify(local, dests[self.index])
+            times = self.timed(group, once)
+        finally:
+            group.destroy()
+            # The next configuration starts from the unchanged weights again.
+            self.full = random_weights(self.manifest)
         return {
             "ok": True,
             "rank": rank,

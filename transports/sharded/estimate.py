@@ -40,6 +40,7 @@ from aiosync.layout import Part, even_chunks
 from ._plan import make_plan
 
 __all__ = [
+    "TCP_MTU1500_EFFICIENCY",
     "Links",
     "PathEstimate",
     "ep_layouts",
@@ -64,6 +65,10 @@ COLUMN_PARALLEL = (
 ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
 #: FP8 block size (elements per side) with one float32 scale per block.
 FP8_BLOCK = 128
+#: Payload share of a TCP/IPv4 stream over 1500-byte-MTU Ethernet as a Linux qdisc
+#: counts it: 1448 payload bytes (20 IP, 20 TCP, 12 timestamp option bytes off the MTU)
+#: per 1514-byte frame (14 Ethernet header bytes).
+TCP_MTU1500_EFFICIENCY = 1448 / 1514
 #: One expert's projection in the HF checkpoint (Qwen3-MoE, Qwen3-Next, DeepSeek-V3).
 EXPERT_NAME = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>\w+?)_proj\.weight$")
 
@@ -73,16 +78,23 @@ class Links:
     """The network: one NIC per trainer rank and per engine worker.
 
     Attributes:
-        nic_gbps: each NIC's rate each way, gigabits per second (> 0).
+        nic_gbps: each NIC's rate each way, gigabits per second (> 0), as the link
+            counts it (with its headers).
         latency_us: one message's latency, microseconds (>= 0).
+        efficiency: the share of ``nic_gbps`` that carries payload (0 < x <= 1):
+            the protocol headers take the rest. 1.0: none (RDMA's large messages
+            come close); TCP over a 1500-byte MTU Ethernet link,
+            :data:`TCP_MTU1500_EFFICIENCY`.
     """
 
     nic_gbps: float
     latency_us: float = 10.0
+    efficiency: float = 1.0
 
     @property
     def bytes_per_s(self) -> float:
-        return self.nic_gbps * 1e9 / 8
+        """Payload bytes per second each way."""
+        return self.nic_gbps * 1e9 / 8 * self.efficiency
 
 
 @dataclass(frozen=True, slots=True)
