@@ -46,11 +46,13 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import _netns
+import torch
 from _machine import Machine, repeats_for
 from many_senders import (
     MB,
@@ -58,12 +60,18 @@ from many_senders import (
     Manifest,
     _on_signal,
     _Pool,
+    change_weights,
     layouts_for,
     manifest_for,
     nbytes_of,
+    random_weights,
 )
 
+from aiosync.delta import WeightPatch, apply_patch
+from aiosync.layout import Part
 from aiosync.transports.sharded import make_plan, manifest_dtypes
+from aiosync.transports.sharded._delta import DENSE, ShardBaseline, encode_transfer
+from aiosync.transports.sharded._plan import Transfer
 from aiosync.transports.sharded.estimate import (
     TCP_MTU1500_EFFICIENCY,
     Links,
@@ -151,8 +159,61 @@ CONFIGS: tuple[Config, ...] = (
 )
 
 
-def predict(manifest: Manifest, config: Config, links: Links, bucket_bytes: int) -> PathEstimate:
-    """The model's row for ``config`` (``"delta"`` at its share changed, else ``"sharded"``)."""
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """What the model cannot know from the links, measured on this machine.
+
+    Attributes:
+        sync_overhead_s: one sync's time with the limits removed (the TP2
+            configuration): handshakes, the vote, waking processes, the copies at
+            CPU speed.
+        diff_bytes_per_s: a delta's diff, bytes of shard per second: the
+            transport's own ``ShardBaseline.changed`` and ``encode_transfer`` on a
+            sender and ``apply_patch`` on a receiver, in this process.
+    """
+
+    sync_overhead_s: float = 0.0
+    diff_bytes_per_s: float | None = None
+
+
+def measure_diff_rate(nbytes: int, changed: float, repeats: int) -> float:
+    """Bytes of a bf16 tensor of ``nbytes`` diffed per second at ``changed`` (best of
+    ``repeats``): a sender's diff and encoding plus a receiver's apply, the transport's code."""
+    n = nbytes // 2
+    name = "w"
+    weights = random_weights({name: ((n,), torch.bfloat16)})
+    local = weights[name]
+    held = Part.whole((n,))
+    baseline = ShardBaseline()
+    read = baseline.stage_source(1, weights.__getitem__)
+    read(name)
+    baseline.commit()
+    change_weights(weights, changed)
+    transfer = Transfer(name, (n,), "bfloat16", ((0, n),), 0, 0, 0, nbytes)
+    target = torch.zeros(n, dtype=torch.bfloat16)
+    best = float("inf")
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        mask = baseline.changed(name, local)
+        count, wire = encode_transfer(transfer, held, local, mask)
+        if count == DENSE:
+            target.copy_(wire[0])
+        elif count:
+            apply_patch(target, held, WeightPatch(name, 1, (n,), "indices", wire[1], wire[0]))
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def predict(
+    manifest: Manifest,
+    config: Config,
+    links: Links,
+    bucket_bytes: int,
+    calibration: Calibration | None = None,
+) -> PathEstimate:
+    """The model's row for ``config`` (``"delta"`` at its share changed, else
+    ``"sharded"``); with ``calibration``, its costs that do not scale with the links."""
+    calibration = calibration or Calibration()
     rows = estimate_refit(
         manifest,
         trainer_ranks=config.trainers,
@@ -162,6 +223,8 @@ def predict(manifest: Manifest, config: Config, links: Links, bucket_bytes: int)
         links=links,
         changed=config.changed if config.changed is not None else 0.0,
         bucket_bytes=bucket_bytes,
+        sync_overhead_s=calibration.sync_overhead_s,
+        diff_bytes_per_s=calibration.diff_bytes_per_s,
     )
     path = "sharded" if config.changed is None else "delta"
     return next(r for r in rows if r.path == path)
@@ -173,9 +236,12 @@ def row_for(
     replies: dict[str, Any],
     links: Links,
     bucket_bytes: int,
+    calibration: Calibration,
 ) -> dict[str, Any]:
-    """One configuration's figures: the prediction, the measurement, their ratio."""
-    predicted = predict(manifest, config, links, bucket_bytes)
+    """One configuration's figures: the prediction (the links alone, and with this
+    machine's ``calibration``), the measurement, their ratio."""
+    links_only = predict(manifest, config, links, bucket_bytes)
+    predicted = predict(manifest, config, links, bucket_bytes, calibration)
     sources, dests = layouts_for(manifest, config.command(""))
     plan = make_plan(sources, dests, manifest_dtypes(manifest), bucket_bytes)
     workers = [replies[f"w{j}"] for j in range(config.workers)]
@@ -195,6 +261,8 @@ def row_for(
         "predicted_download_bytes": predicted.download_bytes,
         "predicted_upload_bytes": predicted.upload_bytes,
         "bottleneck": predicted.bottleneck,
+        "links_only_s": links_only.predicted_s,
+        "links_only_ratio": measured / links_only.predicted_s,
         "predicted_s": predicted.predicted_s,
         "lower_bound_s": predicted.lower_bound_s,
         "measured_s": measured,
@@ -217,19 +285,22 @@ def _skip(reason: str, args: argparse.Namespace, machine: Machine) -> int:
 def _print_table(rows: list[dict[str, Any]]) -> None:
     print(
         f"{'configuration':<17} {'T':>2} {'TP':>2} {'EP':>2} {'W':>2} {'down MB':>8} "
-        f"{'up MB':>7} {'bottleneck':<16} {'predicted s':>11} {'measured s':>10} "
-        f"{'ratio':>6} {'<=15%':>5}"
+        f"{'up MB':>7} {'bottleneck':<16} {'links s':>7} {'ratio':>6} {'predicted s':>11} "
+        f"{'measured s':>10} {'ratio':>6} {'<=15%':>5}"
     )
     for r in rows:
         print(
             f"{r['name']:<17} {r['T']:>2} {r['tp']:>2} {r['ep']:>2} {r['W']:>2} "
             f"{r['predicted_download_bytes'] / MB:>8.2f} {r['predicted_upload_bytes'] / MB:>7.2f} "
-            f"{r['bottleneck']:<16} {r['predicted_s']:>11.3f} {r['measured_s']:>10.3f} "
+            f"{r['bottleneck']:<16} {r['links_only_s']:>7.3f} {r['links_only_ratio']:>5.2f}x "
+            f"{r['predicted_s']:>11.3f} {r['measured_s']:>10.3f} "
             f"{r['ratio']:>5.2f}x {'yes' if r['within_tolerance'] else 'NO':>5}"
         )
     print(
         "down/up MB: the model's busiest worker download / trainer upload (the plan's bytes; "
-        "a delta's at its share changed); ratio: measured / predicted"
+        "a delta's at its share changed); links s: the model with the links alone; "
+        "predicted s: plus this machine's sync overhead and delta diff (calibrated); "
+        "ratio: measured / each"
     )
 
 
@@ -324,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             shaped = _measure(pool, CONFIGS, "shaped", timeout)
             net.unshape()
-            unshaped = _measure(pool, (heaviest,), "unshaped", timeout)
+            unshaped = _measure(pool, tuple({CONFIGS[0], heaviest}), "unshaped", timeout)
             pool.close()
             pool = None
     except HostFailed as exc:
@@ -341,7 +412,22 @@ def main(argv: list[str] | None = None) -> int:
             pool.close(graceful=False)
         net.close()
     machine.finish()
-    rows = [row_for(manifest, c, shaped[c.name], links, bucket_bytes) for c in CONFIGS]
+    shard = max(
+        sum(part.numel * manifest[name][1].itemsize for name, part in layout.items())
+        for c in CONFIGS
+        if c.changed is not None
+        for layout in layouts_for(manifest, c.command(""))[0]
+    )
+    calibration = Calibration(
+        sync_overhead_s=min(unshaped[CONFIGS[0].name]["t0"]["times"]),
+        diff_bytes_per_s=measure_diff_rate(shard, CHANGED, max(3, args.repeat)),
+    )
+    print(
+        f"calibrated here: sync overhead {calibration.sync_overhead_s * 1e3:.1f} ms "
+        f"({CONFIGS[0].name} unshaped), delta diff "
+        f"{(calibration.diff_bytes_per_s or 0) / MB:.0f} MB/s of shard (in this process)"
+    )
+    rows = [row_for(manifest, c, shaped[c.name], links, bucket_bytes, calibration) for c in CONFIGS]
     _print_table(rows)
     shaped_s = next(r["measured_s"] for r in rows if r["name"] == heaviest.name)
     unshaped_s = min(unshaped[heaviest.name]["t0"]["times"])
@@ -376,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
                         "qdiscs": qdiscs,
                     },
                     "rows": rows,
+                    "calibration": {
+                        "sync_overhead_s": calibration.sync_overhead_s,
+                        "diff_bytes_per_s": calibration.diff_bytes_per_s,
+                    },
                     "cpu_check": {
                         "name": heaviest.name,
                         "unshaped_s": unshaped_s,

@@ -16,13 +16,17 @@ experts placed by EP rank (:func:`ep_layouts`). Every rank and worker has one NI
   runs: each rank's upload is its plan bytes times the replicas, each worker's
   download its slices.
 - ``delta``: the sharded path at ``changed`` fraction of elements changed, each
-  tensor in its cheapest encoding (:mod:`aiosync.delta`).
+  transfer of the plan as the transport encodes it (int32 indices and values, or
+  the box dense when smaller: :mod:`~aiosync.transports.sharded._delta`).
 - ``fp8``: the sharded path with every 2-D projection weight as FP8 (1 byte) plus one
   float32 scale per 128x128 block (:mod:`aiosync.fp8`).
 
-The predicted time is the busiest link's bytes over its rate plus one latency per
-bucket on it; the lower bound is what no schedule beats on these links: the larger of
-the busiest worker's download and the trainers' total upload spread evenly.
+The predicted time is the busiest link's bytes over its payload rate
+(:attr:`Links.efficiency` takes the protocol headers off) plus one latency per bucket
+on it, plus the costs that do not scale with the links when given (a sync's fixed
+overhead, a delta's diff); the lower bound is what no schedule beats on these links:
+the larger of the busiest worker's download and the trainers' total upload spread
+evenly. ``benchmarks/plan_check.py`` checks it against measured refits.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import torch
 from aiosync._config import DEFAULT_BUCKET_BYTES
 from aiosync.layout import Part, even_chunks
 
-from ._plan import make_plan
+from ._plan import Plan, box_numel, make_plan
 
 __all__ = [
     "TCP_MTU1500_EFFICIENCY",
@@ -221,16 +225,21 @@ def ep_layouts(manifest: Manifest, *, tp: int, ep: int) -> list[dict[str, Part]]
     return layouts
 
 
-def _delta_fraction(manifest: Manifest, changed: float) -> float:
-    """Delta bytes over full bytes at ``changed`` of elements changed, each tensor in its
-    cheapest encoding (dense ``n*s``, indices ``k*(4+s)``, bitmap ``n/8 + k*s``)."""
-    full = delta = 0.0
-    for shape, dtype in manifest.values():
-        n, s = math.prod(shape), dtype.itemsize
-        k = changed * n
-        full += n * s
-        delta += min(n * s, k * (4 + s), n / 8 + k * s)
-    return delta / full if full else 0.0
+def _delta_bytes(plan: Plan, changed: float) -> tuple[list[float], list[float]]:
+    """Bytes each sender uploads and each receiver downloads in a delta sync of ``plan``
+    at ``changed`` of every box's elements changed (spread evenly), as the transport
+    encodes each transfer (:func:`~aiosync.transports.sharded._delta.encode_transfer`):
+    int32 flat indices (int64 past 2**31 elements) and values, or the box dense when
+    that is no larger."""
+    up = [0.0] * plan.num_senders
+    down = [0.0] * plan.num_receivers
+    for t in plan.transfers():
+        n, size = box_numel(t.box), t.torch_dtype.itemsize
+        index = 8 if math.prod(t.shape) > 2**31 else 4
+        cost = min(n * size, changed * n * (index + size))
+        up[t.src] += cost
+        down[t.dst] += cost
+    return up, down
 
 
 def _fp8_fraction(manifest: Manifest) -> float:
@@ -249,7 +258,14 @@ def _fp8_fraction(manifest: Manifest) -> float:
 
 
 def _row(
-    path: str, up: float, down: float, total_up: float, ranks: int, links: Links, buckets: int
+    path: str,
+    up: float,
+    down: float,
+    total_up: float,
+    ranks: int,
+    links: Links,
+    messages: int,
+    fixed_s: float = 0.0,
 ) -> PathEstimate:
     rate = links.bytes_per_s
     busiest = max(up, down)
@@ -258,7 +274,7 @@ def _row(
         upload_bytes=round(up),
         download_bytes=round(down),
         bottleneck="trainer uplink" if up >= down else "worker downlink",
-        predicted_s=busiest / rate + buckets * links.latency_us * 1e-6,
+        predicted_s=busiest / rate + messages * links.latency_us * 1e-6 + fixed_s,
         lower_bound_s=max(down, total_up / ranks) / rate,
     )
 
@@ -273,8 +289,16 @@ def estimate_refit(
     ep: int = 1,
     changed: float = 0.05,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    sync_overhead_s: float = 0.0,
+    diff_bytes_per_s: float | None = None,
 ) -> list[PathEstimate]:
     """The bytes on the busiest links and the time of each path (see the module).
+
+    The time is the busiest link's bytes over its payload rate, plus one latency per
+    message on it, plus two costs that do not scale with the links, both zero unless
+    given: ``sync_overhead_s`` per sync (the group's handshakes and vote, waking the
+    processes), and a delta's diff (each trainer rank compares its shard with its
+    baseline and encodes the changes, each worker applies them).
 
     Args:
         manifest: ``{hf_name: (shape, dtype)}`` (the HF checkpoint's).
@@ -288,6 +312,11 @@ def estimate_refit(
         links: the NICs.
         changed: the fraction of elements a delta refit finds changed (0..1).
         bucket_bytes: the transports' bucket size, bytes (one latency each).
+        sync_overhead_s: fixed cost of one sync, seconds (>= 0), added to every path
+            but the lower bound.
+        diff_bytes_per_s: how fast a delta's diff goes, bytes of the busiest trainer
+            rank's shard per second (encoding there and applying on the workers
+            together); None: free (a GPU diffs at memory speed, far above a NIC).
 
     Raises:
         ValueError: a count < 1, ``changed`` outside [0, 1], a dim TP cannot cut,
@@ -299,10 +328,24 @@ def estimate_refit(
         )
     if not 0.0 <= changed <= 1.0:
         raise ValueError(f"changed must be in [0, 1], got {changed}")
+    if sync_overhead_s < 0 or (diff_bytes_per_s is not None and diff_bytes_per_s <= 0):
+        raise ValueError(
+            f"sync_overhead_s must be >= 0 and diff_bytes_per_s > 0: "
+            f"{sync_overhead_s}, {diff_bytes_per_s}"
+        )
     model = sum(math.prod(shape) * dtype.itemsize for shape, dtype in manifest.values())
     rows = [
         # Every link carries the model once; rank 0 also downloads the others' shards.
-        _row("broadcast", model, model, model, 1, links, math.ceil(model / bucket_bytes))
+        _row(
+            "broadcast",
+            model,
+            model,
+            model,
+            1,
+            links,
+            math.ceil(model / bucket_bytes),
+            sync_overhead_s,
+        )
     ]
     dtypes = {name: dtype for name, (_, dtype) in manifest.items()}
     workers = ep_layouts(manifest, tp=tp, ep=ep) if ep > 1 else tp_layouts(manifest, tp)
@@ -314,20 +357,41 @@ def estimate_refit(
         sum(1 for src in range(trainer_ranks) for _ in plan.buckets_between(src, dst))
         for dst in range(len(workers))
     )
-    for path, fraction in (
-        ("sharded", 1.0),
-        ("delta", _delta_fraction(manifest, changed)),
-        ("fp8", _fp8_fraction(manifest)),
-    ):
-        rows.append(
-            _row(
-                path,
-                up * fraction,
-                down * fraction,
-                total_up * fraction,
-                trainer_ranks,
-                links,
-                math.ceil(per_link_buckets * fraction) if fraction < 1 else per_link_buckets,
-            )
+    rows.append(
+        _row("sharded", up, down, total_up, trainer_ranks, links, per_link_buckets, sync_overhead_s)
+    )
+    # A delta: one message each way per pair (handshake, header, payload, finish) and
+    # the diff, over the busiest rank's shard.
+    delta_up, delta_down = _delta_bytes(plan, changed)
+    pairs = max(sum(1 for _, dst in plan.buckets if dst == w) for w in range(len(workers)))
+    shard = max(
+        sum(part.numel * dtypes[name].itemsize for name, part in layout.items())
+        for layout in plan.sources
+    )
+    diff_s = 0.0 if diff_bytes_per_s is None else shard / diff_bytes_per_s
+    rows.append(
+        _row(
+            "delta",
+            max(delta_up) * engines,
+            max(delta_down),
+            sum(delta_up) * engines,
+            trainer_ranks,
+            links,
+            4 * pairs,
+            sync_overhead_s + diff_s,
         )
+    )
+    fraction = _fp8_fraction(manifest)
+    rows.append(
+        _row(
+            "fp8",
+            up * fraction,
+            down * fraction,
+            total_up * fraction,
+            trainer_ranks,
+            links,
+            math.ceil(per_link_buckets * fraction),
+            sync_overhead_s,
+        )
+    )
     return rows
