@@ -11,7 +11,7 @@ from tests._support.bench import assert_table_then_json, run_quick
 SCRIPTS = sorted((Path(__file__).resolve().parents[2] / "benchmarks").glob("[!_]*.py"))
 #: Benchmarks whose ``--quick --json`` run a module of their own checks, this
 #: file's check (``assert_table_then_json``) among them: not run twice.
-CHECKED_APART = {"delta", "many_senders"}
+CHECKED_APART = {"delta", "many_senders", "plan_check"}
 
 
 def test_benchmarks_exist():

@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -172,3 +173,33 @@ def test_the_command_takes_an_expert_parallel_size() -> None:
     )  # fmt: skip
     report = json.loads(out.stdout.splitlines()[-1])
     assert report["rows"][1]["download_bytes"] == QWEN3_30B_EP4_WORKER_BYTES
+
+
+def test_a_delta_costs_what_the_transport_encodes_plus_its_diff() -> None:
+    """A quarter of the elements changed: each transfer as int32 indices and bf16 values
+    (0.25 * 6 bytes per element, below the box's 2 dense bytes), as the sharded wire
+    carries it; the sync's fixed cost and the diff of the busiest rank's shard added."""
+    kwargs: dict[str, Any] = {"trainer_ranks": 2, "tp": 2, "engines": 1, "changed": 0.25}
+    plain = {r.path: r for r in estimate_refit(MANIFEST, links=Links(8.0, 0.0), **kwargs)}
+    assert plain["delta"].download_bytes == 3 * WORKER_BYTES // 4
+    assert plain["delta"].predicted_s == 3 * WORKER_BYTES / 4 / 1e9
+    shard = max(
+        sum(part.numel * 2 for part in layout.values()) for layout in fsdp_layouts(MANIFEST, 2)
+    )
+    slow = {
+        r.path: r
+        for r in estimate_refit(
+            MANIFEST,
+            links=Links(8.0, 0.0, efficiency=0.5),
+            sync_overhead_s=0.5,
+            diff_bytes_per_s=1e9,
+            **kwargs,
+        )
+    }
+    # Half the link carries payload: twice the time; the lower bound has no fixed costs.
+    assert slow["delta"].predicted_s == 3 * WORKER_BYTES / 4 / 0.5e9 + 0.5 + shard / 1e9
+    assert (
+        slow["sharded"].predicted_s
+        == max(slow["sharded"].upload_bytes, slow["sharded"].download_bytes) / 0.5e9 + 0.5
+    )
+    assert slow["sharded"].lower_bound_s == plain["sharded"].lower_bound_s * 2
