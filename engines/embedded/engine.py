@@ -167,8 +167,9 @@ class EmbeddedEngine(GenerateFromMeta):
             layers' in its checkpoint); no target name may start with it.
 
     Raises:
-        TypeError: ``model`` is none of the above, or ``num_workers`` or
-            ``tensor_parallel_size`` is not an int (before any process starts).
+        TypeError: ``model`` is none of the above, or ``num_workers``,
+            ``tensor_parallel_size`` or ``expert_parallel_size`` is not an int (before
+            any process starts).
         ImportError: transformers is not installed (``pip install 'aiosync[embedded]'``).
         ValueError: ``num_workers < 1``, ``tensor_parallel_size < 1``, an unknown
             ``dtype`` or ``sleep_level``, ``device_labels`` not one string per
@@ -177,7 +178,9 @@ class EmbeddedEngine(GenerateFromMeta):
             Qwen3/Qwen3-MoE, heads or sizes not divisible); an unknown
             ``quantization``, or ``"fp8"`` with ``tensor_parallel_size > 1`` or a
             ``runner_factory``; a ``draft`` with any of those, or an empty
-            ``draft_prefix`` (a target name that starts with it: at start).
+            ``draft_prefix`` (a target name that starts with it: at start);
+            ``expert_parallel_size < 1`` or not dividing ``tensor_parallel_size``, or
+            a config dict without experts that split over it (``_tp.check_expert_parallel``).
     """
 
     #: Which engine this is (:class:`~aiosync.capabilities.KindReporting`): the factory

@@ -19,11 +19,12 @@ import torch
 
 from aiosync.engines.embedded._tp import tp_layout
 from aiosync.engines.embedded._worker import tensor_to_wire
-from aiosync.engines.embedded.configs import TINY_QWEN3_MOE
+from aiosync.engines.embedded.configs import TINY_QWEN3, TINY_QWEN3_MOE
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner, resolve_hf_config
 from aiosync.errors import RefitVerificationError
 from aiosync.layout import Layout
+from aiosync.transports.collective import CollectiveWeightSynchronizer
 from aiosync.transports.sharded import ShardedWeightSynchronizer, make_plan
 from aiosync.transports.sharded.estimate import ep_layouts, fsdp_layouts
 from tests._support.builders import non_colocated
@@ -185,6 +186,48 @@ async def test_verify_engine_checks_each_worker_against_its_own_experts(
         await sync.sync_weights()
         assert (await sync.verify_engine())["workers"] == 2
     await _holds_exactly(engine, full)
+
+
+@IN_MODULE_LOOP
+async def test_the_verified_broadcast_lands_too_each_worker_keeping_only_its_experts(
+    engine: EmbeddedEngine,
+) -> None:
+    """The rank-0 broadcast sends every expert to every worker (``verify=True``: each
+    bucket digested on arrival); a worker keeps its own experts and drops the others'."""
+    trainer = HFModelRunner.from_config(TINY_QWEN3_MOE, seed=36)
+    full = trainer.hf_state_dict()
+    async with non_colocated(
+        CollectiveWeightSynchronizer, trainer.model, engine, verify=True
+    ) as sync:
+        await sync.mark_stale()
+        await sync.sync_weights()
+        assert sync.weight_version == 1
+    await engine.prepare_for_generation()
+    await _holds_exactly(engine, full)
+    expected = trainer.generate(PROMPTS, max_new_tokens=4, ignore_eos=True)
+    assert await engine.generate(PROMPTS, max_new_tokens=4, ignore_eos=True) == expected
+
+
+@pytest.mark.parametrize(
+    ("model", "tp", "ep", "match"),
+    [
+        (TINY_QWEN3_MOE, 2, 3, "expert_parallel_size=3 must divide tensor_parallel_size=2"),
+        # Each expert is cut over an EP group's 2 ranks, not over the replica's 4.
+        (
+            {**TINY_QWEN3_MOE, "moe_intermediate_size": 33},
+            4,
+            2,
+            r"moe_intermediate_size=33 is not divisible by tensor_parallel_size // ep=2",
+        ),
+        ({**TINY_QWEN3_MOE, "num_experts": 6}, 4, 4, "num_experts=6 is not divisible by"),
+        (TINY_QWEN3, 2, 2, "needs a Qwen3-MoE model with experts, got model type 'qwen3'"),
+    ],
+)
+def test_an_expert_parallel_size_that_does_not_fit_is_refused_before_any_process_starts(
+    model: dict[str, object], tp: int, ep: int, match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        EmbeddedEngine(model, tensor_parallel_size=tp, expert_parallel_size=ep)
 
 
 @IN_MODULE_LOOP
