@@ -25,10 +25,12 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "ON_FAILURE",
     "CollectiveOptions",
     "HTTPOptions",
     "IPCOptions",
     "LoRAOptions",
+    "OnFailure",
     "SGLangCollectiveOptions",
     "ShardedOptions",
     "SyncOptions",
@@ -38,6 +40,13 @@ __all__ = [
 
 #: What ``verify=`` may be: ``True`` (every byte), ``"sample"``, ``False``.
 VerifyMode = bool | Literal["sample"]
+
+#: What the engines serve after a sync failed or was cancelled before its commit:
+#: nothing until a sync succeeds (``"refuse"``), or the version they served before,
+#: bit for bit and labelled as it (``"serve_previous"``; each worker keeps a host copy
+#: of its weights, see :mod:`aiosync.transports.previous`).
+OnFailure = Literal["refuse", "serve_previous"]
+ON_FAILURE: tuple[OnFailure, ...] = ("refuse", "serve_previous")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +66,8 @@ class TransportCapabilities:
             the rest (``EngineFleet(on_engine_failure="quarantine")``).
         sharded_trainer: a trainer of several ranks (each sends or gathers its part).
         verify_engine: ``verify_engine()`` checks a live engine's weights.
+        serve_previous: ``on_failure="serve_previous"``: its workers keep the last good
+            version and put it back when a sync fails (:mod:`aiosync.transports.previous`).
     """
 
     verify: frozenset[VerifyMode] = frozenset({False})
@@ -66,6 +77,7 @@ class TransportCapabilities:
     elastic: bool = False
     sharded_trainer: bool = False
     verify_engine: bool = False
+    serve_previous: bool = False
 
     def refusal(self, name: str, value: object) -> str | None:
         """Why :class:`SyncOptions`' ``name`` = ``value`` cannot be honoured; None: it can."""
@@ -74,6 +86,8 @@ class TransportCapabilities:
             return f"verify={value!r} (it honours {honoured})"
         if name in ("delta", "trace") and value and not getattr(self, name):
             return f"{name}={value!r}"
+        if name == "on_failure" and value == "serve_previous" and not self.serve_previous:
+            return f"on_failure={value!r}"
         return None
 
 
@@ -101,6 +115,11 @@ class SyncOptions:
             with the target's, under one version; ``"frozen"`` sends no draft tensor
             and leaves the engine's draft bit for bit as it was. None: the engine's
             default (an embedded engine with a draft: ``"with_target"``).
+        on_failure: :data:`OnFailure`: after a sync failed or was cancelled before its
+            commit, the engines refuse to generate until a sync succeeds
+            (``"refuse"``, the default) or serve the version they served before, bit
+            for bit and labelled as it (``"serve_previous"``: IPC and the collective
+            into embedded engines; one host copy of each worker's weights).
 
     Raises:
         ValueError: a value of the wrong kind (before any transport is chosen).
@@ -113,8 +132,14 @@ class SyncOptions:
     event_backlog: int | None = None
     trace: bool | None = None
     draft: DraftRefit | None = None
+    on_failure: OnFailure | None = None
 
     def __post_init__(self) -> None:
+        if self.on_failure is not None and self.on_failure not in ON_FAILURE:
+            raise ValueError(
+                f"on_failure must be one of {', '.join(map(repr, ON_FAILURE))}, "
+                f"got {self.on_failure!r}"
+            )
         if self.draft is not None and self.draft not in DRAFT_REFITS:
             raise ValueError(
                 f"draft must be one of {', '.join(map(repr, DRAFT_REFITS))}, got {self.draft!r}"

@@ -61,7 +61,7 @@ from .errors import (
     UnsupportedOptionError,
 )
 from .events import EventSubscription, VersionEventKind, _EventHub
-from .options import TransportCapabilities
+from .options import ON_FAILURE, OnFailure, TransportCapabilities
 from .sources import ConfigSource, Preflight, RefitManifest, RefitSource
 from .transport import Transport
 
@@ -214,6 +214,7 @@ class WeightSynchronizer:
         in_flight: InFlightPolicy = "wait",
         initial_version: int = 0,
         ranks: Ranks | None = None,
+        on_failure: OnFailure = "refuse",
     ) -> None:
         _check_in_flight(in_flight)
         if transport is None and isinstance(self, Transport):
@@ -284,6 +285,41 @@ class WeightSynchronizer:
         #: full). The transport sets it; this class advances and drops the baseline.
         self.delta: DeltaRefit[Any] | None = None
         self._check_rolling()
+        self._on_failure: OnFailure = "refuse"
+        self.on_failure = on_failure
+        #: Host bytes the workers reached by the last initialization keep for
+        #: ``on_failure="serve_previous"`` (0: not armed).
+        self.previous_nbytes = 0
+        # Whether the sync in progress started from one whole version, and whether it
+        # began labelling the engines with its own (then nothing is put back).
+        self._previous_good = False
+        self._labelling = False
+
+    @property
+    def on_failure(self) -> OnFailure:
+        """What the engines serve after a failed or cancelled sync (:data:`OnFailure`)."""
+        return self._on_failure
+
+    @on_failure.setter
+    def on_failure(self, value: OnFailure) -> None:
+        """Set before :meth:`init_communicator` (which arms the workers).
+
+        Raises:
+            ValueError: not one of :data:`~aiosync.options.ON_FAILURE`.
+            UnsupportedOptionError: ``"serve_previous"`` on a transport without
+                ``capabilities.serve_previous``.
+            SyncError: already initialized.
+        """
+        if value not in ON_FAILURE:
+            raise ValueError(f"on_failure must be one of {ON_FAILURE}, got {value!r}")
+        refusal = self.transport.capabilities.refusal("on_failure", value)
+        if refusal is not None:
+            raise UnsupportedOptionError(
+                f"{type(self.transport).__name__} does not honour {refusal}"
+            )
+        if self._initialized and value != self._on_failure:
+            raise SyncError("set on_failure before init_communicator()")
+        self._on_failure = value
 
     def _check_rolling(self) -> None:
         """A fleet refit in waves needs a transport that re-forms over part of the fleet
@@ -408,6 +444,8 @@ class WeightSynchronizer:
         """The transport is (re-)opened: the synchronizer's own bookkeeping (delta
         watch, the fleet's membership, take-over, rank agreement on staleness)."""
         self._check_open()
+        if self._on_failure == "serve_previous":
+            await self._arm_previous()
         self._initialized = True
         if self.delta is not None:
             self.delta.watch(self._engines())
@@ -426,6 +464,30 @@ class WeightSynchronizer:
             # rank, or the ranks that think they are current skip the gathers the
             # driver's sync waits for.
             self._engine_dirty = any(dirty)
+
+    async def _arm_previous(self) -> None:
+        """``on_failure="serve_previous"``: every worker keeps a host copy of its weights
+        from now on (``aiosync_keep_previous``); :attr:`previous_nbytes` is their sum.
+
+        Raises:
+            UnsupportedOptionError: the engine has no workers (``collective_rpc``) or
+                they cannot keep a copy (vLLM), before any byte moves.
+        """
+        engine = self.generation
+        if not self._drives_generation():
+            return
+        if not implements(engine, EngineWorkers):
+            raise UnsupportedOptionError(
+                f"on_failure='serve_previous': {type(engine).__name__} has no workers "
+                "(collective_rpc) to keep the previous version"
+            )
+        try:
+            reserved = await engine.collective_rpc(
+                "aiosync_keep_previous", (True,), timeout_s=self.timeouts.rpc_s
+            )
+        except NotImplementedError as exc:
+            raise UnsupportedOptionError(f"on_failure='serve_previous': {exc}") from exc
+        self.previous_nbytes = sum(int(n) for n in reserved)
 
     def _sharded(self) -> bool:
         """Whether this synchronizer is one of a sharded trainer's ranks (which must
@@ -574,6 +636,9 @@ class WeightSynchronizer:
                 return
             version = self._policy_version
             discards = self._discards
+            # Only weights that were one whole version can be served again on a failure.
+            self._previous_good = not self._engine_dirty
+            self._labelling = False
             if self.delta is not None:
                 self.delta.begin()
             self._events.publish(VersionEventKind.SYNC_STARTED, version)
@@ -595,9 +660,10 @@ class WeightSynchronizer:
                     self._check_landed(version, discards)
                     await self._label_engine(version)
             except BaseException as exc:
-                error = await self._failed(version, exc, start, pause)
+                error, restored = await self._failed(version, exc, start, pause)
                 if rolling is not None:
-                    rolling.end_wave(committed=False)
+                    # A wave whose engines serve their previous version again is whole.
+                    rolling.end_wave(committed=restored)
                 raise error  # noqa: B904 (its own cause)
             self._commit(version)
             if rolling is not None:
@@ -678,11 +744,17 @@ class WeightSynchronizer:
 
     async def _failed(
         self, version: int, exc: BaseException, start: float, pause: _PauseWindow
-    ) -> BaseException:
-        """A failed or cancelled sync: the engine counts as dirty, the transport hears
-        of it, the engine resumes (bounded), FAILED is published. Returns the error to
-        raise (a timeout as :class:`SyncTimeoutError`)."""
+    ) -> tuple[BaseException, bool]:
+        """A failed or cancelled sync: the engine counts as dirty unless its workers put
+        their previous version back (``on_failure="serve_previous"``), the transport
+        hears of it, the engine resumes (bounded), FAILED is published. Returns the
+        error to raise (a timeout as :class:`SyncTimeoutError`) and whether the
+        previous version was put back."""
         self._engine_dirty = True
+        restored = False
+        if self._on_failure == "serve_previous" and self._previous_good and not self._labelling:
+            restored = await self._restore_previous(version)
+            self._engine_dirty = not restored
         if self.delta is not None:
             self.delta.settle(committed=False)
         pause_s = await self._resume_after(pause.since, failed=True)
@@ -698,8 +770,37 @@ class WeightSynchronizer:
                 f"sync of version {version} exceeded {self.timeouts.sync_s} s"
             )
             timeout.__cause__ = exc
-            return timeout
-        return exc
+            return timeout, restored
+        return exc, restored
+
+    async def _restore_previous(self, version: int) -> bool:
+        """Every worker of the engines in the sync puts back the weights it held before
+        the refit of ``version`` wrote them (``aiosync_restore_previous``), before the
+        engines resume. Shielded, bounded by ``timeouts.after_failure_s``. Returns
+        whether all did; a worker that could not (dead, respawned, its weights
+        discarded) leaves the engine refusing, as with ``"refuse"``, and is logged."""
+        engine = self.generation
+        if not self._drives_generation() or not implements(engine, EngineWorkers):
+            return False
+        limit = self.timeouts.after_failure_s
+        try:
+            with anyio.CancelScope(shield=True), anyio.fail_after(limit):
+                await engine.collective_rpc(
+                    "aiosync_restore_previous", (version, limit), timeout_s=limit
+                )
+        except Exception as exc:
+            _log.error(
+                "on_failure='serve_previous': the previous version could not be put back "
+                "after version %d failed (the engine refuses until a sync succeeds): %s: %s",
+                version,
+                type(exc).__name__,
+                exc,
+            )
+            return False
+        _log.warning(
+            "version %d failed; the engines serve version %d again", version, self._weight_version
+        )
+        return True
 
     def _commit(self, version: int) -> None:
         """The version is live: the synchronizer's version advances and it claims the
@@ -831,6 +932,7 @@ class WeightSynchronizer:
             longest = max(longest, await self._resume_after(pause.since, failed=False))
             pause.since = None
             fleet.end_wave(committed=True)
+            self._labelling = False
             if isinstance(moved, Transferred):
                 nbytes += moved.nbytes
                 delta = delta and moved.delta
@@ -853,7 +955,9 @@ class WeightSynchronizer:
     async def _label_engine(self, version: int) -> None:
         """The one place where the engine learns its version: once ``version``
         landed on every worker, it labels what it generates with it. Shielded: a
-        cancellation must not leave it labelling the new weights with the old version."""
+        cancellation must not leave it labelling the new weights with the old version
+        (and from here on a failure no longer puts the previous version back)."""
+        self._labelling = True
         if self._drives_generation() and implements(self.generation, VersionedEngine):
             with anyio.CancelScope(shield=True):
                 await self.generation.on_weights_committed(version)

@@ -21,7 +21,7 @@ identified by its GPU UUID (as vLLM and NeMo-RL key their IPC sockets), a CPU
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 
@@ -29,6 +29,7 @@ from aiosync._digest import tensor_digest
 from aiosync.delta import PatchModel
 
 from ._verify import arm_transit_fault
+from .previous import PreviousWeights
 
 __all__ = ["CPU_LABEL", "WorkerIdentityMixin", "device_identity"]
 
@@ -74,6 +75,69 @@ class WorkerIdentityMixin:
     #: Set by the init call of a synchronizer built with ``delta=True``: the engine
     #: keeps what it needs to apply delta patches (vLLM: a host copy of its weights).
     aiosync_keep_delta_base: bool = False
+
+    #: Armed by ``aiosync_keep_previous(True)`` (``on_failure="serve_previous"``): the
+    #: worker copies its live weights before a refit writes them (:mod:`.previous`).
+    aiosync_previous: PreviousWeights | None = None
+
+    def aiosync_keep_previous(self, enabled: bool) -> int:
+        """Arm (``enabled``) or disarm this worker's copy of its last good version
+        (:mod:`aiosync.transports.previous`). Returns the host bytes its copy will
+        take: the worker's weights, parameters and buffers.
+
+        Raises:
+            NotImplementedError: the engine's live weights are not all in
+                :meth:`_aiosync_weight_modules` (vLLM, whose layers repack theirs).
+        """
+        if not enabled:
+            self.aiosync_previous = None
+            return 0
+        if self.aiosync_previous is None:
+            self.aiosync_previous = PreviousWeights(self._aiosync_weight_modules())
+        return self.aiosync_previous.nbytes
+
+    def aiosync_restore_previous(self, version: int, timeout_s: float = 10.0) -> bool:
+        """After the refit of ``version`` failed: once no receive is writing (waiting
+        up to ``timeout_s`` seconds), put back the weights this worker held before that
+        refit wrote them, valid again. Returns whether anything was written (False:
+        the refit never wrote this worker, which kept its weights).
+
+        Raises:
+            TimeoutError: a receive still ran after ``timeout_s``.
+            SyncError: this worker is not armed, or its weights are not one whole
+                version and it holds no copy from before ``version`` (it discarded
+                them, or it was respawned): its engine cannot serve the previous one.
+        """
+        from aiosync.errors import SyncError
+
+        from . import validity
+
+        previous = self.aiosync_previous
+        if previous is not None and previous.restore(version, timeout_s):
+            validity.mark_valid(cast(validity.HoldsWeights, self))
+            return True
+        if previous is not None and validity.is_valid(self):
+            return False
+        raise SyncError(
+            f"engine worker {self.aiosync_worker_rank()} holds no whole version to serve "
+            f"after the refit of version {version} failed"
+            + ("" if previous is not None else " (not armed: aiosync_keep_previous)")
+        )
+
+    def _aiosync_weight_modules(self) -> list[torch.nn.Module]:
+        """What holds the live weights (``state_dict``: every tensor the engine computes
+        with). Default: ``model_runner.model`` when it is a module.
+
+        Raises:
+            NotImplementedError: it is not a module.
+        """
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        if not isinstance(model, torch.nn.Module):
+            raise NotImplementedError(
+                f"{type(model).__name__} is not a torch module: this worker cannot keep "
+                "a copy of its weights"
+            )
+        return [model]
 
     def aiosync_set_rank_offset(self, offset: int, dp_base: int = 0) -> int:
         """Called by :class:`~aiosync.EngineFleet`: this engine's workers start at

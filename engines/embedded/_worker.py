@@ -230,6 +230,14 @@ class EmbeddedWorker:
                 return 2
             return 3 if self._asleep else 0
 
+    def _aiosync_weight_modules(self) -> list[torch.nn.Module]:
+        """What holds the live weights: the target model and, when held, the draft."""
+        runner = self.model_runner.model
+        modules: list[torch.nn.Module] = [runner.model]
+        if runner.draft is not None:
+            modules.append(runner.draft.model)
+        return modules
+
     def _check_can_generate(self) -> None:
         """Raise SyncError unless the weights may serve a step (hold ``_state_lock``)."""
         if not self.aiosync_weights_valid:

@@ -404,6 +404,18 @@ class VLLMWorkerMixin:
             "delta_copy_bytes": self._aiosync_host_copy.nbytes if self._aiosync_host_copy else 0,
         }
 
+    def _aiosync_weight_modules(self) -> list[torch.nn.Module]:
+        """vLLM's layers repack what they load (the CPU build leaves the parameters
+        empty; quantized kernels change layouts): no module state is the live weights.
+
+        Raises:
+            NotImplementedError: always (``on_failure="serve_previous"`` needs it).
+        """
+        raise NotImplementedError(
+            "a vLLM worker cannot keep a copy of its live weights: its layers repack "
+            "what they load; on_failure='serve_previous' is not available on vLLM"
+        )
+
     def _aiosync_live_weights(self) -> Mapping[str, torch.Tensor]:
         """In vLLM, what each layer computes with, read back through its kernels
         (:meth:`aiosync_vllm_read_weights`), the part this worker holds of every HF

@@ -218,6 +218,7 @@ class CollectiveWeightSynchronizer(WorkerQueries, GroupSession):
         elastic=True,
         sharded_trainer=True,
         verify_engine=True,
+        serve_previous=True,
     )
 
     #: The workers' RPC that leaves and destroys the sync group.

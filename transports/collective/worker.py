@@ -31,6 +31,7 @@ from .. import validity
 from .._identity import WorkerIdentityMixin
 from .._verify import Verify
 from ..packing import Bucket, BucketPlan, compare_manifests, plan_buckets, unpack
+from ..previous import begin_refit, whole_receive
 from ._group import (
     STATUS_MISMATCH,
     STATUS_OK,
@@ -237,6 +238,7 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
             return None  # it could not apply a delta: every sync is a full one
         return state.held[0]
 
+    @whole_receive
     def aiosync_collective_receive(
         self,
         *,
@@ -300,7 +302,7 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
                 state, delta, held, self._aiosync_patch_model()
             )
         state.held = None
-        validity.mark_invalid(self)
+        begin_refit(self, version)
         try:
             kv, checksums = receive_buckets(
                 state.group,
@@ -460,6 +462,7 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         staged.thread.start()
         return {"version": version, "staging_bytes": sum(t.numel() for t in buffers)}
 
+    @whole_receive
     def aiosync_collective_commit(self, *, version: int, owner: str = "") -> dict[str, Any]:
         """Wait for the staged receive of ``version``, then copy it into the live weights.
 
@@ -491,7 +494,7 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         start = time.perf_counter()
         discards = self.aiosync_discard_epoch
         state.held = None
-        validity.mark_invalid(self)
+        begin_refit(self, version)
         if staged.load is not None:  # a delta: its patches, bucket by bucket
             for bucket, buf in zip(staged.plan.buckets, staged.buffers, strict=True):
                 staged.load(bucket, buf)

@@ -46,7 +46,8 @@ from ..packing import (
     plan_buckets,
     unpack,
 )
-from ..validity import mark_invalid, mark_valid
+from ..previous import begin_refit
+from ..validity import mark_valid
 from ._direct import direct_views
 from ._link import InlineLink, TrainerLink
 from ._receiver_state import ReceiverState
@@ -122,7 +123,18 @@ class BucketReceiver(WorkerIdentityMixin):
             sock.send(encode({"t": "hello", "sync_id": sync_id, "rank": rank, "digest": digest}))
             senders: set[str] = set()
             tensors, nbytes = self._aiosync_load_buckets(
-                state, link, plan, mapped, sync_id, timeout_s, device, senders, trace, keep, load
+                state,
+                link,
+                plan,
+                mapped,
+                sync_id,
+                timeout_s,
+                device,
+                senders,
+                trace,
+                keep,
+                load,
+                version=version,
             )
             if patches is not None:
                 finish_patches(patches)  # before "done": a failure here fails the sync
@@ -245,6 +257,8 @@ class BucketReceiver(WorkerIdentityMixin):
         trace: list[dict[str, Any]] | None = None,
         keep: set[str] | None = None,
         load: _Loader | None = None,
+        *,
+        version: int | None = None,
     ) -> tuple[int, int]:
         """Load every bucket until ``end``; ``senders`` collects the devices the
         buffers came from, ``trace`` (when not None) one row of timestamps per
@@ -294,7 +308,7 @@ class BucketReceiver(WorkerIdentityMixin):
                     views = list(unpack(copy, bucket))
                 check = _check_fields(msg)
                 blocks = BlockDigest() if check is not None and check[0] is True else None
-                mark_invalid(self)
+                begin_refit(self, -1 if version is None else version)
                 state.touched = sync_id
                 load_start = time.monotonic()
                 with torch.no_grad():
@@ -351,7 +365,7 @@ class BucketReceiver(WorkerIdentityMixin):
                 # what the copy reads.
                 if transit_fault_armed(index):
                     transit_fault(buffer.tensor[: bucket.nbytes], index)
-                mark_invalid(self)
+                begin_refit(self, -1 if version is None else version)
                 state.touched = sync_id
                 load_start = time.monotonic()
                 with torch.no_grad():

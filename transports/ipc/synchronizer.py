@@ -272,6 +272,7 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         elastic=True,
         sharded_trainer=True,
         verify_engine=True,
+        serve_previous=True,
     )
 
     def __init__(

@@ -74,6 +74,7 @@ from ..packing import (
     BucketPlan,
     compare_unordered,
 )
+from ..previous import whole_receive
 from ..validity import mark_invalid
 from ._link import TRAINER_GONE
 from ._receive import BucketReceiver
@@ -148,6 +149,7 @@ class IPCWorkerMixin(BucketReceiver):
             "num_tensors": bucket_plan.num_tensors,
         }
 
+    @whole_receive
     def aiosync_ipc_receive(self, session: Mapping[str, Any]) -> dict[str, Any]:
         """Receive one refit from the trainer (blocks until done, failed or timed out).
 
