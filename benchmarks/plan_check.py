@@ -26,7 +26,10 @@ Figures per configuration: the predicted seconds, the measured ones (best of
 ``--repeat``, at least 3; 1 with ``--quick``), their ratio measured / predicted
 (goal: within 15%), the predicted and measured bytes of the busiest worker, and
 the busiest link. The prediction is the baseline each measurement is set
-against. The links count TCP/IP and Ethernet headers: the model takes
+against, twice: the links alone, and with the two terms of the model that do not
+scale with the links calibrated here with the limits removed (a sync's fixed cost:
+the fastest unshaped full sync; a delta's CPU work: the unshaped delta beyond that).
+The links count TCP/IP and Ethernet headers: the model takes
 ``Links(efficiency=TCP_MTU1500_EFFICIENCY)`` (1448 payload bytes per 1514-byte
 frame). A CPU check follows: the heaviest configuration with the limits removed;
 while it is several times faster than the shaped run, the links are the bound.
@@ -161,15 +164,14 @@ CONFIGS: tuple[Config, ...] = (
 
 @dataclass(frozen=True, slots=True)
 class Calibration:
-    """What the model cannot know from the links, measured on this machine.
+    """What the model cannot know from the links, measured on this machine
+    (:func:`calibrate`).
 
     Attributes:
-        sync_overhead_s: one sync's time with the limits removed (the TP2
-            configuration): handshakes, the vote, waking processes, the copies at
-            CPU speed.
-        diff_bytes_per_s: a delta's diff, bytes of shard per second: the
-            transport's own ``ShardBaseline.changed`` and ``encode_transfer`` on a
-            sender and ``apply_patch`` on a receiver, in this process.
+        sync_overhead_s: one sync's fixed cost, seconds: handshakes, the vote, waking
+            processes.
+        diff_bytes_per_s: a delta's CPU work, bytes of the busiest rank's shard per
+            second.
     """
 
     sync_overhead_s: float = 0.0
@@ -202,6 +204,29 @@ def measure_diff_rate(nbytes: int, changed: float, repeats: int) -> float:
             apply_patch(target, held, WeightPatch(name, 1, (n,), "indices", wire[1], wire[0]))
         best = min(best, time.perf_counter() - start)
     return nbytes / best
+
+
+def calibrate(
+    unshaped: dict[str, dict[str, Any]], shard: int, repeats: int
+) -> tuple[Calibration, float]:
+    """The model's two machine terms from the runs with the links unshaped, and the diff
+    kernels' own rate (:func:`measure_diff_rate`, bytes per second) beside them.
+
+    The sync overhead is the fastest unshaped full sync (the least a sync costs here,
+    its copies at CPU speed included); a delta's CPU rate is the busiest rank's
+    ``shard`` bytes over what the first unshaped delta took beyond that overhead: the
+    diff, the per-transfer encoding and packing on the senders, decoding and applying
+    on the workers, every host's process sharing this machine's cores.
+    """
+    full = [c for c in CONFIGS if c.changed is None and c.name in unshaped]
+    overhead = min(min(unshaped[c.name]["t0"]["times"]) for c in full)
+    delta = next(c for c in CONFIGS if c.changed is not None)
+    cpu = min(unshaped[delta.name]["t0"]["times"]) - overhead
+    # A delta no slower than a full sync unshaped: its CPU share is below what this
+    # measures; the kernels' own rate bounds it.
+    kernels = measure_diff_rate(shard, CHANGED, repeats)
+    rate = shard / cpu if cpu > 0 else kernels
+    return Calibration(sync_overhead_s=overhead, diff_bytes_per_s=rate), kernels
 
 
 def predict(
@@ -299,7 +324,8 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
     print(
         "down/up MB: the model's busiest worker download / trainer upload (the plan's bytes; "
         "a delta's at its share changed); links s: the model with the links alone; "
-        "predicted s: plus this machine's sync overhead and delta diff (calibrated); "
+        "predicted s: plus this machine's sync overhead and a delta's CPU work (calibrated "
+        "unshaped); "
         "ratio: measured / each"
     )
 
@@ -395,7 +421,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             shaped = _measure(pool, CONFIGS, "shaped", timeout)
             net.unshape()
-            unshaped = _measure(pool, tuple({CONFIGS[0], heaviest}), "unshaped", timeout)
+            # The calibration (TP2), the CPU check (the heaviest) and each delta, whose
+            # CPU share the table's last line sets beside the model's terms for it.
+            again = [CONFIGS[0], heaviest, *(c for c in CONFIGS if c.changed is not None)]
+            unshaped = _measure(pool, tuple(dict.fromkeys(again)), "unshaped", timeout)
             pool.close()
             pool = None
     except HostFailed as exc:
@@ -418,17 +447,24 @@ def main(argv: list[str] | None = None) -> int:
         if c.changed is not None
         for layout in layouts_for(manifest, c.command(""))[0]
     )
-    calibration = Calibration(
-        sync_overhead_s=min(unshaped[CONFIGS[0].name]["t0"]["times"]),
-        diff_bytes_per_s=measure_diff_rate(shard, CHANGED, max(3, args.repeat)),
-    )
+    calibration, kernels = calibrate(unshaped, shard, max(3, args.repeat))
     print(
-        f"calibrated here: sync overhead {calibration.sync_overhead_s * 1e3:.1f} ms "
-        f"({CONFIGS[0].name} unshaped), delta diff "
-        f"{(calibration.diff_bytes_per_s or 0) / MB:.0f} MB/s of shard (in this process)"
+        f"calibrated here, with the links unshaped: sync overhead "
+        f"{calibration.sync_overhead_s * 1e3:.1f} ms (the fastest full sync), a delta's CPU "
+        f"{(calibration.diff_bytes_per_s or 0) / MB:.0f} MB/s of shard (the diff kernels "
+        f"alone, in this process: {kernels / MB:.0f} MB/s)"
     )
     rows = [row_for(manifest, c, shaped[c.name], links, bucket_bytes, calibration) for c in CONFIGS]
+    for row in rows:
+        if row["name"] in unshaped:
+            row["unshaped_s"] = min(unshaped[row["name"]]["t0"]["times"])
     _print_table(rows)
+    for row in rows:
+        if row["changed"] is not None:
+            print(
+                f"{row['name']}: unshaped {row['unshaped_s']:.3f} s, the model's terms that do "
+                f"not scale with the links {row['predicted_s'] - row['links_only_s']:.3f} s"
+            )
     shaped_s = next(r["measured_s"] for r in rows if r["name"] == heaviest.name)
     unshaped_s = min(unshaped[heaviest.name]["t0"]["times"])
     headroom = shaped_s / unshaped_s
