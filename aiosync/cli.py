@@ -462,7 +462,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         config = args.model
     shapes = model_manifest(config, layers=args.layers)
     manifest = {name: (shape, dtype_from_name(dt)) for name, (shape, dt) in shapes.items()}
-    links = Links(nic_gbps=args.nic_gbps, latency_us=args.latency_us)
+    links = Links(nic_gbps=args.nic_gbps, latency_us=args.latency_us, efficiency=args.efficiency)
     rows = estimate_refit(
         manifest,
         trainer_ranks=args.trainer_ranks,
@@ -471,6 +471,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         links=links,
         ep=args.ep,
         changed=args.changed,
+        sync_overhead_s=args.overhead_ms / 1e3,
     )
     if args.json:
         print(json.dumps({"model": args.model, "rows": [asdict(r) for r in rows]}))
@@ -534,6 +535,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--nic-gbps", type=float, default=400.0, help="NIC rate each way (default: 400)"
     )
     plan.add_argument("--latency-us", type=float, default=10.0, help="per message (default: 10)")
+    plan.add_argument(
+        "--efficiency",
+        type=float,
+        default=1.0,
+        help="payload share of the NIC rate (TCP over 1500-byte MTU: 0.956; default: 1)",
+    )
+    plan.add_argument(
+        "--overhead-ms", type=float, default=0.0, help="fixed cost of one sync (default: 0)"
+    )
     plan.add_argument(
         "--changed", type=float, default=0.05, help="delta: fraction changed (default: 0.05)"
     )

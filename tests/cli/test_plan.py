@@ -168,11 +168,20 @@ def test_experts_that_do_not_split_over_ep_are_refused() -> None:
 def test_the_command_takes_an_expert_parallel_size() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "aiosync.cli", "plan", "--model", "qwen3-30b-a3b", "--layers",
-         "1", "--trainer-ranks", "8", "--tp", "4", "--ep", "4", "--nic-gbps", "8", "--json"],
+         "1", "--trainer-ranks", "8", "--tp", "4", "--ep", "4", "--nic-gbps", "8",
+         "--latency-us", "0", "--efficiency", "0.5", "--overhead-ms", "250", "--json"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
-    report = json.loads(out.stdout.splitlines()[-1])
-    assert report["rows"][1]["download_bytes"] == QWEN3_30B_EP4_WORKER_BYTES
+    sharded = json.loads(out.stdout.splitlines()[-1])["rows"][1]
+    assert sharded["download_bytes"] == QWEN3_30B_EP4_WORKER_BYTES
+    # 8 workers' download bound, half of 1e9 bytes/s carrying payload, plus the fixed cost.
+    assert sharded["bottleneck"] == "worker downlink"
+    assert sharded["predicted_s"] == QWEN3_30B_EP4_WORKER_BYTES / 0.5e9 + 0.25
+
+
+def test_links_outside_their_ranges_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"0 < efficiency <= 1, got 8\.0, 10\.0, 1\.5"):
+        Links(8.0, efficiency=1.5)
 
 
 def test_a_delta_costs_what_the_transport_encodes_plus_its_diff() -> None:

@@ -81,6 +81,9 @@ EXPERT_NAME = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>\w+?)
 class Links:
     """The network: one NIC per trainer rank and per engine worker.
 
+    Raises:
+        ValueError: a rate or efficiency outside its range, a negative latency.
+
     Attributes:
         nic_gbps: each NIC's rate each way, gigabits per second (> 0), as the link
             counts it (with its headers).
@@ -94,6 +97,13 @@ class Links:
     nic_gbps: float
     latency_us: float = 10.0
     efficiency: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.nic_gbps <= 0 or self.latency_us < 0 or not 0 < self.efficiency <= 1:
+            raise ValueError(
+                "Links need nic_gbps > 0, latency_us >= 0 and 0 < efficiency <= 1, got "
+                f"{self.nic_gbps}, {self.latency_us}, {self.efficiency}"
+            )
 
     @property
     def bytes_per_s(self) -> float:
