@@ -5,8 +5,8 @@ waits for the refit), and every output's version labels name the weights that co
 it: its tokens are the trainer's greedy tokens of that version. A wave that fails or is
 cancelled leaves its engine unfit (serving nothing) while the waves before it serve the
 new version and those after it the previous one; ``max_version_lag=0`` keeps the
-previous one out too; the next sync heals the fleet. Quarantine and ``add_engine``
-compose with the waves; a transport that cannot address part of the fleet is refused
+previous one out too; the next sync heals the fleet. Quarantine, ``add_engine`` and
+delta refits (every wave patched from the one baseline) compose with the waves; a transport that cannot address part of the fleet is refused
 at construction.
 """
 
@@ -26,6 +26,7 @@ from aiosync import (
     EngineFleet,
     InFlightPolicy,
     IPCOptions,
+    SyncOptions,
     Timeouts,
     TrainCluster,
     UnsupportedOptionError,
@@ -119,6 +120,15 @@ def _check_labels(outputs: list[Any], expected: dict[int, list[list[int]]]) -> l
         assert g.token_ids == expected[g.first_version][i], (i, g.first_version)
         versions.append(g.first_version)
     return versions
+
+
+async def _drain_events(events: Any) -> list[Any]:
+    out = []
+    while True:
+        with anyio.move_on_after(0.5):
+            out.append(await events.__anext__())
+            continue
+        return out
 
 
 async def _drain(events: Any) -> list[tuple[VersionEventKind, int, str | None]]:
@@ -322,6 +332,33 @@ async def test_a_rolling_wave_quarantines_its_dead_engine_and_a_new_one_joins_fi
             while victim.processes[0].exitcode is None:
                 await anyio.sleep(0.05)
         await victim.respawn_dead_workers()
+
+
+@in_module_loop
+async def test_a_rolling_delta_refit_patches_every_wave_from_one_baseline_bit_exact(
+    engines: list[SteppedEngine],
+) -> None:
+    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=74)
+    fleet = EngineFleet(engines[:2], refit="rolling", max_unavailable=1)
+    options = {**_options("ipc"), "sync": SyncOptions(delta=True)}
+    sync = create_weight_synchronizer(
+        HookedSource(trainer.model), fleet, backend="embedded", **options
+    )
+    async with sync, sync.subscribe() as events:
+        await sync.mark_stale()
+        await sync.sync_weights()  # full: the baseline
+        with torch.no_grad():
+            trainer.model.get_parameter("model.norm.weight").add_(1.0)  # one tensor changes
+        await sync.mark_stale()
+        await sync.sync_weights()
+        assert await _holds(engines[:2], trainer.hf_state_dict()) == [True, True]
+        committed = [e for e in await _drain_events(events) if e.kind is VersionEventKind.COMMITTED]
+        full, delta = committed
+        assert (full.delta, delta.delta) == (False, True)
+        # Each of the two waves got the model, then the same patch: the one changed tensor.
+        model = sum(t.numel() * t.element_size() for t in trainer.hf_state_dict().values())
+        norm = trainer.model.get_parameter("model.norm.weight")
+        assert (full.nbytes, delta.nbytes) == (2 * model, 2 * norm.numel() * norm.element_size())
 
 
 class _PartialTransport:
