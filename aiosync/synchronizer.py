@@ -36,6 +36,7 @@ from ._fanout import each_named
 from ._hf_config import compare_hf_configs
 from ._kv_scales import attention_layers, kv_scale_entries
 from ._live_check import engines_checksums, first_mismatch, live_digests
+from ._previous import arm_previous, restore_previous
 from .capabilities import (
     IN_FLIGHT_POLICIES,
     ConfigReporting,
@@ -444,8 +445,8 @@ class WeightSynchronizer:
         """The transport is (re-)opened: the synchronizer's own bookkeeping (delta
         watch, the fleet's membership, take-over, rank agreement on staleness)."""
         self._check_open()
-        if self._on_failure == "serve_previous":
-            await self._arm_previous()
+        if self._on_failure == "serve_previous" and self._drives_generation():
+            self.previous_nbytes = await arm_previous(self.generation, self.timeouts.rpc_s)
         self._initialized = True
         if self.delta is not None:
             self.delta.watch(self._engines())
@@ -464,30 +465,6 @@ class WeightSynchronizer:
             # rank, or the ranks that think they are current skip the gathers the
             # driver's sync waits for.
             self._engine_dirty = any(dirty)
-
-    async def _arm_previous(self) -> None:
-        """``on_failure="serve_previous"``: every worker keeps a host copy of its weights
-        from now on (``aiosync_keep_previous``); :attr:`previous_nbytes` is their sum.
-
-        Raises:
-            UnsupportedOptionError: the engine has no workers (``collective_rpc``) or
-                they cannot keep a copy (vLLM), before any byte moves.
-        """
-        engine = self.generation
-        if not self._drives_generation():
-            return
-        if not implements(engine, EngineWorkers):
-            raise UnsupportedOptionError(
-                f"on_failure='serve_previous': {type(engine).__name__} has no workers "
-                "(collective_rpc) to keep the previous version"
-            )
-        try:
-            reserved = await engine.collective_rpc(
-                "aiosync_keep_previous", (True,), timeout_s=self.timeouts.rpc_s
-            )
-        except NotImplementedError as exc:
-            raise UnsupportedOptionError(f"on_failure='serve_previous': {exc}") from exc
-        self.previous_nbytes = sum(int(n) for n in reserved)
 
     def _sharded(self) -> bool:
         """Whether this synchronizer is one of a sharded trainer's ranks (which must
@@ -753,8 +730,16 @@ class WeightSynchronizer:
         self._engine_dirty = True
         restored = False
         if self._on_failure == "serve_previous" and self._previous_good and not self._labelling:
-            restored = await self._restore_previous(version)
+            restored = self._drives_generation() and await restore_previous(
+                self.generation, version, self.timeouts.after_failure_s
+            )
             self._engine_dirty = not restored
+            if restored:
+                _log.warning(
+                    "version %d failed; the engines serve version %d again",
+                    version,
+                    self._weight_version,
+                )
         if self.delta is not None:
             self.delta.settle(committed=False)
         pause_s = await self._resume_after(pause.since, failed=True)
@@ -772,35 +757,6 @@ class WeightSynchronizer:
             timeout.__cause__ = exc
             return timeout, restored
         return exc, restored
-
-    async def _restore_previous(self, version: int) -> bool:
-        """Every worker of the engines in the sync puts back the weights it held before
-        the refit of ``version`` wrote them (``aiosync_restore_previous``), before the
-        engines resume. Shielded, bounded by ``timeouts.after_failure_s``. Returns
-        whether all did; a worker that could not (dead, respawned, its weights
-        discarded) leaves the engine refusing, as with ``"refuse"``, and is logged."""
-        engine = self.generation
-        if not self._drives_generation() or not implements(engine, EngineWorkers):
-            return False
-        limit = self.timeouts.after_failure_s
-        try:
-            with anyio.CancelScope(shield=True), anyio.fail_after(limit):
-                await engine.collective_rpc(
-                    "aiosync_restore_previous", (version, limit), timeout_s=limit
-                )
-        except Exception as exc:
-            _log.error(
-                "on_failure='serve_previous': the previous version could not be put back "
-                "after version %d failed (the engine refuses until a sync succeeds): %s: %s",
-                version,
-                type(exc).__name__,
-                exc,
-            )
-            return False
-        _log.warning(
-            "version %d failed; the engines serve version %d again", version, self._weight_version
-        )
-        return True
 
     def _commit(self, version: int) -> None:
         """The version is live: the synchronizer's version advances and it claims the
