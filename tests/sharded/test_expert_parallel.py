@@ -26,7 +26,7 @@ from aiosync.errors import RefitVerificationError
 from aiosync.layout import Layout
 from aiosync.transports.collective import CollectiveWeightSynchronizer
 from aiosync.transports.sharded import ShardedWeightSynchronizer, make_plan
-from aiosync.transports.sharded.estimate import ep_layouts, fsdp_layouts
+from aiosync.transports.sharded.estimate import ep_layouts, fsdp_layouts, tp_layouts
 from tests._support.builders import non_colocated
 from tests._support.delta import bits, box_patch_bytes
 
@@ -256,6 +256,16 @@ async def test_tp_within_ep_cuts_each_expert_over_its_group() -> None:
         await _holds_exactly(engine, full)
         expected = trainer.generate(PROMPTS, max_new_tokens=4, ignore_eos=True)
         assert await engine.generate(PROMPTS, max_new_tokens=4, ignore_eos=True) == expected
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(2, 1), (4, 1), (2, 2), (4, 2), (4, 4)])
+def test_the_estimates_layouts_are_the_engines_own(tp: int, ep: int) -> None:
+    """``aiosync plan`` predicts from the layouts the embedded engine's workers report
+    (``_tp.tp_layout``), GQA heads replicated at TP4 and experts placed by EP rank."""
+    manifest = HFModelRunner.from_config(TINY_QWEN3_MOE, seed=0).expected_manifest()
+    config = resolve_hf_config(dict(TINY_QWEN3_MOE))
+    engine = [tp_layout(manifest, config, rank, tp, ep) for rank in range(tp)]
+    assert engine == (ep_layouts(manifest, tp=tp, ep=ep) if ep > 1 else tp_layouts(manifest, tp))
 
 
 def test_the_plan_sends_each_expert_from_the_trainer_ranks_that_hold_it() -> None:

@@ -177,12 +177,22 @@ def tp_dim(name: str) -> int | None:
 def tp_layouts(manifest: Manifest, tp: int) -> list[dict[str, Part]]:
     """Megatron TP parts of one replica's ``tp`` workers (equal chunks; norms whole).
 
+    With fewer key/value heads than ranks (GQA, ``K < tp``: the head size from the
+    layer's ``k_norm.weight [D]``), worker ``w`` holds head ``w * K // tp`` of
+    ``k_proj``/``v_proj`` whole, replicated as vLLM and the embedded engine do.
+
     Raises:
         ValueError: a cut dimension is not a multiple of ``tp``.
     """
     layouts: list[dict[str, Part]] = [{} for _ in range(tp)]
     for name, (shape, _) in manifest.items():
         dim = tp_dim(name)
+        head = _kv_head_dim(manifest, name)
+        if head is not None and shape[0] // head < tp and tp % (shape[0] // head) == 0:
+            heads = shape[0] // head
+            for w in range(tp):
+                layouts[w][name] = Part(shape, 0, (w * heads // tp) * head, head)
+            continue
         if dim is not None and shape[dim] % tp:
             raise ValueError(f"{name}: dim {dim} of {shape} does not split over TP={tp}")
         for w in range(tp):
@@ -192,6 +202,16 @@ def tp_layouts(manifest: Manifest, tp: int) -> list[dict[str, Part]]:
                 start, length = even_chunks(shape[dim], tp)[w]
                 layouts[w][name] = Part(shape, dim, start, length)
     return layouts
+
+
+def _kv_head_dim(manifest: Manifest, name: str) -> int | None:
+    """The head size of a ``self_attn.{k,v}_proj.weight`` (its layer's ``k_norm.weight``
+    length, Qwen3's); None for another name or without a ``k_norm``."""
+    for proj in ("k_proj.weight", "v_proj.weight"):
+        if name.endswith(f"self_attn.{proj}"):
+            norm = manifest.get(name[: -len(proj)] + "k_norm.weight")
+            return None if norm is None or len(norm[0]) != 1 else int(norm[0][0])
+    return None
 
 
 def ep_layouts(manifest: Manifest, *, tp: int, ep: int) -> list[dict[str, Part]]:
