@@ -44,6 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _machine import Machine, repeats_for
+from _models import SMALL_QWEN3
 
 from aiosync import (
     EmbeddedEngine,
@@ -56,17 +57,6 @@ from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.refit import DTensorRefitSource
 
-#: A Qwen3 big enough that one refit takes a visible fraction of a second on a CPU.
-SMALL_QWEN3: dict[str, Any] = {
-    **TINY_QWEN3,
-    "vocab_size": 4096,
-    "hidden_size": 512,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 64,
-}
 ENGINES = 4
 MODES = ("all", "rolling")
 

@@ -42,6 +42,7 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _machine import Machine, repeats_for
+from _models import SMALL_QWEN3
 
 from aiosync import (
     CollectiveOptions,
@@ -56,17 +57,6 @@ from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.refit import DTensorRefitSource
 
-#: A Qwen3 big enough that one refit takes a visible fraction of a second on a CPU.
-SMALL_QWEN3: dict[str, Any] = {
-    **TINY_QWEN3,
-    "vocab_size": 4096,
-    "hidden_size": 512,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 64,
-}
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
 POLICIES = ("keep", "wait")
 

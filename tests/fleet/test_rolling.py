@@ -6,13 +6,12 @@ it: its tokens are the trainer's greedy tokens of that version. A wave that fail
 cancelled leaves its engine unfit (serving nothing) while the waves before it serve the
 new version and those after it the previous one; ``max_version_lag=0`` keeps the
 previous one out too; the next sync heals the fleet. Quarantine, ``add_engine`` and
-delta refits (every wave patched from the one baseline) compose with the waves; a transport that cannot address part of the fleet is refused
-at construction.
+delta refits (every wave patched from the one baseline) compose with the waves; a
+transport that cannot address part of the fleet is refused at construction.
 """
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
@@ -22,13 +21,9 @@ import pytest_asyncio
 import torch
 
 from aiosync import (
-    CollectiveOptions,
     EngineFleet,
     InFlightPolicy,
-    IPCOptions,
     SyncOptions,
-    Timeouts,
-    TrainCluster,
     UnsupportedOptionError,
     VersionEventKind,
     WeightSynchronizer,
@@ -38,6 +33,7 @@ from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.options import TransportCapabilities
+from tests._support.fleets import fleet_options, holds, started
 from tests._support.sources import HookedSource
 
 pytestmark = pytest.mark.slow
@@ -61,14 +57,8 @@ class SteppedEngine(EmbeddedEngine):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engines() -> AsyncIterator[list[SteppedEngine]]:
-    started = [SteppedEngine(TINY_QWEN3, num_workers=1, seed=7, rpc_timeout_s=60) for _ in range(4)]
-    for engine in started:
-        await engine.start()
-    try:
-        yield started
-    finally:
-        for engine in started:
-            await engine.shutdown()
+    async with started(4, SteppedEngine, num_workers=1) as engines:
+        yield engines
 
 
 @pytest.fixture(autouse=True)
@@ -77,24 +67,8 @@ def _no_hooks(engines: list[SteppedEngine]) -> None:
         engine.on_paused = None
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _options(transport: str) -> dict[str, Any]:
-    """``create_weight_synchronizer``'s keywords for ``transport`` over the 4 engines."""
-    timeouts = Timeouts(rpc_s=30.0, collective_s=10.0)
-    if transport == "ipc":
-        return {"colocated": True, "transport": IPCOptions(device="cpu"), "timeouts": timeouts}
-    return {
-        "colocated": False,
-        "train_cluster": TrainCluster(master_port=_port()),
-        "inference_world_size": 4,
-        "transport": CollectiveOptions(dist_backend="gloo"),
-        "timeouts": timeouts,
-    }
+def _options(transport: str, sync: SyncOptions | None = None) -> dict[str, Any]:
+    return fleet_options(transport, 4, sync)
 
 
 def _step(trainer: HFModelRunner, factor: float) -> None:
@@ -104,11 +78,7 @@ def _step(trainer: HFModelRunner, factor: float) -> None:
 
 
 async def _holds(engines: Sequence[EmbeddedEngine], want: dict[str, torch.Tensor]) -> list[bool]:
-    out = []
-    for engine in engines:
-        (state,) = await engine.hf_state_dicts()
-        out.append(all(torch.equal(state[n], t) for n, t in want.items()))
-    return out
+    return [await holds(engine, want) for engine in engines]
 
 
 def _check_labels(outputs: list[Any], expected: dict[int, list[list[int]]]) -> list[int]:
@@ -340,7 +310,7 @@ async def test_a_rolling_delta_refit_patches_every_wave_from_one_baseline_bit_ex
 ) -> None:
     trainer = HFModelRunner.from_config(TINY_QWEN3, seed=74)
     fleet = EngineFleet(engines[:2], refit="rolling", max_unavailable=1)
-    options = {**_options("ipc"), "sync": SyncOptions(delta=True)}
+    options = _options("ipc", SyncOptions(delta=True))
     sync = create_weight_synchronizer(
         HookedSource(trainer.model), fleet, backend="embedded", **options
     )

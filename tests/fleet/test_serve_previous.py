@@ -9,7 +9,6 @@ cannot (HTTP) refuses the option at construction.
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,13 +20,9 @@ import pytest_asyncio
 import torch
 
 from aiosync import (
-    CollectiveOptions,
     EngineFleet,
-    IPCOptions,
     SyncError,
     SyncOptions,
-    Timeouts,
-    TrainCluster,
     TransportError,
     UnsupportedOptionError,
     create_weight_synchronizer,
@@ -35,6 +30,7 @@ from aiosync import (
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
+from tests._support.fleets import fleet_options, holds, started
 from tests._support.sources import HookedSource
 
 pytestmark = pytest.mark.slow
@@ -50,42 +46,13 @@ FAIL_AT = 20
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engines() -> AsyncIterator[list[EmbeddedEngine]]:
-    started = [
-        EmbeddedEngine(TINY_QWEN3, num_workers=2, seed=7, rpc_timeout_s=60) for _ in range(2)
-    ]
-    for engine in started:
-        await engine.start()
-    try:
-        yield started
-    finally:
-        for engine in started:
-            await engine.shutdown()
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    async with started(2, num_workers=2) as engines:
+        yield engines
 
 
 def _options(transport: str, on_failure: str, workers: int) -> dict[str, Any]:
-    common = {
-        "sync": SyncOptions(on_failure=on_failure),  # type: ignore[arg-type]
-        "timeouts": Timeouts(rpc_s=30.0, collective_s=10.0),
-    }
-    if transport == "ipc":
-        return {
-            "colocated": True,
-            "transport": IPCOptions(device="cpu", bucket_bytes=BUCKET_BYTES),
-            **common,
-        }
-    return {
-        "colocated": False,
-        "train_cluster": TrainCluster(master_port=_port()),
-        "inference_world_size": workers,
-        "transport": CollectiveOptions(dist_backend="gloo", bucket_bytes=BUCKET_BYTES),
-        **common,
-    }
+    sync = SyncOptions(on_failure=on_failure)  # type: ignore[arg-type]
+    return fleet_options(transport, workers, sync, bucket_bytes=BUCKET_BYTES)
 
 
 class Broken(RuntimeError):
@@ -122,9 +89,7 @@ async def _failing_sync(sync: Any, how: str, scope: anyio.CancelScope) -> None:
         assert scope.cancelled_caught
 
 
-async def _holds(engine: EmbeddedEngine, want: dict[str, torch.Tensor]) -> bool:
-    states = await engine.hf_state_dicts()
-    return all(torch.equal(s[n], t) for s in states for n, t in want.items())
+_holds = holds
 
 
 @in_module_loop
