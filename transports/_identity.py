@@ -28,6 +28,7 @@ import torch
 from aiosync._digest import tensor_digest
 from aiosync.delta import PatchModel
 
+from . import peer
 from ._verify import arm_transit_fault
 from .previous import PreviousWeights
 
@@ -254,6 +255,83 @@ class WorkerIdentityMixin:
                 tensor_digest(tensor),
             ]
         return out
+
+    # -- catch-up from a peer (aiosync.transports.peer) ------------------------------
+
+    def _aiosync_peer_model(self) -> peer.PeerModel:
+        """The model a catch-up reads and writes (``model_runner.model``).
+
+        Raises:
+            NotImplementedError: it cannot (no ``weight_layout``/``load_weight_parts``).
+        """
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        if not isinstance(model, peer.PeerModel):
+            raise NotImplementedError(
+                f"{type(model).__name__} cannot take part in a catch-up from a peer "
+                "(hf_state_dict, weight_layout and load_weight_parts)"
+            )
+        return model
+
+    def _aiosync_local_rank(self) -> int:
+        """This worker's rank within its engine (the global rank less the fleet's offset)."""
+        return self.aiosync_worker_rank() - self._aiosync_rank_offset
+
+    def aiosync_peer_manifest(self) -> list[list[Any]]:
+        """What this worker holds, for the fleet's layout check before a catch-up:
+        ``[[hf_name, [full shape, dim, start, length], held dtype name], ...]``
+        (:func:`aiosync.transports.peer.peer_manifest`).
+
+        Raises:
+            NotImplementedError: the model cannot take part in a catch-up.
+        """
+        return peer.peer_manifest(self._aiosync_peer_model())
+
+    def aiosync_peer_send(self, session: list[Any]) -> int:
+        """Send the weights this worker holds to the worker of the same local rank in
+        the catching-up engine (``session``: :meth:`PeerSession.to_wire`); returns the
+        bytes sent. The worker keeps serving meanwhile.
+
+        Raises:
+            TransportError, SyncTimeoutError: as :func:`aiosync.transports.peer.send`.
+        """
+        model = self._aiosync_peer_model()
+        return peer.send(model, peer.PeerSession.from_wire(session), self._aiosync_local_rank())
+
+    def aiosync_peer_receive(self, session: list[Any], manifests: list[list[list[Any]]]) -> int:
+        """Receive the peer worker's weights (of the same local rank) into this worker's
+        live weights, which are invalid from the first byte on and stay so until
+        :meth:`aiosync_peer_verify` passes. ``manifests``: the peer's
+        :meth:`aiosync_peer_manifest` per local rank (checked equal to this engine's).
+        Returns the bytes received.
+
+        Raises:
+            TransportError, SyncTimeoutError, RefitMismatchError: as
+                :func:`aiosync.transports.peer.receive`.
+        """
+        from . import validity
+
+        model = self._aiosync_peer_model()
+        rank = self._aiosync_local_rank()
+        validity.mark_invalid(cast(validity.HoldsWeights, self))
+        return peer.receive(model, manifests[rank], peer.PeerSession.from_wire(session), rank)
+
+    def aiosync_peer_verify(self, digests: list[dict[str, list[Any]]]) -> list[str]:
+        """Compare this worker's live weights with the peer's ``digests`` (its
+        :meth:`aiosync_weight_digests` per local rank); when every tensor matches, mark
+        the weights valid. Returns the names that differ (empty: verified), in
+        checkpoint order; the weights then stay invalid.
+
+        Raises:
+            TransportError: the model cannot read its weights back.
+        """
+        from . import validity
+
+        want = digests[self._aiosync_local_rank()]
+        have = self.aiosync_weight_digests()
+        differ = [n for n in dict.fromkeys([*have, *want]) if have.get(n) != want.get(n)]
+        if not differ:
+            validity.mark_valid(cast(validity.HoldsWeights, self))
+        return differ
 
     def _aiosync_live_weights(self) -> Mapping[str, torch.Tensor]:
         """The weights as the engine computes with them, under checkpoint names (the

@@ -1,0 +1,285 @@
+"""Catch-up from a peer: ``EngineFleet.add_engine(engine, source="peer")`` then
+``fleet.catch_up()`` over real embedded engines. The new engine takes the version the
+fleet serves from an engine that serves it, worker to worker: the trainer's source is
+not read and the synchronizer publishes nothing; the copy is verified against the
+peer's digests, after which the engine generates the trainer's greedy tokens labelled
+with that version. A byte flipped on the receive path fails verification and the engine
+serves nothing (its weights invalid) until a catch-up succeeds; a peer of another
+tensor-parallel layout is refused before any byte moves; a sync that starts during a
+catch-up refits the peer only after the copy, and reaches the new engine too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import anyio
+import pytest
+import pytest_asyncio
+import torch
+
+from aiosync import (
+    EngineFleet,
+    IPCOptions,
+    RefitMismatchError,
+    RefitVerificationError,
+    SyncError,
+    Timeouts,
+    create_weight_synchronizer,
+)
+from aiosync.capabilities import InFlightPolicy
+from aiosync.engines.embedded.configs import TINY_QWEN3
+from aiosync.engines.embedded.engine import EmbeddedEngine
+from aiosync.engines.embedded.model import HFModelRunner
+from aiosync.engines.fleet import CatchUp
+from tests._support.sources import HookedSource
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+PROMPTS = [[1, 2, 3, 4], [5, 6], [7, 8, 9], [10]]
+TOKENS = 4
+PEER = "engine 0 of 2 (LoggedEngine)"
+NEW = "engine 1 of 2 (LoggedEngine)"
+
+
+class LoggedEngine(EmbeddedEngine):
+    """A real embedded engine that appends to ``log`` when it is paused and when a
+    catch-up starts writing it; a receive waits for ``hold`` (when set) first."""
+
+    log: list[str] | None = None
+    hold: anyio.Event | None = None
+
+    async def pause_generation(self, mode: InFlightPolicy, clear_cache: bool = True) -> None:
+        if self.log is not None:
+            self.log.append(f"pause {self.label}")
+        await super().pause_generation(mode, clear_cache)
+
+    async def collective_rpc(
+        self,
+        method: str,
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[Any]:
+        if method == "aiosync_peer_receive" and self.log is not None:
+            self.log.append(f"receive {self.label}")
+            if self.hold is not None:
+                await self.hold.wait()
+        out = await super().collective_rpc(method, args, kwargs, timeout_s)
+        if method == "aiosync_peer_verify" and self.log is not None:
+            self.log.append(f"verified {self.label}")
+        return out
+
+    def __init__(self, label: str, **options: Any) -> None:
+        super().__init__(TINY_QWEN3, seed=7, rpc_timeout_s=60, **options)
+        self.label = label
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engines() -> AsyncIterator[dict[str, LoggedEngine]]:
+    """``peer`` and ``new`` (one worker each), ``tp2`` (tensor-parallel over two)."""
+    started = {
+        "peer": LoggedEngine("peer", num_workers=1),
+        "new": LoggedEngine("new", num_workers=1),
+        "tp2": LoggedEngine("tp2", tensor_parallel_size=2),
+    }
+    for engine in started.values():
+        await engine.start()
+    try:
+        yield started
+    finally:
+        for engine in started.values():
+            await engine.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _no_hooks(engines: dict[str, LoggedEngine]) -> None:
+    for engine in engines.values():
+        engine.log = engine.hold = None
+
+
+def _served(
+    seed: int, peer: EmbeddedEngine
+) -> tuple[HFModelRunner, HookedSource, list[int], EngineFleet, Any]:
+    """A trainer (``seed``), its source, the list of the source's tensor reads, a fleet
+    of ``peer`` alone and its synchronizer (IPC)."""
+    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=seed)
+    source = HookedSource(trainer.model)
+    reads: list[int] = []
+    source.on_tensor = reads.append
+    fleet = EngineFleet([peer])
+    sync = create_weight_synchronizer(
+        source,
+        fleet,
+        colocated=True,
+        backend="embedded",
+        transport=IPCOptions(device="cpu"),
+        timeouts=Timeouts(rpc_s=30.0),
+    )
+    return trainer, source, reads, fleet, sync
+
+
+def _model_bytes(trainer: HFModelRunner) -> int:
+    return sum(t.numel() * t.element_size() for t in trainer.hf_state_dict().values())
+
+
+async def _holds(engine: EmbeddedEngine, trainer: HFModelRunner) -> bool:
+    want = trainer.hf_state_dict()
+    (state,) = await engine.hf_state_dicts()
+    return state.keys() == want.keys() and all(torch.equal(state[n], t) for n, t in want.items())
+
+
+async def _drain(events: Any) -> list[Any]:
+    """The events published so far (each buffered before the call that made it returned)."""
+    out = []
+    while True:
+        with anyio.move_on_after(0.5):
+            out.append(await events.__anext__())
+            continue
+        return out
+
+
+async def _serves(engine: EmbeddedEngine, trainer: HFModelRunner, version: int) -> None:
+    """``engine`` generates the trainer's greedy tokens, every one labelled ``version``."""
+    out = await engine.generate_with_meta(PROMPTS, max_new_tokens=TOKENS)
+    assert [g.token_ids for g in out] == trainer.generate(PROMPTS, max_new_tokens=TOKENS)
+    assert [(g.first_version, g.last_version) for g in out] == [(version, version)] * len(PROMPTS)
+
+
+async def test_a_new_engine_catches_up_from_a_peer_and_the_trainer_sends_nothing(
+    engines: dict[str, LoggedEngine],
+) -> None:
+    peer, new = engines["peer"], engines["new"]
+    trainer, _source, reads, fleet, sync = _served(71, peer)
+    async with sync, sync.subscribe() as events:
+        await sync.mark_stale()
+        await sync.sync_weights()
+        assert len(reads) == len(trainer.hf_state_dict())
+        await _drain(events)
+        reads.clear()
+
+        fleet.add_engine(new, source="peer")
+        assert fleet.catching_up == {NEW: None}
+        assert fleet.serving == [peer] and fleet.versions == {PEER: 1, NEW: None}
+        done = await fleet.catch_up()
+
+        # Every byte came from the peer: the trainer's source was not read, its
+        # synchronizer published nothing (no sync, no commit: no byte it sent).
+        assert done == [CatchUp(NEW, PEER, 1, _model_bytes(trainer))]
+        assert reads == []
+        assert await _drain(events) == []
+        assert (sync.weight_version, sync.is_stale) == (1, False)
+        assert await _holds(new, trainer)
+        assert fleet.catching_up == {} and fleet.serving == [peer, new]
+        assert fleet.versions == {PEER: 1, NEW: 1}
+        await _serves(new, trainer, 1)
+
+        # In service: the next sync reaches it from the trainer like the peer.
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.mul_(1.5)
+        await sync.mark_stale()
+        await sync.sync_weights()
+        assert fleet.versions == {PEER: 2, NEW: 2}
+        assert [await _holds(e, trainer) for e in (peer, new)] == [True, True]
+        await fleet.prepare_for_generation()
+        await _serves(new, trainer, 2)
+
+
+async def test_a_copy_corrupted_in_transit_fails_verification_and_the_engine_does_not_serve(
+    engines: dict[str, LoggedEngine],
+) -> None:
+    peer, new = engines["peer"], engines["new"]
+    trainer, _source, reads, fleet, sync = _served(72, peer)
+    async with sync:
+        await sync.mark_stale()
+        await sync.sync_weights()
+        reads.clear()
+        fleet.add_engine(new, source="peer")
+        # One bit of the 4th tensor's first byte flips as the new engine receives it.
+        ((name, _part, _dtype),) = [(await new.collective_rpc("aiosync_peer_manifest"))[0][3]]
+        await new.collective_rpc("aiosync_test_arm_transit_fault", (3, 0, 0x01))
+        with pytest.raises(RefitVerificationError) as failed:
+            await fleet.catch_up()
+        assert str(failed.value) == (
+            f"{NEW}: its copy of {PEER}'s version 1 differs from the peer's in worker 0: "
+            f"[{name!r}]; it serves nothing until a catch-up or a sync succeeds"
+        )
+        assert fleet.serving == [peer] and fleet.versions == {PEER: 1, NEW: None}
+        assert fleet.catching_up == {NEW: f"RefitVerificationError: {failed.value}"}
+        assert [s["weights_valid"] for s in await new.status()] == [False]
+        with pytest.raises(SyncError, match="weights are not valid"):
+            await new.generate(PROMPTS, max_new_tokens=TOKENS)
+        # Every tensor but the corrupted one is the trainer's.
+        (state,) = await new.hf_state_dicts()
+        want = trainer.hf_state_dict()
+        assert [n for n in want if not torch.equal(state[n], want[n])] == [name]
+
+        # The fault was one-shot: the next catch-up is verified and the engine serves.
+        assert await fleet.catch_up() == [CatchUp(NEW, PEER, 1, _model_bytes(trainer))]
+        assert reads == []
+        assert fleet.serving == [peer, new] and fleet.versions == {PEER: 1, NEW: 1}
+        await _serves(new, trainer, 1)
+
+
+async def test_a_peer_of_another_layout_is_refused_before_any_byte_moves(
+    engines: dict[str, LoggedEngine],
+) -> None:
+    peer, tp2 = engines["peer"], engines["tp2"]
+    _trainer, _source, reads, fleet, sync = _served(73, peer)
+    async with sync:
+        await sync.mark_stale()
+        await sync.sync_weights()
+        reads.clear()
+        before = await tp2.hf_state_dicts()
+        fleet.add_engine(tp2, source="peer")
+        with pytest.raises(RefitMismatchError) as refused:
+            await fleet.catch_up()
+        assert str(refused.value) == (
+            f"{NEW} cannot catch up from {PEER}: 2 worker(s) against the peer's 1 (a "
+            "catch-up copies worker to worker: the same tensor-parallel layout on both sides)"
+        )
+        # Nothing moved: its weights are as they were, and valid.
+        after = await tp2.hf_state_dicts()
+        assert all(
+            a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+            for a, b in zip(before, after, strict=True)
+        )
+        assert [s["weights_valid"] for s in await tp2.status()] == [True, True]
+        assert fleet.serving == [peer] and fleet.versions == {PEER: 1, NEW: None}
+        assert fleet.catching_up == {NEW: f"RefitMismatchError: {refused.value}"}
+        assert reads == []
+
+
+async def test_a_sync_started_during_a_catch_up_refits_the_peer_after_the_copy(
+    engines: dict[str, LoggedEngine],
+) -> None:
+    peer, new = engines["peer"], engines["new"]
+    trainer, _source, reads, fleet, sync = _served(74, peer)
+    async with sync:
+        await sync.mark_stale()
+        await sync.sync_weights()
+        reads.clear()
+        fleet.add_engine(new, source="peer")
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.add_(0.25)
+        log: list[str] = []
+        peer.log = new.log = log
+        new.hold = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fleet.catch_up)
+            await anyio.wait_all_tasks_blocked()
+            assert log == ["receive new"]  # the copy holds the peer
+            await sync.mark_stale()
+            tg.start_soon(sync.sync_weights)
+            await anyio.wait_all_tasks_blocked()
+            # The sync waits for the copy: it has neither paused the peer nor read a tensor.
+            assert log == ["receive new"] and reads == []
+            new.hold.set()
+        # Then it refit both: the new engine was in service at version 1 when it began.
+        assert log[:2] == ["receive new", "verified new"]
+        assert sorted(log[2:]) == ["pause new", "pause peer"]
+        assert fleet.versions == {PEER: 2, NEW: 2}
+        assert [await _holds(e, trainer) for e in (peer, new)] == [True, True]
