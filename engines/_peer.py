@@ -127,8 +127,11 @@ async def copy_weights(
     check_same_layout(theirs, mine, peer_label, label)
 
     # The rendezvous only: a few keys per pair; the weights go worker to worker.
-    store = dist.TCPStore(
-        host, 0, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+    # It binds a port (the OS picks it): off the event loop.
+    store = await anyio.to_thread.run_sync(
+        lambda: dist.TCPStore(
+            host, 0, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+        )
     )
     session = PeerSession(
         host, int(store.port), f"aiosync/catch-up/{uuid.uuid4().hex}", timeout_s

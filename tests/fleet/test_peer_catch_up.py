@@ -6,12 +6,14 @@ peer's digests, after which the engine generates the trainer's greedy tokens lab
 with that version. A byte flipped on the receive path fails verification and the engine
 serves nothing (its weights invalid) until a catch-up succeeds; a peer of another
 tensor-parallel layout is refused before any byte moves; a sync that starts during a
-catch-up refits the peer only after the copy, and reaches the new engine too.
+catch-up refits the peer only after the copy, and reaches the new engine too; during a
+rolling refit a catch-up does not wait for the sync and copies the version the wave that
+committed serves.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import anyio
@@ -49,11 +51,15 @@ class LoggedEngine(EmbeddedEngine):
 
     log: list[str] | None = None
     hold: anyio.Event | None = None
+    #: Run once a sync paused this engine: the test acts while its wave is in progress.
+    on_paused: Callable[[], Awaitable[None]] | None = None
 
     async def pause_generation(self, mode: InFlightPolicy, clear_cache: bool = True) -> None:
         if self.log is not None:
             self.log.append(f"pause {self.label}")
         await super().pause_generation(mode, clear_cache)
+        if self.on_paused is not None:
+            await self.on_paused()
 
     async def collective_rpc(
         self,
@@ -96,19 +102,19 @@ async def engines() -> AsyncIterator[dict[str, LoggedEngine]]:
 @pytest.fixture(autouse=True)
 def _no_hooks(engines: dict[str, LoggedEngine]) -> None:
     for engine in engines.values():
-        engine.log = engine.hold = None
+        engine.log = engine.hold = engine.on_paused = None
 
 
 def _served(
-    seed: int, peer: EmbeddedEngine
+    seed: int, *engines: EmbeddedEngine, **fleet_options: Any
 ) -> tuple[HFModelRunner, HookedSource, list[int], EngineFleet, Any]:
     """A trainer (``seed``), its source, the list of the source's tensor reads, a fleet
-    of ``peer`` alone and its synchronizer (IPC)."""
+    of ``engines`` (and ``fleet_options``) and its synchronizer (IPC)."""
     trainer = HFModelRunner.from_config(TINY_QWEN3, seed=seed)
     source = HookedSource(trainer.model)
     reads: list[int] = []
     source.on_tensor = reads.append
-    fleet = EngineFleet([peer])
+    fleet = EngineFleet(engines, **fleet_options)
     sync = create_weight_synchronizer(
         source,
         fleet,
@@ -282,4 +288,43 @@ async def test_a_sync_started_during_a_catch_up_refits_the_peer_after_the_copy(
         assert log[:2] == ["receive new", "verified new"]
         assert sorted(log[2:]) == ["pause new", "pause peer"]
         assert fleet.versions == {PEER: 2, NEW: 2}
+        assert [await _holds(e, trainer) for e in (peer, new)] == [True, True]
+
+
+async def test_a_catch_up_during_a_rolling_refit_copies_the_wave_that_committed(
+    engines: dict[str, LoggedEngine],
+) -> None:
+    peer, new, other = engines["peer"], engines["new"], engines["tp2"]
+    trainer, _source, reads, fleet, sync = _served(
+        75, peer, other, refit="rolling", max_unavailable=1
+    )
+    async with sync:
+        await sync.mark_stale()
+        await sync.sync_weights()
+        fleet.add_engine(new, source="peer")
+        peer_label, other_label, new_label = (f"engine {i} of 3 (LoggedEngine)" for i in range(3))
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.mul_(0.5)
+        paused, go = anyio.Event(), anyio.Event()
+
+        async def hold() -> None:
+            paused.set()
+            await go.wait()
+
+        other.on_paused = hold
+        async with anyio.create_task_group() as tg:
+            await sync.mark_stale()
+            tg.start_soon(sync.sync_weights)
+            await paused.wait()  # the first wave (the peer) committed; the second is paused
+            assert fleet.versions == {peer_label: 2, other_label: 1, new_label: None}
+            read = len(reads)
+            # The catch-up does not wait for the sync: it copies the version the peer serves.
+            assert await fleet.catch_up() == [
+                CatchUp(new_label, peer_label, 2, _model_bytes(trainer))
+            ]
+            assert len(reads) == read
+            await _serves(new, trainer, 2)
+            go.set()
+        assert (sync.weight_version, set(fleet.versions.values())) == (2, {2})
         assert [await _holds(e, trainer) for e in (peer, new)] == [True, True]
