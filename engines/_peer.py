@@ -14,6 +14,7 @@ from typing import Any
 
 import anyio
 
+from aiosync._fanout import each_named, named
 from aiosync.errors import RefitMismatchError, RefitVerificationError
 
 __all__ = ["CatchUp", "check_same_layout", "copy_weights"]
@@ -122,8 +123,16 @@ async def copy_weights(
     from aiosync.transports.peer import PeerSession
 
     rpc_s = timeout_s + _RPC_SLACK_S
-    theirs = await peer.collective_rpc("aiosync_peer_manifest", timeout_s=rpc_s)
-    mine = await receiver.collective_rpc("aiosync_peer_manifest", timeout_s=rpc_s)
+
+    async def rpc(engine: Any, who: str, method: str, *args: Any) -> list[Any]:
+        try:
+            replies: list[Any] = await engine.collective_rpc(method, args, timeout_s=rpc_s)
+        except Exception as exc:
+            raise named(exc, who) from None
+        return replies
+
+    theirs = await rpc(peer, peer_label, "aiosync_peer_manifest")
+    mine = await rpc(receiver, label, "aiosync_peer_manifest")
     check_same_layout(theirs, mine, peer_label, label)
 
     # The rendezvous only: a few keys per pair; the weights go worker to worker.
@@ -136,18 +145,24 @@ async def copy_weights(
     session = PeerSession(
         host, int(store.port), f"aiosync/catch-up/{uuid.uuid4().hex}", timeout_s
     ).to_wire()
-    sent: list[int] = []
+    # Both sides at once (each pair meets in the middle); the first to fail cancels the
+    # other's wait, and its error names its engine.
+    sides = [
+        (peer, "aiosync_peer_send", (session,)),
+        (receiver, "aiosync_peer_receive", (session, theirs)),
+    ]
+    labels = [peer_label, label]
 
-    async def send() -> None:
-        sent.extend(await peer.collective_rpc("aiosync_peer_send", (session,), timeout_s=rpc_s))
+    async def move(i: int, side: tuple[Any, str, tuple[Any, ...]]) -> list[Any]:
+        engine, method, args = side
+        replies: list[Any] = await engine.collective_rpc(method, args, timeout_s=rpc_s)
+        return replies
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(send)
-        await receiver.collective_rpc("aiosync_peer_receive", (session, theirs), timeout_s=rpc_s)
+    sent, _received = await each_named(sides, move, labels.__getitem__)
     del store
 
-    digests = await peer.collective_rpc("aiosync_weight_digests", timeout_s=rpc_s)
-    differ = await receiver.collective_rpc("aiosync_peer_verify", (digests,), timeout_s=rpc_s)
+    digests = await rpc(peer, peer_label, "aiosync_weight_digests")
+    differ = await rpc(receiver, label, "aiosync_peer_verify", digests)
     for rank, names in enumerate(differ):
         if names:
             raise RefitVerificationError(

@@ -442,8 +442,9 @@ class EngineFleet(GenerateFromMeta):
                 the engine keeps waiting, its weights invalid.
             TransportError, SyncTimeoutError: a worker died or a wait ran past
                 ``timeout_s``; the engine keeps waiting.
-            TypeError: an engine has no ``collective_rpc``.
-            Each error names the engine; the engines after it are not tried.
+            TypeError: the engine or its peer has no ``collective_rpc``.
+            Each error names the engine it comes from (the peer, or the engine
+            catching up); the engines after it are not tried.
         """
         async with self._catch_up_lock:
             done: list[CatchUp] = []
@@ -476,6 +477,8 @@ class EngineFleet(GenerateFromMeta):
             ) from None
         version = self._versions[id(peer)]
         try:
+            if not isinstance(peer, EngineWorkers):
+                raise TypeError(f"{self._name(peer)} has no collective_rpc: no catch-up from it")
             done = await copy_weights(
                 peer,
                 engine,

@@ -8,11 +8,14 @@ serves nothing (its weights invalid) until a catch-up succeeds; a peer of anothe
 tensor-parallel layout is refused before any byte moves; a sync that starts during a
 catch-up refits the peer only after the copy, and reaches the new engine too; during a
 rolling refit a catch-up does not wait for the sync and copies the version the wave that
-committed serves.
+committed serves; a peer that dies fails the catch-up with its name, and the engine keeps
+waiting.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
@@ -28,6 +31,7 @@ from aiosync import (
     RefitVerificationError,
     SyncError,
     Timeouts,
+    TransportError,
     create_weight_synchronizer,
 )
 from aiosync.capabilities import InFlightPolicy
@@ -328,3 +332,40 @@ async def test_a_catch_up_during_a_rolling_refit_copies_the_wave_that_committed(
             go.set()
         assert (sync.weight_version, set(fleet.versions.values())) == (2, {2})
         assert [await _holds(e, trainer) for e in (peer, new)] == [True, True]
+
+
+async def test_a_peer_that_dies_fails_the_catch_up_naming_it_and_the_engine_keeps_waiting(
+    engines: dict[str, LoggedEngine],
+) -> None:
+    # Last in the module: the peer's worker is replaced (its weights are its initial ones).
+    peer, new = engines["peer"], engines["new"]
+    _trainer, _source, reads, fleet, sync = _served(76, peer)
+    async with sync:
+        await sync.mark_stale()
+        await sync.sync_weights()
+        reads.clear()
+        fleet.add_engine(new, source="peer")
+        new.log, new.hold = [], anyio.Event()
+        failed: list[BaseException] = []
+
+        async def catch_up() -> None:
+            try:
+                await fleet.catch_up(timeout_s=10.0)
+            except Exception as exc:
+                failed.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(catch_up)
+            await anyio.wait_all_tasks_blocked()
+            assert new.log == ["receive new"]  # the peer's send is under way
+            pid = peer.pids[0]
+            os.kill(pid, signal.SIGKILL)
+        (error,) = failed
+        assert isinstance(error, TransportError)
+        assert str(error).startswith(
+            f"{PEER}: engine worker 0 died: process {pid} exited with code -9"
+        )
+        assert fleet.catching_up == {NEW: f"TransportError: {error}"}
+        assert fleet.serving == [peer] and fleet.versions == {PEER: 1, NEW: None}
+        assert reads == []
+    assert await peer.respawn_dead_workers() == [0]
