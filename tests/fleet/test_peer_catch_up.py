@@ -88,11 +88,13 @@ class LoggedEngine(EmbeddedEngine):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engines() -> AsyncIterator[dict[str, LoggedEngine]]:
-    """``peer`` and ``new`` (one worker each), ``tp2`` (tensor-parallel over two)."""
+    """``peer`` and ``new`` (one worker each), ``tp2`` and ``tp2b`` (tensor-parallel over
+    two)."""
     started = {
         "peer": LoggedEngine("peer", num_workers=1),
         "new": LoggedEngine("new", num_workers=1),
         "tp2": LoggedEngine("tp2", tensor_parallel_size=2),
+        "tp2b": LoggedEngine("tp2b", tensor_parallel_size=2),
     }
     for engine in started.values():
         await engine.start()
@@ -332,6 +334,31 @@ async def test_a_catch_up_during_a_rolling_refit_copies_the_wave_that_committed(
             go.set()
         assert (sync.weight_version, set(fleet.versions.values())) == (2, {2})
         assert [await _holds(e, trainer) for e in (peer, new)] == [True, True]
+
+
+async def test_a_tensor_parallel_engine_catches_up_rank_by_rank(
+    engines: dict[str, LoggedEngine],
+) -> None:
+    peer, new = engines["tp2"], engines["tp2b"]
+    _trainer, _source, reads, fleet, sync = _served(77, peer)
+    async with sync:
+        await sync.mark_stale()
+        await sync.sync_weights()
+        reads.clear()
+        held = await peer.hf_state_dicts()
+        fleet.add_engine(new, source="peer")
+        # Each rank's slices (the replicated tensors on both ranks) move once, rank to rank.
+        nbytes = sum(t.numel() * t.element_size() for state in held for t in state.values())
+        assert await fleet.catch_up() == [CatchUp(NEW, PEER, 1, nbytes)]
+        assert reads == []
+        copied = await new.hf_state_dicts()
+        assert [s.keys() == h.keys() for s, h in zip(copied, held, strict=True)] == [True, True]
+        assert all(torch.equal(s[n], h[n]) for s, h in zip(copied, held, strict=True) for n in h)
+        # The same slices compute the same tokens, labelled with the peer's version.
+        want = await peer.generate_with_meta(PROMPTS, max_new_tokens=TOKENS)
+        got = await new.generate_with_meta(PROMPTS, max_new_tokens=TOKENS)
+        assert [g.token_ids for g in got] == [g.token_ids for g in want]
+        assert {(g.first_version, g.last_version) for g in got} == {(1, 1)}
 
 
 async def test_a_peer_that_dies_fails_the_catch_up_naming_it_and_the_engine_keeps_waiting(
