@@ -265,7 +265,8 @@ class EngineFleet(GenerateFromMeta):
     @property
     def engines(self) -> list[Any]:
         """The engines syncs reach, in order: those in service and those joining
-        (never a quarantined one); during a rolling refit's wave, the wave's."""
+        (never a quarantined one, nor one waiting for a catch-up from a peer); during a
+        rolling refit's wave, the wave's."""
         scope = self.members if self._wave is None else self._wave
         return [
             e for e in scope if id(e) not in self._quarantined and id(e) not in self._catching_up
@@ -387,6 +388,9 @@ class EngineFleet(GenerateFromMeta):
             self._relay_discards(engine)
         self._quarantined.pop(id(engine), None)
         if source == "peer":
+            # Whatever it served before (a quarantined engine) is no version of the fleet's.
+            self._versions.pop(id(engine), None)
+            self._unfit.pop(id(engine), None)
             self._catching_up[id(engine)] = None
             return  # no sync reaches it: the synchronizer's membership is unchanged
         self._catching_up.pop(id(engine), None)
