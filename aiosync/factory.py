@@ -252,11 +252,8 @@ def _build(
     # ``draft`` is the engines' and the source's business, not a transport keyword.
     policy = apply_draft_option(policy, generation, sync.draft)
     # An option turned off where the transport has no such option asks for nothing.
-    # ``on_failure`` is the synchronizer's own (set on what is built).
     shared = {
-        n: v
-        for n, v in sync.given().items()
-        if n not in ("draft", "on_failure") and (n in takes or v is not False)
+        n: v for n, v in sync.given().items() if n != "draft" and (n in takes or v is not False)
     }
     keywords: dict[str, Any] = {**topology, **transport.given(), **shared}
     if timeouts is not None:
@@ -264,8 +261,6 @@ def _build(
         if timeouts.collective_s is not None and "collective_timeout_s" in takes:
             keywords["collective_timeout_s"] = timeouts.collective_s
     built: WeightSynchronizer = cls(policy, generation, **keywords)
-    if sync.on_failure is not None:
-        built.on_failure = sync.on_failure
     return built
 
 

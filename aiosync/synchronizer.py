@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, ClassVar, Self, cast
+from typing import Any, ClassVar, Self, TypedDict, cast
 
 import anyio
 import anyio.to_thread
@@ -69,6 +69,7 @@ from .transport import Transport
 __all__ = [
     "GenerationBackend",
     "KVScales",
+    "SharedKeywords",
     "Transferred",
     "WeightSynchronizer",
 ]
@@ -119,6 +120,18 @@ class Transferred:
     nbytes: int
     delta: bool = False
     unverified: tuple[str, ...] = ()
+
+
+class SharedKeywords(TypedDict, total=False):
+    """The keywords every shipped transport's constructor passes on, unchanged, to
+    :class:`WeightSynchronizer` (``**shared``): see its Args."""
+
+    timeouts: Timeouts | None
+    sync_timeout_s: float | None
+    event_backlog: int
+    in_flight: InFlightPolicy
+    initial_version: int
+    on_failure: OnFailure
 
 
 class _PauseWindow:

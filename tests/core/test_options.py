@@ -26,6 +26,7 @@ from aiosync import (
 )
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.options import TRANSPORT_OPTIONS
+from aiosync.synchronizer import SharedKeywords
 
 #: Constructor keywords reached otherwise than by a field of the transport's options
 #: class or of SyncOptions: the topology, the Timeouts object and its fields, and a
@@ -69,14 +70,18 @@ def test_every_constructor_keyword_is_reachable_through_the_options(
 ) -> None:
     module, name = options.transport
     cls = getattr(importlib.import_module(module), name)
-    takes = set(list(inspect.signature(cls).parameters)[2:])  # after source, engine
+    params = list(inspect.signature(cls).parameters.values())[2:]  # after source, engine
+    # ``**shared``: the keywords every transport passes on to WeightSynchronizer.
+    (var,) = [p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD]
+    assert var.annotation == "Unpack[SharedKeywords]"
+    takes = {p.name for p in params if p is not var} | set(SharedKeywords.__annotations__)
     own = {f.name for f in dataclasses.fields(options)}
     shared = {f.name for f in dataclasses.fields(SyncOptions)}
     assert own <= takes, f"{options.__name__} fields {own - takes} are not {name}'s keywords"
     assert takes - own - shared - _REACHED_OTHERWISE == set()
     # A shared option the transport declares is one of its keywords.
     caps = cls.capabilities
-    declared = {"in_flight", "initial_version", "event_backlog"}
+    declared = {"in_flight", "initial_version", "event_backlog", "on_failure"}
     declared |= {n for n in ("delta", "trace") if getattr(caps, n)}
     declared |= {"verify"} if caps.verify != {False} else set()
     assert declared <= takes

@@ -28,20 +28,19 @@ import os
 import socket
 import threading
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, cast
+from typing import Any, Unpack, cast
 
 import anyio
 import anyio.to_thread
 import torch
 import torch.distributed as dist
 
-from aiosync._config import DEFAULT_BUCKET_BYTES, DEFAULT_EVENT_BACKLOG, Timeouts
+from aiosync._config import DEFAULT_BUCKET_BYTES
 from aiosync._fanout import each_named, most_telling
-from aiosync.capabilities import InFlightPolicy
 from aiosync.cluster import TrainCluster
 from aiosync.errors import OwnershipError, RefitMismatchError, TransportError
 from aiosync.sources import RefitSource
-from aiosync.synchronizer import WeightSynchronizer
+from aiosync.synchronizer import SharedKeywords, WeightSynchronizer
 
 from .._options import check_positive
 from .._verify import Verify
@@ -135,14 +134,10 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         collective_timeout_s: float = 120.0,
         abort_all_requests: bool = False,
-        timeouts: Timeouts | None = None,
-        sync_timeout_s: float | None = None,
-        event_backlog: int = DEFAULT_EVENT_BACKLOG,
-        in_flight: InFlightPolicy = "wait",
-        initial_version: int = 0,
         trace: bool = False,
         verify: Verify = "sample",
         record_checksums: bool = False,
+        **shared: Unpack[SharedKeywords],
     ) -> None:
         cluster = train_cluster or TrainCluster()
         if cluster.world_size != 1:
@@ -166,14 +161,10 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
             bucket_bytes=bucket_bytes,
             device=device,
             abort_all_requests=abort_all_requests,
-            timeouts=timeouts,
-            sync_timeout_s=sync_timeout_s,
-            event_backlog=event_backlog,
-            in_flight=in_flight,
-            initial_version=initial_version,
             trace=trace,
             verify=verify,
             record_checksums=record_checksums,
+            **shared,
         )
         self._distributed_servers()  # refused here, before anything is set up
         self.train_cluster = cluster

@@ -36,21 +36,21 @@ import threading
 import time
 import warnings
 from collections.abc import Iterable
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar, Unpack
 
 import anyio
 import anyio.to_thread
 import torch
 
-from aiosync._config import DEFAULT_BUCKET_BYTES, DEFAULT_EVENT_BACKLOG, Timeouts
+from aiosync._config import DEFAULT_BUCKET_BYTES, Timeouts
 from aiosync._delta_refit import DeltaRefit
-from aiosync.capabilities import EngineWorkers, InFlightPolicy
+from aiosync.capabilities import EngineWorkers
 from aiosync.cluster import TrainCluster
 from aiosync.delta import DeltaBaseline
 from aiosync.errors import SyncError
 from aiosync.options import TransportCapabilities
 from aiosync.sources import RefitSource
-from aiosync.synchronizer import KVScales, Transferred, WeightSynchronizer
+from aiosync.synchronizer import KVScales, SharedKeywords, Transferred, WeightSynchronizer
 
 from .._options import check_positive, check_seconds
 from .._verify import Verify, check_verify
@@ -196,11 +196,10 @@ class CollectiveWeightSynchronizer(WorkerQueries, GroupSession):
         collective_timeout_s: limit of the rendezvous and of every collective,
             seconds (torch's process-group timeout; a dead rank surfaces within
             it); default ``timeouts.rpc_s``.
-        sync_timeout_s: overrides ``timeouts.sync_s``: a whole ``sync_weights`` call, seconds.
-        event_backlog: default ``max_backlog`` of :meth:`subscribe`, in events.
-        in_flight: the default in-flight policy of ``sync_weights``.
-        initial_version: where both versions start (a trainer resumed from its
-            step-N checkpoint passes N); see :class:`~aiosync.WeightSynchronizer`.
+        **shared: ``sync_timeout_s``, ``event_backlog``, ``in_flight``,
+            ``initial_version``, ``on_failure``
+            (:class:`~aiosync.synchronizer.SharedKeywords`): as
+            :class:`~aiosync.WeightSynchronizer`.
         backend: deprecated name of ``dist_backend`` (DeprecationWarning).
 
     Raises:
@@ -236,14 +235,10 @@ class CollectiveWeightSynchronizer(WorkerQueries, GroupSession):
         verify: Verify = True,
         overlap: Literal["inplace", "staged"] = "inplace",
         delta: bool = False,
-        timeouts: Timeouts | None = None,
         rpc_timeout_s: float | None = None,
         collective_timeout_s: float | None = None,
-        sync_timeout_s: float | None = None,
-        event_backlog: int = DEFAULT_EVENT_BACKLOG,
-        in_flight: InFlightPolicy = "wait",
-        initial_version: int = 0,
         backend: DistBackend | None = None,
+        **shared: Unpack[SharedKeywords],
     ) -> None:
         if backend is not None:
             warnings.warn(
@@ -256,17 +251,11 @@ class CollectiveWeightSynchronizer(WorkerQueries, GroupSession):
         if dist_backend is not None and dist_backend not in DIST_BACKENDS:
             raise ValueError(f"dist_backend must be 'nccl', 'gloo' or None, got {dist_backend!r}")
         verify = check_verify(verify)
+        timeouts = shared.get("timeouts")
         if timeouts is not None and not isinstance(timeouts, Timeouts):
             raise TypeError(f"timeouts must be an aiosync.Timeouts, got {type(timeouts).__name__}")
-        super().__init__(
-            policy,
-            generation,
-            timeouts=(timeouts or Timeouts()).with_keywords(rpc_timeout_s=rpc_timeout_s),
-            sync_timeout_s=sync_timeout_s,
-            event_backlog=event_backlog,
-            in_flight=in_flight,
-            initial_version=initial_version,
-        )
+        shared["timeouts"] = (timeouts or Timeouts()).with_keywords(rpc_timeout_s=rpc_timeout_s)
+        super().__init__(policy, generation, **shared)
         if not isinstance(train_cluster, TrainCluster):
             raise TypeError(
                 f"train_cluster must be an aiosync.TrainCluster, got {type(train_cluster).__name__}"

@@ -17,19 +17,18 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 import anyio
 import torch
 
-from aiosync._config import DEFAULT_BUCKET_BYTES, DEFAULT_EVENT_BACKLOG, Timeouts
+from aiosync._config import DEFAULT_BUCKET_BYTES
 from aiosync._fanout import most_telling
 from aiosync._kv_scales import attention_layers, kv_scale_entries
-from aiosync.capabilities import InFlightPolicy
 from aiosync.errors import SyncError, TransportError
 from aiosync.options import TransportCapabilities
 from aiosync.sources import RefitManifest, RefitSource
-from aiosync.synchronizer import KVScales, Transferred, WeightSynchronizer
+from aiosync.synchronizer import KVScales, SharedKeywords, Transferred, WeightSynchronizer
 
 from .._options import check_positive
 from .._verify import Verify, check_verify
@@ -90,12 +89,10 @@ class HTTPWeightSynchronizer(ServerChecks):
             sync, ``rpc_s`` for the KV-cache wake after it, ``after_failure_s`` for
             each clean-up step after a failure. Each request's own limit is the
             server object's (``SGLangHTTPBackend(request_timeout_s=...)``).
-        sync_timeout_s: overrides ``timeouts.sync_s``, seconds.
-        event_backlog: default backlog of :meth:`subscribe`, in events.
-        in_flight: what requests running on the engine do during a sync
-            (``"wait"``, ``"abort"``, ``"keep"``; see :class:`~aiosync.WeightSynchronizer`).
-        initial_version: where both versions start (a trainer resumed from its
-            step-N checkpoint passes N); see :class:`~aiosync.WeightSynchronizer`.
+        **shared: ``sync_timeout_s``, ``event_backlog``, ``in_flight``,
+            ``initial_version``, ``on_failure``
+            (:class:`~aiosync.synchronizer.SharedKeywords`): as
+            :class:`~aiosync.WeightSynchronizer`.
         trace: record per-bucket timestamps of every sync into
             :attr:`last_trace`; off by default.
         verify: check what each server holds after the last bucket loaded and
@@ -153,14 +150,10 @@ class HTTPWeightSynchronizer(ServerChecks):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         device: str | torch.device | None = None,
         abort_all_requests: bool = False,
-        timeouts: Timeouts | None = None,
-        sync_timeout_s: float | None = None,
-        event_backlog: int = DEFAULT_EVENT_BACKLOG,
-        in_flight: InFlightPolicy = "wait",
-        initial_version: int = 0,
         trace: bool = False,
         verify: Verify = "sample",
         record_checksums: bool = False,
+        **shared: Unpack[SharedKeywords],
     ) -> None:
         servers = servers_of(generation)
         check_positive("bucket_bytes", bucket_bytes)
@@ -168,11 +161,7 @@ class HTTPWeightSynchronizer(ServerChecks):
         super().__init__(
             policy,
             generation,
-            timeouts=timeouts,
-            sync_timeout_s=sync_timeout_s,
-            event_backlog=event_backlog,
-            in_flight=in_flight,
-            initial_version=initial_version,
+            **shared,
         )
         self.bucket_bytes = bucket_bytes
         self.device = None if device is None else torch.device(device)
@@ -184,7 +173,7 @@ class HTTPWeightSynchronizer(ServerChecks):
         # The checksums recorded at the last commit, {server URL: {(rank, name): hex}},
         # and that commit's version; emptied when a sync starts (the weights change).
         self._checksums: dict[str, dict[tuple[str, str], str]] = {}
-        self._checksum_version = initial_version
+        self._checksum_version = self.weight_version
         #: What the last :meth:`verify_engine` did not compare with the trainer's
         #: weights, as ``"name: why"`` (and, where recorded checksums covered it,
         #: since when it is known unchanged).

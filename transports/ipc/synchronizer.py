@@ -84,22 +84,22 @@ import math
 import os
 import secrets
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import anyio
 import anyio.lowlevel
 import torch
 
-from aiosync._config import DEFAULT_EVENT_BACKLOG, Timeouts
+from aiosync._config import Timeouts
 from aiosync._delta_refit import DeltaRefit
 from aiosync._fanout import most_telling, named
 from aiosync._kv_scales import attention_layers, kv_scale_entries
-from aiosync.capabilities import InFlightPolicy, WorkerDescribing, engines_of
+from aiosync.capabilities import WorkerDescribing, engines_of
 from aiosync.delta import DeltaBaseline
 from aiosync.errors import RefitMismatchError, SyncError, TransportError
 from aiosync.options import TransportCapabilities
 from aiosync.sources import GathersInto, RefitManifest, RefitSource
-from aiosync.synchronizer import KVScales, Transferred, WeightSynchronizer
+from aiosync.synchronizer import KVScales, SharedKeywords, Transferred, WeightSynchronizer
 
 from .._identity import CPU_LABEL, device_identity
 from .._options import check_fraction, check_positive, check_seconds
@@ -197,14 +197,11 @@ class IPCWeightSynchronizer(WeightSynchronizer):
             when available, else ``cpu``.
         rpc_timeout_s: overrides ``timeouts.rpc_s``: the limit for every single
             wait (a hello, an ack, an RPC, the colocated wakes), seconds.
-        sync_timeout_s: overrides ``timeouts.sync_s``: the limit for a whole
-            ``sync_weights``, seconds.
+        **shared: ``sync_timeout_s``, ``event_backlog``, ``in_flight``,
+            ``initial_version``, ``on_failure``
+            (:class:`~aiosync.synchronizer.SharedKeywords`): as
+            :class:`~aiosync.WeightSynchronizer`.
         timeouts: every limit (:class:`~aiosync.Timeouts`); default ``Timeouts()``.
-        event_backlog: see :class:`~aiosync.WeightSynchronizer`.
-        in_flight: what requests running on the engine do during a sync
-            (``"wait"``, ``"abort"``, ``"keep"``; see :class:`~aiosync.WeightSynchronizer`).
-        initial_version: where both versions start (a trainer resumed from its
-            step-N checkpoint passes N); see :class:`~aiosync.WeightSynchronizer`.
         process_group: a sharded trainer's ``torch.distributed`` group. Every rank
             runs a synchronizer and makes the same calls (the source's gathers are
             collectives); rank ``r`` packs on its own device and sends only to the
@@ -284,17 +281,13 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         buffer_memory_fraction: float = DEFAULT_BUFFER_MEMORY_FRACTION,
         device: torch.device | str | None = None,
         rpc_timeout_s: float | None = None,
-        sync_timeout_s: float | None = None,
-        timeouts: Timeouts | None = None,
-        event_backlog: int = DEFAULT_EVENT_BACKLOG,
-        in_flight: InFlightPolicy = "wait",
-        initial_version: int = 0,
         process_group: Any = None,
         device_label: str | None = None,
         trace: bool = False,
         delta: bool = False,
         verify: Verify = True,
         direct: bool = True,
+        **shared: Unpack[SharedKeywords],
     ) -> None:
         # Every check before the base class's __init__, which registers the
         # discard listener on the engine: a refused synchronizer leaves none behind.
@@ -303,20 +296,12 @@ class IPCWeightSynchronizer(WeightSynchronizer):
         check_positive("bucket_bytes", bucket_bytes)
         check_fraction("buffer_memory_fraction", buffer_memory_fraction)
         check_seconds("rpc_timeout_s", rpc_timeout_s)
+        timeouts = shared.get("timeouts")
         if isinstance(timeouts, Timeouts):
-            timeouts = timeouts.with_keywords(rpc_timeout_s=rpc_timeout_s)
+            shared["timeouts"] = timeouts.with_keywords(rpc_timeout_s=rpc_timeout_s)
         elif timeouts is None and rpc_timeout_s is not None:
-            timeouts = Timeouts(rpc_s=rpc_timeout_s)
-        super().__init__(
-            policy,
-            generation,
-            timeouts=timeouts,
-            sync_timeout_s=sync_timeout_s,
-            event_backlog=event_backlog,
-            in_flight=in_flight,
-            initial_version=initial_version,
-            ranks=ranks,
-        )
+            shared["timeouts"] = Timeouts(rpc_s=rpc_timeout_s)
+        super().__init__(policy, generation, ranks=ranks, **shared)
         self._ranks = ranks
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"

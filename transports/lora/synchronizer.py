@@ -49,14 +49,13 @@ import functools
 import json
 import warnings
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Unpack
 
 import anyio
 import torch
 
-from aiosync._config import DEFAULT_EVENT_BACKLOG, Timeouts
 from aiosync._fanout import each_named
-from aiosync.capabilities import InFlightPolicy, ManifestReporting, ValidityReporting, engines_of
+from aiosync.capabilities import ManifestReporting, ValidityReporting, engines_of
 from aiosync.errors import RefitMismatchError, SyncError
 from aiosync.lora import (
     LoRAAdapter,
@@ -67,7 +66,7 @@ from aiosync.lora import (
 )
 from aiosync.options import TransportCapabilities
 from aiosync.sources import RefitManifest
-from aiosync.synchronizer import KVScales, WeightSynchronizer
+from aiosync.synchronizer import KVScales, SharedKeywords, WeightSynchronizer
 
 from .._ranks import TrainerRanks
 from .._verify import Verify, check_verify
@@ -92,14 +91,11 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
             ``SGLangHTTPBackend``, vLLM's backend), an :class:`~aiosync.EngineFleet`
             of them, or a list (loaded concurrently). None on the trainer ranks
             other than 0 of a sharded trainer.
-        sync_timeout_s: overrides ``timeouts.sync_s``: the limit for a whole
-            ``sync_weights`` call, seconds.
+        **shared: ``sync_timeout_s``, ``event_backlog``, ``in_flight``,
+            ``initial_version``, ``on_failure``
+            (:class:`~aiosync.synchronizer.SharedKeywords`): as
+            :class:`~aiosync.WeightSynchronizer`.
         timeouts: every limit (:class:`~aiosync.Timeouts`); default ``Timeouts()``.
-        event_backlog: default backlog of :meth:`subscribe`, in events.
-        in_flight: what requests running on the engine do during a sync
-            (``"wait"``, ``"abort"``, ``"keep"``; see :class:`~aiosync.WeightSynchronizer`).
-        initial_version: where both versions start (a trainer resumed from its
-            step-N checkpoint passes N); see :class:`~aiosync.WeightSynchronizer`.
         process_group: a sharded trainer's ``torch.distributed`` group (gloo, whose
             timeout bounds the agreement). Every rank runs a synchronizer and
             makes the same calls, since the source's gathers are collectives; only
@@ -142,13 +138,9 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
         policy: LoRAAdapterSource,
         generation: Any,
         *,
-        sync_timeout_s: float | None = None,
-        timeouts: Timeouts | None = None,
-        event_backlog: int = DEFAULT_EVENT_BACKLOG,
-        in_flight: InFlightPolicy = "wait",
-        initial_version: int = 0,
         process_group: Any = None,
         verify: Verify = "sample",
+        **shared: Unpack[SharedKeywords],
     ) -> None:
         verify = check_verify(verify)
         if not callable(getattr(policy, "lora_adapter_config", None)):
@@ -162,12 +154,8 @@ class LoRAAdapterSynchronizer(WeightSynchronizer):
         super().__init__(
             policy,
             generation,
-            timeouts=timeouts,
-            sync_timeout_s=sync_timeout_s,
-            event_backlog=event_backlog,
-            in_flight=in_flight,
-            initial_version=initial_version,
             ranks=ranks,
+            **shared,
         )
         self.policy: LoRAAdapterSource = policy
         #: The engines loaded, in fleet order (empty on the non-driving ranks).

@@ -28,21 +28,20 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, Unpack
 
 import anyio
 import anyio.to_thread
 
-from aiosync._config import DEFAULT_EVENT_BACKLOG, Timeouts
 from aiosync._delta_refit import DeltaRefit
-from aiosync.capabilities import EngineWorkers, InFlightPolicy, ManifestReporting
+from aiosync.capabilities import EngineWorkers, ManifestReporting
 from aiosync.cluster import TrainCluster
 from aiosync.errors import RefitMismatchError, SyncError, TransportError
 from aiosync.layout import Layout
 from aiosync.options import TransportCapabilities
 from aiosync.refit.torch_source import DTensorRefitSource
 from aiosync.sources import RefitSource
-from aiosync.synchronizer import KVScales, Transferred, WeightSynchronizer
+from aiosync.synchronizer import KVScales, SharedKeywords, Transferred, WeightSynchronizer
 
 from ..collective._group import (
     STATUS_OK,
@@ -149,15 +148,11 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
         inference_world_size: int,
         dist_backend: DistBackend | None = None,
         bucket_bytes: int | None = None,
-        timeouts: Timeouts | None = None,
         rpc_timeout_s: float | None = None,
         collective_timeout_s: float | None = None,
-        sync_timeout_s: float | None = None,
-        event_backlog: int = DEFAULT_EVENT_BACKLOG,
-        in_flight: InFlightPolicy = "wait",
-        initial_version: int = 0,
         data_plane: DataPlane = "torch",
         delta: bool = False,
+        **shared: Unpack[SharedKeywords],
     ) -> None:
         # Before the base class registers anything on the engine: every rank refuses alike.
         refusal = shard_refusal(policy)
@@ -173,13 +168,9 @@ class ShardedWeightSynchronizer(CollectiveWeightSynchronizer):
             inference_world_size=inference_world_size,
             dist_backend=dist_backend,
             bucket_bytes=bucket_bytes,
-            timeouts=timeouts,
             rpc_timeout_s=rpc_timeout_s,
             collective_timeout_s=collective_timeout_s,
-            sync_timeout_s=sync_timeout_s,
-            event_backlog=event_backlog,
-            in_flight=in_flight,
-            initial_version=initial_version,
+            **shared,
         )
         if not isinstance(policy, DTensorRefitSource) and train_cluster.world_size > 1:
             raise TypeError(

@@ -36,17 +36,16 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Unpack, runtime_checkable
 
 import anyio
 import anyio.to_thread
 
-from aiosync._config import DEFAULT_EVENT_BACKLOG, DEFAULT_RPC_TIMEOUT_S, Timeouts
-from aiosync.capabilities import InFlightPolicy
+from aiosync._config import DEFAULT_RPC_TIMEOUT_S
 from aiosync.errors import SyncError, TransportError
 from aiosync.options import TransportCapabilities
 from aiosync.sources import RefitManifest, RefitSource
-from aiosync.synchronizer import KVScales, WeightSynchronizer
+from aiosync.synchronizer import KVScales, SharedKeywords, WeightSynchronizer
 
 __all__ = [
     "LLMWeightSyncClient",
@@ -196,13 +195,10 @@ class VLLMWeightTransferSynchronizer(WeightSynchronizer):
             version too, when a :class:`ReleasingClient` shutdown releases it.
         timeouts: every limit (:class:`~aiosync.Timeouts`); ``sync_s`` bounds
             one ``sync_weights`` and the handshake of ``init_communicator``.
-        sync_timeout_s: overrides ``timeouts.sync_s``, seconds. vLLM's
-            ``send_weights`` blocks in a thread; on timeout it is abandoned and
-            the transfer group must be re-formed (``init_communicator()``).
-        event_backlog: default ``max_backlog`` of :meth:`subscribe`, in events.
-        in_flight: the default in-flight policy of ``sync_weights``.
-        initial_version: where both versions start (a trainer resumed from its
-            step-N checkpoint passes N); see :class:`~aiosync.WeightSynchronizer`.
+        **shared: ``sync_timeout_s``, ``event_backlog``, ``in_flight``,
+            ``initial_version``, ``on_failure``
+            (:class:`~aiosync.synchronizer.SharedKeywords`): as
+            :class:`~aiosync.WeightSynchronizer`.
 
     ``sync_weights(kv_scales=...)`` raises NotImplementedError before anything
     moves: vLLM's API carries no FP8 KV-cache scales.
@@ -224,11 +220,7 @@ class VLLMWeightTransferSynchronizer(WeightSynchronizer):
         *,
         init_info: Any,
         client: Any,
-        timeouts: Timeouts | None = None,
-        sync_timeout_s: float | None = None,
-        event_backlog: int = DEFAULT_EVENT_BACKLOG,
-        in_flight: InFlightPolicy = "wait",
-        initial_version: int = 0,
+        **shared: Unpack[SharedKeywords],
     ) -> None:
         if not vllm_weight_transfer_available():
             raise ImportError(
@@ -239,11 +231,7 @@ class VLLMWeightTransferSynchronizer(WeightSynchronizer):
         super().__init__(
             policy,
             generation,
-            timeouts=timeouts,
-            sync_timeout_s=sync_timeout_s,
-            event_backlog=event_backlog,
-            in_flight=in_flight,
-            initial_version=initial_version,
+            **shared,
         )
         self.init_info = init_info
         self.client = client
