@@ -65,6 +65,7 @@ __all__ = [
     "LayoutReporting",
     "ManifestReporting",
     "PausableEngine",
+    "PeerWaves",
     "RestartReporting",
     "RollingEngines",
     "SleepReporting",
@@ -378,6 +379,23 @@ class RollingEngines(Protocol):
     def end_wave(self, *, committed: bool) -> None:
         """Widen the fleet again; ``committed=False``: the wave's engines may hold part
         of a version and serve nothing until a later sync commits them. No wave: no-op."""
+        ...
+
+
+@runtime_checkable
+class PeerWaves(Protocol):
+    """A rolling fleet whose waves after the first copy the new version from an engine
+    that committed it (``EngineFleet(wave_source="peer")``) instead of taking the
+    trainer's bytes: the trainer sends one copy per sync whatever the fleet's size."""
+
+    @property
+    def peer_waves(self) -> bool:
+        """True when waves after the first copy from a peer."""
+        ...
+
+    async def copy_wave(self, version: int, *, timeout_s: float = 60.0) -> int | None:
+        """Copy ``version`` into the wave in progress from engines outside it; the bytes
+        the peers sent, or None when no engine outside the wave serves ``version``."""
         ...
 
 

@@ -47,6 +47,7 @@ from .capabilities import (
     EngineWorkers,
     InFlightPolicy,
     PausableEngine,
+    PeerWaves,
     RollingEngines,
     VersionedEngine,
     WorkerDescribing,
@@ -458,6 +459,14 @@ class WeightSynchronizer:
         """The transport is (re-)opened: the synchronizer's own bookkeeping (delta
         watch, the fleet's membership, take-over, rank agreement on staleness)."""
         self._check_open()
+        rolling = self._rolling()
+        peers = cast(PeerWaves, rolling) if implements(rolling, PeerWaves) else None
+        if self.delta is not None and peers is not None and peers.peer_waves:
+            # A peer's copy leaves no delta base on the workers it writes.
+            raise UnsupportedOptionError(
+                "delta=True with EngineFleet(wave_source='peer'): the waves a peer "
+                "copies hold no delta baseline; use one or the other"
+            )
         if self._on_failure == "serve_previous" and self._drives_generation():
             self.previous_nbytes = await arm_previous(self.generation, self.timeouts.rpc_s)
         self._initialized = True
@@ -891,11 +900,21 @@ class WeightSynchronizer:
         with ``pause`` its window: the caller resumes it, then ends it unfit."""
         nbytes, delta, longest = 0, True, 0.0
         unverified: tuple[str, ...] = ()
-        for wave in fleet.waves():
+        peers = cast(PeerWaves, fleet) if implements(fleet, PeerWaves) else None
+        for j, wave in enumerate(fleet.waves()):
             fleet.begin_wave(wave)
-            moved, discards = await self._elastic_transfer(
-                version, kv_scales, self._pause_call(policy, pause), discards
-            )
+            moved: int | Transferred | None = None
+            paused = self._pause_call(policy, pause)
+            if j > 0 and peers is not None and peers.peer_waves and not kv_scales:
+                # The engines of earlier waves hold this version: copy it from them
+                # (the trainer sends nothing for this wave).
+                if paused is not None:
+                    await paused()
+                    paused = None
+                if await peers.copy_wave(version, timeout_s=self.timeouts.rpc_s) is not None:
+                    moved = Transferred(0)
+            if moved is None:
+                moved, discards = await self._elastic_transfer(version, kv_scales, paused, discards)
             self._check_landed(version, discards)
             await self._label_engine(version)
             longest = max(longest, await self._resume_after(pause.since, failed=False))

@@ -149,7 +149,7 @@ async def copy_weights(
     # other's wait, and its error names its engine.
     sides = [
         (peer, "aiosync_peer_send", (session,)),
-        (receiver, "aiosync_peer_receive", (session, theirs)),
+        (receiver, "aiosync_peer_receive", (session, theirs, version)),
     ]
     labels = [peer_label, label]
 

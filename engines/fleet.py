@@ -166,6 +166,11 @@ class EngineFleet(GenerateFromMeta):
         max_unavailable: with ``"rolling"``, the most engines in service refit at
             once: an int >= 1, or a fraction in (0, 1) of the engines in service
             (at least 1).
+        wave_source: with ``"rolling"``, where waves after the first take the new
+            version from: the trainer (``"trainer"``) or an engine of an earlier wave
+            (``"peer"``: :meth:`copy_wave`, worker to worker, verified against the
+            peer's digests), so that the trainer sends one copy per sync whatever the
+            fleet's size (not with ``delta=True`` or ``kv_scales``).
         max_version_lag: the most versions an engine in service may be behind the
             newest one in service and still take new requests; None: no bound.
             An engine that never committed a version (its initial weights) counts
@@ -188,6 +193,7 @@ class EngineFleet(GenerateFromMeta):
         refit: FleetRefit = "all",
         max_unavailable: int | float = 1,
         max_version_lag: int | None = None,
+        wave_source: JoinSource = "trainer",
     ) -> None:
         if on_engine_failure not in ("fail", "quarantine"):
             raise ValueError(
@@ -197,6 +203,10 @@ class EngineFleet(GenerateFromMeta):
             raise ValueError(f"min_engines must be an int >= 1, got {min_engines!r}")
         if refit not in ("all", "rolling"):
             raise ValueError(f"refit must be 'all' or 'rolling', got {refit!r}")
+        if wave_source not in ("trainer", "peer"):
+            raise ValueError(f"wave_source must be 'trainer' or 'peer', got {wave_source!r}")
+        if wave_source == "peer" and refit != "rolling":
+            raise ValueError("wave_source='peer' takes a rolling fleet (refit='rolling')")
         if isinstance(max_unavailable, bool) or not (
             (isinstance(max_unavailable, int) and max_unavailable >= 1)
             or (isinstance(max_unavailable, float) and 0.0 < max_unavailable < 1.0)
@@ -222,6 +232,7 @@ class EngineFleet(GenerateFromMeta):
         self.refit: FleetRefit = refit
         self.max_unavailable = max_unavailable
         self.max_version_lag = max_version_lag
+        self.wave_source: JoinSource = wave_source
         # The wave a rolling sync is refitting (None: none); syncs reach only it.
         self._wave: list[Any] | None = None
         # By id(): the version each engine serves (from on_weights_committed), and why
@@ -331,6 +342,49 @@ class EngineFleet(GenerateFromMeta):
         waves = [busy[i : i + size] for i in range(0, len(busy), size)] or [[]]
         waves[0] = idle + waves[0]
         return [wave for wave in waves if wave]
+
+    @property
+    def peer_waves(self) -> bool:
+        """True when a rolling sync's waves after the first copy from a peer
+        (``wave_source="peer"``, :meth:`copy_wave`)."""
+        return self.rolling and self.wave_source == "peer"
+
+    async def copy_wave(self, version: int, *, timeout_s: float = 60.0) -> int | None:
+        """Copy ``version`` into every engine of the wave in progress from an engine
+        outside it that committed ``version`` (worker to worker, verified against the
+        peer's digests: :func:`~aiosync.engines._peer.copy_weights`), one engine after
+        the other, spreading them over the peers; returns the bytes the peers sent.
+        None (nothing copied): no engine outside the wave serves ``version``: the
+        trainer's transport moves this wave too.
+
+        Raises:
+            RefitMismatchError, RefitVerificationError, TransportError, SyncTimeoutError:
+                as :func:`~aiosync.engines._peer.copy_weights`, naming the engine.
+        """
+        wave = self.engines
+        peers = [
+            e
+            for e in self._in_service()
+            if self._versions.get(id(e)) == version
+            and id(e) not in self._unfit
+            and all(e is not w for w in wave)
+        ]
+        if not peers:
+            return None
+        nbytes = 0
+        for i, engine in enumerate(wave):
+            peer = peers[i % len(peers)]
+            done = await copy_weights(
+                peer,
+                engine,
+                peer_label=self._name(peer),
+                label=self._name(engine),
+                version=version,
+                host="127.0.0.1",
+                timeout_s=timeout_s,
+            )
+            nbytes += done.nbytes
+        return nbytes
 
     def begin_wave(self, engines: Sequence[Any]) -> None:
         """Narrow the fleet to ``engines``: :attr:`engines` (what a sync reaches) is

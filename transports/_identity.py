@@ -30,7 +30,7 @@ from aiosync.delta import PatchModel
 
 from . import peer
 from ._verify import arm_transit_fault
-from .previous import PreviousWeights
+from .previous import PreviousWeights, begin_refit, whole_receive
 
 __all__ = ["CPU_LABEL", "WorkerIdentityMixin", "device_identity"]
 
@@ -297,12 +297,16 @@ class WorkerIdentityMixin:
         model = self._aiosync_peer_model()
         return peer.send(model, peer.PeerSession.from_wire(session), self._aiosync_local_rank())
 
-    def aiosync_peer_receive(self, session: list[Any], manifests: list[list[list[Any]]]) -> int:
+    @whole_receive
+    def aiosync_peer_receive(
+        self, session: list[Any], manifests: list[list[list[Any]]], version: int = -1
+    ) -> int:
         """Receive the peer worker's weights (of the same local rank) into this worker's
         live weights, which are invalid from the first byte on and stay so until
         :meth:`aiosync_peer_verify` passes. ``manifests``: the peer's
-        :meth:`aiosync_peer_manifest` per local rank (checked equal to this engine's).
-        Returns the bytes received.
+        :meth:`aiosync_peer_manifest` per local rank (checked equal to this engine's);
+        ``version``: the one the peer serves (an armed worker keeps its weights first,
+        :mod:`.previous`). Returns the bytes received.
 
         Raises:
             TransportError, SyncTimeoutError, RefitMismatchError: as
@@ -312,7 +316,7 @@ class WorkerIdentityMixin:
 
         model = self._aiosync_peer_model()
         rank = self._aiosync_local_rank()
-        validity.mark_invalid(cast(validity.HoldsWeights, self))
+        begin_refit(cast(validity.HoldsWeights, self), version)
         return peer.receive(model, manifests[rank], peer.PeerSession.from_wire(session), rank)
 
     def aiosync_peer_verify(self, digests: list[dict[str, list[Any]]]) -> list[str]:

@@ -331,6 +331,50 @@ async def test_a_rolling_delta_refit_patches_every_wave_from_one_baseline_bit_ex
         assert (full.nbytes, delta.nbytes) == (2 * model, 2 * norm.numel() * norm.element_size())
 
 
+@in_module_loop
+@pytest.mark.parametrize("transport", ["ipc", "collective"])
+async def test_peer_waves_take_the_version_from_the_first_wave_and_the_trainer_sends_one_copy(
+    engines: list[SteppedEngine], transport: str
+) -> None:
+    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=75)
+    source = HookedSource(trainer.model)
+    reads = 0
+
+    def count(i: int) -> None:
+        nonlocal reads
+        reads += i == 0  # one pass over the source
+
+    source.on_tensor = count
+    fleet = EngineFleet(engines, refit="rolling", max_unavailable=1, wave_source="peer")
+    sync = create_weight_synchronizer(source, fleet, backend="embedded", **_options(transport))
+    async with sync, sync.subscribe() as events:
+        for step in (1, 2):
+            await sync.mark_stale()
+            await sync.sync_weights()
+            assert (sync.weight_version, reads) == (step, step)  # one read per sync
+            assert await _holds(engines, trainer.hf_state_dict()) == [True] * 4
+            expected = trainer.generate(PROMPTS, max_new_tokens=TOKENS)
+            outputs = await fleet.generate_with_meta(PROMPTS, max_new_tokens=TOKENS)
+            assert _check_labels(outputs, {step: expected}) == [step] * len(PROMPTS)
+            _step(trainer, 1.5)
+        committed = [e for e in await _drain_events(events) if e.kind is VersionEventKind.COMMITTED]
+        # The trainer's bytes: one copy of the model per sync, for four engines.
+        model = sum(t.numel() * t.element_size() for t in trainer.hf_state_dict().values())
+        assert [e.nbytes for e in committed] == [model, model]
+
+    # With delta refits the waves a peer copies would hold no baseline: refused at init.
+    fleet = EngineFleet(engines, refit="rolling", wave_source="peer")
+    sync = create_weight_synchronizer(
+        HookedSource(trainer.model),
+        fleet,
+        backend="embedded",
+        **_options("ipc", SyncOptions(delta=True)),
+    )
+    with pytest.raises(UnsupportedOptionError, match=r"delta=True with .*wave_source='peer'"):
+        await sync.init_communicator()
+    await sync.shutdown()
+
+
 class _PartialTransport:
     """A transport that cannot re-form over part of a fleet (``elastic=False``)."""
 
