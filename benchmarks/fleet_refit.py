@@ -8,7 +8,9 @@ break (back-to-back ``generate`` calls of one short prompt per engine, greedy,
 * **no refit**: the fleet's tokens per second with no sync: the baseline;
 * **all**: ``refit="all"`` (stop the world: every engine pauses for each sync);
 * **rolling**: ``refit="rolling", max_unavailable=1`` (waves of one engine while the
-  other three serve).
+  other three serve);
+* **rolling+peer**: the same with ``wave_source="peer"``: waves after the first copy the
+  version from an engine that committed it, so the trainer sends one copy per sync.
 
 For each: tokens per second over the whole window and inside the refit windows (the
 tokens of the ``generate`` calls that returned between a sync's start and its
@@ -58,7 +60,7 @@ from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.refit import DTensorRefitSource
 
 ENGINES = 4
-MODES = ("all", "rolling")
+MODES = ("all", "rolling", "rolling+peer")
 
 
 class Window:
@@ -149,6 +151,9 @@ async def _measure(
         fleets = {
             "all": EngineFleet(engines),
             "rolling": EngineFleet(engines, refit="rolling", max_unavailable=1),
+            "rolling+peer": EngineFleet(
+                engines, refit="rolling", max_unavailable=1, wave_source="peer"
+            ),
         }
         syncs = {
             mode: create_weight_synchronizer(
@@ -225,13 +230,13 @@ def main() -> None:
         f"{args.interval:g} s, {model}"
     )
     print(
-        f"{'refit':<10}{'tokens/s':>10}{'/ none':>8}{'in refit':>10}{'wait ms':>10}"
+        f"{'refit':<13}{'tokens/s':>10}{'/ none':>8}{'in refit':>10}{'wait ms':>10}"
         f"{'stall ms':>10}{'syncs':>7}{'MB/sync':>9}"
     )
     for mode, row in figures["modes"].items():
         inside = "-" if row["refit_ratio"] is None else f"{row['refit_ratio']:.2f}"
         print(
-            f"{mode:<10}{row['tokens_per_s']:>10.1f}{row['ratio']:>8.2f}{inside:>10}"
+            f"{mode:<13}{row['tokens_per_s']:>10.1f}{row['ratio']:>8.2f}{inside:>10}"
             f"{row['longest_wait_ms']:>10.1f}{row['longest_stall_ms']:>10.1f}{row['syncs']:>7}"
             f"{row['mb_per_sync']:>9.2f}"
         )
