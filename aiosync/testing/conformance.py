@@ -22,6 +22,13 @@ real engine (the embedded engine's worker processes, or the SGLang contract test
   typed, the version unchanged and stale; the respawned engine is healed by the next sync.
 - ``bad_manifest``: a source whose manifest names a tensor the engine lacks is refused
   (:class:`~aiosync.RefitMismatchError`) before any byte: the engine keeps its weights.
+- ``second_owner``: a second synchronizer on an engine the first owns is refused
+  (:class:`~aiosync.OwnershipError`) where it could break the first's sync, and the
+  engine's version labels follow whichever owns it (case C27).
+- ``elastic`` (where declared): a quarantining fleet sets a killed engine aside, named,
+  and commits to the other; revived, it joins with the next sync (C29, C36).
+- ``in_flight_wait``/``_abort``/``_keep``: a request running through a sync ends as its
+  policy says, its tokens and version labels exact, never a silent mix (C13).
 
 Which cells a transport runs follows from its declared
 :class:`~aiosync.TransportCapabilities` (:func:`cells`); :func:`capability_table` renders
@@ -35,6 +42,8 @@ import importlib
 import json
 import os
 import random
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -50,6 +59,7 @@ import anyio.from_thread
 import torch
 
 from aiosync import (
+    OwnershipError,
     RefitMismatchError,
     RefitVerificationError,
     SamplingParams,
@@ -211,6 +221,8 @@ class KitEngine:
     kind: str
     #: Workers (tensor-parallel ranks) that hold weights.
     workers: int
+    #: What a fleet says of this engine once :meth:`kill` ended it (its quarantine reason).
+    death: str = ""
 
     async def states(self) -> list[dict[str, torch.Tensor]]:
         """Each worker's weights, in checkpoint names (a tensor-parallel rank: its slices)."""
@@ -239,6 +251,23 @@ class KitEngine:
                 return False
         return True
 
+    async def decoded(self) -> int:
+        """Tokens the engine's longest running request has generated so far (0: none)."""
+        raise NotImplementedError
+
+    def spare(self) -> contextlib.AbstractAsyncContextManager[KitEngine]:
+        """A fresh engine of this kind and size (a fleet's second member), closed after."""
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        """SIGKILL the engine's workers (a server: its process); blocking, thread-safe."""
+        raise NotImplementedError
+
+    async def revive(self, stack: contextlib.AsyncExitStack) -> KitEngine:
+        """After :meth:`kill`: an engine to add to the fleet again (the same one with its
+        workers respawned, or a fresh one closed by ``stack``)."""
+        raise NotImplementedError
+
     async def aclose(self) -> None:
         """Close what the kit opened besides the engine."""
 
@@ -247,6 +276,7 @@ class EmbeddedKitEngine(KitEngine):
     """An :class:`~aiosync.engines.embedded.engine.EmbeddedEngine` (worker processes)."""
 
     kind = "embedded"
+    death = "died"
 
     def __init__(self, engine: Any) -> None:
         self.generation = engine
@@ -279,19 +309,41 @@ class EmbeddedKitEngine(KitEngine):
             "embedded_load_state_dict", ({name: tensor_to_wire(tensor)},)
         )
 
+    async def decoded(self) -> int:
+        return max((await self.generation.status())[0]["requests"], default=0)
+
+    def spare(self) -> contextlib.AbstractAsyncContextManager[KitEngine]:
+        return embedded_engine(tensor_parallel_size=self.workers)
+
+    def kill(self) -> None:
+        for pid in self.generation.pids:
+            os.kill(pid, signal.SIGKILL)
+
+    async def revive(self, stack: contextlib.AsyncExitStack) -> KitEngine:
+        with anyio.fail_after(60):  # until the engine saw every worker die
+            while any(p.exitcode is None for p in self.generation.processes):
+                await anyio.sleep(0.05)
+        assert await self.generation.respawn_dead_workers() == list(range(self.workers))
+        return self
+
 
 class ServerKitEngine(KitEngine):
     """A running :mod:`aiosync.testing.sglang_server` and an ``SGLangHTTPBackend`` of it."""
 
     kind = "sglang"
+    death = "ConnectError"
 
-    def __init__(self, url: str, tp_size: int) -> None:
+    def __init__(
+        self, url: str, tp_size: int, process: subprocess.Popen[bytes] | None = None
+    ) -> None:
         import httpx
 
         from aiosync import SGLangHTTPBackend
 
         self.url = url
         self.workers = tp_size
+        #: The server's process, where the kit started it (:meth:`kill` needs it).
+        self.process = process
         self.generation = SGLangHTTPBackend(url)
         self.admin = httpx.AsyncClient(base_url=url, timeout=60.0)
 
@@ -313,6 +365,28 @@ class ServerKitEngine(KitEngine):
     async def reset(self) -> None:
         """Clear the server's faults and request log (``/_aiosync/reset``)."""
         (await self.admin.post("/_aiosync/reset")).raise_for_status()
+
+    async def decoded(self) -> int:
+        load = (await self.admin.get("/_aiosync/load")).json()
+        return int(load["generated_tokens"]) if load["running"] + load["waiting"] else 0
+
+    @contextlib.asynccontextmanager
+    async def spare(self) -> AsyncIterator[KitEngine]:
+        with _test_server(tp_size=self.workers) as (url, process):
+            server = ServerKitEngine(url, self.workers, process)
+            try:
+                yield server
+            finally:
+                await server.aclose()
+
+    def kill(self) -> None:
+        assert self.process is not None, "the kit did not start this server"
+        self.process.kill()
+        self.process.wait()
+
+    async def revive(self, stack: contextlib.AsyncExitStack) -> KitEngine:
+        """A server killed is gone: a fresh one (another URL)."""
+        return await stack.enter_async_context(self.spare())
 
     async def aclose(self) -> None:
         await self.generation.aclose()
@@ -340,6 +414,15 @@ async def embedded_engine(*, tensor_parallel_size: int = 1) -> AsyncIterator[Emb
 def sglang_test_server(*, tp_size: int = 1, start_timeout_s: float = 300.0) -> Iterator[str]:
     """``python -m aiosync.testing.sglang_server`` on the tiny Qwen3 (bf16, seed 3, gloo on
     loopback for SGLang's weight-update group); yields its URL, stops it after."""
+    with _test_server(tp_size=tp_size, start_timeout_s=start_timeout_s) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def _test_server(
+    *, tp_size: int = 1, start_timeout_s: float = 300.0
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """:func:`sglang_test_server`, its process too."""
     with tempfile.TemporaryDirectory(prefix="aiosync-kit-") as folder:
         config = Path(folder) / "config.json"
         config.write_text(json.dumps(_tiny_config()))
@@ -357,7 +440,7 @@ def sglang_test_server(*, tp_size: int = 1, start_timeout_s: float = 300.0) -> I
                 if time.monotonic() > deadline:
                     raise RuntimeError("the test server did not start in time")
                 time.sleep(0.1)
-            yield f"http://127.0.0.1:{int(port_file.read_text())}"
+            yield f"http://127.0.0.1:{int(port_file.read_text())}", proc
         finally:
             proc.terminate()
             try:
@@ -465,6 +548,11 @@ CELLS: tuple[str, ...] = (
     "cancel",
     "killed_worker",
     "bad_manifest",
+    "second_owner",
+    "elastic",
+    "in_flight_wait",
+    "in_flight_abort",
+    "in_flight_keep",
 )
 
 
@@ -475,7 +563,7 @@ def declares(capabilities: TransportCapabilities, cell: str) -> bool:
         return True in capabilities.verify
     if cell == "verify_sample":
         return "sample" in capabilities.verify
-    if cell in ("delta", "kv_scales", "trace", "verify_engine"):
+    if cell in ("delta", "kv_scales", "trace", "verify_engine", "elastic"):
         return bool(getattr(capabilities, cell))
     return True
 
@@ -483,6 +571,9 @@ def declares(capabilities: TransportCapabilities, cell: str) -> bool:
 #: Cells that need an engine able to respawn a killed worker (the embedded engine): a
 #: killed SGLang server is gone for the cells after it.
 RESPAWNING = frozenset({"killed_worker"})
+#: Cells run only where declared: nothing refuses an undeclared one (a quarantining
+#: fleet on a transport without ``elastic`` fails as a default fleet does).
+DECLARED_ONLY = frozenset({"elastic"})
 
 
 def cells() -> list[tuple[str, str]]:
@@ -491,7 +582,8 @@ def cells() -> list[tuple[str, str]]:
         (case.name, cell)
         for case in CASES
         for cell in CELLS
-        if cell not in RESPAWNING or case.engine != "server"
+        if (cell not in RESPAWNING or case.engine != "server")
+        and (cell not in DECLARED_ONLY or declares(case.capabilities, cell))
     ]
 
 
@@ -832,6 +924,275 @@ async def check_bad_manifest(case: TransportCase, engine: KitEngine, trainer: Ki
     assert all(torch.equal(a[n], b[n]) for a, b in zip(before, after, strict=True) for n in a)
 
 
+async def check_second_owner(case: TransportCase, engine: KitEngine, trainer: KitTrainer) -> None:
+    """A second synchronizer of another trainer (a restarted one, versions from 0) on an
+    engine the first owns (case C27): never both commit, and the engine's version labels
+    follow the synchronizer that owns it.
+
+    A transport that holds a sync group on the workers (the non-colocated ones) refuses
+    the second at init (:class:`~aiosync.OwnershipError`, "another synchronizer") while
+    the first lives, and the first keeps syncing undisturbed; once the first shut down,
+    the second takes the engine over. One that holds nothing between syncs (colocated)
+    lets the second commit: the first turns stale, its next sync is refused naming the
+    second's owner token and version before any byte moves, and its
+    ``init_communicator()`` takes the engine over again (the second is refused then)."""
+    other = KitTrainer(seed=77)
+    async with case.build(trainer, engine) as first:
+        await _sync(first)
+        second = case.build(other, engine)
+        if not case.colocated:
+            try:
+                async with second:
+                    raise AssertionError(f"{case.name} let a second synchronizer in")
+            except OwnershipError as error:
+                # The holder named: the workers' group ("another synchronizer"), or
+                # SGLang's weight-update group ("for a live trainer").
+                assert re.search("another synchronizer|for a live trainer", str(error)), error
+            assert second.weight_version == 0
+            trainer.step(seed=2)
+            await _sync(first)
+            assert (first.weight_version, first.is_stale) == (2, False)
+            assert await engine.holds(trainer.state())
+            await _assert_serves(engine, trainer, 2)
+        else:
+            async with second:
+                assert (second.weight_version, second.is_stale) == (0, True)
+                await _sync(second)
+                assert (second.weight_version, second.is_stale) == (1, False)
+                assert await engine.holds(other.state())
+                await _assert_serves(engine, other, 1)
+                assert (first.weight_version, first.is_stale) == (1, True)
+                trainer.step(seed=2)
+                await first.mark_stale()
+                try:
+                    await first.sync_weights()
+                except OwnershipError as error:
+                    want = f"owner {second.owner}) committed its version 1"
+                    assert want in str(error), str(error)
+                else:
+                    raise AssertionError(f"{case.name} synced over another's commit")
+                assert (first.weight_version, first.is_stale) == (1, True)
+                assert await engine.holds(other.state())  # refused before any byte
+                await first.init_communicator()  # the explicit take-over
+                await first.sync_weights()
+                assert (first.weight_version, first.is_stale) == (2, False)
+                assert await engine.holds(trainer.state())
+                await _assert_serves(engine, trainer, 2)
+                assert second.is_stale
+                try:
+                    await second.sync_weights()
+                except OwnershipError as error:
+                    assert "no longer owns its engine" in str(error), str(error)
+                else:
+                    raise AssertionError(f"{case.name} synced over another's commit")
+            return
+    # The first is gone (shut down): the second takes its engine over.
+    async with case.build(other, engine) as second:
+        await _sync(second)
+        assert (second.weight_version, second.is_stale) == (1, False)
+        assert await engine.holds(other.state())
+        await _assert_serves(engine, other, 1)
+
+
+class FleetKitEngine(KitEngine):
+    """Kit engines behind one :class:`~aiosync.EngineFleet` (``fleet_options``)."""
+
+    def __init__(self, members: Sequence[KitEngine], **fleet_options: Any) -> None:
+        from aiosync import EngineFleet
+
+        self.members = list(members)
+        self.generation = EngineFleet([m.generation for m in members], **fleet_options)
+        self.kind = members[0].kind
+        self.workers = sum(m.workers for m in members)
+
+    def label(self, member: KitEngine) -> str:
+        """How the fleet names ``member`` (events, errors, ``quarantined``)."""
+        everyone = self.generation.members
+        index = next(i for i, e in enumerate(everyone) if e is member.generation)
+        return f"engine {index} of {len(everyone)} ({type(member.generation).__name__})"
+
+
+async def _events_until(
+    events: Any, kind: VersionEventKind, version: int
+) -> list[tuple[VersionEventKind, int, str | None]]:
+    """The events up to the first ``kind`` of ``version``: ``(kind, version, engine)``."""
+    seen = []
+    with anyio.fail_after(60):
+        async for event in events:
+            seen.append((event.kind, event.version, event.engine))
+            if (event.kind, event.version) == (kind, version):
+                return seen
+    raise AssertionError(f"the events ended before {kind} {version}: {seen}")
+
+
+def _once_at(index: int, call: Callable[[], None]) -> Callable[[int], None]:
+    """A source hook: ``call()`` at the ``index``-th tensor, once (a quarantine's
+    second round iterates the source again)."""
+    done: list[bool] = []
+
+    def hook(i: int) -> None:
+        if i == index and not done:
+            done.append(True)
+            call()
+
+    return hook
+
+
+async def check_elastic(case: TransportCase, engine: KitEngine, trainer: KitTrainer) -> None:
+    """Declared (``elastic``): the kit's engine and a spare behind
+    ``EngineFleet(on_engine_failure="quarantine")`` (cases C29, C36).
+
+    The spare (engine 0: the survivor's ranks move) killed mid-sync is set aside,
+    named (``ENGINE_QUARANTINED``), and the same ``sync_weights()`` commits version 2
+    on the other: bit-exact, served. Revived (its workers respawned: it leaves the
+    quarantine; or a fresh server) and added, it joins with the next sync
+    (``COMMITTED`` then ``ENGINE_JOINED``) and serves only once that committed. Dead
+    between syncs, it fails the pause and is set aside likewise: version 4 commits on
+    the other, which the fleet serves at once."""
+    async with contextlib.AsyncExitStack() as stack:
+        spare = await stack.enter_async_context(engine.spare())
+        fleet = FleetKitEngine([spare, engine], on_engine_failure="quarantine")
+        members = fleet.generation
+        victim = fleet.label(spare)
+        sync = await stack.enter_async_context(case.build(trainer, fleet))
+        events = await stack.enter_async_context(sync.subscribe())
+        await _sync(sync)
+        assert [await e.holds(trainer.state()) for e in (engine, spare)] == [True, True]
+
+        trainer.step(seed=11)
+        trainer.on_tensor = _once_at(6, spare.kill)
+        try:
+            await _sync(sync)  # commits on the kit's engine
+        finally:
+            trainer.on_tensor = None
+        assert (sync.weight_version, sync.is_stale) == (2, False)
+        assert list(members.quarantined) == [victim]
+        assert spare.death in members.quarantined[victim], members.quarantined
+        assert members.serving == [engine.generation]
+        seen = await _events_until(events, VersionEventKind.COMMITTED, 2)
+        assert (VersionEventKind.ENGINE_QUARANTINED, 2, victim) in seen
+        assert await engine.holds(trainer.state())
+        await _assert_serves(fleet, trainer, 2)
+
+        joiner = await spare.revive(stack)
+        members.add_engine(joiner.generation)
+        assert members.serving == [engine.generation]  # joining: no generate calls yet
+        joined = fleet.label(joiner)
+        trainer.step(seed=12)
+        await _sync(sync)
+        assert (sync.weight_version, sync.is_stale) == (3, False)
+        assert {id(e) for e in members.serving} == {id(engine.generation), id(joiner.generation)}
+        gone = [] if joiner is spare else [fleet.label(spare)]  # named anew: the fleet grew
+        assert list(members.quarantined) == gone
+        seen = await _events_until(events, VersionEventKind.ENGINE_JOINED, 3)
+        assert seen[-2:] == [
+            (VersionEventKind.COMMITTED, 3, None),
+            (VersionEventKind.ENGINE_JOINED, 3, joined),
+        ]
+        assert [await e.holds(trainer.state()) for e in (engine, joiner)] == [True, True]
+        await _assert_serves(fleet, trainer, 3)
+
+        joiner.kill()
+        trainer.step(seed=13)
+        await _sync(sync)  # its pause fails: set aside before any byte
+        assert (sync.weight_version, sync.is_stale) == (4, False)
+        assert list(members.quarantined) == [*gone, joined]
+        assert joiner.death in members.quarantined[joined], members.quarantined
+        assert members.serving == [engine.generation]
+        seen = await _events_until(events, VersionEventKind.COMMITTED, 4)
+        assert (VersionEventKind.ENGINE_QUARANTINED, 4, joined) in seen
+        assert await engine.holds(trainer.state())
+        await _assert_serves(fleet, trainer, 4)
+        await joiner.revive(stack)  # leaves the spare whole for its close
+
+
+#: The in-flight cells' request: its prompt and length (tokens; long enough that the
+#: sync lands while it runs), and how many tokens it has when the sync starts.
+LONG_PROMPT = [3, 1, 4, 1, 5]
+LONG = 600
+STARTED = 30
+
+
+async def _sync_during_request(
+    case: TransportCase, engine: KitEngine, trainer: KitTrainer, policy: str
+) -> tuple[Any, list[int], Any]:
+    """Version 1 synced; a LONG greedy request, and once it has STARTED tokens version
+    2 synced with ``in_flight=policy``; then the engine serves version 2. Returns the
+    request's result, what version 1 alone computes for it, and the ``COMMITTED``
+    event of version 2 (``SYNC_STARTED`` of it just before)."""
+    async with case.build(trainer, engine) as sync, sync.subscribe() as events:
+        await _sync(sync)
+        # One token more than the request: its first LONG are what version 1 computes
+        # for it, and an answer cache (the SGLang server's) cannot serve the request.
+        (alone,) = await engine.generate([LONG_PROMPT], LONG + 1)
+        assert (alone.first_version, alone.last_version, alone.aborted) == (1, 1, False)
+        assert alone.token_ids[:4] == trainer.generate([LONG_PROMPT], 4)[0]
+        trainer.step(seed=14)
+        await sync.mark_stale()
+        results: list[Any] = []
+
+        async def request() -> None:
+            results.extend(await engine.generate([LONG_PROMPT], LONG))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(request)
+            with anyio.fail_after(120):
+                while await engine.decoded() < STARTED:
+                    await anyio.sleep(0.005)
+            await sync.sync_weights(in_flight=policy)
+        assert (sync.weight_version, sync.is_stale) == (2, False)
+        seen = []
+        with anyio.fail_after(60):
+            async for event in events:
+                seen.append(event)
+                if (event.kind, event.version) == (VersionEventKind.COMMITTED, 2):
+                    break
+        assert (seen[-2].kind, seen[-2].version) == (VersionEventKind.SYNC_STARTED, 2)
+        await _assert_serves(engine, trainer, 2)
+    (result,) = results
+    return result, list(alone.token_ids[:LONG]), seen[-1]
+
+
+async def check_in_flight_wait(case: TransportCase, engine: KitEngine, trainer: KitTrainer) -> None:
+    """``in_flight="wait"`` (case C13): the running request finishes on version 1, every
+    token what version 1 alone computes, before a byte moves (the pause lasts within the
+    sync, not zero); then version 2 commits and serves."""
+    result, alone, committed = await _sync_during_request(case, engine, trainer, "wait")
+    assert list(result.token_ids) == alone
+    assert (result.aborted, result.first_version, result.last_version) == (False, 1, 1)
+    assert (result.version_change_at, result.spans_versions) == (None, False)
+    assert 0.0 < committed.pause_s <= committed.duration_s
+
+
+async def check_in_flight_abort(
+    case: TransportCase, engine: KitEngine, trainer: KitTrainer
+) -> None:
+    """``in_flight="abort"`` (case C13): the running request ends aborted (finish reason
+    ``"abort"``) with a prefix of version 1's output, every token labelled version 1;
+    version 2 commits and serves."""
+    result, alone, _ = await _sync_during_request(case, engine, trainer, "abort")
+    k = len(result.token_ids)
+    assert (result.aborted, result.finish_reason) == (True, "abort")
+    assert STARTED <= k < LONG
+    assert list(result.token_ids) == alone[:k]
+    assert (result.first_version, result.last_version, result.spans_versions) == (1, 1, False)
+
+
+async def check_in_flight_keep(case: TransportCase, engine: KitEngine, trainer: KitTrainer) -> None:
+    """``in_flight="keep"`` (case C13): the running request lives through the refit and
+    says so: tokens ``[0, k)`` are version 1's output, labelled 1, the rest computed by
+    version 2 (``first_version`` 1, ``last_version`` 2, ``version_change_at`` k); never
+    a silent mix. (Where the rest comes from, the old prefix's KV cache or a recompute,
+    is the engine's: its own tests compare it with transformers.)"""
+    result, alone, _ = await _sync_during_request(case, engine, trainer, "keep")
+    k = result.version_change_at
+    assert k is not None and STARTED <= k < LONG, k
+    assert (result.aborted, result.finish_reason, len(result.token_ids)) == (False, "length", LONG)
+    assert (result.first_version, result.last_version, result.spans_versions) == (1, 2, True)
+    assert list(result.token_ids[:k]) == alone[:k]
+    assert list(result.token_ids[k:]) != alone[k:]
+
+
 _CHECKS: dict[str, Callable[[TransportCase, KitEngine, KitTrainer], Any]] = {
     "plain": check_plain,
     "verify_true": check_verify_true,
@@ -844,6 +1205,11 @@ _CHECKS: dict[str, Callable[[TransportCase, KitEngine, KitTrainer], Any]] = {
     "cancel": check_cancel,
     "killed_worker": check_killed_worker,
     "bad_manifest": check_bad_manifest,
+    "second_owner": check_second_owner,
+    "elastic": check_elastic,
+    "in_flight_wait": check_in_flight_wait,
+    "in_flight_abort": check_in_flight_abort,
+    "in_flight_keep": check_in_flight_keep,
 }
 
 
