@@ -29,6 +29,7 @@ from .capabilities import (
     InFlightPolicy,
     KindReporting,
     PausableEngine,
+    PeerWaves,
     RollingEngines,
     SleepReporting,
     VersionedEngine,
@@ -54,6 +55,7 @@ from .options import (
     HTTPOptions,
     IPCOptions,
     LoRAOptions,
+    OnFailure,
     SGLangCollectiveOptions,
     ShardedOptions,
     SyncOptions,
@@ -72,7 +74,7 @@ from .transport import Transport
 
 if TYPE_CHECKING:
     from aiosync.engines.embedded.engine import EmbeddedEngine
-    from aiosync.engines.fleet import EngineFleet
+    from aiosync.engines.fleet import CatchUp, EngineFleet, FleetRefit, JoinSource
     from aiosync.engines.sglang.backend import SGLangHTTPBackend
     from aiosync.engines.vllm.backend import VLLMGenerationBackend
     from aiosync.engines.vllm.server import VLLMServerBackend
@@ -96,6 +98,7 @@ __all__ = [
     "DEFAULT_SYNC_TIMEOUT_S",
     "IN_FLIGHT_POLICIES",
     "KNOWN_BACKENDS",
+    "CatchUp",
     "CollectiveOptions",
     "CollectiveWeightSynchronizer",
     "DiscardNotifier",
@@ -108,6 +111,7 @@ __all__ = [
     "EngineWorkers",
     "EventSubscription",
     "FP8RefitSource",
+    "FleetRefit",
     "GathersInto",
     "Generating",
     "Generation",
@@ -118,14 +122,17 @@ __all__ = [
     "IPCOptions",
     "IPCWeightSynchronizer",
     "InFlightPolicy",
+    "JoinSource",
     "KVScales",
     "KindReporting",
     "LoRAAdapter",
     "LoRAAdapterSource",
     "LoRAAdapterSynchronizer",
     "LoRAOptions",
+    "OnFailure",
     "OwnershipError",
     "PausableEngine",
+    "PeerWaves",
     "Preflight",
     "RefitManifest",
     "RefitMismatchError",
@@ -174,6 +181,9 @@ _LAZY: dict[str, str] = {
     "ShardedWeightSynchronizer": "aiosync.transports.sharded",
     "EmbeddedEngine": "aiosync.engines.embedded.engine",
     "EngineFleet": "aiosync.engines.fleet",
+    "CatchUp": "aiosync.engines.fleet",
+    "FleetRefit": "aiosync.engines.fleet",
+    "JoinSource": "aiosync.engines.fleet",
     "FP8RefitSource": "aiosync.refit.fp8",
     "HTTPWeightSynchronizer": "aiosync.transports.http",
     "IPCWeightSynchronizer": "aiosync.transports.ipc",
