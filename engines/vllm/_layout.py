@@ -21,7 +21,13 @@ vLLM layer (exact type)                 part of each HF tensor held (``tp_rank``
                                         replicated when fewer than ``tp``)
 ``RowParallelLinear``                   weight columns ``[r*n, (r+1)*n)`` (dim 1),
                                         bias whole
-``ReplicatedLinear``                    whole
+``ReplicatedLinear``, ``GateLinear``     whole (``GateLinear``: an MoE router)
+``RoutedExperts`` (``FusedMoE``'s        the experts this rank holds, by the layer's
+experts)                                expert map (vLLM's EP placement, linear or
+                                        round robin: :mod:`._experts`): each
+                                        ``{e}.gate_proj``/``up_proj`` rows and
+                                        ``down_proj`` columns ``[r*n, (r+1)*n)``,
+                                        whole under EP; other experts absent
 ``VocabParallelEmbedding``,             rows ``[org_vocab_start_index,
 ``ParallelLMHead``                      org_vocab_end_index)``: the real vocabulary only,
                                         never vLLM's padding rows
@@ -36,8 +42,10 @@ against the model's ``hf_to_vllm_mapper`` where it has one. A tied ``lm_head``
 once, as the checkpoint has it (``model.embed_tokens.weight``), and written into
 both layers. Anything else is refused with a
 :class:`~aiosync.errors.TransportError` naming the layer: quantized models,
-LoRA-enabled engines, other layer types (MoE, Mamba, subclasses of the above),
-layers with buffers or parameters the table does not name.
+LoRA-enabled engines, other layer types (Mamba, subclasses of the above),
+layers with buffers or parameters the table does not name, and MoE layers with
+EPLB's redundant experts, fused shared experts, expert biases, padded sizes or a
+non-gated activation.
 
 **Writes and vLLM's kernel formats.** After loading, vLLM turns some parameters
 into kernel formats (``process_weights_after_loading``): on its CPU worker every
@@ -79,6 +87,8 @@ from aiosync.errors import RefitMismatchError, TransportError
 from aiosync.layout import Part, box_of
 from aiosync.transports.sharded import box_within
 
+from ._experts import ExpertPlacement, placed_experts
+
 __all__ = ["TiedHeads", "VLLMLayoutModel", "config_refusal", "describe_model", "tied_heads"]
 
 _log = logging.getLogger(__name__)
@@ -97,6 +107,9 @@ class HeldTensor:
         offset: first index of the part's local tensor along dim 0 of the
             parameter (``k_proj`` after the ``q_proj`` rows of ``qkv_proj``).
         dtype: the parameter's checkpoint dtype.
+        slot: the local expert slot (dim 0 of a ``FusedMoE`` layer's ``w13_weight``
+            and ``w2_weight``) the part lives in, ``offset`` then counting along the
+            slot's dim 0; None for a parameter that is not stacked per expert.
     """
 
     name: str
@@ -105,9 +118,12 @@ class HeldTensor:
     param: str
     offset: int
     dtype: torch.dtype
+    slot: int | None = None
 
     def region(self, tensor: torch.Tensor) -> torch.Tensor:
         """The part's local tensor as a view of the layer's parameter ``tensor``."""
+        if self.slot is not None:
+            tensor = tensor[self.slot]
         if tensor.ndim == 0:
             return tensor
         return tensor.narrow(0, self.offset, self.part.local_shape[0])
@@ -143,6 +159,8 @@ def describe_model(model: Any, vllm_config: Any) -> dict[str, HeldTensor]:
         TransportError: anything this module cannot describe exactly (see the
             module docs), naming the layer.
     """
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
     from vllm.model_executor.layers.linear import (
         ColumnParallelLinear,
         MergedColumnParallelLinear,
@@ -166,6 +184,7 @@ def describe_model(model: Any, vllm_config: Any) -> dict[str, HeldTensor]:
         ColumnParallelLinear: "column",
         RowParallelLinear: "row",
         ReplicatedLinear: "replicated",
+        GateLinear: "replicated",
     }
     embeddings = (VocabParallelEmbedding, ParallelLMHead)
     heads = tied_heads(model)
@@ -188,6 +207,8 @@ def describe_model(model: Any, vllm_config: Any) -> dict[str, HeldTensor]:
             entries = _linear(path, layer, kind, params, packed)
         elif type(layer) in embeddings:
             entries = _embedding(path, layer, params)
+        elif type(layer) is RoutedExperts:
+            entries = _routed_experts(path, layer, params)
         elif hasattr(layer, "quant_method") or hasattr(layer, "base_layer"):
             raise TransportError(
                 f"{path}: a {type(layer).__name__} layer, which the shard-aware transport "
@@ -402,6 +423,105 @@ def _replicated(path: str, layer: Any, params: Mapping[str, torch.Tensor]) -> li
     return entries
 
 
+def _routed_experts(path: str, layer: Any, params: Mapping[str, torch.Tensor]) -> list[HeldTensor]:
+    """The experts a ``RoutedExperts`` layer (``FusedMoE``'s weights) holds, each
+    gate/up/down projection cut as vLLM's expert weight loader narrows it
+    (``routed_experts.py``: ``_load_w13``, ``_load_w2``).
+
+    The experts come from the layer's own expert map (global id -> local slot,
+    what its weight loader uses), checked against vLLM's placement for the
+    layer's EP rank and effective strategy (:func:`._experts.placed_experts`).
+    """
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+        UnquantizedFusedMoEMethod,
+    )
+
+    if type(layer.quant_method) is not UnquantizedFusedMoEMethod:
+        raise TransportError(
+            f"{path}: quantized experts ({type(layer.quant_method).__name__}); the "
+            "shard-aware transport describes unquantized layers only"
+        )
+    if set(params) != {"w13_weight", "w2_weight"}:
+        raise TransportError(
+            f"{path}: expert parameters {sorted(params)}, expected w13_weight and w2_weight "
+            "(expert biases are not described)"
+        )
+    config = layer.moe_config
+    parallel = config.moe_parallel_config
+    manager = layer.expert_map_manager
+    logical = int(config.num_logical_experts)
+    if bool(parallel.enable_eplb) or int(layer.global_num_experts) != logical:
+        raise TransportError(
+            f"{path}: EPLB ({int(layer.global_num_experts) - logical} redundant experts, "
+            "placement that moves at run time): the shard-aware transport describes "
+            "static expert placement only; use CollectiveWeightSynchronizer"
+        )
+    if int(manager.num_fused_shared_experts) or not config.is_act_and_mul:
+        raise TransportError(
+            f"{path}: fused shared experts or a non-gated activation, which the "
+            "shard-aware transport does not describe"
+        )
+    tp_size = int(parallel.tp_size)
+    hidden = int(config.hidden_dim)
+    full = int(config.intermediate_size)
+    local = int(layer.intermediate_size_per_partition)
+    if hidden != int(config.hidden_dim_unpadded) or local * tp_size != full:
+        raise TransportError(
+            f"{path}: padded experts (hidden {hidden} of {config.hidden_dim_unpadded}, "
+            f"{local} x {tp_size} intermediate rows of {full})"
+        )
+    num = int(layer.global_num_experts)
+    ep_size, ep_rank = int(manager.ep_size) if manager.use_ep else 1, int(manager.ep_rank)
+    expert_map = manager.expert_map
+    if expert_map is None:
+        held = tuple(range(num))
+    else:
+        slots = {int(s): g for g, s in enumerate(expert_map[:num].tolist()) if int(s) >= 0}
+        held = tuple(slots[s] for s in sorted(slots))
+        if sorted(slots) != list(range(len(held))):
+            raise TransportError(f"{path}: expert map slots {sorted(slots)} are not 0..n-1")
+    strategy = str(manager.placement_strategy)
+    try:
+        expected = placed_experts(ep_size if expert_map is not None else 1, ep_rank, num, strategy)
+        placement = ExpertPlacement(
+            path.removesuffix(".routed_experts"),
+            held,
+            hidden,
+            full,
+            tp_size,
+            int(parallel.tp_rank),
+            (layer.ckpt_gate_proj_name, layer.ckpt_down_proj_name, layer.ckpt_up_proj_name),
+        )
+    except ValueError as exc:
+        raise TransportError(f"{path}: {exc}") from exc
+    if held != expected:
+        raise TransportError(
+            f"{path}: the layer's expert map holds experts {list(held)}, not those of "
+            f"vLLM's {strategy} placement for EP rank {ep_rank} of {ep_size}, "
+            f"{list(expected)}"
+        )
+    if int(layer.local_num_experts) != len(held) or not path.endswith(".routed_experts"):
+        raise TransportError(
+            f"{path}: {layer.local_num_experts} local experts, {len(held)} in its map "
+            "(or not a FusedMoE's routed_experts)"
+        )
+    dtype = layer.params_dtype
+    entries = []
+    for name, slot, shard, part in placement.tensors():
+        param = "w2_weight" if shard == "w2" else "w13_weight"
+        offset = local if shard == "w3" else 0
+        tensor = params[param]
+        rows = tuple(tensor.shape)
+        want = part.local_shape
+        if rows[0] != len(held) or rows[2:] != want[1:] or offset + want[0] > rows[1]:
+            raise TransportError(
+                f"{path}.{param}: {name}'s part {part} (local {want}, at row {offset} of "
+                f"slot {slot}) does not fit the parameter's checkpoint shape {rows}"
+            )
+        entries.append(HeldTensor(name, part, (path,), param, offset, dtype, slot))
+    return entries
+
+
 def _add_tie(
     held: dict[str, HeldTensor],
     names: list[str],
@@ -534,7 +654,8 @@ def _check_mapped(mapper: Any, entry: HeldTensor, path: str) -> None:
     """The model's ``hf_to_vllm_mapper`` must send the HF name to this parameter."""
     if mapper is None:
         return
-    expected = f"{path}.{entry.param}"
+    # An expert's name reaches the layer through its expert mapping, unrenamed.
+    expected = entry.name if entry.slot is not None else f"{path}.{entry.param}"
     mapped = mapper.map_name(entry.name) if hasattr(mapper, "map_name") else expected
     if mapped != expected:
         raise TransportError(
