@@ -571,8 +571,9 @@ def declares(capabilities: TransportCapabilities, cell: str) -> bool:
 #: Cells that need an engine able to respawn a killed worker (the embedded engine): a
 #: killed SGLang server is gone for the cells after it.
 RESPAWNING = frozenset({"killed_worker"})
-#: Cells run only where declared: nothing refuses an undeclared one (a quarantining
-#: fleet on a transport without ``elastic`` fails as a default fleet does).
+#: Cells run only where declared: an undeclared one has no typed refusal to check (the
+#: synchronizer refuses ``EngineFleet(refit="rolling")`` on a transport without
+#: ``elastic``, not a quarantining fleet).
 DECLARED_ONLY = frozenset({"elastic"})
 
 
