@@ -1110,7 +1110,7 @@ async def check_elastic(case: TransportCase, engine: KitEngine, trainer: KitTrai
 #: The in-flight cells' request: its prompt and length (tokens; long enough that the
 #: sync lands while it runs), and how many tokens it has when the sync starts.
 LONG_PROMPT = [3, 1, 4, 1, 5]
-LONG = 600
+LONG = 400
 STARTED = 30
 
 

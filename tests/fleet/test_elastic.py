@@ -83,6 +83,15 @@ def _kill_at(source: HookedSource, engine: EmbeddedEngine, index: int) -> None:
     source.on_tensor = kill
 
 
+async def _synced_then_killing(sync: Any, source: HookedSource, engine: EmbeddedEngine) -> None:
+    """Version 1 synced; version 2 marked, its sync to kill ``engine``'s worker at the
+    source's 6th tensor."""
+    await sync.mark_stale()
+    await sync.sync_weights()
+    _kill_at(source, engine, index=5)
+    await sync.mark_stale()
+
+
 async def _drain(events: Any) -> list[tuple[VersionEventKind, int, str | None]]:
     """The events published so far (each buffered before sync_weights returned):
     ``(kind, version, engine)``."""
@@ -234,10 +243,7 @@ async def test_a_default_fleet_names_a_member_killed_mid_sync_and_refuses_to_gen
         rpc_timeout_s=30.0,
     )
     async with sync:
-        await sync.mark_stale()
-        await sync.sync_weights()
-        _kill_at(source, engines[1], index=5)
-        await sync.mark_stale()
+        await _synced_then_killing(sync, source, engines[1])
         with pytest.raises(TransportError) as failed:
             await sync.sync_weights()
         # The message itself names the engine and its dead worker (not gloo's
@@ -262,10 +268,7 @@ async def test_below_min_engines_the_sync_fails_and_nothing_is_set_aside(
         source, fleet, colocated=True, backend="embedded", device="cpu", rpc_timeout_s=10.0
     )
     async with sync:
-        await sync.mark_stale()
-        await sync.sync_weights()
-        _kill_at(source, engines[2], index=5)
-        await sync.mark_stale()
+        await _synced_then_killing(sync, source, engines[2])
         with pytest.raises(SyncError) as failed:
             await sync.sync_weights()
         # The error says which engine failed the probe, whichever engine it names.

@@ -119,6 +119,23 @@ async def test_keep_continues_the_request_on_new_weights_from_where_it_stopped(
     assert expected[k:] != old_tokens[k:]
 
 
+async def _interrupted_mid_request(
+    env: IPCEnv, old_version: int, old_tokens: list[int], interrupt: Any, says: str
+) -> Any:
+    """``interrupt()`` (a sync that fails or is cancelled before a byte moved) while a
+    LONG request runs: the request ends on the weights it started with, the FAILED
+    event names ``says`` after a pause, the engine is resumed. ``interrupt()``'s result."""
+    async with env.sync.subscribe() as events:
+        result, outcome = await _run_during_request(env, interrupt)
+        failed = (await _events_until(events, VersionEventKind.FAILED))[-1]
+    assert result.token_ids == old_tokens
+    assert (result.aborted, result.versions) == (False, [old_version] * LONG)
+    assert failed.pause_s > 0.0 and says in (failed.error or "")
+    (status,) = await env.engine.status()
+    assert status["paused"] is None
+    return outcome
+
+
 async def test_resume_after_a_failed_sync_lets_the_kept_request_finish_on_old_weights(
     env: IPCEnv,
     old_model: PreTrainedModel,
@@ -128,24 +145,14 @@ async def test_resume_after_a_failed_sync_lets_the_kept_request_finish_on_old_we
     old_version, _ = await stage(env, old_model, new_model)
     env.source.fail_before = RuntimeError("trainer offload failed")
 
-    async def failing_sync() -> BaseException:
-        with pytest.raises(RuntimeError, match="trainer offload failed") as info:
+    async def failing_sync() -> None:
+        with pytest.raises(RuntimeError, match="trainer offload failed"):
             await env.sync.sync_weights(in_flight="keep")
-        return info.value
 
-    async with env.sync.subscribe() as events:
-        result, _ = await _run_during_request(env, failing_sync)
-        failed = (await _events_until(events, VersionEventKind.FAILED))[-1]
-    # Nothing moved: resumed, the kept request ends on the weights it started with.
-    assert result.token_ids == old_tokens
-    assert (result.aborted, result.versions) == (False, [old_version] * LONG)
-    assert failed.pause_s > 0.0 and "trainer offload failed" in (failed.error or "")
-    (status,) = await env.engine.status()
-    assert (status["paused"], env.sync.weight_version, env.sync.is_stale) == (
-        None,
-        old_version,
-        True,
+    await _interrupted_mid_request(
+        env, old_version, old_tokens, failing_sync, "trainer offload failed"
     )
+    assert (env.sync.weight_version, env.sync.is_stale) == (old_version, True)
 
 
 async def test_resume_after_a_cancelled_sync(
@@ -162,15 +169,7 @@ async def test_resume_after_a_cancelled_sync(
             await env.sync.sync_weights(in_flight="wait")
         return scope.cancelled_caught
 
-    async with env.sync.subscribe() as events:
-        result, cancelled = await _run_during_request(env, cancelled_sync)
-        failed = (await _events_until(events, VersionEventKind.FAILED))[-1]
-    assert cancelled is True
-    assert result.token_ids == old_tokens
-    assert (result.aborted, result.versions) == (False, [old_version] * LONG)
-    assert failed.pause_s > 0.0 and "Cancelled" in (failed.error or "")
-    (status,) = await env.engine.status()
-    assert status["paused"] is None
+    assert await _interrupted_mid_request(env, old_version, old_tokens, cancelled_sync, "Cancelled")
     # New requests are admitted again, and the sync succeeds next time.
     assert await env.engine.generate([PROMPT], max_new_tokens=5) == [old_tokens[:5]]
     await env.sync.sync_weights()
