@@ -119,58 +119,45 @@ async def test_keep_continues_the_request_on_new_weights_from_where_it_stopped(
     assert expected[k:] != old_tokens[k:]
 
 
-async def _interrupted_mid_request(
-    env: IPCEnv, old_version: int, old_tokens: list[int], interrupt: Any, says: str
-) -> Any:
-    """``interrupt()`` (a sync that fails or is cancelled before a byte moved) while a
-    LONG request runs: the request ends on the weights it started with, the FAILED
-    event names ``says`` after a pause, the engine is resumed. ``interrupt()``'s result."""
-    async with env.sync.subscribe() as events:
-        result, outcome = await _run_during_request(env, interrupt)
-        failed = (await _events_until(events, VersionEventKind.FAILED))[-1]
-    assert result.token_ids == old_tokens
-    assert (result.aborted, result.versions) == (False, [old_version] * LONG)
-    assert failed.pause_s > 0.0 and says in (failed.error or "")
-    (status,) = await env.engine.status()
-    assert status["paused"] is None
-    return outcome
-
-
-async def test_resume_after_a_failed_sync_lets_the_kept_request_finish_on_old_weights(
+@pytest.mark.parametrize("how", ["failed", "cancelled"])
+async def test_a_sync_failed_or_cancelled_mid_request_resumes_it_on_the_old_weights(
     env: IPCEnv,
     old_model: PreTrainedModel,
     new_model: PreTrainedModel,
     old_tokens: list[int],
+    how: str,
 ) -> None:
     old_version, _ = await stage(env, old_model, new_model)
-    env.source.fail_before = RuntimeError("trainer offload failed")
+    if how == "failed":
+        env.source.fail_before = RuntimeError("trainer offload failed")
+    says = "trainer offload failed" if how == "failed" else "Cancelled"
 
-    async def failing_sync() -> None:
-        with pytest.raises(RuntimeError, match="trainer offload failed"):
-            await env.sync.sync_weights(in_flight="keep")
-
-    await _interrupted_mid_request(
-        env, old_version, old_tokens, failing_sync, "trainer offload failed"
-    )
-    assert (env.sync.weight_version, env.sync.is_stale) == (old_version, True)
-
-
-async def test_resume_after_a_cancelled_sync(
-    env: IPCEnv,
-    old_model: PreTrainedModel,
-    new_model: PreTrainedModel,
-    old_tokens: list[int],
-) -> None:
-    old_version, _ = await stage(env, old_model, new_model)
-
-    async def cancelled_sync() -> bool:
+    async def interrupted_sync() -> bool:
+        if how == "failed":  # "keep": the request is frozen in place, then resumed
+            with pytest.raises(RuntimeError, match="trainer offload failed"):
+                await env.sync.sync_weights(in_flight="keep")
+            return True
         # "wait" waits for the long request: cancelled while paused, before a byte moved.
         with anyio.move_on_after(0.2) as scope:
             await env.sync.sync_weights(in_flight="wait")
         return scope.cancelled_caught
 
-    assert await _interrupted_mid_request(env, old_version, old_tokens, cancelled_sync, "Cancelled")
+    async with env.sync.subscribe() as events:
+        result, interrupted = await _run_during_request(env, interrupted_sync)
+        failed = (await _events_until(events, VersionEventKind.FAILED))[-1]
+    assert interrupted is True
+    # Nothing moved: resumed, the request ends on the weights it started with.
+    assert result.token_ids == old_tokens
+    assert (result.aborted, result.versions) == (False, [old_version] * LONG)
+    assert failed.pause_s > 0.0 and says in (failed.error or "")
+    (status,) = await env.engine.status()
+    assert (status["paused"], env.sync.weight_version, env.sync.is_stale) == (
+        None,
+        old_version,
+        True,
+    )
     # New requests are admitted again, and the sync succeeds next time.
+    env.source.fail_before = None
     assert await env.engine.generate([PROMPT], max_new_tokens=5) == [old_tokens[:5]]
     await env.sync.sync_weights()
     assert env.sync.is_stale is False
