@@ -26,7 +26,8 @@ real engine (the embedded engine's worker processes, or the SGLang contract test
   (:class:`~aiosync.OwnershipError`) where it could break the first's sync, and the
   engine's version labels follow whichever owns it (case C27).
 - ``elastic`` (where declared): a quarantining fleet sets a killed engine aside, named,
-  and commits to the other; revived, it joins with the next sync (C29, C36).
+  and commits to the other; revived, it joins with the next sync; one killed while
+  serving fails the fleet's generate, named (C29, C36, C40).
 - ``in_flight_wait``/``_abort``/``_keep``: a request running through a sync ends as its
   policy says, its tokens and version labels exact, never a silent mix (C13).
 
@@ -66,6 +67,7 @@ from aiosync import (
     SyncOptions,
     Timeouts,
     TrainCluster,
+    TransportError,
     UnsupportedOptionError,
     VersionEventKind,
     create_weight_synchronizer,
@@ -869,10 +871,6 @@ async def check_killed_worker(case: TransportCase, engine: KitEngine, trainer: K
     typed (:class:`~aiosync.TransportError`), ``is_stale`` stays True and the version at
     1; once the engine respawned it, a re-initialized synchronizer heals every worker and
     the engine serves the new version. (Engines that respawn workers: the embedded one.)"""
-    import signal
-
-    from aiosync import TransportError
-
     assert isinstance(engine, EmbeddedKitEngine)
     async with case.build(trainer, engine) as sync:
         await _sync(sync)
@@ -1041,15 +1039,16 @@ def _once_at(index: int, call: Callable[[], None]) -> Callable[[int], None]:
 
 async def check_elastic(case: TransportCase, engine: KitEngine, trainer: KitTrainer) -> None:
     """Declared (``elastic``): the kit's engine and a spare behind
-    ``EngineFleet(on_engine_failure="quarantine")`` (cases C29, C36).
+    ``EngineFleet(on_engine_failure="quarantine")`` (cases C29, C36, C40).
 
     The spare (engine 0: the survivor's ranks move) killed mid-sync is set aside,
     named (``ENGINE_QUARANTINED``), and the same ``sync_weights()`` commits version 2
     on the other: bit-exact, served. Revived (its workers respawned: it leaves the
     quarantine; or a fresh server) and added, it joins with the next sync
-    (``COMMITTED`` then ``ENGINE_JOINED``) and serves only once that committed. Dead
-    between syncs, it fails the pause and is set aside likewise: version 4 commits on
-    the other, which the fleet serves at once."""
+    (``COMMITTED`` then ``ENGINE_JOINED``) and serves only once that committed. Killed
+    while serving, it fails the fleet's generate, named (:class:`~aiosync.TransportError`);
+    between syncs it fails the pause and is set aside likewise: version 4 commits on the
+    other, which the fleet serves at once; reviving it changes nothing served."""
     async with contextlib.AsyncExitStack() as stack:
         spare = await stack.enter_async_context(engine.spare())
         fleet = FleetKitEngine([spare, engine], on_engine_failure="quarantine")
@@ -1093,9 +1092,26 @@ async def check_elastic(case: TransportCase, engine: KitEngine, trainer: KitTrai
         assert [await e.holds(trainer.state()) for e in (engine, joiner)] == [True, True]
         await _assert_serves(fleet, trainer, 3)
 
-        joiner.kill()
+        # Dead while serving (C40): the fleet's generate fails naming it; the next
+        # sync's pause fails on it and it is set aside before any byte.
+        failures: list[BaseException] = []
+
+        async def serve() -> None:
+            try:
+                await fleet.generate([LONG_PROMPT] * 2, LONG)  # one request per engine
+            except TransportError as error:
+                failures.append(error)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(serve)
+            with anyio.fail_after(120):
+                while await joiner.decoded() < STARTED:
+                    await anyio.sleep(0.005)
+            joiner.kill()
+        (failure,) = failures
+        assert str(failure).startswith(f"{joined}: "), failure
         trainer.step(seed=13)
-        await _sync(sync)  # its pause fails: set aside before any byte
+        await _sync(sync)
         assert (sync.weight_version, sync.is_stale) == (4, False)
         assert list(members.quarantined) == [*gone, joined]
         assert joiner.death in members.quarantined[joined], members.quarantined
@@ -1104,7 +1120,9 @@ async def check_elastic(case: TransportCase, engine: KitEngine, trainer: KitTrai
         assert (VersionEventKind.ENGINE_QUARANTINED, 4, joined) in seen
         assert await engine.holds(trainer.state())
         await _assert_serves(fleet, trainer, 4)
-        await joiner.revive(stack)  # leaves the spare whole for its close
+        # Reviving the set-aside engine changes nothing the fleet serves.
+        await joiner.revive(stack)  # (and leaves the spare whole for its close)
+        assert (sync.weight_version, sync.is_stale) == (4, False)
 
 
 #: The in-flight cells' request: its prompt and length (tokens; long enough that the
