@@ -1037,6 +1037,30 @@ def _once_at(index: int, call: Callable[[], None]) -> Callable[[int], None]:
     return hook
 
 
+async def _committed_without(
+    dead: Mapping[str, KitEngine],
+    version: int,
+    sync: Any,
+    fleet: FleetKitEngine,
+    engine: KitEngine,
+    trainer: KitTrainer,
+    events: Any,
+) -> None:
+    """``version`` committed on ``engine`` alone: the fleet set ``dead`` aside (by label,
+    each reason saying how it died; an ``ENGINE_QUARANTINED`` event of ``version`` for
+    the last), ``engine`` holds the trainer's tensors and the fleet serves them."""
+    members = fleet.generation
+    assert (sync.weight_version, sync.is_stale) == (version, False)
+    assert list(members.quarantined) == list(dead)
+    for label, member in dead.items():
+        assert member.death in members.quarantined[label], members.quarantined
+    assert members.serving == [engine.generation]
+    seen = await _events_until(events, VersionEventKind.COMMITTED, version)
+    assert (VersionEventKind.ENGINE_QUARANTINED, version, list(dead)[-1]) in seen
+    assert await engine.holds(trainer.state())
+    await _assert_serves(fleet, trainer, version)
+
+
 async def check_elastic(case: TransportCase, engine: KitEngine, trainer: KitTrainer) -> None:
     """Declared (``elastic``): the kit's engine and a spare behind
     ``EngineFleet(on_engine_failure="quarantine")`` (cases C29, C36, C40).
@@ -1065,14 +1089,7 @@ async def check_elastic(case: TransportCase, engine: KitEngine, trainer: KitTrai
             await _sync(sync)  # commits on the kit's engine
         finally:
             trainer.on_tensor = None
-        assert (sync.weight_version, sync.is_stale) == (2, False)
-        assert list(members.quarantined) == [victim]
-        assert spare.death in members.quarantined[victim], members.quarantined
-        assert members.serving == [engine.generation]
-        seen = await _events_until(events, VersionEventKind.COMMITTED, 2)
-        assert (VersionEventKind.ENGINE_QUARANTINED, 2, victim) in seen
-        assert await engine.holds(trainer.state())
-        await _assert_serves(fleet, trainer, 2)
+        await _committed_without({victim: spare}, 2, sync, fleet, engine, trainer, events)
 
         joiner = await spare.revive(stack)
         members.add_engine(joiner.generation)
@@ -1082,8 +1099,9 @@ async def check_elastic(case: TransportCase, engine: KitEngine, trainer: KitTrai
         await _sync(sync)
         assert (sync.weight_version, sync.is_stale) == (3, False)
         assert {id(e) for e in members.serving} == {id(engine.generation), id(joiner.generation)}
-        gone = [] if joiner is spare else [fleet.label(spare)]  # named anew: the fleet grew
-        assert list(members.quarantined) == gone
+        # A fresh server joined: the killed one stays set aside, named anew (the fleet grew).
+        gone = {} if joiner is spare else {fleet.label(spare): spare}
+        assert list(members.quarantined) == list(gone)
         seen = await _events_until(events, VersionEventKind.ENGINE_JOINED, 3)
         assert seen[-2:] == [
             (VersionEventKind.COMMITTED, 3, None),
@@ -1112,14 +1130,8 @@ async def check_elastic(case: TransportCase, engine: KitEngine, trainer: KitTrai
         assert str(failure).startswith(f"{joined}: "), failure
         trainer.step(seed=13)
         await _sync(sync)
-        assert (sync.weight_version, sync.is_stale) == (4, False)
-        assert list(members.quarantined) == [*gone, joined]
-        assert joiner.death in members.quarantined[joined], members.quarantined
-        assert members.serving == [engine.generation]
-        seen = await _events_until(events, VersionEventKind.COMMITTED, 4)
-        assert (VersionEventKind.ENGINE_QUARANTINED, 4, joined) in seen
-        assert await engine.holds(trainer.state())
-        await _assert_serves(fleet, trainer, 4)
+        dead = {**gone, joined: joiner}
+        await _committed_without(dead, 4, sync, fleet, engine, trainer, events)
         # Reviving the set-aside engine changes nothing the fleet serves.
         await joiner.revive(stack)  # (and leaves the spare whole for its close)
         assert (sync.weight_version, sync.is_stale) == (4, False)
