@@ -7,6 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import torch
 
 from aiosync import CollectiveOptions, IPCOptions, SyncOptions, Timeouts, TrainCluster
@@ -14,7 +15,7 @@ from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from tests._support.net import free_port
 
-__all__ = ["fleet_options", "holds", "started"]
+__all__ = ["drain", "fleet_options", "holds", "started"]
 
 
 @contextlib.asynccontextmanager
@@ -60,3 +61,14 @@ async def holds(engine: EmbeddedEngine, want: dict[str, torch.Tensor]) -> bool:
     """Whether every worker of ``engine`` holds ``want`` bit for bit."""
     states = await engine.hf_state_dicts()
     return all(torch.equal(s[n], t) for s in states for n, t in want.items())
+
+
+async def drain(events: Any) -> list[Any]:
+    """The events published so far on the subscription ``events`` (each buffered before
+    the call that made it returned): read until none comes within 0.5 s."""
+    out = []
+    while True:
+        with anyio.move_on_after(0.5):
+            out.append(await events.__anext__())
+            continue
+        return out

@@ -39,6 +39,7 @@ from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.engines.fleet import CatchUp
+from tests._support.fleets import drain
 from tests._support.sources import HookedSource
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -142,16 +143,6 @@ async def _holds(engine: EmbeddedEngine, trainer: HFModelRunner) -> bool:
     return state.keys() == want.keys() and all(torch.equal(state[n], t) for n, t in want.items())
 
 
-async def _drain(events: Any) -> list[Any]:
-    """The events published so far (each buffered before the call that made it returned)."""
-    out = []
-    while True:
-        with anyio.move_on_after(0.5):
-            out.append(await events.__anext__())
-            continue
-        return out
-
-
 async def _serves(engine: EmbeddedEngine, trainer: HFModelRunner, version: int) -> None:
     """``engine`` generates the trainer's greedy tokens, every one labelled ``version``."""
     out = await engine.generate_with_meta(PROMPTS, max_new_tokens=TOKENS)
@@ -168,7 +159,7 @@ async def test_a_new_engine_catches_up_from_a_peer_and_the_trainer_sends_nothing
         await sync.mark_stale()
         await sync.sync_weights()
         assert len(reads) == len(trainer.hf_state_dict())
-        await _drain(events)
+        await drain(events)
         reads.clear()
 
         fleet.add_engine(new, source="peer")
@@ -180,7 +171,7 @@ async def test_a_new_engine_catches_up_from_a_peer_and_the_trainer_sends_nothing
         # synchronizer published nothing (no sync, no commit: no byte it sent).
         assert done == [CatchUp(NEW, PEER, 1, _model_bytes(trainer))]
         assert reads == []
-        assert await _drain(events) == []
+        assert await drain(events) == []
         assert (sync.weight_version, sync.is_stale) == (1, False)
         assert await _holds(new, trainer)
         assert fleet.catching_up == {} and fleet.serving == [peer, new]

@@ -33,7 +33,7 @@ from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.options import TransportCapabilities
-from tests._support.fleets import fleet_options, holds, started
+from tests._support.fleets import drain, fleet_options, holds, started
 from tests._support.sources import HookedSource
 
 pytestmark = pytest.mark.slow
@@ -92,23 +92,8 @@ def _check_labels(outputs: list[Any], expected: dict[int, list[list[int]]]) -> l
     return versions
 
 
-async def _drain_events(events: Any) -> list[Any]:
-    out = []
-    while True:
-        with anyio.move_on_after(0.5):
-            out.append(await events.__anext__())
-            continue
-        return out
-
-
 async def _drain(events: Any) -> list[tuple[VersionEventKind, int, str | None]]:
-    out = []
-    while True:
-        with anyio.move_on_after(0.5):
-            event = await events.__anext__()
-            out.append((event.kind, event.version, event.engine))
-            continue
-        return out
+    return [(e.kind, e.version, e.engine) for e in await drain(events)]
 
 
 @in_module_loop
@@ -322,7 +307,7 @@ async def test_a_rolling_delta_refit_patches_every_wave_from_one_baseline_bit_ex
         await sync.mark_stale()
         await sync.sync_weights()
         assert await _holds(engines[:2], trainer.hf_state_dict()) == [True, True]
-        committed = [e for e in await _drain_events(events) if e.kind is VersionEventKind.COMMITTED]
+        committed = [e for e in await drain(events) if e.kind is VersionEventKind.COMMITTED]
         full, delta = committed
         assert (full.delta, delta.delta) == (False, True)
         # Each of the two waves got the model, then the same patch: the one changed tensor.
@@ -357,7 +342,7 @@ async def test_peer_waves_take_the_version_from_the_first_wave_and_the_trainer_s
             outputs = await fleet.generate_with_meta(PROMPTS, max_new_tokens=TOKENS)
             assert _check_labels(outputs, {step: expected}) == [step] * len(PROMPTS)
             _step(trainer, 1.5)
-        committed = [e for e in await _drain_events(events) if e.kind is VersionEventKind.COMMITTED]
+        committed = [e for e in await drain(events) if e.kind is VersionEventKind.COMMITTED]
         # The trainer's bytes: one copy of the model per sync, for four engines.
         model = sum(t.numel() * t.element_size() for t in trainer.hf_state_dict().values())
         assert [e.nbytes for e in committed] == [model, model]
