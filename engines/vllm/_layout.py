@@ -471,8 +471,9 @@ def _routed_experts(path: str, layer: Any, params: Mapping[str, torch.Tensor]) -
             f"{local} x {tp_size} intermediate rows of {full})"
         )
     num = int(layer.global_num_experts)
-    ep_size, ep_rank = int(manager.ep_size) if manager.use_ep else 1, int(manager.ep_rank)
-    expert_map = manager.expert_map
+    expert_map = manager.expert_map  # None without EP: every expert, in order
+    ep_size = int(manager.ep_size) if expert_map is not None else 1
+    ep_rank = int(manager.ep_rank) if expert_map is not None else 0
     if expert_map is None:
         held = tuple(range(num))
     else:
@@ -482,7 +483,7 @@ def _routed_experts(path: str, layer: Any, params: Mapping[str, torch.Tensor]) -
             raise TransportError(f"{path}: expert map slots {sorted(slots)} are not 0..n-1")
     strategy = str(manager.placement_strategy)
     try:
-        expected = placed_experts(ep_size if expert_map is not None else 1, ep_rank, num, strategy)
+        expected = placed_experts(ep_size, ep_rank, num, strategy)
         placement = ExpertPlacement(
             path.removesuffix(".routed_experts"),
             held,
