@@ -337,17 +337,25 @@ class WeightSynchronizer:
         self._on_failure = value
 
     def _check_rolling(self) -> None:
-        """A fleet refit in waves needs a transport that re-forms over part of the fleet
-        (``capabilities.elastic``) and one process driving it.
+        """A fleet that quarantines failed engines or is refit in waves needs a transport
+        that re-forms over part of the fleet (``capabilities.elastic``); waves need one
+        process driving the fleet too. Never a fleet option silently not honoured.
 
         Raises:
             UnsupportedOptionError: either is missing (before anything moves).
         """
         fleet = self.generation
+        name = type(self.transport).__name__
+        quarantining = getattr(fleet, "on_engine_failure", None) == "quarantine"
+        elastic = self.transport.capabilities.elastic
+        if quarantining and implements(fleet, ElasticEngines) and not elastic:
+            raise UnsupportedOptionError(
+                f"EngineFleet(on_engine_failure='quarantine'): {name} cannot re-form over "
+                "the engines left (its capabilities.elastic is False); use 'fail'"
+            )
         if not (implements(fleet, RollingEngines) and fleet.rolling):
             return
-        name = type(self.transport).__name__
-        if not self.transport.capabilities.elastic:
+        if not elastic:
             raise UnsupportedOptionError(
                 f"EngineFleet(refit='rolling'): {name} cannot address part of the fleet "
                 "(its capabilities.elastic is False); use refit='all'"

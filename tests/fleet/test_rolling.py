@@ -379,6 +379,10 @@ def test_a_transport_that_cannot_address_part_of_the_fleet_refuses_rolling_at_co
     fleet = EngineFleet([object(), object()], refit="rolling")
     with pytest.raises(UnsupportedOptionError, match=r"_PartialTransport cannot address part"):
         WeightSynchronizer(object(), fleet, transport=_PartialTransport())  # type: ignore[arg-type]
+    # Nor can it set failed engines aside: quarantine is refused alike, never ignored.
+    quarantining = EngineFleet([object(), object()], on_engine_failure="quarantine")
+    with pytest.raises(UnsupportedOptionError, match=r"on_engine_failure='quarantine'"):
+        WeightSynchronizer(object(), quarantining, transport=_PartialTransport())  # type: ignore[arg-type]
     # refit="all" needs nothing of it.
     WeightSynchronizer(object(), EngineFleet([object()]), transport=_PartialTransport())  # type: ignore[arg-type]
 
