@@ -239,11 +239,13 @@ def compare_manifests(
     *,
     local_label: str = "trainer",
     remote_label: str = "engine",
+    order: bool = True,
 ) -> None:
     """Raise :class:`RefitMismatchError` naming the first differences, if any.
 
-    Compares names (both ways), order, shapes and dtypes. Cost is linear in
-    the number of tensors (dict lookups, no scans).
+    Compares names (both ways), shapes and dtypes, and, with ``order``, the order (a
+    transport that routes every tensor by name passes False). Cost is linear in the
+    number of tensors (dict lookups, no scans).
     """
     problems: list[str] = []
     only_local = [n for n in local if n not in remote]
@@ -266,7 +268,7 @@ def compare_manifests(
                 f"{remote_label} {tuple(r_shape)} {dtype_name(r_dtype)}"
             )
             break
-    if not problems:
+    if not problems and order:
         for i, (a, b) in enumerate(zip(local, remote, strict=True)):
             if a != b:
                 problems.append(f"order differs at entry {i}: {a!r} vs {b!r}")

@@ -313,7 +313,7 @@ async def test_ep2_workers_report_the_planners_layouts_and_only_their_experts(
 
 
 async def test_ep2_sharded_sync_writes_experts_where_vllms_loader_does(
-    ep_llm: Any, moe_dir: Path, free_port: Callable[[], int], monkeypatch: pytest.MonkeyPatch
+    ep_llm: Any, moe_dir: Path, free_port: Callable[[], int]
 ) -> None:
     """vLLM's own ``load_weights`` (the broadcast) loads trainer A; a shard-aware sync
     of B changes every worker's experts; one of A puts back exactly what vLLM's
@@ -323,14 +323,13 @@ async def test_ep2_sharded_sync_writes_experts_where_vllms_loader_does(
     backend = VLLMGenerationBackend(ep_llm)
     layouts = await backend.weight_layouts()
 
-    async def no_checkpoint_manifest() -> None:
-        return None
-
-    # Known gap outside this test: the sharded transport's pre-flight check compares
-    # the trainer's name order with the checkpoint's (safetensors sorts its header:
-    # experts.0.down, experts.0.gate, ...), and transformers' MoE revert yields
-    # experts.0.down, experts.1.down, ...: same names, shapes, dtypes, other order.
-    monkeypatch.setattr(backend, "expected_manifest", no_checkpoint_manifest)
+    # The checkpoint's manifest (safetensors sorts its header: experts.0.down,
+    # experts.0.gate, ...) is checked against the trainer's (transformers' MoE revert:
+    # experts.0.down, experts.1.down, ...): the same names, shapes, dtypes, another order,
+    # which the shard-aware path (routing by name) accepts.
+    assert list(await backend.expected_manifest() or {}) != list(
+        DTensorRefitSource(Qwen3MoeForCausalLM.from_pretrained(moe_dir)).prepare_refit_info()
+    )
     first = Qwen3MoeForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
     perturb(first, seed=31)
     second = Qwen3MoeForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
