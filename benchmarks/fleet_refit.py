@@ -12,11 +12,12 @@ break (back-to-back ``generate`` calls of one short prompt per engine, greedy,
 * **rolling+peer**: the same with ``wave_source="peer"``: waves after the first copy the
   version from an engine that committed it, so the trainer sends one copy per sync.
 
-For each: tokens per second over the whole window and inside the refit windows (the
-tokens of the ``generate`` calls that returned between a sync's start and its
-commit, over those windows' length), each as a ratio to the baseline (goal for
-rolling inside the window: >= 0.95 x (N-k)/N); the longest any call waited (ms); the
-longest stretch with no call returning (ms: the fleet's longest stall); the trainer's
+For each: tokens per second over the whole window and inside the refit windows (each
+``generate`` call's tokens spread evenly over its span, the share that falls between a
+sync's start and its commit, over those windows' length), each as a ratio to the
+baseline (goal for rolling inside the window: >= 0.95 x (N-k)/N); the longest any
+call waited (ms); the longest stretch with no call returning (ms: the fleet's longest
+stall); the trainer's
 bytes per sync (``COMMITTED.nbytes``). Each figure is the best of ``--repeats`` (at
 least 3; 1 with ``--quick``), the modes alternating; the 1-minute load average at
 start and end is recorded (``_machine``). On a 2-core machine the four engines and the
@@ -68,13 +69,18 @@ class Window:
 
     def __init__(self) -> None:
         self.returns: list[tuple[float, int]] = []
+        self.calls: list[tuple[float, float, int]] = []
         self.longest_wait = 0.0
         self.refits: list[tuple[float, float]] = []
         self.nbytes: list[int] = []
 
     def figures(self, start: float, end: float) -> dict[str, float]:
         tokens = sum(n for _, n in self.returns)
-        inside = sum(n for t, n in self.returns if any(a <= t <= b for a, b in self.refits))
+        # A call's tokens spread evenly over its span: the share inside refit windows.
+        inside = sum(
+            n * sum(max(0.0, min(b, end) - max(a, begin)) for a, b in self.refits) / (end - begin)
+            for begin, end, n in self.calls
+        )
         refit_s = sum(b - a for a, b in self.refits)
         times = [start, *(t for t, _ in self.returns), end]
         return {
@@ -107,6 +113,7 @@ async def _window(
             out = await fleet.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)
             now = time.perf_counter()
             window.returns.append((now, sum(len(o) for o in out)))
+            window.calls.append((called, now, sum(len(o) for o in out)))
             window.longest_wait = max(window.longest_wait, now - called)
         done.set()
 
