@@ -219,7 +219,7 @@ class WorkerPool:
                 continue
             proc = self.procs[rank]
             proc.kill()
-            await anyio.to_thread.run_sync(proc.join, timeout_s)
+            await _join(proc, timeout_s)
             if rank not in self._dead:  # its sentinel's callback may not have run yet
                 self._on_worker_exit(rank, why)
 
@@ -257,10 +257,10 @@ class WorkerPool:
                             [f"w{rank}".encode(), encode({"t": "shutdown"})], zmq.NOBLOCK
                         )
         for proc in self.procs:
-            await anyio.to_thread.run_sync(proc.join, timeout_s)
+            await _join(proc, timeout_s)
             if proc.is_alive():
                 proc.kill()
-                await anyio.to_thread.run_sync(proc.join, timeout_s)
+                await _join(proc, timeout_s)
             if self._loop is not None:
                 with contextlib.suppress(ValueError, OSError):
                     self._loop.remove_reader(proc.sentinel)
@@ -499,6 +499,16 @@ def worker_context() -> ForkServerContext | SpawnContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(PRELOAD))
     return context
+
+
+async def _join(proc: BaseProcess, timeout_s: float) -> None:
+    """``proc.join(timeout_s)`` without blocking the event loop, polled on the loop's
+    thread: the sentinel's callback (``_on_worker_exit``) reaps there too, and two
+    threads reading a forkserver child's sentinel at once leave one of them at EOF,
+    which multiprocessing reports as exit code 255."""
+    with anyio.move_on_after(timeout_s):
+        while proc.exitcode is None:
+            await anyio.sleep(0.01)
 
 
 def _in_environment(
