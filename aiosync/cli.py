@@ -500,6 +500,21 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``aiosync plan``'s numeric options: flag, type, default, help.
+_PLAN_NUMBERS: tuple[tuple[str, type, float | None, str], ...] = (
+    ("--layers", int, None, "keep only this many layers"),
+    ("--trainer-ranks", int, 8, "FSDP2 ranks"),
+    ("--tp", int, 8, "workers per engine"),
+    ("--ep", int, 1, "expert-parallel size of an engine (MoE; max(tp, ep) workers)"),
+    ("--engines", int, 1, "engine replicas"),
+    ("--nic-gbps", float, 400.0, "NIC rate each way, Gbit/s"),
+    ("--latency-us", float, 10.0, "per message, us"),
+    ("--efficiency", float, 1.0, "payload share of the NIC rate (TCP over 1500-byte MTU: 0.956)"),
+    ("--overhead-ms", float, 0.0, "fixed cost of one sync, ms"),
+    ("--changed", float, 0.05, "delta: fraction changed"),
+)
+
+
 # -- entry point -----------------------------------------------------------------
 
 
@@ -521,32 +536,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="qwen3-8b",
         help=f"a preset ({', '.join(MODEL_CONFIGS)}) or an HF config.json (default: %(default)s)",
     )
-    plan.add_argument("--layers", type=int, default=None, help="keep only this many layers")
-    plan.add_argument("--trainer-ranks", type=int, default=8, help="FSDP2 ranks (default: 8)")
-    plan.add_argument("--tp", type=int, default=8, help="workers per engine (default: 8)")
-    plan.add_argument(
-        "--ep",
-        type=int,
-        default=1,
-        help="expert-parallel size of an engine (MoE; max(tp, ep) workers; default: 1)",
-    )
-    plan.add_argument("--engines", type=int, default=1, help="engine replicas (default: 1)")
-    plan.add_argument(
-        "--nic-gbps", type=float, default=400.0, help="NIC rate each way (default: 400)"
-    )
-    plan.add_argument("--latency-us", type=float, default=10.0, help="per message (default: 10)")
-    plan.add_argument(
-        "--efficiency",
-        type=float,
-        default=1.0,
-        help="payload share of the NIC rate (TCP over 1500-byte MTU: 0.956; default: 1)",
-    )
-    plan.add_argument(
-        "--overhead-ms", type=float, default=0.0, help="fixed cost of one sync (default: 0)"
-    )
-    plan.add_argument(
-        "--changed", type=float, default=0.05, help="delta: fraction changed (default: 0.05)"
-    )
+    for flag, kind, default, what in _PLAN_NUMBERS:
+        plan.add_argument(flag, type=kind, default=default, help=f"{what} (default: %(default)s)")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(func=_cmd_plan)
     bench = sub.add_parser(

@@ -29,7 +29,6 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import TracebackType
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -163,12 +162,7 @@ class EventSubscription:
     async def __aenter__(self) -> EventSubscription:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
 

@@ -207,7 +207,18 @@ class IPCOptions(TransportOptions):
 
 
 @dataclass(frozen=True, kw_only=True)
-class CollectiveOptions(TransportOptions):
+class _GroupOptions(TransportOptions):
+    """Non-colocated vLLM or embedded engine, over a torch.distributed group."""
+
+    colocated: ClassVar[bool | None] = False
+    kinds: ClassVar[tuple[str, ...]] = ("vllm", "embedded")
+
+    dist_backend: Literal["nccl", "gloo"] | None = None
+    bucket_bytes: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveOptions(_GroupOptions):
     """Non-colocated vLLM or embedded engine: trainer rank 0 broadcasts every bucket.
 
     Attributes:
@@ -222,16 +233,12 @@ class CollectiveOptions(TransportOptions):
         "aiosync.transports.collective",
         "CollectiveWeightSynchronizer",
     )
-    colocated: ClassVar[bool | None] = False
-    kinds: ClassVar[tuple[str, ...]] = ("vllm", "embedded")
 
-    dist_backend: Literal["nccl", "gloo"] | None = None
-    bucket_bytes: int | None = None
     overlap: Literal["inplace", "staged"] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
-class ShardedOptions(TransportOptions):
+class ShardedOptions(_GroupOptions):
     """Non-colocated, shard-aware: every trainer rank sends its shards, each worker
     receives only its tensor-parallel slices (engines that report their layout).
 
@@ -245,11 +252,7 @@ class ShardedOptions(TransportOptions):
         "aiosync.transports.sharded",
         "ShardedWeightSynchronizer",
     )
-    colocated: ClassVar[bool | None] = False
-    kinds: ClassVar[tuple[str, ...]] = ("vllm", "embedded")
 
-    dist_backend: Literal["nccl", "gloo"] | None = None
-    bucket_bytes: int | None = None
     data_plane: Any = None
 
 

@@ -127,8 +127,18 @@ class DraftNaming(Protocol):
 class _Wrapped(RefitSource):
     """A source around other sources: their offload hooks, preflight and config pass through."""
 
+    # The names prepare_refit_info() singled out (drafted, or left out); None: not yet read.
+    _names: frozenset[str] | None = None
+
     def __init__(self, *inner: RefitSource) -> None:
         self._inner = inner
+
+    def _prepared_names(self) -> frozenset[str]:
+        """:attr:`_names`, reading the manifest first if it was not read yet."""
+        if self._names is None:
+            self.prepare_refit_info()
+        assert self._names is not None
+        return self._names
 
     def offload_before_refit(self) -> None:
         for source in self._inner:
@@ -169,7 +179,6 @@ class _WithDraft(_Wrapped):
         self.target = target
         self.draft = draft
         self.prefix = prefix
-        self._draft_names: frozenset[str] | None = None
 
     def prepare_refit_info(self) -> RefitManifest:
         manifest = dict(self.target.prepare_refit_info())
@@ -180,7 +189,7 @@ class _WithDraft(_Wrapped):
                 f"with_draft(prefix={self.prefix!r}): the draft's {clash[0]!r} is also a "
                 f"target tensor ({len(clash)} such names); choose a prefix no target name has"
             )
-        self._draft_names = frozenset(drafted)
+        self._names = frozenset(drafted)
         manifest.update(drafted)
         return manifest
 
@@ -190,10 +199,7 @@ class _WithDraft(_Wrapped):
             yield f"{self.prefix}{name}", tensor
 
     def draft_names(self) -> frozenset[str]:
-        if self._draft_names is None:
-            self.prepare_refit_info()
-        assert self._draft_names is not None
-        return self._draft_names
+        return self._prepared_names()
 
 
 def with_draft(target: RefitSource, draft: RefitSource, *, prefix: str) -> RefitSource:
@@ -224,28 +230,28 @@ def with_draft(target: RefitSource, draft: RefitSource, *, prefix: str) -> Refit
     return _WithDraft(target, draft, prefix)
 
 
-class _DraftUnder(_Wrapped):
-    """:func:`draft_under`'s source."""
+class _Prefixed(_Wrapped):
+    """A source around one source, with the name prefixes that single out its draft."""
 
     def __init__(self, source: RefitSource, prefixes: tuple[str, ...]) -> None:
         super().__init__(source)
         self.source = source
         self.prefixes = prefixes
-        self._draft_names: frozenset[str] | None = None
+
+
+class _DraftUnder(_Prefixed):
+    """:func:`draft_under`'s source."""
 
     def prepare_refit_info(self) -> RefitManifest:
         manifest = self.source.prepare_refit_info()
-        self._draft_names = frozenset(n for n in manifest if n.startswith(self.prefixes))
+        self._names = frozenset(n for n in manifest if n.startswith(self.prefixes))
         return manifest
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.source.iter_weights()
 
     def draft_names(self) -> frozenset[str]:
-        if self._draft_names is None:
-            self.prepare_refit_info()
-        assert self._draft_names is not None
-        return self._draft_names
+        return self._prepared_names()
 
 
 def draft_under(source: RefitSource, prefix: str | Iterable[str] = "mtp.") -> RefitSource:
@@ -265,14 +271,8 @@ def draft_under(source: RefitSource, prefix: str | Iterable[str] = "mtp.") -> Re
     return _DraftUnder(source, prefixes)
 
 
-class _WithoutDraft(_Wrapped):
+class _WithoutDraft(_Prefixed):
     """:func:`without_draft`'s source."""
-
-    def __init__(self, source: RefitSource, prefixes: tuple[str, ...]) -> None:
-        super().__init__(source)
-        self.source = source
-        self.prefixes = prefixes
-        self._left_out: frozenset[str] | None = None
 
     def _draft(self, manifest: RefitManifest) -> frozenset[str]:
         named = self.source.draft_names() if isinstance(self.source, DraftNaming) else frozenset()
@@ -281,13 +281,11 @@ class _WithoutDraft(_Wrapped):
 
     def prepare_refit_info(self) -> RefitManifest:
         manifest = self.source.prepare_refit_info()
-        self._left_out = self._draft(manifest)
-        return {n: spec for n, spec in manifest.items() if n not in self._left_out}
+        self._names = left_out = self._draft(manifest)
+        return {n: spec for n, spec in manifest.items() if n not in left_out}
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        if self._left_out is None:
-            self.prepare_refit_info()
-        left_out = self._left_out or frozenset()
+        left_out = self._prepared_names()
         # The inner source still runs whole: on a sharded trainer its gathers are
         # collectives every rank must take, whatever is sent of them.
         for name, tensor in self.source.iter_weights():
@@ -297,7 +295,7 @@ class _WithoutDraft(_Wrapped):
     @property
     def left_out(self) -> frozenset[str]:
         """The draft names left out (after ``prepare_refit_info()``; empty before)."""
-        return self._left_out or frozenset()
+        return self._names or frozenset()
 
     def draft_names(self) -> frozenset[str]:
         """None of its tensors is the draft's."""

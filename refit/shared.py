@@ -10,7 +10,6 @@ transport's direct mode, on by default: ``IPCWeightSynchronizer(direct=True)``).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from types import TracebackType
 
 import torch
 from torch import nn
@@ -51,12 +50,7 @@ class SharedParameters:
     def __enter__(self) -> SharedParameters:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
 

@@ -33,7 +33,7 @@ from ._engine import (
     RayEngine,
 )
 from ._host import EngineHost
-from ._launch import EngineActor, engine_actor_options, launch_engine
+from ._launch import ActorPlacement, EngineActor, engine_actor_options, launch_engine
 from ._spec import EngineSpec
 
 del _ray
@@ -41,6 +41,7 @@ del _ray
 __all__ = [
     "DEFAULT_CALL_GRACE_S",
     "DEFAULT_START_TIMEOUT_S",
+    "ActorPlacement",
     "EngineActor",
     "EngineActorInfo",
     "EngineHost",

@@ -9,7 +9,7 @@ A dedicated engine requests whole devices. See ``docs/ray.md``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Required, TypedDict, Unpack
 
 import ray
 from ray.util.scheduling_strategies import (
@@ -23,27 +23,31 @@ from ._engine import DEFAULT_CALL_GRACE_S, DEFAULT_START_TIMEOUT_S, RayEngine
 from ._host import EngineHost
 from ._spec import EngineSpec
 
-__all__ = ["EngineActor", "engine_actor_options", "launch_engine"]
+__all__ = ["ActorPlacement", "EngineActor", "engine_actor_options", "launch_engine"]
 
 #: The Ray actor class of every engine actor: ``EngineActor.options(**opts).remote(spec)``.
 EngineActor: Any = ray.remote(EngineHost)
 
 
-def engine_actor_options(
-    *,
-    colocated: bool,
-    max_colocated_worker_groups: int = 1,
-    devices: int = 1,
-    num_gpus: float | None = None,
-    num_cpus: float = 1.0,
-    placement_group: Any = None,
-    bundle_index: int = -1,
-    node_id: str | None = None,
-    max_restarts: int = 0,
-    name: str | None = None,
-    namespace: str | None = None,
-    runtime_env: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+class ActorPlacement(TypedDict, total=False):
+    """Where an engine actor runs and what it requests: :func:`engine_actor_options`'s
+    keywords, which :func:`launch_engine` takes too."""
+
+    colocated: Required[bool]
+    max_colocated_worker_groups: int
+    devices: int
+    num_gpus: float | None
+    num_cpus: float
+    placement_group: Any
+    bundle_index: int
+    node_id: str | None
+    max_restarts: int
+    name: str | None
+    namespace: str | None
+    runtime_env: dict[str, Any] | None
+
+
+def engine_actor_options(**placement: Unpack[ActorPlacement]) -> dict[str, Any]:
     """The ``EngineActor.options(...)`` of an engine actor for a topology.
 
     Args:
@@ -72,9 +76,18 @@ def engine_actor_options(
         Keyword arguments for ``EngineActor.options``.
 
     Raises:
+        TypeError: a keyword not listed here, or no ``colocated``.
         ValueError: ``devices < 1``, a colocated engine over several devices, a
             negative ``num_gpus``, or ``max_colocated_worker_groups < 1``.
     """
+    unknown = set(placement) - ActorPlacement.__optional_keys__ - ActorPlacement.__required_keys__
+    if unknown or "colocated" not in placement:
+        what = f"unknown keyword(s) {sorted(unknown)}" if unknown else "colocated= is required"
+        raise TypeError(f"engine_actor_options(): {what}")
+    colocated = placement["colocated"]
+    devices = placement.get("devices", 1)
+    num_gpus = placement.get("num_gpus")
+    placement_group = placement.get("placement_group")
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise ValueError(f"devices must be an int >= 1, got {devices!r}")
     if colocated and devices != 1:
@@ -82,48 +95,36 @@ def engine_actor_options(
             f"a colocated engine actor shares one device with its trainer, got devices={devices}: "
             "launch one engine actor per device (each in its device's bundle)"
         )
-    share = scheduler_gpu_share(max_colocated_worker_groups, colocated=colocated)
+    groups = placement.get("max_colocated_worker_groups", 1)
+    share = scheduler_gpu_share(groups, colocated=colocated)
     gpus = share * devices if num_gpus is None else num_gpus
     if gpus < 0:
         raise ValueError(f"num_gpus must be >= 0, got {gpus}")
     options: dict[str, Any] = {
-        "num_cpus": num_cpus,
+        "num_cpus": placement.get("num_cpus", 1.0),
         "num_gpus": gpus,
-        "max_restarts": max_restarts,
+        "max_restarts": placement.get("max_restarts", 0),
     }
     if placement_group is not None:
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-            placement_group=placement_group, placement_group_bundle_index=bundle_index
+            placement_group=placement_group,
+            placement_group_bundle_index=placement.get("bundle_index", -1),
         )
     elif colocated:
-        node = node_id or ray.get_runtime_context().get_node_id()
+        node = placement.get("node_id") or ray.get_runtime_context().get_node_id()
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
-    if name is not None:
-        options["name"] = name
-    if namespace is not None:
-        options["namespace"] = namespace
-    if runtime_env is not None:
-        options["runtime_env"] = runtime_env
+    for key in ("name", "namespace", "runtime_env"):
+        if placement.get(key) is not None:
+            options[key] = placement[key]
     return options
 
 
 async def launch_engine(
     spec: EngineSpec,
     *,
-    colocated: bool,
-    max_colocated_worker_groups: int = 1,
-    devices: int = 1,
-    num_gpus: float | None = None,
-    num_cpus: float = 1.0,
-    placement_group: Any = None,
-    bundle_index: int = -1,
-    node_id: str | None = None,
-    max_restarts: int = 0,
-    name: str | None = None,
-    namespace: str | None = None,
-    runtime_env: dict[str, Any] | None = None,
     call_grace_s: float = DEFAULT_CALL_GRACE_S,
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+    **placement: Unpack[ActorPlacement],
 ) -> RayEngine:
     """Start an engine actor for ``spec`` and its engine; returns the started :class:`RayEngine`.
 
@@ -133,6 +134,7 @@ async def launch_engine(
     :func:`engine_actor_options` (same arguments). Call ``ray.init()`` first.
 
     Raises:
+        TypeError: as :func:`engine_actor_options`.
         ValueError: as :func:`engine_actor_options`; or GPUs requested outside a
             placement group on a cluster that has fewer (``num_gpus=0`` runs the
             engine on CPU), before any actor is created.
@@ -140,21 +142,8 @@ async def launch_engine(
             start, within ``start_timeout_s`` (the actor is killed).
         Whatever building the engine raises (the actor is killed).
     """
-    options = engine_actor_options(
-        colocated=colocated,
-        max_colocated_worker_groups=max_colocated_worker_groups,
-        devices=devices,
-        num_gpus=num_gpus,
-        num_cpus=num_cpus,
-        placement_group=placement_group,
-        bundle_index=bundle_index,
-        node_id=node_id,
-        max_restarts=max_restarts,
-        name=name,
-        namespace=namespace,
-        runtime_env=runtime_env,
-    )
-    if placement_group is None and options["num_gpus"] > 0:
+    options = engine_actor_options(**placement)
+    if placement.get("placement_group") is None and options["num_gpus"] > 0:
         have = float(ray.cluster_resources().get("GPU", 0.0))
         if have < options["num_gpus"]:
             raise ValueError(

@@ -20,13 +20,17 @@ Tied embeddings (``tie_word_embeddings``): the checkpoint has no
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ._config import ConfigView
 from .table import ModelMap, NNXPath, Rule, copy, heads_in, heads_out, linear
 from .transforms import Reshape
 
-__all__ = ["attention_rules", "dense_mlp_rules", "qwen3_map"]
+#: A layer's MoE rules, ``(layer, hf_prefix, nnx_path) -> rules`` (empty: a dense layer).
+MLPRules = Callable[[int, str, NNXPath], list[Rule]]
+
+__all__ = ["attention_rules", "decoder_rules", "dense_mlp_rules", "qwen3_map"]
 
 
 def attention_rules(cfg: ConfigView, hf: str, nnx: NNXPath) -> list[Rule]:
@@ -100,15 +104,21 @@ def layer_norm_rules(hf: str, nnx: NNXPath, hidden: int) -> list[Rule]:
     ]
 
 
-def qwen3_map(config: Any) -> ModelMap:
-    """The Qwen3 dense map for ``config`` (a ``Qwen3Config`` or its ``config.json`` dict)."""
-    cfg = ConfigView(config)
+def decoder_rules(cfg: ConfigView, sparse_mlp: MLPRules | None = None) -> list[Rule]:
+    """Every rule of a Qwen3-style decoder: embeddings, per layer attention, MLP and
+    norms, then the head; a layer's MLP is ``sparse_mlp(layer, hf, nnx)``'s rules where
+    that returns any (a MoE block), else the dense MLP's."""
     h, i = cfg.int("hidden_size"), cfg.int("intermediate_size")
     rules = embedding_rules(cfg)
     for layer in range(cfg.int("num_hidden_layers")):
         hf, nnx = f"model.layers.{layer}.", ("layers", layer)
         rules += attention_rules(cfg, f"{hf}self_attn.", (*nnx, "attn"))
-        rules += dense_mlp_rules(f"{hf}mlp.", (*nnx, "mlp"), h, i)
+        mlp = sparse_mlp(layer, f"{hf}mlp.", (*nnx, "mlp")) if sparse_mlp else []
+        rules += mlp or dense_mlp_rules(f"{hf}mlp.", (*nnx, "mlp"), h, i)
         rules += layer_norm_rules(hf, nnx, h)
-    rules += head_rules(cfg)
-    return ModelMap("qwen3", rules)
+    return rules + head_rules(cfg)
+
+
+def qwen3_map(config: Any) -> ModelMap:
+    """The Qwen3 dense map for ``config`` (a ``Qwen3Config`` or its ``config.json`` dict)."""
+    return ModelMap("qwen3", decoder_rules(ConfigView(config)))

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._config import ConfigView
-from .qwen3 import attention_rules, dense_mlp_rules, embedding_rules, head_rules, layer_norm_rules
+from .qwen3 import decoder_rules
 from .table import ModelMap, NNXPath, Rule, linear, stacked_experts
 
 __all__ = ["is_sparse_layer", "moe_rules", "qwen3_moe_map"]
@@ -76,15 +76,8 @@ def qwen3_moe_map(config: Any) -> ModelMap:
     real models' 128.
     """
     cfg = ConfigView(config)
-    h, i = cfg.int("hidden_size"), cfg.int("intermediate_size")
-    rules = embedding_rules(cfg)
-    for layer in range(cfg.int("num_hidden_layers")):
-        hf, nnx = f"model.layers.{layer}.", ("layers", layer)
-        rules += attention_rules(cfg, f"{hf}self_attn.", (*nnx, "attn"))
-        if is_sparse_layer(cfg, layer):
-            rules += moe_rules(cfg, f"{hf}mlp.", (*nnx, "mlp"))
-        else:
-            rules += dense_mlp_rules(f"{hf}mlp.", (*nnx, "mlp"), h, i)
-        rules += layer_norm_rules(hf, nnx, h)
-    rules += head_rules(cfg)
-    return ModelMap("qwen3_moe", rules, order="natural")
+
+    def sparse(layer: int, hf: str, nnx: NNXPath) -> list[Rule]:
+        return moe_rules(cfg, hf, nnx) if is_sparse_layer(cfg, layer) else []
+
+    return ModelMap("qwen3_moe", decoder_rules(cfg, sparse), order="natural")
