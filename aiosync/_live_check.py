@@ -4,12 +4,24 @@ compared with the trainer's, and the engines' own checksums (``docs/failures.md`
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .capabilities import ChecksumVerifying, EngineWorkers, LayoutReporting, engines_of
+import anyio.to_thread
+
+from .capabilities import (
+    ChecksumVerifying,
+    EngineWorkers,
+    LayoutReporting,
+    WorkerDescribing,
+    engines_of,
+)
+from .errors import RefitVerificationError
 from .sources import RefitSource
 
-__all__ = ["engines_checksums", "first_mismatch", "live_digests"]
+if TYPE_CHECKING:
+    from .synchronizer import WeightSynchronizer
+
+__all__ = ["engines_checksums", "first_mismatch", "live_digests", "verify_live"]
 
 
 async def live_digests(
@@ -68,3 +80,43 @@ async def engines_checksums(generation: object) -> int:
         if isinstance(engine, ChecksumVerifying):
             checksummed += await engine.verify_recorded_checksums() or 0
     return checksummed
+
+
+async def verify_live(sync: WeightSynchronizer) -> dict[str, int]:
+    """:meth:`~aiosync.WeightSynchronizer.verify_engine`'s check (its docs: returns,
+    raises); a digest mismatch or a changed checksum makes ``sync`` stale."""
+    sync._check_open()
+    if sync._sharded():
+        raise NotImplementedError("verify_engine() needs a single-process trainer")
+    generation = sync.generation
+    if not isinstance(generation, EngineWorkers):
+        raise TypeError(
+            f"verify_engine() reads the weights back through the workers: "
+            f"{type(generation).__name__} has no collective_rpc"
+        )
+    async with sync._lock, sync._source_lock:
+        held, layouts = await live_digests(generation, sync.timeouts.rpc_s)
+        mismatch = await anyio.to_thread.run_sync(first_mismatch, sync.policy, held, layouts)
+    if mismatch is not None:
+        rank, what = mismatch
+        sync._live_weights_wrong()
+        who = (
+            generation.describe_worker(rank)
+            if isinstance(generation, WorkerDescribing)
+            else f"engine worker {rank}"
+        )
+        raise RefitVerificationError(
+            f"{who}: {what} (the trainer's weights of version {sync._policy_version}, "
+            f"the engine's labelled {sync._weight_version})"
+        )
+    try:
+        checksummed = await engines_checksums(generation)
+    except RefitVerificationError:
+        sync._live_weights_wrong()
+        raise
+    return {
+        "workers": len(held),
+        "tensors": sum(len(h) for h in held),
+        "checksummed": checksummed,
+        "version": sync._weight_version,
+    }

@@ -21,7 +21,6 @@ import numbers
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar, Self, TypedDict, cast
 
 import anyio
@@ -32,31 +31,32 @@ from ._colocated import colocated_refit, wake_engines
 from ._config import DEFAULT_EVENT_BACKLOG, Timeouts
 from ._delta_refit import Baseline, DeltaRefit
 from ._fanout import each_named
+from ._fleet_sync import (
+    check_fleet_options,
+    elastic_fleet,
+    elastic_transfer,
+    rolling_fleet,
+    rolling_transfer,
+)
 from ._hf_config import compare_hf_configs
 from ._kv_scales import attention_layers, kv_scale_entries
-from ._live_check import engines_checksums, first_mismatch, live_digests
+from ._live_check import verify_live
 from ._previous import arm_previous, restore_previous
 from .capabilities import (
     IN_FLIGHT_POLICIES,
     ConfigReporting,
     DiscardNotifier,
-    ElasticEngines,
     Engine,
-    EngineSet,
-    EngineWorkers,
     InFlightPolicy,
     PausableEngine,
     PeerWaves,
-    RollingEngines,
     VersionedEngine,
-    WorkerDescribing,
     engines_of,
     implements,
 )
 from .cluster import Ranks, SingleRank
 from .errors import (
     OwnershipError,
-    RefitVerificationError,
     SyncError,
     SyncTimeoutError,
     UnsupportedOptionError,
@@ -64,7 +64,7 @@ from .errors import (
 from .events import EventSubscription, VersionEventKind, _EventHub
 from .options import ON_FAILURE, OnFailure, TransportCapabilities
 from .sources import ConfigSource, Preflight, RefitManifest, RefitSource
-from .transport import Transport
+from .transport import Transferred, Transport
 
 __all__ = [
     "GenerationBackend",
@@ -104,22 +104,6 @@ def _check_kv_scales(kv_scales: KVScales | None) -> None:
             raise TypeError(f"kv_scales[{key!r}] must be a float, got {type(value).__name__}")
         if not math.isfinite(value) or value <= 0:
             raise ValueError(f"kv_scales[{key!r}] must be finite and > 0, got {value}")
-
-
-@dataclass(frozen=True, slots=True)
-class Transferred:
-    """What one sync's transfer moved (a transport's ``send`` result).
-
-    Attributes:
-        nbytes: payload bytes moved to the workers.
-        delta: they were delta patches (:mod:`aiosync.delta`), not every tensor.
-        unverified: ``"name: why"`` of each tensor the sync's ``verify=True`` check
-            could not compare (published in the ``COMMITTED`` event).
-    """
-
-    nbytes: int
-    delta: bool = False
-    unverified: tuple[str, ...] = ()
 
 
 class SharedKeywords(TypedDict, total=False):
@@ -298,7 +282,7 @@ class WeightSynchronizer:
         #: A delta transport's baseline and which engines hold it (None: every sync is
         #: full). The transport sets it; this class advances and drops the baseline.
         self.delta: DeltaRefit[Any] | None = None
-        self._check_rolling()
+        check_fleet_options(self)
         self._on_failure: OnFailure = "refuse"
         self.on_failure = on_failure
         #: Host bytes the workers reached by the last initialization keep for
@@ -334,36 +318,6 @@ class WeightSynchronizer:
         if self._initialized and value != self._on_failure:
             raise SyncError("set on_failure before init_communicator()")
         self._on_failure = value
-
-    def _check_rolling(self) -> None:
-        """A fleet that quarantines failed engines or is refit in waves needs a transport
-        that re-forms over part of the fleet (``capabilities.elastic``); waves need one
-        process driving the fleet too. Never a fleet option silently not honoured.
-
-        Raises:
-            UnsupportedOptionError: either is missing (before anything moves).
-        """
-        fleet = self.generation
-        name = type(self.transport).__name__
-        quarantining = getattr(fleet, "on_engine_failure", None) == "quarantine"
-        elastic = self.transport.capabilities.elastic
-        if quarantining and implements(fleet, ElasticEngines) and not elastic:
-            raise UnsupportedOptionError(
-                f"EngineFleet(on_engine_failure='quarantine'): {name} cannot re-form over "
-                "the engines left (its capabilities.elastic is False); use 'fail'"
-            )
-        if not (implements(fleet, RollingEngines) and fleet.rolling):
-            return
-        if not elastic:
-            raise UnsupportedOptionError(
-                f"EngineFleet(refit='rolling'): {name} cannot address part of the fleet "
-                "(its capabilities.elastic is False); use refit='all'"
-            )
-        if self._sharded():
-            raise UnsupportedOptionError(
-                f"EngineFleet(refit='rolling'): {name} is driven by a sharded trainer's "
-                "ranks, which cannot agree on waves only the driver sees; use refit='all'"
-            )
 
     @property
     def delta_baseline(self) -> Baseline | None:
@@ -466,7 +420,7 @@ class WeightSynchronizer:
         """The transport is (re-)opened: the synchronizer's own bookkeeping (delta
         watch, the fleet's membership, take-over, rank agreement on staleness)."""
         self._check_open()
-        rolling = self._rolling()
+        rolling = rolling_fleet(self)
         peers = cast(PeerWaves, rolling) if implements(rolling, PeerWaves) else None
         if self.delta is not None and peers is not None and peers.peer_waves:
             # A peer's copy leaves no delta base on the workers it writes.
@@ -479,7 +433,7 @@ class WeightSynchronizer:
         self._initialized = True
         if self.delta is not None:
             self.delta.watch(self._engines())
-        fleet = self._elastic()
+        fleet = elastic_fleet(self)
         if fleet is not None:
             self._membership_seen = fleet.membership_epoch
         # Initializing is the explicit take-over: a superseded synchronizer syncs again.
@@ -650,17 +604,17 @@ class WeightSynchronizer:
             self._events.publish(VersionEventKind.SYNC_STARTED, version)
             start = time.perf_counter()
             pause = _PauseWindow()
-            rolling = self._rolling()
+            rolling = rolling_fleet(self)
             try:
                 with anyio.fail_after(self.timeouts.sync_s):
                     self._preflight()
                     if rolling is not None:
-                        moved, longest = await self._rolling_transfer(
-                            rolling, version, kv_scales, policy, pause, discards
+                        moved, longest = await rolling_transfer(
+                            self, rolling, version, kv_scales, policy, pause, discards
                         )
                     else:
-                        moved, discards = await self._elastic_transfer(
-                            version, kv_scales, self._pause_call(policy, pause), discards
+                        moved, discards = await elastic_transfer(
+                            self, version, kv_scales, self._pause_call(policy, pause), discards
                         )
                 if rolling is None:
                     self._check_landed(version, discards)
@@ -816,125 +770,9 @@ class WeightSynchronizer:
             delta=isinstance(moved, Transferred) and moved.delta,
             unverified=moved.unverified if isinstance(moved, Transferred) else (),
         )
-        fleet = self._elastic()
+        fleet = elastic_fleet(self)
         for label in fleet.take_joined() if fleet is not None else ():
             self._events.publish(VersionEventKind.ENGINE_JOINED, version, engine=label)
-
-    # -- elastic fleets ----------------------------------------------------------
-
-    def _elastic(self) -> ElasticEngines | None:
-        """The engine fleet whose membership may change, when this process alone drives
-        it (a sharded trainer's ranks could not agree on a membership only one sees)."""
-        if self._sharded() or not self._drives_generation():
-            return None
-        return self.generation if implements(self.generation, ElasticEngines) else None
-
-    async def _elastic_transfer(
-        self,
-        version: int,
-        kv_scales: KVScales | None,
-        pause: Callable[[], Awaitable[None]] | None,
-        discards: int,
-    ) -> tuple[Any, int]:
-        """``pause()`` (the engine's ``pause_generation``; None: no pause), then
-        the transport's ``send``, after its ``rejoin`` when the fleet's membership changed,
-        and, when a failure made the fleet quarantine engines
-        (``on_engine_failure="quarantine"``), again over the engines left: each round
-        sets at least one engine aside, so this ends.
-
-        A failed pause is such a failure too: an engine that died between syncs
-        fails the pause before any byte moves (case C29), and is set aside like
-        one that dies during the transfer; the pause is then made again on the
-        engines left (a fleet's failed pause cancelled theirs).
-
-        Returns ``send``'s result and the count of discard notices
-        (``_discards``) the round that moved it started from: ``discards`` unless
-        a round set engines aside. The next round moves every tensor to every
-        engine left, so a notice heard before it (the dead engine's own above
-        all) is no reason to fail it (case C36)."""
-        fleet = self._elastic()
-        while True:
-            try:
-                if pause is not None:
-                    await pause()
-                    pause = None  # the engines stay paused through later rounds
-                if fleet is not None and fleet.membership_epoch != self._membership_seen:
-                    await self.transport.rejoin(self)
-                    await self._opened()
-                    self._membership_seen = fleet.membership_epoch
-                return await self.transport.send(self, version, kv_scales), discards
-            except Exception as exc:
-                if fleet is None:
-                    raise
-                removed = await fleet.set_aside_failed(exc)
-                if not removed:
-                    raise
-                # What the failed round wrote is no base for a delta.
-                if self.delta is not None:
-                    self.delta.settle(committed=False)
-                for label, reason in removed:
-                    _log.warning("quarantined %s: %s", label, reason)
-                    self._events.publish(
-                        VersionEventKind.ENGINE_QUARANTINED, version, error=reason, engine=label
-                    )
-                discards = self._discards
-                if implements(fleet, EngineSet) and not cast(EngineSet, fleet).engines:
-                    # A rolling refit's wave whose every engine was set aside: nothing to send.
-                    return 0, discards
-
-    def _rolling(self) -> RollingEngines | None:
-        """The fleet when it is refit in waves (``EngineFleet(refit="rolling")``)."""
-        fleet = self._elastic()
-        if fleet is not None and implements(fleet, RollingEngines):
-            rolling = cast(RollingEngines, fleet)
-            return rolling if rolling.rolling else None
-        return None
-
-    async def _rolling_transfer(
-        self,
-        fleet: RollingEngines,
-        version: int,
-        kv_scales: KVScales | None,
-        policy: InFlightPolicy,
-        pause: _PauseWindow,
-        discards: int,
-    ) -> tuple[Transferred, float]:
-        """A rolling refit: for each of the fleet's waves, narrow the fleet to it,
-        pause it, transfer (:meth:`_elastic_transfer`: quarantine applies within the
-        wave), check that it landed, label its engines and resume them, while the
-        engines outside the wave serve. Returns what moved over all waves and the
-        longest pause of a wave, seconds. On a failure the failed wave stays narrowed,
-        with ``pause`` its window: the caller resumes it, then ends it unfit."""
-        nbytes, delta, longest = 0, True, 0.0
-        unverified: tuple[str, ...] = ()
-        peers = cast(PeerWaves, fleet) if implements(fleet, PeerWaves) else None
-        for j, wave in enumerate(fleet.waves()):
-            fleet.begin_wave(wave)
-            moved: int | Transferred | None = None
-            paused = self._pause_call(policy, pause)
-            if j > 0 and peers is not None and peers.peer_waves and not kv_scales:
-                # The engines of earlier waves hold this version: copy it from them
-                # (the trainer sends nothing for this wave).
-                if paused is not None:
-                    await paused()
-                    paused = None
-                if await peers.copy_wave(version, timeout_s=self.timeouts.rpc_s) is not None:
-                    moved = Transferred(0)
-            if moved is None:
-                moved, discards = await self._elastic_transfer(version, kv_scales, paused, discards)
-            self._check_landed(version, discards)
-            await self._label_engine(version)
-            longest = max(longest, await self._resume_after(pause.since, failed=False))
-            pause.since = None
-            fleet.end_wave(committed=True)
-            self._labelling = False
-            if isinstance(moved, Transferred):
-                nbytes += moved.nbytes
-                delta = delta and moved.delta
-                unverified = (*unverified, *moved.unverified)
-            else:
-                nbytes, delta = nbytes + int(moved), False
-        return Transferred(nbytes, delta, tuple(dict.fromkeys(unverified))), longest
 
     def _drives_generation(self) -> bool:
         """Whether this process pauses, wakes and labels the engine around a sync
@@ -1032,41 +870,7 @@ class WeightSynchronizer:
             TypeError: the engine has no ``collective_rpc`` (:class:`EngineWorkers`).
             NotImplementedError: a sharded trainer (every rank holds a shard).
         """
-        self._check_open()
-        if self._sharded():
-            raise NotImplementedError("verify_engine() needs a single-process trainer")
-        generation = self.generation
-        if not isinstance(generation, EngineWorkers):
-            raise TypeError(
-                f"verify_engine() reads the weights back through the workers: "
-                f"{type(generation).__name__} has no collective_rpc"
-            )
-        async with self._lock, self._source_lock:
-            held, layouts = await live_digests(generation, self.timeouts.rpc_s)
-            mismatch = await anyio.to_thread.run_sync(first_mismatch, self.policy, held, layouts)
-        if mismatch is not None:
-            rank, what = mismatch
-            self._live_weights_wrong()
-            who = (
-                generation.describe_worker(rank)
-                if isinstance(generation, WorkerDescribing)
-                else f"engine worker {rank}"
-            )
-            raise RefitVerificationError(
-                f"{who}: {what} (the trainer's weights of version {self._policy_version}, "
-                f"the engine's labelled {self._weight_version})"
-            )
-        try:
-            checksummed = await engines_checksums(generation)
-        except RefitVerificationError:
-            self._live_weights_wrong()
-            raise
-        return {
-            "workers": len(held),
-            "tensors": sum(len(h) for h in held),
-            "checksummed": checksummed,
-            "version": self._weight_version,
-        }
+        return await verify_live(self)
 
     async def shutdown(self) -> None:
         """Close the transport (its ``close``), release everything and end every event

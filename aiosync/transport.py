@@ -11,14 +11,31 @@ calls them, the training loop never does. ``docs/transports.md`` shows a whole o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from .options import TransportCapabilities
 
 if TYPE_CHECKING:
-    from .synchronizer import KVScales, Transferred, WeightSynchronizer
+    from .synchronizer import KVScales, WeightSynchronizer
 
-__all__ = ["Transport"]
+__all__ = ["Transferred", "Transport"]
+
+
+@dataclass(frozen=True, slots=True)
+class Transferred:
+    """What one sync's transfer moved (a transport's ``send`` result).
+
+    Attributes:
+        nbytes: payload bytes moved to the workers.
+        delta: they were delta patches (:mod:`aiosync.delta`), not every tensor.
+        unverified: ``"name: why"`` of each tensor the sync's ``verify=True`` check
+            could not compare (published in the ``COMMITTED`` event).
+    """
+
+    nbytes: int
+    delta: bool = False
+    unverified: tuple[str, ...] = ()
 
 
 @runtime_checkable
@@ -44,7 +61,7 @@ class Transport(Protocol):
     ) -> int | Transferred:
         """Move the weights of ``version`` (and ``kv_scales``, checked already) to every
         worker, the workers' own commit included; return the bytes moved, or a
-        :class:`~aiosync.synchronizer.Transferred` (also: a delta, what went unverified).
+        :class:`Transferred` (also: a delta, what went unverified).
         Raise on any failure: the synchronizer keeps the versions consistent."""
         ...
 
