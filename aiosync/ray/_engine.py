@@ -8,7 +8,7 @@ without awaiting (``asleep_tags``, ``weights_valid``, ``tensor_parallel_size``,
 (a method the engine lacks is ``None`` on the class, which is how a
 ``runtime_checkable`` Protocol is told no), so every transport drives it as
 it would drive the engine in-process. Ray's exceptions are translated here, in
-one place (:func:`_remote`). See ``docs/ray.md``.
+one place (:func:`aiosync.ray._remote.remote`). See ``docs/ray.md``.
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ import anyio
 import ray
 import ray.exceptions
 
-from aiosync.errors import SyncError, SyncTimeoutError, TransportError
+from aiosync.errors import SyncError, TransportError
 
-from ._host import ALWAYS_METHODS, CAPABILITIES, EXTRA_METHODS, Reply
+from ._claims import base_class, claiming
+from ._host import Reply
+from ._remote import actor_label, remote
 
 if TYPE_CHECKING:
     from aiosync.capabilities import (
@@ -207,7 +209,7 @@ class RayEngine:
         return self
 
     async def _start_actor(self) -> None:
-        description = await _remote(
+        description = await remote(
             self, "start", self.start_timeout_s, lambda: self._actor.start.remote()
         )
         self._adopt(description)
@@ -229,8 +231,8 @@ class RayEngine:
         )
         self._discards_seen = int(description["state"]["discards"])
         self._state = dict(description["state"])
-        self.__class__ = _claiming(
-            _base_class(type(self)),
+        self.__class__ = claiming(
+            base_class(type(self)),
             frozenset(description["capabilities"]),
             frozenset(description["methods"]),
         )
@@ -252,12 +254,12 @@ class RayEngine:
             return
         self._closed = True
         try:
-            await _remote(self, "shutdown", timeout_s, lambda: self._actor.shutdown.remote())
+            await remote(self, "shutdown", timeout_s, lambda: self._actor.shutdown.remote())
         except SyncError:
             pass  # the actor is dead or hung: the kill below ends it
         except Exception:
             # The engine's own shutdown failed: the actor still goes (its children with it).
-            _log.exception("shutting down the engine in %s", _label(self))
+            _log.exception("shutting down the engine in %s", actor_label(self))
         if not self.owns_actor:
             return
         ray.kill(self._actor)
@@ -295,7 +297,7 @@ class RayEngine:
         self._check_open()
         if self._info is None:
             raise SyncError(f"RayEngine.start() before {method}(): the engine actor is not started")
-        reply: Reply = await _remote(
+        reply: Reply = await remote(
             self,
             method,
             limit_s,
@@ -560,119 +562,6 @@ class RayEngine:
         (through Ray's object store: small models, tests and tools)."""
         result: list[dict[str, Any]] = await self._call("hf_state_dicts", limit_s=self._limit(None))
         return result
-
-
-async def _remote(
-    engine: RayEngine, method: str, limit_s: float | None, submit: Callable[[], Any]
-) -> Any:
-    """Submit one actor call (``submit()`` returns its ObjectRef) and await it within
-    ``limit_s`` (None: no limit), translating Ray's errors into aiosync's: the one
-    place where they are translated.
-
-    * ``RayActorError`` (died, restarting, unavailable) -> :class:`TransportError`
-      naming the actor (``__cause__``: Ray's error); the engine's weights count as
-      discarded.
-    * ``RayTaskError`` (an actor method raised) -> the original exception, its
-      type and message kept (``__cause__``: Ray's error, with the remote traceback).
-    * any other ``RayError`` (a crashed worker, a lost object) -> TransportError.
-    * the limit passed -> :class:`SyncTimeoutError`. A call given up (timed out,
-      cancelled) is cancelled in the actor too (``ray.cancel``).
-    """
-    ref = submit()
-    try:
-        with anyio.fail_after(math.inf if limit_s is None else limit_s):
-            return await ref
-    except BaseException as exc:
-        label = _label(engine)
-        if isinstance(exc, ray.exceptions.RayActorError):
-            engine._actor_lost(exc)
-            raise TransportError(
-                f"{label} died (or is restarting) during {method}(): {_reason(exc)}"
-            ) from exc
-        if isinstance(exc, ray.exceptions.RayTaskError):
-            cause = exc.cause
-            if isinstance(cause, Exception) and not isinstance(cause, ray.exceptions.RayError):
-                raise cause from exc
-        if isinstance(exc, ray.exceptions.RayError):
-            raise TransportError(f"{label}: {method}() failed in Ray: {_reason(exc)}") from exc
-        with contextlib.suppress(Exception):
-            ray.cancel(ref)
-        if isinstance(exc, TimeoutError):
-            raise SyncTimeoutError(f"{label} did not answer {method}() within {limit_s} s") from exc
-        raise
-
-
-def _label(engine: RayEngine) -> str:
-    info = engine._info
-    if info is None:
-        return "the engine actor"
-    return f"engine actor {info.actor_id[:12]} ({info.engine}, node {info.node_ip}, pid {info.pid})"
-
-
-def _reason(exc: BaseException) -> str:
-    """Ray's message without its indented detail lines (ids, pids: they are in the
-    label), e.g. ``"The actor died unexpectedly before finishing this task. The actor
-    is dead because it was killed by `ray.kill`."``."""
-    lines = [line.strip() for line in str(exc).splitlines() if line and not line[0].isspace()]
-    return " ".join(lines) or type(exc).__name__
-
-
-# -- claiming exactly the engine's capabilities ------------------------------------------
-
-#: Methods a RayEngine forwards, by the capability that brings them (None: always
-#: claimed when the engine has them).
-_METHODS_OF: dict[str, str | None] = {
-    **{m: name for name, (_, methods, _) in CAPABILITIES.items() for m in methods},
-    **{m: None for m in ALWAYS_METHODS + EXTRA_METHODS},
-}
-_PROPERTIES_OF: dict[str, str] = {
-    p: name for name, (_, _, props) in CAPABILITIES.items() for p in props
-}
-# The engine's own respawns are optional; the actor's are always there.
-_KEEP = frozenset({"respawn_dead_workers"})
-
-
-def _absent(name: str, capability: str) -> property:
-    def get(self: RayEngine) -> Any:
-        raise AttributeError(f"the engine in this actor is no {capability}: it has no {name}")
-
-    return property(get)
-
-
-def _base_class(cls: type[RayEngine]) -> type[RayEngine]:
-    """The class a :func:`_claiming` class was made from (itself otherwise)."""
-    base: type[RayEngine] = getattr(cls, "_claims_for", cls)
-    return base
-
-
-#: One class per (base, capabilities, methods): made once, reused by every RayEngine.
-_CLAIMING: dict[tuple[str, frozenset[str], frozenset[str]], type[RayEngine]] = {}
-
-
-def _claiming(
-    base: type[RayEngine], capabilities: frozenset[str], methods: frozenset[str]
-) -> type[RayEngine]:
-    """``base`` less what the engine lacks: its methods ``None`` (a runtime Protocol
-    then says no), its mirrored properties raising AttributeError."""
-    key = (f"{base.__module__}.{base.__qualname__}#{id(base)}", capabilities, methods)
-    made = _CLAIMING.get(key)
-    if made is not None:
-        return made
-    blocked: dict[str, Any] = {
-        m: None
-        for m, capability in _METHODS_OF.items()
-        if m not in _KEEP and (m not in methods or (capability and capability not in capabilities))
-    }
-    blocked |= {
-        p: _absent(p, capability)
-        for p, capability in _PROPERTIES_OF.items()
-        if capability not in capabilities
-    }
-    name = base.__name__
-    cls = type(name, (base,), {**blocked, "_claims_for": base, "__module__": base.__module__})
-    cls.__qualname__ = base.__qualname__
-    _CLAIMING[key] = cls
-    return cls
 
 
 if TYPE_CHECKING:
