@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from aiosync.cli import LATENCY_BOUND_BYTES, BenchRow, _bench_figure, _bench_table
+from aiosync._bench import LATENCY_BOUND_BYTES, BenchRow, bench_figure, bench_table
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,7 +37,7 @@ def row(transport: str, nbytes: int, seconds: float, memcpy_seconds: float) -> B
 def rendered(rows: list[BenchRow]) -> list[list[str]]:
     """The table's body rows, cell by cell, as printed."""
     out = io.StringIO()
-    Console(file=out, width=200).print(_bench_table(rows, "t"))
+    Console(file=out, width=200).print(bench_table(rows, "t"))
     return [
         [cell.strip() for cell in line.strip("│").split("│")]
         for line in out.getvalue().splitlines()
@@ -57,9 +57,9 @@ def test_table_shows_latency_below_the_bound_and_throughput_from_it_on() -> None
 def test_table_explains_the_dash_only_when_a_row_has_one() -> None:
     small = row("ipc", 230_272, 0.0081, 0.0000115)
     large = row("ipc", LATENCY_BOUND_BYTES, 0.02, 0.01)
-    assert _bench_table([small], "t").caption is not None
-    assert "64 MiB" in str(_bench_table([small], "t").caption)
-    assert _bench_table([large], "t").caption is None
+    assert bench_table([small], "t").caption is not None
+    assert "64 MiB" in str(bench_table([small], "t").caption)
+    assert bench_table([large], "t").caption is None
 
 
 def test_figure_is_log_log_with_byte_labels_and_one_memcpy_line_per_transport() -> None:
@@ -71,7 +71,7 @@ def test_figure_is_log_log_with_byte_labels_and_one_memcpy_line_per_transport() 
         for t in ("ipc", "collective")
         for n in sizes
     ]
-    fig = _bench_figure(rows)
+    fig = bench_figure(rows)
     fig.draw_without_rendering()
     lat_ax, bw_ax = fig.axes
     for ax in (lat_ax, bw_ax):
@@ -113,7 +113,7 @@ def test_figure_has_no_latency_shade_when_every_refit_is_large() -> None:
     rows = [
         row("ipc", n, n / 3e9, n / 8e9) for n in (LATENCY_BOUND_BYTES, 10 * LATENCY_BOUND_BYTES)
     ]
-    fig = _bench_figure(rows)
+    fig = bench_figure(rows)
     assert fig.axes[1].get_legend() is None
     assert not fig.axes[1].patches
 
