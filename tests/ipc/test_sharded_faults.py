@@ -136,10 +136,13 @@ def test_a_rank_killed_mid_sync_names_it_to_every_survivor_who_exits_and_a_resta
     for rank in (rank0, rank1):
         kind, message = rank["failure"]
         assert kind == "TransportError"
-        assert message.startswith("trainer rank 2 died (process ")
+        # Rank 2 is named on both; a survivor that already exited after the failure
+        # may be named beside it (its process is gone too by the time this looks).
+        assert "trainer rank 2 died (process " in message
         assert " during the trainer ranks' vote on tensor 4: " in message
-        pid = pid or message.split("(process ")[1].split(")")[0]
-        assert message.startswith(f"trainer rank 2 died (process {pid})")
+        pid = pid or message.split("trainer rank 2 died (process ")[1].split(")")[0]
+        assert f"trainer rank 2 died (process {pid})" in message
+        assert "trainer rank 0 died" not in message or rank is rank1
         assert rank["after_failure"] == [2, 1, True]
     # Rank 0's and rank 1's workers loaded buckets of the failed version: none serves.
     assert rank0["engine_after_failure"]["weights_valid"] == [False, False, False]
