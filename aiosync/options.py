@@ -16,6 +16,7 @@ keyword is reachable through these objects.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -36,6 +37,7 @@ __all__ = [
     "SyncOptions",
     "TransportCapabilities",
     "TransportOptions",
+    "check_keywords",
 ]
 
 #: What ``verify=`` may be: ``True`` (every byte), ``"sample"``, ``False``.
@@ -338,3 +340,17 @@ TRANSPORT_OPTIONS: tuple[type[TransportOptions], ...] = (
 def _given(options: Any) -> dict[str, Any]:
     values = {f.name: getattr(options, f.name) for f in fields(options)}
     return {name: value for name, value in values.items() if value is not None}
+
+
+def check_keywords(schema: Any, given: Mapping[str, object], call: str) -> None:
+    """``**given``, typed by the TypedDict ``schema`` (``Unpack[schema]``), as a signature
+    would check it at run time.
+
+    Raises:
+        TypeError: a keyword ``schema`` does not name, or a required one missing.
+    """
+    unknown = sorted(set(given) - schema.__required_keys__ - schema.__optional_keys__)
+    missing = sorted(schema.__required_keys__ - set(given))
+    if unknown or missing:
+        what = f"unexpected keyword(s) {unknown}" if unknown else f"missing keyword(s) {missing}"
+        raise TypeError(f"{call}(): {what}")

@@ -27,14 +27,15 @@ running requests do is the engine's business (its workers' gate, vLLM's schedule
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 import anyio
 
 from aiosync.capabilities import IN_FLIGHT_POLICIES
-from aiosync.errors import SyncTimeoutError
+from aiosync.errors import SyncError, SyncTimeoutError
 
 __all__ = ["AdmissionGate", "GenerationGate", "RequestTicket"]
 
@@ -223,6 +224,48 @@ class AdmissionGate:
     def pause(self) -> None:
         """Hold every later call until :meth:`resume`."""
         self._paused = True
+
+    @contextlib.asynccontextmanager
+    async def pausing(
+        self,
+        limit_s: float,
+        resume: Callable[[], Awaitable[None]],
+        *,
+        timeout_message: str,
+        where: str,
+        log: logging.Logger,
+    ) -> AsyncIterator[None]:
+        """An engine's ``pause_generation``, its block what pauses the engine: later
+        calls are held (:meth:`pause`) and the block is bounded by ``limit_s`` seconds.
+
+        On any failure of the block (its cancellation too) the engine is resumed
+        first, ``resume()`` shielded and bounded by ``limit_s``, so a failed pause
+        leaves nothing held; a resume that fails with a :class:`~aiosync.SyncError`
+        is one line on ``log`` (naming ``where``), the pause's error being the one
+        raised.
+
+        Raises:
+            SyncTimeoutError: ``timeout_message``: the block ran past ``limit_s``.
+            Whatever the block raised.
+        """
+        self.pause()
+        try:
+            with anyio.fail_after(limit_s):
+                yield
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(limit_s):
+                try:
+                    await resume()
+                except SyncError as resume_exc:  # secondary: the pause's error has the traceback
+                    log.error(
+                        "resuming %s after a failed pause: %s: %s",
+                        where,
+                        type(resume_exc).__name__,
+                        resume_exc,
+                    )
+            if isinstance(exc, TimeoutError) and not isinstance(exc, SyncError):
+                raise SyncTimeoutError(timeout_message) from exc
+            raise
 
     def resume(self) -> None:
         """Admit calls again. Idempotent."""

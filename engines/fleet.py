@@ -4,55 +4,26 @@ A fleet is itself a :class:`~aiosync.GenerationBackend` and an
 :class:`~aiosync.EngineWorkers`, so every transport drives it unchanged: one
 ``sync_weights()`` moves the weights to the workers of every engine
 concurrently, and ``weight_version`` advances only when all of them committed.
-
-Worker ranks are global: engine ``i``'s workers follow those of engines
-``0..i-1`` (each engine's workers are told their offset, see
-``aiosync.transports._identity``), as vLLM numbers data-parallel replicas.
 An error of one engine is raised with the engine named (``engine 1 of 2: ...``)
 and fails the whole sync; every engine that may hold part of the failed
 version then refuses to generate until a sync succeeds.
 
-**Elastic fleets** (``on_engine_failure="quarantine"``). After a failed sync the
-synchronizer asks the fleet which members failed (:meth:`EngineFleet.set_aside_failed`):
-each engine in the sync is probed (its :class:`~aiosync.capabilities.HealthReporting`
-check, then one round trip to every worker, within ``probe_timeout_s``: a hung
-worker fails it as a dead one does); the ones that fail are *quarantined*: no more
-syncs, no generate calls. If at least ``min_engines`` remain, the synchronizer re-forms
-its transport over them and syncs them again within the same ``sync_weights()``
-(``weight_version`` then means "live on every engine in service"); below it the
-sync fails as with ``"fail"``. :meth:`EngineFleet.add_engine` (a new engine, or a
-healed one) brings an engine in as *joining*: the next sync gives it every
-tensor, and it serves only once that sync committed. Worker ranks stay
-contiguous over the engines in the sync; each membership change bumps
-:attr:`EngineFleet.membership_epoch`, which makes the synchronizer re-initialize
-before its next transfer.
+The class is built by role, one module each, every layer on the one before:
 
-**Rolling refits** (``refit="rolling"``). One ``sync_weights()`` refits the fleet in
-*waves* of at most ``max_unavailable`` engines (:meth:`EngineFleet.waves`): the
-synchronizer narrows the fleet to a wave (:meth:`EngineFleet.begin_wave`: syncs reach
-only its engines, and the transport re-forms over them), pauses, transfers, labels
-and resumes them, then goes on to the next; meanwhile ``generate`` goes to the
-engines outside the wave, which serve the version they hold, and each
-:class:`~aiosync.Generation` says which version computed it. ``weight_version``
-advances once every wave committed. A wave that fails (or is cancelled) leaves its
-engines *unfit*: they serve nothing until a later sync commits them; the waves
-before it serve the new version, those after it the previous one
-(:attr:`EngineFleet.versions`), so the fleet keeps generating through a failed refit.
-``max_version_lag`` bounds the mix: an engine more versions behind the newest one in
-service takes no new requests until it catches up. Engines joining or unfit go in the
-first wave (they serve nothing, so refitting them costs no capacity). Each wave
-re-forms the transport (the collective: a group over the wave's workers), so a wave
-costs one formation besides its transfer.
+* :mod:`._membership`: the members, in service, joining, quarantined, and the
+  quarantine after a failed sync (**elastic fleets**, ``on_engine_failure="quarantine"``);
+* :mod:`._waves`: **rolling refits** (``refit="rolling"``): the waves, and the
+  version each engine serves (``max_version_lag``);
+* :mod:`._catch_up`: engines added from the trainer or from a peer (**catch-up from
+  a peer**, :meth:`EngineFleet.catch_up`), and the gate between syncs and catch-ups;
+* :mod:`._fleet_workers`: the workers of every engine as one set (global ranks,
+  ``collective_rpc``);
+* this module: the fleet as one engine (commit, pause, sleep, generation, LoRA,
+  layouts), each call fanned out to the engines.
 
-**Catch-up from a peer** (``add_engine(engine, source="peer")``, then
-:meth:`EngineFleet.catch_up`). The engine takes the weights of the newest version the
-fleet serves from an engine that serves it, worker to worker, instead of from the
-trainer: no sync reaches it while it waits, the trainer's source is not read and the
-synchronizer sends nothing for it. Its weights are invalid from the first byte
-received; it serves, labelled with the peer's version, only once the digests of every
-tensor it holds equal the peer's. A sync waits (in :meth:`EngineFleet.pause_generation`)
-before it refits an engine being copied from or into; a catch-up waits for a sync that is
-refitting its peer. See ``docs/fleets.md`` ("Catch-up from a peer").
+Worker ranks are global: engine ``i``'s workers follow those of engines
+``0..i-1``, as vLLM numbers data-parallel replicas. See each module's docs, and
+``docs/fleets.md``.
 
 Capabilities (:mod:`aiosync.capabilities`) when some members lack one: what a
 member can skip without lying the fleet forwards to the members that have it
@@ -66,12 +37,10 @@ member (an error naming the member that lacks it, before any member is called).
 
 from __future__ import annotations
 
-import bisect
 import functools
-import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 
@@ -87,14 +56,16 @@ from aiosync.capabilities import (
     PausableEngine,
     SleepReporting,
     VersionedEngine,
-    engines_of,
 )
-from aiosync.errors import SyncError, SyncTimeoutError, TransportError
+from aiosync.errors import SyncError, TransportError
 from aiosync.generation import Generation, SamplingParams, sampling_params
 from aiosync.lora import LoRAAdapter, LoRAEngine
 
+from ._catch_up import CatchUp
+from ._fleet_workers import RespawningEngine, _FleetWorkers
 from ._generate import GenerateFromMeta
-from ._peer import CatchUp, copy_weights
+from ._membership import OnEngineFailure
+from ._waves import FleetRefit, JoinSource
 
 if TYPE_CHECKING:
     from aiosync.capabilities import (
@@ -116,37 +87,12 @@ __all__ = [
     "RespawningEngine",
 ]
 
-_T = TypeVar("_T")
-_log = logging.getLogger(__name__)
-
-#: What a fleet does with an engine that fails a sync: fail the sync (``"fail"``), or
-#: set the engine aside and commit on the others (``"quarantine"``).
-OnEngineFailure = Literal["fail", "quarantine"]
-
-#: How one ``sync_weights()`` refits a fleet: every engine at once (``"all"``: each is
-#: paused for the transfer), or in waves while the others serve (``"rolling"``).
-FleetRefit = Literal["all", "rolling"]
-
-#: Where an engine added to a fleet takes its first weights from: the trainer, at the
-#: next sync (``"trainer"``), or an engine that serves the fleet's newest version, at
-#: :meth:`EngineFleet.catch_up` (``"peer"``).
-JoinSource = Literal["trainer", "peer"]
-
 #: The keywords of generate_with_meta that are sampling parameters (the rest
 #: are an engine's own, e.g. the embedded engine's ``timeout_s``).
 _SAMPLING_KEYWORDS = frozenset(f.name for f in fields(SamplingParams)) | {"max_new_tokens"}
 
 
-@runtime_checkable
-class RespawningEngine(Protocol):
-    """An engine that can replace its dead worker processes (the embedded engine)."""
-
-    async def respawn_dead_workers(self) -> list[int]:
-        """Start a fresh worker for every dead one; returns their ranks (ascending)."""
-        ...
-
-
-class EngineFleet(GenerateFromMeta):
+class EngineFleet(_FleetWorkers, GenerateFromMeta):
     """Several engines (vLLM replicas, embedded engines) updated by one synchronizer.
 
     Args:
@@ -195,71 +141,12 @@ class EngineFleet(GenerateFromMeta):
         max_version_lag: int | None = None,
         wave_source: JoinSource = "trainer",
     ) -> None:
-        if on_engine_failure not in ("fail", "quarantine"):
-            raise ValueError(
-                f"on_engine_failure must be 'fail' or 'quarantine', got {on_engine_failure!r}"
-            )
-        if isinstance(min_engines, bool) or not isinstance(min_engines, int) or min_engines < 1:
-            raise ValueError(f"min_engines must be an int >= 1, got {min_engines!r}")
-        if refit not in ("all", "rolling"):
-            raise ValueError(f"refit must be 'all' or 'rolling', got {refit!r}")
-        if wave_source not in ("trainer", "peer"):
-            raise ValueError(f"wave_source must be 'trainer' or 'peer', got {wave_source!r}")
-        if wave_source == "peer" and refit != "rolling":
-            raise ValueError("wave_source='peer' takes a rolling fleet (refit='rolling')")
-        if isinstance(max_unavailable, bool) or not (
-            (isinstance(max_unavailable, int) and max_unavailable >= 1)
-            or (isinstance(max_unavailable, float) and 0.0 < max_unavailable < 1.0)
-        ):
-            raise ValueError(
-                "max_unavailable must be an int >= 1 or a fraction in (0, 1), "
-                f"got {max_unavailable!r}"
-            )
-        if max_version_lag is not None and (
-            isinstance(max_version_lag, bool)
-            or not isinstance(max_version_lag, int)
-            or max_version_lag < 0
-        ):
-            raise ValueError(
-                f"max_version_lag must be None or an int >= 0, got {max_version_lag!r}"
-            )
-        # A plain list: engines_of would take a fleet given here for its members.
-        #: Every engine ever in the fleet, in order (quarantined ones included).
-        self.members: list[Any] = list(engines_of(list(engines)))
-        self.on_engine_failure: OnEngineFailure = on_engine_failure
-        self.min_engines = min_engines
-        self.probe_timeout_s = probe_timeout_s
-        self.refit: FleetRefit = refit
-        self.max_unavailable = max_unavailable
-        self.max_version_lag = max_version_lag
-        self.wave_source: JoinSource = wave_source
-        # The wave a rolling sync is refitting (None: none); syncs reach only it.
-        self._wave: list[Any] | None = None
-        # By id(): the version each engine serves (from on_weights_committed), and why
-        # an engine in service serves nothing (a failed wave left it unfit).
-        self._versions: dict[int, int] = {}
-        self._unfit: dict[int, str] = {}
-        # Membership, by id(): absent = in service.
-        self._joining: set[int] = set()
-        self._quarantined: dict[int, str] = {}
-        self._joined: list[str] = []
-        # Engines waiting for a catch-up from a peer (add_engine(source="peer")), by id():
-        # why their last catch-up failed (None: none tried yet). No sync reaches them.
-        self._catching_up: dict[int, str | None] = {}
-        # By id(): engines a sync paused (from pause_generation to resume_generation) and
-        # engines a catch-up copies from or into. Each side waits for the other under
-        # _gate: a sync never writes an engine whose bytes are moving to a peer.
-        self._refitting: set[int] = set()
-        self._copying: set[int] = set()
-        self._gate = anyio.Condition()
-        self._catch_up_lock = anyio.Lock()
+        # Each layer's own state, its arguments checked there (the module docs).
+        self._init_membership(engines, on_engine_failure, min_engines, probe_timeout_s)
+        self._init_waves(refit, max_unavailable, max_version_lag, wave_source)
+        self._init_catch_up()
+        self._init_workers()
         self._listeners: list[Callable[[], None]] = []
-        #: Incremented by every membership change (a quarantine, an add_engine).
-        self.membership_epoch = 0
-        #: Each engine's first global worker rank, once assigned.
-        self._offsets: list[int] | None = None
-        self._num_workers = 0
-        self._assigning = anyio.Lock()
         # Why generate() refuses on account of a LoRA adapter load across the fleet.
         self._lora_refusal: str | None = None
         for engine in self.members:
@@ -271,394 +158,7 @@ class EngineFleet(GenerateFromMeta):
     def __repr__(self) -> str:
         return f"EngineFleet({', '.join(type(e).__name__ for e in self.engines)})"
 
-    # -- membership ------------------------------------------------------------
-
-    @property
-    def engines(self) -> list[Any]:
-        """The engines syncs reach, in order: those in service and those joining
-        (never a quarantined one, nor one waiting for a catch-up from a peer); during a
-        rolling refit's wave, the wave's."""
-        scope = self.members if self._wave is None else self._wave
-        return [
-            e for e in scope if id(e) not in self._quarantined and id(e) not in self._catching_up
-        ]
-
-    def _in_service(self) -> list[Any]:
-        """Neither quarantined nor joining nor waiting for a catch-up (whatever a rolling
-        refit is doing)."""
-        away = self._quarantined.keys() | self._joining | self._catching_up.keys()
-        return [e for e in self.members if id(e) not in away]
-
-    @property
-    def serving(self) -> list[Any]:
-        """The engines new generate calls go to: in service, not left unfit by a failed
-        wave, and, where there are others, neither in the wave a rolling refit is
-        refitting nor more than ``max_version_lag`` versions behind."""
-        fit = [e for e in self._in_service() if id(e) not in self._unfit]
-        current = fit
-        if self.max_version_lag is not None:
-            known = [self._versions[id(e)] for e in fit if id(e) in self._versions]
-            floor = max(known, default=0) - self.max_version_lag
-            current = [e for e in fit if self._versions.get(id(e), floor) >= floor]
-        away = {id(e) for e in self._wave or ()}
-        # With every current engine in the wave, requests wait for its resume.
-        return [e for e in current if id(e) not in away] or current or fit
-
-    @property
-    def versions(self) -> dict[str, int | None]:
-        """``{label: version}`` of every engine not quarantined: the version it last
-        committed (None: none since it started, or it discarded its weights, or a
-        failed wave left it unfit)."""
-        return {
-            self._name(e): self._versions.get(id(e))
-            for e in self.members
-            if id(e) not in self._quarantined
-        }
-
-    @property
-    def unfit(self) -> dict[str, str]:
-        """``{label: reason}`` of the engines a failed wave left serving nothing."""
-        return {self._name(e): why for e in self.members if (why := self._unfit.get(id(e)))}
-
-    # -- rolling refits (RollingEngines) -----------------------------------------
-
-    @property
-    def rolling(self) -> bool:
-        """True when syncs refit the fleet in waves (``refit="rolling"``)."""
-        return self.refit == "rolling"
-
-    def waves(self) -> list[list[Any]]:
-        """The next sync's waves: every engine the sync reaches once, in fleet order, at
-        most ``max_unavailable`` of those in service per wave; the engines that serve
-        nothing (joining, unfit) ride in the first. ``refit="all"``: one wave."""
-        engines = self.engines
-        if not self.rolling:
-            return [engines]
-        idle = [e for e in engines if id(e) in self._joining or id(e) in self._unfit]
-        busy = [e for e in engines if all(e is not i for i in idle)]
-        size = self.max_unavailable
-        if isinstance(size, float):
-            size = max(1, int(size * len(busy)))
-        waves = [busy[i : i + size] for i in range(0, len(busy), size)] or [[]]
-        waves[0] = idle + waves[0]
-        return [wave for wave in waves if wave]
-
-    @property
-    def peer_waves(self) -> bool:
-        """True when a rolling sync's waves after the first copy from a peer
-        (``wave_source="peer"``, :meth:`copy_wave`)."""
-        return self.rolling and self.wave_source == "peer"
-
-    async def copy_wave(self, version: int, *, timeout_s: float = 60.0) -> int | None:
-        """Copy ``version`` into every engine of the wave in progress from an engine
-        outside it that committed ``version`` (worker to worker, verified against the
-        peer's digests: :func:`~aiosync.engines._peer.copy_weights`), one engine after
-        the other, spreading them over the peers; returns the bytes the peers sent.
-        None (nothing copied): no engine outside the wave serves ``version``: the
-        trainer's transport moves this wave too.
-
-        Raises:
-            RefitMismatchError, RefitVerificationError, TransportError, SyncTimeoutError:
-                as :func:`~aiosync.engines._peer.copy_weights`, naming the engine.
-        """
-        wave = self.engines
-        peers = [
-            e
-            for e in self._in_service()
-            if self._versions.get(id(e)) == version
-            and id(e) not in self._unfit
-            and all(e is not w for w in wave)
-        ]
-        if not peers:
-            return None
-        nbytes = 0
-        for i, engine in enumerate(wave):
-            peer = peers[i % len(peers)]
-            done = await copy_weights(
-                peer,
-                engine,
-                peer_label=self._name(peer),
-                label=self._name(engine),
-                version=version,
-                host="127.0.0.1",
-                timeout_s=timeout_s,
-            )
-            nbytes += done.nbytes
-        return nbytes
-
-    def begin_wave(self, engines: Sequence[Any]) -> None:
-        """Narrow the fleet to ``engines``: :attr:`engines` (what a sync reaches) is
-        theirs, and the membership epoch moves (the transport re-forms over them).
-
-        Raises:
-            ValueError: a wave is in progress, or an engine is not in the fleet.
-        """
-        if self._wave is not None:
-            raise ValueError("a rolling refit's wave is already in progress")
-        for engine in engines:
-            if all(engine is not e for e in self.engines):
-                raise ValueError(f"{type(engine).__name__} at {id(engine):#x} is not in the sync")
-        self._wave = list(engines)
-        self._membership_changed()
-
-    def end_wave(self, *, committed: bool) -> None:
-        """Widen the fleet again after a wave. ``committed=False`` (its transfer failed
-        or was cancelled): its engines may hold part of a version and are *unfit*, serving
-        nothing until a later sync commits them. No wave in progress: nothing."""
-        if self._wave is None:
-            return
-        if not committed:
-            for engine in self.engines:
-                self._unfit[id(engine)] = "a rolling refit failed while it was in its wave"
-                self._versions.pop(id(engine), None)
-        self._wave = None
-        self._membership_changed()
-
-    @property
-    def quarantined(self) -> dict[str, str]:
-        """``{label: reason}`` of the engines set aside."""
-        return {self._name(e): why for e in self.members if (why := self._quarantined.get(id(e)))}
-
-    def add_engine(self, engine: Any, *, source: JoinSource = "trainer") -> None:
-        """Bring ``engine`` (a new one, or a quarantined one healed or respawned) in.
-
-        ``source="trainer"``: as *joining*: the next sync gives it every tensor; it
-        serves once that committed. ``source="peer"``: it waits for :meth:`catch_up`,
-        which copies the newest version the fleet serves into it from an engine that
-        serves it; no sync reaches it until then. An engine waiting for a catch-up
-        (one failed, say) may be added again with the other source.
-
-        Raises:
-            ValueError: an unknown ``source``, or ``engine`` is already in the fleet
-                (neither quarantined nor waiting for a catch-up).
-        """
-        if source not in ("trainer", "peer"):
-            raise ValueError(f"source must be 'trainer' or 'peer', got {source!r}")
-        away = self._quarantined.keys() | self._catching_up.keys()
-        if any(e is engine and id(e) not in away for e in self.members):
-            raise ValueError(f"{self._name(engine)} is already in the fleet")
-        if not any(e is engine for e in self.members):
-            self.members.append(engine)
-            self._relay_discards(engine)
-        self._quarantined.pop(id(engine), None)
-        if source == "peer":
-            # Whatever it served before (a quarantined engine) is no version of the fleet's.
-            self._versions.pop(id(engine), None)
-            self._unfit.pop(id(engine), None)
-            self._catching_up[id(engine)] = None
-            return  # no sync reaches it: the synchronizer's membership is unchanged
-        self._catching_up.pop(id(engine), None)
-        self._joining.add(id(engine))
-        self._membership_changed()
-
-    @property
-    def catching_up(self) -> dict[str, str | None]:
-        """``{label: why its last catch-up failed (None: none tried)}`` of the engines
-        waiting for :meth:`catch_up` (``add_engine(engine, source="peer")``)."""
-        return {
-            self._name(e): self._catching_up[id(e)]
-            for e in self.members
-            if id(e) in self._catching_up
-        }
-
-    async def catch_up(self, *, host: str = "127.0.0.1", timeout_s: float = 60.0) -> list[CatchUp]:
-        """Copy the newest version the fleet serves into every engine waiting for a
-        catch-up (``add_engine(engine, source="peer")``), one after the other, each from
-        an engine that serves that version, worker to worker; each then serves, labelled
-        with that version (``on_weights_committed``). The trainer is not involved: its
-        source is not read and its synchronizer sends nothing, and it may sync meanwhile
-        (a sync waits, in :meth:`pause_generation`, before it refits the peer or the
-        engine being copied into; this call waits for a sync refitting the peer).
-
-        The peer: among the engines in service and fit, those at the newest known version
-        (:attr:`versions`), the first not being refit. Its weights were checked against
-        the trainer's when it committed that version if its synchronizer verifies
-        (``verify=True``); the copy is checked against the peer's: the SHA-256 of every
-        tensor each worker holds (``aiosync_weight_digests``) must match, or the engine
-        keeps waiting, its weights invalid (refusing to generate). Costs: the peer's
-        workers hold one more host copy of their weights while they send; the bytes
-        move once, over gloo between the paired workers.
-
-        Args:
-            host: the address the engines' workers reach this process at (a rendezvous
-                store of a few keys) and their gloo pairs bind to; loopback: every
-                engine on this machine.
-            timeout_s: limit of each wait: for a sync refitting the peer, each pair's
-                formation, each tensor's send and receive, seconds.
-
-        Returns:
-            One :class:`CatchUp` per engine that caught up, in fleet order (empty: none
-            waiting).
-
-        Raises:
-            SyncError: no engine in service serves a committed version (sync the fleet
-                first).
-            RefitMismatchError: the peer holds another layout (another
-                tensor-parallel size, other tensors, shapes or dtypes), before any byte
-                moves; the engine keeps its weights and keeps waiting.
-            RefitVerificationError: the copy differs from the peer's (named tensors);
-                the engine keeps waiting, its weights invalid.
-            TransportError, SyncTimeoutError: a worker died or a wait ran past
-                ``timeout_s``; the engine keeps waiting.
-            TypeError: the engine or its peer has no ``collective_rpc``.
-            Each error names the engine it comes from (the peer, or the engine
-            catching up); the engines after it are not tried.
-        """
-        async with self._catch_up_lock:
-            done: list[CatchUp] = []
-            for engine in [e for e in self.members if id(e) in self._catching_up]:
-                label = self._name(engine)
-                if not isinstance(engine, EngineWorkers):
-                    raise TypeError(f"{label} has no collective_rpc: it cannot catch up")
-                try:
-                    done.append(await self._catch_up_one(engine, host, timeout_s))
-                except Exception as exc:
-                    self._catching_up[id(engine)] = f"{type(exc).__name__}: {exc}"
-                    raise
-            return done
-
-    async def _catch_up_one(self, engine: Any, host: str, timeout_s: float) -> CatchUp:
-        """:meth:`catch_up` of one engine: wait for a peer that no sync is refitting,
-        hold both out of syncs while the bytes move and are verified, then put the
-        engine in service at the peer's version."""
-        label = self._name(engine)
-        try:
-            with anyio.fail_after(timeout_s):
-                async with self._gate:
-                    while (peer := self._peer_for(label)) is None:
-                        await self._gate.wait()
-                    self._copying.update((id(peer), id(engine)))
-        except TimeoutError:
-            raise SyncTimeoutError(
-                f"{label}: every engine at the newest version was being refit by a sync "
-                f"for {timeout_s} s"
-            ) from None
-        version = self._versions[id(peer)]
-        try:
-            if not isinstance(peer, EngineWorkers):
-                raise TypeError(f"{self._name(peer)} has no collective_rpc: no catch-up from it")
-            done = await copy_weights(
-                peer,
-                engine,
-                peer_label=self._name(peer),
-                label=label,
-                version=version,
-                host=host,
-                timeout_s=timeout_s,
-            )
-            if isinstance(engine, VersionedEngine):
-                await engine.on_weights_committed(version)
-            # In service before the syncs waiting for these engines go on: a sync that
-            # starts now reaches it like every other engine.
-            del self._catching_up[id(engine)]
-            self._versions[id(engine)] = version
-            self._unfit.pop(id(engine), None)
-            self._membership_changed()
-        finally:
-            with anyio.CancelScope(shield=True):
-                async with self._gate:
-                    self._copying.difference_update((id(peer), id(engine)))
-                    self._gate.notify_all()
-        return done
-
-    def _peer_for(self, label: str) -> Any | None:
-        """The engine to copy from: in service and fit, at the newest version known, the
-        first that no sync is refitting; None while every such engine is refit.
-
-        Raises:
-            SyncError: no engine in service has committed a version.
-        """
-        fit = [e for e in self._in_service() if id(e) not in self._unfit]
-        known = [self._versions[id(e)] for e in fit if id(e) in self._versions]
-        if not known:
-            raise SyncError(
-                f"{label} cannot catch up from a peer: no engine in service serves a "
-                "committed version (sync the fleet first)"
-            )
-        newest = max(known)
-        at_newest = [e for e in fit if self._versions.get(id(e)) == newest]
-        return next((e for e in at_newest if id(e) not in self._refitting), None)
-
-    def take_joined(self) -> list[str]:
-        """The labels of the engines that went into service at the last commit (once)."""
-        joined, self._joined = self._joined, []
-        return joined
-
-    async def set_aside_failed(self, error: BaseException) -> list[tuple[str, str]]:
-        """After a sync failed with ``error``: check every engine in the sync and, with
-        ``on_engine_failure="quarantine"``, quarantine those that fail the check,
-        provided ``min_engines`` stay in service. Returns ``[(label, reason)]`` of the
-        engines set aside (empty: none, or too few would remain: the sync fails)."""
-        if self.on_engine_failure != "quarantine":
-            return []
-        engines = self.engines
-        reasons: list[str | None] = [None] * len(engines)
-
-        async def check(i: int, engine: Any) -> None:
-            try:
-                with anyio.fail_after(self.probe_timeout_s):
-                    await self._probe(engine)
-            except TimeoutError as exc:
-                # A hung engine (a stopped worker, a frozen server) answers nothing.
-                detail = f" ({type(exc).__name__}: {exc})" if str(exc) else ""
-                reasons[i] = f"did not answer its probe within {self.probe_timeout_s} s{detail}"
-            except Exception as exc:
-                reasons[i] = f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc)
-
-        async with anyio.create_task_group() as tg:
-            for i, engine in enumerate(engines):
-                tg.start_soon(check, i, engine)
-        failed = [(e, why) for e, why in zip(engines, reasons, strict=True) if why is not None]
-        if not failed:
-            return []
-        left = [e for e in self._in_service() if all(e is not f for f, _ in failed)]
-        if len(left) < self.min_engines:
-            # The sync fails with ``error``, which may name a healthy engine (one
-            # that waited for the hung one): say which failed the probe.
-            failed_probe = "; ".join(f"{self._name(e)}: {why}" for e, why in failed)
-            error.add_note(f"failed the fleet's probe after it: {failed_probe}")
-            _log.warning(
-                "engine fleet: %d engine(s) failed their check after a failed sync, which "
-                "would leave %d in service (min_engines=%d): the sync fails",
-                len(failed),
-                len(left),
-                self.min_engines,
-            )
-            return []
-        labels = [
-            (self._name(e), f"{why} (after the sync failed with {error!r})") for e, why in failed
-        ]
-        for (engine, _why), (_label, reason) in zip(failed, labels, strict=True):
-            self._quarantined[id(engine)] = reason
-            self._joining.discard(id(engine))
-        self._membership_changed()
-        return labels
-
-    async def _probe(self, engine: Any) -> None:
-        """One engine's probe after a failed sync: its own check
-        (:class:`~aiosync.capabilities.HealthReporting`: workers alive, server
-        answering), then a round trip to every worker (``aiosync_device_identity``,
-        :class:`~aiosync.capabilities.EngineWorkers`): a stopped or hung worker
-        passes the first (its process lives) but not the second (case C35).
-
-        Raises:
-            TimeoutError: a worker did not answer within ``probe_timeout_s``.
-            TransportError: a worker (or the engine's process) is dead.
-            Whatever the engine's ``check_health`` raises.
-        """
-        if isinstance(engine, HealthReporting):
-            await engine.check_health()
-        if isinstance(engine, EngineWorkers):
-            try:
-                await engine.collective_rpc(
-                    "aiosync_device_identity", timeout_s=self.probe_timeout_s
-                )
-            except (TimeoutError, TransportError):
-                raise
-            except Exception:
-                # Every worker answered, if with an error (one without aiosync's
-                # worker methods): each is alive, which is all the probe asks.
-                return
+    # -- health (HealthReporting) ------------------------------------------------
 
     async def check_health(self) -> None:
         """Check every engine in the sync that can tell
@@ -692,132 +192,6 @@ class EngineFleet(GenerateFromMeta):
                 return cast("Exception", named(exc, self._name(engine)))
         return None
 
-    def _membership_changed(self) -> None:
-        self.membership_epoch += 1
-        self._offsets = None
-
-    def _name(self, engine: Any) -> str:
-        index = next(i for i, e in enumerate(self.members) if e is engine)
-        return f"engine {index} of {len(self.members)} ({type(engine).__name__})"
-
-    # -- fan-out ---------------------------------------------------------------
-
-    async def _on_each(self, call: Callable[[int, Any], Awaitable[_T]]) -> list[_T]:
-        """``call(i, engine)`` on every engine concurrently; results in engine order.
-        The first engine to fail cancels the others; its error names the engine."""
-        return await each_named(self.engines, call, self._label)
-
-    def _label(self, index: int) -> str:
-        """The label of ``self.engines[index]`` (its place among all members)."""
-        return self._name(self.engines[index])
-
-    # -- EngineWorkers ---------------------------------------------------------
-
-    async def collective_rpc(
-        self,
-        method: str,
-        args: tuple[Any, ...] = (),
-        kwargs: Mapping[str, Any] | None = None,
-        timeout_s: float | None = None,
-    ) -> list[Any]:
-        """Call ``method`` on every worker of every engine; one result per worker,
-        in global rank order (engine 0's workers first).
-
-        Raises:
-            TransportError: an engine has no ``collective_rpc``, or the workers'
-                ranks are not unique across the fleet.
-            Whatever an engine's ``collective_rpc`` raises, naming the engine.
-        """
-        await self._assign_ranks(timeout_s)
-
-        async def rpc(i: int, engine: Any) -> list[Any]:
-            replies: list[Any] = await engine.collective_rpc(
-                method, args, kwargs, timeout_s=timeout_s
-            )
-            # aiosync's worker RPCs answer failures as {"ok": False, "type", "message"}:
-            # name the engine there too, since the trainer raises from that reply.
-            for reply in replies:
-                if isinstance(reply, dict) and reply.get("ok") is False:
-                    reply["message"] = f"{self._label(i)}: {reply.get('message', '')}"
-            return replies
-
-        return [reply for replies in await self._on_each(rpc) for reply in replies]
-
-    async def _assign_ranks(self, timeout_s: float | None) -> None:
-        if self._offsets is not None:
-            return
-        async with self._assigning:
-            if self._offsets is not None:
-                return
-            for i, engine in enumerate(self.engines):
-                if not isinstance(engine, EngineWorkers):
-                    raise TransportError(
-                        f"engine {i} ({type(engine).__name__}) has no collective_rpc"
-                    )
-            offsets: list[int] = []
-            ranks: list[int] = []
-            # One engine after the other: an engine's offset is the worker count before it.
-            for i, engine in enumerate(self.engines):
-                offsets.append(len(ranks))
-                try:
-                    got = await engine.collective_rpc(
-                        "aiosync_set_rank_offset", (offsets[-1],), timeout_s=timeout_s
-                    )
-                except Exception as exc:
-                    raise named(exc, self._label(i)) from None
-                ranks.extend(int(r) for r in got)
-            if sorted(ranks) != list(range(len(ranks))):
-                raise TransportError(
-                    f"worker ranks across the fleet are not 0..{len(ranks) - 1}: {ranks}"
-                )
-            self._offsets = offsets
-            self._num_workers = len(ranks)
-
-    def _forget_ranks(self) -> None:
-        self._offsets = None
-
-    def locate(self, rank: int) -> tuple[int, int]:
-        """``(engine index, worker rank within that engine)`` of a global worker rank.
-
-        Raises:
-            ValueError: before the first ``collective_rpc`` (ranks are not assigned
-                yet), or no worker has ``rank``.
-        """
-        if self._offsets is None:
-            raise ValueError("worker ranks are assigned on the fleet's first collective_rpc")
-        if 0 <= rank < self._num_workers:
-            index = bisect.bisect_right(self._offsets, rank) - 1
-            return index, rank - self._offsets[index]
-        raise ValueError(f"no worker has rank {rank} (the fleet has {self._num_workers})")
-
-    def describe_worker(self, rank: int) -> str:
-        """``"engine i of n (Type): engine worker rank"`` for global worker ``rank``
-        (just ``"engine worker rank"`` when no engine holds it): the prefix of an
-        error that a worker reports itself."""
-        try:
-            index, _local = self.locate(rank)
-        except ValueError:
-            return f"engine worker {rank}"
-        return f"{self._label(index)}: engine worker {rank}"
-
-    async def respawn_dead_workers(self) -> list[int]:
-        """Replace dead workers of every engine that can (the embedded engine);
-        returns their global ranks. New workers learn their rank offset again
-        on the next :meth:`collective_rpc` (as when a member engine respawns its
-        own workers)."""
-        respawned: list[int] = []
-        offsets = self._offsets  # the engines' respawns reset it (see __init__)
-        for i, engine in enumerate(self.engines):
-            if not isinstance(engine, RespawningEngine):
-                continue
-            local = await engine.respawn_dead_workers()
-            if local:
-                base = offsets[i] if offsets is not None else 0
-                respawned.extend(base + r for r in local)
-        if respawned:
-            self._offsets = None
-        return respawned
-
     # -- GenerationBackend -----------------------------------------------------
 
     async def on_weights_committed(self, version: int) -> None:
@@ -830,8 +204,7 @@ class EngineFleet(GenerateFromMeta):
         await self._on_each(report)
         committed = self.engines
         for engine in committed:
-            self._versions[id(engine)] = version
-            self._unfit.pop(id(engine), None)
+            self._serves(engine, version)
         # The joining engines received this version whole: they serve from now on.
         joining = [e for e in committed if id(e) in self._joining]
         self._joining.difference_update(id(e) for e in joining)
@@ -858,10 +231,7 @@ class EngineFleet(GenerateFromMeta):
 
         # A sync pauses before it writes: it waits here while a catch-up copies from or
         # into one of its engines, and a catch-up waits for it to resume them.
-        async with self._gate:
-            while any(id(e) in self._copying for e in self.engines):
-                await self._gate.wait()
-            self._refitting.update(id(e) for e in self.engines)
+        await self._refit_begins()
         await self._on_each(pause)
 
     async def resume_generation(self) -> None:
@@ -878,11 +248,7 @@ class EngineFleet(GenerateFromMeta):
         try:
             await each_named(self.engines, resume, self._label, settle=True)
         finally:
-            # Every engine a sync paused (one set aside since included): no sync writes now.
-            with anyio.CancelScope(shield=True):
-                async with self._gate:
-                    self._refitting.clear()
-                    self._gate.notify_all()
+            await self._refit_ends()
 
     @property
     def asleep_tags(self) -> frozenset[str] | None:

@@ -18,6 +18,7 @@ from ray.util.scheduling_strategies import (
 )
 
 from aiosync.engines.colocation import scheduler_gpu_share
+from aiosync.options import check_keywords
 
 from ._engine import DEFAULT_CALL_GRACE_S, DEFAULT_START_TIMEOUT_S, RayEngine
 from ._host import EngineHost
@@ -80,10 +81,7 @@ def engine_actor_options(**placement: Unpack[ActorPlacement]) -> dict[str, Any]:
         ValueError: ``devices < 1``, a colocated engine over several devices, a
             negative ``num_gpus``, or ``max_colocated_worker_groups < 1``.
     """
-    unknown = set(placement) - ActorPlacement.__optional_keys__ - ActorPlacement.__required_keys__
-    if unknown or "colocated" not in placement:
-        what = f"unknown keyword(s) {sorted(unknown)}" if unknown else "colocated= is required"
-        raise TypeError(f"engine_actor_options(): {what}")
+    check_keywords(ActorPlacement, placement, "engine_actor_options")
     colocated = placement["colocated"]
     devices = placement.get("devices", 1)
     num_gpus = placement.get("num_gpus")

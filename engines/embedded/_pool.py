@@ -1,6 +1,6 @@
 """The embedded engine's worker processes and their RPC: :class:`WorkerPool`.
 
-Workers are processes (:func:`~aiosync.engines.embedded._worker.run_worker`) forked
+Workers are processes (:func:`~aiosync.engines.embedded._serve.run_worker`) forked
 by multiprocessing's forkserver, which imports torch, transformers and the worker once
 (:func:`worker_context`), so a worker or a respawn starts in a fraction of a second
 instead of paying those imports again; each is still its own process, with
@@ -473,7 +473,7 @@ def _failed(future: asyncio.Future[Any]) -> bool:
 PRELOAD = (
     "torch",
     "transformers",
-    "aiosync.engines.embedded._worker",
+    "aiosync.engines.embedded._serve",
     "aiosync.engines.embedded.model",
 )
 

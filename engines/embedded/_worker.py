@@ -1,15 +1,11 @@
-"""One embedded-engine worker process: builds the model, then serves RPCs by name.
+"""One embedded-engine worker: the object whose methods its process serves by name,
+and how it is built (:class:`WorkerSpec`, :func:`build_worker`).
 
 The worker object mirrors a vLLM worker: ``worker.model_runner.model`` is the
 :class:`~aiosync.engines.embedded.model.HFModelRunner`, and the worker-extension
 mixins (``AiosyncWorkerExtension`` by default) are among its bases, so their
-``aiosync_*`` methods are callable through ``collective_rpc``.
-
-Each RPC runs in a thread of a small pool, so a long-running one (a receiver
-waiting for the trainer's buckets) does not block the others. The process's main
-thread alone touches the socket, in a plain blocking loop (no asyncio): it reads
-requests and hands them to the pool, and sends the replies that the pool's
-threads queue, woken by a pipe (:class:`_Replies`).
+``aiosync_*`` methods are callable through ``collective_rpc``. The process around
+it (its socket, its RPC threads) is :mod:`._serve`'s.
 
 With tensor parallelism (``_tp.py``) the worker is one rank of a replica: rank
 0 (the driver) serves generate requests for the replica, the others (followers)
@@ -19,25 +15,19 @@ RPC (loads, sleeps, status) for its own slice.
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import functools
 import importlib
-import logging
-import multiprocessing
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
-import zmq
 
 from aiosync.errors import SyncError
 from aiosync.layout import Part
-from aiosync.transports._wire import decode, encode, error_fields
 from aiosync.transports.lora import check_adapter_tensors
 from aiosync.transports.packing import dtype_from_name, dtype_name
 from aiosync.transports.validity import mark_invalid, mark_valid
@@ -48,15 +38,7 @@ if TYPE_CHECKING:
     from ._tp import TPSpec
     from .model import HFModelRunner
 
-__all__ = ["EmbeddedWorker", "run_worker"]
-
-_log = logging.getLogger(__name__)
-
-#: Threads per worker serving RPCs: a receiver, generations (waiting at the gate
-#: while paused), and control calls (pause, resume, status).
-_RPC_THREADS = 8
-#: How often an idle worker checks that its parent is alive, in milliseconds.
-_PARENT_POLL_MS = 1000
+__all__ = ["EmbeddedWorker", "WorkerSpec", "build_worker", "tensor_from_wire", "tensor_to_wire"]
 
 
 class EmbeddedWorker:
@@ -579,33 +561,49 @@ def _import(path: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def build_worker(
-    rank: int,
-    world_size: int,
-    model: Any,
-    seed: int,
-    dtype: str,
-    extension: str | None,
-    runner_factory: str | None = None,
-    weights_valid: bool = True,
-    device_label: str | None = None,
-    tensor_parallel: TPSpec | None = None,
-    quantization: str | None = None,
-    draft: dict[str, Any] | None = None,
-) -> EmbeddedWorker:
-    """An :class:`EmbeddedWorker` whose class also derives from ``extension`` (dotted path).
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What one worker process builds (:func:`build_worker`): the engine makes one per
+    rank, and it travels to the process (pickled).
 
-    ``runner_factory`` (dotted path of ``f(model, seed=, dtype=)``) replaces
-    :meth:`HFModelRunner.from_config` when given. ``weights_valid=False`` (a
-    respawned worker, holding initial rather than synced weights) makes it
-    refuse to generate until a sync succeeds. ``device_label`` names the
-    "device" this CPU worker stands for (``EmbeddedEngine(device_labels=...)``).
-    ``tensor_parallel`` places it in a tensor-parallel replica: it joins the
-    replica's group (blocking until every rank did), keeps its slice of the
-    model, and a follower starts running the driver's steps. ``quantization``
-    (``"fp8"``) is :meth:`HFModelRunner.from_config`'s. ``draft``: ``{"model": the
-    draft's config, "prefix": its names' prefix, "refit": "with_target" | "frozen"}``,
-    a draft model held beside the target (None: none).
+    Attributes:
+        rank, world_size: the worker's rank among the engine's ``world_size`` workers.
+        model: the model's config (a dict, a path) or checkpoint, as
+            :meth:`HFModelRunner.from_config` takes it.
+        seed, dtype: :meth:`HFModelRunner.from_config`'s.
+        extension: dotted path of a worker extension class (the worker's class
+            derives from it too); None: none.
+        runner_factory: dotted path of ``f(model, seed=, dtype=)`` replacing
+            :meth:`HFModelRunner.from_config`; None: that.
+        weights_valid: False for a respawned worker, holding initial rather than
+            synced weights: it refuses to generate until a sync succeeds.
+        device_label: the "device" this CPU worker stands for
+            (``EmbeddedEngine(device_labels=...)``).
+        tensor_parallel: its place in a tensor-parallel replica: it joins the
+            replica's group (blocking until every rank did), keeps its slice of the
+            model, and a follower starts running the driver's steps; None: TP=1.
+        quantization: ``"fp8"`` (:meth:`HFModelRunner.from_config`'s) or None.
+        draft: ``{"model": the draft's config, "prefix": its names' prefix, "refit":
+            "with_target" | "frozen"}``, a draft model held beside the target; None: none.
+    """
+
+    rank: int
+    world_size: int
+    model: Any
+    seed: int
+    dtype: str
+    extension: str | None
+    runner_factory: str | None = None
+    weights_valid: bool = True
+    device_label: str | None = None
+    tensor_parallel: TPSpec | None = None
+    quantization: str | None = None
+    draft: dict[str, Any] | None = None
+
+
+def build_worker(spec: WorkerSpec) -> EmbeddedWorker:
+    """The :class:`EmbeddedWorker` ``spec`` describes, its class also derived from
+    ``spec.extension``.
 
     Raises:
         ValueError: ``tensor_parallel`` with a ``runner_factory``, or a model that
@@ -616,232 +614,40 @@ def build_worker(
     # extra (EmbeddedEngine.__init__) instead of failing on import.
     from .model import HFModelRunner
 
-    if tensor_parallel is None:
-        factory = HFModelRunner.from_config if runner_factory is None else _import(runner_factory)
+    if spec.tensor_parallel is None:
+        factory = (
+            HFModelRunner.from_config
+            if spec.runner_factory is None
+            else _import(spec.runner_factory)
+        )
         # Only when set: a runner_factory need not take it (the engine refuses both).
-        options: dict[str, Any] = {} if quantization is None else {"quantization": quantization}
-        if draft is not None:
-            options.update(draft=draft["model"], draft_prefix=draft["prefix"])
-        runner = factory(model, seed=seed, dtype=dtype, **options)
-        if draft is not None:
-            runner.draft_refit = draft["refit"]
-    elif runner_factory is not None:
+        options: dict[str, Any] = {}
+        if spec.quantization is not None:
+            options["quantization"] = spec.quantization
+        if spec.draft is not None:
+            options.update(draft=spec.draft["model"], draft_prefix=spec.draft["prefix"])
+        runner = factory(spec.model, seed=spec.seed, dtype=spec.dtype, **options)
+        if spec.draft is not None:
+            runner.draft_refit = spec.draft["refit"]
+    elif spec.runner_factory is not None:
         raise ValueError("a runner_factory's runner cannot be tensor-parallel")
     else:
         from ._tp import TensorParallel
 
-        tp = TensorParallel.connect(tensor_parallel)
-        runner = HFModelRunner.from_config(model, seed=seed, dtype=dtype, tensor_parallel=tp)
+        tp = TensorParallel.connect(spec.tensor_parallel)
+        runner = HFModelRunner.from_config(
+            spec.model, seed=spec.seed, dtype=spec.dtype, tensor_parallel=tp
+        )
     bases: tuple[type, ...] = (EmbeddedWorker,)
-    if extension:
-        mixin = _import(extension)
+    if spec.extension:
+        mixin = _import(spec.extension)
         if not isinstance(mixin, type):
-            raise TypeError(f"worker extension {extension} is not a class")
+            raise TypeError(f"worker extension {spec.extension} is not a class")
         bases += (mixin,)
     cls = type("EmbeddedWorker", bases, {})
-    worker: EmbeddedWorker = cls(rank, world_size, runner, weights_valid)
-    worker.device_label = device_label
+    worker: EmbeddedWorker = cls(spec.rank, spec.world_size, runner, spec.weights_valid)
+    worker.device_label = spec.device_label
     parallel = getattr(runner, "tensor_parallel", None)
     if parallel is not None and not parallel.is_driver:
         parallel.start_serving(runner, worker._tp_refusal)
     return worker
-
-
-def run_worker(
-    rank: int,
-    world_size: int,
-    endpoint: str,
-    model: Any,
-    seed: int,
-    dtype: str,
-    extension: str | None,
-    threads: int,
-    runner_factory: str | None = None,
-    weights_valid: bool = True,
-    device_label: str | None = None,
-    tensor_parallel: TPSpec | None = None,
-    quantization: str | None = None,
-    draft: dict[str, Any] | None = None,
-) -> None:
-    """Process entry point: connect to ``endpoint``, build the worker, serve until told to stop."""
-    torch.set_num_threads(threads)
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, f"w{rank}".encode())
-    sock.setsockopt(zmq.LINGER, 1000)
-    sock.connect(endpoint)
-    try:
-        build = functools.partial(
-            build_worker,
-            rank,
-            world_size,
-            model,
-            seed,
-            dtype,
-            extension,
-            runner_factory,
-            weights_valid,
-            device_label,
-            tensor_parallel,
-            quantization,
-            draft,
-        )
-        _serve(sock, rank, build)
-    finally:
-        sock.close()
-        ctx.term()
-
-
-def _serve(sock: zmq.Socket[bytes], rank: int, build: Callable[[], EmbeddedWorker]) -> None:
-    """Build the worker (in a thread of its own), say ``ready``, then serve requests
-    until told to ``shutdown`` or the parent is gone; the requests still running
-    then are not answered."""
-    try:
-        with ThreadPoolExecutor(1, thread_name_prefix=f"build{rank}") as builder:
-            worker = builder.submit(build).result()
-    except Exception as exc:
-        _log.exception("embedded worker %d failed to start", rank)
-        sock.send(encode({"t": "failed", **error_fields(exc)}))
-        return
-    sock.send(encode({"t": "ready", "pid": os.getpid()}))
-    with ThreadPoolExecutor(_RPC_THREADS, thread_name_prefix=f"rpc{rank}") as pool:
-        _Server(sock, rank, worker, pool).serve()
-
-
-#: Requests the main thread runs itself while no other request runs, instead of
-#: handing them to the pool: a thread hop each way costs more than they do
-#: (``benchmarks/fixed_cost.py``). Each takes no lock a request holds long, and
-#: waits for nothing from outside the process; one that arrives meanwhile waits
-#: for it. ``aiosync_ipc_receive`` only with an ``inline`` session (the whole
-#: refit in the request: transports/ipc), which loads without waiting on the trainer;
-#: ``embedded_wake`` only while nothing sleeps (a synchronizer's wake of an engine
-#: that does not report what sleeps: nothing to restore).
-_BRIEF = frozenset({"embedded_status", "embedded_set_weight_version", "aiosync_ipc_held_version"})
-
-
-def _brief(msg: dict[str, Any], worker: EmbeddedWorker) -> bool:
-    """Whether ``msg`` is a request of :data:`_BRIEF` (asked while no request runs)."""
-    method = msg.get("method")
-    if method in _BRIEF:
-        return True
-    if method == "embedded_wake":
-        return not worker._asleep  # no request runs: nothing changes it meanwhile
-    if method != "aiosync_ipc_receive":
-        return False
-    args = msg.get("args")
-    if not isinstance(args, list) or not args or not isinstance(args[0], dict):
-        return False
-    return args[0].get("inline") is not None
-
-
-class _Server:
-    """The main thread's loop: requests from the socket to the pool (or, brief ones
-    while the pool is idle, run here), the pool's replies back to the socket."""
-
-    def __init__(
-        self, sock: zmq.Socket[bytes], rank: int, worker: EmbeddedWorker, pool: ThreadPoolExecutor
-    ) -> None:
-        self.sock = sock
-        self.rank = rank
-        self.worker = worker
-        self.pool = pool
-        self.replies = _Replies()
-        # Requests handed to the pool whose reply was not sent yet (main thread only).
-        self.in_pool = 0
-
-    def serve(self) -> None:
-        """Until told to ``shutdown``, or the parent is gone."""
-        parent = multiprocessing.parent_process()
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.replies.fd, zmq.POLLIN)
-        try:
-            while True:
-                ready = dict(poller.poll(_PARENT_POLL_MS))
-                if not ready:
-                    if parent is not None and not parent.is_alive():
-                        return
-                    continue
-                if self.replies.fd in ready:
-                    self._send_replies()
-                if self.sock in ready and not self._take_requests():
-                    return
-        finally:
-            self.replies.close()
-
-    def _send_replies(self) -> None:
-        for payload in self.replies.take():
-            self.in_pool -= 1
-            self.sock.send(payload)
-
-    def _take_requests(self) -> bool:
-        """Serve every request the socket holds now; False once told to shut down."""
-        while True:
-            try:
-                raw = self.sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return True
-            try:
-                msg = decode(raw)
-            except Exception:
-                _log.exception("worker %d: dropping a malformed request", self.rank)
-                continue
-            if msg.get("t") == "shutdown":
-                self.sock.send(encode({"t": "bye"}))
-                return False
-            if self.in_pool == 0 and _brief(msg, self.worker):
-                self.sock.send(_run(self.worker, msg))
-            else:
-                self.in_pool += 1
-                self.pool.submit(_handle, self.worker, msg, self.replies)
-
-
-class _Replies:
-    """Replies the pool's threads made, for the main thread to send: a queue and a
-    pipe whose read end the main thread polls with the socket (one byte a reply)."""
-
-    def __init__(self) -> None:
-        self._queue: collections.deque[bytes] = collections.deque()
-        self.fd, self._wake = os.pipe()
-        os.set_blocking(self.fd, False)
-
-    def put(self, payload: bytes) -> None:
-        """Queue ``payload`` and wake the main thread (any thread)."""
-        self._queue.append(payload)
-        with contextlib.suppress(OSError):  # closed: the worker is leaving
-            os.write(self._wake, b"\0")
-
-    def take(self) -> list[bytes]:
-        """Every queued reply, oldest first (main thread)."""
-        with contextlib.suppress(BlockingIOError):
-            while os.read(self.fd, 4096):
-                pass
-        taken = []
-        while self._queue:
-            taken.append(self._queue.popleft())
-        return taken
-
-    def close(self) -> None:
-        os.close(self.fd)
-        os.close(self._wake)
-
-
-def _run(worker: EmbeddedWorker, msg: dict[str, Any]) -> bytes:
-    """Run one request; its reply, encoded."""
-    call_id = msg.get("id")
-    try:
-        method = msg["method"]
-        if not isinstance(method, str) or method.startswith("_"):
-            raise AttributeError(f"{method!r} is not an RPC method")
-        fn = getattr(worker, method)
-        args = msg.get("args") or []
-        kwargs = msg.get("kwargs") or {}
-        result = fn(*args, **kwargs)
-        return encode({"id": call_id, "ok": True, "result": result})
-    except Exception as exc:
-        return encode({"id": call_id, "ok": False, **error_fields(exc)})
-
-
-def _handle(worker: EmbeddedWorker, msg: dict[str, Any], replies: _Replies) -> None:
-    """Run one request in a pool thread and queue its reply."""
-    replies.put(_run(worker, msg))

@@ -32,7 +32,6 @@ import math
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Self
 
 import anyio.to_thread
@@ -56,8 +55,9 @@ from .._gate import AdmissionGate
 from .._generate import GenerateFromMeta
 from ._args import _build_config, _check_draft, _check_dtype, _check_quantization, _model_spec
 from ._pool import RESPAWN_HINT, WorkerPool
+from ._serve import run_worker
 from ._tp import TPSpec, check_tensor_parallel, endpoints_for, open_tp_store
-from ._worker import run_worker, tensor_from_wire, tensor_to_wire
+from ._worker import WorkerSpec, tensor_from_wire, tensor_to_wire
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -375,24 +375,23 @@ class EmbeddedEngine(GenerateFromMeta):
 
     def _worker_args(self, rank: int, weights_valid: bool) -> tuple[Any, ...]:
         """``run_worker``'s arguments for worker ``rank``."""
-        return (
+        spec = WorkerSpec(
             rank,
             self.world_size,
-            self._pool.endpoint,
             self._model,
             self.seed,
             self.dtype,
             self.worker_extension_cls,
-            self.threads_per_worker,
-            self.runner_factory,
-            weights_valid,
-            None if self.device_labels is None else self.device_labels[rank],
-            self._tp_spec(rank),
-            self.quantization,
-            None
+            runner_factory=self.runner_factory,
+            weights_valid=weights_valid,
+            device_label=None if self.device_labels is None else self.device_labels[rank],
+            tensor_parallel=self._tp_spec(rank),
+            quantization=self.quantization,
+            draft=None
             if self._draft is None
             else {"model": self._draft, "prefix": self._draft_prefix, "refit": self._draft_refit},
         )
+        return (self._pool.endpoint, self.threads_per_worker, spec)
 
     def _tp_spec(self, rank: int) -> TPSpec | None:
         """Worker ``rank``'s place in its replica's tensor-parallel group (None: TP=1)."""
@@ -502,12 +501,7 @@ class EmbeddedEngine(GenerateFromMeta):
     async def __aenter__(self) -> Self:
         return await self.start()
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.shutdown()
 
     @property

@@ -614,21 +614,17 @@ class VLLMGenerationBackend(GenerateFromMeta):
                 "(vllm.v1.engine.async_llm.AsyncLLM), whose pause_generation supports "
                 "'abort', 'wait' and 'keep'"
             )
-        self._gate.pause()
-        try:
-            with anyio.fail_after(self.rpc_timeout_s):
-                cleared = await self._driver.pause(mode, clear_cache, self._gate)
-                if clear_cache and not cleared:
-                    await self._reset_prefix_cache()
-        except BaseException as exc:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(self.rpc_timeout_s):
-                await self.resume_generation()
-            if isinstance(exc, TimeoutError) and not isinstance(exc, SyncError):
-                raise SyncTimeoutError(
-                    f"vLLM's running requests did not end within {self.rpc_timeout_s} s "
-                    f"of pause_generation({mode!r})"
-                ) from exc
-            raise
+        async with self._gate.pausing(
+            self.rpc_timeout_s,
+            self.resume_generation,
+            timeout_message=f"vLLM's running requests did not end within {self.rpc_timeout_s} "
+            f"s of pause_generation({mode!r})",
+            where="the vLLM engine",
+            log=_log,
+        ):
+            cleared = await self._driver.pause(mode, clear_cache, self._gate)
+            if clear_cache and not cleared:
+                await self._reset_prefix_cache()
 
     async def resume_generation(self) -> None:
         """End :meth:`pause_generation`: vLLM schedules again (``AsyncLLM.resume_generation``;

@@ -4,9 +4,12 @@
 - :mod:`.worker` — the engine side, :class:`CollectiveWorkerMixin`.
 - :mod:`.sglang` — disaggregated SGLang servers, :class:`SGLangCollectiveWeightSynchronizer`
   (SGLang's own weight-update group and ``/update_weights_from_distributed``).
-- ``_group`` (the process group over its own ``TCPStore``), ``_loops`` (the
-  pipelined send/receive loops), ``_votes`` (the trainer ranks' agreement) and
-  ``_wire`` (bucket header and trailer) are private.
+- ``_group`` (forming the process group over its own ``TCPStore``), ``_sync_group``
+  (the formed group: its collectives, votes and teardown), ``_member`` (an engine
+  worker's side of a group, shared with the shard-aware worker), ``_loops`` (the
+  pipelined send/receive loops), ``_votes`` (the trainer ranks' agreement),
+  ``_sglang_groups`` (who holds an SGLang server's weight-update group) and ``_wire``
+  (bucket header and trailer) are private.
 """
 
 from .sglang import SGLangCollectiveWeightSynchronizer

@@ -31,7 +31,8 @@ from torch._C._distributed_c10d import BroadcastOptions
 
 from aiosync.errors import SyncError, TransportError
 
-from ._group import _make_backend, _release, _wrap
+from ._group import _make_backend
+from ._sync_group import _release, translate_error
 
 __all__ = ["CustomGroup", "custom_group_store", "join_custom_group"]
 
@@ -92,7 +93,7 @@ class CustomGroup:
             raise
         except Exception as exc:
             self.broken = True
-            raise _wrap(exc, what) from exc
+            raise translate_error(exc, what) from exc
 
     def close(self) -> None:
         """Tear the backend down (aborted when broken; then released in a daemon
@@ -138,5 +139,5 @@ def join_custom_group(
     except (ValueError, SyncError):
         raise
     except Exception as exc:
-        raise _wrap(exc, what) from exc
+        raise translate_error(exc, what) from exc
     return CustomGroup(rank, world_size, group_name, backend, timeout_s, pg, store)

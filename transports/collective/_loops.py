@@ -213,35 +213,20 @@ def _cuda_stream(device: torch.device) -> Any:
 
 def send_buckets(
     group: SyncGroup,
-    plan: BucketPlan,
-    buffers: RotatingBuffers,
-    weights: Iterable[tuple[str, torch.Tensor]],
-    *,
-    version: int,
-    kv: list[tuple[str, float]],
-    verify: Verify,
-    cancelled: Callable[[], bool] = lambda: False,
-    trace: Tracer | None = None,
+    *args: Any,
     names: WorkerNames | None = None,
+    **stream: Any,
 ) -> SendResult:
-    """Source side: :func:`stream_buckets` then :func:`vote_send` (blocking).
+    """Source side: :func:`stream_buckets` (its arguments after ``group``: ``plan``,
+    ``buffers``, ``weights`` and its keywords) then :func:`vote_send` (``names``;
+    blocking).
 
     Raises:
         RefitMismatchError: the weights differ from the plan (on every rank).
         RefitVerificationError: a receiver's bucket arrived otherwise than sent.
         TransportError, SyncTimeoutError: a collective failed (group broken).
     """
-    sent, failure = stream_buckets(
-        group,
-        plan,
-        buffers,
-        weights,
-        version=version,
-        kv=kv,
-        verify=verify,
-        cancelled=cancelled,
-        trace=trace,
-    )
+    sent, failure = stream_buckets(group, *args, **stream)
     vote_send(group, failure, names=names)
     return sent
 

@@ -16,7 +16,9 @@ live holder, a holder on another host, no record, is refused with
 :class:`~aiosync.errors.OwnershipError` and never destroyed. The rules and their
 limits: ``docs/sglang.md``.
 
-:class:`CancellableStore` lets a refused formation end the trainer's own rendezvous
+:func:`reclaim_dead_groups` applies these rules before a formation,
+:func:`record_formation` writes the records after it, and :func:`held_elsewhere`
+words a refusal. :class:`CancellableStore` lets a refused formation end the trainer's own rendezvous
 at once instead of at the backend's timeout.
 """
 
@@ -26,32 +28,47 @@ import contextlib
 import datetime
 import hashlib
 import json
+import logging
 import os
 import socket
 import tempfile
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import anyio
 import torch.distributed as dist
 
-from aiosync.errors import SyncTimeoutError, TransportError
+from aiosync._fanout import each_named
+from aiosync.errors import OwnershipError, SyncTimeoutError, TransportError
 
 from .._leftovers import pid_alive
 
+if TYPE_CHECKING:
+    from ..http import SGLangDistributedServer
+
 __all__ = [
+    "ALREADY_CREATED",
+    "NO_SUCH_GROUP",
     "RECORDS_ENV",
     "CancellableStore",
     "GroupRecord",
+    "held_elsewhere",
     "holder_gone",
     "process_start",
     "read_record",
+    "reclaim_dead_groups",
+    "record_formation",
     "records_dir",
     "records_of",
     "remove_record",
     "server_restarted",
     "write_record",
 ]
+
+_log = logging.getLogger(__name__)
 
 #: Environment variable naming the folder of the group records (default: a folder of
 #: this user's in the temp dir). A trainer restarted in a fresh container finds its
@@ -184,6 +201,105 @@ def holder_gone(record: GroupRecord) -> bool:
     if not pid_alive(record.pid):
         return True
     return record.started is not None and process_start(record.pid) != record.started
+
+
+#: SGLang's refusal of a group name it holds (torch's ``_new_process_group_helper``).
+ALREADY_CREATED = "group name has already been created"
+#: SGLang's answer to destroying a group it does not hold.
+NO_SUCH_GROUP = "does not exist"
+
+
+def held_elsewhere(
+    server: SGLangDistributedServer, name: str, server_started: float | None
+) -> OwnershipError:
+    """The error of a formation ``server`` refused because it holds group ``name``:
+    who holds it, from the record, and why it is left alone."""
+    where = f"SGLang server {server.base_url}"
+    record = read_record(server.base_url, name)
+    if record is None or server_restarted(record, server_started):
+        return OwnershipError(
+            f"{where} holds weight-update group {name!r} for another trainer, and there is "
+            f"no record of its holder on this host ({records_dir()}): a trainer on another "
+            "host, or one whose record is gone, is never torn down from here. Use another "
+            f"group_name, or destroy the group once its holder is gone "
+            f"(SGLangHTTPBackend.destroy_weights_update_group({name!r}))"
+        )
+    if holder_gone(record):
+        return OwnershipError(
+            f"{where}: weight-update group {name!r} was held by {record.describe()}, which "
+            "died since this formation began; the next init_communicator() reclaims it"
+        )
+    return OwnershipError(
+        f"{where} holds weight-update group {name!r} for a live trainer, "
+        f"{record.describe()}: left alone (use another group_name to run beside it)"
+    )
+
+
+def record_formation(
+    servers: Sequence[SGLangDistributedServer],
+    started: Sequence[float | None],
+    group_name: str,
+    master_address: str,
+    master_port: int,
+) -> None:
+    """Record this process as the holder of ``group_name`` on every server of
+    ``servers`` (each started at ``started``, as :func:`reclaim_dead_groups` found)."""
+    for server, server_started in zip(servers, started, strict=True):
+        write_record(
+            GroupRecord(
+                url=server.base_url,
+                group_name=group_name,
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                started=process_start(os.getpid()),
+                master_address=master_address,
+                master_port=master_port,
+                server_started=server_started,
+            )
+        )
+
+
+async def reclaim_dead_groups(
+    servers: Sequence[SGLangDistributedServer], timeout_s: float, label: Callable[[int], str]
+) -> list[float | None]:
+    """Destroy every group on ``servers`` whose record says its trainer is dead
+    (:func:`holder_gone`), so that a trainer restarted after a
+    killed one forms its group on the first try; returns each server's
+    ``startup_time`` (None: not reported). ``timeout_s`` bounds each server's
+    ``/destroy_weights_update_group``; ``label(i)`` names server ``i`` in the log."""
+    started: list[float | None] = [None] * len(servers)
+
+    async def reclaim(index: int, server: SGLangDistributedServer) -> None:
+        records = records_of(server.base_url)
+        # Asked every formation: the record this one writes keeps it.
+        info = await server.server_info()
+        now = info.get("startup_time")
+        started[index] = float(now) if isinstance(now, (int, float)) else None
+        for record in records:
+            if record.pid == os.getpid() and record.host == socket.gethostname():
+                continue  # this process's own (another synchronizer's, or ours)
+            restarted = server_restarted(record, started[index])
+            if not restarted and not holder_gone(record):
+                continue
+            if not restarted:
+                try:
+                    with anyio.fail_after(timeout_s):
+                        await server.destroy_weights_update_group(
+                            record.group_name, timeout_s=timeout_s
+                        )
+                except TransportError as exc:
+                    if NO_SUCH_GROUP not in str(exc):
+                        raise
+                _log.warning(
+                    "%s: reclaimed weight-update group %r of a dead trainer (%s)",
+                    label(index),
+                    record.group_name,
+                    record.describe(),
+                )
+            remove_record(server.base_url, record.group_name)
+
+    await each_named(servers, reclaim, label)
+    return started
 
 
 class CancellableStore(dist.Store):

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Unpack, cast
@@ -38,7 +37,7 @@ import torch.distributed as dist
 from aiosync._config import DEFAULT_BUCKET_BYTES
 from aiosync._fanout import each_named, most_telling
 from aiosync.cluster import TrainCluster
-from aiosync.errors import OwnershipError, RefitMismatchError, TransportError
+from aiosync.errors import RefitMismatchError, TransportError
 from aiosync.sources import RefitSource
 from aiosync.synchronizer import SharedKeywords, WeightSynchronizer
 
@@ -56,16 +55,12 @@ from ..http.synchronizer import (
 from ._custom_group import CustomGroup, join_custom_group
 from ._group import open_store
 from ._sglang_groups import (
+    ALREADY_CREATED,
     CancellableStore,
-    GroupRecord,
-    holder_gone,
-    process_start,
-    read_record,
-    records_dir,
-    records_of,
+    held_elsewhere,
+    reclaim_dead_groups,
+    record_formation,
     remove_record,
-    server_restarted,
-    write_record,
 )
 from .synchronizer import DIST_BACKENDS, DistBackend
 
@@ -232,7 +227,7 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
         world = 1 + ranks
         offsets = [1 + sum(self._tp_sizes[:i]) for i in range(len(self._tp_sizes))]
         servers = self._distributed_servers()
-        started = await self._reclaim_dead_groups(servers)
+        started = await reclaim_dead_groups(servers, self.timeouts.rpc_s, self._label)
         joined: list[CustomGroup] = []
         # The trainer's side of the rendezvous, ended at once when a server refuses.
         rendezvous = CancellableStore(store, self.collective_timeout_s)
@@ -263,9 +258,9 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
                     timeout_s=self.collective_timeout_s + self.timeouts.rpc_s,
                 )
             except TransportError as exc:
-                if _ALREADY_CREATED not in str(exc):
+                if ALREADY_CREATED not in str(exc):
                     raise
-                raise _held_elsewhere(server, name, started[index]) from exc
+                raise held_elsewhere(server, name, started[index]) from exc
             formed.append(server)
 
         self._joined_name = name
@@ -282,19 +277,7 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
             await self._abandon_formation(rendezvous, joined, formed)
             raise
         self._joined = servers
-        for server, server_started in zip(servers, started, strict=True):
-            write_record(
-                GroupRecord(
-                    url=server.base_url,
-                    group_name=name,
-                    host=socket.gethostname(),
-                    pid=os.getpid(),
-                    started=process_start(os.getpid()),
-                    master_address=cluster.master_addr,
-                    master_port=int(store.port),
-                    server_started=server_started,
-                )
-            )
+        record_formation(servers, started, name, cluster.master_addr, int(store.port))
         (self._group,) = joined
         _log.info(
             "weight-update group %r formed: %d ranks (trainer + %s), store %s:%d",
@@ -319,47 +302,6 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
         _close_later(joined)
         self._joined = tuple(formed)
         await self._leave_group(failed=True)
-
-    async def _reclaim_dead_groups(
-        self, servers: Sequence[SGLangDistributedServer]
-    ) -> list[float | None]:
-        """Destroy every group on ``servers`` whose record says its trainer is dead
-        (:func:`._sglang_groups.holder_gone`), so that a trainer restarted after a
-        killed one forms its group on the first try; returns each server's
-        ``startup_time`` (None: not reported)."""
-        started: list[float | None] = [None] * len(servers)
-
-        async def reclaim(index: int, server: SGLangDistributedServer) -> None:
-            records = records_of(server.base_url)
-            # Asked every formation: the record this one writes keeps it.
-            info = await server.server_info()
-            now = info.get("startup_time")
-            started[index] = float(now) if isinstance(now, (int, float)) else None
-            for record in records:
-                if record.pid == os.getpid() and record.host == socket.gethostname():
-                    continue  # this process's own (another synchronizer's, or ours)
-                restarted = server_restarted(record, started[index])
-                if not restarted and not holder_gone(record):
-                    continue
-                if not restarted:
-                    try:
-                        with anyio.fail_after(self.timeouts.rpc_s):
-                            await server.destroy_weights_update_group(
-                                record.group_name, timeout_s=self.timeouts.rpc_s
-                            )
-                    except TransportError as exc:
-                        if _NO_SUCH_GROUP not in str(exc):
-                            raise
-                    _log.warning(
-                        "%s: reclaimed weight-update group %r of a dead trainer (%s)",
-                        self._label(index),
-                        record.group_name,
-                        record.describe(),
-                    )
-                remove_record(server.base_url, record.group_name)
-
-        await each_named(servers, reclaim, self._label)
-        return started
 
     async def _leave_group(self, *, failed: bool) -> None:
         """Every server that joined leaves the group (``/destroy_weights_update_group``,
@@ -564,38 +506,6 @@ class SGLangCollectiveWeightSynchronizer(HTTPWeightSynchronizer):
             "weight_version": self.weight_version,
         }
         return f"SGLangCollectiveWeightSynchronizer({info})"
-
-
-#: SGLang's refusal of a group name it holds (torch's ``_new_process_group_helper``).
-_ALREADY_CREATED = "group name has already been created"
-#: SGLang's answer to destroying a group it does not hold.
-_NO_SUCH_GROUP = "does not exist"
-
-
-def _held_elsewhere(
-    server: SGLangDistributedServer, name: str, server_started: float | None
-) -> OwnershipError:
-    """The error of a formation ``server`` refused because it holds group ``name``:
-    who holds it, from the record, and why it is left alone."""
-    where = f"SGLang server {server.base_url}"
-    record = read_record(server.base_url, name)
-    if record is None or server_restarted(record, server_started):
-        return OwnershipError(
-            f"{where} holds weight-update group {name!r} for another trainer, and there is "
-            f"no record of its holder on this host ({records_dir()}): a trainer on another "
-            "host, or one whose record is gone, is never torn down from here. Use another "
-            f"group_name, or destroy the group once its holder is gone "
-            f"(SGLangHTTPBackend.destroy_weights_update_group({name!r}))"
-        )
-    if holder_gone(record):
-        return OwnershipError(
-            f"{where}: weight-update group {name!r} was held by {record.describe()}, which "
-            "died since this formation began; the next init_communicator() reclaims it"
-        )
-    return OwnershipError(
-        f"{where} holds weight-update group {name!r} for a live trainer, "
-        f"{record.describe()}: left alone (use another group_name to run beside it)"
-    )
 
 
 def _close_later(groups: Sequence[CustomGroup]) -> None:

@@ -20,27 +20,22 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypedDict, Unpack, runtime_checkable
 
 import torch
 
 from aiosync.delta import PatchModel, WeightPatch, finish_patches, patch_from_wire, wire_manifest
 from aiosync.errors import OwnershipError, RefitMismatchError, SyncTimeoutError, TransportError
+from aiosync.options import check_keywords
 
 from .. import validity
 from .._identity import WorkerIdentityMixin
 from .._verify import Verify
 from ..packing import Bucket, BucketPlan, compare_manifests, plan_buckets, unpack
 from ..previous import begin_refit, whole_receive
-from ._group import (
-    STATUS_MISMATCH,
-    STATUS_OK,
-    SyncGroup,
-    cancel_formation,
-    create_sync_group,
-    open_store,
-)
+from ._group import SyncGroup
 from ._loops import RotatingBuffers, receive_buckets
+from ._member import GroupMeeting, delta_refusal, held_version, join_group, may_leave
 
 
 @runtime_checkable
@@ -55,8 +50,25 @@ class ManifestModel(Protocol):
 
 __all__ = ["CollectiveWorkerMixin"]
 
-#: A store key only checked for (never set): the check is a round trip to the owner.
-_PROBE_KEY = "aiosync/owner-probe"
+
+class ReceiveOptions(TypedDict, total=False):
+    """The options of a receive, in place or staged, besides its version and KV names."""
+
+    #: The source's mode (``True``, ``"sample"`` or ``False``,
+    #: :mod:`aiosync.transports._verify`; checked against the header): digest each
+    #: bucket received and compare with the source's digests before the vote.
+    #: Default False.
+    verify: Verify
+    #: The token the group was formed with (default ``""``).
+    owner: str
+    #: A delta sync: ``{"base": version the patches were computed against, "patches":
+    #: [[name, base, shape, encoding, k], ...], "digest": the wire plan's}``
+    #: (:mod:`aiosync.delta`); the buckets then carry the patches' wire tensors,
+    #: written in place through the model's ``apply_weight_patches``. A worker that
+    #: does not hold ``base`` whole (``aiosync_collective_held_version``), or whose
+    #: model cannot apply patches, writes nothing and votes the refusal. Default
+    #: None: the full weights.
+    delta: dict[str, Any] | None
 
 
 @dataclass(eq=False)
@@ -89,25 +101,6 @@ class _ReceiverState:
     #: its last successful receive: the only base a delta patch may be applied to.
     held: tuple[int, int] | None = None
 
-    def owner_alive(self) -> bool:
-        """Whether the owning trainer can still drive this group: the group is not
-        broken and the store its rank 0 serves still answers (a dead trainer's
-        store connection fails at once)."""
-        store = self.group.store
-        if self.group.broken or store is None:
-            return False
-        try:
-            store.check([_PROBE_KEY])
-        except Exception:  # DistNetworkError/DistStoreError: the owner's store is gone
-            return False
-        return True
-
-
-def _device_for(backend: str) -> torch.device:
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
 
 class CollectiveWorkerMixin(WorkerIdentityMixin):
     """Receiver of :class:`~aiosync.transports.collective.CollectiveWeightSynchronizer`.
@@ -126,16 +119,10 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
     def aiosync_collective_init(
         self,
         *,
-        master_addr: str,
-        master_port: int,
-        world_size: int,
-        train_world_size: int,
-        backend: str,
         plan: dict[str, Any],
-        timeout_s: float,
-        session: str,
         owner: str = "",
         delta: bool = False,
+        **meeting: Unpack[GroupMeeting],
     ) -> dict[str, Any]:
         """Join the sync group as inference rank ``train_world_size + aiosync_worker_rank()``.
 
@@ -150,12 +137,14 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
 
         Args:
             plan: the trainer's :meth:`BucketPlan.to_json`.
-            timeout_s: limit of the rendezvous and of every later collective, seconds.
-            session: key namespace of this group in the store.
             owner: the forming synchronizer's token; every later call on the
                 group must carry it.
             delta: the synchronizer sends delta patches: keep what applying them
                 needs (:attr:`aiosync_keep_delta_base`).
+            **meeting: where and how the group meets (:class:`~._member.GroupMeeting`:
+                ``master_addr``, ``master_port``, ``world_size``, ``train_world_size``,
+                ``backend``, ``timeout_s``: the limit of the rendezvous and of every
+                later collective, ``session``: the group's key namespace in the store).
 
         Returns:
             ``{"rank": session rank, "digest": plan digest}``.
@@ -167,46 +156,31 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
             TransportError: the rendezvous failed, or another rank (or the
                 trainer) failed to form the group: the error quotes its reason.
         """
-        store = open_store(master_addr, master_port, is_master=False, timeout_s=timeout_s)
-        status, message, digest = STATUS_OK, "", ""
-        parsed: BucketPlan | None = None
-        try:
+        check_keywords(GroupMeeting, meeting, "aiosync_collective_init")
+
+        def prepare() -> int:
             self.aiosync_collective_destroy(owner=owner)
-            inference_world = world_size - train_world_size
-            rank = train_world_size + self._aiosync_coll_rank(inference_world)
-            try:
-                parsed = BucketPlan.from_json(plan)
-                digest = parsed.digest
-                model = self.model_runner.model  # type: ignore[attr-defined]
-                if isinstance(model, ManifestModel):
-                    compare_manifests(parsed.manifest(), model.expected_manifest())
-            except RefitMismatchError as exc:
-                status, message = STATUS_MISMATCH, str(exc)
-        except Exception as exc:
-            # The source and the other workers may already wait in the rendezvous
-            # for this rank: release them now rather than after the whole timeout.
-            who = f"engine worker {self.aiosync_worker_rank()}"
-            cancel_formation(store, session, f"{who} failed: {type(exc).__name__}: {exc}")
-            raise
-        # Join even after a local mismatch, so that the vote tells every rank
-        # (create_sync_group cancels the formation itself if it fails here).
-        group = create_sync_group(
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            train_world_size=train_world_size,
-            backend=backend,
-            device=_device_for(backend),
-            timeout_s=timeout_s,
-            session=session,
-            verdict=(status, message, digest),
+            trainers = meeting["train_world_size"]
+            return trainers + self._aiosync_coll_rank(meeting["world_size"] - trainers)
+
+        def parse() -> BucketPlan:
+            parsed = BucketPlan.from_json(plan)
+            model = self.model_runner.model  # type: ignore[attr-defined]
+            if isinstance(model, ManifestModel):
+                compare_manifests(parsed.manifest(), model.expected_manifest())
+            return parsed
+
+        group, parsed = join_group(
+            meeting,
+            who=f"engine worker {self.aiosync_worker_rank()}",
+            prepare=prepare,
+            parse=parse,
         )
-        assert parsed is not None  # a parse failure voted a mismatch above
         self._aiosync_collective = _ReceiverState(
             group, parsed, RotatingBuffers(parsed, group.device), owner
         )
         self.aiosync_keep_delta_base = delta
-        return {"rank": rank, "digest": digest}
+        return {"rank": group.rank, "digest": parsed.digest}
 
     def aiosync_collective_destroy(self, owner: str = "") -> None:
         """Leave and destroy the sync group (idempotent; waits for a staged receive).
@@ -218,7 +192,7 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         state = self._aiosync_collective
         if state is None:
             return
-        if state.owner != owner and state.owner_alive():
+        if not may_leave(state.group, state.owner, owner):
             raise OwnershipError(self._aiosync_coll_foreign("destroy"))
         self._aiosync_collective = None
         if state.staged is not None:
@@ -231,22 +205,11 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         """The version this worker holds whole through this synchronizer's group
         (None: none it can vouch for: a failed or partial receive, discarded weights,
         a new group, a model that cannot apply patches): the base a delta sync needs."""
-        state = self._aiosync_collective_state(owner)
-        if state.held is None or state.held[1] != self.aiosync_discard_epoch:
-            return None
-        if self._aiosync_patch_model() is None:
-            return None  # it could not apply a delta: every sync is a full one
-        return state.held[0]
+        return held_version(self._aiosync_collective_state(owner).held, self)
 
     @whole_receive
     def aiosync_collective_receive(
-        self,
-        *,
-        version: int,
-        kv_names: list[str],
-        verify: Verify = False,
-        owner: str = "",
-        delta: dict[str, Any] | None = None,
+        self, *, version: int, kv_names: list[str], **options: Unpack[ReceiveOptions]
     ) -> dict[str, Any]:
         """Receive version ``version`` in place: each bucket is loaded as it lands.
 
@@ -258,18 +221,7 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         Args:
             version: the weight version being sent (checked against the header).
             kv_names: engine names of the FP8 KV-cache scales sent at the end.
-            verify: the source's mode (``True``, ``"sample"`` or ``False``,
-                :mod:`aiosync.transports._verify`; checked against the header):
-                digest each bucket received and compare with the source's digests
-                before the vote.
-            owner: the token the group was formed with.
-            delta: a delta sync: ``{"base": version the patches were computed
-                against, "patches": [[name, base, shape, encoding, k], ...],
-                "digest": the wire plan's}`` (:mod:`aiosync.delta`); the buckets
-                then carry the patches' wire tensors, written in place through
-                the model's ``apply_weight_patches``. A worker that does not hold
-                ``base`` whole (:meth:`aiosync_collective_held_version`), or whose
-                model cannot apply patches, writes nothing and votes the refusal.
+            **options: ``verify``, ``owner``, ``delta`` (:class:`ReceiveOptions`).
 
         Returns:
             ``{"version", "nbytes", "checksums", "pause_s", "kv_scales"}``:
@@ -285,6 +237,9 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
             RefitMismatchError: the engine rejected a tensor (every rank raises).
             SyncTimeoutError: a collective ran past the group's timeout.
         """
+        check_keywords(ReceiveOptions, options, "aiosync_collective_receive")
+        owner, delta = options.get("owner", ""), options.get("delta")
+        verify = options.get("verify", False)
         state = self._aiosync_collective_state(owner)
         start = time.perf_counter()
         held = self.aiosync_collective_held_version(owner)
@@ -346,19 +301,7 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         if plan.digest != delta["digest"]:
             state.group.broken = True
             raise RefitMismatchError("delta plan digest differs from the trainer's")
-        base = int(delta["base"])
-        refusal: BaseException | None = None
-        who = f"engine worker {self.aiosync_worker_rank()}"
-        if held != base:
-            refusal = RefitMismatchError(
-                f"{who} holds version {held}, the delta patches were computed against "
-                f"version {base}: a full sync is needed"
-            )
-        elif model is None:
-            refusal = TransportError(
-                f"{who}: {type(self.model_runner.model).__name__} cannot apply delta "  # type: ignore[attr-defined]
-                "patches (apply_weight_patches)"
-            )
+        refusal = delta_refusal(self, held, int(delta["base"]), model)
         # A sparse patch is two wire tensors (where, values), maybe in two buckets.
         partial: dict[str, dict[str, torch.Tensor]] = {}
         last = len(plan.buckets) - 1
@@ -388,13 +331,7 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         return plan, load, refusal
 
     def aiosync_collective_stage(
-        self,
-        *,
-        version: int,
-        kv_names: list[str],
-        verify: Verify = False,
-        owner: str = "",
-        delta: dict[str, Any] | None = None,
+        self, *, version: int, kv_names: list[str], **options: Unpack[ReceiveOptions]
     ) -> dict[str, Any]:
         """Start receiving ``version`` into a staging area; returns at once.
 
@@ -409,6 +346,9 @@ class CollectiveWorkerMixin(WorkerIdentityMixin):
         :meth:`aiosync_collective_commit` then writes it in. Raises
         :class:`~aiosync.errors.OwnershipError` for a group of another owner.
         """
+        check_keywords(ReceiveOptions, options, "aiosync_collective_stage")
+        owner, delta = options.get("owner", ""), options.get("delta")
+        verify = options.get("verify", False)
         state = self._aiosync_collective_state(owner)
         if state.staged is not None:
             raise TransportError("a staged receive is already running on this worker")

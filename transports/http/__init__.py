@@ -18,26 +18,20 @@
   CPU reductions (SGLang's ``FlattenedTensorBucket`` senders).
 """
 
+from . import server
 from ._wire import FLATTENED_BUCKET, decode_flattened_bucket, use_file_system_sharing
-from .server import (
-    SGLangDistributedServer,
-    SGLangManifestSource,
-    SGLangServer,
-    SGLangWeightChecker,
-    SGLangWeightReader,
-    SGLangWeightUpdateSession,
-)
+from .server import SGLangDistributedServer as SGLangDistributedServer
+from .server import SGLangManifestSource as SGLangManifestSource
+from .server import SGLangServer as SGLangServer
+from .server import SGLangWeightChecker as SGLangWeightChecker
+from .server import SGLangWeightReader as SGLangWeightReader
+from .server import SGLangWeightUpdateSession as SGLangWeightUpdateSession
 from .synchronizer import HTTPWeightSynchronizer
 
 __all__ = [
     "FLATTENED_BUCKET",
     "HTTPWeightSynchronizer",
-    "SGLangDistributedServer",
-    "SGLangManifestSource",
-    "SGLangServer",
-    "SGLangWeightChecker",
-    "SGLangWeightReader",
-    "SGLangWeightUpdateSession",
     "decode_flattened_bucket",
     "use_file_system_sharing",
+    *server.__all__,
 ]

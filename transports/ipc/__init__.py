@@ -2,7 +2,10 @@
 
 - :mod:`.synchronizer` — the trainer side, :class:`IPCWeightSynchronizer`.
 - :mod:`.worker` — the engine side, :class:`IPCWorkerMixin`.
-- ``_shm`` (named POSIX shared memory between independent processes) is private.
+- ``_sender`` (one sync's buckets, lane by lane, to the workers), ``_packer`` (the
+  staging buffers and what is read and packed into them), ``_router`` (the trainer's
+  ROUTER socket and the messages over it), ``_receive`` (the worker's loop) and
+  ``_shm`` (named POSIX shared memory between independent processes) are private.
 """
 
 from .synchronizer import (

@@ -332,17 +332,7 @@ class BucketReceiver(WorkerIdentityMixin):
                 arrived[index] += 1
                 tensors += int(loaded) if isinstance(loaded, int) else len(bucket.slots)
                 nbytes += sum(slot.nbytes for slot in bucket.slots)
-                if trace is not None:
-                    trace.append(
-                        {
-                            "seq": seq,
-                            "received": received,
-                            "load_start": load_start,
-                            "load_end": load_end,
-                            "ack_sent": time.monotonic(),
-                            "direct": True,
-                        }
-                    )
+                _trace_row(trace, seq, received, load_start, load_end, direct=True)
                 if msg.get("ack", True):
                     link.sock.send(encode({"t": "ack", "sync_id": sync_id, "seq": seq}))
             elif kind == "data":
@@ -390,16 +380,7 @@ class BucketReceiver(WorkerIdentityMixin):
                 arrived[index] += 1
                 tensors += loaded
                 nbytes += sum(slot.nbytes for slot in bucket.slots)
-                if trace is not None:
-                    trace.append(
-                        {
-                            "seq": seq,
-                            "received": received,
-                            "load_start": load_start,
-                            "load_end": load_end,
-                            "ack_sent": time.monotonic(),  # handed to the socket next
-                        }
-                    )
+                _trace_row(trace, seq, received, load_start, load_end)
                 link.sock.send(encode({"t": "ack", "sync_id": sync_id, "seq": seq}))
             elif kind == "end":
                 _check_arrivals(plan, arrived)
@@ -419,6 +400,21 @@ class BucketReceiver(WorkerIdentityMixin):
                 raise TransportError(f"the trainer aborted the refit: {msg.get('reason', '')}")
             else:
                 raise TransportError(f"unexpected message type {kind!r}")
+
+
+def _trace_row(
+    trace: list[dict[str, Any]] | None,
+    seq: int,
+    received: float,
+    load_start: float,
+    load_end: float,
+    **extra: Any,
+) -> None:
+    """Bucket ``seq``'s row of ``trace`` (None: not tracing; ``time.monotonic()`` times),
+    its ``ack_sent`` now: the ack, if any, is handed to the socket next."""
+    if trace is not None:
+        row = {"seq": seq, "received": received, "load_start": load_start, "load_end": load_end}
+        trace.append({**row, "ack_sent": time.monotonic(), **extra})
 
 
 def _digesting(

@@ -1,48 +1,33 @@
 """The IPC transport's sender: how one sync's buckets reach the workers.
 
-:class:`_BucketSender` packs (or refers to, in direct mode) each bucket, sends its
-``data`` message over the trainer's ROUTER to the workers of each lane, waits for
-their acks before reusing a buffer, and ends the sync with ``end``; the inline path
-sends everything inside the receive's session. The protocol is in
-:mod:`aiosync.transports.ipc.synchronizer`'s docstring; the synchronizer owns the
-sockets, buffers and the sync's bracket, and builds one sender per sync.
+:class:`_BucketSender` streams each lane's buckets: it picks the ping-pong buffer
+(or a transient one) for each, has :class:`~._packer._Packer` pack the bucket into
+it (or refer to its tensors where they lie, in direct mode), sends its ``data``
+message over the trainer's ROUTER (:class:`~._router._Router`) to the workers of
+the lane, waits for their acks before reusing a buffer, and ends the sync with
+``end``; the inline path sends everything inside the receive's session. The
+protocol is in :mod:`aiosync.transports.ipc.synchronizer`'s docstring; the
+synchronizer owns the sync's bracket, and builds one sender per plan.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import shutil
-import tempfile
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
 import anyio
 import torch
-import zmq
-import zmq.asyncio
 
-from aiosync._digest import BlockDigest
-from aiosync.errors import RefitMismatchError, SyncTimeoutError, TransportError
+from aiosync.errors import TransportError
 
 from .._identity import CPU_LABEL
-from .._leftovers import dir_prefix, sweep_leftovers
 from .._ranks import drain
-from .._verify import Verify, bucket_digest, sample_key, views_digest
-from .._wire import decode, encode, rebuild_error
-from ..packing import (
-    Bucket,
-    BucketPlan,
-    TensorSlot,
-    group_by_bucket,
-    in_place,
-    pack,
-    slot_view,
-)
-from ._direct import DirectRef, direct_refs
+from .._verify import Verify
+from ..packing import Bucket, BucketPlan, group_by_bucket
+from ._packer import _Check, _DirectBucket, _exhaust, _Packer, _release, _stage, _stamp
+from ._router import _Router
 from ._shm import EMPTY_HANDLE, SharedBuffer
 
 _log = logging.getLogger(__name__)
@@ -57,23 +42,13 @@ _INLINE_MAX_BYTES = 16 * 1024 * 1024
 #: takes well under the thread hop it saves (~0.1 ms of a ~1 ms sync's cost here).
 _ON_LOOP_MAX_BYTES = 1024 * 1024
 
-#: How long a trainer that cannot reach a worker waits for the error the worker
-#: sent before it closed its socket (usually queued already), seconds.
-_WORKER_ERROR_GRACE_S = 1.0
-
 #: What a sync in flight raises when ``shutdown()`` interrupts it.
 _SHUT_DOWN_MID_SYNC = "the IPC synchronizer was shut down during the sync"
 
 
-def _check_reply(reply: Any, rank: int, method: str) -> None:
-    if not isinstance(reply, dict):
-        raise TransportError(f"engine worker {rank}: malformed {method} reply {reply!r:.80}")
-    if not reply.get("ok"):
-        raise rebuild_error(reply, f"engine worker {rank} ({method})")
-
-
-class _BucketSender:
-    """The trainer's socket and staging buffers; streams one plan's buckets per call.
+class _BucketSender(_Router):
+    """The trainer's socket (:class:`~._router._Router`) and staging buffers; streams
+    one plan's buckets per call.
 
     Made by :meth:`open`, which takes ownership of ``directory`` and ``buffers``.
     """
@@ -87,39 +62,15 @@ class _BucketSender:
         directory: str,
         buffers: list[SharedBuffer],
     ) -> None:
+        super().__init__(directory, timeout_s, device_id)
         self.plan = plan
         self.device = device
-        self.device_id = device_id
-        self.timeout_s = timeout_s
-        self.directory = directory
         self._buffers = buffers
-        self.endpoint = f"ipc://{self.directory}/refit.sock"
-        self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(self.endpoint)
-        # A synchronous twin of the socket: a NOBLOCK send on it raises at once
-        # (an asyncio socket's returns a future whose error nobody would read).
-        self._sync_sock: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
-        self._closed = False
-        # The socket identity of the last message received, and the identities of
-        # the current sync's workers (``(sync_id, {rank: identity})``, see _handshake).
-        self._last_ident = b""
-        self._idents: tuple[str, dict[int, bytes]] = ("", {})
-        # Each worker's identity as last heard: a worker keeps its socket from one
-        # sync to the next, so an abort must reach that identity too.
-        self._known_idents: dict[int, bytes] = {}
+        self._packer = _Packer(device)
         #: Whether a bucket of arena tensors goes direct (set per sync by the synchronizer).
         self.direct = False
-        #: The messages of the inline sync running (see :meth:`send_lanes`), else None.
-        self._inline: list[dict[str, Any]] | None = None
         # Whether this sync's source reads and packing run on the event loop (_in_thread).
         self._on_loop = False
-        # The slots and buffer of the bucket the source is reading (see destination).
-        self._into: tuple[dict[str, TensorSlot], torch.Tensor] | None = None
-        #: Names a worker in an error it sent (a fleet names its engine too).
-        self.describe_worker: Callable[[int], str] = lambda rank: f"engine worker {rank}"
         # The send in flight: its cancel scope, its sync, and an event set when it ends.
         self._active: tuple[anyio.CancelScope, str, Sequence[int], anyio.Event] | None = None
 
@@ -227,7 +178,11 @@ class _BucketSender:
         self._on_loop = inline and sum(lane.plan.total_bytes for lane in lanes) <= (
             _ON_LOOP_MAX_BYTES
         )
-        peers = dict.fromkeys(ranks, b"") if inline else await self._handshake(sync_id, ranks)
+        peers = (
+            dict.fromkeys(ranks, b"")
+            if inline
+            else await self._handshake(sync_id, ranks, self.plan.digest)
+        )
         stream = _Stream(holder=[None] * len(self._buffers), rows={} if trace is not None else None)
         nbytes = 0
         for lane in lanes:
@@ -299,7 +254,7 @@ class _BucketSender:
             if bucket.nbytes == 0:
                 # Only zero-size tensors (already checked against their slots by
                 # group_by_bucket): nothing to pack, and no 0-byte segment exists.
-                await self._in_thread(self._read_and_pack, groups, None, None, last, row)
+                await self._in_thread(self._packer.read_and_pack, groups, None, None, last, row)
                 if row is not None:
                     row["copied"] = 0
                 _stamp(row, "sent")
@@ -325,7 +280,7 @@ class _BucketSender:
                         if previous is None or stream.acked(previous):
                             spare = self._buffers[seq % len(self._buffers)]
                     run, group, packed = await self._in_thread(
-                        self._read_direct,
+                        self._packer.read_direct,
                         groups,
                         plan.buckets[i - 1 : i - 1 + batch],
                         check,
@@ -376,7 +331,7 @@ class _BucketSender:
                     # gathers into the buffer waits for it instead.
                     if group is None and not lane.gathers:
                         group, _ = await self._in_thread(
-                            self._read_and_pack, groups, None, None, False, row
+                            self._packer.read_and_pack, groups, None, None, False, row
                         )
                     await self._wait_acks(sync_id, stream, previous)
                 buffer = self._buffers[slot]
@@ -386,7 +341,7 @@ class _BucketSender:
                     # One thread hop reads the source (unless read above), packs, digests,
                     # and after the last bucket checks that the source ended.
                     _, digest = await self._in_thread(
-                        self._read_and_pack, groups, group, buffer, last, row, bucket, check
+                        self._packer.read_and_pack, groups, group, buffer, last, row, bucket, check
                     )
                 else:
                     (digest,) = packed
@@ -425,125 +380,15 @@ class _BucketSender:
         groups = group_by_bucket(lane.weights, lane.plan)
         buckets = lane.plan.buckets
         run, group, _ = await anyio.to_thread.run_sync(
-            self._read_direct, groups, buckets, _Check(verify, version), None, len(buckets)
+            self._packer.read_direct, groups, buckets, _Check(verify, version), None, len(buckets)
         )
         return _Ahead(groups, run, group, group is None and len(run) == len(buckets))
 
-    def _read_direct(
-        self,
-        groups: Iterator[tuple[Bucket, list[tuple[str, torch.Tensor]]]],
-        buckets: Sequence[Bucket],
-        check: _Check,
-        row: dict[str, Any] | None,
-        remaining: int,
-        spare: SharedBuffer | None = None,
-    ) -> tuple[
-        list[_DirectBucket], list[tuple[str, torch.Tensor]] | None, tuple[int | None] | None
-    ]:
-        """In a worker thread: read ``buckets[0]`` from the source and, while each
-        bucket read goes direct, the next non-empty ones of ``buckets``. Returns the
-        direct run (refs, digest, when it was read), the tensors of the bucket that
-        ended it by not going direct (None otherwise), and, when ``buckets[0]`` is not
-        direct and ``spare`` (a free buffer) is given, ``(its digest,)`` after packing
-        it into ``spare`` instead of returning its tensors. ``remaining``: the plan's
-        buckets from ``buckets[0]`` on; after its last the source is checked ended."""
-        run: list[_DirectBucket] = []
-        for k, bucket in enumerate(buckets):
-            if k and bucket.nbytes == 0:
-                break
-            start = time.monotonic()
-            _bucket, group = next(groups)
-            if k == remaining - 1:
-                _exhaust(groups)
-            refs = direct_refs(group, self.device)
-            if refs is None:
-                if k == 0 and row is not None:
-                    row["pack_start"] = start
-                if k == 0 and spare is not None:
-                    _, digest = self._read_and_pack(groups, group, spare, False, row, bucket, check)
-                    return run, None, (digest,)
-                return run, group, None
-            if self.device.type == "cuda":
-                # What the last optimizer step queued on the stream is written before
-                # a worker reads the trainer's memory.
-                torch.cuda.current_stream(self.device).synchronize()
-            digest = None if check.verify is False else check.views_digest(bucket, group)
-            run.append(_DirectBucket(refs, digest, start, time.monotonic()))
-        return run, None, None
-
-    def _read_and_pack(
-        self,
-        groups: Iterator[tuple[Bucket, list[tuple[str, torch.Tensor]]]],
-        group: list[tuple[str, torch.Tensor]] | None,
-        buffer: SharedBuffer | None,
-        last: bool,
-        row: dict[str, Any] | None,
-        bucket: Bucket | None = None,
-        check: _Check | None = None,
-    ) -> tuple[list[tuple[str, torch.Tensor]] | None, int | None]:
-        """In a worker thread: read the next bucket's tensors from the source
-        unless ``group`` holds them, pack them into ``buffer`` (None: return them
-        unpacked), digest the packed bucket as ``check`` says, and after the
-        ``last`` bucket check that the source ended. Returns ``(the tensors when
-        not packed, the digest when computed)``. ``row`` gets
-        ``pack_start``/``pack_end`` (``time.monotonic()``; the digest is inside) and
-        ``copied``, the bytes packing copied (a tensor gathered into its slot is not).
-        While the source reads a bucket for ``buffer`` it may gather into it
-        (:meth:`destination`)."""
-        if row is not None and "pack_start" not in row:
-            row["pack_start"] = time.monotonic()
-        if group is None:
-            if buffer is not None:
-                assert bucket is not None
-                # What :meth:`destination` offers while the source reads this bucket.
-                self._into = ({slot.name: slot for slot in bucket.slots}, buffer.tensor)
-            try:
-                _bucket, group = next(groups)
-            finally:
-                self._into = None
-        digest = None
-        if buffer is not None:
-            assert bucket is not None
-            if row is not None:
-                row["copied"] = sum(
-                    slot.nbytes
-                    for slot, (_name, tensor) in zip(bucket.slots, group, strict=False)
-                    if not in_place(tensor, slot_view(buffer.tensor, slot))
-                )
-            # verify=True: digested as it is packed, each chunk while still in cache.
-            blocks = BlockDigest() if check is not None and check.verify is True else None
-            self._pack(bucket, group, buffer, blocks)
-            if blocks is not None:
-                digest = blocks.value()
-            elif check is not None:
-                digest = check.digest(bucket, buffer.tensor)
-        if last:
-            _exhaust(groups)
-        _stamp(row, "pack_end")
-        return (group if buffer is None else None), digest
-
-    def _pack(
-        self,
-        bucket: Bucket,
-        group: list[tuple[str, torch.Tensor]],
-        buffer: SharedBuffer,
-        digest: BlockDigest | None = None,
-    ) -> None:
-        pack(bucket, group, out=buffer.tensor, digest=digest)
-        if buffer.tensor.is_cuda:
-            torch.cuda.current_stream(buffer.tensor.device).synchronize()
-
     def destination(self, name: str) -> torch.Tensor | None:
         """Where a :class:`~aiosync.interfaces.GathersInto` source may gather tensor
-        ``name``: its slot of the buffer the bucket being read is packed into (a view of
-        the slot's shape and dtype), None when no buffer waits for it. Called in the
-        packing thread, from inside the source."""
-        into = self._into
-        if into is None:
-            return None
-        slots, buffer = into
-        slot = slots.get(name)
-        return None if slot is None else slot_view(buffer, slot)
+        ``name`` (:meth:`._packer._Packer.destination`). Called in the packing thread,
+        from inside the source."""
+        return self._packer.destination(name)
 
     @property
     def _fits(self) -> int:
@@ -565,33 +410,6 @@ class _BucketSender:
         that a cancelled one ends on the worker before the invalidation's wait."""
         return self.fits_without_reuse(plan) and plan.total_bytes <= _INLINE_MAX_BYTES
 
-    async def _handshake(self, sync_id: str, ranks: Sequence[int]) -> dict[int, bytes]:
-        """Wait for every worker's ``hello``; returns each rank's socket identity.
-
-        A worker names its socket after the sync that opened it (``{sync_id}/{rank}``)
-        and keeps it for later syncs of this synchronizer, so the identity is
-        the hello's, not this sync's name.
-        """
-        expected = set(ranks)
-        peers: dict[int, bytes] = {}
-        self._idents = (sync_id, peers)
-        while len(peers) < len(expected):
-            rank, msg = await self._recv(sync_id, "the engine workers to connect")
-            if msg.get("t") != "hello":
-                continue
-            if rank not in expected:
-                raise TransportError(
-                    f"engine worker {rank} connected to the trainer rank of device "
-                    f"{self.device_id}, which does not serve it"
-                )
-            if msg.get("digest") != self.plan.digest:
-                raise RefitMismatchError(
-                    f"engine worker {rank} holds bucket plan {str(msg.get('digest'))[:16]}, "
-                    f"the trainer sends {self.plan.digest[:16]}"
-                )
-            peers[rank] = self._known_idents[rank] = self._last_ident
-        return peers
-
     async def _wait_acks(self, sync_id: str, stream: _Stream, seq: int) -> None:
         """Receive until every worker bucket ``seq`` went to acknowledged it; the
         acks of other buckets that arrive meanwhile are recorded too (a traced
@@ -610,88 +428,6 @@ class _BucketSender:
                 if rows is not None and acked in rows and stream.acked(acked):
                     _stamp(rows[acked], "acked")
 
-    async def _recv(self, sync_id: str, what: str) -> tuple[int, dict[str, Any]]:
-        """The next message of this sync; worker errors are raised, other syncs' dropped."""
-        while True:
-            try:
-                with anyio.fail_after(self.timeout_s):
-                    frames = await self._sock.recv_multipart()
-            except TimeoutError as exc:
-                raise SyncTimeoutError(f"waited {self.timeout_s} s for {what}") from exc
-            if len(frames) != 2:
-                raise TransportError(f"malformed message of {len(frames)} frames")
-            msg = decode(frames[1])
-            self._last_ident = frames[0]
-            if msg.get("sync_id") != sync_id:
-                continue  # a late message of an earlier, failed sync
-            rank = msg.get("rank")
-            if rank is None:
-                ident = frames[0].decode(errors="replace")
-                rank = ident.rpartition("/")[2]
-            try:
-                rank = int(rank)
-            except (TypeError, ValueError) as exc:
-                raise TransportError(f"message from an unknown peer: {msg!r:.80}") from exc
-            if msg.get("t") == "error":
-                raise rebuild_error(msg, self.describe_worker(rank))
-            return rank, msg
-
-    async def _send_all(
-        self, sync_id: str, peers: dict[int, bytes], message: dict[str, Any]
-    ) -> None:
-        """Send ``message`` to every peer (or, in an inline sync, keep it for the session)."""
-        if self._inline is not None:
-            self._inline.append(message)
-            return
-        payload = encode(message)
-        for rank, ident in peers.items():
-            try:
-                await self._sock.send_multipart([ident, payload])
-            except zmq.ZMQError as exc:
-                raise await self._why_unreachable(sync_id, rank, exc) from exc
-
-    async def _why_unreachable(self, sync_id: str, rank: int, exc: zmq.ZMQError) -> Exception:
-        """What to raise when worker ``rank`` of ``sync_id`` cannot be sent to.
-
-        A worker whose receive fails sends its error, then closes its socket; the
-        trainer may be sending it the next bucket by then. That error (e.g. a
-        :class:`~aiosync.errors.RefitVerificationError`) is the cause: it is still
-        queued on the socket, and returned if any worker's of this sync arrives
-        within :data:`_WORKER_ERROR_GRACE_S` seconds; else a :class:`TransportError`.
-        """
-        unreachable = TransportError(f"engine worker {rank} is unreachable: {exc}")
-        try:
-            with anyio.fail_after(min(_WORKER_ERROR_GRACE_S, self.timeout_s)):
-                while True:
-                    await self._recv(sync_id, "the error of an unreachable worker")
-        except (TimeoutError, SyncTimeoutError):
-            return unreachable
-        except Exception as error:  # the worker's, re-typed by _recv
-            return error
-
-    def abort(self, sync_id: str, ranks: Sequence[int], reason: str) -> None:
-        """Tell the workers of ``sync_id`` to stop waiting (best effort, never raises)."""
-        if self._closed:
-            return
-        payload = encode({"t": "abort", "sync_id": sync_id, "reason": reason[:500]})
-        # The identities the workers said hello from; a worker not heard from yet
-        # would connect as ``{sync_id}/{rank}`` (a new socket) or reuse the one it
-        # kept from an earlier sync: both are told, or its receive would wait the
-        # whole timeout (holding the worker from the next sync).
-        known = self._idents[1] if self._idents[0] == sync_id else {}
-        for rank in ranks:
-            idents = {known.get(rank, f"{sync_id}/{rank}".encode())}
-            if rank in self._known_idents:
-                idents.add(self._known_idents[rank])
-            for ident in idents:
-                with contextlib.suppress(zmq.ZMQError):  # not connected (yet, or any more)
-                    self._sync_sock.send_multipart([ident, payload], zmq.NOBLOCK)
-
-    @property
-    def closed(self) -> bool:
-        """True once :meth:`close` ran."""
-        return self._closed
-
     async def aclose(self) -> None:
         """Stop the send in flight (it raises :class:`TransportError` naming the
         shutdown; its workers are told to abort), wait up to ``timeout_s`` seconds
@@ -706,83 +442,12 @@ class _BucketSender:
         self.close()
 
     def close(self) -> None:
-        if self._closed:
+        """Close the socket, unlink the buffers and remove the directory (idempotent)."""
+        if self.closed:
             return
-        self._closed = True
+        super().close()
         buffers, self._buffers = self._buffers, []
-        self._sock.close(linger=0)
-        self._ctx.term()
         _release(self.directory, buffers)
-
-
-def _stage(plan: BucketPlan, device: torch.device) -> tuple[str, list[SharedBuffer]]:
-    """The sender's private (0700) socket directory and its ping-pong buffers."""
-    # A trainer killed earlier (SIGKILL runs no cleanup) left its segments and
-    # socket directory behind; they carry its pid, so the dead ones go now.
-    sweep_leftovers()
-    directory = tempfile.mkdtemp(prefix=dir_prefix("ipc"))
-    buffers: list[SharedBuffer] = []
-    try:
-        os.chmod(directory, 0o700)
-        # Two buffers sized to the largest bucket that respects the limit; an
-        # oversized (single-tensor) bucket gets its own buffer when it comes.
-        regular = [b.nbytes for b in plan.buckets if b.nbytes <= plan.bucket_bytes]
-        size = max(regular, default=0)
-        for _ in range(min(2, len(regular)) if size else 0):
-            buffers.append(SharedBuffer.create(size, device))
-    except BaseException:
-        _release(directory, buffers)
-        raise
-    return directory, buffers
-
-
-def _release(directory: str, buffers: Sequence[SharedBuffer]) -> None:
-    """Unlink ``buffers`` and remove ``directory`` (and the socket file in it)."""
-    for buffer in buffers:
-        buffer.close()
-    shutil.rmtree(directory, ignore_errors=True)
-
-
-class _Check(NamedTuple):
-    """How one sync digests its packed buckets (:mod:`aiosync.transports._verify`)."""
-
-    verify: Verify
-    #: The weight version sent: with the bucket's index, the sample's seed.
-    version: int
-
-    def digest(self, bucket: Bucket, buffer: torch.Tensor) -> int | None:
-        """The digest of ``bucket`` packed at the start of ``buffer`` (``uint8``,
-        at least ``bucket.nbytes`` bytes; padding between slots included, it is the
-        same memory the workers read); None with ``verify=False``."""
-        if self.verify is False:
-            return None
-        return bucket_digest(
-            buffer[: bucket.nbytes],
-            self.verify,
-            key=sample_key(self.version, bucket.index),
-            slots=[(s.offset, s.nbytes) for s in bucket.slots],
-        )
-
-    def views_digest(self, bucket: Bucket, group: Sequence[tuple[str, torch.Tensor]]) -> int:
-        """The digest of a direct bucket: its tensors' own bytes, in slot order, at
-        their slots' offsets (:func:`~aiosync.transports._verify.views_digest`; blocking)."""
-        assert self.verify is not False
-        views = [t.detach().reshape(-1).view(torch.uint8) for _name, t in group]
-        return views_digest(
-            views,
-            self.verify,
-            key=sample_key(self.version, bucket.index),
-            offsets=[slot.offset for slot in bucket.slots],
-        )
-
-    def fields(self, bucket: Bucket, digest: int) -> dict[str, Any]:
-        """What a ``data`` message carries for the worker's check: the mode, the
-        sample's seed and the digest (a signed int64)."""
-        return {
-            "verify": self.verify,
-            "key": sample_key(self.version, bucket.index),
-            "digest": digest,
-        }
 
 
 class _Ahead(NamedTuple):
@@ -796,16 +461,6 @@ class _Ahead(NamedTuple):
     group: list[tuple[str, torch.Tensor]] | None
     #: Whether every bucket of the lane went direct (the source is checked ended).
     complete: bool
-
-
-class _DirectBucket(NamedTuple):
-    """A bucket sent direct: where its tensors lie, its digest (None: not checked),
-    and when reading it from the source started and ended (``time.monotonic()``)."""
-
-    refs: list[DirectRef]
-    digest: int | None
-    read_start: float
-    read_end: float
 
 
 class _Lane(NamedTuple):
@@ -853,14 +508,3 @@ def _trace_row(
     stream.rows[seq] = row
     trace.append(row)
     return row
-
-
-def _stamp(row: dict[str, Any] | None, key: str) -> None:
-    """Record ``time.monotonic()`` (seconds) as ``row[key]`` when tracing."""
-    if row is not None:
-        row[key] = time.monotonic()
-
-
-def _exhaust(groups: Iterator[Any]) -> None:
-    for _ in groups:
-        raise RefitMismatchError("the source yielded more buckets than the plan holds")

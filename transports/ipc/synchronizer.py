@@ -107,13 +107,8 @@ from .._ranks import TrainerRanks
 from .._verify import Verify, check_verify
 from .._wire import error_fields, rebuild_error
 from ..packing import BucketPlan, plan_buckets, plan_patches
-from ._sender import (
-    _SHUT_DOWN_MID_SYNC,
-    _Ahead,
-    _BucketSender,
-    _check_reply,
-    _Lane,
-)
+from ._router import _check_reply
+from ._sender import _SHUT_DOWN_MID_SYNC, _Ahead, _BucketSender, _Lane
 from ._votes import RankVotes, collective_error, own_process
 
 __all__ = [

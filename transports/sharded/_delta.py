@@ -41,13 +41,11 @@ from ._p2p import (
     P2PResult,
     SourceFn,
     _describe,
-    _finish,
     _handshake,
     _Link,
-    _status_of,
     check_call,
-    raise_receivers_outcome,
-    raise_senders_outcome,
+    conclude_receiver,
+    conclude_sender,
 )
 from ._plan import Box, Plan, Transfer, box_numel, box_shape, box_within
 
@@ -65,7 +63,6 @@ DENSE = -1
 _DELTA_MAGIC = 0x6169_6F73_7064_6C01
 #: Alignment of every payload piece, bytes (the widest element a view may need).
 _ALIGN = 16
-_OK = 0
 
 #: ``apply(boxes, patches)`` on a receiver: write one sender's dense boxes
 #: (``(hf_name, box, tensor)``, as ``load_weight_boxes`` takes them) and sparse
@@ -222,28 +219,23 @@ def _pair_transfers(plan: Plan, src: int, dst: int) -> list[Transfer]:
     return [t for b in plan.buckets_between(src, dst) for t in b.transfers]
 
 
+@dataclass(eq=False)
 class _DeltaSender:
     """One sender's side of :func:`run_delta_plan`."""
 
-    def __init__(
-        self,
-        link: _Link,
-        plan: Plan,
-        me: int,
-        source: SourceFn,
-        baseline: ShardBaseline,
-        version: int,
-    ) -> None:
-        self.link = link
-        self.plan = plan
-        self.me = me
-        self.source = source
-        self.baseline = baseline
-        self.version = version
-        self.layout = plan.sources[me]
+    link: _Link
+    plan: Plan
+    me: int
+    source: SourceFn
+    baseline: ShardBaseline
+    version: int
+
+    def __post_init__(self) -> None:
+        self.layout = self.plan.sources[self.me]
+        #: Each receiver's transfers from this sender, in the header's order.
         self.transfers = {
-            w: _pair_transfers(plan, me, w) for w in range(plan.num_receivers)
-        }  # fmt: skip
+            w: _pair_transfers(self.plan, self.me, w) for w in range(self.plan.num_receivers)
+        }
 
     def _encode(self) -> dict[int, tuple[list[int], list[torch.Tensor]]]:
         """Every pair's counts and wire tensors; stages this rank's local changes."""
@@ -334,35 +326,23 @@ class _DeltaSender:
         for w, (counts, _) in encoded.items():
             pieces, _ = _pieces(self.transfers[w], counts)
             sent[w] = sum(p.nbytes for p in pieces)
-        status = _OK if failure is None else _status_of(failure)
-        outcome = _finish(self.link, plan, me, peers, status, {senders + w: sent[w] for w in order})
-        if failure is not None:
-            raise failure
-        raise_receivers_outcome(outcome, me, senders, sent)
-        return P2PResult("sender", sum(sent.values()), sent, len(buffers))
+        return conclude_sender(self.link, plan, me, peers, failure, sent, len(buffers))
 
 
+@dataclass(eq=False)
 class _DeltaReceiver:
     """One receiver's side of :func:`run_delta_plan`."""
 
-    def __init__(
-        self,
-        link: _Link,
-        plan: Plan,
-        me: int,
-        base: int,
-        apply: ApplyFn,
-        refusal: BaseException | None,
-        finish: Callable[[], None] | None = None,
-    ) -> None:
-        self.link = link
-        self.plan = plan
-        self.me = me
-        self.worker = me - plan.num_senders
-        self.base = base
-        self.apply = apply
-        self.refusal = refusal
-        self.finish = finish
+    link: _Link
+    plan: Plan
+    me: int
+    base: int
+    apply: ApplyFn
+    refusal: BaseException | None
+    finish: Callable[[], None] | None = None
+
+    def __post_init__(self) -> None:
+        self.worker = self.me - self.plan.num_senders
 
     def _counts(self, src: int, transfers: Sequence[Transfer], header: torch.Tensor) -> list[int]:
         counts = [int(c) for c in header.cpu().tolist()]
@@ -432,12 +412,7 @@ class _DeltaReceiver:
                     self.finish()
             except Exception as exc:  # the finish still tells every sender
                 failure = exc
-        status = _OK if failure is None else _status_of(failure)
-        outcome = _finish(self.link, plan, self.me, peers, status, received)
-        if failure is not None:
-            raise failure
-        raise_senders_outcome(outcome, self.me, senders)
-        return P2PResult("receiver", sum(received.values()), received, len(buffers))
+        return conclude_receiver(self.link, plan, self.me, failure, received, len(buffers))
 
 
 def run_delta_plan(

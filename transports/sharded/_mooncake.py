@@ -51,16 +51,14 @@ from ._p2p import (
     SinkFn,
     SourceFn,
     _describe,
-    _finish,
     _handshake,
     _Link,
     _packing_failure,
     _Receiver,
     _Sender,
-    _status_of,
     check_call,
-    raise_receivers_outcome,
-    raise_senders_outcome,
+    conclude_receiver,
+    conclude_sender,
 )
 from ._plan import Plan, TransferBucket
 
@@ -247,7 +245,32 @@ def _read_message(t: torch.Tensor, step: int, what: str) -> int:
     return int(status)
 
 
-class _MooncakeSender(_Sender):
+class _InRegion:
+    """A side of :func:`run_plan_mooncake` whose buffers are slots of its registered
+    :class:`_Region`, unregistered when the call ends (and its memory kept unless the
+    call :meth:`_settle`-d: a peer's write may still land in it)."""
+
+    region: _Region
+    #: True once the finish is exchanged: no write of this call can touch the region.
+    settled = False
+
+    def _buffer(self, peer: int, slot: int, nbytes: int) -> torch.Tensor:
+        return self.region.slot(peer, slot)[:nbytes]
+
+    def _settle(self) -> None:
+        self.settled = True
+
+    def run(self) -> P2PResult:
+        try:
+            return self._run()
+        finally:
+            self.region.close(self.settled)
+
+    def _run(self) -> P2PResult:
+        raise NotImplementedError
+
+
+class _MooncakeSender(_InRegion, _Sender):
     """One sender's side of :func:`run_plan_mooncake` (see the module docstring)."""
 
     def __init__(self, link: _Link, engine: Any, plan: Plan, me: int, source: SourceFn) -> None:
@@ -260,11 +283,6 @@ class _MooncakeSender(_Sender):
                 for w in range(plan.num_receivers)
             },
         )
-        #: True once the finish is exchanged: no write of this call can touch the region.
-        self.settled = False
-
-    def _buffer(self, dst: int, slot: int, nbytes: int) -> torch.Tensor:
-        return self.region.slot(dst, slot)[:nbytes]
 
     def _stage(self, bucket: TransferBucket, slot: int) -> torch.Tensor:
         """The bucket's bytes in this sender's registered slot (a lone box is copied in)."""
@@ -285,12 +303,6 @@ class _MooncakeSender(_Sender):
             self.link.wait(work, f"endpoint from {who}")
             out[p - senders] = _Endpoint.from_tensor(ins[p], who)
         return out
-
-    def run(self) -> P2PResult:
-        try:
-            return self._run()
-        finally:
-            self.region.close(self.settled)
 
     def _run(self) -> P2PResult:
         plan, me, senders = self.plan, self.me, self.plan.num_senders
@@ -368,16 +380,11 @@ class _MooncakeSender(_Sender):
         for work, _, peer in readies:
             link.wait(work, f"ready message to {_describe(peer, senders)}")
         readies.clear()
-        status = _OK if failure is None else _status_of(failure)
-        outcome = _finish(link, plan, me, peers, status, {senders + w: sent[w] for w in order})
-        self.settled = True  # every write is complete: the staging buffer is free
-        if failure is not None:
-            raise failure
-        raise_receivers_outcome(outcome, me, senders, sent)
-        return P2PResult("sender", sum(sent.values()), sent, count)
+        # Once the finish is exchanged every write is complete: the staging buffer is free.
+        return conclude_sender(link, plan, me, peers, failure, sent, count, self._settle)
 
 
-class _MooncakeReceiver(_Receiver):
+class _MooncakeReceiver(_InRegion, _Receiver):
     """One receiver's side of :func:`run_plan_mooncake` (see the module docstring)."""
 
     def __init__(
@@ -393,17 +400,6 @@ class _MooncakeReceiver(_Receiver):
                 for s in range(plan.num_senders)
             },
         )
-
-        self.settled = False  # as the sender's
-
-    def _buffer(self, src: int, slot: int, nbytes: int) -> torch.Tensor:
-        return self.region.slot(src, slot)[:nbytes]
-
-    def run(self) -> P2PResult:
-        try:
-            return self._run()
-        finally:
-            self.region.close(self.settled)
 
     def _run(self) -> P2PResult:
         plan, senders, link = self.plan, self.plan.num_senders, self.link
@@ -452,13 +448,8 @@ class _MooncakeReceiver(_Receiver):
                 frees.append((handle, free, src))
         for handle, _, src in frees:
             link.wait(handle, f"free message to trainer rank {src}")
-        status = _OK if failure is None else _status_of(failure)
-        outcome = _finish(link, plan, self.me, peers, status, received)
-        self.settled = True  # every sender's writes are complete: nobody writes here now
-        if failure is not None:
-            raise failure
-        raise_senders_outcome(outcome, self.me, senders)
-        return P2PResult("receiver", sum(received.values()), received, count)
+        # Once the finish is exchanged every sender's writes are complete: nobody writes here.
+        return conclude_receiver(link, plan, self.me, failure, received, count, self._settle)
 
 
 def run_plan_mooncake(

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from aiosync.errors import RefitMismatchError, SyncError, SyncTimeoutError, TransportError
 
+from ..collective._sync_group import translate_error
 from ..packing import dtype_from_name
 from ._plan import Box, Plan, TransferBucket, box_shape, box_within
 
@@ -100,11 +101,8 @@ LINK_FAILURES: tuple[type[SyncError], ...] = (LinkLost, LinkTimeout)
 
 
 def _translate(exc: BaseException, what: str) -> SyncError:
-    """A torch / gloo / NCCL error as aiosync's (the one place this is decided)."""
-    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    if "timed out" in text.lower() or "timeout" in text.lower():
-        return LinkTimeout(f"{what}: {text}")
-    return LinkLost(f"{what}: {text}")
+    """A torch / gloo / NCCL error as a link's (:class:`LinkTimeout`, :class:`LinkLost`)."""
+    return translate_error(exc, what, timed_out=LinkTimeout, failed=LinkLost)
 
 
 class _Link:
@@ -379,16 +377,14 @@ class _Sender:
             for w, work, _ in pending.get(slot, []):
                 self.link.wait(work, f"last sends to inference worker {w}")
         pending.clear()
-        status = _OK if failure is None else _status_of(failure)
-        outcome = _finish(self.link, plan, me, peers, status, {senders + w: sent[w] for w in order})
-        if failure is not None:
-            raise failure
-        raise_receivers_outcome(outcome, me, senders, sent)
-        return P2PResult("sender", sum(sent.values()), sent, count)
+        return conclude_sender(self.link, plan, me, peers, failure, sent, count)
 
 
-def _status_of(exc: BaseException) -> int:
-    return _MISMATCH if isinstance(exc, RefitMismatchError) else _ERROR
+def _status_of(failure: BaseException | None) -> int:
+    """A finish's status: ``_OK`` without a failure."""
+    if failure is None:
+        return _OK
+    return _MISMATCH if isinstance(failure, RefitMismatchError) else _ERROR
 
 
 class _Receiver:
@@ -449,46 +445,73 @@ class _Receiver:
                         self._deliver(bucket, buf)
                     except Exception as exc:  # keep draining: the senders are mid-stream
                         failure = exc
-        status = _OK if failure is None else _status_of(failure)
-        outcome = _finish(self.link, plan, self.me, peers, status, received)
-        if failure is not None:
-            raise failure
-        raise_senders_outcome(outcome, self.me, senders)
-        return P2PResult("receiver", sum(received.values()), received, count)
+        return conclude_receiver(self.link, plan, self.me, failure, received, count)
 
 
-def raise_receivers_outcome(
-    outcome: Mapping[int, tuple[int, Any]], me: int, senders: int, sent: Mapping[int, int]
-) -> None:
-    """A sender's view of its receivers' finish: raise if one refused what it sent
-    (RefitMismatchError), failed to store it, or counted other bytes (TransportError)."""
+def conclude_sender(
+    link: _Link,
+    plan: Plan,
+    me: int,
+    peers: Sequence[int],
+    failure: BaseException | None,
+    sent: dict[int, int],
+    count: int,
+    finished: Callable[[], None] | None = None,
+) -> P2PResult:
+    """A sender's finish with ``peers`` (its receivers' group ranks), then its outcome:
+    its own ``failure`` raised; else a receiver that refused what it sent
+    (RefitMismatchError), failed to store it, or counted other bytes (TransportError);
+    else what it sent (``sent``: payload bytes per receiver index; ``count`` buckets).
+    ``finished`` is called once the finish is exchanged, before anything is raised."""
+    senders = plan.num_senders
+    nbytes = {peer: sent[peer - senders] for peer in peers}
+    outcome = _finish(link, plan, me, peers, _status_of(failure), nbytes)
+    if finished is not None:
+        finished()
+    if failure is not None:
+        raise failure
     for peer, (code, got) in sorted(outcome.items()):
         who = _describe(peer, senders)
         if code == _MISMATCH:
             raise RefitMismatchError(f"{who} refused what {_describe(me, senders)} sent")
         if code != _OK:
             raise TransportError(f"{who} failed to store what {_describe(me, senders)} sent")
-        if got != sent[peer - senders]:
+        if got != nbytes[peer]:
             raise TransportError(
                 f"{who} received {got} bytes from {_describe(me, senders)}, "
-                f"{sent[peer - senders]} were sent"
+                f"{nbytes[peer]} were sent"
             )
+    return P2PResult("sender", sum(sent.values()), sent, count)
 
 
-def raise_senders_outcome(outcome: Mapping[int, tuple[int, Any]], me: int, senders: int) -> None:
-    """A receiver's view of its senders' finish: raise if one's weights differ from the
-    plan (RefitMismatchError) or it failed mid-transfer (TransportError)."""
+def conclude_receiver(
+    link: _Link,
+    plan: Plan,
+    me: int,
+    failure: BaseException | None,
+    received: dict[int, int],
+    count: int,
+    finished: Callable[[], None] | None = None,
+) -> P2PResult:
+    """A receiver's finish with every sender (``received``: payload bytes per sender),
+    then its outcome: its own ``failure`` raised; else a sender whose weights differ
+    from the plan (RefitMismatchError) or that failed mid-transfer (TransportError);
+    else what it received. ``finished`` as for :func:`conclude_sender`."""
+    outcome = _finish(link, plan, me, list(received), _status_of(failure), received)
+    if finished is not None:
+        finished()
+    if failure is not None:
+        raise failure
     for src, (code, _) in sorted(outcome.items()):
         if code == _MISMATCH:
-            raise RefitMismatchError(
-                f"trainer rank {src}'s weights differ from the plan; what it sent "
-                f"{_describe(me, senders)} is not its weights"
-            )
-        if code != _OK:
-            raise TransportError(
-                f"trainer rank {src} failed mid-transfer; what it sent "
-                f"{_describe(me, senders)} is not its weights"
-            )
+            reason = f"trainer rank {src}'s weights differ from the plan"
+        elif code != _OK:
+            reason = f"trainer rank {src} failed mid-transfer"
+        else:
+            continue
+        error = RefitMismatchError if code == _MISMATCH else TransportError
+        raise error(f"{reason}; what it sent {_describe(me, plan.num_senders)} is not its weights")
+    return P2PResult("receiver", sum(received.values()), received, count)
 
 
 def check_call(plan: Plan, group: Any, rank: int, timeout_s: float) -> None:

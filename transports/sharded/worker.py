@@ -16,27 +16,27 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, Unpack, runtime_checkable
 
 import torch
 
 from aiosync.delta import WeightPatch, finish_patches
 from aiosync.errors import OwnershipError, RefitMismatchError, TransportError
 from aiosync.layout import Layout, Part
+from aiosync.options import check_keywords
 
 from .. import validity
 from .._identity import WorkerIdentityMixin
-from ..collective._group import (
-    STATUS_ERROR,
-    STATUS_MISMATCH,
-    STATUS_OK,
-    SyncGroup,
-    cancel_formation,
-    create_sync_group,
-    open_store,
+from ..collective._group import STATUS_ERROR, STATUS_MISMATCH, STATUS_OK, SyncGroup
+from ..collective._member import (
+    GroupMeeting,
+    delta_refusal,
+    held_version,
+    join_group,
+    may_leave,
 )
 from ..packing import dtype_from_name
-from ._delta import ApplyFn, ShardBaseline, run_delta_plan
+from ._delta import run_delta_plan
 from ._p2p import LINK_FAILURES, P2PResult, SinkFn, SourceFn, run_plan
 from ._plan import Box, Plan, make_plan
 
@@ -49,9 +49,6 @@ __all__ = [
     "run_plan_and_vote",
     "vote_or_abort",
 ]
-
-#: A store key only checked for (never set): the check is a round trip to the owner.
-_PROBE_KEY = "aiosync/owner-probe"
 
 #: What moves a plan's buckets: the group's point-to-point sends, or Mooncake writes.
 DataPlane = Literal["torch", "mooncake"]
@@ -91,12 +88,6 @@ def plan_from_wire(spec: dict[str, Any]) -> Plan:
     )
 
 
-def _device_for(backend: str) -> torch.device:
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 @dataclass(eq=False)
 class _State:
     group: SyncGroup
@@ -106,18 +97,6 @@ class _State:
     #: ``(version, discard epoch)`` this worker holds whole through this group, from
     #: its last successful receive: the only base a delta may be applied to.
     held: tuple[int, int] | None = None
-
-    def owner_alive(self) -> bool:
-        """Whether the trainer that formed the group can still drive it (its rank 0's
-        store still answers; a dead trainer's connection fails at once)."""
-        store = self.group.store
-        if self.group.broken or store is None:
-            return False
-        try:
-            store.check([_PROBE_KEY])
-        except Exception:  # DistNetworkError/DistStoreError: the owner's store is gone
-            return False
-        return True
 
 
 class ShardedWorkerMixin(WorkerIdentityMixin):
@@ -145,17 +124,11 @@ class ShardedWorkerMixin(WorkerIdentityMixin):
     def aiosync_sharded_init(
         self,
         *,
-        master_addr: str,
-        master_port: int,
-        world_size: int,
-        train_world_size: int,
-        backend: str,
         plan: dict[str, Any],
-        timeout_s: float,
-        session: str,
         owner: str = "",
         data_plane: DataPlane = "torch",
         delta: bool = False,
+        **meeting: Unpack[GroupMeeting],
     ) -> dict[str, Any]:
         """Join the sync group as rank ``train_world_size + aiosync_worker_rank()``.
 
@@ -168,14 +141,15 @@ class ShardedWorkerMixin(WorkerIdentityMixin):
         Args:
             plan: ``{"sources", "destinations", "dtypes", "bucket_bytes"}``
                 (:func:`layouts_to_wire`, dtype names, bytes).
-            timeout_s: limit of the rendezvous and of every later wait, seconds.
-            session: key namespace of this group in the store.
             owner: the forming synchronizer's token; later calls must carry it.
             data_plane: what moves the buckets: ``"torch"`` (the group's
                 point-to-point sends) or ``"mooncake"`` (Mooncake writes, the
                 control messages on the group; :mod:`._mooncake`).
             delta: the synchronizer sends delta patches: keep what applying them
                 needs (:attr:`aiosync_keep_delta_base`).
+            **meeting: where and how the group meets
+                (:class:`~..collective._member.GroupMeeting`; ``timeout_s`` also limits
+                every later wait).
 
         Returns:
             ``{"rank": session rank, "digest": plan digest, "nbytes": bytes this
@@ -187,59 +161,46 @@ class ShardedWorkerMixin(WorkerIdentityMixin):
                 this worker is not what its model holds (raised on every rank).
             SyncTimeoutError, TransportError: the rendezvous failed or timed out.
         """
-        store = open_store(master_addr, master_port, is_master=False, timeout_s=timeout_s)
-        status, message, digest = STATUS_OK, "", ""
-        parsed: Plan | None = None
+        check_keywords(GroupMeeting, meeting, "aiosync_sharded_init")
         worker = self.aiosync_worker_rank()
-        try:
+
+        def prepare() -> int:
             self.aiosync_sharded_destroy(owner=owner)
-            inference_world = world_size - train_world_size
+            trainers = meeting["train_world_size"]
+            inference_world = meeting["world_size"] - trainers
             if not 0 <= worker < inference_world:
                 raise TransportError(f"worker rank {worker} outside 0..{inference_world - 1}")
-            model = self._aiosync_layout_model()
-            try:
-                parsed = plan_from_wire(plan)
-                digest = parsed.digest
-                _check_destination(parsed, worker, model.weight_layout())
-            except RefitMismatchError as exc:
-                status, message = STATUS_MISMATCH, f"engine worker {worker}: {exc}"
-        except Exception as exc:
-            cancel_formation(
-                store, session, f"engine worker {worker} failed: {type(exc).__name__}: {exc}"
-            )
-            raise
-        group = create_sync_group(
-            store=store,
-            rank=train_world_size + worker,
-            world_size=world_size,
-            train_world_size=train_world_size,
-            backend=backend,
-            device=_device_for(backend),
-            timeout_s=timeout_s,
-            session=session,
+            self._aiosync_layout_model()  # refused before the rendezvous
+            return trainers + worker
+
+        def parse() -> Plan:
+            parsed = plan_from_wire(plan)
+            _check_destination(parsed, worker, self._aiosync_layout_model().weight_layout())
+            return parsed
+
+        group, parsed = join_group(
+            meeting,
+            who=f"engine worker {worker}",
+            prepare=prepare,
+            parse=parse,
             every_rank_sends=True,
-            verdict=(status, message, digest),
         )
-        assert parsed is not None  # a parse failure voted a mismatch above
         self._aiosync_sharded = _State(group, parsed, owner, data_plane)
         self.aiosync_keep_delta_base = delta
         return {
             "rank": group.rank,
-            "digest": digest,
+            "digest": parsed.digest,
             "nbytes": parsed.receiver_nbytes[worker],
         }
 
     def aiosync_sharded_destroy(self, owner: str = "") -> None:
-        """Leave and destroy the sync group (idempotent).
-
-        Raises:
-            OwnershipError: the group belongs to another synchronizer that is
-                still alive (a group whose owner is gone is destroyed).
-        """
+        """Leave and destroy the sync group (idempotent): refused with
+        :class:`~aiosync.errors.OwnershipError` while another synchronizer that owns it
+        is alive; one whose owner is gone is destroyed."""
         state = self._aiosync_sharded
         if state is None:
             return
-        if state.owner != owner and state.owner_alive():
+        if not may_leave(state.group, state.owner, owner):
             raise OwnershipError(
                 f"engine worker {self.aiosync_worker_rank()} is in the sharded sync group "
                 "of another synchronizer, which is still alive: one engine takes one "
@@ -256,12 +217,7 @@ class ShardedWorkerMixin(WorkerIdentityMixin):
         Raises:
             OwnershipError, TransportError: as :meth:`aiosync_sharded_receive`.
         """
-        state = self._aiosync_sharded_state(owner)
-        if state.held is None or state.held[1] != getattr(self, "aiosync_discard_epoch", 0):
-            return None
-        if self._aiosync_patch_model() is None:
-            return None  # it could not apply a delta: every sync is a full one
-        return state.held[0]
+        return held_version(self._aiosync_sharded_state(owner).held, self)
 
     def aiosync_sharded_receive(
         self, *, version: int, owner: str = "", delta: dict[str, Any] | None = None
@@ -346,19 +302,8 @@ class ShardedWorkerMixin(WorkerIdentityMixin):
     ) -> P2PResult:
         """Receive a delta against ``base``; refused (nothing written) unless this
         worker holds ``base`` whole and its model applies patches."""
-        who = f"engine worker {self.aiosync_worker_rank()}"
         model: Any = self._aiosync_patch_model()
-        refusal: BaseException | None = None
-        if held != base:
-            refusal = RefitMismatchError(
-                f"{who} holds version {held}, the delta patches were computed against "
-                f"version {base}: a full sync is needed"
-            )
-        elif model is None:
-            refusal = TransportError(
-                f"{who}: {type(self.model_runner.model).__name__} cannot apply delta "  # type: ignore[attr-defined]
-                "patches (apply_weight_patches)"
-            )
+        refusal = delta_refusal(self, held, base, model)
 
         def apply(boxes: list[tuple[str, Box, torch.Tensor]], patches: list[WeightPatch]) -> None:
             if boxes:
@@ -453,38 +398,15 @@ def run_delta_and_vote(
     plan: Plan,
     group: SyncGroup,
     *,
-    base: int,
-    version: int = 0,
-    source: SourceFn | None = None,
-    baseline: ShardBaseline | None = None,
-    apply: ApplyFn | None = None,
-    finish: Callable[[], None] | None = None,
-    refusal: BaseException | None = None,
-    device: torch.device,
-    timeout_s: float,
     check: Callable[[], str | None] | None = None,
+    **delta: Any,
 ) -> P2PResult:
-    """:func:`run_plan_and_vote` for a delta sync (:func:`~._delta.run_delta_plan` over
-    ``group.data``, the torch data plane): every rank raises the same error if any failed.
+    """:func:`run_plan_and_vote` for a delta sync: :func:`~._delta.run_delta_plan` over
+    ``group.data`` (the torch data plane), with its keywords ``delta`` (``base``,
+    ``version``, ``source``, ``baseline``, ``apply``, ``finish``, ``refusal``,
+    ``device``, ``timeout_s``); every rank raises the same error if any failed.
     """
-    return _vote_after(
-        group,
-        lambda: run_delta_plan(
-            plan,
-            group.data,
-            group.rank,
-            base=base,
-            version=version,
-            source=source,
-            baseline=baseline,
-            apply=apply,
-            finish=finish,
-            refusal=refusal,
-            device=device,
-            timeout_s=timeout_s,
-        ),
-        check,
-    )
+    return _vote_after(group, lambda: run_delta_plan(plan, group.data, group.rank, **delta), check)
 
 
 def _vote_after(

@@ -9,7 +9,12 @@ the HTTP transport's wire format); :mod:`aiosync.testing.sglang_server` is its p
 
 from __future__ import annotations
 
-from aiosync.engines.sglang.contract_server._cli import main, make_server, serve_in_subprocess
+from aiosync.engines.sglang.contract_server._cli import (
+    main,
+    make_server,
+    serve_in_subprocess,
+    stop_server,
+)
 from aiosync.engines.sglang.contract_server._state import ServerState
 from aiosync.engines.sglang.contract_server._wire import (
     AIOSYNC_ROUTE_PREFIX,
@@ -25,4 +30,5 @@ __all__ = [
     "main",
     "make_server",
     "serve_in_subprocess",
+    "stop_server",
 ]

@@ -100,13 +100,19 @@ async def serve_in_subprocess(
                     await anyio.sleep(0.1)
             yield f"http://127.0.0.1:{port_file.read_text()}"
         finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_server(proc, 10)
             os.close(parent_w)
+
+
+def stop_server(proc: subprocess.Popen[Any], timeout_s: float) -> None:
+    """Stop a server process: SIGTERM, then SIGKILL if it has not exited within
+    ``timeout_s`` seconds; returns once it exited."""
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _model_config(parser: argparse.ArgumentParser, value: str) -> str | dict[str, Any]:

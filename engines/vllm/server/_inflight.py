@@ -6,15 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-import anyio
-
 from aiosync.capabilities import (
     IN_FLIGHT_POLICIES,
     InFlightPolicy,
 )
 from aiosync.errors import (
-    SyncError,
-    SyncTimeoutError,
     TransportError,
 )
 
@@ -71,42 +67,26 @@ class _InFlight(_WeightRoutes):
         if mode not in IN_FLIGHT_POLICIES:
             raise ValueError(f"unknown in-flight mode {mode!r}; known: {list(IN_FLIGHT_POLICIES)}")
         abort_route = mode == "abort" and await self._serves("/abort_requests") is True
-        self._gate.pause()
         self._committed_in_pause = None
-        try:
-            with anyio.fail_after(self.rpc_timeout_s):
-                if abort_route:
-                    # Frozen first, so that nothing is computed between the two calls;
-                    # then everything the server holds ends with finish reason "abort".
-                    await self._request(
-                        "POST", "/pause", params={"mode": "keep", "clear_cache": False}
-                    )
-                    await self._request("POST", "/abort_requests", body={})
-                else:
-                    await self._request(
-                        "POST", "/pause", params={"mode": mode, "clear_cache": False}
-                    )
-                if mode != "keep":
-                    await self._gate.drained()
-                if clear_cache:
-                    await self._reset_prefix_cache(preempt=mode == "keep")
-        except BaseException as exc:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(self.rpc_timeout_s):
-                try:
-                    await self.resume_generation()
-                except SyncError as resume_exc:  # secondary: the pause's error has the traceback
-                    _log.error(
-                        "resuming %s after a failed pause: %s: %s",
-                        self.base_url,
-                        type(resume_exc).__name__,
-                        resume_exc,
-                    )
-            if isinstance(exc, TimeoutError) and not isinstance(exc, SyncError):
-                raise SyncTimeoutError(
-                    f"pause_generation({mode!r}) of {self.base_url} did not complete within "
-                    f"{self.rpc_timeout_s} s"
-                ) from exc
-            raise
+        async with self._gate.pausing(
+            self.rpc_timeout_s,
+            self.resume_generation,
+            timeout_message=f"pause_generation({mode!r}) of {self.base_url} did not complete "
+            f"within {self.rpc_timeout_s} s",
+            where=self.base_url,
+            log=_log,
+        ):
+            if abort_route:
+                # Frozen first, so that nothing is computed between the two calls;
+                # then everything the server holds ends with finish reason "abort".
+                await self._request("POST", "/pause", params={"mode": "keep", "clear_cache": False})
+                await self._request("POST", "/abort_requests", body={})
+            else:
+                await self._request("POST", "/pause", params={"mode": mode, "clear_cache": False})
+            if mode != "keep":
+                await self._gate.drained()
+            if clear_cache:
+                await self._reset_prefix_cache(preempt=mode == "keep")
 
     async def resume_generation(self) -> None:
         """``POST /resume``: the server schedules again (frozen ``"keep"`` requests
