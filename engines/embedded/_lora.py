@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from aiosync.errors import RefitMismatchError
+from aiosync.transports.lora._layout import check_lora_kind
 
 if TYPE_CHECKING:
     from peft import LoraConfig, PeftModel
@@ -49,17 +50,10 @@ def lora_config_from_dict(config: Mapping[str, Any]) -> LoraConfig:
     """
     from peft import LoraConfig
 
+    # A config without peft_type is PEFT's LoRA default.
+    check_lora_kind(config, "adapter_config.json", peft_type="LORA")
     items = dict(config)
-    peft_type = str(items.pop("peft_type", "LORA")).rsplit(".", 1)[-1]
-    if peft_type != "LORA":
-        raise RefitMismatchError(f"not a LoRA adapter: adapter_config.json has {peft_type=}")
-    if items.get("use_dora"):
-        raise RefitMismatchError("DoRA adapters (use_dora) are not supported here")
-    if items.get("modules_to_save"):
-        raise RefitMismatchError(
-            f"modules_to_save={items['modules_to_save']!r}: adapter-only refits carry LoRA "
-            "tensors only; merge those modules or sync the full model"
-        )
+    items.pop("peft_type", None)
     known = {f.name for f in dataclasses.fields(LoraConfig) if f.init}
     unknown = sorted(set(items) - known)
     if unknown:

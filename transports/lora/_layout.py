@@ -22,7 +22,13 @@ from typing import Any
 
 from aiosync.errors import RefitMismatchError
 
-__all__ = ["AdaptedModule", "adapted_modules", "check_adapter_config", "check_against_base"]
+__all__ = [
+    "AdaptedModule",
+    "adapted_modules",
+    "check_adapter_config",
+    "check_against_base",
+    "check_lora_kind",
+]
 
 _PEFT_PREFIX = "base_model.model."
 _LORA_NAME = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<half>[AB])\.weight$")
@@ -105,6 +111,28 @@ def adapted_modules(
     return modules
 
 
+def check_lora_kind(config: Mapping[str, Any], where: str, *, peft_type: str = "") -> None:
+    """What an adapter refit carries: a plain LoRA adapter (``peft_type`` ``"LORA"``;
+    ``peft_type=`` is taken where the config has none), no DoRA magnitudes, no
+    ``modules_to_save`` copies.
+
+    Raises:
+        RefitMismatchError: any of those, ``where`` (the config's origin) named.
+    """
+    if str(config.get("peft_type", peft_type)).rsplit(".", 1)[-1] != "LORA":
+        raise RefitMismatchError(
+            f"{where} has peft_type={config.get('peft_type')!r}: not a LoRA adapter"
+        )
+    if config.get("use_dora"):
+        raise RefitMismatchError(f"{where}: DoRA adapters (use_dora) are not supported")
+    if config.get("modules_to_save"):
+        raise RefitMismatchError(
+            f"{where}: modules_to_save={config['modules_to_save']!r}: adapter-only refits "
+            "carry LoRA tensors only; merge those modules into the base model or refit the "
+            "full model"
+        )
+
+
 def check_adapter_config(config: Mapping[str, Any], modules: Mapping[str, AdaptedModule]) -> None:
     """Check the ``adapter_config.json`` dict against the tensors.
 
@@ -113,18 +141,7 @@ def check_adapter_config(config: Mapping[str, Any], modules: Mapping[str, Adapte
             ``modules_to_save`` set, ``r`` missing, or (without ``rank_pattern``)
             a tensor rank that differs from ``r``.
     """
-    peft_type = str(config.get("peft_type", "")).rsplit(".", 1)[-1]
-    if peft_type != "LORA":
-        raise RefitMismatchError(
-            f"lora_adapter_config() has peft_type={config.get('peft_type')!r}, expected 'LORA'"
-        )
-    if config.get("use_dora"):
-        raise RefitMismatchError("DoRA adapters (use_dora) are not supported by adapter refits")
-    if config.get("modules_to_save"):
-        raise RefitMismatchError(
-            f"modules_to_save={config['modules_to_save']!r}: adapter-only refits carry LoRA "
-            "tensors only; merge those modules into the base model or refit the full model"
-        )
+    check_lora_kind(config, "lora_adapter_config()")
     r = config.get("r")
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise RefitMismatchError(f"lora_adapter_config() needs an int rank 'r' >= 1, got {r!r}")
