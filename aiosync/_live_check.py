@@ -86,6 +86,13 @@ async def verify_live(sync: WeightSynchronizer) -> dict[str, int]:
     """:meth:`~aiosync.WeightSynchronizer.verify_engine`'s check (its docs: returns,
     raises); a digest mismatch or a changed checksum makes ``sync`` stale."""
     sync._check_open()
+    if not sync.transport.capabilities.verify_engine:
+        # What its workers hold is not what this check reads back (an adapter beside
+        # the base weights): comparing would call healthy weights wrong.
+        raise NotImplementedError(
+            f"{type(sync.transport).__name__} does not declare verify_engine "
+            "(its capabilities.verify_engine is False)"
+        )
     if sync._sharded():
         raise NotImplementedError("verify_engine() needs a single-process trainer")
     generation = sync.generation

@@ -868,7 +868,8 @@ class WeightSynchronizer:
                 stale (:attr:`is_stale`) and its next sync is a full one, also with
                 ``delta=True``: it rewrites every tensor, healing the corruption.
             TypeError: the engine has no ``collective_rpc`` (:class:`EngineWorkers`).
-            NotImplementedError: a sharded trainer (every rank holds a shard).
+            NotImplementedError: a transport without ``capabilities.verify_engine``, or a
+                sharded trainer (every rank holds a shard); nothing is compared.
         """
         return await verify_live(self)
 

@@ -37,15 +37,7 @@ from aiosync.refit import DTensorRefitSource
 from aiosync.testing import StateDictSource
 from aiosync.transports.collective import CollectiveWeightSynchronizer
 from aiosync.transports.ipc import IPCWeightSynchronizer
-from tests._support.fsdp2 import (
-    advance_weights,
-    build_sharded_model,
-    engine_matches,
-    make_engine,
-    make_synchronizer,
-    rank_main,
-    versions,
-)
+from tests._support import fsdp2
 
 
 def _make(
@@ -58,7 +50,7 @@ def _make(
     **options: Any,
 ) -> WeightSynchronizer:
     limits = {"collective_timeout_s": 60.0} if transport == "collective" else {}
-    return make_synchronizer(
+    return fsdp2.make_synchronizer(
         transport,
         source,
         engine,
@@ -72,20 +64,20 @@ def _make(
 
 
 async def run(rank: int, world: int, store_port: int, transport: str) -> dict[str, Any]:
-    model = build_sharded_model(world)
+    model = fsdp2.build_sharded_model(world)
     source = DTensorRefitSource(model)
     seen: dict[str, Any] = {"rank": rank}
     async with contextlib.AsyncExitStack() as stack:
         engine: EmbeddedEngine | None = None
         if rank == 0:
-            engine = await stack.enter_async_context(make_engine(transport, world))
+            engine = await stack.enter_async_context(fsdp2.make_engine(transport, world))
         a = await stack.enter_async_context(
             _make(transport, source, engine, rank, world, store_port)
         )
         # 1. A syncs.
         await a.mark_stale()
         await a.sync_weights()
-        seen["a_synced"] = versions(a)
+        seen["a_synced"] = fsdp2.versions(a)
 
         # 2. B takes the engine (rank 0's process only).
         if engine is not None:
@@ -109,42 +101,42 @@ async def run(rank: int, world: int, store_port: int, transport: str) -> dict[st
                 seen["b_error"] = None
             except Exception as exc:  # the collective: A's sync group is A's while A lives
                 seen["b_error"] = [type(exc).__name__, str(exc)]
-            seen["b_owns"] = await engine_matches(engine, other)
+            seen["b_owns"] = await fsdp2.engine_matches(engine, other)
         dist.barrier()
         # What a rank says before its next sync: only a single-process trainer turns stale.
-        seen["a_after_takeover"] = versions(a)
+        seen["a_after_takeover"] = fsdp2.versions(a)
 
         # 3. A steps; every rank's refit is refused alike.
-        advance_weights(model)
+        fsdp2.advance_weights(model)
         await a.mark_stale()
         try:
             await refit_if_stale(a)
             seen["refused"] = None
         except Exception as exc:
             seen["refused"] = [type(exc).__name__, str(exc)]
-        seen["a_refused"] = versions(a)
+        seen["a_refused"] = fsdp2.versions(a)
 
         # 4. A takes the engine back: stale on every rank, and its sync lands.
         await a.init_communicator()
         seen["a_reinit_stale"] = a.is_stale
         seen["a_refit"] = await refit_if_stale(a)
-        seen["a_healed"] = versions(a)
+        seen["a_healed"] = fsdp2.versions(a)
         expected = {n: t.clone() for n, t in source.iter_weights()}  # every rank gathers
         if engine is not None:
-            seen["a_bit_exact"] = await engine_matches(engine, expected)
+            seen["a_bit_exact"] = await fsdp2.engine_matches(engine, expected)
         await a.shutdown()
 
         # 5. A restarted trainer resumes at step 7 on the engine A left.
         resumed = await stack.enter_async_context(
             _make(transport, source, engine, rank, world, store_port + 1, initial_version=7)
         )
-        seen["resumed_start"] = versions(resumed)
+        seen["resumed_start"] = fsdp2.versions(resumed)
         seen["resumed_refit"] = await refit_if_stale(resumed)
-        seen["resumed"] = versions(resumed)
-        advance_weights(model)
+        seen["resumed"] = fsdp2.versions(resumed)
+        fsdp2.advance_weights(model)
         await resumed.mark_stale()
         await refit_if_stale(resumed)
-        seen["resumed_stepped"] = versions(resumed)
+        seen["resumed_stepped"] = fsdp2.versions(resumed)
         if engine is not None:
             seen["engine_version"] = engine.weight_version
         dist.barrier()
@@ -152,4 +144,4 @@ async def run(rank: int, world: int, store_port: int, transport: str) -> dict[st
 
 
 if __name__ == "__main__":
-    rank_main(run)
+    fsdp2.rank_main(run)

@@ -17,7 +17,13 @@ from aiosync.capabilities import (
     VersionedEngine,
 )
 
-__all__ = ["ENGINE_CAPABILITIES", "assert_engine_equals", "full_forward_logprobs"]
+__all__ = [
+    "ENGINE_CAPABILITIES",
+    "assert_engine_equals",
+    "assert_stream_matches",
+    "full_forward_logprobs",
+    "refuses_kv_scales",
+]
 
 #: The capabilities every engine in front of a real one claims (the embedded engine,
 #: an engine fleet, a Ray engine), in the order the tests list them.
@@ -56,3 +62,33 @@ def full_forward_logprobs(
         [float(logp[p, t]) for p, t in zip(positions, tokens, strict=True)],
         [int(torch.argmax(logits[p])) for p in positions],
     )
+
+
+async def refuses_kv_scales(
+    sync: Any, cases: Sequence[tuple[Any, type[Exception], str]], versions: tuple[int, int, bool]
+) -> None:
+    """``sync.sync_weights(kv_scales=bad)`` raises each case's ``(bad, error type,
+    message regex)`` and leaves ``(policy_version, weight_version, is_stale)`` at
+    ``versions`` (nothing starts: no event, no byte)."""
+    import pytest
+
+    for bad, error, match in cases:
+        with pytest.raises(error, match=match):
+            await sync.sync_weights(kv_scales=bad)
+        assert (sync.policy_version, sync.weight_version, sync.is_stale) == versions
+
+
+def assert_stream_matches(
+    meta: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    reference: dict[str, torch.Tensor],
+    dtype: torch.dtype | None,
+) -> None:
+    """Every entry of a streamed manifest (``meta["manifest"]``: name, shape, dtype name)
+    and its tensor are ``reference``'s (cast to ``dtype`` where given), bit for bit."""
+    for name, shape, dtype_name in meta["manifest"]:
+        expected = reference[name] if dtype is None else reference[name].to(dtype)
+        assert tuple(shape) == tuple(expected.shape), name
+        assert dtype_name == str(expected.dtype).removeprefix("torch."), name
+        assert tensors[name].dtype == expected.dtype, name
+        assert torch.equal(tensors[name], expected), name

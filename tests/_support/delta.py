@@ -19,6 +19,7 @@ __all__ = [
     "committed",
     "holds",
     "patch_bytes",
+    "refused_without_base",
 ]
 
 
@@ -87,3 +88,20 @@ def box_patch_bytes(plan: Any, old: dict[str, torch.Tensor], new: dict[str, torc
             size = after.element_size()
             total += min(after.numel() * size, changed * (4 + size))
     return total
+
+
+async def refused_without_base(sync: Any, trainer: Any, engine: Any, discarded: Any) -> None:
+    """The trainer steps and ``sync`` sends a delta to workers whose weights were
+    discarded (``discarded``: each worker's state then), its check of their held versions
+    skipped: every worker refuses it, naming both versions, and writes nothing."""
+    import pytest
+
+    from aiosync.errors import RefitMismatchError
+
+    trainer.step()
+    await sync.mark_stale()
+    with pytest.raises(RefitMismatchError, match="holds version None, the delta patches"):
+        await sync.sync_weights()
+    after = await engine.hf_state_dicts()
+    pairs = zip(discarded, after, strict=True)
+    assert all(torch.equal(a[n], b[n]) for a, b in pairs for n in a)

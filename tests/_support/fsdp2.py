@@ -60,7 +60,9 @@ __all__ = [
     "colocated_engine",
     "engine_matches",
     "engine_state",
+    "factory_rank_sync",
     "failed_sync",
+    "failed_sync_seen",
     "failing_shard_read",
     "full_state",
     "init_process_group",
@@ -68,7 +70,9 @@ __all__ = [
     "make_synchronizer",
     "nudge",
     "rank_main",
+    "rank_sync",
     "slices_match",
+    "stepped_sync",
     "versions",
     "write_result",
 ]
@@ -340,6 +344,56 @@ def make_synchronizer(
     return ShardedWeightSynchronizer(
         source, engine, train_cluster=cluster, inference_world_size=2, **options
     )
+
+
+def factory_rank_sync(
+    source: RefitSource, engine: Any, rank: int, world: int, store_port: int, **options: Any
+) -> WeightSynchronizer:
+    """The factory's pick for trainer rank ``rank`` of ``world`` (meeting at the store on
+    ``store_port``) into an embedded ``engine`` or fleet in other processes (None off
+    rank 0), with ``options``."""
+    from aiosync import create_weight_synchronizer
+
+    cluster = TrainCluster(world_size=world, rank=rank, master_port=store_port)
+    return create_weight_synchronizer(
+        source, engine, colocated=False, backend="embedded", train_cluster=cluster, **options
+    )
+
+
+async def stepped_sync(model: torch.nn.Module, sync: Any, step: int) -> None:
+    """Sync ``step`` of a loop: after an :func:`advance_weights` unless it is the first,
+    ``mark_stale`` then ``sync_weights``."""
+    if step:
+        advance_weights(model)
+    await sync.mark_stale()
+    await sync.sync_weights()
+
+
+async def rank_sync(
+    stack: contextlib.AsyncExitStack,
+    transport: str,
+    source: RefitSource,
+    rank: int,
+    world: int,
+    store_port: int,
+    **options: Any,
+) -> tuple[EmbeddedEngine | None, Any]:
+    """Rank 0's :func:`make_engine` engine (None on the other ranks) and this rank's
+    :func:`make_synchronizer` into it, both entered in ``stack``."""
+    engine = await stack.enter_async_context(make_engine(transport, world)) if rank == 0 else None
+    sync = make_synchronizer(transport, source, engine, rank, world, store_port, **options)
+    await stack.enter_async_context(sync)
+    return engine, sync
+
+
+async def failed_sync_seen(sync: Any, seen: dict[str, Any]) -> None:
+    """:func:`failed_sync` into ``seen``: ``failure`` (None, or the error's type name and
+    message), ``failed_at`` (``time.monotonic()`` once it failed) and ``after_failure``
+    (:func:`versions`)."""
+    seen["failure"] = await failed_sync(sync)
+    if seen["failure"] is not None:
+        seen["failed_at"] = time.monotonic()
+    seen["after_failure"] = versions(sync)
 
 
 async def slices_match(engine: Any, full: dict[str, torch.Tensor]) -> list[bool]:

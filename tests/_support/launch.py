@@ -85,6 +85,31 @@ def _run(
         atexit._run_exitfuncs()
 
 
+def per_transport_ranks_fixture(script: Path, label: str, transports: Sequence[str]) -> Any:
+    """A module fixture ``ranks`` parametrized by ``transports``: :func:`per_transport_ranks`
+    of ``script`` (assign it to the module's ``ranks``)."""
+    import pytest
+
+    @pytest.fixture(scope="module", params=list(transports))
+    def ranks(
+        request: Any, tmp_path_factory: Any, spawn_ranks: Any
+    ) -> tuple[str, list[dict[str, Any]]]:
+        return per_transport_ranks(request, tmp_path_factory, spawn_ranks, script, label)
+
+    return ranks
+
+
+def per_transport_ranks(
+    request: Any, tmp_path_factory: Any, spawn_ranks: Any, script: Path, label: str
+) -> tuple[str, list[dict[str, Any]]]:
+    """A module fixture's body, parametrized by transport (``request.param``): ``script``
+    run on 2 ranks with the transport as its argument (:func:`rank_results`, in a folder
+    named ``label-TRANSPORT``); the transport and what each rank wrote."""
+    transport = str(request.param)
+    folder = tmp_path_factory.mktemp(f"{label}-{transport}")
+    return transport, rank_results(spawn_ranks, folder, script, 2, transport)
+
+
 def rank_results(
     spawn_ranks: Callable[[Path, int, Callable[[int], Sequence[str]]], None],
     folder: Path,

@@ -8,7 +8,6 @@ forwards every other attribute too.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["EngineProxy", "RpcForwarder"]
@@ -20,14 +19,9 @@ class RpcForwarder:
     #: The engine the calls go to.
     engine: Any
 
-    async def collective_rpc(
-        self,
-        method: str,
-        args: tuple[Any, ...] = (),
-        kwargs: Mapping[str, Any] | None = None,
-        timeout_s: float | None = None,
-    ) -> list[Any]:
-        replies = await self.engine.collective_rpc(method, args, kwargs, timeout_s)
+    async def collective_rpc(self, method: str, *call: Any, **named: Any) -> list[Any]:
+        """The engine's ``collective_rpc(method, *call, **named)``, through :meth:`replied`."""
+        replies = await self.engine.collective_rpc(method, *call, **named)
         return await self.replied(method, replies)
 
     async def replied(self, method: str, replies: list[Any]) -> list[Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -10,7 +11,7 @@ from aiosync import RefitSource
 from aiosync.refit import DTensorRefitSource
 from aiosync.sources import RefitManifest
 
-__all__ = ["HookedSource"]
+__all__ = ["HookedSource", "hooked_trainer"]
 
 
 class HookedSource(RefitSource):
@@ -27,3 +28,12 @@ class HookedSource(RefitSource):
         for i, item in enumerate(self.inner.iter_weights()):
             self.on_tensor(i)
             yield item
+
+
+def hooked_trainer(seed: int) -> tuple[Any, HookedSource]:
+    """The tiny Qwen3 (fp32, ``seed``) as a trainer, and a :class:`HookedSource` of it."""
+    from aiosync.engines.embedded.configs import TINY_QWEN3
+    from aiosync.engines.embedded.model import HFModelRunner
+
+    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=seed)
+    return trainer, HookedSource(trainer.model)

@@ -7,16 +7,14 @@ its reason. No test here asserts a time: speed is the benchmark's own report.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests._support.bench import assert_table_then_json, run_quick
+from tests._support.bench import quick_figures, run_json
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "many_senders.py"
 QUICK_CONFIGS = {(1, 1), (1, 2), (2, 1), (2, 2)}
@@ -24,27 +22,14 @@ QUICK_CONFIGS = {(1, 1), (1, 2), (2, 1), (2, 2)}
 pytestmark = pytest.mark.slow
 
 
-def _run(
-    cwd: Path, env: dict[str, str] | None = None
-) -> tuple[subprocess.CompletedProcess[str], Any]:
-    out = run_quick(SCRIPT, cwd, env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out, json.loads(out.stdout.strip().splitlines()[-1])
-
-
 @pytest.fixture(scope="module")
 def figures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out, figures = _run(tmp_path_factory.mktemp("many_senders"))
-    if "skipped" in figures:
-        pytest.skip(f"benchmarks/many_senders.py: {figures['skipped']}")
-    # What every benchmark prints (tests/benchmarks/test_benchmark_scripts.py leaves it here).
-    assert assert_table_then_json(out) == figures
-    return figures
+    return quick_figures(SCRIPT, tmp_path_factory.mktemp("many_senders"))
 
 
 def test_without_ip_and_tc_it_skips_with_the_reason_and_exit_code_0(tmp_path):
     env = dict(os.environ, PATH=str(tmp_path))  # no ip, no tc
-    out, figures = _run(tmp_path, env)
+    out, figures = run_json(SCRIPT, tmp_path, env)
     reason = figures["skipped"]
     assert reason.startswith(("`ip` not found", "not root")), reason
     assert f"skipped: {reason}" in out.stdout.splitlines()

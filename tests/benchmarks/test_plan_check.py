@@ -9,15 +9,13 @@ byte) and that the ratios follow from the figures. No test asserts a time.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests._support.bench import assert_table_then_json, run_quick
+from tests._support.bench import quick_figures, run_json
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "plan_check.py"
 #: (name, T, TP, EP, W, changed) of each configuration, in order.
@@ -35,26 +33,14 @@ CONFIGS = [
 pytestmark = pytest.mark.slow
 
 
-def _run(
-    cwd: Path, env: dict[str, str] | None = None
-) -> tuple[subprocess.CompletedProcess[str], Any]:
-    out = run_quick(SCRIPT, cwd, env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out, json.loads(out.stdout.strip().splitlines()[-1])
-
-
 @pytest.fixture(scope="module")
 def figures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out, figures = _run(tmp_path_factory.mktemp("plan_check"))
-    if "skipped" in figures:
-        pytest.skip(f"benchmarks/plan_check.py: {figures['skipped']}")
-    assert assert_table_then_json(out) == figures
-    return figures
+    return quick_figures(SCRIPT, tmp_path_factory.mktemp("plan_check"))
 
 
 def test_without_ip_and_tc_it_skips_with_the_reason_and_exit_code_0(tmp_path: Path) -> None:
     env = dict(os.environ, PATH=str(tmp_path))  # no ip, no tc
-    out, figures = _run(tmp_path, env)
+    out, figures = run_json(SCRIPT, tmp_path, env)
     reason = figures["skipped"]
     assert reason.startswith(("`ip` not found", "not root")), reason
     assert f"skipped: {reason}" in out.stdout.splitlines()

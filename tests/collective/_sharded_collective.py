@@ -23,7 +23,6 @@ moment its failure struck (``time.monotonic()``) to ``OUT_JSON`` with the suffix
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,18 +35,7 @@ from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.refit import DTensorRefitSource
 from aiosync.transports.collective import CollectiveWeightSynchronizer
-from tests._support.fsdp2 import (
-    FaultySource,
-    InjectedFault,
-    advance_weights,
-    build_sharded_model,
-    engine_matches,
-    engine_state,
-    full_state,
-    init_process_group,
-    versions,
-    write_result,
-)
+from tests._support import fsdp2
 
 #: A short limit for a whole sync, seconds: every failure must be reported within it.
 SYNC_TIMEOUT_S = 30.0
@@ -56,11 +44,11 @@ PROMPTS = [[1, 2, 3, 4], [5, 6]]
 STEPS = 5
 
 
-class InjectedError(InjectedFault):
+class InjectedError(fsdp2.InjectedFault):
     """The failure a rank's source raises on purpose."""
 
 
-class _Source(FaultySource):
+class _Source(fsdp2.FaultySource):
     """A rank's FSDP2 source that fails (or dies) at one point of one sync when armed."""
 
     between_at = 3
@@ -80,7 +68,7 @@ async def run(
     probe: bool,
     stamp: Path,
 ) -> dict[str, Any]:
-    model = build_sharded_model(world)
+    model = fsdp2.build_sharded_model(world)
     source = _Source(DTensorRefitSource(model), rank, one_shot=True, stamp=stamp)
     seen: dict[str, Any] = {"rank": rank}
     engine = EmbeddedEngine(TINY_QWEN3, num_workers=1, seed=9) if rank == 0 else None
@@ -101,29 +89,22 @@ async def run(
         await sync.init_communicator()
         await sync.mark_stale()
         await sync.sync_weights()
-        seen["after_ok"] = versions(sync)
+        seen["after_ok"] = fsdp2.versions(sync)
 
-        advance_weights(model)
-        await sync.mark_stale()
+        fsdp2.advance_weights(model)
         if rank == failed_rank and scenario != "heal":
             source.fault = scenario
-        try:
-            await sync.sync_weights()
-            seen["failure"] = None
-        except Exception as exc:
-            seen["failed_at"] = time.monotonic()
-            seen["failure"] = [type(exc).__name__, str(exc)]
-        seen["after_failure"] = versions(sync)
+        await fsdp2.failed_sync_seen(sync, seen)  # (marks it stale first)
         if probe and engine is not None:
-            seen["engine_after_failure"] = await engine_state(engine, PROMPTS, STEPS)
+            seen["engine_after_failure"] = await fsdp2.engine_state(engine, PROMPTS, STEPS)
 
         if scenario in ("after", "heal"):
             await sync.sync_weights()
-            seen["after_heal"] = versions(sync)
-            expected = full_state(source)  # every rank gathers
+            seen["after_heal"] = fsdp2.versions(sync)
+            expected = fsdp2.full_state(source)  # every rank gathers
             if engine is not None:
                 await engine.prepare_for_generation()
-                seen["healed_bit_exact"] = all(await engine_matches(engine, expected))
+                seen["healed_bit_exact"] = all(await fsdp2.engine_matches(engine, expected))
     finally:
         await sync.shutdown()
         if engine is not None:
@@ -137,11 +118,11 @@ def main() -> None:
     probe = sys.argv[8:] == ["probe"]
     # The trainer's own group has a long limit (torch's default is 30 min): a gather
     # left waiting for a rank that failed must not be what ends the sync.
-    init_process_group(rank, world, pg_port, timeout_s=1800)
+    fsdp2.init_process_group(rank, world, pg_port, timeout_s=1800)
     seen = anyio.run(
         run, rank, world, store_port, scenario, failed_rank, probe, out.with_suffix(".fault")
     )
-    write_result(out, seen)
+    fsdp2.write_result(out, seen)
     if rank == failed_rank:
         # The failed rank stays until the test has seen the others exit (it closes our
         # stdin then): a gather a survivor left waiting for us ends when we leave, and

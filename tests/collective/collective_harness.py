@@ -24,6 +24,8 @@ import anyio.to_thread
 from aiosync.engines.embedded.configs import TINY_QWEN3, TINY_QWEN3_MOE
 from aiosync.errors import RefitMismatchError, SyncTimeoutError, TransportError
 
+#: The prompts the collective tests generate from.
+PROMPTS = [[1, 2, 3, 4], [7, 9, 11]]
 QWEN3 = TINY_QWEN3
 QWEN3_MOE = TINY_QWEN3_MOE
 
@@ -318,12 +320,18 @@ class RecordingWorkers(Workers):
         super().__init__(workers.pool, workers.indices)
         self.methods: list[str] = []
 
-    async def collective_rpc(
-        self,
-        method: str,
-        args: tuple[Any, ...] = (),
-        kwargs: Mapping[str, Any] | None = None,
-        timeout_s: float | None = None,
-    ) -> list[Any]:
+    async def collective_rpc(self, method: str, *call: Any, **named: Any) -> list[Any]:
         self.methods.append(method)
-        return await super().collective_rpc(method, args, kwargs, timeout_s)
+        return await super().collective_rpc(method, *call, **named)
+
+
+async def assert_bit_exact(pool: WorkerPool, indices: list[int], expected: dict[str, Any]) -> None:
+    """Workers ``indices`` of ``pool`` hold exactly ``expected`` (name -> tensor): its
+    names, in order, and every tensor bit for bit."""
+    import torch
+
+    for i in indices:
+        got = await pool.call(i, "test_state_dict")
+        assert list(got) == list(expected)
+        for name, tensor in expected.items():
+            assert torch.equal(got[name], tensor), (i, name)

@@ -14,7 +14,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from anyio import create_task_group as anyio_task_group
-from collective_harness import QWEN3, QWEN3_MOE, RecordingWorkers, WorkerPool, Workers
+from collective_harness import (
+    PROMPTS,
+    QWEN3,
+    QWEN3_MOE,
+    RecordingWorkers,
+    WorkerPool,
+    Workers,
+    assert_bit_exact,
+)
 
 from aiosync import (
     EventSubscription,
@@ -30,8 +38,6 @@ from aiosync.transports.collective import CollectiveWeightSynchronizer
 from tests._support.steps import first_sync
 
 pytestmark = pytest.mark.slow
-
-PROMPTS = [[1, 2, 3, 4], [7, 9, 11]]
 
 
 def _trainer(config: dict[str, object], seed: int = 100) -> HFModelRunner:
@@ -57,22 +63,18 @@ def _sync(
     )
 
 
+async def _generates_greedily(pool: WorkerPool, worker: int, trainer: HFModelRunner) -> None:
+    """Worker ``worker`` generates the trainer's greedy tokens for PROMPTS (6 each)."""
+    expected = trainer.generate(PROMPTS, max_new_tokens=6, ignore_eos=True)
+    assert await pool.call(worker, "test_generate", prompts=PROMPTS, max_new_tokens=6) == expected
+
+
 def _perturb(runner: HFModelRunner, seed: int) -> None:
     """An optimizer step: every weight changes."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in runner.model.parameters():
             p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.01)
-
-
-async def _assert_bit_exact(
-    pool: WorkerPool, indices: list[int], expected: dict[str, torch.Tensor]
-) -> None:
-    for i in indices:
-        got = await pool.call(i, "test_state_dict")
-        assert list(got) == list(expected)
-        for name, tensor in expected.items():
-            assert torch.equal(got[name], tensor), (i, name)
 
 
 async def test_sync_one_worker_bit_exact_with_kv_scales_and_same_greedy_output(
@@ -91,15 +93,14 @@ async def test_sync_one_worker_bit_exact_with_kv_scales_and_same_greedy_output(
         with pytest.raises(ValueError, match="neither a layer index"):
             await sync.sync_weights(kv_scales={"layers.0.k_scale": 0.5})
         assert (sync.weight_version, sync.is_stale) == (1, True)
-    await _assert_bit_exact(pool, [0], _checkpoint(trainer))
+    await assert_bit_exact(pool, [0], _checkpoint(trainer))
     assert await pool.call(0, "test_kv_scales") == {
         "model.layers.0.self_attn.k_scale": 0.5,
         "model.layers.0.self_attn.v_scale": 0.5,
         "model.layers.1.self_attn.k_scale": 0.25,
         "model.layers.1.self_attn.v_scale": 0.25,
     }
-    expected = trainer.generate(PROMPTS, max_new_tokens=6, ignore_eos=True)
-    assert await pool.call(0, "test_generate", prompts=PROMPTS, max_new_tokens=6) == expected
+    await _generates_greedily(pool, 0, trainer)
 
 
 async def test_sync_three_workers_bit_exact_with_verify_and_oversized_tensor(
@@ -118,7 +119,7 @@ async def test_sync_three_workers_bit_exact_with_verify_and_oversized_tensor(
             await sync.mark_stale()
             await sync.sync_weights()
             assert sync.weight_version == step
-            await _assert_bit_exact(pool, [0, 1, 2], _checkpoint(trainer))
+            await assert_bit_exact(pool, [0, 1, 2], _checkpoint(trainer))
             results = sync.last_worker_results
             assert [r["version"] for r in results] == [step] * 3
             assert len({tuple(r["checksums"]) for r in results}) == 1
@@ -140,12 +141,11 @@ async def test_staged_overlap_gives_the_same_weights_and_generation_runs_meanwhi
         await sync.sync_weights(kv_scales={1: 0.125})
         assert sync.weight_version == 1
         assert all(r["pause_s"] >= 0 for r in sync.last_worker_results)
-    await _assert_bit_exact(pool, [0, 1, 2], _checkpoint(trainer))
+    await assert_bit_exact(pool, [0, 1, 2], _checkpoint(trainer))
     scales = await pool.call(2, "test_kv_scales")
     assert scales["model.layers.1.self_attn.k_scale"] == 0.125
     assert scales["model.layers.1.self_attn.v_scale"] == 0.125
-    expected = trainer.generate(PROMPTS, max_new_tokens=6, ignore_eos=True)
-    assert await pool.call(1, "test_generate", prompts=PROMPTS, max_new_tokens=6) == expected
+    await _generates_greedily(pool, 1, trainer)
 
 
 async def test_sync_qwen3_moe_per_expert_names_bit_exact(pool: WorkerPool, free_port: int) -> None:
@@ -155,9 +155,8 @@ async def test_sync_qwen3_moe_per_expert_names_bit_exact(pool: WorkerPool, free_
         assert "model.layers.0.mlp.experts.3.down_proj.weight" in sync.plan.manifest()
         await sync.mark_stale()
         await sync.sync_weights()
-    await _assert_bit_exact(pool, [4], _checkpoint(trainer))
-    expected = trainer.generate(PROMPTS, max_new_tokens=6, ignore_eos=True)
-    assert await pool.call(4, "test_generate", prompts=PROMPTS, max_new_tokens=6) == expected
+    await assert_bit_exact(pool, [4], _checkpoint(trainer))
+    await _generates_greedily(pool, 4, trainer)
 
 
 async def test_manifest_mismatch_on_one_receiver_raises_on_every_rank(
@@ -200,7 +199,7 @@ async def test_default_process_groups_still_work_after_the_sync_group_is_destroy
         async with _sync(trainer, workers, free_port) as sync:
             await sync.mark_stale()
             await sync.sync_weights()
-        await _assert_bit_exact(pool, [0, 1, 2], _checkpoint(trainer))
+        await assert_bit_exact(pool, [0, 1, 2], _checkpoint(trainer))
         sums = [0, 0, 0]
 
         async def reduce(i: int) -> None:
@@ -253,7 +252,7 @@ async def test_receiver_killed_mid_broadcast_keeps_version_then_reformed_group_s
         await sync.init_communicator()  # re-forms the group
         await sync.sync_weights()
         assert (sync.weight_version, sync.is_stale) == (2, False)
-        await _assert_bit_exact(pool, [0, 1, 2], _checkpoint(trainer))
+        await assert_bit_exact(pool, [0, 1, 2], _checkpoint(trainer))
     finally:
         await sync.shutdown()
 
@@ -354,38 +353,6 @@ async def test_verify_catches_a_communicator_that_silently_moves_nothing(
         assert (sync.weight_version, sync.is_stale) == (1, True)
 
 
-async def test_two_trainer_ranks_only_rank_zero_sends(pool: WorkerPool, free_port: int) -> None:
-    trainer = _trainer(QWEN3, seed=108)
-    workers = await pool.view([0, 1])
-    syncs = [
-        CollectiveWeightSynchronizer(
-            DTensorRefitSource(trainer.model),
-            workers,
-            train_cluster=TrainCluster(world_size=2, rank=rank, master_port=free_port),
-            inference_world_size=2,
-            collective_timeout_s=60.0,
-        )
-        for rank in (0, 1)
-    ]
-    try:
-        for step in (1, 2):
-            async with anyio_task_group() as tg:
-                for sync in syncs:
-                    if step == 1:
-                        tg.start_soon(sync.init_communicator)
-                    else:
-                        tg.start_soon(sync.sync_weights)
-            if step == 1:
-                for sync in syncs:
-                    await sync.mark_stale()
-        assert [s.weight_version for s in syncs] == [1, 1]
-        assert syncs[0].plan.digest == syncs[1].plan.digest
-        await _assert_bit_exact(pool, [0, 1], _checkpoint(trainer))
-    finally:
-        for sync in syncs:
-            await sync.shutdown()
-
-
 def _pending(events: EventSubscription) -> list[tuple[VersionEventKind, int]]:
     """The events published so far and not yet read, as ``(kind, version)``."""
     out = []
@@ -424,7 +391,7 @@ async def test_kv_scale_keys_unknown_to_the_manifest_raise_before_any_byte_moves
             assert workers.methods == []  # no RPC, so no receive started on the engine
             assert (sync.weight_version, sync.is_stale) == (1, True)
             # The engine kept its old, valid weights and still generates with them.
-            await _assert_bit_exact(pool, [0], old)
+            await assert_bit_exact(pool, [0], old)
             got = await pool.call(0, "test_generate", prompts=PROMPTS, max_new_tokens=4)
             assert got == expected
         # Only the trainer's step was published while the bad scales were refused.
@@ -435,6 +402,6 @@ async def test_kv_scale_keys_unknown_to_the_manifest_raise_before_any_byte_moves
             (VersionEventKind.SYNC_STARTED, 2),
             (VersionEventKind.COMMITTED, 2),
         ]
-    await _assert_bit_exact(pool, [0], _checkpoint(trainer))
+    await assert_bit_exact(pool, [0], _checkpoint(trainer))
     scales = await pool.call(0, "test_kv_scales")
     assert scales["model.layers.1.self_attn.k_scale"] == 0.75

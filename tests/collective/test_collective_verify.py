@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from collective_harness import QWEN3, WorkerPool, Workers
+from collective_harness import PROMPTS, QWEN3, WorkerPool, Workers, assert_bit_exact
 
 from aiosync import (
     RefitVerificationError,
@@ -34,7 +34,6 @@ from aiosync.transports.packing import Bucket, BucketPlan, TensorSlot
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [[1, 2, 3, 4], [7, 9, 11]]
 #: Small buckets: many of them, several tensors in some.
 BUCKET_BYTES = 16 * 1024
 #: The worker the fault is armed on (worker 0 receives intact buckets).
@@ -115,16 +114,6 @@ def _names(bucket: Bucket) -> str:
     if len(bucket.slots) == 1:
         return repr(bucket.slots[0].name)
     return f"{bucket.slots[0].name!r} and {len(bucket.slots) - 1} more"
-
-
-async def _assert_bit_exact(
-    pool: WorkerPool, indices: list[int], expected: dict[str, torch.Tensor]
-) -> None:
-    for i in indices:
-        got = await pool.call(i, "test_state_dict")
-        assert list(got) == list(expected)
-        for name, tensor in expected.items():
-            assert torch.equal(got[name], tensor), (i, name)
 
 
 async def _arm(pool: WorkerPool, worker: int, bucket: int, byte: int, mask: int = 0xFF) -> None:
@@ -216,12 +205,12 @@ async def test_the_check_catches_a_byte_flipped_on_one_worker_and_the_next_sync_
                     await verify_pool.call(i, "test_generate", prompts=PROMPTS, max_new_tokens=1)
         else:
             # Staged: the check failed before the commit, the live weights are version 1.
-            await _assert_bit_exact(verify_pool, [0, 1], v1)
+            await assert_bit_exact(verify_pool, [0, 1], v1)
             await verify_pool.call(FAULTY, "test_generate", prompts=PROMPTS, max_new_tokens=1)
 
         await sync.sync_weights()  # one-shot fault, none armed now: it lands
         assert (sync.weight_version, sync.is_stale) == (2, False)
-    await _assert_bit_exact(verify_pool, [0, 1], _checkpoint(trainer))
+    await assert_bit_exact(verify_pool, [0, 1], _checkpoint(trainer))
 
 
 @pytest.mark.parametrize("overlap", ["inplace", "staged"])
@@ -240,7 +229,7 @@ async def test_without_verify_the_flipped_byte_reaches_the_engines_weights(
         await sync.sync_weights()  # nothing checks: it commits
         assert (sync.weight_version, sync.is_stale) == (2, False)
         expected = _checkpoint(trainer)
-        await _assert_bit_exact(verify_pool, [0], expected)
+        await assert_bit_exact(verify_pool, [0], expected)
         got = (await verify_pool.call(FAULTY, "test_state_dict"))[slot.name]
         sent, held = _raw(expected[slot.name]), _raw(got)
         # Exactly the tensor's first byte differs, flipped; every other tensor is intact.
@@ -282,7 +271,7 @@ async def test_a_delta_sync_is_verified_and_a_failed_one_is_followed_by_a_full_o
                 if e.kind is VersionEventKind.COMMITTED
             ]
         assert committed == [(2, False), (3, True)]
-    await _assert_bit_exact(verify_pool, [0, 1], _checkpoint(trainer))
+    await assert_bit_exact(verify_pool, [0, 1], _checkpoint(trainer))
 
 
 async def test_the_embedded_engine_refuses_to_generate_after_a_caught_fault() -> None:

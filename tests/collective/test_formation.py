@@ -9,12 +9,13 @@ holds stay valid and the next ``init_communicator()`` / sync succeeds.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import torch
-from collective_harness import QWEN3, WorkerPool, Workers
+from collective_harness import PROMPTS, QWEN3, WorkerPool, Workers
 
 from aiosync import TrainCluster, TransportError
 from aiosync.engines.embedded.model import HFModelRunner
@@ -27,7 +28,6 @@ pytestmark = pytest.mark.slow
 NO_SUCH_INTERFACE = "aiosync-nope0"
 #: What the workers' rendezvous would otherwise wait for a rank that never comes, s.
 COLLECTIVE_TIMEOUT_S = 20.0
-PROMPTS = [[1, 2, 3, 4], [7, 9, 11]]
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +48,20 @@ def _sync(trainer: HFModelRunner, workers: Workers) -> CollectiveWeightSynchroni
         collective_timeout_s=COLLECTIVE_TIMEOUT_S,
         rpc_timeout_s=COLLECTIVE_TIMEOUT_S,
     )
+
+
+@contextlib.asynccontextmanager
+async def _synced_once(
+    pool: WorkerPool, seed: int
+) -> AsyncIterator[tuple[HFModelRunner, Workers, CollectiveWeightSynchronizer]]:
+    """A trainer (``seed``) synced once (version 1) into workers 0 and 1 of ``pool``."""
+    trainer = HFModelRunner.from_config(dict(QWEN3), seed=seed)
+    workers = await pool.view([0, 1])
+    async with _sync(trainer, workers) as sync:
+        await sync.mark_stale()
+        await sync.sync_weights()
+        assert sync.weight_version == 1
+        yield trainer, workers, sync
 
 
 def _step(trainer: HFModelRunner, seed: int) -> None:
@@ -82,12 +96,7 @@ async def _heals(
 async def test_a_trainer_side_setup_failure_releases_the_workers_at_once(
     formation_pool: WorkerPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    trainer = HFModelRunner.from_config(dict(QWEN3), seed=401)
-    workers = await formation_pool.view([0, 1])
-    async with _sync(trainer, workers) as sync:
-        await sync.mark_stale()
-        await sync.sync_weights()
-        assert sync.weight_version == 1
+    async with _synced_once(formation_pool, 401) as (trainer, workers, sync):
         generated = await formation_pool.call(0, "test_generate", prompts=PROMPTS, max_new_tokens=4)
 
         # The trainer's own gloo set-up fails (the workers are fine): re-forming
@@ -125,13 +134,7 @@ async def test_a_trainer_side_setup_failure_releases_the_workers_at_once(
 async def test_a_worker_side_setup_failure_releases_the_trainer_and_other_workers_at_once(
     formation_pool: WorkerPool,
 ) -> None:
-    trainer = HFModelRunner.from_config(dict(QWEN3), seed=402)
-    workers = await formation_pool.view([0, 1])
-    async with _sync(trainer, workers) as sync:
-        await sync.mark_stale()
-        await sync.sync_weights()
-        assert sync.weight_version == 1
-
+    async with _synced_once(formation_pool, 402) as (trainer, workers, sync):
         await formation_pool.call(
             1, "test_set_env", name="GLOO_SOCKET_IFNAME", value=NO_SUCH_INTERFACE
         )

@@ -1,6 +1,9 @@
 """Several trainer ranks, one engine (issue 13, item 5): only the source joins the
 engine's sync group; the other ranks take part in the gathers and agree with the
-source, so every rank ends a sync with the same versions, or the same error."""
+source, so every rank ends a sync with the same versions, or the same error.
+
+That contract is the conformance kit's ``sharded_trainer`` cell (``collective`` case);
+here what is the collective's own: only the source joins the engine's group."""
 
 from __future__ import annotations
 
@@ -93,6 +96,7 @@ async def test_a_failure_on_a_non_source_rank_fails_every_rank_alike_and_the_nex
 
         assert await _on_every_rank(syncs, "sync_weights") == [None, None]
         assert [(s.weight_version, s.is_stale) for s in syncs] == [(1, False), (1, False)]
+        assert syncs[0].plan.digest == syncs[1].plan.digest  # every rank planned alike
         expected = {n: t.clone() for n, t in DTensorRefitSource(trainer.model).iter_weights()}
         for i in (0, 1):
             got = await pool.call(i, "test_state_dict")

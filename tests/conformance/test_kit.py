@@ -7,7 +7,8 @@ generated from the same declarations (``docs/capabilities.md``).
 
 Engines are module-scoped (one embedded worker for IPC and the collective, one TP=2
 replica for the shard-aware transport, one SGLang contract test server for HTTP and
-SGLang's collective); every cell syncs before it asserts.
+SGLang's collective, two fp32 replicas serving LoRA adapters for the LoRA adapter
+refit); every cell syncs before it asserts.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from aiosync.options import LoRAOptions
 from aiosync.testing import conformance as kit
 
 pytestmark = pytest.mark.slow
@@ -38,15 +38,7 @@ class Engines:
 
     async def get(self, kind: str) -> kit.KitEngine:
         if kind not in self.started:
-            if kind == "server":
-                url = self.stack.enter_context(kit.sglang_test_server())
-                server = kit.ServerKitEngine(url, tp_size=1)
-                self.stack.push_async_callback(server.aclose)
-                self.started[kind] = server
-            else:
-                tp = 2 if kind == "embedded_tp2" else 1
-                engine = kit.embedded_engine(tensor_parallel_size=tp)
-                self.started[kind] = await self.stack.enter_async_context(engine)
+            self.started[kind] = await kit.start_engine(kind, self.stack)
         return self.started[kind]
 
 
@@ -94,16 +86,23 @@ def test_every_declared_capability_has_a_kit_cell() -> None:
     # The parametrization above is kit.cells(): every case runs every cell, and a cell
     # runs the capability's own check exactly when the case's class declares it.
     run = set(kit.cells())
+    repo = DOCS.parents[1]
     for case in kit.CASES:
         caps = case.capabilities
         declared = {cell for cell in kit.CELLS if kit.declares(caps, cell)}
         assert {"plain", "cancel", "bad_manifest"} <= declared
         hosted = set(kit.CELLS) - (kit.RESPAWNING if case.engine == "server" else set())
         hosted -= {cell for cell in kit.DECLARED_ONLY if cell not in declared}
+        if case.rank_processes:
+            # Its ranks need a process each: the suite it names runs its sharded trainer.
+            assert caps.sharded_trainer, case.name
+            assert (repo / case.rank_processes).is_file(), case.rank_processes
+            hosted -= kit.IN_PROCESS_RANKS
         assert {cell for (name, cell) in run if name == case.name} == hosted
         assert ("verify_true" in declared) == (True in caps.verify)
         assert ("verify_sample" in declared) == ("sample" in caps.verify)
-        for flag in ("delta", "kv_scales", "trace", "verify_engine", "elastic"):
+        for flag in ("delta", "kv_scales", "trace", "verify_engine", "elastic", "sharded_trainer"):
             assert (flag in declared) == getattr(caps, flag), (case.name, flag)
-    # Every transport of the table that runs on CPU is a kit case.
-    assert {c.options for c in kit.CASES} == set(kit.TRANSPORT_OPTIONS) - {LoRAOptions}
+    # Every transport of the table is a kit case, and the sharded trainer runs here on one.
+    assert {c.options for c in kit.CASES} == set(kit.TRANSPORT_OPTIONS)
+    assert {name for (name, cell) in run if cell == "sharded_trainer"} == {"collective"}

@@ -10,6 +10,7 @@ import pytest
 
 import aiosync
 from aiosync import TrainCluster, create_weight_synchronizer
+from tests._support.builders import factory_pick
 
 
 @pytest.mark.parametrize(
@@ -172,44 +173,37 @@ def test_public_api_is_exported():
 @pytest.mark.parametrize("dist_backend", ["gloo", "nccl"])
 def test_factory_builds_a_collective_on_the_chosen_dist_backend(source, engine, dist_backend):
     # Building an NCCL collective needs no GPU: only forming its group does.
-    sync = create_weight_synchronizer(
-        source,
-        engine,
-        colocated=False,
-        backend="embedded",
-        train_cluster=TrainCluster(),
-        inference_world_size=2,
-        dist_backend=dist_backend,
-    )
+    sync = factory_pick(source, engine, world_size=2, dist_backend=dist_backend)
     assert type(sync) is aiosync.CollectiveWeightSynchronizer
     assert sync.dist_backend == dist_backend
     assert sync.device.type == ("cuda" if dist_backend == "nccl" else "cpu")
 
 
-def test_factory_rejects_an_unknown_dist_backend_before_building_anything(source, engine):
-    with pytest.raises(ValueError, match=r"unknown dist_backend 'mpi'; known: nccl, gloo"):
-        create_weight_synchronizer(
-            source,
-            engine,
-            colocated=False,
-            backend="vllm",
-            train_cluster=TrainCluster(),
-            inference_world_size=1,
-            dist_backend="mpi",  # type: ignore[arg-type]
-        )
-    # backend= is the engine kind: "gloo" there is an unknown engine, and says which are known.
-    with pytest.raises(ValueError, match="known backends: vllm, sglang, embedded"):
-        create_weight_synchronizer(source, engine, colocated=False, backend="gloo")
-
-
-def test_factory_passes_timeouts_and_the_older_keywords_to_the_transport(source, engine):
-    sync = create_weight_synchronizer(
+def _vllm_collective(source: Any, engine: Any, **options: Any) -> Any:
+    """The factory's pick for one vLLM engine in other processes (one inference rank)."""
+    return create_weight_synchronizer(
         source,
         engine,
         colocated=False,
         backend="vllm",
         train_cluster=TrainCluster(),
         inference_world_size=1,
+        **options,
+    )
+
+
+def test_factory_rejects_an_unknown_dist_backend_before_building_anything(source, engine):
+    with pytest.raises(ValueError, match=r"unknown dist_backend 'mpi'; known: nccl, gloo"):
+        _vllm_collective(source, engine, dist_backend="mpi")
+    # backend= is the engine kind: "gloo" there is an unknown engine, and says which are known.
+    with pytest.raises(ValueError, match="known backends: vllm, sglang, embedded"):
+        create_weight_synchronizer(source, engine, colocated=False, backend="gloo")
+
+
+def test_factory_passes_timeouts_and_the_older_keywords_to_the_transport(source, engine):
+    sync = _vllm_collective(
+        source,
+        engine,
         dist_backend="gloo",
         timeouts=aiosync.Timeouts(sync_s=40.0, rpc_s=5.0),
         rpc_timeout_s=3.0,
@@ -249,15 +243,7 @@ def test_factory_picks_the_shard_aware_transfer_for_engines_that_hold_slices(
 
     # Constructing the engine starts no process.
     engine = aiosync.EmbeddedEngine(TINY_QWEN3, tensor_parallel_size=tensor_parallel_size)
-    sync = create_weight_synchronizer(
-        source,
-        engine,
-        colocated=False,
-        backend="embedded",
-        train_cluster=TrainCluster(),
-        inference_world_size=engine.world_size,
-        **options,
-    )
+    sync = factory_pick(source, engine, **options)
     assert type(sync) is getattr(aiosync, class_name)
 
 

@@ -7,16 +7,9 @@ from transformers import Qwen3Config, Qwen3MoeConfig
 
 from aiosync import RefitMismatchError
 from aiosync._hf_config import compare_hf_configs, config_fields
+from tests._support.configs import SMALL_QWEN3
 
-SMALL = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-)
+SMALL = SMALL_QWEN3
 
 
 def test_the_same_config_passes_and_bookkeeping_may_differ() -> None:

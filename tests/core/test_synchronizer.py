@@ -107,6 +107,14 @@ async def test_half_failed_resync_of_current_version_marks_engine_stale(sync, so
     assert not sync.is_stale and sync.transfers == [1, 1, 1]
 
 
+async def _start_held(sync, tg):
+    """Mark ``sync`` stale and start its sync in ``tg``, held at its gate (set it to go on)."""
+    await sync.mark_stale()
+    sync.gate = anyio.Event()
+    tg.start_soon(sync.sync_weights)
+    await sync.started.wait()
+
+
 async def test_cancelled_sync_keeps_version_and_reports_failed(sync):
     sync.gate = anyio.Event()
     async with sync.subscribe() as events:
@@ -138,11 +146,8 @@ async def test_sync_past_its_timeout_raises_sync_timeout_error(make_sync):
 
 
 async def test_concurrent_syncs_coalesce_into_one_transfer(sync):
-    await sync.mark_stale()
-    sync.gate = anyio.Event()
     async with anyio.create_task_group() as tg:
-        tg.start_soon(sync.sync_weights)
-        await sync.started.wait()
+        await _start_held(sync, tg)
         tg.start_soon(sync.sync_weights)
         tg.start_soon(sync.sync_weights)
         await anyio.sleep(0.01)
@@ -152,11 +157,8 @@ async def test_concurrent_syncs_coalesce_into_one_transfer(sync):
 
 
 async def test_mark_stale_during_sync_leaves_it_stale_and_waiter_syncs_again(sync):
-    await sync.mark_stale()
-    sync.gate = anyio.Event()
     async with anyio.create_task_group() as tg:
-        tg.start_soon(sync.sync_weights)
-        await sync.started.wait()
+        await _start_held(sync, tg)
         assert await sync.mark_stale() == 2
         tg.start_soon(sync.sync_weights)  # waits for the first, then moves version 2
         await anyio.sleep(0.01)
@@ -166,11 +168,8 @@ async def test_mark_stale_during_sync_leaves_it_stale_and_waiter_syncs_again(syn
 
 
 async def test_sync_commits_the_version_seen_at_start(sync):
-    await sync.mark_stale()
-    sync.gate = anyio.Event()
     async with anyio.create_task_group() as tg:
-        tg.start_soon(sync.sync_weights)
-        await sync.started.wait()
+        await _start_held(sync, tg)
         await sync.mark_stale(5)
         sync.gate.set()
     assert (sync.weight_version, sync.policy_version, sync.is_stale) == (1, 5, True)
@@ -204,12 +203,9 @@ async def test_weights_discarded_during_a_sync_fail_it_instead_of_committing(syn
 
 async def test_a_policy_update_waits_for_the_sync_reading_the_source(sync, source, engine):
     # Without it, a step landing between the sync's reads streams a mix of two versions.
-    await sync.mark_stale()
-    sync.gate = anyio.Event()
     order = []
     async with anyio.create_task_group() as tg:
-        tg.start_soon(sync.sync_weights)
-        await sync.started.wait()  # the sync copied entry "a" and waits before "b"
+        await _start_held(sync, tg)  # the sync copied entry "a" and waits before "b"
 
         async def step() -> None:
             async with sync.policy_update() as version:

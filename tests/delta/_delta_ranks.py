@@ -26,21 +26,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.refit import DTensorRefitSource
+from tests._support import fsdp2
 from tests._support.delta import committed, patch_bytes
-from tests._support.fsdp2 import (
-    FaultySource,
-    build_sharded_model,
-    engine_matches,
-    failed_sync,
-    full_state,
-    make_engine,
-    make_synchronizer,
-    nudge,
-    rank_main,
-    versions,
-)
 
 #: Each transport's limits of one step (the IPC's RPCs, the collective's operations).
 TIMEOUTS = {
@@ -50,53 +38,42 @@ TIMEOUTS = {
 
 
 async def run(rank: int, world: int, store_port: int, transport: str) -> dict[str, Any]:
-    model = build_sharded_model(world)
-    source = FaultySource(DTensorRefitSource(model), rank, one_shot=True)
+    model = fsdp2.build_sharded_model(world)
+    source = fsdp2.FaultySource(DTensorRefitSource(model), rank, one_shot=True)
     seen: dict[str, Any] = {}
     async with contextlib.AsyncExitStack() as stack:
-        engine: EmbeddedEngine | None = None
-        if rank == 0:
-            engine = await stack.enter_async_context(make_engine(transport, world))
-        sync = make_synchronizer(
-            transport,
-            source,
-            engine,
-            rank,
-            world,
-            store_port,
-            bucket_bytes=16 * 1024,
-            delta=True,
-            **TIMEOUTS[transport],
+        options = {"bucket_bytes": 16 * 1024, "delta": True, **TIMEOUTS[transport]}
+        engine, sync = await fsdp2.rank_sync(
+            stack, transport, source, rank, world, store_port, **options
         )
-        await stack.enter_async_context(sync)
         events = await stack.enter_async_context(sync.subscribe())
 
         async def holds() -> list[bool] | None:
-            want = full_state(source)  # every rank gathers
-            return None if engine is None else await engine_matches(engine, want)
+            want = fsdp2.full_state(source)  # every rank gathers
+            return None if engine is None else await fsdp2.engine_matches(engine, want)
 
         seen["full"] = await committed(sync, events)
-        before = full_state(source)
+        before = fsdp2.full_state(source)
         seen["manifest_nbytes"] = sum(t.numel() * t.element_size() for t in before.values())
-        nudge(model)
-        seen["expected_delta"] = patch_bytes(before, full_state(source))
+        fsdp2.nudge(model)
+        seen["expected_delta"] = patch_bytes(before, fsdp2.full_state(source))
         seen["delta"] = await committed(sync, events)
         seen["delta_holds"] = await holds()
         if engine is not None and transport == "ipc":
             seen["took_patches"] = [r["delta"] for r in sync.last_worker_results]  # type: ignore[attr-defined]
 
-        nudge(model)
+        fsdp2.nudge(model)
         # Rank 1's read fails after its last gather (the gathers stay paired, so the
         # same processes sync again): every rank raises, before any patch moves.
         source.fault = "after" if rank == 1 else None
-        seen["failure"] = await failed_sync(sync)
-        seen["after_failure"] = versions(sync)
+        seen["failure"] = await fsdp2.failed_sync(sync)
+        seen["after_failure"] = fsdp2.versions(sync)
         seen["healed"] = await committed(sync, events)
         seen["healed_holds"] = await holds()
-        seen["after_heal"] = versions(sync)
+        seen["after_heal"] = fsdp2.versions(sync)
         dist.barrier()
     return seen
 
 
 if __name__ == "__main__":
-    rank_main(run)
+    fsdp2.rank_main(run)

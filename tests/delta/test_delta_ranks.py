@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests._support.launch import rank_results
+from tests._support.launch import per_transport_ranks_fixture
 
 pytestmark = pytest.mark.slow
 
@@ -19,13 +19,7 @@ SCRIPT = Path(__file__).with_name("_delta_ranks.py")
 WORKERS = {"collective": 1, "ipc": 2}
 
 
-@pytest.fixture(scope="module", params=list(WORKERS))
-def ranks(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, spawn_ranks: Any
-) -> tuple[str, list[dict[str, Any]]]:
-    transport = request.param
-    folder = tmp_path_factory.mktemp(f"delta-ranks-{transport}")
-    return transport, rank_results(spawn_ranks, folder, SCRIPT, 2, transport)
+ranks = per_transport_ranks_fixture(SCRIPT, "delta-ranks", list(WORKERS))
 
 
 def test_a_sharded_trainer_sends_only_the_patches(

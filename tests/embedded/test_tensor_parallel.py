@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 import anyio
 import pytest
@@ -96,6 +97,15 @@ async def _assert_slices_equal(engine: EmbeddedEngine, full: Mapping[str, torch.
 
 def _trainer(seed: int) -> HFModelRunner:
     return HFModelRunner.from_config(DENSE, seed=seed)
+
+
+async def _serves(engine: EmbeddedEngine, trainer: Any, tokens: int) -> None:
+    """Every rank holds its slices of the trainer's weights, and the engine generates the
+    trainer's greedy tokens (``tokens`` each)."""
+    await engine.prepare_for_generation()
+    await _assert_slices_equal(engine, trainer.hf_state_dict())
+    want = trainer.generate(PROMPTS, max_new_tokens=tokens, ignore_eos=True)
+    assert await engine.generate(PROMPTS, max_new_tokens=tokens, ignore_eos=True) == want
 
 
 async def test_four_workers_are_numbered_replica_times_tp_plus_rank(
@@ -187,10 +197,7 @@ async def test_collective_sync_lands_each_worker_s_slice_bit_exact(
         await sync.mark_stale()
         await sync.sync_weights()
         assert sync.weight_version == 1
-    await engine.prepare_for_generation()
-    await _assert_slices_equal(engine, trainer.hf_state_dict())
-    want = trainer.generate(PROMPTS, max_new_tokens=5, ignore_eos=True)
-    assert await engine.generate(PROMPTS, max_new_tokens=5, ignore_eos=True) == want
+    await _serves(engine, trainer, tokens=5)
 
 
 async def test_the_collective_counts_every_worker_not_every_replica(
@@ -271,10 +278,7 @@ async def test_a_level_1_sleep_gives_every_rank_its_slice_back(
     await engine.collective_rpc("embedded_load_state_dict", (payload,))
     assert engine.sleep_level == 1
     await engine.finish_generation()
-    await engine.prepare_for_generation()
-    await _assert_slices_equal(engine, trainer.hf_state_dict())
-    want = trainer.generate(PROMPTS, max_new_tokens=4, ignore_eos=True)
-    assert await engine.generate(PROMPTS, max_new_tokens=4, ignore_eos=True) == want
+    await _serves(engine, trainer, tokens=4)
 
 
 async def test_a_dead_follower_is_respawned_with_its_whole_replica(

@@ -35,7 +35,7 @@ from aiosync import (
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
-from tests._support.sources import HookedSource
+from tests._support.sources import HookedSource, hooked_trainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -120,8 +120,7 @@ def _quarantining(
 ) -> tuple[HFModelRunner, HookedSource, EngineFleet, Any]:
     """A trainer (``seed``), its hooked source, ``engines`` behind a quarantining fleet
     of at least 2 (and ``fleet_options``), and the synchronizer (``options``)."""
-    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=seed)
-    source = HookedSource(trainer.model)
+    trainer, source = hooked_trainer(seed)
     fleet = EngineFleet(engines, on_engine_failure="quarantine", min_engines=2, **fleet_options)
     sync = create_weight_synchronizer(source, fleet, backend="embedded", **options)
     return trainer, source, fleet, sync
@@ -179,8 +178,7 @@ async def test_an_engine_hung_mid_sync_fails_its_probe_and_is_quarantined_named(
 async def test_a_default_fleet_names_a_member_killed_mid_sync_and_refuses_to_generate_at_once(
     engines: list[EmbeddedEngine],
 ) -> None:
-    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=63)
-    source = HookedSource(trainer.model)
+    _trainer, source = hooked_trainer(63)
     fleet = EngineFleet(engines[:2])  # on_engine_failure="fail"
     sync = create_weight_synchronizer(
         source,
@@ -211,8 +209,7 @@ async def test_a_default_fleet_names_a_member_killed_mid_sync_and_refuses_to_gen
 async def test_below_min_engines_the_sync_fails_and_nothing_is_set_aside(
     engines: list[EmbeddedEngine],
 ) -> None:
-    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=62)
-    source = HookedSource(trainer.model)
+    trainer, source = hooked_trainer(62)
     fleet = EngineFleet(engines, on_engine_failure="quarantine", min_engines=3)
     sync = create_weight_synchronizer(
         source, fleet, colocated=True, backend="embedded", device="cpu", rpc_timeout_s=10.0

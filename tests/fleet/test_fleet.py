@@ -32,7 +32,7 @@ from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.refit import DTensorRefitSource
 from aiosync.transports.ipc import IPCWeightSynchronizer
 from tests._support.builders import factory_pick
-from tests._support.sources import HookedSource
+from tests._support.sources import hooked_trainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 
@@ -124,8 +124,7 @@ async def test_a_mismatched_engine_fails_init_naming_it_before_any_byte_moves(
 async def test_an_engine_killed_mid_sync_fails_it_for_all_and_both_refuse_until_a_sync_lands(
     engine_a: EmbeddedEngine, engine_b: EmbeddedEngine
 ) -> None:
-    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=44)
-    source = HookedSource(trainer.model)
+    trainer, source = hooked_trainer(44)
     sync = create_weight_synchronizer(
         source, [engine_a, engine_b], colocated=True, backend="embedded"
     )

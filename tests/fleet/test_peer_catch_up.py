@@ -14,9 +14,10 @@ waiting.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -40,7 +41,7 @@ from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.engines.fleet import CatchUp
 from tests._support.fleets import drain
-from tests._support.sources import HookedSource
+from tests._support.sources import HookedSource, hooked_trainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -66,18 +67,12 @@ class LoggedEngine(EmbeddedEngine):
         if self.on_paused is not None:
             await self.on_paused()
 
-    async def collective_rpc(
-        self,
-        method: str,
-        args: tuple[Any, ...] = (),
-        kwargs: Mapping[str, Any] | None = None,
-        timeout_s: float | None = None,
-    ) -> list[Any]:
+    async def collective_rpc(self, method: str, *call: Any, **named: Any) -> list[Any]:
         if method == "aiosync_peer_receive" and self.log is not None:
             self.log.append(f"receive {self.label}")
             if self.hold is not None:
                 await self.hold.wait()
-        out = await super().collective_rpc(method, args, kwargs, timeout_s)
+        out = await super().collective_rpc(method, *call, **named)
         if method == "aiosync_peer_verify" and self.log is not None:
             self.log.append(f"verified {self.label}")
         return out
@@ -117,8 +112,7 @@ def _served(
 ) -> tuple[HFModelRunner, HookedSource, list[int], EngineFleet, Any]:
     """A trainer (``seed``), its source, the list of the source's tensor reads, a fleet
     of ``engines`` (and ``fleet_options``) and its synchronizer (IPC)."""
-    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=seed)
-    source = HookedSource(trainer.model)
+    trainer, source = hooked_trainer(seed)
     reads: list[int] = []
     source.on_tensor = reads.append
     fleet = EngineFleet(engines, **fleet_options)
@@ -131,6 +125,22 @@ def _served(
         timeouts=Timeouts(rpc_s=30.0),
     )
     return trainer, source, reads, fleet, sync
+
+
+@contextlib.asynccontextmanager
+async def _joining(
+    seed: int, peer: EmbeddedEngine, joiner: EmbeddedEngine
+) -> AsyncIterator[tuple[HFModelRunner, list[int], EngineFleet, Any]]:
+    """:func:`_served` on ``peer`` alone, synced to version 1 (the source's reads then
+    cleared), and ``joiner`` added to the fleet to catch up from the peer: the trainer,
+    the reads, the fleet and the open synchronizer."""
+    trainer, _source, reads, fleet, sync = _served(seed, peer)
+    async with sync:
+        await sync.mark_stale()
+        await sync.sync_weights()
+        reads.clear()
+        fleet.add_engine(joiner, source="peer")
+        yield trainer, reads, fleet, sync
 
 
 def _model_bytes(trainer: HFModelRunner) -> int:
@@ -194,12 +204,7 @@ async def test_a_copy_corrupted_in_transit_fails_verification_and_the_engine_doe
     engines: dict[str, LoggedEngine],
 ) -> None:
     peer, new = engines["peer"], engines["new"]
-    trainer, _source, reads, fleet, sync = _served(72, peer)
-    async with sync:
-        await sync.mark_stale()
-        await sync.sync_weights()
-        reads.clear()
-        fleet.add_engine(new, source="peer")
+    async with _joining(72, peer, new) as (trainer, reads, fleet, _sync):
         # One bit of the 4th tensor's first byte flips as the new engine receives it.
         ((name, _part, _dtype),) = [(await new.collective_rpc("aiosync_peer_manifest"))[0][3]]
         await new.collective_rpc("aiosync_test_arm_transit_fault", (3, 0, 0x01))
@@ -230,13 +235,8 @@ async def test_a_peer_of_another_layout_is_refused_before_any_byte_moves(
     engines: dict[str, LoggedEngine],
 ) -> None:
     peer, tp2 = engines["peer"], engines["tp2"]
-    _trainer, _source, reads, fleet, sync = _served(73, peer)
-    async with sync:
-        await sync.mark_stale()
-        await sync.sync_weights()
-        reads.clear()
+    async with _joining(73, peer, tp2) as (_trainer, reads, fleet, _sync):
         before = await tp2.hf_state_dicts()
-        fleet.add_engine(tp2, source="peer")
         with pytest.raises(RefitMismatchError) as refused:
             await fleet.catch_up()
         assert str(refused.value) == (
@@ -259,12 +259,7 @@ async def test_a_sync_started_during_a_catch_up_refits_the_peer_after_the_copy(
     engines: dict[str, LoggedEngine],
 ) -> None:
     peer, new = engines["peer"], engines["new"]
-    trainer, _source, reads, fleet, sync = _served(74, peer)
-    async with sync:
-        await sync.mark_stale()
-        await sync.sync_weights()
-        reads.clear()
-        fleet.add_engine(new, source="peer")
+    async with _joining(74, peer, new) as (trainer, reads, fleet, sync):
         with torch.no_grad():
             for p in trainer.model.parameters():
                 p.add_(0.25)
@@ -331,13 +326,8 @@ async def test_a_tensor_parallel_engine_catches_up_rank_by_rank(
     engines: dict[str, LoggedEngine],
 ) -> None:
     peer, new = engines["tp2"], engines["tp2b"]
-    _trainer, _source, reads, fleet, sync = _served(77, peer)
-    async with sync:
-        await sync.mark_stale()
-        await sync.sync_weights()
-        reads.clear()
+    async with _joining(77, peer, new) as (_trainer, reads, fleet, _sync):
         held = await peer.hf_state_dicts()
-        fleet.add_engine(new, source="peer")
         # Each rank's slices (the replicated tensors on both ranks) move once, rank to rank.
         nbytes = sum(t.numel() * t.element_size() for state in held for t in state.values())
         assert await fleet.catch_up() == [CatchUp(NEW, PEER, 1, nbytes)]
@@ -357,12 +347,7 @@ async def test_a_peer_that_dies_fails_the_catch_up_naming_it_and_the_engine_keep
 ) -> None:
     # Last in the module: the peer's worker is replaced (its weights are its initial ones).
     peer, new = engines["peer"], engines["new"]
-    _trainer, _source, reads, fleet, sync = _served(76, peer)
-    async with sync:
-        await sync.mark_stale()
-        await sync.sync_weights()
-        reads.clear()
-        fleet.add_engine(new, source="peer")
+    async with _joining(76, peer, new) as (_trainer, reads, fleet, _sync):
         new.log, new.hold = [], anyio.Event()
         failed: list[BaseException] = []
 

@@ -34,7 +34,7 @@ from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.options import TransportCapabilities
 from tests._support.fleets import drain, fleet_options, holds, started
-from tests._support.sources import HookedSource
+from tests._support.sources import HookedSource, hooked_trainer
 
 pytestmark = pytest.mark.slow
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
@@ -156,8 +156,7 @@ async def test_a_rolling_refit_serves_on_the_others_through_every_wave_labelled_
 async def test_a_failed_wave_leaves_its_engine_unfit_and_the_fleet_serving_both_versions(
     engines: list[SteppedEngine], how: str
 ) -> None:
-    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=72)
-    source = HookedSource(trainer.model)
+    trainer, source = hooked_trainer(72)
     fleet = EngineFleet(engines, refit="rolling", max_unavailable=1)
     sync = create_weight_synchronizer(source, fleet, backend="embedded", **_options("ipc"))
     async with sync:
@@ -233,8 +232,7 @@ async def test_a_failed_wave_leaves_its_engine_unfit_and_the_fleet_serving_both_
 async def test_a_rolling_wave_quarantines_its_dead_engine_and_a_new_one_joins_first(
     engines: list[SteppedEngine],
 ) -> None:
-    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=73)
-    source = HookedSource(trainer.model)
+    trainer, source = hooked_trainer(73)
     fleet = EngineFleet(
         engines[:3], refit="rolling", max_unavailable=1, on_engine_failure="quarantine"
     )
@@ -321,8 +319,7 @@ async def test_a_rolling_delta_refit_patches_every_wave_from_one_baseline_bit_ex
 async def test_peer_waves_take_the_version_from_the_first_wave_and_the_trainer_sends_one_copy(
     engines: list[SteppedEngine], transport: str
 ) -> None:
-    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=75)
-    source = HookedSource(trainer.model)
+    trainer, source = hooked_trainer(75)
     reads = 0
 
     def count(i: int) -> None:

@@ -31,7 +31,7 @@ from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from tests._support.fleets import fleet_options, holds, started
-from tests._support.sources import HookedSource
+from tests._support.sources import HookedSource, hooked_trainer
 
 pytestmark = pytest.mark.slow
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
@@ -99,8 +99,7 @@ async def test_a_failed_sync_leaves_the_engine_serving_the_previous_version_bit_
     engines: list[EmbeddedEngine], transport: str, how: str
 ) -> None:
     engine = engines[0]
-    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=81)
-    source = HookedSource(trainer.model)
+    trainer, source = hooked_trainer(81)
     sync = create_weight_synchronizer(
         source, engine, backend="embedded", **_options(transport, "serve_previous", 2)
     )
@@ -137,8 +136,7 @@ async def test_with_refuse_the_same_failure_leaves_the_engine_refusing(
     engines: list[EmbeddedEngine],
 ) -> None:
     engine = engines[0]
-    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=82)
-    source = HookedSource(trainer.model)
+    trainer, source = hooked_trainer(82)
     sync = create_weight_synchronizer(
         source, engine, backend="embedded", **_options("ipc", "refuse", 2)
     )
@@ -163,8 +161,7 @@ async def test_with_refuse_the_same_failure_leaves_the_engine_refusing(
 async def test_a_rolling_fleets_failed_wave_serves_its_previous_version_instead_of_turning_unfit(
     engines: list[EmbeddedEngine],
 ) -> None:
-    trainer = HFModelRunner.from_config(TINY_QWEN3, seed=83)
-    source = HookedSource(trainer.model)
+    trainer, source = hooked_trainer(83)
     fleet = EngineFleet(engines, refit="rolling", max_unavailable=1)
     sync = create_weight_synchronizer(
         source, fleet, backend="embedded", **_options("ipc", "serve_previous", 4)

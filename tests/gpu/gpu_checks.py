@@ -158,6 +158,22 @@ def _receiver_main(
             return
 
 
+def _timed(plan: Any, times: list[float], mismatched: list[str]) -> dict[str, Any]:
+    """What a timed refit reports: its plan's bytes and buckets, the first (cold) and the
+    best later (warm) sync's seconds and GB/s, and whether every tensor landed bit-exact
+    (the first few that did not)."""
+    warm = min(times[1:]) if len(times) > 1 else times[0]
+    return {
+        "bytes": plan.total_bytes,
+        "buckets": len(plan.buckets),
+        "cold_s": times[0],
+        "warm_s": warm,
+        "gbps_warm": plan.total_bytes / warm / 1e9,
+        "bit_exact": not mismatched,
+        "mismatched": mismatched[:5],
+    }
+
+
 def _expect(replies: Any, kind: str, timeout_s: float) -> Any:
     got, payload = replies.get(timeout=timeout_s)
     if got != kind:
@@ -242,17 +258,7 @@ def ipc_refit(
         proc.join(timeout=30)
         if proc.is_alive():
             proc.kill()
-    warm = min(times[1:]) if len(times) > 1 else times[0]
-    return {
-        "bytes": plan.total_bytes,
-        "buckets": len(plan.buckets),
-        "cold_s": times[0],
-        "warm_s": warm,
-        "gbps_warm": plan.total_bytes / warm / 1e9,
-        "bit_exact": not mismatched,
-        "mismatched": mismatched[:5],
-        "tensors_equal": tensors_equal,
-    }
+    return {**_timed(plan, times, mismatched), "tensors_equal": tensors_equal}
 
 
 # -- 2. packing on device ----------------------------------------------------------
@@ -531,18 +537,7 @@ def collective_refit(
             proc.kill()
     local = {n: _byte_checksum(t) for n, t in weights.items()}
     mismatched = sorted(n for n in local if remote.get(n) != local[n])
-    warm = min(times[1:]) if len(times) > 1 else times[0]
-    return {
-        "backend": backend,
-        "bytes": plan.total_bytes,
-        "buckets": len(plan.buckets),
-        "cold_s": times[0],
-        "warm_s": warm,
-        "gbps_warm": plan.total_bytes / warm / 1e9,
-        "bit_exact": not mismatched,
-        "mismatched": mismatched[:5],
-        "weight_version": version,
-    }
+    return {"backend": backend, **_timed(plan, times, mismatched), "weight_version": version}
 
 
 # -- script ----------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load as safetensors_load
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from aiosync import SGLangHTTPBackend
+from aiosync import SGLangHTTPBackend, create_weight_synchronizer
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.refit import DTensorRefitSource
@@ -292,3 +292,36 @@ async def http_sync(
             await sync.mark_stale()
             await sync.sync_weights()
         yield backend, sync
+
+
+@pytest.fixture
+def servers(server_pair: tuple[TestServer, TestServer]) -> Iterator[tuple[TestServer, TestServer]]:
+    """The session's pair of servers, reset before and after (:func:`reset_around`)."""
+    yield from reset_around(server_pair)
+
+
+def reset_around(servers: tuple[TestServer, TestServer]) -> Iterator[tuple[TestServer, TestServer]]:
+    """A fixture's body: ``servers`` with their faults and logs cleared before and after
+    (a hung request released)."""
+    for server in servers:
+        server.reset()
+    yield servers
+    for server in servers:
+        server.reset()
+
+
+@contextlib.asynccontextmanager
+async def fleet_sync(
+    servers: Any, trainer: Any, **factory_options: Any
+) -> AsyncIterator[tuple[Any, list[SGLangHTTPBackend]]]:
+    """A backend per server and the factory's synchronizer of ``trainer`` over all of them
+    (``create_weight_synchronizer(trainer, backends, backend="sglang", **factory_options)``);
+    shut down and closed at the end."""
+    backends = [SGLangHTTPBackend(s.url) for s in servers]
+    sync = create_weight_synchronizer(trainer, backends, backend="sglang", **factory_options)
+    try:
+        yield sync, backends
+    finally:
+        await sync.shutdown()
+        for backend in backends:
+            await backend.aclose()

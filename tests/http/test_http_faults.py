@@ -48,6 +48,36 @@ async def _synced(server: Any, trainer: Any) -> tuple[HTTPWeightSynchronizer, SG
     return sync, backend
 
 
+async def _stale_after_v1(
+    server: Any, make_trainer: Any, seed: int
+) -> tuple[Any, HTTPWeightSynchronizer, SGLangHTTPBackend]:
+    """A trainer (``seed``) synced once (:func:`_synced`), then stepped: version 1 on the
+    server, the synchronizer stale."""
+    trainer = make_trainer(seed=seed)
+    sync, backend = await _synced(server, trainer)
+    trainer.step(seed=seed + 1)
+    await sync.mark_stale()
+    return trainer, sync, backend
+
+
+async def _serves_v2(backend: Any, trainer: Any, prompts: list[list[int]]) -> None:
+    """The server generates the trainer's greedy tokens, every answer labelled "2"."""
+    results = await backend.generate_with_meta(prompts, max_new_tokens=4)
+    assert [r.output_ids for r in results] == trainer.reference_generate(prompts, 4)
+    assert [r.weight_version for r in results] == ["2"] * len(prompts)
+
+
+async def _heals_to_v2(
+    server: Any, trainer: Any, sync: HTTPWeightSynchronizer, backend: Any, state_equal: Any
+) -> None:
+    """After a failed sync: the next lands version 2, the server says so and holds
+    exactly the trainer's tensors."""
+    await sync.sync_weights()
+    assert (sync.weight_version, sync.is_stale) == (2, False)
+    assert await backend.get_weight_version() == "2"
+    state_equal(server.state_dict(), trainer.expected())
+
+
 async def _fails_then_recovers(
     server: Any,
     trainer: Any,
@@ -85,46 +115,27 @@ async def _fails_then_recovers(
     await backend.aclose()
 
 
-async def test_server_500_is_a_transport_error_with_the_servers_message(
-    server: Any, make_trainer: Any, state_equal: Any
+@pytest.mark.parametrize(
+    ("mode", "seed", "error", "match"),
+    [
+        ("error", 30, TransportError, "HTTP 500: injected fault on /update_weights_from_tensor"),
+        ("hang", 32, SyncTimeoutError, f"no answer within {REQUEST_TIMEOUT_S} s"),
+        ("drop", 33, TransportError, "RemoteProtocolError"),
+    ],
+    ids=["server_500_names_the_servers_message", "hung_server_times_out", "dropped_connection"],
+)
+async def test_a_failed_weight_post_is_a_typed_error_and_the_next_sync_recovers(
+    server: Any,
+    make_trainer: Any,
+    state_equal: Any,
+    mode: str,
+    seed: int,
+    error: type[Exception],
+    match: str,
 ) -> None:
-    await _fails_then_recovers(
-        server,
-        make_trainer(seed=30),
-        state_equal,
-        "/update_weights_from_tensor",
-        "error",
-        TransportError,
-        "HTTP 500: injected fault on /update_weights_from_tensor",
-    )
-
-
-async def test_hung_server_times_out_within_the_request_timeout(
-    server: Any, make_trainer: Any, state_equal: Any
-) -> None:
-    await _fails_then_recovers(
-        server,
-        make_trainer(seed=32),
-        state_equal,
-        "/update_weights_from_tensor",
-        "hang",
-        SyncTimeoutError,
-        f"no answer within {REQUEST_TIMEOUT_S} s",
-    )
-
-
-async def test_dropped_connection_is_a_transport_error(
-    server: Any, make_trainer: Any, state_equal: Any
-) -> None:
-    await _fails_then_recovers(
-        server,
-        make_trainer(seed=33),
-        state_equal,
-        "/update_weights_from_tensor",
-        "drop",
-        TransportError,
-        "RemoteProtocolError",
-    )
+    trainer = make_trainer(seed=seed)
+    path = "/update_weights_from_tensor"
+    await _fails_then_recovers(server, trainer, state_equal, path, mode, error, match)
 
 
 async def test_flush_that_never_succeeds_fails_the_sync_after_the_flush_budget(
@@ -271,25 +282,21 @@ async def _interrupted_after_first_bucket(
     assert sync.weight_version == 2 and not sync.is_stale and backend.weights_valid
     assert await backend.get_weight_version() == "2"
     state_equal(server.state_dict(), new)
-    results = await backend.generate_with_meta(prompts, max_new_tokens=4)
-    assert [r.output_ids for r in results] == trainer.reference_generate(prompts, 4)
-    assert [r.weight_version for r in results] == ["2"] * len(prompts)
+    await _serves_v2(backend, trainer, prompts)
     await backend.aclose()
 
 
-async def test_sync_cancelled_after_a_bucket_landed_refuses_generate_until_a_sync(
-    server: Any, make_trainer: Any, state_equal: Any, prompts: list[list[int]]
+@pytest.mark.parametrize(("how", "seed"), [("cancel", 40), ("timeout", 42)])
+async def test_sync_cancelled_or_timed_out_after_a_bucket_landed_refuses_generate_until_a_sync(
+    server: Any,
+    make_trainer: Any,
+    state_equal: Any,
+    prompts: list[list[int]],
+    how: str,
+    seed: int,
 ) -> None:
     await _interrupted_after_first_bucket(
-        server, make_trainer(seed=40), state_equal, prompts, "cancel"
-    )
-
-
-async def test_sync_timed_out_after_a_bucket_landed_refuses_generate_until_a_sync(
-    server: Any, make_trainer: Any, state_equal: Any, prompts: list[list[int]]
-) -> None:
-    await _interrupted_after_first_bucket(
-        server, make_trainer(seed=42), state_equal, prompts, "timeout"
+        server, make_trainer(seed=seed), state_equal, prompts, how
     )
 
 
@@ -317,12 +324,9 @@ async def test_the_server_reports_the_synchronizers_version_after_every_commit(
 async def test_a_failed_flush_leaves_the_committed_version_on_the_server_and_its_answers(
     server: Any, make_trainer: Any, state_equal: Any, prompts: list[list[int]]
 ) -> None:
-    trainer = make_trainer(seed=52)
-    sync, backend = await _synced(server, trainer)
+    trainer, sync, backend = await _stale_after_v1(server, make_trainer, seed=52)
     # The server's prefix cache now holds these answers, computed with version 1.
     v1 = await backend.generate(prompts, max_new_tokens=4)
-    trainer.step(seed=53)
-    await sync.mark_stale()
     server.reset()
     server.fault("/flush_cache", "error", count=None)
     with pytest.raises(TransportError, match="/flush_cache did not succeed"):
@@ -336,22 +340,15 @@ async def test_a_failed_flush_leaves_the_committed_version_on_the_server_and_its
     with pytest.raises(SyncError, match="did not complete"):
         await backend.generate(prompts, max_new_tokens=4)
     server.reset()
-    await sync.sync_weights()
-    assert sync.weight_version == 2 and await backend.get_weight_version() == "2"
-    results = await backend.generate_with_meta(prompts, max_new_tokens=4)
-    assert [r.output_ids for r in results] == trainer.reference_generate(prompts, 4)
-    assert [r.weight_version for r in results] == ["2"] * len(prompts)
-    state_equal(server.state_dict(), trainer.expected())
+    await _heals_to_v2(server, trainer, sync, backend, state_equal)
+    await _serves_v2(backend, trainer, prompts)
     await backend.aclose()
 
 
 async def test_a_refused_version_update_fails_the_sync_and_generate_until_a_sync(
     server: Any, make_trainer: Any, state_equal: Any, prompts: list[list[int]]
 ) -> None:
-    trainer = make_trainer(seed=54)
-    sync, backend = await _synced(server, trainer)
-    trainer.step(seed=55)
-    await sync.mark_stale()
+    trainer, sync, backend = await _stale_after_v1(server, make_trainer, seed=54)
     server.fault("/update_weight_version", "error", count=1)
     with pytest.raises(TransportError, match="/update_weight_version: HTTP 500"):
         await sync.sync_weights()
@@ -359,8 +356,5 @@ async def test_a_refused_version_update_fails_the_sync_and_generate_until_a_sync
     assert await backend.get_weight_version() == "1"
     with pytest.raises(SyncError, match="did not complete"):
         await backend.generate(prompts, max_new_tokens=2)
-    await sync.sync_weights()
-    assert sync.weight_version == 2 and not sync.is_stale
-    assert await backend.get_weight_version() == "2"
-    state_equal(server.state_dict(), trainer.expected())
+    await _heals_to_v2(server, trainer, sync, backend, state_equal)
     await backend.aclose()

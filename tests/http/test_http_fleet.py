@@ -8,9 +8,7 @@ and took the version.
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -21,11 +19,11 @@ from aiosync import (
     SGLangHTTPBackend,
     SyncError,
     TransportError,
-    create_weight_synchronizer,
 )
 from aiosync.transports.http import HTTPWeightSynchronizer
 from aiosync.transports.http._segment import own_segments
-from tests._support.steps import first_sync
+from tests._support.steps import first_sync, sync_catching
+from tests.http.conftest import fleet_sync
 
 pytestmark = pytest.mark.slow
 
@@ -41,27 +39,8 @@ LAYER_1_SCALES = {
 }
 
 
-@pytest.fixture
-def servers(server_pair: tuple[Any, Any]) -> Any:
-    for server in server_pair:
-        server.reset()
-    yield server_pair
-    for server in server_pair:
-        server.reset()  # release anything still hung
-
-
-@contextlib.asynccontextmanager
-async def _fleet(servers: Any, trainer: Any) -> AsyncIterator[Any]:
-    backends = [SGLangHTTPBackend(s.url) for s in servers]
-    sync = create_weight_synchronizer(
-        trainer, backends, colocated=True, backend="sglang", bucket_bytes=BUCKET_BYTES
-    )
-    try:
-        yield sync, backends
-    finally:
-        await sync.shutdown()
-        for backend in backends:
-            await backend.aclose()
+def _fleet(servers: Any, trainer: Any) -> Any:
+    return fleet_sync(servers, trainer, colocated=True, bucket_bytes=BUCKET_BYTES)
 
 
 def _updates(server: Any) -> list[dict[str, Any]]:
@@ -137,15 +116,8 @@ async def test_a_bucket_reaches_both_servers_before_the_next_and_one_failure_fai
         # Server 1 holds bucket 0 unanswered; server 0 answers it.
         second.fault("/update_weights_from_tensor", "hang", count=1)
         failure: list[BaseException] = []
-
-        async def run_sync() -> None:
-            try:
-                await sync.sync_weights()
-            except TransportError as exc:
-                failure.append(exc)
-
         async with anyio.create_task_group() as tg:
-            tg.start_soon(run_sync)
+            tg.start_soon(sync_catching, sync, failure, TransportError)
             with anyio.fail_after(SEEN_WITHIN_S):
                 while not (_updates(first) and _updates(second)):
                     await anyio.sleep(0.05)

@@ -34,15 +34,6 @@ class SteppedBackend(SGLangHTTPBackend):
             await self.on_paused(self)
 
 
-@pytest.fixture
-def servers(server_pair: tuple[Any, Any]) -> Any:
-    for server in server_pair:
-        server.reset()
-    yield server_pair
-    for server in server_pair:
-        server.reset()
-
-
 async def test_a_rolling_refit_of_two_servers_serves_the_previous_version_from_the_other(
     servers: Any, make_trainer: Any, state_equal: Any, prompts: list[list[int]]
 ) -> None:

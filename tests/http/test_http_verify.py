@@ -36,6 +36,7 @@ from aiosync import (
 from aiosync.transports.http import HTTPWeightSynchronizer
 from aiosync.transports.http._readback import SAMPLE_READS, Expected, choose_reads
 from aiosync.transports.http._wire import FlatBucket, FlatSlot
+from tests._support.steps import resync
 
 from .conftest import PROMPTS, TestServer, _serve
 
@@ -82,13 +83,17 @@ async def _driving(
     server: TestServer,
     trainer: Any,
     backend_type: type[SGLangHTTPBackend] = SGLangHTTPBackend,
+    synced: bool = False,
     **options: Any,
 ) -> AsyncIterator[tuple[SGLangHTTPBackend, Any]]:
-    """A backend of ``server`` and an initialized synchronizer of ``kind`` over it."""
+    """A backend of ``server`` and an initialized synchronizer of ``kind`` over it; with
+    ``synced``, after its first sync (version 1)."""
     async with (
         backend_type(server.url) as backend,
         _synchronizer(kind, trainer, backend, **options) as sync,
     ):
+        if synced:
+            await resync(sync)
         yield backend, sync
 
 
@@ -139,8 +144,7 @@ async def test_default_sample_catches_a_flipped_first_byte_and_the_next_sync_hea
     trainer = make_trainer(seed=41)
     async with _driving(kind, server, trainer) as (backend, sync):
         assert sync.verify == "sample"
-        await sync.mark_stale()
-        await sync.sync_weights()
+        await resync(sync)
         bucket, slot = _first_checked(sync.plan)
         itemsize = bucket.dtype.itemsize
         # The tensor's first byte, in the bucket's bytes: always sampled.
@@ -192,9 +196,7 @@ async def test_verify_true_catches_a_flipped_byte_in_the_middle_of_a_tensor(
     kind: str, server: TestServer, make_trainer: Any
 ) -> None:
     trainer = make_trainer(seed=42)
-    async with _driving(kind, server, trainer, verify=True) as (_backend, sync):
-        await sync.mark_stale()
-        await sync.sync_weights()
+    async with _driving(kind, server, trainer, verify=True, synced=True) as (_backend, sync):
         # Every tensor read back whole (truncate_size = numel), in the source's order;
         # never q/k/v_proj.
         assert _read_backs(server) == [
@@ -237,8 +239,7 @@ async def test_verify_true_names_every_tensor_it_did_not_compare_in_the_committe
         )
         _arm(server, target[0].index, target[1].start * target[0].dtype.itemsize + 1)
         async with sync.subscribe() as events:
-            await sync.mark_stale()
-            await sync.sync_weights()
+            await resync(sync)
             committed = [e async for e in _until_committed(events)][-1]
         skipped = [name for name in trainer.expected() if QKV.search(name)]
         assert [entry.split(":", 1)[0] for entry in committed.unverified] == skipped
@@ -258,14 +259,11 @@ async def test_verify_false_commits_the_corruption_silently(
     kind: str, server: TestServer, make_trainer: Any
 ) -> None:
     trainer = make_trainer(seed=43)
-    async with _driving(kind, server, trainer, verify=False) as (backend, sync):
-        await sync.mark_stale()
-        await sync.sync_weights()
+    async with _driving(kind, server, trainer, verify=False, synced=True) as (backend, sync):
         bucket, slot = _first_checked(sync.plan)
         _arm(server, bucket.index, slot.start * bucket.dtype.itemsize)
         trainer.step(seed=3)
-        await sync.mark_stale()
-        await sync.sync_weights()
+        await resync(sync)
         assert sync.weight_version == 2 and not sync.is_stale
         assert await backend.get_weight_version() == "2"
         sent = trainer.expected()[slot.name]
@@ -327,9 +325,7 @@ async def test_verify_engine_names_a_live_tensor_changed_after_the_sync_and_the_
     """C34: the read-back of every tensor SGLang can return, against the trainer's source;
     q/k/v_proj (not readable on this model) are named as not compared, not passed."""
     trainer = make_trainer(seed=47)
-    async with _driving(kind, server, trainer, verify=False) as (_backend, sync):
-        await sync.mark_stale()
-        await sync.sync_weights()
+    async with _driving(kind, server, trainer, verify=False, synced=True) as (_backend, sync):
         names = list(trainer.expected())
         skipped = [name for name in names if QKV.search(name)]
         report = await sync.verify_engine()
@@ -349,8 +345,7 @@ async def test_verify_engine_names_a_live_tensor_changed_after_the_sync_and_the_
             await sync.verify_engine()
         assert "verify_engine()" in str(info.value) and server.url in str(info.value)
         assert (sync.weight_version, sync.is_stale) == (1, True)
-        await sync.mark_stale()
-        await sync.sync_weights()
+        await resync(sync)
         state_equal(server.state_dict(), trainer.expected())
         assert (await sync.verify_engine())["version"] == 2
 
@@ -364,9 +359,9 @@ async def test_verify_engine_with_recorded_checksums_finds_a_qkv_tensor_changed_
     of a model whose head_dim is not hidden_size // num_attention_heads) is named."""
     trainer = make_trainer(seed=48)
     target = next(name for name in trainer.expected() if QKV.search(name))
-    async with _driving(kind, server, trainer, verify=False, record_checksums=True) as (_b, sync):
-        await sync.mark_stale()
-        await sync.sync_weights()
+    async with _driving(
+        kind, server, trainer, verify=False, record_checksums=True, synced=True
+    ) as (_b, sync):
         report = await sync.verify_engine()
         answer = server.admin.post("/weights_checker", json={"action": "checksum"}).json()
         assert (
@@ -384,8 +379,7 @@ async def test_verify_engine_with_recorded_checksums_finds_a_qkv_tensor_changed_
         ):
             await sync.verify_engine()
         assert sync.is_stale
-        await sync.mark_stale()
-        await sync.sync_weights()
+        await resync(sync)
         assert (await sync.verify_engine())["version"] == 2
     checks = [e for e in server.log() if e["path"] == "/weights_checker"]
     assert checks and all(e["status"] in (200, 400) for e in checks)
@@ -397,9 +391,9 @@ async def test_verify_engine_refuses_to_pass_when_it_can_compare_nothing(
     """A server object that can neither read back nor checksum: verify_engine() says it
     checked nothing instead of passing."""
     trainer = make_trainer(seed=49)
-    async with _driving("http", server, trainer, backend_type=_Blind, verify=False) as (_b, sync):
-        await sync.mark_stale()
-        await sync.sync_weights()
+    async with _driving(
+        "http", server, trainer, backend_type=_Blind, verify=False, synced=True
+    ) as (_b, sync):
         with pytest.raises(SyncError, match="compared nothing"):
             await sync.verify_engine()
         assert not sync.is_stale

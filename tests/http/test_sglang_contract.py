@@ -34,15 +34,7 @@ import torch
 
 from aiosync import SGLangHTTPBackend
 from aiosync.transports.http import HTTPWeightSynchronizer
-from aiosync.transports.http._wire import (
-    allocate_flat,
-    decode_flattened_bucket,
-    group_flat,
-    pack_flat,
-    plan_flat_buckets,
-    serialize_flat,
-    use_file_system_sharing,
-)
+from aiosync.transports.http import _wire as wire
 from tests._support.steps import first_sync
 
 
@@ -115,12 +107,12 @@ def test_our_payloads_rebuild_bit_exact_with_sglangs_reader() -> None:
     """SGLang's SafeUnpickler + ``_update_weights_from_flattened_bucket``'s rebuild."""
     sg = _sglang()
     sent = _mixed_tensors()
-    plan = plan_flat_buckets(MIXED, bucket_bytes=64)
+    plan = wire.plan_flat_buckets(MIXED, bucket_bytes=64)
     received: dict[str, torch.Tensor] = {}
-    for bucket, group in group_flat(iter(sent.items()), plan, MIXED):
-        flat = allocate_flat(bucket, torch.device("cpu"))
-        pack_flat(bucket, group, flat.tensor)
-        data = sg.Serializer.deserialize(serialize_flat(bucket, flat))
+    for bucket, group in wire.group_flat(iter(sent.items()), plan, MIXED):
+        flat = wire.allocate_flat(bucket, torch.device("cpu"))
+        wire.pack_flat(bucket, group, flat.tensor)
+        data = sg.Serializer.deserialize(wire.serialize_flat(bucket, flat))
         metadata = [
             sg.Metadata(
                 name=m.name,
@@ -144,14 +136,14 @@ def test_our_payloads_rebuild_bit_exact_with_sglangs_reader() -> None:
 def test_sglangs_own_payloads_are_accepted_by_the_test_servers_decoder() -> None:
     """What verl/slime send (SGLang's FlattenedTensorBucket) decodes on our server."""
     sg = _sglang()
-    use_file_system_sharing()
+    wire.use_file_system_sharing()
     sent = {n: t for n, t in _mixed_tensors().items() if t.dtype == torch.bfloat16}
     bucket = sg.Bucket(named_tensors=list(sent.items()))
     payload = sg.Serializer.serialize(
         {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()},
         output_str=True,
     )
-    received = {n: t.clone() for n, t in decode_flattened_bucket(payload)}
+    received = {n: t.clone() for n, t in wire.decode_flattened_bucket(payload)}
     assert set(received) == set(sent)
     for name, tensor in sent.items():
         assert torch.equal(received[name], tensor)

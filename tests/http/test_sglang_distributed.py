@@ -9,11 +9,10 @@ takes the same refit. ``GLOO_SOCKET_IFNAME=lo`` keeps every gloo socket on loopb
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from aiosync import (
 )
 from tests._support.steps import first_sync
 
-from .conftest import TestServer, serve_pair
+from .conftest import TestServer, fleet_sync, reset_around, serve_pair
 
 pytestmark = pytest.mark.slow
 
@@ -56,35 +55,22 @@ def tp2_pair(
 
 @pytest.fixture
 def pair(tp2_pair: tuple[TestServer, TestServer]) -> Iterator[tuple[TestServer, TestServer]]:
-    for server in tp2_pair:
-        server.reset()
-    yield tp2_pair
-    for server in tp2_pair:
-        server.reset()
+    yield from reset_around(tp2_pair)
 
 
-@contextlib.asynccontextmanager
-async def _fleet(
-    servers: Any, trainer: Any, **options: Any
-) -> AsyncIterator[tuple[Any, list[SGLangHTTPBackend]]]:
-    backends = [SGLangHTTPBackend(s.url) for s in servers]
+def _fleet(servers: Any, trainer: Any, **options: Any) -> Any:
+    """SGLang's collective over ``servers`` (:func:`fleet_sync`, gloo)."""
     options.setdefault("inference_world_size", 2 * len(servers))
-    sync = create_weight_synchronizer(
+    cluster = TrainCluster(master_addr="127.0.0.1")
+    return fleet_sync(
+        servers,
         trainer,
-        backends,
         colocated=False,
-        backend="sglang",
-        train_cluster=TrainCluster(master_addr="127.0.0.1"),
+        train_cluster=cluster,
         dist_backend="gloo",
         bucket_bytes=BUCKET_BYTES,
         **options,
     )
-    try:
-        yield sync, backends
-    finally:
-        await sync.shutdown()
-        for backend in backends:
-            await backend.aclose()
 
 
 def _entries(server: TestServer, path: str) -> list[dict[str, Any]]:

@@ -4,12 +4,13 @@ test-server processes. The contracts: ``docs/sglang-contract.md``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from aiosync import SGLangHTTPBackend, SyncError, TransportError
 from aiosync.engines.sglang._generation import SGLangGeneration, continued
 from aiosync.transports.http import HTTPWeightSynchronizer
 
-from .conftest import REPO, TestServer
+from .conftest import REPO, TestServer, _serve
 
 pytestmark = pytest.mark.slow
 
@@ -39,21 +40,13 @@ KEEP_TOKENS = 400
 @pytest.fixture(scope="module")
 def session_server_proc(server_workdir: Path, dense_config: Path) -> Iterator[TestServer]:
     """A server with SGLang 0.5.23's session (the default) and #33783's flush."""
-    server = TestServer(server_workdir, dense_config)
-    try:
-        yield server
-    finally:
-        server.close()
+    yield from _serve(server_workdir, dense_config)
 
 
 @pytest.fixture(scope="module")
 def legacy_server_proc(server_workdir: Path, dense_config: Path) -> Iterator[TestServer]:
     """A server from before the session: no /begin_weight_update, /end_weight_update."""
-    server = TestServer(server_workdir, dense_config, "--no-weight-update-session")
-    try:
-        yield server
-    finally:
-        server.close()
+    yield from _serve(server_workdir, dense_config, "--no-weight-update-session")
 
 
 @pytest.fixture
@@ -74,6 +67,12 @@ def legacy_server(legacy_server_proc: TestServer) -> TestServer:
 
 def _paths(server: TestServer) -> list[tuple[str, Any]]:
     return [(e["path"], e.get("status")) for e in server.log() if e["path"] != "/get_server_info"]
+
+
+async def _closed(backend: Any, sync: Any) -> None:
+    """The backend closed, then the synchronizer shut down."""
+    await backend.aclose()
+    await sync.shutdown()
 
 
 async def _synced(server: TestServer, trainer: Any, **kw: Any) -> tuple[Any, Any]:
@@ -99,8 +98,7 @@ async def test_every_update_runs_inside_one_session_and_is_bit_exact(
     assert updates[-1] < paths.index("/end_weight_update") < paths.index("/flush_cache")
     assert all(s == 200 for _, s in _paths(server))
     assert backend.weight_update_session is True
-    await backend.aclose()
-    await sync.shutdown()
+    await _closed(backend, sync)
 
 
 async def test_server_without_session_is_driven_sessionless_probed_once(
@@ -118,8 +116,7 @@ async def test_server_without_session_is_driven_sessionless_probed_once(
     assert [e for e in log if e[0].endswith("_weight_update")] == [("/begin_weight_update", 404)]
     assert backend.weight_update_session is False
     assert await backend.get_weight_version() == "2"
-    await backend.aclose()
-    await sync.shutdown()
+    await _closed(backend, sync)
 
 
 def test_session_rules_and_messages_are_sglangs(server: TestServer) -> None:
@@ -182,8 +179,7 @@ async def test_bucket_rejected_mid_sync_ends_the_session_and_next_sync_succeeds(
     await sync.sync_weights()
     state_equal(server.state_dict(), trainer.expected())
     assert [p for p, _ in _paths(server)].count("/begin_weight_update") == 1
-    await backend.aclose()
-    await sync.shutdown()
+    await _closed(backend, sync)
 
 
 async def test_session_left_open_by_a_dead_trainer_is_ended_before_the_sync(
@@ -202,8 +198,7 @@ async def test_session_left_open_by_a_dead_trainer_is_ended_before_the_sync(
         ("/end_weight_update", 200),
         ("/begin_weight_update", 200),
     ]
-    await backend.aclose()
-    await sync.shutdown()
+    await _closed(backend, sync)
 
 
 async def _running(server: TestServer, count: int) -> None:
@@ -215,25 +210,35 @@ async def _running(server: TestServer, count: int) -> None:
         await anyio.sleep(0.01)
 
 
+@contextlib.asynccontextmanager
+async def _while_running(
+    server: TestServer, backend: Any, prompts: list[list[int]]
+) -> AsyncIterator[dict[int, SGLangGeneration]]:
+    """Each prompt a greedy KEEP_TOKENS request, all running on the server when the body
+    starts; their results (by prompt index), complete once the block ended."""
+    results: dict[int, SGLangGeneration] = {}
+
+    async def generate(i: int) -> None:
+        (results[i],) = await backend.generate_with_meta(
+            [prompts[i]], max_new_tokens=KEEP_TOKENS, temperature=0.0, ignore_eos=True
+        )
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(generate, i)
+        with anyio.fail_after(60):
+            await _running(server, len(prompts))
+        yield results
+
+
 async def test_keep_under_load_requeues_through_the_refused_flush_and_serves_new_kv(
     server: TestServer, make_trainer: Any
 ) -> None:
     trainer = make_trainer(seed=35)
     backend, sync = await _synced(server, trainer)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
-    results: dict[int, SGLangGeneration] = {}
-
-    async def generate(i: int) -> None:
-        (results[i],) = await backend.generate_with_meta(  # type: ignore[misc]
-            [prompts[i]], max_new_tokens=KEEP_TOKENS, temperature=0.0, ignore_eos=True
-        )
-
     await sync.mark_stale()
-    async with anyio.create_task_group() as tg:
-        for i in range(len(prompts)):
-            tg.start_soon(generate, i)
-        with anyio.fail_after(60):
-            await _running(server, len(prompts))
+    async with _while_running(server, backend, prompts) as results:
         await sync.sync_weights(in_flight="keep")
     log = _paths(server)
     flushes = [s for p, s in log if p == "/flush_cache"]
@@ -255,8 +260,7 @@ async def test_keep_under_load_requeues_through_the_refused_flush_and_serves_new
         assert generation.token_ids[split : split + 8] == reference([head], 8)[0]
     load = server.admin.get("/_aiosync/load").json()
     assert (load["running"], load["waiting"]) == (0, 0)
-    await backend.aclose()
-    await sync.shutdown()
+    await _closed(backend, sync)
 
 
 async def test_keep_sync_failing_on_its_flush_never_resumes_on_half_loaded_weights(
@@ -264,21 +268,9 @@ async def test_keep_sync_failing_on_its_flush_never_resumes_on_half_loaded_weigh
 ) -> None:
     trainer = make_trainer(seed=36)
     backend, sync = await _synced(server, trainer, flush_timeout_s=0.5)
-    prompts = [[1, 2, 3], [4, 5]]
-    results: dict[int, SGLangGeneration] = {}
-
-    async def generate(i: int) -> None:
-        (results[i],) = await backend.generate_with_meta(  # type: ignore[misc]
-            [prompts[i]], max_new_tokens=KEEP_TOKENS, temperature=0.0, ignore_eos=True
-        )
-
     server.fault("/flush_cache", "busy")  # every flush refused, as SGLang's 400
     await sync.mark_stale()
-    async with anyio.create_task_group() as tg:
-        for i in range(len(prompts)):
-            tg.start_soon(generate, i)
-        with anyio.fail_after(60):
-            await _running(server, len(prompts))
+    async with _while_running(server, backend, [[1, 2, 3], [4, 5]]) as results:
         with pytest.raises(TransportError, match="flush_cache did not succeed"):
             await sync.sync_weights(in_flight="keep")
     for generation in results.values():
@@ -292,8 +284,7 @@ async def test_keep_sync_failing_on_its_flush_never_resumes_on_half_loaded_weigh
     server.reset()
     await sync.sync_weights()
     state_equal(server.state_dict(), trainer.expected())
-    await backend.aclose()
-    await sync.shutdown()
+    await _closed(backend, sync)
 
 
 async def test_concurrent_generates_of_two_lengths_leave_nothing_running(

@@ -5,9 +5,9 @@ Each test syncs OLD, starts a LONG greedy ``/generate``, waits until the server
 reports tokens generated (``/_aiosync/load``), then syncs NEW, and checks the exact
 tokens and the per-token version labels against transformers.
 
-``in_flight="wait"`` and ``"abort"`` (the request's tokens and version labels against
-what the old weights alone compute) are the conformance kit's ``in_flight_*`` cells, on
-every transport; here the exact continuation of ``"keep"`` and the failure paths.
+What every transport owes for ``"wait"`` and ``"abort"`` is checked by the conformance
+kit's ``in_flight_*`` cells; this module keeps what is the server's own: the exact
+continuation of ``"keep"``, and the failure paths.
 """
 
 from __future__ import annotations
@@ -26,18 +26,8 @@ from aiosync.engines.sglang import SGLangGeneration, SGLangHTTPBackend
 from aiosync.events import VersionEventKind
 from aiosync.testing.sglang_server import serve_in_subprocess
 from aiosync.transports.http import HTTPWeightSynchronizer
-from tests._support.inflight import (
-    CONFIG,
-    ENGINE_SEED,
-    LONG,
-    OLD_SEED,
-    PROMPT,
-    FaultySource,
-    InflightEnv,
-    build_model,
-    hf_greedy,
-    stage,
-)
+from tests._support import inflight
+from tests._support.inflight import LONG, PROMPT, InflightEnv, hf_greedy, stage
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -52,10 +42,10 @@ class HTTPEnv(InflightEnv):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def env() -> AsyncIterator[HTTPEnv]:
-    trainer = build_model(OLD_SEED)
-    source = FaultySource(trainer)
+    trainer = inflight.build_model(inflight.OLD_SEED)
+    source = inflight.FaultySource(trainer)
     async with (
-        serve_in_subprocess(CONFIG, seed=ENGINE_SEED) as url,
+        serve_in_subprocess(inflight.CONFIG, seed=inflight.ENGINE_SEED) as url,
         SGLangHTTPBackend(url) as backend,
         HTTPWeightSynchronizer(source, backend) as sync,
         httpx.AsyncClient(base_url=url) as admin,

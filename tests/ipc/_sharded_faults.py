@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,23 +33,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from aiosync.engines.embedded.configs import TINY_QWEN3
-from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.refit import DTensorRefitSource
 from aiosync.transports.ipc import IPCWeightSynchronizer
-from tests._support.fsdp2 import (
-    FaultySource,
-    advance_weights,
-    build_sharded_model,
-    engine_matches,
-    engine_state,
-    full_state,
-    init_process_group,
-    make_engine,
-    make_synchronizer,
-    versions,
-    write_result,
-)
+from tests._support import fsdp2
 
 PROMPTS = [[1, 2, 3, 4], [5, 6], [7, 8, 9], [10]]
 STEPS = 5
@@ -59,65 +45,47 @@ SYNC_TIMEOUT_S = 60.0
 
 
 async def run(rank: int, world: int, scenario: str, stamp: Path) -> dict[str, Any]:
-    model = build_sharded_model(world)
-    source = FaultySource(DTensorRefitSource(model), rank, stamp=stamp)
+    model = fsdp2.build_sharded_model(world)
+    source = fsdp2.FaultySource(DTensorRefitSource(model), rank, stamp=stamp)
     faulty = rank == world - 1
     seen: dict[str, Any] = {"rank": rank, "pid": os.getpid()}
     async with contextlib.AsyncExitStack() as stack:
-        engine: EmbeddedEngine | None = None
-        if rank == 0:
-            engine = await stack.enter_async_context(make_engine("ipc", world))
-        sync = make_synchronizer(
-            "ipc",
-            source,
-            engine,
-            rank,
-            world,
-            0,
-            bucket_bytes=64 * 1024,
-            rpc_timeout_s=20.0,
-            sync_timeout_s=SYNC_TIMEOUT_S,
+        limits = {"rpc_timeout_s": 20.0, "sync_timeout_s": SYNC_TIMEOUT_S}
+        engine, sync = await fsdp2.rank_sync(
+            stack, "ipc", source, rank, world, 0, bucket_bytes=64 * 1024, **limits
         )
         assert isinstance(sync, IPCWeightSynchronizer)
-        await stack.enter_async_context(sync)
         await sync.init_communicator()
 
         # 1. a normal sync
         await sync.mark_stale()
         await sync.sync_weights()
-        seen["after_ok"] = versions(sync)
+        seen["after_ok"] = fsdp2.versions(sync)
 
         # 2. the faulty one, with new weights
-        advance_weights(model)
+        fsdp2.advance_weights(model)
         if faulty and scenario != "heal":
             source.fault = scenario
-        await sync.mark_stale()
-        try:
-            await sync.sync_weights()
-            seen["failure"] = None
-        except Exception as exc:
-            seen["failed_at"] = time.monotonic()
-            seen["failure"] = [type(exc).__name__, str(exc)]
-        seen["after_failure"] = versions(sync)
+        await fsdp2.failed_sync_seen(sync, seen)
         source.fault = None
         if engine is not None:
-            seen["engine_after_failure"] = await engine_state(engine, PROMPTS, STEPS)
+            seen["engine_after_failure"] = await fsdp2.engine_state(engine, PROMPTS, STEPS)
         if scenario == "kill":
             # The group lost a rank: the survivors exit (the test restarts the job).
             return seen
 
         # 3. a clean sync heals every worker
         await sync.sync_weights()
-        seen["after_heal"] = versions(sync)
-        expected = full_state(source)  # all ranks gather
+        seen["after_heal"] = fsdp2.versions(sync)
+        expected = fsdp2.full_state(source)  # all ranks gather
         if engine is not None:
             trainer = HFModelRunner.from_config(TINY_QWEN3)
             trainer.load_weights(expected.items())
             seen["trainer_greedy"] = trainer.generate(
                 PROMPTS, max_new_tokens=STEPS, ignore_eos=True
             )
-            seen["engine_after_heal"] = await engine_state(engine, PROMPTS, STEPS)
-            seen["healed_bit_exact"] = await engine_matches(engine, expected)
+            seen["engine_after_heal"] = await fsdp2.engine_state(engine, PROMPTS, STEPS)
+            seen["healed_bit_exact"] = await fsdp2.engine_matches(engine, expected)
         dist.barrier()
     return seen
 
@@ -125,9 +93,9 @@ async def run(rank: int, world: int, scenario: str, stamp: Path) -> dict[str, An
 def main() -> None:
     rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     out, scenario = Path(sys.argv[4]), sys.argv[5]
-    init_process_group(rank, world, port, timeout_s=SYNC_TIMEOUT_S)
+    fsdp2.init_process_group(rank, world, port, timeout_s=SYNC_TIMEOUT_S)
     seen = anyio.run(run, rank, world, scenario, out.with_suffix(".fault"))
-    write_result(out, seen)
+    fsdp2.write_result(out, seen)
     if scenario != "kill":
         dist.destroy_process_group()
     # A group that lost a rank is not torn down: exiting must not wait for it.

@@ -26,35 +26,20 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.refit import DTensorRefitSource
 from aiosync.transports.ipc import IPCWeightSynchronizer
-from tests._support.fsdp2 import (
-    FaultySource,
-    advance_weights,
-    build_sharded_model,
-    engine_matches,
-    full_state,
-    make_engine,
-    make_synchronizer,
-    rank_main,
-    versions,
-)
+from tests._support import fsdp2
 
 
 async def run(rank: int, world: int) -> dict[str, Any]:
-    model = build_sharded_model(world)
-    source = FaultySource(DTensorRefitSource(model), rank)
+    model = fsdp2.build_sharded_model(world)
+    source = fsdp2.FaultySource(DTensorRefitSource(model), rank)
     seen: dict[str, Any] = {"rank": rank}
     async with contextlib.AsyncExitStack() as stack:
-        engine: EmbeddedEngine | None = None
-        if rank == 0:
-            engine = await stack.enter_async_context(make_engine("ipc", world))
-        sync = make_synchronizer(
-            "ipc", source, engine, rank, world, 0, bucket_bytes=64 * 1024, rpc_timeout_s=10.0
+        engine, sync = await fsdp2.rank_sync(
+            stack, "ipc", source, rank, world, 0, bucket_bytes=64 * 1024, rpc_timeout_s=10.0
         )
         assert isinstance(sync, IPCWeightSynchronizer)
-        await stack.enter_async_context(sync)
         await sync.init_communicator()
         seen["peers"] = sync.peers
 
@@ -63,7 +48,7 @@ async def run(rank: int, world: int) -> dict[str, Any]:
         await sync.mark_stale()
         await sync.sync_weights()
         sync.trace = False
-        seen["after_ok"] = versions(sync)
+        seen["after_ok"] = fsdp2.versions(sync)
         assert sync.last_trace is not None and sync.plan is not None
         rows = sync.last_trace["trainer"]
         seen["packed"] = {
@@ -71,14 +56,14 @@ async def run(rank: int, world: int) -> dict[str, Any]:
             "tensor_bytes": sync.plan.total_bytes,
             "copied": sum(row["copied"] for row in rows),
         }
-        expected = full_state(source)  # all ranks gather
+        expected = fsdp2.full_state(source)  # all ranks gather
         if engine is not None:
             await engine.prepare_for_generation()
-            seen["bit_exact"] = await engine_matches(engine, expected)
+            seen["bit_exact"] = await fsdp2.engine_matches(engine, expected)
             seen["receives"] = await engine.collective_rpc("aiosync_ipc_last_receive")
 
         # 2. rank 1's worker dies mid-sync
-        advance_weights(model)
+        fsdp2.advance_weights(model)
         if engine is not None:
             victim = engine.pids[1]
 
@@ -87,13 +72,7 @@ async def run(rank: int, world: int) -> dict[str, Any]:
                     os.kill(victim, signal.SIGKILL)
 
             source.on_tensor = kill
-        await sync.mark_stale()
-        try:
-            await sync.sync_weights()
-            seen["failure"] = None
-        except Exception as exc:
-            seen["failure"] = [type(exc).__name__, str(exc)]
-        seen["after_failure"] = versions(sync)
+        await fsdp2.failed_sync_seen(sync, seen)
         source.on_tensor = None
 
         # 3. respawn, re-initialise on every rank, heal
@@ -101,14 +80,14 @@ async def run(rank: int, world: int) -> dict[str, Any]:
             seen["respawned"] = await engine.respawn_dead_workers()
         await sync.init_communicator()
         await sync.sync_weights()
-        seen["after_heal"] = versions(sync)
-        expected = full_state(source)
+        seen["after_heal"] = fsdp2.versions(sync)
+        expected = fsdp2.full_state(source)
         if engine is not None:
             await engine.prepare_for_generation()
-            seen["healed_bit_exact"] = await engine_matches(engine, expected)
+            seen["healed_bit_exact"] = await fsdp2.engine_matches(engine, expected)
         dist.barrier()
     return seen
 
 
 if __name__ == "__main__":
-    rank_main(run, store_ports=0)
+    fsdp2.rank_main(run, store_ports=0)

@@ -96,6 +96,14 @@ def ipc_sync(trainer: HFModelRunner, engine: Any, **options: Any) -> IPCWeightSy
     return IPCWeightSynchronizer(TrainerSource(trainer.model, []), engine, **options)
 
 
+async def assert_engine_serves(engine: Any, trainer: HFModelRunner, tokens: int) -> None:
+    """Every worker holds the trainer's weights, and the engine generates the trainer's
+    greedy tokens for :data:`PROMPTS` (``tokens`` each)."""
+    await assert_engine_equals(engine, trainer)
+    want = trainer.generate(PROMPTS, max_new_tokens=tokens)
+    assert await engine.generate(PROMPTS, max_new_tokens=tokens) == want
+
+
 @pytest.fixture(scope="session")
 def h() -> SimpleNamespace:
     """This directory's helpers (test modules cannot import conftest under importlib mode)."""
@@ -108,6 +116,7 @@ def h() -> SimpleNamespace:
         trainer_model=trainer_model,
         ipc_sync=ipc_sync,
         assert_engine_equals=assert_engine_equals,
+        assert_engine_serves=assert_engine_serves,
     )
 
 

@@ -5,7 +5,9 @@ tensor that moved, and keeping the fault guarantees (a transit fault, a cancella
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -45,6 +47,20 @@ async def _holds_live(engine: EmbeddedEngine, model: torch.nn.Module) -> None:
         assert list(state) == list(expected), f"worker {rank} names differ"
         for name, tensor in expected.items():
             assert torch.equal(state[name], tensor), f"worker {rank}: {name} differs"
+
+
+async def _heals(sync: Any, engine: EmbeddedEngine, model: torch.nn.Module) -> None:
+    """The next sync lands: every worker holds the module's live weights."""
+    await sync.sync_weights()
+    await _holds_live(engine, model)
+
+
+@contextlib.contextmanager
+def _shared_trainer(h: SimpleNamespace, config: Any, seed: int) -> Iterator[Any]:
+    """A trainer of ``config`` (``seed``) under :func:`~aiosync.share_parameters`."""
+    trainer = h.trainer_model(config, seed=seed)
+    with share_parameters(trainer.model):
+        yield trainer
 
 
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
@@ -88,8 +104,7 @@ async def test_shared_parameters_sync_direct_bit_exact_across_adamw_steps(
 async def test_a_tensor_that_moved_is_packed_and_the_rest_go_direct(
     moe_engine: EmbeddedEngine, h: SimpleNamespace
 ) -> None:
-    trainer = h.trainer_model(h.MOE, seed=72)
-    with share_parameters(trainer.model):
+    with _shared_trainer(h, h.MOE, 72) as trainer:
         sync = h.ipc_sync(trainer, moe_engine, bucket_bytes=BUCKET_BYTES, trace=True)
         async with sync:
             assert sync.plan is not None
@@ -114,8 +129,7 @@ async def test_a_tensor_that_moved_is_packed_and_the_rest_go_direct(
 async def test_a_transit_fault_in_direct_mode_fails_typed_and_leaves_the_trainer_intact(
     dense_engine: EmbeddedEngine, h: SimpleNamespace
 ) -> None:
-    trainer = h.trainer_model(h.DENSE_TIED, seed=73)
-    with share_parameters(trainer.model):
+    with _shared_trainer(h, h.DENSE_TIED, 73) as trainer:
         sync = h.ipc_sync(trainer, dense_engine, bucket_bytes=BUCKET_BYTES)
         async with sync:
             await sync.mark_stale()
@@ -133,15 +147,13 @@ async def test_a_transit_fault_in_direct_mode_fails_typed_and_leaves_the_trainer
             # The flip landed in the worker's private copy, not in the trainer's memory.
             now = dict(DTensorRefitSource(trainer.model).iter_weights())
             assert all(torch.equal(now[n], t) for n, t in held.items())
-            await sync.sync_weights()
-            await _holds_live(dense_engine, trainer.model)
+            await _heals(sync, dense_engine, trainer.model)
 
 
 async def test_a_direct_sync_cancelled_mid_way_keeps_the_version_and_heals(
     dense_engine: EmbeddedEngine, h: SimpleNamespace
 ) -> None:
-    trainer = h.trainer_model(h.DENSE_TIED, seed=74)
-    with share_parameters(trainer.model):
+    with _shared_trainer(h, h.DENSE_TIED, 74) as trainer:
         scope = anyio.CancelScope()
 
         def cancel_at(i: int) -> None:
@@ -174,15 +186,13 @@ async def test_a_direct_sync_cancelled_mid_way_keeps_the_version_and_heals(
                 for rank, state in enumerate(await dense_engine.hf_state_dicts()):
                     for name, tensor in v1.items():
                         assert torch.equal(state[name], tensor), f"worker {rank}: {name}"
-            await sync.sync_weights()
-            await _holds_live(dense_engine, trainer.model)
+            await _heals(sync, dense_engine, trainer.model)
 
 
 async def test_a_plan_of_more_buckets_than_buffers_rides_in_the_session_when_all_go_direct(
     dense_engine: EmbeddedEngine, h: SimpleNamespace
 ) -> None:
-    trainer = h.trainer_model(h.DENSE_TIED, seed=75)
-    with share_parameters(trainer.model):
+    with _shared_trainer(h, h.DENSE_TIED, 75) as trainer:
         source = h.TrainerSource(trainer.model, [])
         async with IPCWeightSynchronizer(source, dense_engine, bucket_bytes=16384) as sync:
             assert sync.plan is not None and len(sync.plan.buckets) > 2  # > the 2 buffers
@@ -198,8 +208,7 @@ async def test_a_plan_of_more_buckets_than_buffers_rides_in_the_session_when_all
 async def test_a_bucket_that_does_not_go_direct_streams_the_plan_over_the_socket(
     dense_engine: EmbeddedEngine, h: SimpleNamespace
 ) -> None:
-    trainer = h.trainer_model(h.DENSE_TIED, seed=76)
-    with share_parameters(trainer.model):
+    with _shared_trainer(h, h.DENSE_TIED, 76) as trainer:
         source = h.TrainerSource(trainer.model, [])
         sync = IPCWeightSynchronizer(source, dense_engine, bucket_bytes=16384, trace=True)
         async with sync:

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -37,7 +37,7 @@ from aiosync.transports.ipc._sender import _BucketSender
 from aiosync.transports.ipc._shm import SharedBuffer
 from aiosync.transports.ipc.worker import TRAINER_GONE
 from aiosync.transports.packing import BucketPlan, group_by_bucket, pack, plan_buckets
-from tests._support.steps import first_sync
+from tests._support.steps import first_sync, sync_catching
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -119,8 +119,7 @@ class RogueTrainer:
 async def rogue_trainer(
     dense_engine: EmbeddedEngine, h: SimpleNamespace
 ) -> AsyncIterator[tuple[RogueTrainer, IPCWeightSynchronizer]]:
-    sync = await _synced(dense_engine, h, seed=21)
-    assert sync.plan is not None
+    sync = await _planned(dense_engine, h, seed=21)
     rogue = RogueTrainer(dense_engine, sync.plan)
     yield rogue, sync
     rogue.close()
@@ -247,13 +246,7 @@ class RogueWorkers:
     async def finish_generation(self) -> None:
         return None
 
-    async def collective_rpc(
-        self,
-        method: str,
-        args: tuple[Any, ...] = (),
-        kwargs: Mapping[str, Any] | None = None,
-        timeout_s: float | None = None,
-    ) -> list[Any]:
+    async def collective_rpc(self, method: str, args: tuple[Any, ...], *_: Any, **__: Any) -> Any:
         if method == "aiosync_ipc_init":
             return [{"ok": True, "rank": 0, "digest": args[0]["digest"]}]
         session = args[0]
@@ -307,8 +300,7 @@ async def test_init_names_the_first_differing_parameters(
             pytest.fail("the renamed manifest was accepted")
     assert "model.final_norm.weight" in str(info.value)
     assert "model.norm.weight" in str(info.value)
-    await h.assert_engine_equals(dense_engine, sync.trainer)  # type: ignore[attr-defined]
-    await sync.shutdown()
+    await _holds_then_shuts_down(dense_engine, h, sync)
 
 
 async def test_engine_that_stops_answering_times_out_and_next_sync_succeeds(
@@ -370,37 +362,74 @@ asyncio.run(main())
 """
 
 
-async def test_trainer_killed_mid_sync_fails_the_engine_receive_and_next_sync_succeeds(
-    dense_engine: EmbeddedEngine, h: SimpleNamespace
-) -> None:
-    sync = await _synced(dense_engine, h, seed=26)
+async def _holds_then_shuts_down(engine: EmbeddedEngine, h: SimpleNamespace, sync: Any) -> None:
+    """Every worker holds ``sync``'s trainer's weights; then ``sync`` shuts down."""
+    await h.assert_engine_equals(engine, sync.trainer)
+    await sync.shutdown()
+
+
+async def _planned(engine: EmbeddedEngine, h: SimpleNamespace, seed: int) -> Any:
+    """:func:`_synced`, its plan made (the digest a receive session names)."""
+    sync = await _synced(engine, h, seed=seed)
     assert sync.plan is not None
-    arg = json.dumps([h.DENSE_TIED, 27, BUCKET_BYTES, 8])
+    return sync
+
+
+async def _child_trainer(
+    h: SimpleNamespace, seed: int, *how: str, timeout_s: float
+) -> tuple[asyncio.subprocess.Process, dict[str, Any]]:
+    """:data:`_TRAINER_CHILD` (``seed``; it dies at its 8th tensor, ``how``) started, and
+    the receive session a worker is given for it (``timeout_s`` of silence allowed)."""
+    arg = json.dumps([h.DENSE_TIED, seed, BUCKET_BYTES, 8, *how])
     child = await asyncio.create_subprocess_exec(
         sys.executable, "-c", _TRAINER_CHILD, arg, stdout=asyncio.subprocess.PIPE
     )
     assert child.stdout is not None
-    line = await asyncio.wait_for(child.stdout.readline(), 300)
-    info = json.loads(line)
-    assert info["digest"] == sync.plan.digest
-    session = {
-        "endpoint": info["endpoint"],
-        "sync_id": "child-1",
-        "digest": info["digest"],
-        "timeout_s": 3.0,
-    }
+    info = json.loads(await asyncio.wait_for(child.stdout.readline(), 300))
+    session = {"endpoint": info["endpoint"], "sync_id": "child-1", "digest": info["digest"]}
+    return child, {**session, "timeout_s": timeout_s}
+
+
+async def _receive_within_30_s(engine: EmbeddedEngine, session: dict[str, Any]) -> Any:
+    """The worker's reply to a receive of ``session`` (which allows 120 s of silence),
+    bounded by a failure detector: it must end within 30 s."""
+    with anyio.fail_after(30):
+        [reply] = await engine.collective_rpc("aiosync_ipc_receive", (session,), timeout_s=150)
+    return reply
+
+
+async def _heals_what_another_wrote(sync: Any, engine: EmbeddedEngine, h: SimpleNamespace) -> None:
+    """The engine was written to by someone else: ``sync`` told so, its next sync heals
+    every worker; then it shuts down."""
+    sync._invalidate_engine_weights()
+    await _heals(sync, engine, h)
+    await sync.shutdown()
+
+
+async def _refused_after_the_trainer_went(
+    engine: EmbeddedEngine, h: SimpleNamespace, reply: Any
+) -> None:
+    """The worker's receive ended naming the gone trainer; its weights are invalid and
+    the engine refuses to generate."""
+    assert reply == {"ok": False, "type": "TransportError", "message": TRAINER_GONE}
+    assert [s["weights_valid"] for s in await engine.status()] == [False]
+    with pytest.raises(Exception, match="not valid"):
+        await engine.generate(h.PROMPTS, max_new_tokens=2)
+
+
+async def test_trainer_killed_mid_sync_fails_the_engine_receive_and_next_sync_succeeds(
+    dense_engine: EmbeddedEngine, h: SimpleNamespace
+) -> None:
+    sync = await _planned(dense_engine, h, seed=26)
+    child, session = await _child_trainer(h, 27, timeout_s=3.0)
+    assert session["digest"] == sync.plan.digest
     [reply] = await dense_engine.collective_rpc("aiosync_ipc_receive", (session,), timeout_s=60)
     assert await child.wait() == 17
     # The exit closed the trainer's connection: the worker noticed it at once.
-    assert reply == {"ok": False, "type": "TransportError", "message": TRAINER_GONE}
-    assert [s["weights_valid"] for s in await dense_engine.status()] == [False]
-    with pytest.raises(Exception, match="not valid"):
-        await dense_engine.generate(h.PROMPTS, max_new_tokens=2)
+    await _refused_after_the_trainer_went(dense_engine, h, reply)
     # This process's synchronizer is unaffected: still version 1; it heals the engine.
     assert sync.weight_version == 1
-    sync._invalidate_engine_weights()  # the engine was written to by someone else
-    await _heals(sync, dense_engine, h)
-    await sync.shutdown()
+    await _heals_what_another_wrote(sync, dense_engine, h)
 
 
 async def test_trainer_sigkilled_mid_sync_ends_the_engine_receive_long_before_its_timeout(
@@ -408,42 +437,21 @@ async def test_trainer_sigkilled_mid_sync_ends_the_engine_receive_long_before_it
 ) -> None:
     # The session allows 120 s of silence; the worker must notice the dead trainer
     # from its socket's monitor (the kernel closes the connection), not the timeout.
-    sync = await _synced(dense_engine, h, seed=30)
-    assert sync.plan is not None
-    arg = json.dumps([h.DENSE_TIED, 31, BUCKET_BYTES, 8, "sigkill"])
-    child = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _TRAINER_CHILD, arg, stdout=asyncio.subprocess.PIPE
-    )
-    assert child.stdout is not None
-    info = json.loads(await asyncio.wait_for(child.stdout.readline(), 300))
-    session = {
-        "endpoint": info["endpoint"],
-        "sync_id": "child-1",
-        "digest": info["digest"],
-        "timeout_s": 120.0,
-    }
+    sync = await _planned(dense_engine, h, seed=30)
+    child, session = await _child_trainer(h, 31, "sigkill", timeout_s=120.0)
     started = time.monotonic()
-    with anyio.fail_after(30):  # a failure detector: the worker would wait 120 s
-        [reply] = await dense_engine.collective_rpc(
-            "aiosync_ipc_receive", (session,), timeout_s=150
-        )
+    reply = await _receive_within_30_s(dense_engine, session)
     print(f"the worker noticed the dead trainer after {time.monotonic() - started:.2f} s")
     assert await child.wait() == -signal.SIGKILL
-    assert reply == {"ok": False, "type": "TransportError", "message": TRAINER_GONE}
-    assert [s["weights_valid"] for s in await dense_engine.status()] == [False]
-    with pytest.raises(Exception, match="not valid"):
-        await dense_engine.generate(h.PROMPTS, max_new_tokens=2)
+    await _refused_after_the_trainer_went(dense_engine, h, reply)
     # The worker stays usable: the next sync heals it.
-    sync._invalidate_engine_weights()  # the engine was written to by someone else
-    await _heals(sync, dense_engine, h)
-    await sync.shutdown()
+    await _heals_what_another_wrote(sync, dense_engine, h)
 
 
 async def test_a_session_whose_trainer_socket_is_gone_fails_at_once(
     dense_engine: EmbeddedEngine, h: SimpleNamespace
 ) -> None:
-    sync = await _synced(dense_engine, h, seed=32)
-    assert sync.plan is not None
+    sync = await _planned(dense_engine, h, seed=32)
     with tempfile.TemporaryDirectory(prefix="aiosync-test-") as gone:
         session = {
             "endpoint": f"ipc://{gone}/refit.sock",  # nothing was ever bound here
@@ -451,10 +459,7 @@ async def test_a_session_whose_trainer_socket_is_gone_fails_at_once(
             "digest": sync.plan.digest,
             "timeout_s": 120.0,
         }
-        with anyio.fail_after(30):  # a failure detector: the worker would wait 120 s
-            [reply] = await dense_engine.collective_rpc(
-                "aiosync_ipc_receive", (session,), timeout_s=150
-            )
+        reply = await _receive_within_30_s(dense_engine, session)
     assert reply == {"ok": False, "type": "TransportError", "message": TRAINER_GONE}
     # Nothing was written: the engine still serves version 1.
     assert [s["weights_valid"] for s in await dense_engine.status()] == [True]
@@ -552,15 +557,8 @@ async def test_shutdown_during_a_sync_fails_it_naming_the_shutdown(
     sync.policy.on_tensor = slow  # type: ignore[attr-defined]
     await sync.mark_stale()
     errors: list[BaseException] = []
-
-    async def run_sync() -> None:
-        try:
-            await sync.sync_weights()
-        except Exception as exc:
-            errors.append(exc)
-
     async with anyio.create_task_group() as tg:
-        tg.start_soon(run_sync)
+        tg.start_soon(sync_catching, sync, errors)
         await anyio.to_thread.run_sync(midway.wait)
         await sync.shutdown()
     [error] = errors
@@ -570,8 +568,7 @@ async def test_shutdown_during_a_sync_fails_it_naming_the_shutdown(
     assert sync.socket_dir is None
     # The engine's receive was aborted; a new synchronizer heals it.
     healed = await _synced(dense_engine, h, seed=31)
-    await h.assert_engine_equals(dense_engine, healed.trainer)  # type: ignore[attr-defined]
-    await healed.shutdown()
+    await _holds_then_shuts_down(dense_engine, h, healed)
 
 
 async def test_weights_discarded_mid_sync_fail_it_and_the_engine_refuses_until_a_sync_lands(
@@ -606,5 +603,4 @@ async def test_weights_discarded_mid_sync_fail_it_and_the_engine_refuses_until_a
         await dense_engine.generate(h.PROMPTS, max_new_tokens=2)
     assert await refit_if_stale(sync, dense_engine) is True
     assert (sync.weight_version, sync.is_stale) == (2, False)
-    await h.assert_engine_equals(dense_engine, sync.trainer)  # type: ignore[attr-defined]
-    await sync.shutdown()
+    await _holds_then_shuts_down(dense_engine, h, sync)

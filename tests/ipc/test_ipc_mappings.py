@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import sys
 import time
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -34,13 +36,23 @@ class RpcLog(EngineProxy):
         return replies
 
 
+@contextlib.asynccontextmanager
+async def _logged(
+    h: SimpleNamespace, dense_engine: EmbeddedEngine, seed: int
+) -> AsyncIterator[tuple[Any, RpcLog, Any]]:
+    """A trainer (``seed``) and its IPC synchronizer (12 KiB buckets) into
+    ``dense_engine`` behind an :class:`RpcLog`."""
+    trainer = h.trainer_model(h.DENSE_TIED, seed=seed)
+    engine = RpcLog(dense_engine)
+    async with h.ipc_sync(trainer, engine, bucket_bytes=12288) as sync:
+        yield trainer, engine, sync
+
+
 async def test_kept_mappings_carry_each_new_version_and_are_released_at_shutdown(
     dense_engine: EmbeddedEngine, h: SimpleNamespace
 ) -> None:
-    trainer = h.trainer_model(h.DENSE_TIED, seed=60)
-    engine = RpcLog(dense_engine)
     # 12 KiB buckets: many buckets through the two ping-pong buffers.
-    async with h.ipc_sync(trainer, engine, bucket_bytes=12288) as sync:
+    async with _logged(h, dense_engine, seed=60) as (trainer, engine, sync):
         await sync.init_communicator()
         for step in range(3):
             await sync.mark_stale()
@@ -58,9 +70,7 @@ async def test_kept_mappings_carry_each_new_version_and_are_released_at_shutdown
 async def test_a_release_of_another_owner_drops_nothing(
     dense_engine: EmbeddedEngine, h: SimpleNamespace
 ) -> None:
-    trainer = h.trainer_model(h.DENSE_TIED, seed=61)
-    engine = RpcLog(dense_engine)
-    async with h.ipc_sync(trainer, engine, bucket_bytes=12288) as sync:
+    async with _logged(h, dense_engine, seed=61) as (trainer, engine, sync):
         await first_sync(sync)
         assert await dense_engine.collective_rpc("aiosync_ipc_release", ("not-the-owner",)) == [
             {"ok": True, "rank": 0, "released": 0}

@@ -66,10 +66,16 @@ async def _arm(engine: EmbeddedEngine, bucket: int, byte: int, mask: int = 0xFF)
 
 
 async def _fails_caught_then_heals(
-    sync: IPCWeightSynchronizer, engine: EmbeddedEngine, h: SimpleNamespace, mode: str
+    sync: IPCWeightSynchronizer,
+    engine: EmbeddedEngine,
+    h: SimpleNamespace,
+    mode: str,
+    fault: tuple[Any, ...],
 ) -> None:
-    """The armed sync raises RefitVerificationError naming the worker, the bucket and
-    its first tensor; nothing commits, the engine refuses; the next sync lands."""
+    """With ``fault`` (:func:`_arm`'s bucket, byte and mask) armed, the next sync raises
+    RefitVerificationError naming the worker, the bucket and its first tensor; nothing
+    commits, the engine refuses; the sync after it lands."""
+    await _arm(engine, *fault)
     version = sync.weight_version
     await sync.mark_stale()
     with pytest.raises(RefitVerificationError) as info:
@@ -97,8 +103,8 @@ async def test_sample_catches_a_flipped_first_byte_of_a_tensor_and_heals(
     async with await _synchronizer(dense_engine, h, seed=41, verify="sample") as sync:
         bucket, slot = _target(sync)
         # A slot's first byte is always in the sample: the catch is certain.
-        await _arm(dense_engine, bucket.index, slot.offset)
-        await _fails_caught_then_heals(sync, dense_engine, h, "'sample'")
+        fault = (bucket.index, slot.offset)
+        await _fails_caught_then_heals(sync, dense_engine, h, "'sample'", fault=fault)
 
 
 async def test_the_default_check_catches_one_flipped_exponent_bit_the_sample_misses(
@@ -119,8 +125,8 @@ async def test_the_default_check_catches_one_flipped_exponent_bit_the_sample_mis
         flipped = sent.clone()
         flipped.view(torch.uint8)[element * size + size - 1] ^= 0x40
         assert abs(float(flipped[element])) > 1e30  # a weight the engine would serve
-        await _arm(dense_engine, bucket.index, byte, mask=0x40)
-        await _fails_caught_then_heals(sync, dense_engine, h, "True")
+        fault = (bucket.index, byte, 0x40)  # mask: bit 6 of the byte
+        await _fails_caught_then_heals(sync, dense_engine, h, "True", fault=fault)
 
 
 async def test_full_verify_catches_a_flipped_byte_in_the_middle_of_a_tensor(
@@ -130,8 +136,7 @@ async def test_full_verify_catches_a_flipped_byte_in_the_middle_of_a_tensor(
         bucket, slot = _target(sync)
         byte = slot.offset + slot.nbytes // 2 + 3
         assert slot.offset < byte < slot.offset + slot.nbytes - 1  # not a slot end
-        await _arm(dense_engine, bucket.index, byte)
-        await _fails_caught_then_heals(sync, dense_engine, h, "True")
+        await _fails_caught_then_heals(sync, dense_engine, h, "True", fault=(bucket.index, byte))
 
 
 async def test_without_verify_the_flipped_byte_lands_in_the_engine_weights(

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import AsyncIterator, Sequence
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -41,13 +43,23 @@ class SleepTrackingEngine(EngineProxy):
         await self.engine.finish_generation()
 
 
-async def test_an_engine_that_reports_itself_awake_is_not_woken_around_a_sync(
-    dense_engine: EmbeddedEngine, h: SimpleNamespace
-) -> None:
-    trainer = h.trainer_model(h.DENSE_TIED, seed=50)
+@contextlib.asynccontextmanager
+async def _tracked_sync(
+    h: SimpleNamespace, dense_engine: EmbeddedEngine, seed: int
+) -> AsyncIterator[tuple[Any, SleepTrackingEngine, Any]]:
+    """A trainer (``seed``) synced once over IPC into ``dense_engine`` behind a
+    :class:`SleepTrackingEngine`: the trainer, the tracking engine, the synchronizer."""
+    trainer = h.trainer_model(h.DENSE_TIED, seed=seed)
     engine = SleepTrackingEngine(dense_engine)
     async with h.ipc_sync(trainer, engine, bucket_bytes=1 << 20) as sync:
         await first_sync(sync)
+        yield trainer, engine, sync
+
+
+async def test_an_engine_that_reports_itself_awake_is_not_woken_around_a_sync(
+    dense_engine: EmbeddedEngine, h: SimpleNamespace
+) -> None:
+    async with _tracked_sync(h, dense_engine, 50) as (trainer, engine, sync):
         assert engine.log == []
         assert sync.weight_version == 1
         await h.assert_engine_equals(dense_engine, trainer)
@@ -57,10 +69,7 @@ async def test_an_engine_that_reports_itself_awake_is_not_woken_around_a_sync(
 async def test_an_engine_that_slept_at_level_2_is_woken_and_refit_by_the_sync(
     dense_engine: EmbeddedEngine, h: SimpleNamespace
 ) -> None:
-    trainer = h.trainer_model(h.DENSE_TIED, seed=51)
-    engine = SleepTrackingEngine(dense_engine)
-    async with h.ipc_sync(trainer, engine, bucket_bytes=1 << 20) as sync:
-        await first_sync(sync)
+    async with _tracked_sync(h, dense_engine, 51) as (trainer, engine, sync):
         await sleep_at_level_2(dense_engine, through=engine)
         assert engine.asleep_tags == frozenset({"weights", "kv_cache"})
         assert [s["asleep"] for s in await dense_engine.status()] == [["kv_cache", "weights"]]

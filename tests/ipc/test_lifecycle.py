@@ -21,6 +21,7 @@ from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.errors import RefitMismatchError, SyncError
 from aiosync.events import EventSubscription, VersionEventKind
 from aiosync.transports.ipc import IPCWeightSynchronizer
+from tests._support.checks import refuses_kv_scales
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -95,18 +96,12 @@ async def test_a_bad_kv_scales_is_refused_before_sync_started_and_the_next_sync_
         streamed = list(log)
 
         # Not stale: a bad argument must not make it stale (no dirty flag).
-        for bad, error, match in BAD_KV_SCALES:
-            with pytest.raises(error, match=match):
-                await sync.sync_weights(kv_scales=bad)
-            assert (sync.weight_version, sync.is_stale) == (1, False)
+        await refuses_kv_scales(sync, BAD_KV_SCALES, (1, 1, False))
         assert _drain(events) == []
 
         # Stale: refused the same way, the version stays.
         await sync.mark_stale()
-        for bad, error, match in BAD_KV_SCALES:
-            with pytest.raises(error, match=match):
-                await sync.sync_weights(kv_scales=bad)
-            assert (sync.policy_version, sync.weight_version, sync.is_stale) == (2, 1, True)
+        await refuses_kv_scales(sync, BAD_KV_SCALES, (2, 1, True))
         assert _drain(events) == [(VersionEventKind.STALE, 2)]
         assert log == streamed  # neither offloaded nor streamed
         (after,) = await dense_engine.hf_state_dicts()

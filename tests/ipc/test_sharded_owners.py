@@ -14,20 +14,14 @@ from typing import Any
 
 import pytest
 
-from tests._support.launch import rank_results
+from tests._support.launch import per_transport_ranks_fixture
 
 pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).resolve().parents[1] / "_sharded_owners.py"
 
 
-@pytest.fixture(scope="module", params=["ipc", "collective"])
-def ranks(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, spawn_ranks: Any
-) -> tuple[str, list[dict[str, Any]]]:
-    transport = request.param
-    folder = tmp_path_factory.mktemp(f"owners-{transport}")
-    return transport, rank_results(spawn_ranks, folder, SCRIPT, 2, transport)
+ranks = per_transport_ranks_fixture(SCRIPT, "owners", ["ipc", "collective"])
 
 
 def test_the_take_over_is_refused_alike_on_every_rank(

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-from collections.abc import Sequence
+import json
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -89,6 +90,20 @@ def base_generate(
     """Greedy generation of the base model alone."""
     runner = HFModelRunner.from_config(CONFIG, seed=ENGINE_SEED)
     return runner.generate([list(p) for p in prompts], max_new_tokens=n)
+
+
+def lora_server(folder: Path, *extra: str) -> Iterator[Any]:
+    """A real SGLang-contract server process on 127.0.0.1 (``tests/http/conftest.py``'s
+    ``TestServer``) of the tests' base model (:data:`CONFIG`, :data:`ENGINE_SEED`, fp32),
+    its files under ``folder``, with the flags ``extra``; closed after."""
+    config = folder / "config.json"
+    config.write_text(json.dumps(CONFIG))
+    args = ("--dtype", "float32", "--seed", str(ENGINE_SEED), *extra)
+    server = load_http_conftest().TestServer(folder, config, *args)
+    try:
+        yield server
+    finally:
+        server.close()
 
 
 def load_http_conftest() -> ModuleType:

@@ -24,15 +24,8 @@ from lora_harness import (
     lora_engine,
 )
 
-from aiosync import (
-    EngineFleet,
-    LoRAAdapterSynchronizer,
-    RefitMismatchError,
-    SyncError,
-    VersionEventKind,
-    create_weight_synchronizer,
-    lora_adapter_name,
-)
+import aiosync
+from aiosync import LoRAAdapterSynchronizer, RefitMismatchError, SyncError, VersionEventKind
 from aiosync.engines.embedded._worker import tensor_to_wire
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
@@ -43,16 +36,16 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine() -> AsyncIterator[EmbeddedEngine]:
-    """Two workers: the adapter must reach both (prompts are split over them)."""
-    async with lora_engine(2) as engine:
-        yield engine
+async def engines() -> AsyncIterator[tuple[EmbeddedEngine, EmbeddedEngine]]:
+    """Two workers (the adapter must reach both: prompts are split over them), and a
+    second engine of one worker (a fleet's)."""
+    async with lora_engine(2) as engine, lora_engine(1) as second:
+        yield engine, second
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def second_engine() -> AsyncIterator[EmbeddedEngine]:
-    async with lora_engine(1) as engine:
-        yield engine
+@pytest.fixture(scope="module")
+def engine(engines: tuple[EmbeddedEngine, EmbeddedEngine]) -> EmbeddedEngine:
+    return engines[0]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +69,7 @@ async def test_sync_serves_the_adapter_exactly_as_the_merged_model(
     base_outputs: list[list[int]],
     base_state: dict[str, torch.Tensor],
 ) -> None:
-    async with create_weight_synchronizer(
+    async with aiosync.create_weight_synchronizer(
         trainer.source, engine, colocated=True, backend="embedded"
     ) as sync:
         assert type(sync) is LoRAAdapterSynchronizer
@@ -123,7 +116,7 @@ async def test_a_second_sync_replaces_the_adapter(
         assert second != first
         # Replaced, not stacked: version 1's adapter is gone from every worker.
         assert await _adapters(engine) == [("aiosync-v2", ["aiosync-v2"], True)] * 2
-        assert lora_adapter_name(2) == engine.lora_adapter
+        assert aiosync.lora_adapter_name(2) == engine.lora_adapter
 
 
 #: What PEFT's refusal looks like, raised from the worker.
@@ -173,28 +166,6 @@ async def test_a_failed_load_keeps_the_version_and_the_engine_refuses_until_a_sy
             trainer.merged_generate()
         )
         assert await _adapters(engine) == [("aiosync-v2", ["aiosync-v2"], True)] * 2
-
-
-async def test_kv_scales_are_refused_before_anything_moves(
-    engine: EmbeddedEngine, trainer: LoRATrainer
-) -> None:
-    async with LoRAAdapterSynchronizer(trainer.source, engine) as sync:
-        await first_sync(sync)
-        v1 = await engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
-        trainer.step(seed=11)
-        await sync.mark_stale()
-        async with sync.subscribe() as events:
-            with pytest.raises(NotImplementedError, match="KV-cache scales"):
-                await sync.sync_weights(kv_scales={0: 1.0})
-            # Nothing moved: the engine still serves version 1, nothing was published.
-            assert (sync.weight_version, sync.is_stale) == (1, True)
-            assert await engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS) == v1
-            await sync.sync_weights()
-            first = await events.__anext__()
-        assert (first.kind, first.version) == (VersionEventKind.SYNC_STARTED, 2)
-        assert await engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS) == (
-            trainer.merged_generate()
-        )
 
 
 class _FullModelAsAdapter(LoRAAdapterRefitSource):
@@ -265,15 +236,16 @@ async def test_level_2_sleep_discards_the_adapter_and_the_sync_says_the_base_is_
 
 
 async def test_a_fleet_loads_the_adapter_into_every_engine(
-    engine: EmbeddedEngine, second_engine: EmbeddedEngine, trainer: LoRATrainer
+    engines: tuple[EmbeddedEngine, EmbeddedEngine], trainer: LoRATrainer
 ) -> None:
+    engine, second_engine = engines
     # Non-colocated needs no cluster for an adapter: it travels through the engines' API.
-    async with create_weight_synchronizer(
+    async with aiosync.create_weight_synchronizer(
         trainer.source, [engine, second_engine], colocated=False, backend="vllm"
     ) as sync:
         assert type(sync) is LoRAAdapterSynchronizer
         fleet = sync.generation
-        assert isinstance(fleet, EngineFleet)
+        assert isinstance(fleet, aiosync.EngineFleet)
         await first_sync(sync)
         assert sync.weight_version == 1
         assert await fleet.generate(PROMPTS, max_new_tokens=NEW_TOKENS) == (

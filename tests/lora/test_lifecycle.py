@@ -28,6 +28,7 @@ from aiosync.engines.embedded._worker import tensor_to_wire
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.events import EventSubscription
+from tests._support.checks import refuses_kv_scales
 from tests._support.steps import sleep_at_level_2
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -104,16 +105,10 @@ async def test_any_kv_scales_is_refused_before_sync_started_and_the_adapter_stay
             (VersionEventKind.COMMITTED, 1),
         ]
 
-        for bad, error, match in BAD_KV_SCALES:  # not stale: it must stay so
-            with pytest.raises(error, match=match):
-                await sync.sync_weights(kv_scales=bad)
-            assert (sync.weight_version, sync.is_stale) == (1, False)
+        await refuses_kv_scales(sync, BAD_KV_SCALES, (1, 1, False))  # not stale: it must stay so
         trainer.step(seed=21)
         await sync.mark_stale()
-        for bad, error, match in BAD_KV_SCALES:
-            with pytest.raises(error, match=match):
-                await sync.sync_weights(kv_scales=bad)
-            assert (sync.policy_version, sync.weight_version, sync.is_stale) == (2, 1, True)
+        await refuses_kv_scales(sync, BAD_KV_SCALES, (2, 1, True))
         assert _drain(events) == [(VersionEventKind.STALE, 2)]
         # Nothing moved: version 1's adapter still serves.
         assert await _adapters(engine) == [("aiosync-v1", ["aiosync-v1"], True)]

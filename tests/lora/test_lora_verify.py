@@ -10,9 +10,11 @@ sync lands; without one the corruption is what the engine applies.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -29,6 +31,7 @@ from aiosync.transports._verify import (
     sample_positions,
 )
 from aiosync.transports.lora import adapter_digests, check_saved_adapter
+from tests._support.steps import resync
 
 #: The async tests share the module's engine, so its event loop.
 on_module_loop = pytest.mark.asyncio(loop_scope="module")
@@ -46,6 +49,16 @@ async def engine() -> AsyncIterator[EmbeddedEngine]:
 def _adapter(trainer: LoRATrainer) -> dict[str, torch.Tensor]:
     """The trainer's adapter tensors as the source yields them, in order."""
     return {name: t.detach().clone() for name, t in trainer.source.iter_weights()}
+
+
+@contextlib.asynccontextmanager
+async def _synced(
+    trainer: LoRATrainer, engine: EmbeddedEngine, verify: Any
+) -> AsyncIterator[LoRAAdapterSynchronizer]:
+    """A LoRA synchronizer (``verify``) of ``trainer``'s adapter, after its first sync."""
+    async with LoRAAdapterSynchronizer(trainer.source, engine, verify=verify) as sync:
+        await resync(sync)
+        yield sync
 
 
 def _raw(tensor: torch.Tensor) -> torch.Tensor:
@@ -77,8 +90,7 @@ async def test_sample_verify_by_default_catches_a_flipped_first_byte_and_the_nex
 ) -> None:
     async with LoRAAdapterSynchronizer(trainer.source, engine) as sync:
         assert sync.verify == "sample"
-        await sync.mark_stale()
-        await sync.sync_weights()
+        await resync(sync)
         trainer.step(seed=21)
         name = list(_adapter(trainer))[TENSOR]
         # A tensor's first byte is always in the sample: the catch is deterministic.
@@ -108,9 +120,7 @@ async def test_sample_verify_by_default_catches_a_flipped_first_byte_and_the_nex
 async def test_full_verify_catches_a_flipped_middle_byte(
     engine: EmbeddedEngine, trainer: LoRATrainer
 ) -> None:
-    async with LoRAAdapterSynchronizer(trainer.source, engine, verify=True) as sync:
-        await sync.mark_stale()
-        await sync.sync_weights()
+    async with _synced(trainer, engine, verify=True) as sync:
         trainer.step(seed=22)
         # A byte in the middle of the tensor. (The sample, too, covers every byte of
         # a tensor of at most SAMPLE_BYTES bytes, as these are; tests/packing and
@@ -135,9 +145,7 @@ async def test_full_verify_catches_a_flipped_middle_byte(
 async def test_without_verify_the_flipped_byte_is_what_the_engine_applies(
     engine: EmbeddedEngine, trainer: LoRATrainer
 ) -> None:
-    async with LoRAAdapterSynchronizer(trainer.source, engine, verify=False) as sync:
-        await sync.mark_stale()
-        await sync.sync_weights()
+    async with _synced(trainer, engine, verify=False) as sync:
         trainer.step(seed=23)
         await _arm(engine, TENSOR, 0)
         await sync.mark_stale()

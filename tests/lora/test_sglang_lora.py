@@ -8,23 +8,15 @@ must equal that of ``copy.deepcopy(peft_model).merge_and_unload()``, token for t
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import lora_harness
 import pytest
-from lora_harness import (
-    ADAPTER_NBYTES,
-    CONFIG,
-    ENGINE_SEED,
-    NEW_TOKENS,
-    PROMPTS,
-    LoRATrainer,
-    base_generate,
-    load_http_conftest,
-)
+from lora_harness import NEW_TOKENS, PROMPTS, LoRATrainer, base_generate, lora_server
 
 from aiosync import (
     LoRAAdapterSynchronizer,
@@ -44,28 +36,10 @@ MAX_LORA_RANK = 8
 
 
 @pytest.fixture(scope="module")
-def model_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("lora-model") / "config.json"
-    path.write_text(json.dumps(CONFIG))
-    return path
-
-
-def _serve(tmp_path_factory: pytest.TempPathFactory, config: Path, *extra: str) -> Iterator[Any]:
-    http = load_http_conftest()
-    args = ("--dtype", "float32", "--seed", str(ENGINE_SEED), *extra)
-    server = http.TestServer(tmp_path_factory.mktemp("lora-server"), config, *args)
-    try:
-        yield server
-    finally:
-        server.close()
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, model_config: Path) -> Iterator[Any]:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """An fp32 server on the engines' seed with ``--enable-lora --max-lora-rank 8``."""
-    yield from _serve(
-        tmp_path_factory, model_config, "--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK)
-    )
+    folder = tmp_path_factory.mktemp("lora-server")
+    yield from lora_server(folder, "--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK))
 
 
 @pytest.fixture
@@ -75,6 +49,18 @@ def fresh(server: Any) -> Iterator[Any]:
         server.admin.post("/unload_lora_adapter", json={"lora_name": name}).raise_for_status()
     server.reset()
     yield server
+
+
+@contextlib.asynccontextmanager
+async def _adapter_sync(
+    server: Any, trainer: LoRATrainer
+) -> AsyncIterator[tuple[SGLangHTTPBackend, LoRAAdapterSynchronizer]]:
+    """A backend of ``server``, and a LoRA synchronizer of ``trainer``'s adapter into it."""
+    async with (
+        SGLangHTTPBackend(server.url) as backend,
+        LoRAAdapterSynchronizer(trainer.source, backend) as sync,
+    ):
+        yield backend, sync
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +106,7 @@ async def test_sync_loads_the_adapter_and_generate_applies_it(
         assert [(e.kind, e.version, e.nbytes) for e in got] == [
             (VersionEventKind.STALE, 1, 0),
             (VersionEventKind.SYNC_STARTED, 1, 0),
-            (VersionEventKind.COMMITTED, 1, ADAPTER_NBYTES),
+            (VersionEventKind.COMMITTED, 1, lora_harness.ADAPTER_NBYTES),
         ]
         assert (sync.weight_version, sync.is_stale) == (1, False)
         assert backend.lora_adapter == "aiosync-v1"
@@ -142,10 +128,7 @@ async def test_sync_loads_the_adapter_and_generate_applies_it(
 async def test_a_second_sync_loads_the_new_adapter_then_unloads_the_old(
     fresh: Any, trainer: LoRATrainer
 ) -> None:
-    async with (
-        SGLangHTTPBackend(fresh.url) as backend,
-        LoRAAdapterSynchronizer(trainer.source, backend) as sync,
-    ):
+    async with _adapter_sync(fresh, trainer) as (backend, sync):
         await first_sync(sync)
         first = await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
         async with sync.policy_update():
@@ -167,10 +150,7 @@ async def test_a_second_sync_loads_the_new_adapter_then_unloads_the_old(
 async def test_a_failed_load_keeps_the_version_and_the_backend_refuses_until_a_sync_lands(
     fresh: Any, trainer: LoRATrainer
 ) -> None:
-    async with (
-        SGLangHTTPBackend(fresh.url) as backend,
-        LoRAAdapterSynchronizer(trainer.source, backend) as sync,
-    ):
+    async with _adapter_sync(fresh, trainer) as (backend, sync):
         await first_sync(sync)
         trainer.step(seed=5)
         await sync.mark_stale()
@@ -202,10 +182,7 @@ async def test_a_failed_load_keeps_the_version_and_the_backend_refuses_until_a_s
 
 
 async def test_kv_scales_are_refused_before_any_request(fresh: Any, trainer: LoRATrainer) -> None:
-    async with (
-        SGLangHTTPBackend(fresh.url) as backend,
-        LoRAAdapterSynchronizer(trainer.source, backend) as sync,
-    ):
+    async with _adapter_sync(fresh, trainer) as (_backend, sync):
         await sync.init_communicator()
         await sync.mark_stale()
         fresh.reset()
@@ -218,10 +195,7 @@ async def test_kv_scales_are_refused_before_any_request(fresh: Any, trainer: LoR
 async def test_the_server_refuses_unknown_and_duplicate_adapter_names_as_sglang_does(
     fresh: Any, trainer: LoRATrainer, tmp_path: Path
 ) -> None:
-    async with (
-        SGLangHTTPBackend(fresh.url) as backend,
-        LoRAAdapterSynchronizer(trainer.source, backend) as sync,
-    ):
+    async with _adapter_sync(fresh, trainer) as (_backend, sync):
         await first_sync(sync)
     body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}, "lora_path": "x"}
     answer = fresh.admin.post("/generate", json=body)
@@ -245,7 +219,7 @@ async def test_the_server_refuses_unknown_and_duplicate_adapter_names_as_sglang_
 
 
 async def test_init_checks_the_servers_lora_settings_and_shapes_before_any_load(
-    fresh: Any, tmp_path_factory: pytest.TempPathFactory, model_config: Path
+    fresh: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     too_wide = LoRATrainer(r=2 * MAX_LORA_RANK)
     too_high = r"rank 16 exceeds the SGLang server's --max-lora-rank 8"
@@ -253,14 +227,14 @@ async def test_init_checks_the_servers_lora_settings_and_shapes_before_any_load(
         with pytest.raises(ValueError, match=too_high):
             async with LoRAAdapterSynchronizer(too_wide.source, backend):
                 pytest.fail("an adapter above --max-lora-rank was accepted")
-    narrow = LoRATrainer(config={**CONFIG, "intermediate_size": 96})
+    narrow = LoRATrainer(config={**lora_harness.CONFIG, "intermediate_size": 96})
     async with SGLangHTTPBackend(fresh.url) as backend:
         with pytest.raises(RefitMismatchError, match=r"mlp\.gate_proj\.weight: the engine's model"):
             async with LoRAAdapterSynchronizer(narrow.source, backend):
                 pytest.fail("an adapter for another model was accepted")
     assert _lora_calls(fresh) == []
 
-    for plain in _serve(tmp_path_factory, model_config):  # no --enable-lora
+    for plain in lora_server(tmp_path_factory.mktemp("plain-server")):  # no --enable-lora
         async with SGLangHTTPBackend(plain.url) as backend:
             with pytest.raises(ValueError, match="runs without --enable-lora"):
                 async with LoRAAdapterSynchronizer(LoRATrainer().source, backend):

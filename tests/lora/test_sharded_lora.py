@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lora_harness import ADAPTER_NBYTES, CONFIG, ENGINE_SEED, load_http_conftest
+from lora_harness import ADAPTER_NBYTES, lora_server
 
 pytestmark = pytest.mark.slow
 
@@ -22,15 +22,7 @@ HERE = Path(__file__).parent
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    config = tmp_path_factory.mktemp("sharded-lora-model") / "config.json"
-    config.write_text(json.dumps(CONFIG))
-    http = load_http_conftest()
-    args = ("--dtype", "float32", "--seed", str(ENGINE_SEED), "--enable-lora")
-    server = http.TestServer(tmp_path_factory.mktemp("sharded-lora-server"), config, *args)
-    try:
-        yield server
-    finally:
-        server.close()
+    yield from lora_server(tmp_path_factory.mktemp("sharded-lora-server"), "--enable-lora")
 
 
 @pytest.fixture(scope="module")

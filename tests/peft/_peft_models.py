@@ -14,16 +14,12 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from aiosync.engines.embedded.configs import TINY_QWEN3
+
 #: A 2-layer Qwen3 small enough to build in well under a second.
 QWEN3: dict[str, Any] = {
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
+    **{k: v for k, v in TINY_QWEN3.items() if k != "model_type"},
     "head_dim": 16,
-    "tie_word_embeddings": False,
 }
 
 #: The LoRA every test starts from; ``init_lora_weights=False``: A and B both random.

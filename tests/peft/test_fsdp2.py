@@ -22,6 +22,7 @@ import torch
 from peft import PeftModel, get_peft_model_state_dict
 
 from aiosync.refit import DTensorRefitSource
+from tests._support.checks import assert_stream_matches
 
 pytestmark = pytest.mark.slow
 
@@ -76,9 +77,4 @@ def test_fsdp2_peft_stream_equals_unsharded_model(
     tensors, meta = _harness._read(streamed, case, rank)
     assert meta["order"] == names
     assert [name for name, _, _ in meta["manifest"]] == names
-    for name, shape, manifest_dtype in meta["manifest"]:
-        expected = reference[name] if dtype is None else reference[name].to(dtype)
-        assert tuple(shape) == tuple(expected.shape), name
-        assert manifest_dtype == str(expected.dtype).removeprefix("torch."), name
-        assert tensors[name].dtype == expected.dtype, name
-        assert torch.equal(tensors[name], expected), name
+    assert_stream_matches(meta, tensors, reference, dtype)

@@ -18,6 +18,7 @@ from peft import (
 )
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from aiosync.engines.embedded.configs import TINY_QWEN3_MOE
 from aiosync.refit import DTensorRefitSource, LoRAAdapterRefitSource
 
 BuildPeft = Callable[..., PeftModel]
@@ -36,18 +37,11 @@ def _prefix_tuning(build_base: Callable[..., torch.nn.Module]) -> PeftModel:
 
 
 def _moe_experts() -> PeftModel:
-    config = Qwen3MoeConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
+    # The tiny MoE's sizes, one (MoE) layer.
+    sizes = "vocab_size hidden_size intermediate_size moe_intermediate_size num_experts"
+    heads = "num_experts_per_tok num_attention_heads num_key_value_heads"
+    kept = {k: TINY_QWEN3_MOE[k] for k in f"{sizes} {heads}".split()}
+    config = Qwen3MoeConfig(**kept, num_hidden_layers=1, head_dim=16)
     lora = LoraConfig(r=4, target_modules=[], target_parameters=["mlp.experts.gate_up_proj"])
     return get_peft_model(Qwen3MoeForCausalLM(config), lora)
 

@@ -75,14 +75,9 @@ def advance(model: torch.nn.Module, factor: float = 1.25) -> None:
 @pytest.fixture(scope="session")
 def h() -> SimpleNamespace:
     """This folder's helpers (test modules cannot import conftest under importlib mode)."""
-    return SimpleNamespace(
-        CLUSTER_GPUS=CLUSTER_GPUS,
-        ENGINE_SEED=ENGINE_SEED,
-        PROMPTS=PROMPTS,
-        trainer_model=trainer_model,
-        advance=advance,
-        assert_engine_equals=assert_engine_equals,
-    )
+    names = "CLUSTER_GPUS ENGINE_SEED PROMPTS trainer_model advance assert_engine_equals"
+    values = CLUSTER_GPUS, ENGINE_SEED, PROMPTS, trainer_model, advance, assert_engine_equals
+    return SimpleNamespace(**dict(zip(names.split(), values, strict=True)))
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")

@@ -48,6 +48,20 @@ async def _gone(pids: list[int]) -> None:
     assert [p for p in pids if _alive(p)] == []
 
 
+def _synchronizer(source: Any, engine: Any, **topology: Any) -> Any:
+    """The factory's synchronizer of ``source`` into ``engine`` (``topology``: colocated
+    or not): 16 KiB buckets, a sync limit of SYNC_TIMEOUT_S, 30 s RPCs."""
+    return create_weight_synchronizer(
+        source,
+        engine,
+        backend="embedded",
+        bucket_bytes=16 * 1024,
+        sync_timeout_s=SYNC_TIMEOUT_S,
+        rpc_timeout_s=30,
+        **topology,
+    )
+
+
 @pytest.mark.parametrize(
     ("colocated", "max_restarts"),
     [(True, 0), (False, 1)],
@@ -73,16 +87,7 @@ async def test_an_engine_actor_killed_mid_sync_fails_it_typed_and_a_new_actor_he
     topology: dict[str, Any] = {}
     if not colocated:
         topology = {"train_cluster": TrainCluster(), "inference_world_size": 1}
-    sync = create_weight_synchronizer(
-        source,
-        engine,
-        colocated=colocated,
-        backend="embedded",
-        bucket_bytes=16 * 1024,
-        sync_timeout_s=SYNC_TIMEOUT_S,
-        rpc_timeout_s=30,
-        **topology,
-    )
+    sync = _synchronizer(source, engine, colocated=colocated, **topology)
     async with engine, sync:
         await sync.mark_stale()
         await sync.sync_weights()
@@ -187,15 +192,7 @@ async def test_a_fleet_quarantines_an_actor_killed_mid_sync_and_labels_its_survi
     fleet = EngineFleet(engines, on_engine_failure="quarantine", probe_timeout_s=10.0)
     trainer = h.trainer_model(23)
     source = HookedSource(trainer.model)
-    sync = create_weight_synchronizer(
-        source,
-        fleet,
-        colocated=True,
-        backend="embedded",
-        bucket_bytes=16 * 1024,
-        sync_timeout_s=SYNC_TIMEOUT_S,
-        rpc_timeout_s=30,
-    )
+    sync = _synchronizer(source, fleet, colocated=True)
     victim = "engine 1 of 2 (RayEngine)"
     try:
         async with sync, sync.subscribe() as events:

@@ -27,6 +27,17 @@ def moe(models: ModuleType) -> tuple[Any, dict[str, torch.Tensor]]:
     return config, models.checkpoint_state(models.build(config))
 
 
+@pytest.fixture
+def moe_params(moe: tuple[Any, dict[str, torch.Tensor]]) -> tuple[Any, Any]:
+    """The tiny Qwen3-MoE's model map and its checkpoint as NNX params (fresh: a test
+    may change them)."""
+    from aiosync.refit.nnx import model_map_for
+
+    config, state = moe
+    model_map = model_map_for(config)
+    return model_map, model_map.to_jax(state)
+
+
 @pytest.fixture(scope="session")
 def nnx_qwen3() -> ModuleType:
     """The NNX Qwen3 of ``examples/nnx_qwen3.py``; needs jax and flax."""

@@ -32,24 +32,24 @@ def test_unsupported_model_type_lists_the_supported_ones() -> None:
         model_map_for({})
 
 
+def _to_jax_refuses(config: Any, state: dict[str, torch.Tensor], match: str) -> None:
+    """Converting ``state`` to NNX params raises ``RefitMismatchError`` matching ``match``."""
+    with pytest.raises(RefitMismatchError, match=match):
+        model_map_for(config).to_jax(state)
+
+
 def test_missing_hf_key_is_named(moe: tuple[Any, dict[str, torch.Tensor]]) -> None:
     config, state = moe
     state = dict(state)
     del state["model.layers.2.mlp.experts.3.up_proj.weight"]
-    with pytest.raises(
-        RefitMismatchError, match=re.escape("model.layers.2.mlp.experts.3.up_proj.weight")
-    ):
-        model_map_for(config).to_jax(state)
+    _to_jax_refuses(config, state, re.escape("model.layers.2.mlp.experts.3.up_proj.weight"))
 
 
 def test_extra_hf_key_is_named(moe: tuple[Any, dict[str, torch.Tensor]]) -> None:
     config, state = moe
     # Per-expert weights on a layer that mlp_only_layers makes dense.
     state = {**state, "model.layers.1.mlp.experts.0.gate_proj.weight": torch.zeros(32, 64)}
-    with pytest.raises(
-        RefitMismatchError, match=re.escape("model.layers.1.mlp.experts.0.gate_proj")
-    ):
-        model_map_for(config).to_jax(state)
+    _to_jax_refuses(config, state, re.escape("model.layers.1.mlp.experts.0.gate_proj"))
 
 
 def test_fused_experts_in_a_per_expert_family_are_unknown_keys(
@@ -57,20 +57,15 @@ def test_fused_experts_in_a_per_expert_family_are_unknown_keys(
 ) -> None:
     config, state = moe
     state = {**state, "model.layers.0.mlp.experts.gate_up_proj": torch.zeros(4, 64, 64)}
-    with pytest.raises(
-        RefitMismatchError, match=re.escape("model.layers.0.mlp.experts.gate_up_proj")
-    ):
-        model_map_for(config).to_jax(state)
+    _to_jax_refuses(config, state, re.escape("model.layers.0.mlp.experts.gate_up_proj"))
 
 
 def test_wrong_hf_shape_is_named_with_both_shapes(moe: tuple[Any, dict[str, torch.Tensor]]) -> None:
     config, state = moe
     state = {**state, "model.layers.3.self_attn.k_proj.weight": torch.zeros(32, 64)}
-    with pytest.raises(
-        RefitMismatchError,
-        match=r"'model\.layers\.3\.self_attn\.k_proj\.weight'.*\(32, 64\).*\(64, 64\)",
-    ):
-        model_map_for(config).to_jax(state)
+    _to_jax_refuses(
+        config, state, r"'model\.layers\.3\.self_attn\.k_proj\.weight'.*\(32, 64\).*\(64, 64\)"
+    )
 
 
 def test_mixed_dtypes_in_one_fused_array_are_rejected(
@@ -84,11 +79,9 @@ def test_mixed_dtypes_in_one_fused_array_are_rejected(
 
 
 def test_nnx_state_missing_array_names_path_and_hf_key(
-    moe: tuple[Any, dict[str, torch.Tensor]],
+    moe_params: tuple[Any, Any],
 ) -> None:
-    config, state = moe
-    model_map = model_map_for(config)
-    params = model_map.to_jax(state)
+    model_map, params = moe_params
     del params["layers"][2]["mlp"]["router"]
     with pytest.raises(
         RefitMismatchError, match=r"layers/2/mlp/router/kernel.*model\.layers\.2\.mlp\.gate\.weight"
@@ -97,11 +90,9 @@ def test_nnx_state_missing_array_names_path_and_hf_key(
 
 
 def test_nnx_state_wrong_shape_fails_before_the_first_tensor(
-    moe: tuple[Any, dict[str, torch.Tensor]],
+    moe_params: tuple[Any, Any],
 ) -> None:
-    config, state = moe
-    model_map = model_map_for(config)
-    params = model_map.to_jax(state)
+    model_map, params = moe_params
     params["layers"][3]["mlp"]["down_proj"] = jnp.zeros((3, 32, 64))
     # to_hf validates eagerly: the error comes from the call, not from a later next().
     with pytest.raises(

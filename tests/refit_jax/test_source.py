@@ -83,11 +83,9 @@ def test_module_source_sees_in_place_updates_and_dict_source_takes_new_state(
 
 
 def test_untransformed_cpu_tensors_are_zero_copy_views_of_the_jax_buffers(
-    moe: tuple[Any, dict[str, torch.Tensor]],
+    moe_params: tuple[Any, Any],
 ) -> None:
-    config, state = moe
-    model_map = model_map_for(config)
-    params = model_map.to_jax(state)
+    model_map, params = moe_params
     weights = dict(model_map.to_hf(params))
     norm = params["final_norm"]["w"]
     assert weights["model.norm.weight"].data_ptr() == np.asarray(norm).ctypes.data

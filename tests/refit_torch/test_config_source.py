@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from aiosync._hf_config import compare_hf_configs
+from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.errors import RefitMismatchError
 from aiosync.refit import DTensorRefitSource
 from aiosync.sources import ConfigSource
@@ -19,14 +20,8 @@ transformers = pytest.importorskip("transformers")
 
 #: A 2-layer Qwen3 that builds in well under a second (no downloads).
 QWEN3: dict[str, Any] = {
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
+    **{k: v for k, v in TINY_QWEN3.items() if k != "model_type"},
     "head_dim": 16,
-    "tie_word_embeddings": False,
 }
 
 

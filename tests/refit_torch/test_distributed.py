@@ -16,6 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests._support.checks import assert_stream_matches
+
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).parent
@@ -61,12 +63,7 @@ def test_sharded_stream_equals_unsharded_save_pretrained(
     manifest_names = [name for name, _, _ in meta["manifest"]]
     assert meta["order"] == manifest_names
     assert sorted(manifest_names) == sorted(reference)
-    for name, shape, dtype_name in meta["manifest"]:
-        expected = reference[name] if dtype is None else reference[name].to(dtype)
-        assert tuple(shape) == tuple(expected.shape), name
-        assert dtype_name == str(expected.dtype).removeprefix("torch."), name
-        assert tensors[name].dtype == expected.dtype, name
-        assert torch.equal(tensors[name], expected), name
+    assert_stream_matches(meta, tensors, reference, dtype)
 
 
 @pytest.mark.parametrize("case", ["fsdp2_qwen3_tied", "dtensor_qwen3_tied"])

@@ -18,12 +18,12 @@ import pytest
 import torch
 from torch import nn
 
-from aiosync import RefitMismatchError, TrainCluster, create_weight_synchronizer, share_parameters
+from aiosync import RefitMismatchError, share_parameters
 from aiosync.engines.embedded.configs import TINY_QWEN3_TIED
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.refit import DTensorRefitSource
 from aiosync.transports.ipc import IPCWeightSynchronizer
-from tests._support.net import free_port
+from tests._support.builders import factory_pick
 
 BuildModel = Callable[..., nn.Module]
 HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
@@ -85,13 +85,10 @@ def _synchronizer(transport: str, model: Any, engine: EmbeddedEngine) -> Any:
     source = DTensorRefitSource(model)
     if transport == "ipc":
         return IPCWeightSynchronizer(source, engine, rpc_timeout_s=60)
-    return create_weight_synchronizer(
+    return factory_pick(
         source,
         engine,
-        colocated=False,
-        backend="embedded",
-        train_cluster=TrainCluster(master_port=free_port()),
-        inference_world_size=1,
+        world_size=1,
         overlap=transport.removeprefix("collective "),
         collective_timeout_s=60.0,
     )

@@ -155,16 +155,10 @@ def main() -> None:
         (out / f"layouts.rank{rank}.json").write_text(json.dumps(check_plain_layouts(rank, mesh)))
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
-        config = Qwen3Config(
-            vocab_size=37,  # FSDP chunks 19 + 18
-            hidden_size=16,
-            intermediate_size=24,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=8,
-            tie_word_embeddings=True,
-        )
+        # vocab 37: FSDP chunks 19 + 18; hidden 16, MLP 24, 1 layer, 2 heads, 1 KV head of 8.
+        sizes = dict(vocab_size=37, hidden_size=16, intermediate_size=24, num_hidden_layers=1)
+        heads = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+        config = Qwen3Config(**sizes, **heads, tie_word_embeddings=True)
         torch.manual_seed(0)
         model = Qwen3ForCausalLM(config)
         for layer in model.model.layers:

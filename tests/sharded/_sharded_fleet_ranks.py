@@ -33,14 +33,7 @@ from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
 from aiosync.refit import DTensorRefitSource
-from tests._support.fsdp2 import (
-    ENGINE_SEED,
-    advance_weights,
-    build_sharded_model,
-    rank_main,
-    slices_match,
-    versions,
-)
+from tests._support import fsdp2
 
 FLEETS = {"tp1": (1, 1), "dp2xtp2": (2, 2)}
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7]]
@@ -63,7 +56,7 @@ async def run_fleet(
         if rank == 0:
             engines = [
                 await stack.enter_async_context(
-                    EmbeddedEngine(TINY_QWEN3, tensor_parallel_size=tp, seed=ENGINE_SEED + i)
+                    EmbeddedEngine(TINY_QWEN3, tensor_parallel_size=tp, seed=fsdp2.ENGINE_SEED + i)
                 )
                 for i, tp in enumerate(sizes)
             ]
@@ -73,12 +66,12 @@ async def run_fleet(
         # to spawn four worker processes on a loaded machine. Each fleet meets on its own
         # store port, so the second formation never races the first one's teardown.
         dist.barrier()
-        sync = create_weight_synchronizer(
+        sync = fsdp2.factory_rank_sync(
             source,
             fleet,
-            colocated=False,
-            backend="embedded",
-            train_cluster=TrainCluster(world_size=world, rank=rank, master_port=store_port),
+            rank,
+            world,
+            store_port,
             inference_world_size=sum(sizes),
             # Rank 1 has no engine to ask: every rank says what rank 0's factory picks.
             sharded=True,
@@ -105,21 +98,18 @@ async def run_fleet(
         seen["sender_nbytes"] = list(plan.sender_nbytes)
         seen["receiver_nbytes"] = list(plan.receiver_nbytes)
         for step in range(2):
-            if step:
-                advance_weights(model)
-            await sync.mark_stale()
-            await sync.sync_weights()
+            await fsdp2.stepped_sync(model, sync, step)
             full = {n: t.clone() for n, t in source.iter_weights()}  # every rank gathers
             if fleet is not None:
                 await fleet.prepare_for_generation()
-                seen[f"holds_{step}"] = await slices_match(fleet, full)
+                seen[f"holds_{step}"] = await fsdp2.slices_match(fleet, full)
                 seen[f"by_sender_{step}"] = [r["by_sender"] for r in sync.last_worker_results]  # type: ignore[attr-defined]
                 seen[f"greedy_{step}"] = [
                     await e.generate(PROMPTS, max_new_tokens=4, ignore_eos=True)
                     for e in fleet.engines
                 ]
                 seen[f"trainer_greedy_{step}"] = _greedy(full)
-        seen["versions"] = versions(sync)
+        seen["versions"] = fsdp2.versions(sync)
         if fleet is not None:
             seen["manifest_nbytes"] = sum(t.numel() * t.element_size() for t in full.values())
             seen["slice_nbytes"] = [
@@ -131,7 +121,7 @@ async def run_fleet(
 
 
 async def run(rank: int, world: int, *store_ports: int) -> dict[str, Any]:
-    model = build_sharded_model(world)
+    model = fsdp2.build_sharded_model(world)
     return {
         name: await run_fleet(name, rank, world, port, model)
         for name, port in zip(FLEETS, store_ports, strict=True)
@@ -139,4 +129,4 @@ async def run(rank: int, world: int, *store_ports: int) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    rank_main(run, store_ports=2)
+    fsdp2.rank_main(run, store_ports=2)

@@ -33,20 +33,13 @@ from aiosync import RefitMismatchError, TrainCluster, create_weight_synchronizer
 from aiosync.engines.embedded.configs import TINY_QWEN3_MOE
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.refit import DTensorRefitSource
-from tests._support.fsdp2 import (
-    ENGINE_SEED,
-    MODEL_SEED,
-    advance_weights,
-    rank_main,
-    slices_match,
-    versions,
-)
+from tests._support import fsdp2
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8]]
 
 
 def _moe() -> Any:
-    torch.manual_seed(MODEL_SEED)
+    torch.manual_seed(fsdp2.MODEL_SEED)
     items = dict(TINY_QWEN3_MOE)
     config = AutoConfig.for_model(items.pop("model_type"), **items)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -116,16 +109,16 @@ async def run(rank: int, world: int, store_port: int) -> dict[str, Any]:
                     TINY_QWEN3_MOE,
                     num_workers=1,
                     tensor_parallel_size=2,
-                    seed=ENGINE_SEED,
+                    seed=fsdp2.ENGINE_SEED,
                     rpc_timeout_s=120,
                 )
             )
-        sync = create_weight_synchronizer(
+        sync = fsdp2.factory_rank_sync(
             source,
             engine,
-            colocated=False,
-            backend="embedded",
-            train_cluster=TrainCluster(world_size=world, rank=rank, master_port=store_port),
+            rank,
+            world,
+            store_port,
             inference_world_size=2,
             sharded=None if rank == 0 else True,
             bucket_bytes=16 * 1024,
@@ -141,14 +134,11 @@ async def run(rank: int, world: int, store_port: int) -> dict[str, Any]:
         plan = sync.transfer_plan  # type: ignore[attr-defined]
         seen["sender_nbytes"] = list(plan.sender_nbytes)
         for step in range(2):
-            if step:
-                advance_weights(model)
-            await sync.mark_stale()
-            await sync.sync_weights()
-            seen[f"after_{step}"] = versions(sync)
+            await fsdp2.stepped_sync(model, sync, step)
+            seen[f"after_{step}"] = fsdp2.versions(sync)
             full = {n: t.clone() for n, t in source.iter_weights()}  # every rank gathers
             if engine is not None:
-                seen[f"bit_exact_{step}"] = await slices_match(engine, full)
+                seen[f"bit_exact_{step}"] = await fsdp2.slices_match(engine, full)
                 got = await engine.generate(PROMPTS, max_new_tokens=6, ignore_eos=True)
                 seen[f"tokens_agree_{step}"] = got == _greedy(full)
         seen.update(_refusals(rank, world, store_port + 1, engine))
@@ -157,4 +147,4 @@ async def run(rank: int, world: int, store_port: int) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    rank_main(run)
+    fsdp2.rank_main(run)

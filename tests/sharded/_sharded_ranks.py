@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,30 +38,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.refit import DTensorRefitSource
 from aiosync.transports.sharded import ShardedWeightSynchronizer
+from tests._support import fsdp2
 from tests._support.delta import box_patch_bytes, committed
-from tests._support.fsdp2 import (
-    advance_weights,
-    build_sharded_model,
-    failed_sync,
-    failing_shard_read,
-    make_engine,
-    make_synchronizer,
-    nudge,
-    rank_main,
-    slices_match,
-    versions,
-)
 
 
-async def plain(
-    stack: contextlib.AsyncExitStack,
-    sync: ShardedWeightSynchronizer,
-    engine: EmbeddedEngine | None,
-    rank: int,
-    full: Callable[[], dict[str, torch.Tensor]],
-    model: torch.nn.Module,
-    seen: dict[str, Any],
-) -> None:
+@dataclass
+class Rank:
+    """What a mode's steps work with on one rank: the exit stack, the synchronizer, the
+    engine (rank 0's; None elsewhere), the rank, ``full()`` (every rank gathers the
+    trainer's full tensors), the FSDP2 model and what the rank saw."""
+
+    stack: contextlib.AsyncExitStack
+    sync: ShardedWeightSynchronizer
+    engine: EmbeddedEngine | None
+    rank: int
+    full: Callable[[], dict[str, torch.Tensor]]
+    model: torch.nn.Module
+    seen: dict[str, Any]
+
+
+async def plain(r: Rank) -> None:
+    sync, engine, rank, full, model, seen = r.sync, r.engine, r.rank, r.full, r.model, r.seen
     plan = sync.transfer_plan
     seen["sender_nbytes"] = list(plan.sender_nbytes)
     seen["receiver_nbytes"] = list(plan.receiver_nbytes)
@@ -68,11 +66,11 @@ async def plain(
     # 1. every rank sends its own shards
     await sync.mark_stale()
     await sync.sync_weights()
-    seen["after_ok"] = versions(sync)
+    seen["after_ok"] = fsdp2.versions(sync)
     state = full()
     seen["manifest_nbytes"] = sum(t.numel() * t.element_size() for t in state.values())
     if engine is not None:
-        seen["bit_exact"] = await slices_match(engine, state)
+        seen["bit_exact"] = await fsdp2.slices_match(engine, state)
         seen["by_sender"] = [r["by_sender"] for r in sync.last_worker_results]
         seen["slice_nbytes"] = [
             sum(p.numel * state[n].element_size() for n, p in layout.items())
@@ -80,10 +78,10 @@ async def plain(
         ]
 
     # 2. rank 1 fails to read its 5th shard
-    advance_weights(model)
-    with failing_shard_read(sync, rank, fails=1, at=5):
-        seen["failure"] = await failed_sync(sync)
-    seen["after_failure"] = versions(sync)
+    fsdp2.advance_weights(model)
+    with fsdp2.failing_shard_read(sync, rank, fails=1, at=5):
+        seen["failure"] = await fsdp2.failed_sync(sync)
+    seen["after_failure"] = fsdp2.versions(sync)
     if engine is not None:
         try:
             await engine.generate([[1, 2, 3]], max_new_tokens=2)
@@ -93,21 +91,22 @@ async def plain(
 
     # 3. heal
     await sync.sync_weights()
-    seen["after_heal"] = versions(sync)
+    seen["after_heal"] = fsdp2.versions(sync)
     healed = full()
     if engine is not None:
-        seen["healed_bit_exact"] = await slices_match(engine, healed)
+        seen["healed_bit_exact"] = await fsdp2.slices_match(engine, healed)
 
 
-async def delta(
-    stack: contextlib.AsyncExitStack,
-    sync: ShardedWeightSynchronizer,
-    engine: EmbeddedEngine | None,
-    rank: int,
-    full: Callable[[], dict[str, torch.Tensor]],
-    model: torch.nn.Module,
-    seen: dict[str, Any],
-) -> None:
+async def delta(r: Rank) -> None:
+    stack, sync, engine, rank, full, model, seen = (
+        r.stack,
+        r.sync,
+        r.engine,
+        r.rank,
+        r.full,
+        r.model,
+        r.seen,
+    )
     events = await stack.enter_async_context(sync.subscribe())
 
     # 1. full
@@ -115,30 +114,30 @@ async def delta(
 
     # 2. both ranks send patches
     before = full()
-    nudge(model)
+    fsdp2.nudge(model)
     after = full()
     seen["expected_delta"] = box_patch_bytes(sync.transfer_plan, before, after)
     seen["delta"] = await committed(sync, events)
     if engine is not None:
-        seen["delta_bit_exact"] = await slices_match(engine, after)
+        seen["delta_bit_exact"] = await fsdp2.slices_match(engine, after)
         seen["delta_by_sender"] = [r["by_sender"] for r in sync.last_worker_results]
 
     # 3. rank 1 fails to read its 2nd shard in the next delta
-    nudge(model)
-    with failing_shard_read(sync, rank, fails=1, at=2):
-        seen["failure"] = await failed_sync(sync)
-    seen["after_failure"] = versions(sync)
+    fsdp2.nudge(model)
+    with fsdp2.failing_shard_read(sync, rank, fails=1, at=2):
+        seen["failure"] = await fsdp2.failed_sync(sync)
+    seen["after_failure"] = fsdp2.versions(sync)
 
     # 4. full again, bit-exact
     seen["healed"] = await committed(sync, events)
-    seen["after_heal"] = versions(sync)
+    seen["after_heal"] = fsdp2.versions(sync)
     healed = full()
     if engine is not None:
-        seen["healed_bit_exact"] = await slices_match(engine, healed)
+        seen["healed_bit_exact"] = await fsdp2.slices_match(engine, healed)
 
 
 async def run(rank: int, world: int, store_port: int, mode: str) -> dict[str, Any]:
-    model = build_sharded_model(world)
+    model = fsdp2.build_sharded_model(world)
     source = DTensorRefitSource(model)
     seen: dict[str, Any] = {"rank": rank}
 
@@ -146,29 +145,17 @@ async def run(rank: int, world: int, store_port: int, mode: str) -> dict[str, An
         return {n: t.clone() for n, t in source.iter_weights()}  # every rank gathers
 
     async with contextlib.AsyncExitStack() as stack:
-        engine: EmbeddedEngine | None = None
-        if rank == 0:
-            engine = await stack.enter_async_context(make_engine("sharded", world))
-        sync = make_synchronizer(
-            "sharded",
-            source,
-            engine,
-            rank,
-            world,
-            store_port,
-            bucket_bytes=16 * 1024,
-            collective_timeout_s=30.0,
-            sync_timeout_s=60.0,
-            delta=mode == "delta",
+        limits = {"collective_timeout_s": 30.0, "sync_timeout_s": 60.0}
+        engine, sync = await fsdp2.rank_sync(
+            stack, "sharded", source, rank, world, store_port, delta=mode == "delta", **limits
         )
         assert isinstance(sync, ShardedWeightSynchronizer)
-        await stack.enter_async_context(sync)
         seen["total_nbytes"] = sync.transfer_plan.total_nbytes
         scenario = delta if mode == "delta" else plain
-        await scenario(stack, sync, engine, rank, full, model, seen)
+        await scenario(Rank(stack, sync, engine, rank, full, model, seen))
         dist.barrier()
     return seen
 
 
 if __name__ == "__main__":
-    rank_main(run)
+    fsdp2.rank_main(run)

@@ -21,11 +21,12 @@ from aiosync import TrainCluster
 from aiosync.engines.embedded.configs import TINY_QWEN3
 from aiosync.engines.embedded.engine import EmbeddedEngine
 from aiosync.engines.embedded.model import HFModelRunner
-from aiosync.errors import RefitMismatchError, TransportError
+from aiosync.errors import TransportError
 from aiosync.refit import DTensorRefitSource
 from aiosync.transports.sharded import ShardedWeightSynchronizer
 from tests._support.builders import factory_pick, non_colocated
-from tests._support.delta import DeltaTrainer, bits, committed
+from tests._support.delta import DeltaTrainer, bits, committed, refused_without_base
+from tests._support.fsdp2 import failing_shard_read
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
@@ -73,13 +74,7 @@ async def test_a_worker_without_the_base_refuses_the_delta_before_writing(
         # A trainer that skipped the check of the workers' held versions would send the
         # delta anyway: each worker refuses it, naming both versions, and writes nothing.
         sync._delta_base = _version_one  # type: ignore[method-assign]
-        trainer.step()
-        await sync.mark_stale()
-        with pytest.raises(RefitMismatchError, match="holds version None, the delta patches"):
-            await sync.sync_weights()
-        after = await engine.hf_state_dicts()
-        pairs = zip(discarded, after, strict=True)
-        assert all(torch.equal(a[n], b[n]) for a, b in pairs for n in a)
+        await refused_without_base(sync, trainer, engine, discarded)
         assert sync.delta_baseline is not None and sync.delta_baseline.version is None
         del sync._delta_base
         # The checked path: the discard makes the next sync a full one.
@@ -98,28 +93,13 @@ async def test_a_failed_delta_is_followed_by_a_full_sync_then_deltas_again(
     trainer = DeltaTrainer(seed=43, lr=1e-3)
     async with _sync(trainer, engine) as sync, sync.subscribe() as events:
         await committed(sync, events)
-        real = sync._sender_source
-
-        def failing() -> Any:
-            local = real()
-            calls = [0]
-
-            def get(name: str) -> torch.Tensor:
-                calls[0] += 1
-                if calls[0] == 5:
-                    raise RuntimeError("the trainer could not read its shard")
-                return local(name)
-
-            return get
-
-        sync._sender_source = failing  # type: ignore[method-assign]
         trainer.step()
-        await sync.mark_stale()
-        with pytest.raises(TransportError, match="could not read its shard"):
-            await sync.sync_weights()
+        with failing_shard_read(sync, rank=0, fails=0, at=5):  # the trainer's one rank
+            await sync.mark_stale()
+            with pytest.raises(TransportError, match="rank 0 could not read its shard"):
+                await sync.sync_weights()
         assert (sync.weight_version, sync.is_stale) == (1, True)
         assert sync.delta_baseline is not None and sync.delta_baseline.version is None
-        sync._sender_source = real  # type: ignore[method-assign]
         assert await committed(sync, events) == (False, sync.transfer_plan.total_nbytes)
         assert await _holds_slices(engine, trainer.state())
         trainer.step()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -293,25 +293,33 @@ async def test_a_flattened_bucket_reaches_every_tp_rank_exactly(tp2: Served) -> 
     group.close()
 
 
-async def test_one_broadcast_per_tensor_without_a_load_format(tp2: Served) -> None:
+@contextlib.asynccontextmanager
+async def _formed(
+    served: Served, seed: int
+) -> AsyncIterator[tuple[Trainer, httpx.AsyncClient, Any, dict[str, torch.Tensor]]]:
+    """A trainer, a client, the trainer's weight-update group formed with ``served`` (two
+    tensor-parallel ranks from rank 1: a world of 3), and new values (``seed``) to send;
+    the group closed after."""
     trainer = Trainer()
-    sent = _new_values(tp2.state.runner, seed=12)
+    sent = _new_values(served.state.runner, seed=seed)
     async with httpx.AsyncClient(timeout=60) as client:
-        group, _ = await trainer.form(client, [(tp2.url, 1)], world_size=3)
+        group, _ = await trainer.form(client, [(served.url, 1)], world_size=3)
+        yield trainer, client, group, sent
+    group.close()
+
+
+async def test_one_broadcast_per_tensor_without_a_load_format(tp2: Served) -> None:
+    async with _formed(tp2, seed=12) as (_trainer, client, group, sent):
         await _session(client, tp2.url, "begin")
         (answer,) = await _update(client, [tp2.url], group, sent, bucketed=False)
         assert (answer.status_code, answer.json()) == (200, UPDATE_OK)
         _assert_holds(tp2.state, sent)
         await _session(client, tp2.url, "end")
-    group.close()
 
 
 async def test_refusals_load_nothing_and_leave_the_group_usable(tp2: Served) -> None:
-    trainer = Trainer()
     before = _snapshot(tp2.state)
-    sent = _new_values(tp2.state.runner, seed=13)
-    async with httpx.AsyncClient(timeout=60) as client:
-        group, _ = await trainer.form(client, [(tp2.url, 1)], world_size=3)
+    async with _formed(tp2, seed=13) as (trainer, client, group, sent):
         # None of these reaches a broadcast, so the trainer sends nothing.
         (outside,) = await _update(client, [tp2.url], None, sent)
         assert _failure(outside) == OUTSIDE_SESSION
@@ -373,15 +381,11 @@ async def test_refusals_load_nothing_and_leave_the_group_usable(tp2: Served) -> 
             "Group weight_update_group not in []. Please call `init_weights_update_group` first."
         )
         await _session(client, tp2.url, "end")
-    group.close()
 
 
 async def test_faults_on_the_update_route_act_as_on_every_route(tp2: Served) -> None:
-    trainer = Trainer()
     before = _snapshot(tp2.state)
-    sent = _new_values(tp2.state.runner, seed=14)
-    async with httpx.AsyncClient(timeout=60) as client:
-        group, _ = await trainer.form(client, [(tp2.url, 1)], world_size=3)
+    async with _formed(tp2, seed=14) as (_trainer, client, group, sent):
         await _session(client, tp2.url, "begin")
         path = "/update_weights_from_distributed"
         fault = {"path": path, "mode": "error", "count": 1}
@@ -413,7 +417,6 @@ async def test_faults_on_the_update_route_act_as_on_every_route(tp2: Served) -> 
         assert (answer.status_code, answer.json()) == (200, UPDATE_OK)
         _assert_holds(tp2.state, sent)
         await _session(client, tp2.url, "end")
-    group.close()
 
 
 async def test_two_servers_share_one_group_with_rank_offsets(

@@ -27,15 +27,13 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: run .ci/vllm.sh (.venv-vllm)")
 
-from vllm_helpers import engine_options, gloo_collective, perturb
+from vllm_helpers import engine_options, gloo_collective, gloo_sharded, perturb, save_with_tokenizer
 
-from aiosync import TrainCluster
 from aiosync.engines.embedded.configs import TINY_QWEN3_MOE
 from aiosync.engines.vllm._experts import ExpertPlacement, placed_experts
 from aiosync.engines.vllm.backend import VLLMGenerationBackend
 from aiosync.layout import Layout, Part, box_of
 from aiosync.refit import DTensorRefitSource
-from aiosync.transports.sharded import ShardedWeightSynchronizer
 from aiosync.transports.sharded.estimate import ep_layouts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -213,19 +211,19 @@ def test_experts_cut_over_tp_without_ep() -> None:
 def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random tiny Qwen3-MoE checkpoint (``TINY_QWEN3_MOE``: E=4, Im=32, layer 1
     dense) plus a word-level tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     folder = tmp_path_factory.mktemp("tiny-qwen3-moe")
     config = {k: v for k, v in TINY_QWEN3_MOE.items() if k != "model_type"}
     torch.manual_seed(0)
-    Qwen3MoeForCausalLM(
-        Qwen3MoeConfig(**config, max_position_embeddings=256, bos_token_id=None, eos_token_id=None)
-    ).save_pretrained(folder)
-    vocab = {f"t{i}": i for i in range(config["vocab_size"])}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0").save_pretrained(folder)
+    save_with_tokenizer(
+        folder,
+        Qwen3MoeForCausalLM(
+            Qwen3MoeConfig(
+                **config, max_position_embeddings=256, bos_token_id=None, eos_token_id=None
+            )
+        ),
+    )
     return folder
 
 
@@ -345,15 +343,12 @@ async def test_ep2_sharded_sync_writes_experts_where_vllms_loader_does(
     by_vllm = read_experts(ep_llm)
 
     async def sharded(model: Any) -> tuple[int, ...]:
-        sync = ShardedWeightSynchronizer(
+        sync = gloo_sharded(
             DTensorRefitSource(model),
             backend,
-            train_cluster=TrainCluster(master_port=free_port()),
+            free_port(),
             inference_world_size=2,
-            dist_backend="gloo",
             bucket_bytes=16 * 1024,  # experts complete across several buckets
-            collective_timeout_s=120,
-            rpc_timeout_s=120,
         )
         async with sync:
             await sync.init_communicator()

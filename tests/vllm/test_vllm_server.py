@@ -41,7 +41,14 @@ import anyio.to_thread
 import httpx
 import pytest_asyncio
 import torch
-from vllm_helpers import NEW_TOKENS, PROMPTS, perturb, save_tiny_qwen3, trainer_greedy
+from vllm_helpers import (
+    NEW_TOKENS,
+    PROMPTS,
+    perturb,
+    save_tiny_qwen3,
+    sync_and_generate,
+    trainer_greedy,
+)
 
 from aiosync import (
     Generation,
@@ -553,10 +560,7 @@ async def test_collective_gloo_sync_into_the_server_lands_bit_exact_and_greedy_e
     async with sync:
         reloads = (await backend.collective_rpc("aiosync_vllm_status"))[0]["reloads"]
         perturb(trainer, seed=12)
-        await sync.mark_stale()
-        await sync.sync_weights()
-        await backend.prepare_for_generation()
-        after = await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+        after = await sync_and_generate(sync, backend)
         assert [r["nbytes"] for r in sync.last_worker_results] == [sync.plan.total_bytes]
         status = (await backend.collective_rpc("aiosync_vllm_status"))[0]
     await assert_live_weights_are_the_trainers(backend, trainer)

@@ -26,8 +26,11 @@ from vllm_helpers import (
     PROMPTS,
     engine_options,
     gloo_collective,
+    gloo_sharded,
     nudge_tensors,
     read_weights,
+    save_tiny_qwen3,
+    sync_and_generate,
     trainer_greedy,
 )
 
@@ -138,10 +141,7 @@ async def sharded_sync_lands_bit_exact(
     assert isinstance(sync, ShardedWeightSynchronizer)
     async with sync:
         await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
-        await backend.prepare_for_generation()
-        after = await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+        after = await sync_and_generate(sync, backend)
         plan = sync.transfer_plan
         status = await backend.collective_rpc("aiosync_vllm_status")
     assert plan.receiver_nbytes == tuple(
@@ -191,14 +191,7 @@ async def test_a_vllm_model_the_layout_cannot_describe_is_refused_before_any_byt
     before = (await backend.collective_rpc("aiosync_vllm_status"))[0]
     with pytest.raises(TransportError, match="LoRA enabled"):
         await backend.weight_layouts()
-    sync = ShardedWeightSynchronizer(
-        DTensorRefitSource(trainer),
-        backend,
-        train_cluster=TrainCluster(master_port=free_port()),
-        inference_world_size=1,
-        dist_backend="gloo",
-        rpc_timeout_s=120,
-    )
+    sync = gloo_sharded(DTensorRefitSource(trainer), backend, free_port())
     with pytest.raises(TransportError, match=r"LoRA enabled.*use CollectiveWeightSynchronizer"):
         async with sync:  # init_communicator() asks the workers first
             pass
@@ -213,18 +206,8 @@ async def test_a_vllm_model_the_layout_cannot_describe_is_refused_before_any_byt
 @pytest.fixture(scope="module")
 def tp2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random tied Qwen3 checkpoint (:data:`TINY_QWEN3_TP2`) plus a word-level tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
-
     folder = tmp_path_factory.mktemp("tiny-qwen3-tp2")
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(
-        Qwen3Config(**TINY_QWEN3_TP2, bos_token_id=None, eos_token_id=None)
-    ).save_pretrained(folder)
-    vocab = {f"t{i}": i for i in range(TINY_QWEN3_TP2["vocab_size"])}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0").save_pretrained(folder)
+    save_tiny_qwen3(folder, TINY_QWEN3_TP2)
     return folder
 
 

@@ -19,14 +19,21 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: run .ci/vllm.sh (.venv-vllm)")
 
-from vllm_helpers import NEW_TOKENS, PROMPTS, gloo_collective, perturb, read_weights, trainer_greedy
+from vllm_helpers import (
+    NEW_TOKENS,
+    PROMPTS,
+    gloo_collective,
+    gloo_sharded,
+    perturb,
+    read_weights,
+    sync_and_generate,
+    trainer_greedy,
+)
 
-from aiosync import TrainCluster
 from aiosync.engines.vllm.backend import VLLMGenerationBackend
 from aiosync.refit import DTensorRefitSource
 from aiosync.transports.collective import CollectiveWeightSynchronizer
 from aiosync.transports.ipc import IPCWeightSynchronizer
-from aiosync.transports.sharded import ShardedWeightSynchronizer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -73,10 +80,7 @@ async def test_collective_sync_of_a_tied_model_refreshes_the_head_vllm_computes_
     async with sync:
         await sync.init_communicator()
         assert "lm_head.weight" not in sync.plan.manifest()  # tied: sent once
-        await sync.mark_stale()
-        await sync.sync_weights()
-        await backend.prepare_for_generation()
-        after = await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+        after = await sync_and_generate(sync, backend)
         status = (await backend.collective_rpc("aiosync_vllm_status"))[0]
     assert status["weights_valid"] is True
     await assert_head_computes_with_the_trainers_embedding(backend, trainer)
@@ -95,10 +99,7 @@ async def test_ipc_sync_of_a_tied_model_refreshes_the_head_vllm_computes_logits_
     )
     async with sync:
         await sync.init_communicator()
-        await sync.mark_stale()
-        await sync.sync_weights()
-        await backend.prepare_for_generation()
-        after = await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+        after = await sync_and_generate(sync, backend)
     await assert_head_computes_with_the_trainers_embedding(backend, trainer)
     assert after == trainer_greedy(trainer)
     assert after != before
@@ -118,20 +119,9 @@ async def test_after_a_broadcast_a_sharded_sync_describes_the_tied_model_and_ref
     layouts = await backend.weight_layouts()  # after a reload through vLLM's loader
     assert "lm_head.weight" not in layouts[0]
     trainer = tied_trainer(tied_qwen3_dir, seed=34)
-    sharded = ShardedWeightSynchronizer(
-        DTensorRefitSource(trainer),
-        backend,
-        train_cluster=TrainCluster(master_port=free_port()),
-        inference_world_size=1,
-        dist_backend="gloo",
-        collective_timeout_s=120,
-        rpc_timeout_s=120,
-    )
+    sharded = gloo_sharded(DTensorRefitSource(trainer), backend, free_port())
     async with sharded:
         await sharded.init_communicator()
-        await sharded.mark_stale()
-        await sharded.sync_weights()
-        await backend.prepare_for_generation()
-        after = await backend.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+        after = await sync_and_generate(sharded, backend)
     await assert_head_computes_with_the_trainers_embedding(backend, trainer)
     assert after == trainer_greedy(trainer)

@@ -53,8 +53,20 @@ def gloo_collective(source: Any, backend: Any, port: int, **options: Any) -> Any
     """A ``CollectiveWeightSynchronizer`` from ``source`` into ``backend`` over gloo, its
     trainer meeting at ``port``: one engine worker and timeouts of 120 s unless
     ``options`` say otherwise (``options`` replace or add constructor options)."""
-    from aiosync import TrainCluster
     from aiosync.transports.collective import CollectiveWeightSynchronizer
+
+    return _over_gloo(CollectiveWeightSynchronizer, source, backend, port, **options)
+
+
+def gloo_sharded(source: Any, backend: Any, port: int, **options: Any) -> Any:
+    """:func:`gloo_collective`'s ``ShardedWeightSynchronizer``."""
+    from aiosync.transports.sharded import ShardedWeightSynchronizer
+
+    return _over_gloo(ShardedWeightSynchronizer, source, backend, port, **options)
+
+
+def _over_gloo(cls: Any, source: Any, backend: Any, port: int, **options: Any) -> Any:
+    from aiosync import TrainCluster
 
     defaults: dict[str, Any] = dict(
         train_cluster=TrainCluster(master_port=port),
@@ -63,7 +75,7 @@ def gloo_collective(source: Any, backend: Any, port: int, **options: Any) -> Any
         collective_timeout_s=120,
         rpc_timeout_s=120,
     )
-    return CollectiveWeightSynchronizer(source, backend, **(defaults | options))
+    return cls(source, backend, **(defaults | options))
 
 
 def async_llm(model_dir: Any, **overrides: Any) -> Any:
@@ -95,14 +107,22 @@ def trainer_greedy(model: Any, new_tokens: int = NEW_TOKENS) -> list[list[int]]:
 def save_tiny_qwen3(folder: Any, config: dict[str, Any]) -> None:
     """A random Qwen3 of ``config`` (seed 0) plus a word-level tokenizer
     (``t0`` .. ``t<vocab-1>``) saved in ``folder``: a checkpoint vLLM loads offline."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    Qwen3ForCausalLM(Qwen3Config(**config, bos_token_id=None, eos_token_id=None)).save_pretrained(
-        folder
+    save_with_tokenizer(
+        folder, Qwen3ForCausalLM(Qwen3Config(**config, bos_token_id=None, eos_token_id=None))
     )
-    vocab = {f"t{i}": i for i in range(config["vocab_size"])}
+
+
+def save_with_tokenizer(folder: Any, model: Any) -> None:
+    """``model`` saved in ``folder`` with a word-level tokenizer of its vocabulary
+    (``t0`` .. ``t<vocab-1>``): a checkpoint vLLM loads offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model.save_pretrained(folder)
+    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0").save_pretrained(folder)
