@@ -45,6 +45,8 @@ import torch.distributed as dist
 
 from aiosync.errors import SyncError, SyncTimeoutError, TransportError
 
+from ._stores import ForwardingStore
+
 # STATUS_*: the formed group's vote codes, importable from here as well (re-exported).
 from ._sync_group import STATUS_ERROR as STATUS_ERROR
 from ._sync_group import STATUS_MISMATCH as STATUS_MISMATCH
@@ -60,7 +62,7 @@ _CANCEL_KEY = "formation-failed"
 _RENDEZVOUS_POLL_S = 0.05
 
 
-class _RendezvousStore(dist.Store):
+class _RendezvousStore(ForwardingStore):
     """The store a gloo group forms over: every wait also watches the cancel key.
 
     gloo's rendezvous blocks in ``Store.wait`` for each peer's address; over a
@@ -77,32 +79,9 @@ class _RendezvousStore(dist.Store):
     """
 
     def __init__(self, root: dist.Store, what: str, timeout_s: float) -> None:
-        super().__init__()
-        self._root = root
+        super().__init__(root)
         self._what = what
         self._timeout_s = timeout_s
-
-    def set(self, key: str, value: str | bytes) -> None:
-        self._root.set(key, value)  # type: ignore[arg-type]
-
-    def get(self, key: str) -> bytes:
-        self.wait([key])
-        return self._root.get(key)
-
-    def add(self, key: str, value: int) -> int:
-        return self._root.add(key, value)
-
-    def check(self, keys: list[str]) -> bool:
-        return self._root.check(keys)
-
-    def compare_set(self, key: str, expected_value: str, desired_value: str) -> bytes:
-        return self._root.compare_set(key, expected_value, desired_value)
-
-    def delete_key(self, key: str) -> bool:
-        return self._root.delete_key(key)
-
-    def num_keys(self) -> int:
-        return self._root.num_keys()
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         """Wait until every key of ``keys`` is set.
@@ -117,10 +96,10 @@ class _RendezvousStore(dist.Store):
         deadline = time.monotonic() + limit
         pause = 0.001
         while True:
-            if self._root.check([_CANCEL_KEY]):
-                reason = self._root.get(_CANCEL_KEY).decode(errors="replace")
+            if self._inner.check([_CANCEL_KEY]):
+                reason = self._inner.get(_CANCEL_KEY).decode(errors="replace")
                 raise TransportError(f"{self._what}: cancelled: {reason}")
-            if self._root.check(keys):
+            if self._inner.check(keys):
                 return
             left = deadline - time.monotonic()
             if left <= 0:

@@ -45,6 +45,7 @@ from aiosync._fanout import each_named
 from aiosync.errors import OwnershipError, SyncTimeoutError, TransportError
 
 from .._leftovers import pid_alive
+from ._stores import ForwardingStore
 
 if TYPE_CHECKING:
     from ..http import SGLangDistributedServer
@@ -302,7 +303,7 @@ async def reclaim_dead_groups(
     return started
 
 
-class CancellableStore(dist.Store):
+class CancellableStore(ForwardingStore):
     """A store whose blocking waits (``get``, ``wait``) poll and end at :meth:`cancel`.
 
     The trainer's rendezvous of a weight-update group blocks in the backend's
@@ -317,8 +318,7 @@ class CancellableStore(dist.Store):
     """
 
     def __init__(self, store: dist.Store, timeout_s: float) -> None:
-        super().__init__()
-        self._store = store
+        super().__init__(store)
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._cancelled = threading.Event()
 
@@ -326,38 +326,13 @@ class CancellableStore(dist.Store):
         """End every wait now and from now on."""
         self._cancelled.set()
 
-    def set(self, key: str, value: str) -> None:
-        self._store.set(key, value)
-
-    def get(self, key: str) -> bytes:
-        self._wait([key])
-        return self._store.get(key)
-
-    def add(self, key: str, value: int) -> int:
-        return self._store.add(key, value)
-
-    def check(self, keys: list[str]) -> bool:
-        return self._store.check(keys)
-
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        return self._store.compare_set(key, expected, desired)
-
-    def delete_key(self, key: str) -> bool:
-        return self._store.delete_key(key)
-
-    def num_keys(self) -> int:
-        return self._store.num_keys()
-
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self._timeout = timeout
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        self._wait(keys, timeout)
-
-    def _wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         limit = (timeout or self._timeout).total_seconds()
         waited = 0.0
-        while not self._store.check(keys):
+        while not self._inner.check(keys):
             if self._cancelled.wait(_POLL_S):
                 raise TransportError("the rendezvous was cancelled (a server refused the group)")
             waited += _POLL_S
