@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from aiosync._model_shapes import MODEL_CONFIGS
+from aiosync.engines.sglang.contract_server import stop_server
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 300.0
@@ -42,12 +43,7 @@ def tiny_server(tmp_path: Path) -> Iterator[str]:
             time.sleep(0.1)
         yield f"http://127.0.0.1:{int(port_file.read_text())}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc, timeout_s=30)
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ import anyio
 import torch
 
 from aiosync import SamplingParams
+from aiosync.engines.sglang.contract_server import stop_server
 
 from .trainers import DTYPE, ENGINE_SEED, LORA_DTYPE, _bits, _tiny_config
 
@@ -311,12 +312,7 @@ def _test_server(
                 time.sleep(0.1)
             yield f"http://127.0.0.1:{int(port_file.read_text())}", proc
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_server(proc, timeout_s=30)
 
 
 class FleetKitEngine(KitEngine):
